@@ -1,0 +1,27 @@
+"""The tensors a head trains on: target features for a batch of formatted chat sequences.
+
+The trainer only sees these (STYLE.md 9): they come from the target inside the training step
+(online) or from shards captured ahead (`drafthead data capture`); trainer tests use random ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class FeatureBatch:
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long, 1 = real token, 0 = right padding
+    loss_mask: torch.Tensor  # [B, T] bool, True where input_ids[t] is an assistant token (a label)
+    # Target hidden states by `output_hidden_states` index (0 = embeddings, L = final normed): [B, T, H]
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def to(self, device) -> "FeatureBatch":
+        return FeatureBatch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.loss_mask.to(device),
+            {k: v.to(device) for k, v in self.hidden_states.items()},
+        )

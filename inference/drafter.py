@@ -1,0 +1,92 @@
+"""The one interface every proposer implements (STYLE.md 3).
+
+The decode loop keeps the target's KV cache holding every committed token except the last one,
+the *pending* token (REFERENCE.md s.2, seeds s.12): its K/V is computed as the root of the next
+verified tree. A drafter sees the same sequence:
+
+    drafter.begin(tokens, features, pending)      after prefill of prompt[:-1]; pending = prompt[-1]
+    tree = drafter.propose()                      a DraftTree rooted at the pending token
+    drafter.commit(tokens, features, pending, stats)  after verification: tokens = root + accepted
+                                                  draft nodes (now in the target cache), pending =
+                                                  the correction/bonus token.
+
+`features` are the target hidden states at `tokens` (only when the drafter asks for them through
+`feature_layers`), so heads such as Medusa/EAGLE never run the target themselves.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .tree import DraftTree
+
+
+@dataclass
+class TargetFeatures:
+    """Target hidden states at committed positions.
+
+    hidden_states[i]: [B, n, H], the output of `transformers`' `output_hidden_states` index
+    `feature_layers[i]` (0 = embeddings, L = final layer after the last block and before the
+    final norm for most families; `last` is the final normed state the LM head reads).
+    """
+
+    layers: tuple[int, ...]
+    hidden_states: tuple[torch.Tensor, ...]
+    last: torch.Tensor | None = None  # [B, n, H] final normed hidden state (input of lm_head)
+
+
+@dataclass
+class RoundStats:
+    """What one verification round did, for drafters that adapt (dynamic lookahead)."""
+
+    num_drafted: int  # draft nodes in the tree (root excluded)
+    num_accepted: int  # draft tokens accepted (the target's own token excluded)
+    depth: int  # deepest node of the tree
+    accepted_depths: list[int] = field(default_factory=list)  # depth of each accepted node
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A proposer of draft trees. The verifier never asks which kind it has."""
+
+    # Which target hidden states the drafter needs (indices into output_hidden_states); empty: none.
+    feature_layers: tuple[int, ...]
+    # Whether it needs the final normed hidden state (what the LM head reads), e.g. Medusa.
+    needs_last_hidden: bool
+
+    def begin(self, tokens: torch.Tensor, features: TargetFeatures | None, pending: torch.Tensor) -> None:
+        """Start a sequence. tokens: [B, P-1] committed prompt; pending: [B] last prompt token."""
+
+    def propose(self) -> DraftTree:
+        """Draft a tree whose root (node 0) is the pending token."""
+
+    def commit(
+        self,
+        tokens: torch.Tensor,
+        features: TargetFeatures | None,
+        pending: torch.Tensor,
+        stats: RoundStats,
+    ) -> None:
+        """Advance past a verified round. tokens: [B, 1 + accepted] (old pending + accepted drafts)."""
+
+
+class DrafterBase:
+    """Defaults for drafters that need no target features and keep only a token history."""
+
+    feature_layers: tuple[int, ...] = ()
+    needs_last_hidden: bool = False
+
+    def __init__(self) -> None:
+        self.history: torch.Tensor | None = None  # [B, L] committed tokens + pending
+
+    def begin(self, tokens, features, pending) -> None:
+        self.history = torch.cat([tokens, pending[:, None]], dim=1)
+
+    def commit(self, tokens, features, pending, stats) -> None:
+        # history ends with the old pending token, which is tokens[:, 0]
+        self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
+
+    def propose(self) -> DraftTree:  # pragma: no cover - abstract
+        raise NotImplementedError

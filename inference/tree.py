@@ -1,0 +1,236 @@
+"""Token trees and the pure functions that verify them in one target forward (REFERENCE.md s.2).
+
+Node 0 is the root: the pending token, whose K/V is not yet in the target cache. Nodes are in
+topological order (`parents[i] < i`), so a single forward pass over `tokens` with the tree mask
+gives, at node i, the target's distribution for the token after the path root..i.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    """A draft tree for a batch of sequences sharing one shape.
+
+    tokens:      [B, N] long, tokens[:, 0] is the pending root token.
+    parents:     [N] long, parents[0] == -1, 0 <= parents[i] < i.
+    draft_probs: [B, N, V] or None. Row i is the draft distribution q at node i from which its
+                 children were sampled (without replacement). None: children were chosen
+                 deterministically (top-k, lookup), and acceptance treats q as a point mass.
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 2:
+            raise ValueError(f"DraftTree.tokens must be [B, N], got {tuple(self.tokens.shape)}")
+        n = self.tokens.shape[1]
+        if self.parents.shape != (n,):
+            raise ValueError(f"DraftTree.parents must be [{n}], got {tuple(self.parents.shape)}")
+        if n == 0 or int(self.parents[0]) != -1:
+            raise ValueError("node 0 must be the root (parents[0] == -1)")
+        if n > 1:
+            idx = torch.arange(1, n, device=self.parents.device)
+            rest = self.parents[1:]
+            if bool(((rest < 0) | (rest >= idx)).any()):
+                raise ValueError("parents must be topological: 0 <= parents[i] < i")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    @property
+    def num_draft(self) -> int:
+        return self.tokens.shape[1] - 1
+
+    def subtree(self, keep: torch.Tensor) -> "DraftTree":
+        """Keep the nodes in `keep` ([M] long, sorted, containing 0 and closed under ancestors)."""
+        parents = reindex_parents(self.parents, keep)
+        probs = None if self.draft_probs is None else self.draft_probs[:, keep]
+        return DraftTree(self.tokens[:, keep], parents, probs)
+
+
+def chain_parents(n_draft: int, device=None) -> torch.Tensor:
+    """Parents of a chain root -> d1 -> ... -> d_n: [-1, 0, 1, ..., n-1]."""
+    return torch.arange(-1, n_draft, device=device)
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """Depth of each node, root = 0. [N] long."""
+    depths = torch.zeros_like(parents)
+    p = parents.tolist()
+    d = depths.tolist()
+    for i in range(1, len(p)):
+        d[i] = d[p[i]] + 1
+    return torch.tensor(d, dtype=torch.long, device=parents.device)
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[N, N] bool: mask[i, j] is True iff j is i or an ancestor of i."""
+    n = parents.shape[0]
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    p = parents.tolist()
+    for i in range(1, n):
+        mask[i] |= mask[p[i]]  # rows of ancestors are final already: parents[i] < i
+    return mask
+
+
+def tree_position_ids(parents: torch.Tensor, past_len: int, batch: int = 1) -> torch.Tensor:
+    """[B, N] positions: past_len + depth (the root sits right after the cached prefix)."""
+    return (node_depths(parents) + past_len).unsqueeze(0).expand(batch, -1)
+
+
+def tree_attention_mask(
+    parents: torch.Tensor,
+    past_len: int,
+    dtype: torch.dtype,
+    batch: int = 1,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Additive 4-D mask [B, 1, N, past_len + N]: 0 where a node may attend, dtype-min elsewhere.
+
+    Each node sees the whole cached prefix, its ancestors and itself. With `sliding_window` w,
+    a query at absolute position t sees keys at positions > t - w (the usual local-attention rule).
+    """
+    anc = ancestor_mask(parents)  # [N, N]
+    n = parents.shape[0]
+    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool, device=parents.device), anc], dim=1)
+    if sliding_window is not None:
+        q_pos = node_depths(parents) + past_len  # [N]
+        k_pos = torch.cat([torch.arange(past_len, device=parents.device), q_pos])  # [past + N]
+        allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
+    mask = torch.zeros(n, past_len + n, dtype=dtype, device=parents.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None].expand(batch, 1, n, past_len + n)
+
+
+def retrieve_indices(parents: torch.Tensor) -> torch.Tensor:
+    """[num_leaves, max_depth + 1] long: each row the node indices of one root-to-leaf path,
+    root first, padded with -1 (Medusa's `retrieve_indices`)."""
+    n = parents.shape[0]
+    p = parents.tolist()
+    has_child = [False] * n
+    for i in range(1, n):
+        has_child[p[i]] = True
+    paths = []
+    for leaf in range(n):
+        if has_child[leaf]:
+            continue
+        path = [leaf]
+        while p[path[-1]] >= 0:
+            path.append(p[path[-1]])
+        paths.append(path[::-1])
+    width = max(len(x) for x in paths)
+    out = torch.full((len(paths), width), -1, dtype=torch.long)
+    for r, path in enumerate(paths):
+        out[r, : len(path)] = torch.tensor(path)
+    return out.to(parents.device)
+
+
+def path_to(parents: torch.Tensor, node: int) -> list[int]:
+    """Node indices from the root to `node`, inclusive."""
+    p = parents.tolist()
+    path = [node]
+    while p[path[-1]] >= 0:
+        path.append(p[path[-1]])
+    return path[::-1]
+
+
+def reindex_parents(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Parents of the sub-tree made of nodes `keep` (sorted, closed under ancestors), renumbered."""
+    new_index = torch.full_like(parents, -1)
+    new_index[keep] = torch.arange(keep.numel(), device=parents.device)
+    old_parents = parents[keep]
+    out = torch.where(old_parents >= 0, new_index[old_parents.clamp(min=0)], old_parents)
+    if bool((out[1:] < 0).any()):
+        raise ValueError("kept nodes are not closed under ancestors")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Static trees (Medusa "choices")
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StaticTree:
+    """A tree shape from Medusa-style choices.
+
+    parents: [N] with the root at 0. For node i > 0: `head[i]` is the draft step (0 = the first
+    token after the root) and `rank[i]` which of that step's top-k candidates fills it.
+    """
+
+    parents: torch.Tensor
+    head: torch.Tensor
+    rank: torch.Tensor
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.rank.max()) + 1 if self.rank.numel() > 1 else 1
+
+    @property
+    def depth(self) -> int:
+        return int(self.head.max()) + 1 if self.head.numel() > 1 else 0
+
+
+def tree_from_choices(choices: Sequence[Sequence[int]]) -> StaticTree:
+    """Build a static tree from choices: each choice is a path of per-step top-k ranks, e.g.
+    (0,) = top-1 at step 0, (0, 1) = its child holding step 1's 2nd candidate. Every prefix of
+    a choice must itself be a choice. Nodes are ordered by depth, then lexicographically."""
+    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda c: (len(c), c))
+    if any(len(c) == 0 for c in paths):
+        raise ValueError("empty choice: the root is implicit")
+    if any(r < 0 for c in paths for r in c):
+        raise ValueError("choices hold non-negative ranks")
+    index = {(): 0}
+    parents, head, rank = [-1], [-1], [-1]
+    for c in paths:
+        if c[:-1] not in index:
+            raise ValueError(f"choice {list(c)} has no parent choice {list(c[:-1])}")
+        index[c] = len(parents)
+        parents.append(index[c[:-1]])
+        head.append(len(c) - 1)
+        rank.append(c[-1])
+    return StaticTree(torch.tensor(parents), torch.tensor(head), torch.tensor(rank))
+
+
+def chain_choices(depth: int) -> list[tuple[int, ...]]:
+    """Choices of a chain of `depth` top-1 tokens."""
+    return [tuple([0] * d) for d in range(1, depth + 1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dynamic trees (EAGLE-2): keep the best nodes by cumulative draft log-probability
+# ---------------------------------------------------------------------------------------------
+
+
+def select_top_nodes(parents: torch.Tensor, scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """Keep the root plus the `total_tokens` best draft nodes by score (EAGLE-2 sec. 4.2, rerank).
+
+    parents: [N] candidate tree; scores: [N] cumulative log-probabilities (scores[0] ignored).
+    A cumulative log-probability never rises along a path, so the best nodes are closed under
+    ancestors; ties are broken towards shallower, then earlier nodes, which keeps that true.
+    Returns the kept node indices, sorted (a valid `DraftTree.subtree` argument).
+    """
+    n = parents.shape[0]
+    if n - 1 <= total_tokens:
+        return torch.arange(n, device=parents.device)
+    depth = node_depths(parents)
+    s = scores.tolist()
+    d = depth.tolist()
+    order = sorted(range(1, n), key=lambda i: (-s[i], d[i], i))[:total_tokens]
+    keep = sorted([0] + order)
+    kept = set(keep)
+    p = parents.tolist()
+    for i in keep[1:]:  # defensive closure: scores from a drafter may not be monotone
+        j = p[i]
+        while j > 0 and j not in kept:
+            kept.add(j)
+            j = p[j]
+    return torch.tensor(sorted(kept), dtype=torch.long, device=parents.device)
