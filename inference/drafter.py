@@ -45,6 +45,7 @@ class RoundStats:
     num_accepted: int  # draft tokens accepted (the target's own token excluded)
     depth: int  # deepest node of the tree
     accepted_depths: list[int] = field(default_factory=list)  # depth of each accepted node
+    path: list[int] = field(default_factory=list)  # accepted node indices, root (0) first
 
 
 @runtime_checkable

@@ -1,0 +1,77 @@
+"""The target KV cache lifecycle around a verified tree (STYLE.md 6).
+
+    new_cache()                        an empty transformers DynamicCache
+    (verification forward appends the N tree nodes after `past_len` committed positions)
+    keep_path(cache, past_len, path)   keep the accepted nodes' K/V, drop the rest
+
+so after every round the cache again holds one linear sequence.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+def new_cache() -> DynamicCache:
+    # No config: every layer is a plain full-length DynamicLayer, so cropping and gathering act the
+    # same on all layers; sliding windows are applied through the attention mask instead.
+    return DynamicCache()
+
+
+def cache_kwargs(model, cache) -> dict:
+    """`{name: cache}` for the model's forward: transformers renamed `past_key_values` to `cache`."""
+    name = _CACHE_ARG.get(type(model))
+    if name is None:
+        params = inspect.signature(type(model).forward).parameters
+        name = _CACHE_ARG[type(model)] = "cache" if "cache" in params else "past_key_values"
+    return {name: cache}
+
+
+_CACHE_ARG: dict[type, str] = {}
+
+
+def cache_length(cache: DynamicCache) -> int:
+    return cache.get_seq_length()
+
+
+def _layers(cache: DynamicCache):
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise NotImplementedError(f"unsupported cache type {type(cache).__name__}: expected a layered DynamicCache")
+    return layers
+
+
+def keep_path(cache: DynamicCache, past_len: int, path: list[int] | torch.Tensor) -> None:
+    """Keep positions [0, past_len) and the tree nodes `path` (indices into the N appended nodes,
+    in order), dropping the other tree nodes, in every layer. In place.
+
+    K/V per layer: [B, kv_heads, past_len + N, d] -> [B, kv_heads, past_len + len(path), d].
+    """
+    for layer in _layers(cache):
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        index = torch.as_tensor(path, dtype=torch.long, device=layer.keys.device) + past_len
+        # The accepted path of a chain is a prefix: a slice avoids the gather's copy.
+        if _is_contiguous_run(path):
+            end = past_len + len(path)
+            layer.keys = layer.keys[:, :, :end]
+            layer.values = layer.values[:, :, :end]
+        else:
+            keep = torch.cat([torch.arange(past_len, device=index.device), index])
+            layer.keys = layer.keys.index_select(2, keep)
+            layer.values = layer.values.index_select(2, keep)
+
+
+def crop(cache: DynamicCache, length: int) -> None:
+    """Drop every position at or after `length`."""
+    for layer in _layers(cache):
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0:
+            layer.keys = layer.keys[:, :, :length]
+            layer.values = layer.values[:, :, :length]
+
+
+def _is_contiguous_run(path) -> bool:
+    values = path.tolist() if isinstance(path, torch.Tensor) else list(path)
+    return values == list(range(len(values)))

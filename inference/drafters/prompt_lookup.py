@@ -1,0 +1,75 @@
+"""Prompt lookup (n-gram) drafting: continue the sequence the way it continued before.
+
+Like transformers' `prompt_lookup_num_tokens`, but the continuations of several earlier matches
+are merged into one token tree (a trie), so the verifier can accept whichever one the target
+follows. Needs no training and no model.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..drafter import DrafterBase
+from ..tree import DraftTree
+
+
+def find_continuations(history: list[int], max_ngram: int, min_ngram: int, num_draft: int, max_matches: int) -> list[list[int]]:
+    """Continuations that followed earlier occurrences of the longest suffix n-gram of `history`
+    (n from max_ngram down to min_ngram), most recent match first, at most `max_matches`."""
+    length = len(history)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = history[length - n:]
+        found: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        # scan right to left: recent text predicts best; the suffix itself sits at length - n
+        for start in range(length - n - 1, -1, -1):
+            if history[start:start + n] == suffix:
+                cont = history[start + n:start + n + num_draft]
+                key = tuple(cont)
+                if cont and key not in seen:
+                    seen.add(key)
+                    found.append(cont)
+                    if len(found) >= max_matches:
+                        break
+        if found:
+            return found
+    return []
+
+
+def trie_tree(root: int, branches: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+    """Merge token sequences into a trie under `root`, breadth-first, at most max_nodes drafts.
+    Returns (tokens, parents) with node 0 = root, in topological (BFS) order."""
+    tokens, parents = [root], [-1]
+    child_of: dict[tuple[int, int], int] = {}
+    frontier = [(0, b) for b in branches]  # (node the branch hangs under, remaining tokens)
+    while frontier and len(tokens) - 1 < max_nodes:
+        next_frontier = []
+        for node, rest in frontier:
+            if not rest or len(tokens) - 1 >= max_nodes:
+                continue
+            key = (node, rest[0])
+            if key not in child_of:
+                child_of[key] = len(tokens)
+                tokens.append(rest[0])
+                parents.append(node)
+            next_frontier.append((child_of[key], rest[1:]))
+        frontier = next_frontier
+    return tokens, parents
+
+
+class PromptLookupDrafter(DrafterBase):
+    def __init__(self, num_draft: int = 10, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4, max_nodes: int | None = None):
+        super().__init__()
+        if num_draft < 1 or min_ngram < 1 or max_ngram < min_ngram:
+            raise ValueError("need num_draft >= 1 and 1 <= min_ngram <= max_ngram")
+        self.num_draft = num_draft
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.max_matches = max_matches
+        self.max_nodes = max_nodes or num_draft * 2
+
+    def propose(self) -> DraftTree:
+        history = self.history[0].tolist()
+        branches = find_continuations(history, self.max_ngram, self.min_ngram, self.num_draft, self.max_matches)
+        tokens, parents = trie_tree(history[-1], branches, self.max_nodes)
+        device = self.history.device
+        return DraftTree(torch.tensor([tokens], device=device), torch.tensor(parents, device=device))

@@ -1,0 +1,100 @@
+"""One target forward over a whole draft tree (REFERENCE.md s.2).
+
+The target is an unmodified transformers causal LM; the tree goes in through `position_ids`
+(prefix length + depth) and a 4-D additive attention mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .cache import cache_kwargs
+from .drafter import TargetFeatures
+from .tree import tree_attention_mask, tree_position_ids
+
+
+class TreeMaskUnsupported(NotImplementedError):
+    """The target's architecture cannot take a custom 4-D tree mask."""
+
+
+_MASK_ATTN = ("sdpa", "eager")
+
+
+def check_tree_mask_support(config) -> None:
+    """Raise TreeMaskUnsupported for attention kernels that ignore custom 4-D masks."""
+    impl = getattr(config, "_attn_implementation", None) or "eager"
+    if impl not in _MASK_ATTN:
+        raise TreeMaskUnsupported(
+            f"attention implementation {impl!r} cannot take a tree mask; load the target with "
+            f"attn_implementation='sdpa' or 'eager'"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise TreeMaskUnsupported(f"{config.model_type}: encoder-decoder targets are not supported")
+
+
+def _layer_types(config) -> list[str] | None:
+    types = getattr(config, "layer_types", None)
+    return list(types) if types else None
+
+
+def _sliding_window(config) -> int | None:
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None) or None
+
+
+def attention_masks(config, parents: torch.Tensor, past_len: int, dtype: torch.dtype, batch: int):
+    """The tree mask in the form the target's family takes: one [B, 1, N, past+N] tensor, or a
+    {layer type: mask} dict where full and sliding-window layers are mixed (Gemma-3, Qwen2 with
+    `layer_types`). Masks are our own, so sliding windows are applied here, not by transformers."""
+    window = _sliding_window(config)
+    types = _layer_types(config)
+    full = tree_attention_mask(parents, past_len, dtype, batch)
+    if types is None:
+        # no per-layer types: a configured window applies to every layer (Mistral-style)
+        return full if window is None else tree_attention_mask(parents, past_len, dtype, batch, sliding_window=window)
+    kinds = set(types)
+    sliding = None
+    if "sliding_attention" in kinds and window is not None:
+        sliding = tree_attention_mask(parents, past_len, dtype, batch, sliding_window=window)
+    if kinds <= {"full_attention"} or sliding is None:
+        return full
+    if kinds == {"sliding_attention"}:
+        return sliding
+    return {"full_attention": full, "sliding_attention": sliding}
+
+
+@dataclass
+class Verification:
+    logits: torch.Tensor  # [B, N, V] target logits at every node
+    hidden_states: tuple[torch.Tensor, ...] | None  # per output_hidden_states index, [B, N, H]
+
+
+def forward_tree(target, cache, tokens: torch.Tensor, parents: torch.Tensor, past_len: int, want_hidden: bool) -> Verification:
+    """Run the target over the tree nodes `tokens` [B, N] after `past_len` cached positions.
+    Appends the N nodes' K/V to `cache` (the caller keeps only the accepted path)."""
+    batch = tokens.shape[0]
+    dtype = next(target.parameters()).dtype
+    mask = attention_masks(target.config, parents.to(tokens.device), past_len, dtype, batch)
+    out = target(
+        input_ids=tokens,
+        attention_mask=mask,
+        position_ids=tree_position_ids(parents.to(tokens.device), past_len, batch),
+        **cache_kwargs(target, cache),
+        use_cache=True,
+        output_hidden_states=want_hidden,
+    )
+    return Verification(out.logits, out.hidden_states if want_hidden else None)
+
+
+def select_features(hidden_states, layers: tuple[int, ...], need_last: bool, index=None) -> TargetFeatures | None:
+    """Pick the drafter's feature layers (and the final normed state) at node positions `index`."""
+    if hidden_states is None:
+        return None
+    pick = (lambda h: h) if index is None else (lambda h: h[:, index])
+    return TargetFeatures(
+        layers=layers,
+        hidden_states=tuple(pick(hidden_states[i]) for i in layers),
+        last=pick(hidden_states[-1]) if need_last else None,
+    )
