@@ -1,0 +1,63 @@
+"""Speculative sampling on a tiny model emits tokens distributed exactly as the target's: the
+first two tokens' empirical distribution is compared with the enumerated exact one by chi-square."""
+from collections import Counter
+
+import pytest
+import torch
+
+from drafthead.inference.drafters.draft_model import DraftModelDrafter
+from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+from drafthead.inference.generate import GenerationConfig, speculative_generate
+from drafthead.inference.sampling import SamplingConfig, logits_to_probs
+from tests.stats import chi_square_pvalue
+from tests.tiny import tiny_causal_lm
+
+ALPHA = 1e-3  # a correct sampler fails each case once in a thousand runs
+VOCAB = 8
+RUNS = 2500
+
+
+def exact_first_two(target, prompt, sampling):
+    """P(t1, t2) enumerated from the target's processed distributions."""
+    with torch.no_grad():
+        p1 = logits_to_probs(target(prompt).logits[0, -1], sampling)
+        seqs = torch.cat([prompt.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2 = logits_to_probs(target(seqs).logits[:, -1], sampling)
+    return {(a, b): float(p1[a] * p2[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+
+
+CASES = {
+    "chain-temperature": (SamplingConfig(temperature=0.9), dict(num_draft=2)),
+    "tree-top-p": (SamplingConfig(temperature=1.0, top_p=0.85), dict(choices=[(0,), (1,), (2,), (0, 0), (1, 0)])),
+    "chain-top-k": (SamplingConfig(temperature=1.2, top_k=5), dict(num_draft=3)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_draft_model_sampling_is_exact(case):
+    sampling, shape = CASES[case]
+    target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)  # undo tiny_causal_lm's sharpening: spread the mass
+    draft = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=4)
+    prompt = torch.tensor([[3, 4, 5, 3, 4]])
+    counts = Counter()
+    drafter = DraftModelDrafter(draft, sampling=sampling, seed=0, **shape)
+    for run in range(RUNS):
+        out = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=2, sampling=sampling, seed=run))
+        counts[tuple(out.new_tokens[0].tolist())] += 1
+    assert chi_square_pvalue(counts, exact_first_two(target, prompt, sampling), RUNS) > ALPHA
+
+
+def test_deterministic_lookup_tree_sampling_is_exact():
+    sampling = SamplingConfig(temperature=0.8)
+    target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])  # "3 4" was followed by 5 and by 7
+    counts = Counter()
+    for run in range(RUNS):
+        out = speculative_generate(target, PromptLookupDrafter(num_draft=3), prompt,
+                                   GenerationConfig(max_new_tokens=2, sampling=sampling, seed=run))
+        counts[tuple(out.new_tokens[0].tolist())] += 1
+    assert chi_square_pvalue(counts, exact_first_two(target, prompt, sampling), RUNS) > ALPHA

@@ -1,0 +1,132 @@
+"""Pure tree functions against slow, obviously-right references and hand-made trees."""
+import pytest
+import torch
+
+from drafthead.inference.tree import (
+    DraftTree,
+    ancestor_mask,
+    chain_parents,
+    node_depths,
+    retrieve_indices,
+    select_top_nodes,
+    tree_attention_mask,
+    tree_from_choices,
+    tree_position_ids,
+)
+
+#        0
+#      /   \
+#     1     2
+#    / \     \
+#   3   4     5
+#   |
+#   6
+PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+
+
+def slow_is_ancestor(parents, i, j):
+    while i >= 0:
+        if i == j:
+            return True
+        i = int(parents[i])
+    return False
+
+
+def random_tree(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)])
+
+
+def test_depths_hand_made():
+    assert node_depths(PARENTS).tolist() == [0, 1, 1, 2, 2, 2, 3]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ancestor_mask_matches_slow_reference(seed):
+    parents = random_tree(17, seed)
+    mask = ancestor_mask(parents)
+    for i in range(17):
+        for j in range(17):
+            assert bool(mask[i, j]) == slow_is_ancestor(parents, i, j)
+
+
+def test_attention_mask_layout_and_values():
+    past = 3
+    mask = tree_attention_mask(PARENTS, past, torch.float32, batch=2)
+    assert mask.shape == (2, 1, 7, 10)
+    allowed = mask[0, 0] == 0
+    assert allowed[:, :past].all()  # every node sees the whole prefix
+    assert allowed[6, past:].tolist() == [True, True, False, True, False, False, True]  # 0,1,3,6
+    assert allowed[5, past:].tolist() == [True, False, True, False, False, True, False]  # 0,2,5
+    assert (mask[0, 0][~allowed] == torch.finfo(torch.float32).min).all()
+
+
+def test_sliding_window_mask_hides_far_prefix():
+    # node 6 sits at position past + 3 = 13; window 4 keeps keys at positions 10..13
+    mask = tree_attention_mask(PARENTS, 10, torch.float32, sliding_window=4)[0, 0] == 0
+    visible_prefix = mask[6, :10].nonzero().flatten().tolist()
+    assert visible_prefix == []  # positions 10 (node 0), 11 (node 1), 12 (node 3) are tree nodes
+    assert mask[6, 10:].tolist() == [True, True, False, True, False, False, True]
+    mask0 = tree_attention_mask(PARENTS, 10, torch.float32, sliding_window=4)[0, 0] == 0
+    assert mask0[0, :10].nonzero().flatten().tolist() == [7, 8, 9]  # root at 10 sees 7, 8, 9
+
+
+def test_position_ids_are_prefix_plus_depth():
+    assert tree_position_ids(PARENTS, 5).tolist() == [[5, 6, 6, 7, 7, 7, 8]]
+
+
+def test_retrieve_indices_hand_made():
+    rows = {tuple(r) for r in retrieve_indices(PARENTS).tolist()}
+    assert rows == {(0, 1, 3, 6), (0, 1, 4, -1), (0, 2, 5, -1)}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_retrieve_indices_cover_every_leaf_path(seed):
+    parents = random_tree(20, seed)
+    rows = retrieve_indices(parents)
+    anc = ancestor_mask(parents)
+    for row in rows.tolist():
+        path = [x for x in row if x >= 0]
+        assert path[0] == 0
+        for a, b in zip(path, path[1:]):
+            assert int(parents[b]) == a
+        assert anc[path[-1]].sum() == len(path)
+
+
+def test_tree_from_choices_medusa_style():
+    tree = tree_from_choices([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert tree.parents.tolist() == [-1, 0, 0, 1, 1, 2, 3]
+    assert tree.head.tolist() == [-1, 0, 0, 1, 1, 1, 2]
+    assert tree.rank.tolist() == [-1, 0, 1, 0, 1, 0, 0]
+
+
+def test_tree_from_choices_rejects_orphans():
+    with pytest.raises(ValueError, match="no parent"):
+        tree_from_choices([(0,), (1, 0)])
+
+
+def test_draft_tree_validates_topology():
+    with pytest.raises(ValueError):
+        DraftTree(torch.zeros(1, 3, dtype=torch.long), torch.tensor([-1, 2, 0]))
+    with pytest.raises(ValueError):
+        DraftTree(torch.zeros(1, 3, dtype=torch.long), torch.tensor([0, 0, 1]))
+
+
+def test_subtree_renumbers_parents():
+    tree = DraftTree(torch.arange(7)[None], PARENTS)
+    sub = tree.subtree(torch.tensor([0, 2, 5]))
+    assert sub.parents.tolist() == [-1, 0, 1]
+    assert sub.tokens.tolist() == [[0, 2, 5]]
+
+
+def test_select_top_nodes_keeps_best_and_ancestors():
+    # cumulative log-probs fall along paths
+    scores = torch.tensor([0.0, -0.1, -2.0, -0.3, -0.2, -2.5, -0.4])
+    keep = select_top_nodes(PARENTS, scores, total_tokens=3)
+    assert keep.tolist() == [0, 1, 3, 4]
+    keep = select_top_nodes(PARENTS, scores, total_tokens=10)
+    assert keep.tolist() == list(range(7))
+
+
+def test_chain_parents():
+    assert chain_parents(3).tolist() == [-1, 0, 1, 2]
