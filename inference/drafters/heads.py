@@ -1,0 +1,211 @@
+"""Drafters that run trained heads: Medusa (static tree) and EAGLE-1/3 (dynamic EAGLE-2 tree).
+
+Both read the target's hidden states from the verification forward (`TargetFeatures`), so they
+never run the target themselves.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ...heads.registry import load_head
+from ..cache import crop
+from ..drafter import RoundStats, TargetFeatures
+from ..tree import DraftTree, select_top_nodes, tree_attention_mask, tree_from_choices
+
+
+# ---------------------------------------------------------------------------------------------
+# Static tree shapes
+# ---------------------------------------------------------------------------------------------
+
+
+def best_static_tree(rank_accuracy: torch.Tensor, num_nodes: int) -> list[tuple[int, ...]]:
+    """The `num_nodes` choices with the highest expected acceptance (Medusa's tree search).
+
+    rank_accuracy: [K, R], the chance that step k's rank-r candidate is the target's token. A
+    node's value is the product along its path; best-first expansion keeps the tree closed under
+    parents because a child is never worth more than its parent.
+    """
+    K, R = rank_accuracy.shape
+    acc = rank_accuracy.tolist()
+    heap = [(-acc[0][r], (r,)) for r in range(R)]
+    heapq.heapify(heap)
+    chosen: list[tuple[int, ...]] = []
+    while heap and len(chosen) < num_nodes:
+        neg, path = heapq.heappop(heap)
+        chosen.append(path)
+        depth = len(path)
+        if depth < K:
+            for r in range(R):
+                heapq.heappush(heap, (neg * acc[depth][r], path + (r,)))
+    return chosen
+
+
+def default_rank_accuracy(num_steps: int, ranks: int = 4) -> torch.Tensor:
+    """A prior for heads without measured accuracies: step k top-1 ~ 0.6 * 0.8^k, rank r ~ 1/(r+2)."""
+    top1 = torch.tensor([0.6 * 0.8**k for k in range(num_steps)])
+    rank = torch.tensor([1.0] + [1.0 / (r + 2) for r in range(1, ranks)])
+    return top1[:, None] * rank[None, :]
+
+
+class MedusaDrafter:
+    """Medusa-1/2: head k on the last committed hidden state proposes the token k + 1 steps after
+    the pending one; a static tree of per-step top-k candidates (Cai et al. 2024, sec. 2.1.2)."""
+
+    feature_layers: tuple[int, ...] = ()
+    needs_last_hidden = True
+
+    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_nodes: int = 24):
+        self.head = head
+        if choices is None:
+            choices = best_static_tree(default_rank_accuracy(head.num_heads), num_nodes)
+        self.shape = tree_from_choices(choices)
+        if self.shape.depth > head.num_heads:
+            raise ValueError(f"tree depth {self.shape.depth} exceeds the {head.num_heads} Medusa heads")
+        self.last_hidden: torch.Tensor | None = None  # [B, H]
+        self.pending: torch.Tensor | None = None
+
+    def begin(self, tokens, features: TargetFeatures | None, pending) -> None:
+        self.last_hidden = None if features is None or features.last.shape[1] == 0 else features.last[:, -1]
+        self.pending = pending
+
+    def commit(self, tokens, features: TargetFeatures | None, pending, stats: RoundStats) -> None:
+        self.last_hidden = features.last[:, -1]
+        self.pending = pending
+
+    def propose(self) -> DraftTree:
+        root = self.pending[:, None]
+        if self.last_hidden is None:  # a one-token prompt: nothing to read yet
+            return DraftTree(root, torch.tensor([-1], device=root.device))
+        logits = self.head.draft_logits(self.last_hidden)  # [K, B, V]
+        top = torch.topk(logits, self.shape.max_rank, dim=-1).indices  # [K, B, R]
+        head, rank = self.shape.head[1:].to(top.device), self.shape.rank[1:].to(top.device)
+        drafts = top[head, :, rank].T  # [B, N-1]
+        return DraftTree(torch.cat([root, drafts], dim=1), self.shape.parents.to(root.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE: a one-layer draft model over (feature_t, token_{t+1}) pairs, with its own KV cache
+# ---------------------------------------------------------------------------------------------
+
+
+class EagleDrafter:
+    """EAGLE-1/EAGLE-3 drafting with EAGLE-2's dynamic tree (Li et al. 2024b, sec. 4).
+
+    The head's cache holds the pairs (target feature at t, token t+1) of committed positions.
+    Each round: feed the pairs the cache lacks, then grow the tree `depth` times, each time
+    expanding the `top_k` frontier nodes of best cumulative log-probability into their top-k
+    children (one head forward per depth, tree-masked), and finally keep the `total_tokens` best
+    nodes. The draft tree nodes are cropped from the cache before the next round.
+    """
+
+    needs_last_hidden = False
+
+    def __init__(self, head, total_tokens: int = 24, depth: int = 5, top_k: int = 6):
+        if min(total_tokens, depth, top_k) < 1:
+            raise ValueError("total_tokens, depth and top_k must be >= 1")
+        self.head = head
+        self.feature_layers = tuple(head.feature_layers)
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+        d2t = head.draft_to_target
+        self.draft_ids = None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def begin(self, tokens, features: TargetFeatures | None, pending) -> None:
+        self.cache = self.head.new_cache()
+        self.history = torch.cat([tokens, pending[:, None]], dim=1)  # [B, L] committed + pending
+        self.fed = 0  # pairs (t, t+1) in the head cache, t = 0..fed-1
+        self.unfed: list[torch.Tensor] = []  # fused features of committed positions not yet fed
+        self._take(features)
+
+    def commit(self, tokens, features: TargetFeatures | None, pending, stats: RoundStats) -> None:
+        crop(self.cache, self.fed)  # drop the draft-tree nodes: only committed pairs stay
+        self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
+        self._take(features)
+
+    def _take(self, features: TargetFeatures | None) -> None:
+        if features is not None and features.hidden_states[0].shape[1] > 0:
+            with torch.inference_mode():
+                self.unfed.append(self.head.fuse(list(features.hidden_states)))
+
+    # -- drafting ----------------------------------------------------------------------------
+
+    def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids if self.draft_ids is None else self.draft_ids[ids]
+
+    def propose(self) -> DraftTree:
+        device = self.history.device
+        L = self.history.shape[1]
+        root = self.history[:, -1:]
+        if not self.unfed:
+            return DraftTree(root, torch.tensor([-1], device=device))
+        # 1. catch up: pairs (f_t, x_{t+1}) for t = fed .. L-2, at position ids t
+        fused = torch.cat(self.unfed, dim=1)
+        self.unfed = []
+        tokens = self.history[:, self.fed + 1 : L]
+        positions = torch.arange(self.fed, L - 1, device=device)[None]
+        hidden, logits = self.head.step(fused, tokens, positions, self.cache, None)
+        self.fed = L - 1
+        # 2. grow the tree: candidates carry (token, parent, cumulative log-prob, hidden)
+        logp = torch.log_softmax(logits[0, -1].float(), dim=-1)
+        top = torch.topk(logp, self.top_k)
+        cand_tokens = [int(t) for t in self._to_target(top.indices)]
+        cand_parent = [0] * self.top_k
+        cand_score = top.values.tolist()
+        cand_hidden = [hidden[0, -1]] * self.top_k  # the parent's output feeds its children
+        cand_depth = [1] * self.top_k
+        frontier = list(range(self.top_k))  # candidate indices (node = index + 1)
+        fed_nodes: list[int] = []  # tree nodes whose K/V the head cache holds, in feeding order
+        for depth in range(1, self.depth):
+            # feed the frontier nodes: they sit at position (L - 2) + depth
+            nodes = [c + 1 for c in frontier]
+            n_fed = len(cand_tokens) + 1  # tree so far (root + candidates); mask rows for frontier
+            parents = torch.tensor([-1] + cand_parent, device=device)
+            mask = tree_attention_mask(parents[:n_fed], self.fed, self.head.dtype)
+            # keys: committed pairs + the tree nodes fed in earlier depths + this frontier
+            cols = torch.cat([torch.arange(self.fed, device=device), self.fed + torch.tensor(fed_nodes + nodes, device=device)])
+            rows = torch.tensor(nodes, device=device)
+            step_mask = mask[:, :, rows][:, :, :, cols]
+            h_in = torch.stack([cand_hidden[c] for c in frontier])[None]
+            tok_in = torch.tensor([[cand_tokens[c] for c in frontier]], device=device)
+            pos = torch.full((1, len(nodes)), L - 2 + depth, device=device)
+            h_out, lg = self.head.step(h_in, tok_in, pos, self.cache, step_mask)
+            fed_nodes += nodes
+            lp = torch.log_softmax(lg[0].float(), dim=-1)  # [F, Vd]
+            child = torch.topk(lp, self.top_k, dim=-1)  # [F, k]
+            scores = torch.tensor([cand_score[c] for c in frontier], device=device)[:, None] + child.values
+            best = torch.topk(scores.flatten(), self.top_k)  # EAGLE-2: next frontier = best k of k*k
+            ids = self._to_target(child.indices).tolist()
+            for f_row in range(len(frontier)):
+                for j in range(self.top_k):
+                    cand_tokens.append(ids[f_row][j])
+                    cand_parent.append(frontier[f_row] + 1)
+                    cand_score.append(float(scores[f_row, j]))
+                    cand_hidden.append(h_out[0, f_row])
+                    cand_depth.append(depth + 1)
+            base = len(cand_tokens) - len(frontier) * self.top_k
+            frontier = [base + int(i) for i in best.indices]
+        # 3. rerank: keep the total_tokens best candidates (closed under ancestors)
+        parents = torch.tensor([-1] + cand_parent)
+        scores = torch.tensor([0.0] + cand_score)
+        keep = select_top_nodes(parents, scores, self.total_tokens)
+        tree = DraftTree(torch.tensor([[int(root[0, 0])] + cand_tokens], device=device), parents.to(device))
+        return tree.subtree(keep.to(device))
+
+
+def load_head_drafter(path, target_model, tokenizer, target_name: str | None = None, **options):
+    """Load a head folder for `target_model` and wrap it in the matching drafter.
+
+    Returns (drafter, target): a Medusa-2 head carries a LoRA adapter merged into the target,
+    and that adapted target is the one whose output the speculative path reproduces.
+    """
+    head, target = load_head(Path(path), target_model, tokenizer, target_name=target_name)
+    head.eval()
+    if head.kind in ("medusa1", "medusa2"):
+        return MedusaDrafter(head, **options), target
+    return EagleDrafter(head, **options), target
