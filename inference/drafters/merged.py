@@ -1,0 +1,100 @@
+"""Several drafters in one tree: their trees are merged into a trie under the shared root.
+
+Typical use: a trained head plus prompt lookup, which wins on text that repeats the prompt or
+itself (code, lists, quotes) where a head is unsure. The verifier still sees one DraftTree, so
+exactness is unchanged; only deterministic trees (no draft_probs) can be merged.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..drafter import RoundStats, TargetFeatures
+from ..tree import DraftTree, node_depths
+
+
+def merge_trees(trees: list[DraftTree], budgets: list[int | None]) -> tuple[DraftTree, list[list[int]]]:
+    """Union of trees sharing a root token, as a trie in topological order.
+
+    budgets[i]: at most that many nodes *new to the merged tree* come from tree i (None: all),
+    taken shallowest first. Returns the merged tree and, per input tree, the merged index of each
+    of its nodes (-1 where a node was left out by its budget).
+    """
+    root = int(trees[0].tokens[0, 0])
+    tokens, parents = [root], [-1]
+    child: dict[tuple[int, int], int] = {}
+    maps: list[list[int]] = []
+    for tree, budget in zip(trees, budgets):
+        if tree.draft_probs is not None:
+            raise ValueError("sampled trees (with draft_probs) cannot be merged")
+        if int(tree.tokens[0, 0]) != root:
+            raise ValueError("trees to merge must share the root token")
+        t, p = tree.tokens[0].tolist(), tree.parents.tolist()
+        depth = node_depths(tree.parents).tolist()
+        order = sorted(range(1, len(t)), key=lambda i: (depth[i], i))
+        mapping = [0] + [-1] * (len(t) - 1)
+        added = 0
+        for i in order:
+            parent = mapping[p[i]]
+            if parent < 0:
+                continue
+            key = (parent, t[i])
+            if key not in child:
+                if budget is not None and added >= budget:
+                    continue
+                child[key] = len(tokens)
+                tokens.append(t[i])
+                parents.append(parent)
+                added += 1
+            mapping[i] = child[key]
+        maps.append(mapping)
+    # appending keeps parents before children, since a node is added after its mapped parent
+    device = trees[0].tokens.device
+    return DraftTree(torch.tensor([tokens], device=device), torch.tensor(parents, device=device)), maps
+
+
+class MergedDrafter:
+    """Drafts with every sub-drafter and verifies the union. The first is the primary: its whole
+    tree goes in; each later one adds at most `extra_nodes` new nodes."""
+
+    def __init__(self, drafters: list, extra_nodes: int = 8):
+        if len(drafters) < 2:
+            raise ValueError("MergedDrafter needs at least two drafters")
+        self.drafters = drafters
+        self.extra_nodes = extra_nodes
+        layers: list[int] = []
+        for d in drafters:
+            layers += [i for i in d.feature_layers if i not in layers]
+        self.feature_layers = tuple(layers)
+        self.needs_last_hidden = any(d.needs_last_hidden for d in drafters)
+        self.maps: list[list[int]] = []
+
+    def _features_for(self, drafter, features: TargetFeatures | None) -> TargetFeatures | None:
+        if features is None or not (drafter.feature_layers or drafter.needs_last_hidden):
+            return None
+        by_layer = dict(zip(features.layers, features.hidden_states))
+        return TargetFeatures(
+            layers=tuple(drafter.feature_layers),
+            hidden_states=tuple(by_layer[i] for i in drafter.feature_layers),
+            last=features.last if drafter.needs_last_hidden else None,
+        )
+
+    def begin(self, tokens, features, pending) -> None:
+        for d in self.drafters:
+            d.begin(tokens, self._features_for(d, features), pending)
+
+    def propose(self) -> DraftTree:
+        trees = [d.propose() for d in self.drafters]
+        budgets = [None] + [self.extra_nodes] * (len(trees) - 1)
+        merged, self.maps = merge_trees(trees, budgets)
+        return merged
+
+    def commit(self, tokens, features, pending, stats: RoundStats) -> None:
+        for d, mapping in zip(self.drafters, self.maps):
+            back = {m: i for i, m in enumerate(mapping) if m >= 0}
+            own_path = []
+            for node in stats.path:  # the accepted path as far as this drafter's tree has it
+                if node not in back:
+                    break
+                own_path.append(back[node])
+            own = RoundStats(stats.num_drafted, stats.num_accepted, stats.depth, stats.accepted_depths, own_path)
+            d.commit(tokens, self._features_for(d, features), pending, own)
