@@ -1,0 +1,218 @@
+"""Small typed configs, one per head family (STYLE.md 5). Unknown keys are errors.
+
+Feature indices everywhere are indices into the target's `output_hidden_states` (transformers
+convention, checked on transformers 5.24 Llama/Qwen2): 0 = token embeddings, i = output of
+decoder block i (= input of block i + 1), L = the *final normed* state, the LM head's input
+(`lm_head(hidden_states[L]) == logits`). vLLM's `eagle_aux_hidden_state_layer_ids` are the
+decoder layers whose *input* is taken, which is the same number (see heads/export.py).
+
+Every config records the `TargetIdentity` it was made for; the target's sizes are read from it
+rather than repeated (STYLE.md 12).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+from .identity import TargetIdentity
+
+KINDS = ("medusa1", "medusa2", "eagle1", "eagle3")
+
+
+def _from_dict(cls, d: dict):
+    d = dict(d)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    if d.get("target") is not None and not isinstance(d["target"], TargetIdentity):
+        d["target"] = TargetIdentity.from_dict(d["target"])
+    for f in dataclasses.fields(cls):  # JSON gives lists where the dataclass holds tuples
+        if f.name in d and isinstance(d[f.name], list):
+            d[f.name] = tuple(d[f.name])
+    return cls(**d)
+
+
+class _HeadConfig:
+    """Shared behaviour. Subclasses are dataclasses with `kind` and `target` fields."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return _from_dict(cls, d)
+
+    def to_dict(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, TargetIdentity):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = list(v)
+            out[f.name] = v
+        return out
+
+    def _check_kind(self) -> None:
+        if self.kind not in self.KINDS:
+            raise ValueError(f"{type(self).__name__}.kind must be one of {self.KINDS}, got {self.kind!r}")
+
+    def _need_target(self) -> TargetIdentity:
+        if self.target is None:
+            raise ValueError(f"{type(self).__name__} has no target identity; make it with "
+                             "heads.registry.make_config(kind, target_model, tokenizer)")
+        return self.target
+
+    @property
+    def hidden_size(self) -> int:
+        return self._need_target().hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self._need_target().vocab_size
+
+    @property
+    def final_layer(self) -> int:
+        """Index of the final normed hidden state (the LM head's input) in output_hidden_states."""
+        return self._need_target().num_layers
+
+    @property
+    def train_hidden_layers(self) -> tuple[int, ...]:
+        """Every output_hidden_states index `compute_loss` reads from a FeatureBatch: the features,
+        plus L, which every kind needs (Medusa/EAGLE-1 features, EAGLE-3 soft targets)."""
+        return tuple(sorted(set(self.feature_layers) | {self.final_layer}))
+
+
+@dataclass
+class MedusaConfig(_HeadConfig):
+    """Medusa heads (Cai et al. 2024): head k = `num_layers` residual SiLU blocks + an LM head.
+
+    medusa1: frozen target, heads only. medusa2: the trainer also fine-tunes the target with LoRA;
+    the adapter is saved in `HEAD_DIR/adapter/` and merged into the target on load.
+    """
+
+    KINDS: ClassVar[tuple[str, ...]] = ("medusa1", "medusa2")
+
+    kind: str = "medusa1"
+    num_heads: int = 4
+    num_layers: int = 1  # residual blocks per head
+    # False: each head owns a trainable copy of the target LM head (Medusa's own init).
+    # True: every head reads through the target's frozen LM head (not saved; far fewer parameters).
+    share_lm_head: bool = False
+    loss_decay: float = 0.8  # loss = sum_k loss_decay**k * CE_k (Medusa-2's lambda_k = 0.8**k)
+    target: TargetIdentity | None = None
+
+    def __post_init__(self) -> None:
+        self._check_kind()
+        if self.num_heads < 1 or self.num_layers < 1:
+            raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
+        if not self.loss_decay > 0:
+            raise ValueError(f"loss_decay must be > 0, got {self.loss_decay}")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return (self.final_layer,)  # the final normed hidden state
+
+    needs_last_hidden: ClassVar[bool] = True  # draft_logits reads the final normed hidden state
+
+
+@dataclass
+class Eagle1Config(_HeadConfig):
+    """EAGLE-1 (Li et al. 2024): fc(cat(embed(token_{t+1}), feature_t)) -> one decoder layer.
+
+    The feature is the final normed hidden state (index L); the layer's output is both the predicted
+    next feature (SmoothL1) and, through the target's frozen LM head, the next-token logits.
+    As in EAGLE's cnets.py and vLLM's llama_eagle.py, the decoder layer's input_layernorm is dropped
+    (Identity) unless `input_layernorm` is True.
+    """
+
+    KINDS: ClassVar[tuple[str, ...]] = ("eagle1",)
+
+    kind: str = "eagle1"
+    feature_weight: float = 1.0  # SmoothL1 on the next feature
+    ce_weight: float = 0.1  # token CE (EAGLE sec. 4)
+    # False: CE against the next data token input_ids[t+2]; True: soft CE against the target's own
+    # distribution at t+1 (softmax of lm_head(feature_{t+1})).
+    ce_to_target_dist: bool = False
+    input_layernorm: bool = False
+    target: TargetIdentity | None = None
+
+    def __post_init__(self) -> None:
+        self._check_kind()
+        if self.feature_weight < 0 or self.ce_weight < 0 or self.feature_weight + self.ce_weight == 0:
+            raise ValueError("EAGLE-1 loss weights must be >= 0 and not both 0")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return (self.final_layer,)
+
+    needs_last_hidden: ClassVar[bool] = False
+
+
+def default_eagle3_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low/mid/high features: inputs of layers 2, L//2, L-3 (clamped for tiny targets),
+    i.e. output_hidden_states indices (2, L//2, L-3) (vLLM's default aux layer ids)."""
+    return tuple(min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3))
+
+
+@dataclass
+class Eagle3Config(_HeadConfig):
+    """EAGLE-3 (Li et al. 2025): fc(cat of 3 target features) -> decoder layer over
+    cat(norm(embed), norm(hidden)) -> norm -> lm_head over a reduced draft vocabulary, trained with
+    training-time test (unroll `ttt_steps` steps on its own hidden states, loss sum decay**i CE_i)."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("eagle3",)
+
+    kind: str = "eagle3"
+    aux_layers: tuple[int, ...] | None = None  # None: default_eagle3_layers(L), filled in when target is set
+    draft_vocab_size: int = 8192  # capped at the target vocab when the target is known
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+    target: TargetIdentity | None = None
+
+    def __post_init__(self) -> None:
+        self._check_kind()
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+        if not self.ttt_decay > 0:
+            raise ValueError(f"ttt_decay must be > 0, got {self.ttt_decay}")
+        if self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if self.target is not None:
+            L = self.target.num_layers
+            if self.aux_layers is None:
+                self.aux_layers = default_eagle3_layers(L)
+            self.draft_vocab_size = min(self.draft_vocab_size, self.target.vocab_size)
+        if self.aux_layers is not None:
+            self.aux_layers = tuple(int(i) for i in self.aux_layers)
+            if len(self.aux_layers) == 0:
+                raise ValueError("aux_layers must not be empty")
+            if self.target is not None and any(not 0 <= i <= self.target.num_layers for i in self.aux_layers):
+                raise ValueError(f"aux_layers {self.aux_layers} outside 0..{self.target.num_layers}")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        if self.aux_layers is None:
+            return default_eagle3_layers(self._need_target().num_layers)
+        return self.aux_layers
+
+    needs_last_hidden: ClassVar[bool] = False
+
+
+CONFIG_CLASSES: dict[str, type] = {
+    "medusa1": MedusaConfig,
+    "medusa2": MedusaConfig,
+    "eagle1": Eagle1Config,
+    "eagle3": Eagle3Config,
+}
+
+HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config
+
+
+def config_from_dict(d: dict) -> HeadConfig:
+    """Dispatch on d['kind']; unknown kinds and unknown keys are errors."""
+    kind = d.get("kind")
+    if kind not in CONFIG_CLASSES:
+        raise ValueError(f"unknown head kind {kind!r} (known: {', '.join(KINDS)})")
+    return CONFIG_CLASSES[kind].from_dict(d)

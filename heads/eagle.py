@@ -1,0 +1,235 @@
+"""EAGLE-1 (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty")
+and the decoder-layer plumbing it shares with EAGLE-3 (heads/eagle3.py).
+
+EAGLE-1 drafts at the feature level. At position t it reads the target's final normed hidden
+state f_t and the embedding of the *next* token x_{t+1}:
+
+    h_t = DecoderLayer(fc(cat(embed(x_{t+1}), f_t)))        fc: 2H -> H, no bias (vLLM layout)
+    loss = SmoothL1(h_t, f_{t+1}) + 0.1 * CE(lm_head(h_t), x_{t+2})     (EAGLE sec. 4)
+
+lm_head and embed are the target's own (frozen references, not saved). h_t is a predicted
+feature, so deeper draft steps feed it back as the next step's feature.
+
+The decoder layer is the target family's own class (`type(target.model.layers[0])` built from the
+target config with num_hidden_layers = 1) with its input_layernorm replaced by Identity, as in
+EAGLE's cnets.py (`if self.index != 0`) and vLLM's llama_eagle.py (`disable_input_layernorm`):
+the fc output is not re-normalised. `Eagle1Config.input_layernorm=True` keeps it.
+
+Inference contract (what the EAGLE drafter calls):
+  * `fuse(features)` -> [B, T, H]: EAGLE-1 takes the single feature as is.
+  * `step(fused, tokens, position_ids, cache, attention_mask)` -> (hidden [B,T,H], logits [B,T,V]).
+    The pair (feature of position t, token t+1) sits at position id t; a node drafted at depth d
+    below the last committed pair at position t uses position t + d, and its `fused` is the
+    `hidden` that `step` returned for its parent. `cache` is a `DynamicCache` holding K/V of the
+    pairs already run (layer_idx 0); crop it back to the committed length before committing.
+  * `attention_mask`: additive [B, 1, T, past + T] (0 = attend, large negative = blocked), e.g.
+    `inference.tree.tree_attention_mask`; None = causal over the cache plus the new positions.
+    The head was trained attending over the whole prefix: build its masks without the target's
+    sliding window (Mistral), whatever the target's own verification mask uses.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from .batch import FeatureBatch
+from .config import Eagle1Config
+from .identity import text_config
+from .io import DraftHeadBase, FrozenRefs, shift_left, shifted_labels
+
+# ----------------------------------------------------------------------------- shared plumbing
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The target's decoder blocks (`model.model.layers` for Llama/Qwen2/Mistral/Gemma...)."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(dec, "layers", None)
+    if layers is None or len(layers) == 0:
+        raise TypeError(f"cannot find decoder layers in {type(model).__name__}; EAGLE heads need a "
+                        "transformers decoder-only model with `.model.layers`")
+    return layers
+
+
+def target_rotary(model: nn.Module) -> nn.Module:
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    rot = getattr(dec, "rotary_emb", None)
+    if rot is None:
+        raise TypeError(f"{type(model).__name__} has no `rotary_emb`; EAGLE heads need a RoPE decoder")
+    return rot
+
+
+def draft_layer_config(model: nn.Module):
+    """The target's (text) config with one layer: what the draft decoder layer is built from."""
+    cfg = copy.deepcopy(text_config(model))
+    cfg.num_hidden_layers = 1
+    cfg.architectures = [type(model).__name__]  # the family, for export (models built from a config lack it)
+    if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
+        # flash/flex kernels take no arbitrary additive 4-D mask, and tree drafting needs one
+        cfg._attn_implementation = "sdpa"
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        # the draft attends over the whole committed prefix: prefer a full-attention layer type
+        cfg.layer_types = ["full_attention" if "full_attention" in layer_types else layer_types[0]]
+    return cfg
+
+
+def cache_kwarg(fn) -> str:
+    """transformers renamed `past_key_values` -> `cache` in v5 (old name deprecated until 5.40)."""
+    params = inspect.signature(fn).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def causal_mask(batch: int, q_len: int, past_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive [B, 1, q, past + q]: query j (absolute past + j) sees keys 0..past + j."""
+    q = torch.arange(q_len, device=device)[:, None] + past_len
+    k = torch.arange(past_len + q_len, device=device)[None, :]
+    mask = torch.zeros(q_len, past_len + q_len, dtype=dtype, device=device)
+    mask.masked_fill_(k > q, torch.finfo(dtype).min)
+    return mask[None, None].expand(batch, 1, q_len, past_len + q_len)
+
+
+def prepare_mask(mask: torch.Tensor | None, batch: int, q_len: int, past_len: int, dtype, device) -> torch.Tensor:
+    """None -> causal; bool (True = attend) -> additive; additive -> cast to the head's dtype."""
+    if mask is None:
+        return causal_mask(batch, q_len, past_len, dtype, device)
+    if mask.dtype == torch.bool:
+        out = torch.zeros(mask.shape, dtype=dtype, device=device)
+        return out.masked_fill_(~mask.to(device), torch.finfo(dtype).min)
+    # clamp in float32 so the bound is representable whatever the mask's own dtype (a bf16 mask
+    # clamped at float32's min overflows), then cast: large negatives stay finite
+    return mask.to(device).float().clamp(min=torch.finfo(dtype).min).to(dtype)
+
+
+class DecoderHeadBase(DraftHeadBase):
+    """Shared by EAGLE-1/3: target references, RoPE, cache handling."""
+
+    def _init_decoder_common(self, target_model: nn.Module) -> None:
+        self.refs = FrozenRefs()
+        self._layer_cfg = draft_layer_config(target_model)
+        # RoPE tables stay float32 and unregistered: `head.to(bfloat16)` would otherwise round
+        # inv_freq. Moved to the input's device on first use.
+        # object.__setattr__: keep it out of nn.Module's registry (no state_dict entry, no cast).
+        object.__setattr__(self, "_rotary", type(target_rotary(target_model))(config=self._layer_cfg))
+
+    def layer_config(self) -> dict:
+        return self._layer_cfg.to_dict()
+
+    @staticmethod
+    def new_cache() -> DynamicCache:
+        """An empty cache for the head's one decoder layer (layer_idx 0)."""
+        return DynamicCache()
+
+    def _position_embeddings(self, x: torch.Tensor, position_ids: torch.Tensor):
+        if self._rotary.inv_freq.device != x.device:
+            self._rotary.to(x.device)
+        return self._rotary(x, position_ids)
+
+    def _inputs(self, x, tokens, position_ids, cache, attention_mask):
+        B, T = tokens.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        if position_ids is None:
+            position_ids = (torch.arange(T, device=tokens.device) + past)[None].expand(B, T)
+        mask = prepare_mask(attention_mask, B, T, past, x.dtype, x.device)
+        return position_ids, mask, self._position_embeddings(x, position_ids)
+
+    def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [..., V_draft] -> target-vocab logits [..., V] (-inf off the draft
+        vocab). Identity when the head already scores the full vocabulary."""
+        d2t = self.draft_to_target
+        if d2t is None:
+            return logits
+        ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t
+        out = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., ids] = logits
+        return out
+
+
+# ----------------------------------------------------------------------------- EAGLE-1
+
+
+class Eagle1Head(DecoderHeadBase):
+    def __init__(self, config: Eagle1Config, target_model: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self._init_decoder_common(target_model)
+        H = config.hidden_size
+        self.fc = nn.Linear(2 * H, H, bias=False)  # input: cat(embed(x_{t+1}), f_t), embed first (EAGLE, vLLM)
+        layer = type(decoder_layers(target_model)[0])(self._layer_cfg, layer_idx=0)
+        if not config.input_layernorm:
+            layer.input_layernorm = nn.Identity()
+        self.layers = nn.ModuleList([layer])  # key prefix `layers.0.` as in EAGLE/vLLM checkpoints
+        self._cache_kw = cache_kwarg(type(layer).forward)
+
+    draft_to_target = None  # EAGLE-1 scores the full target vocabulary
+
+    def fuse(self, features) -> torch.Tensor:
+        """features: [B, T, H] or a one-element list of it (output_hidden_states index L)."""
+        if isinstance(features, (list, tuple)):
+            if len(features) != 1:
+                raise ValueError(f"EAGLE-1 takes one feature (index L), got {len(features)}")
+            features = features[0]
+        return features.to(self.dtype)
+
+    def _hidden(self, fused, tokens, position_ids, cache, attention_mask) -> torch.Tensor:
+        x = self.fc(torch.cat([self.refs.embed_tokens(tokens, self.dtype), fused.to(self.dtype)], dim=-1))
+        position_ids, mask, pos_emb = self._inputs(x, tokens, position_ids, cache, attention_mask)
+        out = self.layers[0](
+            x,
+            attention_mask=mask,
+            position_ids=position_ids,
+            position_embeddings=pos_emb,
+            use_cache=cache is not None,
+            **{self._cache_kw: cache},
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None):
+        """fused [B,T,H], tokens [B,T] -> (hidden [B,T,H] = predicted next features, logits [B,T,V])."""
+        h = self._hidden(fused, tokens, position_ids, cache, attention_mask)
+        return h, self.refs.lm_logits(h)
+
+    def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """feature_weight * SmoothL1(h_t, f_{t+1}) + ce_weight * CE(lm_head(h_t), x_{t+2}) on
+        positions t whose label t+2 is loss-masked (see `shifted_labels`); with
+        `ce_to_target_dist` the CE target is softmax(lm_head(f_{t+1})), the target's own
+        distribution for x_{t+2}. metrics: loss_feature, loss_ce, acc_0 (top-1 vs the data token,
+        or vs the target's argmax in soft mode), num_labels."""
+        L = self.config.final_layer
+        if L not in batch.hidden_states:
+            raise KeyError(f"EAGLE-1 needs hidden_states[{L}]; batch has {sorted(batch.hidden_states)}")
+        f = batch.hidden_states[L].to(self.dtype)  # [B, T, H]
+        B, T, _ = f.shape
+        next_tokens = shift_left(batch.input_ids, 1)  # x_{t+1} at t
+        pos = torch.arange(T, device=f.device)[None].expand(B, T)
+        h = self._hidden(f, next_tokens, pos, None, None)  # [B, T, H]
+        labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, 2)
+        h_v = h[valid]  # [N, H]
+        f_next = shift_left(f, 1)[valid].detach()  # f_{t+1}, [N, H]
+        n = h_v.shape[0]
+        logits = self.refs.lm_logits(h_v).float()  # [N, V]
+        if n == 0:
+            zero = h_v.sum() * 0.0
+            return zero, {"loss": 0.0, "loss_feature": 0.0, "loss_ce": 0.0, "acc_0": 0.0, "num_labels": 0.0}
+        feat = F.smooth_l1_loss(h_v.float(), f_next.float())
+        if self.config.ce_to_target_dist:
+            with torch.no_grad():
+                p = torch.softmax(self.refs.lm_logits(f_next).float(), dim=-1)
+            ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+            ref = p.argmax(-1)
+        else:
+            ref = labels[valid]
+            ce = F.cross_entropy(logits, ref)
+        loss = self.config.feature_weight * feat + self.config.ce_weight * ce
+        acc = (logits.argmax(-1) == ref).float().mean().item()
+        return loss, {
+            "loss": loss.item(),
+            "loss_feature": feat.item(),
+            "loss_ce": ce.item(),
+            "acc_0": acc,
+            "num_labels": float(n),
+        }

@@ -1,0 +1,213 @@
+"""EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models
+via Training-Time Test").
+
+    g_t  = fc(cat(F_a1[t], F_a2[t], F_a3[t]))                  fc: 3H -> H, no bias
+    h_t  = Midlayer(embed(x_{t+1}), g_t)                        one decoder layer, see below
+    q_t  = softmax(lm_head(norm(h_t)))                          over the reduced draft vocab
+
+F_a are target hidden states at output_hidden_states indices `aux_layers` (default (2, L//2, L-3):
+the *inputs* of those decoder layers, vLLM's `eagle_aux_hidden_state_layer_ids`). The midlayer
+follows vLLM's/SpecForge's EAGLE-3 layer so exported weights load there unchanged:
+
+    residual = g;  a = cat(input_layernorm(e), hidden_norm(g))       [.., 2H]
+    h = residual + self_attn(a)                                      q/k/v_proj take 2H inputs
+    h = h + mlp(post_attention_layernorm(h))
+
+built from the target family's attention / MLP / RMSNorm classes (Llama, Qwen2, Mistral...).
+No feature loss: the target is the target model's distribution at t+1 (softmax of its LM head on
+the final normed state), restricted to the draft vocab and renormalised, under soft CE.
+
+Training-time test (EAGLE-3 sec. 3.2): unroll `ttt_steps` steps; step i feeds its own output
+hidden state h^(i-1) as the next step's g and the token one position further right, so step i at
+column t predicts token t + 2 + i, with loss sum_i ttt_decay**i * CE_i. Attention at step i: column
+t sees step-0 keys at columns <= t (the committed prefix) and its own earlier unroll keys (same
+column t, steps 1..i): exactly what a node at depth i of a draft chain sees at inference
+(`ttt_attention_mask`). Position id of step i at column t is t + i (the depth rule of `step`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .batch import FeatureBatch
+from .config import Eagle3Config
+from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
+from .eagle import DecoderHeadBase, cache_kwarg, decoder_layers
+from .io import shift_left, shifted_labels
+
+
+def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Additive [1, 1, T, (step + 1) * T] mask of training-time-test step `step` (0-based).
+
+    Keys are laid out block by block as the cache fills: block 0 = step-0 keys (causal: column t
+    sees columns <= t), block j >= 1 = step-j keys (diagonal: column t sees only column t).
+    """
+    cols = torch.arange(T, device=device)
+    allowed = [cols[None, :] <= cols[:, None]]  # block 0, [T, T]
+    eye = cols[None, :] == cols[:, None]
+    allowed += [eye] * step
+    allowed = torch.cat(allowed, dim=1)  # [T, (step+1) T]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+class Eagle3DecoderLayer(nn.Module):
+    """EAGLE-3's midlayer from the target family's attention, MLP and norm classes."""
+
+    def __init__(self, cfg, family_layer: nn.Module) -> None:
+        super().__init__()
+        H = cfg.hidden_size
+        eps = getattr(cfg, "rms_norm_eps", 1e-6)
+        self.self_attn = type(family_layer.self_attn)(cfg, 0)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(self.self_attn, name, None)
+            if not isinstance(old, nn.Linear):
+                raise TypeError(f"{type(family_layer.self_attn).__name__} has no Linear {name}; "
+                                "EAGLE-3 needs separate q/k/v projections")
+            setattr(self.self_attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
+        self.mlp = type(family_layer.mlp)(cfg)
+        norm_cls = type(family_layer.input_layernorm)
+        self.input_layernorm = norm_cls(H, eps=eps)  # on the token embedding
+        self.hidden_norm = norm_cls(H, eps=eps)  # on the fused feature / previous hidden
+        self.post_attention_layernorm = norm_cls(H, eps=eps)
+        self._cache_kw = cache_kwarg(type(self.self_attn).forward)
+
+    def forward(self, embeds, hidden, attention_mask, position_ids, position_embeddings, cache=None):
+        residual = hidden
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        attn = self.self_attn(
+            hidden_states=x,
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **{self._cache_kw: cache},
+        )[0]
+        h = residual + attn
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(DecoderHeadBase):
+    def __init__(self, config: Eagle3Config, target_model: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self._init_decoder_common(target_model)
+        H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
+        family = decoder_layers(target_model)[0]
+        self.fc = nn.Linear(len(config.feature_layers) * H, H, bias=False)
+        self.midlayer = Eagle3DecoderLayer(self._layer_cfg, family)
+        self.norm = type(family.input_layernorm)(H, eps=getattr(self._layer_cfg, "rms_norm_eps", 1e-6))
+        self.lm_head = nn.Linear(H, Vd, bias=False)
+        # Placeholder mapping (target ids 0..Vd-1); `init_from_target` or a loaded state replaces it.
+        d2t, t2d = identity_draft_vocab(V) if Vd == V else draft_vocab_from_ids(torch.arange(Vd), V)
+        self.register_buffer("d2t", d2t)  # int64 [Vd]: target_id = draft_id + d2t[draft_id]
+        self.register_buffer("t2d", t2d)  # bool [V]
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        return self.d2t
+
+    @property
+    def draft_target_ids(self) -> torch.Tensor:
+        """[Vd] long: the target id of each draft id."""
+        return draft_target_ids(self.d2t)
+
+    def init_from_target(self, model: nn.Module, token_counts: torch.Tensor | None = None,
+                         always_include=(), **kwargs) -> None:
+        """Choose the draft vocab from `token_counts` [V] (forcing `always_include`, e.g. EOS).
+
+        lm_head and norm keep their fresh init: starting lm_head as the target's rows for the
+        draft tokens (and norm as the target's final norm) was measured worse on SmolLM2-135M
+        (first-step CE 15.3 vs 7.9 from random, still behind after 15 AdamW steps).
+        """
+        V, Vd = self.config.vocab_size, self.config.draft_vocab_size
+        if Vd < V:
+            if token_counts is None:
+                raise ValueError(f"EAGLE-3 with a draft vocab of {Vd} < {V} tokens needs token_counts "
+                                 "(heads.draft_vocab.count_tokens over the training data)")
+            d2t, t2d = build_draft_vocab(token_counts, Vd, always_include)
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+
+    def fuse(self, features) -> torch.Tensor:
+        """features: list of [B, T, H] at `feature_layers`, in that order -> [B, T, H]."""
+        if len(features) != len(self.config.feature_layers):
+            raise ValueError(f"EAGLE-3 fuses {len(self.config.feature_layers)} features "
+                             f"{self.config.feature_layers}, got {len(features)}")
+        return self.fc(torch.cat([f.to(self.dtype) for f in features], dim=-1))
+
+    def _hidden(self, fused, tokens, position_ids, cache, attention_mask) -> torch.Tensor:
+        e = self.refs.embed_tokens(tokens, self.dtype)
+        fused = fused.to(self.dtype)
+        position_ids, mask, pos_emb = self._inputs(e, tokens, position_ids, cache, attention_mask)
+        return self.midlayer(e, fused, mask, position_ids, pos_emb, cache)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [.., H] (pre-norm, as returned by step) -> draft-vocab logits [.., V_draft]."""
+        return self.lm_head(self.norm(hidden))
+
+    def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None):
+        """fused [B,T,H] (fuse(...) output, or the parent's returned hidden), tokens [B,T] ->
+        (hidden [B,T,H] pre-norm, fed back as the children's `fused`; logits [B,T,V_draft],
+        map with `draft_to_target` / `to_target_logits`)."""
+        h = self._hidden(fused, tokens, position_ids, cache, attention_mask)
+        return h, self.logits(h)
+
+    def ttt_unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int):
+        """Yield the hidden states [B, T, H] of training-time-test steps 0..steps-1.
+
+        Step i at column t reads token input_ids[t + 1 + i] at position t + i and the previous
+        step's hidden state at column t (step 0: `fused`), attending as `ttt_attention_mask` says.
+        Its logits predict token t + 2 + i.
+        """
+        B, T = input_ids.shape
+        cache = self.new_cache()
+        cols = torch.arange(T, device=fused.device)
+        hidden = fused
+        for i in range(steps):
+            tokens = shift_left(input_ids, 1 + i)  # x_{t+1+i} at column t
+            pos = (cols + i)[None].expand(B, T)
+            mask = ttt_attention_mask(T, i, hidden.dtype, hidden.device).expand(B, -1, -1, -1)
+            hidden = self._hidden(hidden, tokens, pos, cache, mask)
+            yield hidden
+
+    def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """Training-time test loss sum_i ttt_decay**i * softCE_i (module docstring).
+
+        metrics: loss_i and acc_i per unroll step (top-1 draft token == argmax of the target
+        distribution restricted to the draft vocab, on loss-masked positions), num_labels.
+        """
+        cfg = self.config
+        need = set(cfg.feature_layers) | {cfg.final_layer}
+        missing = sorted(need - set(batch.hidden_states))
+        if missing:
+            raise KeyError(f"EAGLE-3 needs hidden_states {sorted(need)} (config.train_hidden_layers: the "
+                           f"features plus L for the soft targets); batch lacks {missing}")
+        ids = batch.input_ids
+        # Target distribution for the token after each position s, restricted to the draft vocab
+        # and renormalised = softmax of the restricted logits. [B, T, Vd]
+        with torch.no_grad():
+            w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
+            hL = batch.hidden_states[cfg.final_layer]
+            target_p = torch.softmax(nn.functional.linear(hL.to(w.device, w.dtype), w).float(), dim=-1).to(hL.device)
+        fused = self.fuse([batch.hidden_states[i] for i in cfg.feature_layers])  # [B, T, H]
+        total = fused.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for i, hidden in enumerate(self.ttt_unroll(fused, ids, cfg.ttt_steps)):
+            _, valid = shifted_labels(ids, batch.loss_mask, batch.attention_mask, 2 + i)
+            b_idx, t_idx = valid.nonzero(as_tuple=True)
+            logits = self.logits(hidden[b_idx, t_idx]).float()  # [N, Vd]
+            p = target_p[b_idx, t_idx + 1 + i]  # [N, Vd], the target's distribution for token t+2+i
+            n = p.shape[0]
+            if n:
+                ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+                acc = (logits.argmax(-1) == p.argmax(-1)).float().mean().item()
+            else:
+                ce, acc = logits.sum() * 0.0, 0.0
+            total = total + cfg.ttt_decay**i * ce
+            metrics[f"loss_{i}"] = ce.item()
+            metrics[f"acc_{i}"] = acc
+            if i == 0:
+                metrics["num_labels"] = float(n)
+        metrics["loss"] = total.item()
+        return total, metrics

@@ -1,0 +1,112 @@
+"""Medusa heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+Multiple Decoding Heads").
+
+Head k (0-based) reads the target's final normed hidden state h_t and predicts token t + k + 2
+(the target's own LM head predicts t + 1):
+
+    p_t^(k) = softmax(W2^(k) . ResBlock^(k)(h_t)),   ResBlock(x) = x + SiLU(W1 x + b1)  (num_layers times)
+
+W1 and b1 start at zero, so a fresh head is the target's LM head on h_t. W2 is either an own
+trainable copy of the target LM head (Medusa's init) or the target's frozen LM head itself
+(`share_lm_head`). Module names match vLLM's Medusa layout (`blocks.{k}.layers.{l}`,
+`lm_heads.{k}`), so export is a rename-free copy.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .batch import FeatureBatch
+from .config import MedusaConfig
+from .io import DraftHeadBase, FrozenRefs, shifted_labels
+
+
+class ResidualBlock(nn.Module):
+    """x + SiLU(W x + b), `num_layers` times. Zero init: a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int, num_layers: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=True) for _ in range(num_layers))
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + F.silu(layer(x))
+        return x
+
+
+class MedusaHead(DraftHeadBase):
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        self.config = config
+        H, V = config.hidden_size, config.vocab_size
+        self.blocks = nn.ModuleList(ResidualBlock(H, config.num_layers) for _ in range(config.num_heads))
+        self.lm_heads = (
+            None if config.share_lm_head else nn.ModuleList(nn.Linear(H, V, bias=False) for _ in range(config.num_heads))
+        )
+        self.refs = FrozenRefs()
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def init_from_target(self, model: nn.Module, **kwargs) -> None:
+        """Each own LM head starts as a copy of the target's (Medusa's init)."""
+        if self.lm_heads is None:
+            return
+        w = model.get_output_embeddings().weight
+        with torch.no_grad():
+            for lm in self.lm_heads:
+                lm.weight.copy_(w.to(lm.weight.dtype))
+
+    def head_logits(self, h: torch.Tensor, k: int) -> torch.Tensor:
+        """Head k on hidden states h [..., H] -> logits [..., V]."""
+        x = self.blocks[k](h)
+        return self.refs.lm_logits(x) if self.lm_heads is None else self.lm_heads[k](x)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """h [..., H] -> [K, ..., V]."""
+        h = h.to(self.dtype)
+        return torch.stack([self.head_logits(h, k) for k in range(self.num_heads)])
+
+    @torch.no_grad()
+    def draft_logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
+        """last_hidden [B, H] (final normed target state at the last committed position, i.e. the
+        state whose LM-head output gave the pending token) -> [K, B, V]: head k's logits for the
+        token k + 1 steps after the pending one."""
+        return self.forward(last_hidden)
+
+    def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """sum_k loss_decay**k * CE_k over loss-masked positions (see `shifted_labels`).
+
+        metrics: loss_k, acc_k (top-1 vs the label token) per head, num_labels (head 0's count).
+        Hidden states may carry grad (Medusa-2 trains the target jointly; the trainer adds the
+        target's own LM loss).
+        """
+        L = self.config.final_layer
+        if L not in batch.hidden_states:
+            raise KeyError(f"Medusa needs hidden_states[{L}] (final normed state); batch has {sorted(batch.hidden_states)}")
+        h = batch.hidden_states[L].to(self.dtype)  # [B, T, H]
+        total = h.new_zeros((), dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        for k in range(self.num_heads):
+            labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, k + 2)
+            # only labelled positions go through the [N, V] projection: memory ~ N*V, not B*T*V
+            logits = self.head_logits(h[valid], k).float()  # [N, V]
+            target = labels[valid]
+            n = target.numel()
+            if n:
+                ce = F.cross_entropy(logits, target)
+                acc = (logits.argmax(-1) == target).float().mean().item()
+            else:  # keep the graph so backward() still works on an all-masked batch
+                ce, acc = logits.sum() * 0.0, 0.0
+            total = total + self.config.loss_decay**k * ce
+            metrics[f"loss_{k}"] = ce.item()
+            metrics[f"acc_{k}"] = acc
+            if k == 0:
+                metrics["num_labels"] = float(n)
+        metrics["loss"] = total.item()
+        return total, metrics

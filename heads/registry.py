@@ -1,0 +1,130 @@
+"""Build and load heads by kind. The only place that maps a kind to its module class."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .config import CONFIG_CLASSES, HeadConfig
+from .eagle import Eagle1Head
+from .eagle3 import Eagle3Head
+from .identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
+from .io import ADAPTER_DIR, DraftHeadBase, HeadFormatError, check_state_dict, read_head_dir
+from .medusa import MedusaHead
+
+HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {
+    "medusa1": MedusaHead,
+    "medusa2": MedusaHead,
+    "eagle1": Eagle1Head,
+    "eagle3": Eagle3Head,
+}
+
+
+def make_config(kind: str, target_model: nn.Module, tokenizer=None, name: str | None = None, **overrides) -> HeadConfig:
+    """The config of a `kind` head for this target (identity recorded), with `overrides` on top;
+    unknown override keys are errors."""
+    if kind not in CONFIG_CLASSES:
+        raise ValueError(f"unknown head kind {kind!r} (known: {', '.join(CONFIG_CLASSES)})")
+    d = {"kind": kind, **overrides, "target": identify_target(target_model, tokenizer, name)}
+    return CONFIG_CLASSES[kind].from_dict(d)
+
+
+def target_dtype(model: nn.Module) -> torch.dtype:
+    return model.get_output_embeddings().weight.dtype
+
+
+def target_device(model: nn.Module) -> torch.device:
+    return model.get_output_embeddings().weight.device
+
+
+def _new_module(config: HeadConfig, target_model: nn.Module) -> DraftHeadBase:
+    cls = HEAD_CLASSES[config.kind]
+    return cls(config) if cls is MedusaHead else cls(config, target_model)
+
+
+def eos_ids(target_model: nn.Module) -> list[int]:
+    """EOS ids from the target's config and generation config (int or list in either)."""
+    out: set[int] = set()
+    for cfg in (getattr(target_model, "config", None), getattr(target_model, "generation_config", None)):
+        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
+        if eos is None:
+            continue
+        out.update([eos] if isinstance(eos, int) else list(eos))
+    return sorted(out)
+
+
+def build_head(
+    config: HeadConfig,
+    target_model: nn.Module,
+    *,
+    token_counts: torch.Tensor | None = None,
+    always_include=None,
+    dtype: torch.dtype | None = None,
+) -> DraftHeadBase:
+    """A fresh head for `target_model`, initialised from it where the design says so.
+
+    token_counts [V]: training-data token frequencies, required by EAGLE-3 when its draft vocab is
+    smaller than the target's. always_include: ids forced into that draft vocab (default: the
+    target's EOS ids). dtype: parameters' dtype (default the target's; trainers often want
+    float32 masters). The head lives on the target's device.
+    """
+    if config.target is None:
+        raise ValueError("config has no target identity; make it with make_config(kind, target_model, tokenizer)")
+    diffs = identity_diff(config.target, identify_target(target_model))
+    if diffs:
+        raise HeadTargetMismatch("config was made for another target:\n  " + "\n  ".join(diffs))
+    head = _new_module(config, target_model)
+    if always_include is None:
+        always_include = [i for i in eos_ids(target_model) if 0 <= i < config.vocab_size]
+    head.init_from_target(target_model, token_counts=token_counts, always_include=always_include)
+    head.to(device=target_device(target_model), dtype=dtype or target_dtype(target_model))
+    return head.bind_target(target_model)
+
+
+def apply_adapter(target_model: nn.Module, adapter_dir: Path) -> nn.Module:
+    """Load a peft LoRA adapter onto the target and merge it (the merged model is "the target"
+    for exactness from then on)."""
+    from peft import PeftModel  # optional at import time: only medusa2 needs it
+
+    peft_model = PeftModel.from_pretrained(target_model, str(adapter_dir))
+    return peft_model.merge_and_unload()
+
+
+def load_head(path, target_model: nn.Module, tokenizer, target_name: str | None = None):
+    """Load a saved head onto `target_model` -> (head, target_model).
+
+    Checks, in order: the directory's format (config, kind, keys, weights file readable), the
+    target identity (`HeadTargetMismatch` lists every differing field; a different name only
+    warns), every tensor's presence and shape. A medusa2 head's `adapter/` is applied to the target
+    and merged; the returned target is then the adapted one. The head is cast to the target's
+    dtype and device and bound to it.
+    """
+    path = Path(path)
+    config, meta, state = read_head_dir(path)
+    actual = identify_target(target_model, tokenizer, target_name or config.target.name)
+    check_compatible(config.target, actual)
+
+    adapter = path / ADAPTER_DIR
+    if adapter.exists():
+        if config.kind != "medusa2":
+            raise HeadFormatError(f"{path} has an adapter/ but is a {config.kind} head (only medusa2 adapts the target)")
+        target_model = apply_adapter(target_model, adapter)
+    elif config.kind == "medusa2":
+        warnings.warn(f"medusa2 head {path} has no adapter/: the target is used unmodified", stacklevel=2)
+
+    head = _new_module(config, target_model)
+    check_state_dict(head.state_dict(), state, where=f"in {path}")
+    own = head.state_dict()
+    head.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)
+    if isinstance(head, Eagle3Head):
+        from .draft_vocab import validate_draft_vocab
+
+        try:
+            validate_draft_vocab(head.d2t, head.t2d)
+        except ValueError as e:
+            raise HeadFormatError(f"{path}: invalid draft vocab: {e}") from e
+    head.to(device=target_device(target_model), dtype=target_dtype(target_model))
+    head.eval()
+    return head.bind_target(target_model), target_model
