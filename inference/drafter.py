@@ -27,9 +27,9 @@ from .tree import DraftTree
 class TargetFeatures:
     """Target hidden states at committed positions.
 
-    hidden_states[i]: [B, n, H], the output of `transformers`' `output_hidden_states` index
-    `feature_layers[i]` (0 = embeddings, L = final layer after the last block and before the
-    final norm for most families; `last` is the final normed state the LM head reads).
+    hidden_states[i]: [B, n, H], `transformers`' `output_hidden_states[feature_layers[i]]`
+    (0 = embeddings, i = input of block i, L = the final *normed* state: in transformers 5
+    `lm_head(hidden_states[L])` are the logits). `last` is that final normed state.
     """
 
     layers: tuple[int, ...]

@@ -1,0 +1,111 @@
+"""`drafthead data ...`: prepare training data.
+
+    drafthead data inspect --source sharegpt --limit 1000
+    drafthead data regenerate --target smollm2-135m --source sharegpt --limit 2000 --out data/regen.jsonl \\
+        --max-new-tokens 256 --temperature 0 --batch-size 8
+    drafthead data capture --config configs/eagle3.yaml data.path=data/regen.jsonl --out data/eagle3-features
+    drafthead data tiny-target --out /tmp/tiny     # a tiny random target for smoke runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from . import _positive_int, add_target_options, load_target_from_args, note
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("data", help="load, regenerate (self-distill) and capture training data",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+
+    def source_options(q):
+        q.add_argument("--source", default="sharegpt", help="sharegpt (the package file) | json | regenerated")
+        q.add_argument("--path", default=None, help="JSON/JSONL file in ShareGPT or OpenAI form")
+        q.add_argument("--limit", type=_positive_int, default=None, help="first N usable conversations")
+
+    q = sub.add_parser("inspect", help="load and normalise a source; print what was kept and dropped")
+    source_options(q)
+
+    q = sub.add_parser("regenerate", help="re-answer every user turn with the target itself (resumable)")
+    add_target_options(q, dtype="bfloat16")
+    source_options(q)
+    q.add_argument("--out", required=True, help="output JSONL (existing ids are skipped)")
+    q.add_argument("--max-new-tokens", type=_positive_int, default=512)
+    q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    q.add_argument("--top-p", type=float, default=1.0)
+    q.add_argument("--batch-size", type=_positive_int, default=8)
+    q.add_argument("--max-turns", type=_positive_int, default=None, help="answer at most this many user turns")
+    q.add_argument("--max-prompt-tokens", type=_positive_int, default=None, help="stop a conversation whose prompt grows past this")
+    q.add_argument("--seed", type=int, default=0)
+
+    q = sub.add_parser("capture", help="write the target features a run config needs to shards")
+    q.add_argument("--config", required=True, help="run config (target, head, data) or preset name")
+    q.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    q.add_argument("--out", default=None, help="shard folder (default: the config's features.path)")
+    q.add_argument("--batch-size", type=_positive_int, default=None, help="default: the config's batch_size")
+
+    q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
+    q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
+    q.add_argument("--chats", type=_positive_int, default=200)
+    q.add_argument("--seed", type=int, default=0)
+
+
+def run(args) -> int:
+    return {"inspect": _inspect, "regenerate": _regenerate, "capture": _capture, "tiny-target": _tiny}[args.data_command](args)
+
+
+def _inspect(args) -> int:
+    from ..train.sources import load_conversations
+
+    ds, report = load_conversations(args.source, args.path, args.limit)
+    print(report.summary())
+    print(json.dumps(report.to_dict(), indent=1))
+    return 0
+
+
+def _regenerate(args) -> int:
+    from ..train.regenerate import regenerate
+    from ..train.sources import load_conversations
+
+    ds, source_report = load_conversations(args.source, args.path, args.limit)
+    note(source_report.summary())
+    loaded = load_target_from_args(args)
+    report = regenerate(
+        loaded.model, loaded.tokenizer, ds, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        top_p=args.top_p, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns,
+        seed=args.seed, target_name=loaded.name,
+    )
+    print(f"{args.out}: {report.summary()}")
+    return 0
+
+
+def _capture(args) -> int:
+    from tqdm.auto import tqdm
+
+    from ..targets import load_target
+    from ..train.config import load_config
+    from ..train.run import capture_from_config
+
+    config = load_config(args.config, args.overrides)
+    out = args.out or config.features.path
+    if not out:
+        raise ValueError("pass --out DIR or set features.path in the config")
+    loaded = load_target(config.target, dtype=config.target_dtype, threads=config.threads)
+    bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True)
+    try:
+        index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
+                                    batch_size=args.batch_size, progress=bar.update, say=note)
+    finally:
+        bar.close()
+    print(f"captured features: {index}; train with features.mode=captured features.path={out}")
+    return 0
+
+
+def _tiny(args) -> int:
+    from ..train.tiny import save_tiny_target, write_tiny_jsonl
+
+    folder = save_tiny_target(args.out, seed=args.seed)
+    chats = write_tiny_jsonl(folder / "chats.jsonl", args.chats, seed=args.seed)
+    print(f"tiny target in {folder}, {args.chats} chats in {chats}")
+    return 0

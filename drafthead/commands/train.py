@@ -1,0 +1,55 @@
+"""`drafthead train --config configs/x.yaml [key=value ...] [--resume]`.
+
+Also the body of `accelerate launch -m drafthead.train ...` (train/__main__.py): the same
+arguments, one process per device, each loading the target on its own device.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="a YAML run config or a preset name (configs/NAME.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. lr=3e-4 data.limit=2000 head.num_heads=3")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train a draft head on the target (runs under accelerate launch too)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+
+
+def run(args) -> int:
+    from ..train.config import load_config
+    from ..train.run import run_training
+    from ..train.trainer import NonFiniteLossError
+
+    config = load_config(args.config, args.overrides)
+    try:
+        result = run_training(config, resume=args.resume)
+    except NonFiniteLossError as e:
+        print(f"drafthead train: {e}", file=sys.stderr)
+        return 1
+    if result.final_dir is not None:
+        from accelerate import PartialState
+
+        if PartialState().is_main_process:
+            print(f"head saved to {result.final_dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m drafthead.train` / `accelerate launch -m drafthead.train`: errors as in the CLI."""
+    from ..cli import EXPECTED_ERRORS, one_line
+
+    parser = argparse.ArgumentParser(prog="python -m drafthead.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except EXPECTED_ERRORS as e:
+        print(f"drafthead train: error: {one_line(e)}", file=sys.stderr)
+        return 2

@@ -1,0 +1,253 @@
+"""The trainer on a dummy head and random FeatureBatches (no target, no real head: STYLE.md 9)."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from drafthead.heads.batch import FeatureBatch
+from drafthead.train.checkpoint import latest_checkpoint
+from drafthead.train.config import TrainConfig
+from drafthead.train.evaluate import estimate_tau
+from drafthead.train.trainer import (
+    NonFiniteLossError,
+    Trainer,
+    TrainData,
+    batches_per_epoch,
+    epoch_batches,
+    lr_factor,
+    split_indices,
+)
+
+V, H, LAYER = 48, 16, 2
+
+
+class DummyHead(nn.Module):
+    """Head k predicts token t+1+k from hidden_states[LAYER] at t; dropout exercises the RNG."""
+
+    def __init__(self, num_heads: int = 2, nan_at_call: int | None = None):
+        super().__init__()
+        self.proj = nn.ModuleList(nn.Linear(H, V) for _ in range(num_heads))
+        self.drop = nn.Dropout(0.1)
+        self.calls, self.nan_at_call = 0, nan_at_call
+
+    def compute_loss(self, batch: FeatureBatch):
+        self.calls += 1
+        h = self.drop(batch.hidden_states[LAYER])
+        total, metrics = 0.0, {}
+        for k, proj in enumerate(self.proj):
+            s = k + 1
+            valid = (batch.loss_mask & batch.attention_mask.bool())[:, s:]
+            logits = proj(h[:, :-s][valid])
+            labels = batch.input_ids[:, s:][valid]
+            ce = nn.functional.cross_entropy(logits, labels)
+            total = total + ce
+            metrics[f"acc_{k}"] = (logits.argmax(-1) == labels).float().mean().item()
+        if self.calls == self.nan_at_call:
+            total = total * float("nan")
+        metrics["loss"] = float(total.detach())
+        return total, metrics
+
+    def save_pretrained(self, path, adapter_model=None):
+        path.mkdir(parents=True, exist_ok=True)
+        torch.save(self.state_dict(), path / "head.pt")
+        return path
+
+
+def random_samples(n: int, seed: int = 0, length: int | None = None) -> list[dict]:
+    """Learnable features: hidden[t] encodes tokens t+1 and t+2 (plus noise), lengths vary."""
+    g = torch.Generator().manual_seed(seed)
+    code = torch.randn(V, H, generator=g)
+    code2 = torch.randn(V, H, generator=g)
+    samples = []
+    for _ in range(n):
+        T = length or int(torch.randint(8, 20, (1,), generator=g))
+        ids = torch.randint(0, V, (T,), generator=g)
+        hidden = code[ids.roll(-1)] + code2[ids.roll(-2)] + 0.1 * torch.randn(T, H, generator=g)
+        loss_mask = torch.ones(T, dtype=torch.bool)
+        loss_mask[: T // 4] = False  # a "prompt" part
+        samples.append({"input_ids": ids, "loss_mask": loss_mask, "hidden_states": {LAYER: hidden}})
+    return samples
+
+
+def config(tmp_path, **kw) -> TrainConfig:
+    base = dict(head={"kind": "medusa1"}, batch_size=4, lr=3e-2, max_steps=30, warmup_steps=2, log_every=5,
+                eval_every=10, checkpoint_every=10, output_dir=str(tmp_path / "run"), seed=0)
+    base.update(kw)
+    return TrainConfig.from_dict(base)
+
+
+def test_lr_schedule_rules():
+    # warmup ramps linearly, cosine ends at min_ratio, linear is halfway at the middle
+    assert lr_factor(0, 4, 100, "cosine") == pytest.approx(0.25)
+    assert lr_factor(3, 4, 100, "cosine") == pytest.approx(1.0)
+    assert lr_factor(4, 4, 104, "cosine") == pytest.approx(1.0)
+    assert lr_factor(104, 4, 104, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(54, 4, 104, "linear") == pytest.approx(0.5)
+    assert lr_factor(54, 4, 104, "constant") == 1.0
+    # slow twin of cosine
+    for s in range(4, 104):
+        p = (s - 4) / 100
+        assert lr_factor(s, 4, 104, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi * p)))
+
+
+def test_epoch_batches_partition_the_shuffle_across_processes():
+    n, bs, world = 23, 3, 2
+    per_rank = [epoch_batches(n, bs, world, r, seed=5, epoch=1) for r in range(world)]
+    assert all(len(b) == batches_per_epoch(n, bs, world) == 3 for b in per_rank)
+    flat = [i for batches in per_rank for b in batches for i in b]
+    assert len(flat) == len(set(flat)) == 18  # disjoint, remainder dropped
+    assert epoch_batches(n, bs, world, 0, 5, 1) == per_rank[0]  # deterministic
+    assert epoch_batches(n, bs, world, 0, 5, 2) != per_rank[0]  # reshuffled each epoch
+
+
+def test_split_indices():
+    train, held = split_indices(100, 0.1, 5, seed=0)
+    assert len(held) == 5 and len(train) == 95 and not set(train) & set(held)
+    assert split_indices(100, 0.1, 5, seed=0) == (train, held)
+    assert split_indices(10, 0.0, None, seed=0) == (list(range(10)), [])
+
+
+def test_estimate_tau():
+    assert estimate_tau([]) == 1.0
+    assert estimate_tau([1.0, 1.0, 1.0]) == 4.0
+    assert estimate_tau([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_loss_falls_and_outputs_are_written(tmp_path):
+    torch.manual_seed(0)
+    samples = random_samples(48)
+    data = TrainData(train=samples[:40], eval=samples[40:])
+    cfg = config(tmp_path, max_steps=40, checkpoint_every=20, eval_every=20, keep_checkpoints=1)
+    result = Trainer(cfg, DummyHead(), data).fit(progress=False)
+    out = tmp_path / "run"
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if r.get("split") == "train"]
+    evals = [r for r in lines if r.get("split") == "eval"]
+    assert train[-1]["loss"] < 0.5 * train[0]["loss"], (train[0]["loss"], train[-1]["loss"])
+    assert evals[-1]["acc_0"] > evals[0]["acc_0"] - 1e-9 and evals[-1]["acc_0"] > 0.5
+    assert evals[-1]["tau_est"] == pytest.approx(estimate_tau([evals[-1]["acc_0"], evals[-1]["acc_1"]]))
+    assert "tokens_per_s" in train[-1] and train[-1]["tokens_per_s"] > 0
+    assert lines[0]["event"] == "start" and lines[0]["world_size"] == 1
+    assert result.state.step == 40 and (out / "final" / "head.pt").exists()
+    # keep_checkpoints=1: only the last one stays, and `latest` points at it
+    assert [p.name for p in (out / "checkpoints").glob("step-*")] == ["step-00000040"]
+    assert latest_checkpoint(out).name == "step-00000040"
+
+
+def test_grad_accumulation_matches_a_bigger_batch(tmp_path):
+    """2 micro-batches of 2 with accumulation == 1 batch of 4. Equal lengths and masks make the
+    token-mean loss of the batch equal the mean of the two halves' losses, so gradients agree."""
+    samples = random_samples(4, length=12)
+
+    def run(bs, accum, sub):
+        torch.manual_seed(1)
+        head = DummyHead()
+        head.drop.p = 0.0
+        cfg = config(tmp_path / sub, batch_size=bs, grad_accum=accum, max_steps=1, eval_every=0, checkpoint_every=0, lr=0.1, clip_norm=None)
+        # one sample order for both: the step sees samples 0..3 (epoch permutation is fixed by seed)
+        t = Trainer(cfg, head, TrainData(train=samples[:4]))
+        t.fit(progress=False)
+        return [p.detach().clone() for p in head.parameters()]
+
+    torch.manual_seed(1)
+    init = [p.detach().clone() for p in DummyHead().parameters()]
+    a, b = run(4, 1, "a"), run(2, 2, "b")
+    assert any(not torch.equal(x, y) for x, y in zip(a, init))  # the step moved the weights
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0)
+
+
+def test_nan_loss_stops_with_step_named_and_checkpoint_kept(tmp_path):
+    samples = random_samples(24)
+    cfg = config(tmp_path, max_steps=20, checkpoint_every=4, eval_every=0)
+    head = DummyHead(nan_at_call=7)  # step 7 (one micro-batch per step, no eval calls)
+    with pytest.raises(NonFiniteLossError, match=r"at step 7\b.*step-00000004"):
+        Trainer(cfg, head, TrainData(train=samples)).fit(progress=False)
+    out = tmp_path / "run"
+    assert latest_checkpoint(out).name == "step-00000004"
+    assert not (out / "final").exists()
+
+
+def test_refuses_to_overwrite_checkpoints_without_resume(tmp_path):
+    samples = random_samples(16)
+    cfg = config(tmp_path, max_steps=2, checkpoint_every=1, eval_every=0)
+    Trainer(cfg, DummyHead(), TrainData(train=samples)).fit(progress=False)
+    with pytest.raises(ValueError, match="--resume"):
+        Trainer(cfg, DummyHead(), TrainData(train=samples)).fit(progress=False)
+
+
+# ---------------------------------------------------------------------------------------------- real heads
+
+
+@pytest.mark.parametrize("kind,extra", [("medusa1", {"num_heads": 2}), ("medusa2", {"num_heads": 2}), ("eagle1", {}),
+                                        ("eagle3", {"draft_vocab_size": 64, "ttt_steps": 2})])
+def test_real_heads_train_on_a_tiny_target(tmp_path, kind, extra, isolated_cache):
+    """build_trainer end to end (chat data -> online features -> head) for every head kind: the
+    loss falls, the final head reloads through heads.registry with the trained weights."""
+    from drafthead.heads.registry import load_head
+    from drafthead.train.run import build_trainer
+    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+
+    tok = tiny_tokenizer()
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 60)
+    cfg = TrainConfig.from_dict(dict(
+        target="tiny", head={"kind": kind, **extra}, report_to="none", output_dir=str(tmp_path / "run"),
+        data={"source": "json", "path": str(chats), "max_length": 64, "eval_fraction": 0.1, "eval_size": 8},
+        batch_size=4, max_steps=16, eval_every=8, checkpoint_every=8, log_every=4, lr=1e-2, warmup_steps=1,
+    ))
+    trainer = build_trainer(cfg, tiny_target(tok), tok, target_name="tiny")
+    result = trainer.fit(progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r.get("split") == "train"]
+    assert len(losses) == 4 and losses[-1] < losses[0] and all(math.isfinite(x) for x in losses)
+    assert "acc_0" in result.eval_metrics and result.eval_metrics["tau_est"] >= 1.0
+
+    head, _ = load_head(result.final_dir, tiny_target(tok), tok)
+    for (name, a), (_, b) in zip(trainer.head.state_dict().items(), head.state_dict().items()):
+        assert torch.equal(a.cpu(), b.cpu()), name
+    if kind == "medusa2":
+        assert (result.final_dir / "adapter").is_dir()
+        lora = {k: v for k, v in trainer.module.trainable_state().items() if k.startswith("target.")}
+        assert lora and any("lora_B" in k and v.abs().sum() > 0 for k, v in lora.items())  # B starts at zero
+    if kind == "eagle3":
+        # draft vocab = the 64 most frequent assistant tokens of the training split (+ EOS)
+        from drafthead.heads.draft_vocab import build_draft_vocab
+
+        train_idx = trainer.data.train.indices
+        counts = trainer.data.train.dataset.token_counts(len(tok), train_idx)
+        d2t, t2d = build_draft_vocab(counts, 64, [tok.eos_token_id])
+        assert torch.equal(head.d2t.cpu(), d2t) and torch.equal(head.t2d.cpu(), t2d) and head.d2t.abs().sum() > 0
+
+
+def test_wandb_logs_offline_by_default(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = config(tmp_path, max_steps=2, checkpoint_every=0, eval_every=0, log_every=1, report_to="wandb")
+    Trainer(cfg, DummyHead(), TrainData(train=random_samples(8))).fit(progress=False)
+    out = tmp_path / "run"
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and (out / "wandb_id").read_text().strip() in runs[0].name
+    assert not list(out.glob("checkpoints/step-*"))  # checkpoint_every=0: none
+
+
+@pytest.mark.parametrize("kind", ["medusa1", "eagle1", "eagle3", "medusa2"])
+def test_real_heads_train_in_bf16_autocast(tmp_path, kind, isolated_cache):
+    """mixed_precision=bf16 (the smollm2 presets' setting): finite losses, fp32 master weights."""
+    from drafthead.train.run import build_trainer
+    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+
+    tok = tiny_tokenizer()
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 24)
+    cfg = TrainConfig.from_dict(dict(
+        target="tiny", head={"kind": kind}, report_to="none", output_dir=str(tmp_path / "run"), mixed_precision="bf16",
+        data={"source": "json", "path": str(chats), "max_length": 48}, batch_size=4, max_steps=3, eval_every=3,
+        checkpoint_every=0, log_every=1,
+    ))
+    trainer = build_trainer(cfg, tiny_target(tok), tok)
+    result = trainer.fit(progress=False)
+    assert all(p.dtype == torch.float32 for p in trainer.head.parameters())
+    assert math.isfinite(result.train_metrics["loss"]) and math.isfinite(result.eval_metrics["loss"])

@@ -1,0 +1,141 @@
+"""Chat conversations -> token ids + a loss mask on the assistant's tokens.
+
+The loss mask marks every token of each assistant reply *and* the end-of-turn token that closes
+it (`<|im_end|>` for SmolLM2): a draft head must learn to predict where the answer stops.
+Templates such as SmolLM2's have no `{% generation %}` markers, so the assistant spans are derived
+by rendering prefixes of the conversation (REFERENCE.md s.4 lists the mask off-by-one as a known
+complaint about other trainers):
+
+    prefix_i = render(messages[:i], add_generation_prompt=True)   # ends with "<|im_start|>assistant\n"
+    upto_i   = render(messages[:i+1])                             # ends with "...content<|im_end|>\n"
+    span_i   = [len(prefix_i), len(upto_i.rstrip()))              # content + "<|im_end|>", not the "\n"
+
+Both renders must be prefixes of the full render (checked; a template that rewrites earlier turns
+raises). The text is then tokenized piece by piece, cut at the span boundaries, so no token
+straddles a boundary: SmolLM2's BPE would otherwise merge the header's "\n" with an answer's
+leading spaces into one token, half prompt and half label. Piecewise is also what generation
+sees: the prompt ends with the header's own tokens and the answer's tokens start fresh.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import datasets
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """(full rendered text, [start, end) character span of each assistant turn incl. its end-of-turn text)."""
+    text = render(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = render(tokenizer, messages[: i + 1]).rstrip()
+        if not text.startswith(prefix) or not text.startswith(upto) or len(upto) <= len(prefix):
+            raise ChatTemplateError(
+                f"the chat template does not render turn {i} as a prefix of the whole conversation; "
+                "assistant spans cannot be derived by prefix rendering"
+            )
+        spans.append((len(prefix), len(upto)))
+    return text, spans
+
+
+def end_of_turn_text(tokenizer) -> str:
+    """What the template writes right after an assistant reply, e.g. '<|im_end|>' (whitespace stripped)."""
+    probe = "d5a1e7"
+    text = render(tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": probe}])
+    return text[text.rindex(probe) + len(probe) :].strip()
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Token ids that end an assistant turn: the end-of-turn token (when it is one token) and eos."""
+    ids = []
+    eot = end_of_turn_text(tokenizer)
+    if eot:
+        eot_ids = tokenizer.encode(eot, add_special_tokens=False)
+        if len(eot_ids) == 1:
+            ids.append(eot_ids[0])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+@dataclass
+class FormattedChat:
+    input_ids: list[int]
+    loss_mask: list[bool]  # True on assistant tokens (the labels the heads learn)
+    truncated: bool
+
+
+def format_conversation(tokenizer, messages: list[dict], max_length: int) -> FormattedChat:
+    """Tokenize one conversation with the chat template; keep the first `max_length` tokens."""
+    text, spans = assistant_char_spans(tokenizer, messages)
+    pieces, pos = [], 0  # (text, is_label) alternating prompt / assistant span
+    for start, end in spans:
+        pieces += [(text[pos:start], False), (text[start:end], True)]
+        pos = end
+    pieces.append((text[pos:], False))
+    ids: list[int] = []
+    mask: list[bool] = []
+    for piece, is_label in pieces:
+        if piece:
+            # add_special_tokens=False: the template already writes BOS/system tokens where the model wants them
+            piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+            ids += piece_ids
+            mask += [is_label] * len(piece_ids)
+    truncated = len(ids) > max_length
+    return FormattedChat(ids[:max_length], mask[:max_length], truncated)
+
+
+@dataclass
+class FormatReport:
+    conversations: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    loss_tokens: int = 0
+
+    def to_dict(self):
+        return asdict(self)
+
+    def summary(self) -> str:
+        return (
+            f"formatted {self.kept}/{self.conversations} conversations, {self.tokens} tokens "
+            f"({self.loss_tokens} assistant), {self.truncated} truncated, dropped {self.dropped or 'none'}"
+        )
+
+
+def tokenize_conversations(
+    dataset: datasets.Dataset, tokenizer, max_length: int, num_proc: int | None = None
+) -> tuple[datasets.Dataset, FormatReport]:
+    """`messages` dataset -> dataset with `id`, `input_ids`, `loss_mask`; drops (and counts) samples
+    with no assistant token inside `max_length`."""
+
+    def fmt(row):
+        f = format_conversation(tokenizer, row["messages"], max_length)
+        return {"input_ids": f.input_ids, "loss_mask": f.loss_mask, "truncated": f.truncated, "n_loss": sum(f.loss_mask)}
+
+    mapped = dataset.map(fmt, remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc, desc="chat template")
+    report = FormatReport(conversations=len(mapped))
+    n_loss = mapped["n_loss"]
+    report.truncated = int(sum(mapped["truncated"]))
+    keep = [i for i, n in enumerate(n_loss) if n > 0]
+    if len(keep) < len(mapped):
+        report.dropped = {"no_assistant_token_within_max_length": len(mapped) - len(keep)}
+    out = mapped.select(keep).remove_columns(["truncated", "n_loss"])
+    report.kept = len(out)
+    report.loss_tokens = int(sum(n_loss[i] for i in keep))
+    report.tokens = int(sum(len(x) for x in out["input_ids"]))
+    return out, report

@@ -1,0 +1,321 @@
+"""The run config: small typed dataclasses, YAML presets, `key=value` / `a.b=value` overrides.
+
+Unknown keys are errors naming the key and the valid ones (STYLE.md 5). The head section is a
+free-form dict `{kind, ...}` checked by the head's own config class (heads/config.py), so head
+options have one home.
+
+    cfg = load_config("configs/eagle3.yaml", ["lr=3e-4", "data.limit=2000"])
+    cfg = load_config("eagle3")   # a preset name: configs/eagle3.yaml
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..targets import DTYPES
+
+DTYPE_NAMES = tuple(DTYPES)
+
+# Presets live in the repository's configs/ folder (one home for run settings).
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+SCHEDULES = ("cosine", "linear", "constant")
+MIXED_PRECISION = ("no", "bf16", "fp16")
+REPORT_TO = ("none", "wandb")
+FEATURE_MODES = ("online", "captured")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+
+
+@dataclass
+class DataConfig:
+    source: str = "sharegpt"  # sharegpt | json | regenerated (train/sources.py)
+    path: str | None = None  # file for json/regenerated; overrides the package file for sharegpt
+    limit: int | None = None  # first N usable conversations
+    max_length: int = 1024  # tokens per sample after the chat template (longer ones are cut)
+    eval_fraction: float = 0.02  # held-out share of samples ...
+    eval_size: int | None = 64  # ... capped at this many
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction must be in [0, 1); got {self.eval_fraction}")
+        if self.max_length < 2:
+            raise ConfigError(f"data.max_length must be >= 2; got {self.max_length}")
+
+
+@dataclass
+class FeaturesConfig:
+    # online: run the frozen target inside every step; captured: read shards written by
+    # `drafthead data capture` (REFERENCE.md s.5: capture once, reuse across epochs on CPU).
+    mode: str = "online"
+    path: str | None = None  # captured shard folder
+    dtype: str = "bfloat16"  # storage dtype of captured hidden states
+    shard_samples: int = 256
+
+    def __post_init__(self) -> None:
+        _choice("features.mode", self.mode, FEATURE_MODES)
+        _choice("features.dtype", self.dtype, DTYPE_NAMES)
+        if self.mode == "captured" and not self.path:
+            raise ConfigError("features.mode=captured needs features.path (a `drafthead data capture` folder)")
+
+
+@dataclass
+class LoraConfig:
+    """Medusa-2: the target is fine-tuned jointly through LoRA (Cai et al. 2024, sec. 2.3.2).
+
+    loss = lm_loss_weight * CE(target LM, assistant tokens) + head_loss_weight * sum_k heads' loss.
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lr: float | None = None  # LoRA learning rate; None: the run's lr times lr_scale
+    lr_scale: float = 0.25  # backbone learns slower than fresh heads
+    lm_loss_weight: float = 1.0
+    head_loss_weight: float = 0.2
+
+
+@dataclass
+class TrainConfig:
+    target: str = "smollm2-135m"  # built-in name or local folder (drafthead.targets.load_target)
+    target_dtype: str = "float32"  # dtype the target is loaded in (bf16 halves online feature cost)
+    head: dict = field(default_factory=lambda: {"kind": "medusa1"})  # {kind, ...} -> heads/config.py
+    data: DataConfig = field(default_factory=DataConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # used only when head.kind == medusa2
+
+    batch_size: int = 4  # per process
+    grad_accum: int = 1
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.0  # the schedule decays to lr * min_lr_ratio
+    max_steps: int | None = None  # optimizer steps; takes precedence over epochs
+    epochs: float | None = 1.0
+    clip_norm: float | None = 1.0
+    mixed_precision: str = "no"
+
+    checkpoint_every: int = 200  # optimizer steps (and at the end); 0: never
+    keep_checkpoints: int = 2
+    eval_every: int = 200  # optimizer steps; 0: only at the end
+    eval_batches: int | None = None  # cap per evaluation
+    log_every: int = 10
+    output_dir: str = "runs/run"
+    seed: int = 0
+    report_to: str = "none"
+    wandb_project: str = "drafthead"
+    run_name: str | None = None
+    threads: int | None = None  # torch threads per process; None: leave as is
+
+    def __post_init__(self) -> None:
+        _choice("target_dtype", self.target_dtype, DTYPE_NAMES)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        _choice("report_to", self.report_to, REPORT_TO)
+        if not isinstance(self.head, dict) or "kind" not in self.head:
+            raise ConfigError("head must be a mapping with a 'kind' (medusa1, medusa2, eagle1, eagle3)")
+        for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        if self.max_steps is None and self.epochs is None:
+            raise ConfigError("set max_steps or epochs")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be >= 1; got {self.max_steps}")
+        if len(self.betas) != 2:
+            raise ConfigError(f"betas must be two numbers; got {self.betas}")
+
+    @property
+    def head_kind(self) -> str:
+        return self.head["kind"]
+
+    @property
+    def joint_lora(self) -> bool:
+        """Medusa-2 trains the target with LoRA alongside the heads."""
+        return self.head_kind == "medusa2"
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        return _build(cls, data, "")
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+# ----------------------------------------------------------------------------------------------
+# Building dataclasses from dicts with checks
+# ----------------------------------------------------------------------------------------------
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """Check/convert a YAML value against an annotation (int, float, str, bool, list, dict, Optional)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(name, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{name}: bad value {value!r}")
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list; got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name} must be true or false; got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{name} must be an integer; got {value!r}")
+    if tp is float:
+        # YAML 1.1 reads "1e-3" as a string: accept numeric strings for float fields
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name} must be a number; got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{name} must be a string; got {value!r}")
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a mapping; got {value!r}")
+        return dict(value)
+    return value
+
+
+def _build(cls, data: Any, prefix: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping; got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ConfigError(
+            f"unknown config key '{prefix}{unknown[0]}'; valid keys{' under ' + prefix.rstrip('.') if prefix else ''}: "
+            + ", ".join(fields)
+        )
+    kwargs = {}
+    for k, v in data.items():
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _build(tp, v, f"{prefix}{k}.")
+        else:
+            kwargs[k] = _coerce(f"{prefix}{k}", v, tp)
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(str(e)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# YAML + overrides
+# ----------------------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b=value' -> (['a', 'b'], yaml-parsed value)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    return key.split("."), yaml.safe_load(raw) if raw.strip() else None
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set each `a.b=value` in a nested dict (copying); unknown keys are caught when building."""
+    data = _deep_copy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _deep_copy(d):
+    return {k: _deep_copy(v) for k, v in d.items()} if isinstance(d, dict) else d
+
+
+def resolve_config_path(name_or_path: str | Path) -> Path:
+    """A YAML path, or a preset name looked up in configs/."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        return path
+    preset = PRESET_DIR / f"{name_or_path}.yaml"
+    if not preset.exists():
+        names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+        raise ConfigError(f"no config file or preset named {name_or_path!r}; presets: {', '.join(names)}")
+    return preset
+
+
+def load_config(name_or_path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    data: dict = {}
+    if name_or_path is not None:
+        path = resolve_config_path(name_or_path)
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    return TrainConfig.from_dict(apply_overrides(data, list(overrides)))
+
+
+def head_config_dict(config: TrainConfig) -> dict:
+    """The head section without `kind`, checked against the head kind's config class now, so a
+    typo fails before any model is loaded."""
+    from ..heads.config import config_from_dict
+
+    try:
+        config_from_dict(dict(config.head))
+    except ValueError as e:
+        raise ConfigError(f"head: {e}") from None
+    return {k: v for k, v in config.head.items() if k != "kind"}

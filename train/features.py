@@ -1,0 +1,293 @@
+"""Target features for training: computed online inside the step, or captured ahead into shards.
+
+Both paths produce the same `FeatureBatch` (heads/batch.py), so the trainer never knows which it
+has (STYLE.md 9). Capturing once and reusing the shards across epochs is the default for real
+targets on CPU: a target forward with all hidden states runs at ~1,600 tokens/s here (REFERENCE.md s.5).
+
+Shard layout (`drafthead data capture`): `<dir>/index.json` plus `shard-00000.safetensors`, ...
+Each shard holds `shard_samples` consecutive samples flattened over tokens (no padding on disk):
+
+    offsets        int64 [n+1]    sample i is tokens offsets[i]:offsets[i+1]
+    input_ids      int64 [N]
+    attention_mask uint8 [N]      all ones: padding is added when batching
+    loss_mask      bool  [N]
+    hidden.{l}     [N, H]         output_hidden_states[l], stored in `dtype` (bf16 halves the disk)
+
+Hidden states at a sample's real tokens do not depend on the right padding added for batching,
+except for float rounding of differently shaped matmuls (~1e-7 in fp32): capture with the
+training batch size and order to get bit-identical batches.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..heads.batch import FeatureBatch
+from ..targets import resolve_dtype
+
+INDEX_FILE = "index.json"
+FORMAT_VERSION = 1
+def required_layers(head_config, num_hidden_layers: int) -> tuple[int, ...]:
+    """output_hidden_states indices a head trains on: its `feature_layers`, the final normed state
+    (index L = num_hidden_layers) when it `needs_last_hidden` (Medusa), and whatever else its
+    config lists in `train_hidden_layers` (heads/config.py: EAGLE-3's soft targets read L)."""
+    layers = {int(i) for i in head_config.feature_layers}
+    layers |= {int(i) for i in getattr(head_config, "train_hidden_layers", ())}
+    if head_config.needs_last_hidden:
+        layers.add(num_hidden_layers)
+    bad = sorted(i for i in layers if not 0 <= i <= num_hidden_layers)
+    if bad:
+        raise ValueError(f"feature layers {bad} out of range 0..{num_hidden_layers} for this target")
+    return tuple(sorted(layers))
+
+
+# ----------------------------------------------------------------------------------------------
+# Batching
+# ----------------------------------------------------------------------------------------------
+
+
+def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0) -> FeatureBatch:
+    """Right-pad samples {input_ids [T], loss_mask [T], hidden_states {l: [T, H]}?} into a FeatureBatch."""
+    lengths = [len(s["input_ids"]) for s in samples]
+    B, T = len(samples), max(lengths)
+    input_ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((B, T), dtype=torch.long)
+    loss_mask = torch.zeros((B, T), dtype=torch.bool)
+    hidden = {}
+    for b, (s, n) in enumerate(zip(samples, lengths)):
+        input_ids[b, :n] = torch.as_tensor(s["input_ids"], dtype=torch.long)
+        attention_mask[b, :n] = 1
+        loss_mask[b, :n] = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
+        for layer, h in (s.get("hidden_states") or {}).items():
+            if layer not in hidden:
+                hidden[layer] = torch.zeros((B, T, h.shape[-1]), dtype=h.dtype)  # [B, T, H]
+            hidden[layer][b, :n] = h
+    return FeatureBatch(input_ids, attention_mask, loss_mask, hidden)
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Samples {input_ids, loss_mask} of a tokenized `datasets.Dataset` (train/chat_format.py)."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        row = self.dataset[int(i)]
+        return {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long), "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.bool)}
+
+    def token_counts(self, vocab_size: int, indices: Iterable[int] | None = None) -> torch.Tensor:
+        """[V] how often each token id is a loss-masked (assistant) token in the given samples."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for i in range(len(self)) if indices is None else indices:
+            s = self[i]
+            counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
+        return counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Online
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+    """{layer: [B, T, H]} target hidden states (output_hidden_states indices), without gradients.
+
+    Runs only the decoder stack (`get_decoder()`), skipping the LM head: for SmolLM2 that head is
+    28M of 135M parameters (REFERENCE.md s.5). Passing the indices to `output_hidden_states`
+    keeps only those states alive. Padded positions are zeroed, as `collate` pads captured states:
+    their values are meaningless and must not differ between the two paths.
+    """
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    device = next(model.parameters()).device
+    out = decoder(
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
+        output_hidden_states=list(layers),
+        use_cache=False,
+    )
+    real = attention_mask.to(device)[..., None].bool()  # [B, T, 1]
+    return {layer: out.hidden_states[layer].masked_fill(~real, 0.0) for layer in layers}
+
+
+class OnlineFeaturizer:
+    """FeatureBatch without hidden states -> with them, by running the frozen target."""
+
+    def __init__(self, model, layers: Sequence[int]):
+        self.model, self.layers = model, tuple(layers)
+
+    def __call__(self, batch: FeatureBatch) -> FeatureBatch:
+        device = next(self.model.parameters()).device
+        hidden = target_features(self.model, batch.input_ids, batch.attention_mask, self.layers)
+        return FeatureBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.loss_mask.to(device), hidden)
+
+
+# ----------------------------------------------------------------------------------------------
+# Captured shards
+# ----------------------------------------------------------------------------------------------
+
+
+def _shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def capture_features(
+    model,
+    samples: torch.utils.data.Dataset,
+    layers: Sequence[int],
+    out_dir: str | Path,
+    *,
+    batch_size: int = 4,
+    shard_samples: int = 256,
+    dtype: str | torch.dtype = "float32",
+    pad_token_id: int = 0,
+    meta: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
+    """Run the target over `samples` (TokenDataset-like) and write hidden states to shards.
+
+    Resumable: a shard covers samples [k*shard_samples, (k+1)*shard_samples) and is written to a
+    temp file then renamed, so complete shards from an interrupted run are kept and skipped.
+    `progress(n)` is called with the number of samples done after each batch. Returns the index path.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store_dtype = resolve_dtype(dtype)
+    layers = tuple(sorted(layers))
+    n = len(samples)
+    plan = {
+        "version": FORMAT_VERSION,
+        "layers": list(layers),
+        "dtype": str(store_dtype).removeprefix("torch."),
+        "num_samples": n,
+        "shard_samples": shard_samples,
+        "batch_size": batch_size,
+        "meta": meta or {},
+    }
+    plan_file = out_dir / "capture.json"
+    if plan_file.exists() and json.loads(plan_file.read_text()) != plan:
+        raise ValueError(f"{out_dir} holds a capture with different settings ({plan_file}); use another --out")
+    plan_file.write_text(json.dumps(plan, indent=1))
+
+    shards = []
+    hidden_size = None
+    for k, start in enumerate(range(0, n, shard_samples)):
+        stop = min(n, start + shard_samples)
+        path = out_dir / _shard_name(k)
+        if not path.exists():
+            tensors = _capture_shard(model, samples, range(start, stop), layers, batch_size, store_dtype, pad_token_id, progress)
+            tmp = path.with_suffix(".tmp")
+            save_file(tensors, str(tmp))
+            os.replace(tmp, path)
+        elif progress is not None:
+            progress(stop - start)
+        with safe_open(str(path), "pt") as f:
+            num_tokens = f.get_slice("input_ids").get_shape()[0]
+            hidden_size = f.get_slice(f"hidden.{layers[0]}").get_shape()[1]
+        shards.append({"file": path.name, "num_samples": stop - start, "num_tokens": num_tokens})
+
+    index = dict(plan, hidden_size=hidden_size, shards=shards)
+    tmp = out_dir / (INDEX_FILE + ".tmp")
+    tmp.write_text(json.dumps(index, indent=1))
+    os.replace(tmp, out_dir / INDEX_FILE)
+    return out_dir / INDEX_FILE
+
+
+def _capture_shard(model, samples, indices, layers, batch_size, store_dtype, pad_token_id, progress) -> dict[str, torch.Tensor]:
+    ids, att, lm, offsets = [], [], [], [0]
+    hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
+    indices = list(indices)
+    for b0 in range(0, len(indices), batch_size):
+        chunk = [samples[i] for i in indices[b0 : b0 + batch_size]]
+        batch = collate(chunk, pad_token_id)
+        feats = target_features(model, batch.input_ids, batch.attention_mask, layers)
+        for b, s in enumerate(chunk):
+            t = len(s["input_ids"])
+            ids.append(batch.input_ids[b, :t])
+            att.append(batch.attention_mask[b, :t].to(torch.uint8))
+            lm.append(batch.loss_mask[b, :t])
+            offsets.append(offsets[-1] + t)
+            for layer in layers:
+                hidden[layer].append(feats[layer][b, :t].to("cpu", store_dtype))
+        if progress is not None:
+            progress(len(chunk))
+    tensors = {
+        "offsets": torch.tensor(offsets, dtype=torch.long),
+        "input_ids": torch.cat(ids),
+        "attention_mask": torch.cat(att),
+        "loss_mask": torch.cat(lm),
+    }
+    tensors.update({f"hidden.{layer}": torch.cat(hs).contiguous() for layer, hs in hidden.items()})
+    return tensors
+
+
+class CapturedFeatures(torch.utils.data.Dataset):
+    """Samples {input_ids, loss_mask, hidden_states} read lazily (memory-mapped) from captured shards."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        index_file = self.dir / INDEX_FILE
+        if not index_file.exists():
+            raise FileNotFoundError(f"no captured features at {self.dir} (missing {INDEX_FILE}); run `drafthead data capture`")
+        self.index = json.loads(index_file.read_text())
+        if self.index.get("version") != FORMAT_VERSION:
+            raise ValueError(f"{index_file}: format version {self.index.get('version')}, expected {FORMAT_VERSION}")
+        self.layers: tuple[int, ...] = tuple(self.index["layers"])
+        self.hidden_size: int = self.index["hidden_size"]
+        self._starts = []  # first global sample index of each shard
+        total = 0
+        for shard in self.index["shards"]:
+            self._starts.append(total)
+            total += shard["num_samples"]
+        self._len = total
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < self._len:
+            raise IndexError(i)
+        k = max(j for j, s in enumerate(self._starts) if s <= i)
+        return k, i - self._starts[k]
+
+    def _shard(self, k: int):
+        if k not in self._handles:
+            self._handles[k] = safe_open(str(self.dir / self.index["shards"][k]["file"]), "pt")
+            self._offsets[k] = self._handles[k].get_tensor("offsets")
+        return self._handles[k], self._offsets[k]
+
+    def __getitem__(self, i: int, *, with_hidden: bool = True) -> dict[str, Any]:
+        k, j = self._locate(int(i))
+        f, offsets = self._shard(k)
+        a, b = int(offsets[j]), int(offsets[j + 1])
+        sample = {
+            "input_ids": f.get_slice("input_ids")[a:b],
+            "loss_mask": f.get_slice("loss_mask")[a:b],
+        }
+        if with_hidden:
+            sample["hidden_states"] = {layer: f.get_slice(f"hidden.{layer}")[a:b] for layer in self.layers}
+        return sample
+
+    def token_counts(self, vocab_size: int, indices: Iterable[int] | None = None) -> torch.Tensor:
+        """[V] how often each token id is a loss-masked (assistant) token in the given samples."""
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for i in range(len(self)) if indices is None else indices:
+            s = self.__getitem__(i, with_hidden=False)
+            counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
+        return counts
+
+    def __getstate__(self):  # safe_open handles do not pickle (DataLoader workers): reopen lazily
+        state = dict(self.__dict__)
+        state["_handles"], state["_offsets"] = {}, {}
+        return state

@@ -1,0 +1,175 @@
+"""Self-distillation data: the target re-answers every user turn of a conversation set.
+
+A draft head learns to predict the *target's* continuations; ShareGPT's answers come from other
+models, so training on the target's own answers raises acceptance (Medusa-2's self-distillation,
+EAGLE's "fixed dataset vs regenerated" ablation). Multi-turn conversations are answered turn by
+turn: turn k's prompt holds the target's own answers to turns 1..k-1.
+
+Output: OpenAI-form JSONL, one `{"id", "messages", "generation"}` record per conversation, in the
+form `train/sources.py` reads back. Resumable: ids already in the file are skipped; each record is
+written and flushed as soon as its batch finishes, so an interruption loses at most one batch.
+A torn last line (killed mid-write) is cut off before appending.
+"""
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from .chat_format import render, stop_token_ids
+
+
+@dataclass
+class RegenerateReport:
+    already_done: int = 0  # ids found in the output file
+    written: int = 0  # records appended now
+    turns_answered: int = 0
+    answers_cut: int = 0  # stopped by max_new_tokens, not by an end-of-turn token
+    empty_answers: int = 0  # the conversation stops before such a turn
+    prompts_too_long: int = 0  # the conversation stops before such a turn
+    skipped_no_answer: int = 0  # conversations that ended with no answered turn
+
+    def to_dict(self):
+        return asdict(self)
+
+    def summary(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.to_dict().items())
+
+
+def done_ids(path: Path) -> set[str]:
+    """Ids already written; repairs a torn last line (no trailing newline / bad JSON) by cutting it."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    ids: set[str] = set()
+    good_end = 0
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break  # last line without newline: torn
+        line = data[pos:nl]
+        if line.strip():
+            try:
+                ids.add(str(json.loads(line)["id"]))
+            except (ValueError, KeyError, TypeError):
+                break  # a broken line: everything from here on is dropped
+        pos = good_end = nl + 1
+    if good_end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return ids
+
+
+def _split_turns(messages: list[dict]) -> tuple[list[dict], list[str]]:
+    """(leading system messages, user contents in order)."""
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    return system, users
+
+
+@torch.no_grad()
+def answer(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
+           stop_ids: list[int], pad_id: int) -> list[tuple[str, bool]]:
+    """Batched generation with left padding -> [(answer text, ended with a stop token)]."""
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
+    device = next(model.parameters()).device
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids)
+    if temperature > 0:
+        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
+    else:
+        kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    out = model.generate(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device), **kwargs)
+    new = out[:, enc["input_ids"].shape[1] :].cpu()
+    results = []
+    for row in new:
+        hits = [i for i, t in enumerate(row.tolist()) if t in stop_ids]
+        ended = bool(hits)
+        ids = row[: hits[0]] if hits else row
+        results.append((tokenizer.decode(ids, skip_special_tokens=True).strip(), ended))
+    return results
+
+
+def regenerate(
+    model,
+    tokenizer,
+    conversations: Iterable[dict],
+    out_path: str | Path,
+    *,
+    max_new_tokens: int = 512,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    batch_size: int = 8,
+    max_prompt_tokens: int | None = None,
+    max_turns: int | None = None,
+    seed: int = 0,
+    target_name: str | None = None,
+    progress: bool = True,
+) -> RegenerateReport:
+    """Re-answer `conversations` ({id, messages}) with `model`; append records to `out_path`."""
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = done_ids(out_path)
+    report = RegenerateReport(already_done=len(done))
+    todo = [c for c in conversations if str(c["id"]) not in done]
+    stop_ids = stop_token_ids(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
+    limit = max_prompt_tokens or getattr(model.config, "max_position_embeddings", None)
+    generation = {"target": target_name, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
+    with open(out_path, "a", encoding="utf-8") as f:
+        for b0 in range(0, len(todo), batch_size):
+            batch = todo[b0 : b0 + batch_size]
+            # seeded by the batch's first id: reruns of the same batch sample the same answers
+            torch.manual_seed(seed + zlib.crc32(str(batch[0]["id"]).encode()))
+            turns = [_split_turns(c["messages"]) for c in batch]
+            history = [list(system) for system, _ in turns]
+            users = [u[:max_turns] if max_turns else u for _, u in turns]
+            open_ = [True] * len(batch)
+            for k in range(max(len(u) for u in users)):
+                active, prompts = [], []
+                for i in range(len(batch)):
+                    if not open_[i] or k >= len(users[i]):
+                        continue
+                    prompt = render(tokenizer, history[i] + [{"role": "user", "content": users[i][k]}], add_generation_prompt=True)
+                    if limit is not None and len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) + max_new_tokens > limit:
+                        report.prompts_too_long += 1
+                        open_[i] = False
+                        continue
+                    active.append(i)
+                    prompts.append(prompt)
+                if not active:
+                    break
+                answers = answer(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 top_p=top_p, stop_ids=stop_ids, pad_id=pad_id)
+                for i, (text, ended) in zip(active, answers):
+                    if not text:
+                        report.empty_answers += 1
+                        open_[i] = False
+                        continue
+                    history[i] += [{"role": "user", "content": users[i][k]}, {"role": "assistant", "content": text}]
+                    report.turns_answered += 1
+                    report.answers_cut += not ended
+            for conv, messages in zip(batch, history):
+                if not any(m["role"] == "assistant" for m in messages):
+                    report.skipped_no_answer += 1
+                    continue
+                f.write(json.dumps({"id": str(conv["id"]), "messages": messages, "generation": generation}, ensure_ascii=False) + "\n")
+                report.written += 1
+            f.flush()
+            os.fsync(f.fileno())
+            if bar is not None:
+                bar.update(len(batch))
+    if bar is not None:
+        bar.close()
+    return report

@@ -1,0 +1,149 @@
+"""From a run config to a Trainer (and to captured feature shards): the `build_*` layer between
+the CLI and the loop (STYLE.md 7). The target is an argument; `run_training` alone loads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .chat_format import FormatReport, tokenize_conversations
+from .config import ConfigError, TrainConfig, head_config_dict
+from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, required_layers
+from .sources import SourceReport, load_conversations
+from .trainer import TrainData, Trainer, TrainResult, make_accelerator, split_indices, wrap_lora
+
+
+@dataclass
+class Samples:
+    dataset: torch.utils.data.Dataset  # TokenDataset or CapturedFeatures
+    source_report: SourceReport | None = None
+    format_report: FormatReport | None = None
+
+
+def pad_token_id(tokenizer) -> int:
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def head_config(config: TrainConfig, target_model, tokenizer, target_name: str | None = None):
+    """The head's typed config for this target (heads.registry.make_config + the run's head options)."""
+    from ..heads.registry import make_config
+
+    return make_config(config.head_kind, target_model, tokenizer, name=target_name, **head_config_dict(config))
+
+
+def token_samples(config: TrainConfig, tokenizer) -> Samples:
+    """Conversations of `config.data`, chat-formatted with the target's tokenizer."""
+    conversations, source_report = load_conversations(config.data.source, config.data.path, config.data.limit)
+    tokenized, format_report = tokenize_conversations(conversations, tokenizer, config.data.max_length)
+    if len(tokenized) == 0:
+        raise ValueError(f"no sample left after chat formatting: {format_report.summary()}")
+    return Samples(TokenDataset(tokenized), source_report, format_report)
+
+
+def build_samples(config: TrainConfig, tokenizer, layers: tuple[int, ...]) -> Samples:
+    if config.features.mode == "captured":
+        captured = CapturedFeatures(config.features.path)
+        missing = sorted(set(layers) - set(captured.layers))
+        if missing:
+            raise ConfigError(
+                f"captured features at {config.features.path} hold layers {list(captured.layers)}; "
+                f"this head needs {list(layers)} (missing {missing}): capture again for this head"
+            )
+        made_from = captured.index.get("meta", {}).get("data")
+        if made_from is not None and made_from != config.to_dict()["data"]:
+            raise ConfigError(
+                f"captured features at {config.features.path} were made from data {made_from}, this run's data is "
+                f"{config.to_dict()['data']}: the train/eval split would not match; capture again or fix the data section"
+            )
+        return Samples(captured)
+    return token_samples(config, tokenizer)
+
+
+def build_trainer(
+    config: TrainConfig,
+    target_model,
+    tokenizer,
+    *,
+    target_name: str | None = None,
+    accelerator=None,
+    say: Callable[[str], None] = lambda message: None,
+) -> Trainer:
+    """Everything a run needs, built from the config around an already loaded target."""
+    accelerator = accelerator or make_accelerator(config)
+    hcfg = head_config(config, target_model, tokenizer, target_name)
+    layers = required_layers(hcfg, hcfg.final_layer)
+    if config.joint_lora and config.features.mode == "captured":
+        raise ConfigError("medusa2 trains the target jointly: its features change every step, so features.mode must be online")
+
+    with accelerator.main_process_first():  # the first process fills the data caches, the others read them
+        samples = build_samples(config, tokenizer, layers)
+    for report in (samples.source_report, samples.format_report):
+        if report is not None:
+            say(report.summary())
+    train_idx, eval_idx = split_indices(len(samples.dataset), config.data.eval_fraction, config.data.eval_size, config.seed)
+
+    token_counts = None
+    if getattr(hcfg, "draft_vocab_size", hcfg.vocab_size) < hcfg.vocab_size:
+        # EAGLE-3's reduced vocab: the most frequent *assistant* tokens of the training split
+        token_counts = samples.dataset.token_counts(hcfg.vocab_size, train_idx)
+    from ..heads.registry import build_head
+
+    torch.manual_seed(config.seed)  # the head's random init
+    head = build_head(hcfg, target_model, token_counts=token_counts, dtype=torch.float32)
+
+    target = None
+    featurize = None
+    if config.joint_lora:
+        target = wrap_lora(target_model, config.lora)
+    elif config.features.mode == "online":
+        featurize = OnlineFeaturizer(target_model, layers)
+    data = TrainData(
+        train=torch.utils.data.Subset(samples.dataset, train_idx),
+        eval=torch.utils.data.Subset(samples.dataset, eval_idx) if eval_idx else None,
+        featurize=featurize,
+        pad_token_id=pad_token_id(tokenizer),
+    )
+    return Trainer(config, head, data, accelerator=accelerator, target=target, layers=layers)
+
+
+def run_training(config: TrainConfig, *, resume: bool = False, say: Callable[[str], None] = print) -> TrainResult:
+    """Load the target named by the config on this process's device, build, train."""
+    from ..targets import load_target
+
+    accelerator = make_accelerator(config)
+    loaded = load_target(config.target, dtype=config.target_dtype, device=accelerator.device, threads=config.threads)
+    main_say = say if accelerator.is_main_process else (lambda message: None)
+    trainer = build_trainer(config, loaded.model, loaded.tokenizer, target_name=loaded.name, accelerator=accelerator, say=main_say)
+    return trainer.fit(resume=resume)
+
+
+def capture_from_config(
+    config: TrainConfig,
+    target_model,
+    tokenizer,
+    out_dir: str | Path,
+    *,
+    target_name: str | None = None,
+    batch_size: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    say: Callable[[str], None] = lambda message: None,
+) -> Path:
+    """Capture the hidden states the config's head needs, over all of the config's samples (the
+    trainer splits train/eval by index, the same way for online and captured data)."""
+    hcfg = head_config(config, target_model, tokenizer, target_name)
+    layers = required_layers(hcfg, hcfg.final_layer)
+    samples = token_samples(config, tokenizer)
+    for report in (samples.source_report, samples.format_report):
+        say(report.summary())
+    meta = {"target": target_name, "data": config.to_dict()["data"]}
+    return capture_features(
+        target_model, samples.dataset, layers, out_dir,
+        batch_size=batch_size or config.batch_size, shard_samples=config.features.shard_samples,
+        dtype=config.features.dtype, pad_token_id=pad_token_id(tokenizer), meta=meta, progress=progress,
+    )

@@ -1,0 +1,100 @@
+"""A tiny random target (2-layer Llama, byte-level BPE with a ChatML template) and synthetic chats.
+
+For tests and smoke runs of the whole pipeline without a real model (STYLE.md 10): everything is
+built offline and deterministically from a seed.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+# ChatML like SmolLM2's, without its default system prompt.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_WORDS = "zero one two three four five six seven eight nine ten red green blue cat dog bird sun moon tree".split()
+
+
+def tiny_conversations(n: int, seed: int = 0, max_turns: int = 2) -> list[list[dict]]:
+    """Synthetic chats with a learnable pattern: the assistant continues a word sequence."""
+    rng = random.Random(seed)
+    convs = []
+    for _ in range(n):
+        messages = []
+        for _ in range(rng.randint(1, max_turns)):
+            start, length = rng.randrange(len(_WORDS)), rng.randint(3, 8)
+            seq = [_WORDS[(start + k) % len(_WORDS)] for k in range(length)]
+            messages.append({"role": "user", "content": "continue: " + " ".join(seq[:2])})
+            messages.append({"role": "assistant", "content": " ".join(seq)})
+        convs.append(messages)
+    return convs
+
+
+def write_tiny_jsonl(path: str | Path, n: int, seed: int = 0) -> Path:
+    """Write `n` synthetic chats as OpenAI-form JSONL (one `{id, messages}` per line)."""
+    path = Path(path)
+    with path.open("w") as f:
+        for i, messages in enumerate(tiny_conversations(n, seed)):
+            f.write(json.dumps({"id": f"tiny-{i}", "messages": messages}) + "\n")
+    return path
+
+
+def tiny_tokenizer(vocab_size: int = 320):
+    """Byte-level BPE trained on the synthetic chats; fast (has offsets) and has a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [m["content"] for conv in tiny_conversations(200, seed=1234) for m in conv]
+    corpus += ["user", "assistant", "system", "Hello! How can I help?"]
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    return fast
+
+
+def tiny_target(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
+    """A random LlamaForCausalLM sized to `tokenizer` (fp32, eval mode)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config).eval()
+
+
+def save_tiny_target(out_dir: str | Path, *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
+    """Save a tiny random target + tokenizer as a Hugging Face folder that `from_pretrained` loads."""
+    out_dir = Path(out_dir)
+    tokenizer = tiny_tokenizer(vocab_size)
+    model = tiny_target(tokenizer, hidden_size, num_layers, seed)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,467 @@
+"""The training loop: a head (and for Medusa-2 the target's LoRA) on FeatureBatches.
+
+One code path for one process and for `accelerate launch` / `torchrun` (STYLE.md 8): the
+`Accelerator` says how many processes there are; each reads its own slice of every shuffled
+epoch; only the main process writes checkpoints, metrics and the final head.
+
+Data position is a single counter, `micro_step` (micro-batches consumed by each process): the
+epoch is `micro_step // batches_per_epoch` and the batch within it `micro_step %
+batches_per_epoch`; epoch e is shuffled by a generator seeded with `sampler_seed + e`. So a
+checkpoint holding `micro_step`, the model/optimizer/scheduler states and every RNG state
+resumes exactly where the run stopped.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..heads.batch import FeatureBatch
+from ..heads.io import shifted_labels
+from .checkpoint import (
+    TrainState,
+    capture_rng_state,
+    checkpoint_name,
+    checkpoint_root,
+    latest_checkpoint,
+    load_checkpoint,
+    restore_rng_state,
+    save_checkpoint,
+)
+from .config import TrainConfig
+from .evaluate import WEIGHT_KEY, MetricMean, summarize
+from .features import collate
+from .tracking import RunLog
+
+FINAL_DIR = "final"
+CONFIG_FILE = "config.yaml"
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss (or gradient norm) became NaN/inf; nothing was written after the last checkpoint."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure rules
+# ----------------------------------------------------------------------------------------------
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_ratio: float = 0.0) -> float:
+    """Multiplier of the base LR for optimizer step `step` (0-based): linear warmup to 1 over
+    `warmup_steps`, then cosine / linear decay to `min_ratio` at `total_steps`, or constant."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, max(0.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)))
+    if schedule == "cosine":
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def batches_per_epoch(num_samples: int, batch_size: int, world_size: int) -> int:
+    """Whole batches each process gets per epoch; the remainder of the shuffle is dropped so all
+    processes take the same number of steps."""
+    return num_samples // (batch_size * world_size)
+
+
+def epoch_batches(num_samples: int, batch_size: int, world_size: int, rank: int, seed: int, epoch: int) -> list[list[int]]:
+    """This process's batches (sample indices) of one epoch: shuffle with seed + epoch, drop the
+    remainder, deal samples round-robin to processes (like DistributedSampler), then chunk."""
+    g = torch.Generator().manual_seed(seed + epoch)
+    perm = torch.randperm(num_samples, generator=g).tolist()
+    n_batches = batches_per_epoch(num_samples, batch_size, world_size)
+    mine = perm[: n_batches * batch_size * world_size][rank::world_size]
+    return [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+
+
+def split_indices(n: int, eval_fraction: float, eval_size: int | None, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) sample indices: a seeded shuffle, `eval_fraction` of n capped at `eval_size`
+    held out (at least one sample when the fraction is > 0 and n > 1)."""
+    k = int(round(n * eval_fraction))
+    if eval_fraction > 0 and n > 1:
+        k = max(1, k)
+    if eval_size is not None:
+        k = min(k, eval_size)
+    k = min(k, n - 1)
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return sorted(perm[k:]), sorted(perm[:k])
+
+
+# ----------------------------------------------------------------------------------------------
+# What is differentiated: wrappers whose forward is the loss, so DDP sees a forward call
+# ----------------------------------------------------------------------------------------------
+
+
+class HeadLoss(nn.Module):
+    """Frozen target: loss = head.compute_loss(batch) on precomputed features."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, batch: FeatureBatch):
+        return self.head.compute_loss(batch)
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint holds: the head's own tensors (weights and buffers such as d2t)."""
+        return {f"head.{k}": v for k, v in self.head.state_dict().items()}
+
+    def load_trainable_state(self, weights: dict[str, torch.Tensor]) -> None:
+        own = {k[len("head.") :]: v for k, v in weights.items() if k.startswith("head.")}
+        self.head.load_state_dict(own, strict=True)
+
+
+class JointLoss(HeadLoss):
+    """Medusa-2 (Cai et al. 2024, sec. 2.3.2): the target, wrapped with LoRA, is trained with its
+    own LM loss on assistant tokens while the heads learn on its (now differentiable) hidden state:
+
+        loss = lm_weight * CE(target logits_t, token_{t+1}) + head_weight * head loss
+    """
+
+    def __init__(self, head: nn.Module, target: nn.Module, layers: tuple[int, ...], lm_weight: float, head_weight: float):
+        super().__init__(head)
+        self.target = target  # peft model: only the LoRA weights require grad
+        self.layers = tuple(layers)
+        self.lm_weight, self.head_weight = lm_weight, head_weight
+
+    def forward(self, batch: FeatureBatch):
+        out = self.target(
+            input_ids=batch.input_ids,
+            attention_mask=batch.attention_mask,
+            output_hidden_states=list(self.layers),
+            use_cache=False,
+        )
+        labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, 1)
+        logits = out.logits[valid].float()  # [N, V]: only labelled positions
+        lm_loss = F.cross_entropy(logits, labels[valid]) if logits.shape[0] else logits.sum() * 0.0
+        feats = FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, {i: out.hidden_states[i] for i in self.layers})
+        head_loss, metrics = self.head.compute_loss(feats)
+        loss = self.lm_weight * lm_loss + self.head_weight * head_loss
+        metrics = dict(metrics, head_loss=float(head_loss.detach()), lm_loss=float(lm_loss.detach()), loss=float(loss.detach()))
+        return loss, metrics
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        state = super().trainable_state()
+        state.update({f"target.{n}": p for n, p in self.target.named_parameters() if p.requires_grad})
+        return state
+
+    def load_trainable_state(self, weights: dict[str, torch.Tensor]) -> None:
+        super().load_trainable_state(weights)
+        params = dict(self.target.named_parameters())
+        lora = {k[len("target.") :]: v for k, v in weights.items() if k.startswith("target.")}
+        expected = {n for n, p in params.items() if p.requires_grad}
+        if set(lora) != expected:
+            raise ValueError(f"checkpoint LoRA weights do not match the model: missing {sorted(expected - set(lora))[:3]}, "
+                             f"unexpected {sorted(set(lora) - expected)[:3]}")
+        with torch.no_grad():
+            for n, v in lora.items():
+                params[n].copy_(v)
+
+
+def wrap_lora(target: nn.Module, lora) -> nn.Module:
+    """The target with trainable LoRA adapters (peft); base weights stay frozen."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), bias="none")
+    return get_peft_model(target, cfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainData:
+    """Samples (dicts for `features.collate`) and how a token batch becomes a FeatureBatch."""
+
+    train: torch.utils.data.Dataset
+    eval: torch.utils.data.Dataset | None = None
+    # FeatureBatch (tokens only) -> FeatureBatch with hidden states; None: samples carry them
+    featurize: Callable[[FeatureBatch], FeatureBatch] | None = None
+    pad_token_id: int = 0
+
+
+@dataclass
+class TrainResult:
+    state: TrainState
+    final_dir: Path | None  # None when the run stopped before the end (stop_after_steps)
+    last_checkpoint: Path | None
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    train_metrics: dict[str, float] = field(default_factory=dict)  # means over the last log window
+
+
+def make_accelerator(config: TrainConfig):
+    """An Accelerator for this machine: CPU processes when there is no CUDA (REFERENCE.md s.7:
+    without cpu=True each CPU process of `accelerate launch` would see DistributedType.NO)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, PartialState
+
+    if AcceleratorState._shared_state and PartialState().num_processes == 1:
+        # accelerate keeps one process-wide state and refuses a second Accelerator with another
+        # mixed_precision; a single process may train several runs in turn (tests, notebooks)
+        if AcceleratorState._shared_state.get("_mixed_precision") != config.mixed_precision:
+            AcceleratorState._reset_state()
+    return Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, head: nn.Module, data: TrainData, *, accelerator=None, target: nn.Module | None = None,
+                 layers: tuple[int, ...] = ()):
+        """head: a fresh (or to-be-resumed) head. target: the LoRA-wrapped target for medusa2
+        (trained jointly; `layers` are the hidden states the head reads); None otherwise."""
+        self.config = config
+        self.accelerator = accelerator or make_accelerator(config)
+        self.data = data
+        self.head = head
+        self.target = target
+        if target is not None:
+            lora = config.lora
+            self.module: HeadLoss = JointLoss(head, target, layers, lora.lm_loss_weight, lora.head_loss_weight)
+        else:
+            self.module = HeadLoss(head)
+        self.module.to(self.accelerator.device)
+        self.optimizer = self._build_optimizer()
+        self.scheduler = None
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW; no weight decay on biases and norms (1-D tensors); LoRA at its own LR."""
+        cfg = self.config
+        lora_lr = cfg.lora.lr if cfg.lora.lr is not None else cfg.lr * cfg.lora.lr_scale
+        groups: dict[tuple[float, float], list] = {}
+        for name, p in self.module.named_parameters():
+            if not p.requires_grad:
+                continue
+            lr = lora_lr if name.startswith("target.") else cfg.lr
+            wd = cfg.weight_decay if p.dim() >= 2 else 0.0
+            groups.setdefault((lr, wd), []).append(p)
+        if not groups:
+            raise ValueError("nothing to train: the head has no parameter that requires grad")
+        params = [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+    def total_steps(self) -> int:
+        cfg = self.config
+        if cfg.max_steps is not None:
+            return cfg.max_steps
+        bpe = batches_per_epoch(len(self.data.train), cfg.batch_size, self.accelerator.num_processes)
+        return max(1, math.ceil(cfg.epochs * bpe / cfg.grad_accum))
+
+    # -- batches -------------------------------------------------------------------------------
+
+    def _batch(self, indices: list[int], dataset) -> FeatureBatch:
+        batch = collate([dataset[i] for i in indices], self.data.pad_token_id)
+        if self.data.featurize is not None:
+            batch = self.data.featurize(batch)
+        batch = batch.to(self.accelerator.device)
+        # Heads keep fp32 master weights; captured / bf16-target features are cast up here, and
+        # autocast (mixed_precision) decides the compute dtype.
+        dtype = next(p for p in self.head.parameters() if p.is_floating_point()).dtype
+        batch.hidden_states = {k: v.to(dtype) for k, v in batch.hidden_states.items()}
+        return batch
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def fit(self, *, resume: bool = False, stop_after_steps: int | None = None, progress: bool = True) -> TrainResult:
+        """Train to the configured length. resume: continue from the newest checkpoint in
+        output_dir (a fresh start if there is none). stop_after_steps: return after that many
+        steps of this call without the final save (what an interruption leaves behind)."""
+        from accelerate.utils import DistributedType, set_seed
+
+        cfg, acc = self.config, self.accelerator
+        out = Path(cfg.output_dir)
+        world, rank = acc.num_processes, acc.process_index
+        n_train = len(self.data.train)
+        bpe = batches_per_epoch(n_train, cfg.batch_size, world)
+        if bpe == 0:
+            raise ValueError(f"{n_train} training samples do not fill one batch of {cfg.batch_size} on {world} process(es)")
+        total = self.total_steps()
+        if acc.distributed_type == DistributedType.FSDP:
+            # checkpoints and the final save read the unwrapped head's tensors, which FSDP shards
+            raise NotImplementedError("the trainer does not support FSDP yet; draft heads are small: use DDP (configs/accelerate/multi_gpu.yaml)")
+
+        existing = latest_checkpoint(out)
+        if existing is not None and not resume:
+            raise ValueError(f"{out} already has checkpoints ({existing.name}): pass --resume to continue, or use another output_dir")
+        ckpt = load_checkpoint(existing) if (resume and existing is not None) else None
+
+        set_seed(cfg.seed + rank)  # fresh start; a resume overwrites every RNG below
+        model, optimizer = acc.prepare(self.module, self.optimizer)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio)
+        )
+        state = TrainState(sampler_seed=cfg.seed, world_size=world)
+        if ckpt is not None:
+            if ckpt.state.world_size != world:
+                raise ValueError(
+                    f"checkpoint {ckpt.path} was written by {ckpt.state.world_size} process(es), this run has {world}: "
+                    "the data order would differ; resume with the same number of processes"
+                )
+            self.module.load_trainable_state({k: v.to(acc.device) for k, v in ckpt.weights.items()})
+            optimizer.load_state_dict(ckpt.optimizer_state)
+            self.scheduler.load_state_dict(ckpt.scheduler_state)
+            if ckpt.scaler_state is not None and acc.scaler is not None:
+                acc.scaler.load_state_dict(ckpt.scaler_state)
+            restore_rng_state(ckpt.rng_states[rank])
+            state = ckpt.state
+
+        log = RunLog(out, is_main=acc.is_main_process, total_steps=total, initial_step=state.step, report_to=cfg.report_to,
+                     project=cfg.wandb_project, run_name=cfg.run_name, config=cfg.to_dict(), progress=progress)
+        if acc.is_main_process:
+            out.mkdir(parents=True, exist_ok=True)
+            cfg.save(out / CONFIG_FILE)
+        log.event(
+            "resume" if ckpt is not None else "start",
+            f"{'resuming from ' + str(ckpt.path) if ckpt is not None else 'training'}: world size {world} "
+            f"({acc.distributed_type}), device {acc.device}, {n_train} train samples, {bpe} batches/epoch/process, "
+            f"{total} steps",
+            world_size=world, distributed_type=str(acc.distributed_type), device=str(acc.device),
+            train_samples=n_train, eval_samples=len(self.data.eval) if self.data.eval is not None else 0,
+            batches_per_epoch=bpe, total_steps=total, step=state.step,
+        )
+
+        last_ckpt = ckpt.path if ckpt is not None else None
+        window, window_tokens, window_start = MetricMean(), 0, time.perf_counter()
+        eval_metrics: dict[str, float] = {}
+        train_metrics: dict[str, float] = {}
+        bar_eval: dict[str, float] = {}  # the last eval's acc_0 / tau_est, kept on the progress bar
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        epoch_cache: dict[int, list[list[int]]] = {}
+        steps_this_call = 0
+        model.train()
+        try:
+            while state.step < total and (stop_after_steps is None or steps_this_call < stop_after_steps):
+                for m in range(cfg.grad_accum):
+                    epoch, index = divmod(state.micro_step, bpe)
+                    if epoch not in epoch_cache:
+                        epoch_cache = {epoch: epoch_batches(n_train, cfg.batch_size, world, rank, state.sampler_seed, epoch)}
+                    batch = self._batch(epoch_cache[epoch][index], self.data.train)
+                    last_micro = m == cfg.grad_accum - 1
+                    with contextlib.nullcontext() if last_micro else acc.no_sync(model):
+                        loss, metrics = model(batch)
+                        self._check_finite(loss, "loss", state.step + 1, last_ckpt, m)
+                        acc.backward(loss / cfg.grad_accum)
+                    n_tokens = int(batch.attention_mask.sum())
+                    window.add(metrics, float(metrics.get(WEIGHT_KEY, batch.loss_mask.sum())))
+                    window_tokens += n_tokens
+                    state.micro_step += 1
+                    state.epoch, state.batch_index = divmod(state.micro_step, bpe)
+                grad_norm = acc.clip_grad_norm_(params, cfg.clip_norm if cfg.clip_norm else float("inf"))
+                if cfg.mixed_precision != "fp16":  # fp16: the grad scaler skips overflowing steps itself
+                    self._check_finite(grad_norm, "gradient norm", state.step + 1, last_ckpt)
+                optimizer.step()
+                self.scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                state.step += 1
+                steps_this_call += 1
+                done = state.step == total
+
+                if state.step % cfg.log_every == 0 or done:
+                    tokens = int(acc.reduce(torch.tensor(window_tokens, device=acc.device), "sum"))
+                    state.tokens += tokens
+                    elapsed = time.perf_counter() - window_start
+                    train_metrics = summarize(reduce_means(acc, window))  # all processes' batches
+                    train_metrics.update(lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm), tokens_per_s=tokens / max(elapsed, 1e-9), epoch=state.epoch)
+                    log.metrics(state.step, "train", train_metrics)
+                    log.progress(state.step, loss=train_metrics.get("loss", float("nan")), acc_0=train_metrics.get("acc_0", float("nan")),
+                                 tok_s=round(train_metrics["tokens_per_s"]), **bar_eval)
+                    window, window_tokens, window_start = MetricMean(), 0, time.perf_counter()
+                if self.data.eval is not None and len(self.data.eval) and ((cfg.eval_every and state.step % cfg.eval_every == 0) or done):
+                    eval_metrics = self.evaluate()
+                    log.metrics(state.step, "eval", eval_metrics)
+                    bar_eval = {f"eval_{k}": eval_metrics[k] for k in ("acc_0", "tau_est") if k in eval_metrics}
+                    log.progress(state.step, **bar_eval)
+                    log.write(f"step {state.step}: eval " + ", ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items() if k.startswith(("acc_", "tau", "loss"))))
+                if cfg.checkpoint_every and (state.step % cfg.checkpoint_every == 0 or done):
+                    last_ckpt = self._save_checkpoint(state, optimizer, log)
+
+            final_dir = None
+            if state.step >= total:
+                final_dir = out / FINAL_DIR
+                if acc.is_main_process:
+                    self.head.save_pretrained(final_dir, adapter_model=self.target)
+                    log.event("end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir), **{f"eval_{k}": v for k, v in eval_metrics.items()})
+                acc.wait_for_everyone()
+        finally:
+            log.close()
+        return TrainResult(state=state, final_dir=final_dir, last_checkpoint=last_ckpt, eval_metrics=eval_metrics, train_metrics=train_metrics)
+
+    def _save_checkpoint(self, state: TrainState, optimizer, log: RunLog) -> Path:
+        """Every process contributes its RNG state; the main process writes. Returns the folder."""
+        from accelerate.utils import gather_object
+
+        acc, cfg = self.accelerator, self.config
+        rng_states = gather_object([capture_rng_state()])  # in rank order
+        path = checkpoint_root(cfg.output_dir) / checkpoint_name(state.step)
+        if acc.is_main_process:
+            path = save_checkpoint(
+                cfg.output_dir, state, self.module.trainable_state(), optimizer.state_dict(), self.scheduler.state_dict(), rng_states,
+                scaler_state=acc.scaler.state_dict() if acc.scaler is not None else None, keep=cfg.keep_checkpoints,
+            )
+            log.event("checkpoint", step=state.step, path=str(path))
+        acc.wait_for_everyone()
+        return path
+
+    def _check_finite(self, value: torch.Tensor, what: str, step: int, last_ckpt: Path | None, micro: int | None = None) -> None:
+        """Stop every process together when `value` is NaN/inf (a lone raise would leave the others
+        waiting in the next all-reduce)."""
+        acc = self.accelerator
+        bad = torch.tensor(0.0 if bool(torch.isfinite(value.detach()).all()) else 1.0, device=acc.device)
+        if acc.num_processes > 1:
+            bad = acc.reduce(bad, "sum")
+        if float(bad) > 0:
+            where = f"step {step}" + (f" (micro-batch {micro + 1} of {self.config.grad_accum})" if micro is not None else "")
+            kept = f"the last good checkpoint is {last_ckpt}" if last_ckpt is not None else "no checkpoint was written yet"
+            raise NonFiniteLossError(f"{what} is not finite (here: {float(value.detach().float())}) at {where}; training stopped, {kept}")
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean metrics over held-out batches (each process its share, then summed), + tau_est.
+
+        Runs the unwrapped module: a DDP forward may broadcast buffers, a collective that would
+        hang when processes have different numbers of eval batches."""
+        cfg, acc = self.config, self.accelerator
+        world, rank = acc.num_processes, acc.process_index
+        indices = list(range(len(self.data.eval)))[rank::world]
+        batches = [indices[i : i + cfg.batch_size] for i in range(0, len(indices), cfg.batch_size)]
+        if cfg.eval_batches is not None:
+            batches = batches[: max(1, cfg.eval_batches // world)]
+        mean = MetricMean()
+        was_training = self.module.training
+        self.module.eval()
+        try:
+            for idx in batches:
+                batch = self._batch(idx, self.data.eval)
+                with acc.autocast():
+                    _, metrics = self.module(batch)
+                mean.add(metrics, float(metrics.get(WEIGHT_KEY, batch.loss_mask.sum())))
+        finally:
+            self.module.train(was_training)
+        return summarize(reduce_means(acc, mean))
+
+
+def reduce_means(acc, mean: MetricMean) -> dict[str, float]:
+    """Sum every process's weighted metric sums and weights, then divide."""
+    from accelerate.utils import gather_object
+
+    parts = gather_object([(mean.sums, mean.weight)]) if acc.num_processes > 1 else [(mean.sums, mean.weight)]
+    total = MetricMean()
+    for sums, weight in parts:
+        for k, v in sums.items():
+            total.sums[k] = total.sums.get(k, 0.0) + v
+        total.weight += weight
+    return total.means()
