@@ -1,0 +1,144 @@
+"""Subcommands of the `drafthead` CLI, one module each (`add_parser(subparsers)`, `run(args) -> int`).
+
+The options several commands share are defined once here, with the helpers that turn parsed
+arguments into the objects the library functions take (STYLE.md 7: parse, build, call).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..drafters import PROPOSERS
+
+DEFAULT_TARGET = "smollm2-135m"
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _device(value: str) -> str:
+    if value == "cpu" or value == "cuda" or (value.startswith("cuda:") and value[5:].isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got '{value}'")
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got '{value}'") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {n}")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared options
+# ---------------------------------------------------------------------------------------------
+
+
+def add_target_options(parser: argparse.ArgumentParser, *, dtype: str = "float32", threads: int | None = None) -> None:
+    g = parser.add_argument_group("target")
+    g.add_argument(
+        "--target",
+        default=DEFAULT_TARGET,
+        help=f"built-in name (smollm2-135m, gemma3-270m), a local Hugging Face folder or a .gguf file (default {DEFAULT_TARGET})",
+    )
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype, help=f"target dtype (default {dtype})")
+    g.add_argument("--device", type=_device, default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    g.add_argument("--threads", type=_positive_int, default=threads, help="torch CPU threads")
+
+
+def add_proposer_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("drafting")
+    g.add_argument(
+        "--proposer",
+        choices=PROPOSERS,
+        default=None,
+        help="who drafts (default: the head shipped for the target, else prompt lookup)",
+    )
+    g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
+    g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
+    g.add_argument("--num-draft", type=_positive_int, default=None, help="draft tokens per round (proposer default)")
+
+
+def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int = 256) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# From arguments to objects
+# ---------------------------------------------------------------------------------------------
+
+
+def load_target_from_args(args):
+    from ..targets import load_target
+
+    device = args.device or default_device()
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: no CUDA device is available")
+    return load_target(args.target, dtype=args.dtype, device=device, threads=args.threads)
+
+
+def sampling_from_args(args):
+    from ..inference.sampling import SamplingConfig
+
+    return SamplingConfig(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty
+    )
+
+
+def choose_proposer(args, target_name: str) -> tuple[str, str | None, str]:
+    """(proposer, head folder or None, a line saying what drafts and why)."""
+    from ..drafters import default_head_path
+
+    proposer, head = args.proposer, args.head
+    if proposer is None:
+        if head is not None:
+            proposer = "heads"
+        elif args.draft_model is not None:
+            proposer = "draft-model"
+        else:
+            shipped = default_head_path(target_name)
+            if shipped is not None:
+                return "heads", str(shipped), f"drafting with the head shipped for {target_name} ({shipped})"
+            return "prompt-lookup", None, f"no trained head ships for {target_name} yet: drafting with prompt lookup"
+    if proposer == "heads" and head is None:
+        shipped = default_head_path(target_name)
+        if shipped is None:
+            raise ValueError(f"--proposer heads: no head ships for {target_name}; pass --head DIR")
+        head = str(shipped)
+    what = {"heads": f"the head at {head}", "draft-model": f"draft model {args.draft_model}", "prompt-lookup": "prompt lookup"}
+    return proposer, head, f"drafting with {what[proposer]}"
+
+
+def drafter_factory_from_args(args, loaded, sampling, proposer: str, head: str | None):
+    """(per-prompt drafter factory, model to decode with) for the chosen proposer; the model is
+    the loaded target unless a head adapts it (Medusa-2)."""
+    from ..drafters import make_drafter_factory
+
+    kw = {"num_draft": args.num_draft}
+    if proposer == "heads":
+        kw.update(head=head, target_name=loaded.name)
+    elif proposer == "draft-model":
+        if args.draft_model is None:
+            raise ValueError("--proposer draft-model needs --draft-model NAME")
+        kw.update(draft_model=args.draft_model, sampling=sampling, seed=getattr(args, "seed", None))
+    return make_drafter_factory(proposer, loaded.model, loaded.tokenizer, **kw)
+
+
+def note(message: str) -> None:
+    """A status line for the user, on stderr so stdout stays the answer / report."""
+    print(message, file=sys.stderr, flush=True)

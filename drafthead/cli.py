@@ -1,0 +1,62 @@
+"""The `drafthead` command line: one module per subcommand in drafthead/commands/.
+
+Expected errors (bad input the user can fix) print one line, `drafthead: error: ...`, and exit 2,
+without a traceback; set DRAFTHEAD_TRACEBACK=1 to see it anyway.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+# Subcommand modules under drafthead.commands; each exposes add_parser(subparsers) and run(args).
+COMMANDS = ("generate", "bench", "demo", "export", "train", "data")
+
+# What counts as an expected error: our error classes derive from ValueError (TargetError,
+# PromptError, DrafterError, PromptTooLong, config errors...), plus missing files and features.
+EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotImplementedError)
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict]:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="drafthead",
+        description="Train draft heads on a frozen target LLM and run lossless speculative generation.",
+    )
+    parser.add_argument("--version", action="version", version=f"drafthead {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules = {}
+    for name in COMMANDS:
+        module = importlib.import_module(f"drafthead.commands.{name}")
+        module.add_parser(subparsers)
+        modules[name] = module
+    return parser, modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, modules = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except EXPECTED_ERRORS as e:
+        if os.environ.get("DRAFTHEAD_TRACEBACK"):
+            raise
+        print(f"drafthead: error: {one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("drafthead: interrupted", file=sys.stderr)
+        return 130
+
+
+def one_line(e: BaseException) -> str:
+    """The message on one line (argparse-style output has no room for multi-line text)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+if __name__ == "__main__":
+    sys.exit(main())

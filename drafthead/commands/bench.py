@@ -1,0 +1,85 @@
+"""`drafthead bench`: plain generate() vs speculative decoding over a prompt set; JSON report."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from . import (
+    add_proposer_options,
+    add_sampling_options,
+    add_target_options,
+    choose_proposer,
+    drafter_factory_from_args,
+    load_target_from_args,
+    note,
+    sampling_from_args,
+)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark speculative decoding against plain generate()")
+    p.add_argument("--dataset", default="mt-bench", help="mt-bench or a .jsonl prompt file (default mt-bench)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts only")
+    p.add_argument("--out", default=None, metavar="JSON", help="write the report here")
+    p.add_argument("--plot", default=None, metavar="PNG", help="acceptance / tau / tokens-per-second figure")
+    p.add_argument("--markdown", default=None, metavar="MD", help="write the summary table as Markdown")
+    p.add_argument("--profile", action="store_true", help="exact per-phase engine timings (syncs the device)")
+    p.add_argument("--compare", choices=("hf-prompt-lookup",), action="append", default=[], help="also time HF's own method")
+    p.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation length (0: none)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_target_options(p)
+    add_proposer_options(p)
+    add_sampling_options(p)
+
+
+def run(args) -> int:
+    from ..inference.bench import BenchSettings, run_bench
+    from ..inference.prompts import load_prompts
+    from ..inference.report import format_table, plot_report, render_markdown
+    from ..targets import eos_token_ids
+
+    prompts = load_prompts(args.dataset, args.limit)  # before the model: bad input fails fast
+    sampling = sampling_from_args(args)
+    loaded = load_target_from_args(args)
+    proposer, head, message = choose_proposer(args, loaded.name)
+    note(message)
+    factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
+    settings = BenchSettings(
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        seed=args.seed,
+        eos_token_ids=eos_token_ids(model, loaded.tokenizer),
+        compare_hf_prompt_lookup="hf-prompt-lookup" in args.compare,
+        profile=args.profile,
+        warmup_tokens=args.warmup_tokens,
+        progress=not args.no_progress,
+        info={
+            "target": loaded.name,
+            "target_path": str(loaded.path),
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "proposer": proposer,
+            "head": head,
+            "draft_model": args.draft_model,
+            "num_draft": args.num_draft,
+            "dataset": args.dataset,
+            "limit": args.limit,
+        },
+    )
+    report = run_bench(model, loaded.tokenizer, factory, prompts, settings)
+    if args.out:
+        write_text(args.out, json.dumps(report, indent=2) + "\n")
+        note(f"report: {args.out}")
+    if args.markdown:
+        write_text(args.markdown, render_markdown(report))
+        note(f"markdown: {args.markdown}")
+    if args.plot:
+        note(f"plot: {plot_report(report, args.plot)}")
+    print(format_table(report, profile=args.profile))
+    return 0
+
+
+def write_text(path: str, text: str) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)

@@ -1,0 +1,88 @@
+"""`drafthead generate`: answer one prompt with speculative decoding, streaming the text."""
+from __future__ import annotations
+
+import sys
+
+from . import (
+    add_proposer_options,
+    add_sampling_options,
+    add_target_options,
+    choose_proposer,
+    drafter_factory_from_args,
+    load_target_from_args,
+    note,
+    sampling_from_args,
+)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="answer one prompt with speculative decoding (streams the text)")
+    p.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    add_target_options(p)
+    add_proposer_options(p)
+    add_sampling_options(p)
+
+
+class TextPrinter:
+    """`on_tokens` callback: decode the whole answer so far and print what is new.
+
+    Decoding the full list (not token by token) keeps multi-token characters and merged spaces
+    right; text ending in U+FFFD is an incomplete UTF-8 sequence, held back until it completes.
+    """
+
+    def __init__(self, tokenizer, stream=None):
+        self.tokenizer = tokenizer
+        self.stream = stream or sys.stdout  # looked up now, not at import (tests swap sys.stdout)
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.ids.extend(tokens)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.stream.write(text[self.printed :])
+        self.stream.flush()
+        self.printed = len(text)
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.stream.write(text[self.printed :] + "\n")
+        self.stream.flush()
+
+
+def run(args) -> int:
+    import time
+
+    from ..inference.generate import GenerationConfig, speculative_generate
+    from ..inference.prompts import Prompt, PromptError, encode_chat
+    from ..targets import eos_token_ids
+
+    if not args.prompt.strip():
+        raise PromptError("the prompt is empty")
+    sampling = sampling_from_args(args)
+    loaded = load_target_from_args(args)
+    proposer, head, message = choose_proposer(args, loaded.name)
+    note(message)
+    factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
+    drafter, tokenizer = factory(), loaded.tokenizer
+    input_ids = encode_chat(tokenizer, Prompt(text=args.prompt)).to(next(model.parameters()).device)
+    config = GenerationConfig(
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        eos_token_ids=eos_token_ids(model, tokenizer),
+        stop_strings=tuple(args.stop),
+        seed=args.seed,
+    )
+    printer = TextPrinter(tokenizer)
+    start = time.perf_counter()
+    result = speculative_generate(model, drafter, input_ids, config, tokenizer=tokenizer, on_tokens=printer)
+    seconds = time.perf_counter() - start
+    printer.finish()
+    n = result.new_tokens.shape[1]
+    note(
+        f"tau {result.tau:.2f} ({n} tokens in {result.num_rounds} target forwards), "
+        f"{n / seconds:.1f} tokens/s, finish: {result.finish_reason}"
+    )
+    return 0

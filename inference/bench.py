@@ -1,0 +1,407 @@
+"""Benchmark: plain `generate()` against speculative generation on the same model, prompt by prompt.
+
+For each prompt, in one process and interleaved (so drifts in machine load hit both sides alike):
+plain `model.generate()`, then `speculative_generate` with a fresh drafter, then optionally HF's
+own prompt lookup (`prompt_lookup_num_tokens`). Wall times include the prefill on every side.
+
+Definitions (one home; report.py only renders them):
+    tau                     total emitted tokens / total verification rounds, over all prompts
+                            (the target's own token counted: tau >= 1; REFERENCE.md s.4)
+    tokens_per_s            total new tokens / total wall seconds of the calls (each side)
+    speedup                 tokens_per_s / baseline_tokens_per_s
+    identical_fraction      share of prompts whose speculative tokens equal the plain tokens
+    per_position_acceptance [d-1] = share of rounds whose accepted draft length is >= d
+    repetition              share of repeated n-grams (n=4) in outputs: REFERENCE.md s.5 asks for
+                            it, since n-gram drafting thrives on repetitive text
+"""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+import time
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from .generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
+from .prompts import Prompt, encode_chat
+from .sampling import SamplingConfig
+
+
+@dataclass
+class BenchSettings:
+    max_new_tokens: int = 256
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    seed: int = 0  # sampling runs seed prompt i with seed + i on every side
+    eos_token_ids: tuple[int, ...] = ()
+    compare_hf_prompt_lookup: bool = False
+    hf_prompt_lookup_num_tokens: int = 10  # REFERENCE.md s.5 measured 10
+    profile: bool = False  # synchronise the device around engine phases so timings are exact
+    warmup_tokens: int = 8  # a short generation on each side before timing; 0: none
+    keep_text: bool = False  # put decoded outputs in the per-prompt records
+    progress: bool = True  # tqdm bar over prompts (stderr)
+    repetition_ngram: int = 4
+    info: dict = field(default_factory=dict)  # recorded verbatim under report["settings"]
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.repetition_ngram < 1:
+            raise ValueError(f"repetition_ngram must be >= 1, got {self.repetition_ngram}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """Index of the first position where two token lists differ (a length difference counts at
+    the shorter length); None when they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def repeated_ngrams(tokens: Sequence[int], n: int = 4) -> tuple[int, int]:
+    """(repeated, total) n-grams: an n-gram is repeated each time it occurs after its first time."""
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return len(grams) - len(set(grams)), len(grams)
+
+
+def repetition_fraction(outputs: Sequence[Sequence[int]], n: int = 4) -> float:
+    """Share of repeated n-grams over all outputs (each output counted on its own)."""
+    rep = total = 0
+    for tokens in outputs:
+        r, t = repeated_ngrams(tokens, n)
+        rep, total = rep + r, total + t
+    return rep / total if total else 0.0
+
+
+def tau_of(accepted_lengths: Sequence[int]) -> float:
+    """Mean tokens emitted per verification round."""
+    return sum(accepted_lengths) / len(accepted_lengths) if accepted_lengths else 0.0
+
+
+def per_position_acceptance(accepted_lengths: Sequence[int], depth: int | None = None) -> list[float]:
+    """[d-1] = share of rounds that accepted at least d draft tokens, d = 1..depth.
+
+    accepted_lengths count the target's own token, so a round accepted `a - 1` draft tokens.
+    depth defaults to the longest accepted draft seen (at least 1).
+    """
+    if not accepted_lengths:
+        return []
+    if depth is None:
+        depth = max(1, max(accepted_lengths) - 1)
+    rounds = len(accepted_lengths)
+    return [sum(1 for a in accepted_lengths if a - 1 >= d) / rounds for d in range(1, depth + 1)]
+
+
+def acceptance_histogram(accepted_lengths: Sequence[int]) -> dict[str, int]:
+    """{tokens emitted in a round: number of rounds}, keys as strings (JSON), ascending."""
+    counts = Counter(accepted_lengths)
+    return {str(k): counts[k] for k in sorted(counts)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement helpers
+# ---------------------------------------------------------------------------------------------
+
+
+class PeakMemory:
+    """Peak process RSS (MB) while the block runs, sampled by a thread every `interval` seconds;
+    on CUDA also the peak allocated device memory."""
+
+    def __init__(self, device: torch.device, interval: float = 0.005):
+        self.device = device
+        self.interval = interval
+        self.rss_mb = 0.0
+        self.cuda_mb: float | None = None
+
+    def __enter__(self) -> "PeakMemory":
+        import psutil
+
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self.rss_mb = self._process.memory_info().rss / 2**20
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.rss_mb = max(self.rss_mb, self._process.memory_info().rss / 2**20)
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.rss_mb = max(self.rss_mb, self._process.memory_info().rss / 2**20)
+        if self.device.type == "cuda":
+            self.cuda_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_token_ids, pad_token_id, **extra):
+    """The transformers GenerationConfig matching our sampling settings, every field explicit so
+    the model's own generation_config defaults (e.g. a shipped temperature) cannot leak in."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        do_sample=not sampling.greedy,
+        repetition_penalty=sampling.repetition_penalty,
+        eos_token_id=list(eos_token_ids) or None,
+        pad_token_id=pad_token_id,
+        use_cache=True,
+    )
+    if sampling.greedy:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    else:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    kwargs.update(extra)
+    return HFGenerationConfig(**kwargs)
+
+
+def _hf_generate(model, input_ids, config, seed: int | None, memory: PeakMemory):
+    """Run model.generate; returns (new tokens list, wall seconds)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    attention_mask = torch.ones_like(input_ids)
+    _sync(input_ids.device)
+    with memory:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config)
+        _sync(input_ids.device)
+        seconds = time.perf_counter() - start
+    return out[0, input_ids.shape[1] :].tolist(), seconds
+
+
+def _spec_generate(model, drafter, input_ids, config, tokenizer, memory: PeakMemory):
+    _sync(input_ids.device)
+    with memory:
+        start = time.perf_counter()
+        result = speculative_generate(model, drafter, input_ids, config, tokenizer=tokenizer)
+        _sync(input_ids.device)
+        seconds = time.perf_counter() - start
+    return result, seconds
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------------
+
+
+def run_bench(
+    target,
+    tokenizer,
+    drafter_factory: Callable[[], object],
+    prompts: Sequence[Prompt],
+    settings: BenchSettings,
+) -> dict:
+    """Benchmark `drafter_factory()` drafters on `target` over `prompts`; returns the report dict
+    (JSON-ready; see the module docstring for the definitions)."""
+    if not prompts:
+        raise ValueError("no prompts to benchmark")
+    device = next(target.parameters()).device
+    encoded = [encode_chat(tokenizer, p).to(device) for p in prompts]
+    ctx = context_limit(target.config)
+    for prompt, ids in zip(prompts, encoded):
+        if ctx is not None and ids.shape[1] >= ctx:
+            raise PromptTooLong(f"prompt {prompt.id!r} has {ids.shape[1]} tokens: no room left in a context of {ctx}")
+    eos = tuple(settings.eos_token_ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+
+    def budget(ids) -> int:
+        # Both sides stop at the context limit: give HF the same budget the engine would reach.
+        return settings.max_new_tokens if ctx is None else min(settings.max_new_tokens, ctx - ids.shape[1])
+
+    def gen_config(n: int, seed: int | None) -> GenerationConfig:
+        return GenerationConfig(
+            max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, profile=settings.profile
+        )
+
+    sampled = not settings.sampling.greedy
+    if settings.warmup_tokens > 0:  # first calls pay for allocations and lazy inits
+        ids, n = encoded[0], min(settings.warmup_tokens, budget(encoded[0]))
+        scratch = PeakMemory(device)
+        _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), settings.seed, scratch)
+        _spec_generate(target, drafter_factory(), ids, gen_config(n, settings.seed), tokenizer, scratch)
+        if settings.compare_hf_prompt_lookup:
+            lookup = hf_generation_config(
+                settings.sampling, n, eos, pad, prompt_lookup_num_tokens=settings.hf_prompt_lookup_num_tokens
+            )
+            _hf_generate(target, ids, lookup, settings.seed, scratch)
+
+    from tqdm.auto import tqdm
+
+    records = []
+    peak = defaultdict(float)
+    bar = tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", disable=not settings.progress)
+    for i, (prompt, ids) in enumerate(bar):
+        n = budget(ids)
+        seed = settings.seed + i if sampled else None
+        mem_plain, mem_spec, mem_hf = PeakMemory(device), PeakMemory(device), PeakMemory(device)
+        plain_tokens, plain_s = _hf_generate(
+            target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain
+        )
+        result, spec_s = _spec_generate(target, drafter_factory(), ids, gen_config(n, seed), tokenizer, mem_spec)
+        spec_tokens = result.new_tokens[0].tolist()
+        diff = first_difference(spec_tokens, plain_tokens)
+        record = {
+            "id": prompt.id,
+            "category": prompt.category,
+            "prompt_tokens": ids.shape[1],
+            "plain_new_tokens": len(plain_tokens),
+            "new_tokens": len(spec_tokens),
+            "plain_seconds": plain_s,
+            "seconds": spec_s,
+            "plain_tokens_per_s": len(plain_tokens) / plain_s,
+            "tokens_per_s": len(spec_tokens) / spec_s,
+            "tau": result.tau,
+            "rounds": result.num_rounds,
+            "identical": diff is None,
+            "first_difference": diff,
+            "finish_reason": result.finish_reason,
+            "accepted_lengths": list(result.accepted_lengths),
+            "drafted": list(result.drafted),
+            "timings": dict(result.timings, prefill=result.prefill_seconds),
+            "plain_repetition": repetition_fraction([plain_tokens], settings.repetition_ngram),
+            "repetition": repetition_fraction([spec_tokens], settings.repetition_ngram),
+        }
+        peak["plain"] = max(peak["plain"], mem_plain.rss_mb)
+        peak["speculative"] = max(peak["speculative"], mem_spec.rss_mb)
+        if device.type == "cuda":
+            peak["plain_cuda"] = max(peak["plain_cuda"], mem_plain.cuda_mb)
+            peak["speculative_cuda"] = max(peak["speculative_cuda"], mem_spec.cuda_mb)
+        if settings.compare_hf_prompt_lookup:
+            lookup = hf_generation_config(
+                settings.sampling, n, eos, pad, prompt_lookup_num_tokens=settings.hf_prompt_lookup_num_tokens
+            )
+            hf_tokens, hf_s = _hf_generate(target, ids, lookup, seed, mem_hf)
+            record.update(
+                hf_prompt_lookup_new_tokens=len(hf_tokens),
+                hf_prompt_lookup_seconds=hf_s,
+                hf_prompt_lookup_tokens_per_s=len(hf_tokens) / hf_s,
+                hf_prompt_lookup_identical=hf_tokens == plain_tokens,
+            )
+        if settings.keep_text:
+            record["output"] = tokenizer.decode(spec_tokens, skip_special_tokens=True)
+            record["plain_output"] = tokenizer.decode(plain_tokens, skip_special_tokens=True)
+        record["_tokens"] = (plain_tokens, spec_tokens)
+        records.append(record)
+        running = summarize(records, settings)
+        bar.set_postfix(tau=f"{running['tau']:.2f}", speedup=f"{running['speedup']:.2f}x")
+    bar.close()
+
+    report = summarize(records, settings)
+    report["peak_rss_mb"] = {
+        "plain": round(peak["plain"], 1),
+        "speculative": round(peak["speculative"], 1),
+        "ratio": peak["speculative"] / peak["plain"] if peak["plain"] else None,
+    }
+    if device.type == "cuda":
+        report["peak_cuda_mb"] = {
+            "plain": round(peak["plain_cuda"], 1),
+            "speculative": round(peak["speculative_cuda"], 1),
+            "ratio": peak["speculative_cuda"] / peak["plain_cuda"] if peak["plain_cuda"] else None,
+        }
+    report["settings"] = _settings_record(target, settings, len(prompts))
+    for record in records:
+        del record["_tokens"]
+    report["prompts"] = records
+    return report
+
+
+def summarize(records: list[dict], settings: BenchSettings) -> dict:
+    """Aggregate per-prompt records (with their `_tokens`) into the report's headline numbers."""
+    accepted = [a for r in records for a in r["accepted_lengths"]]
+    plain_tokens = sum(r["plain_new_tokens"] for r in records)
+    spec_tokens = sum(r["new_tokens"] for r in records)
+    plain_s = sum(r["plain_seconds"] for r in records)
+    spec_s = sum(r["seconds"] for r in records)
+    baseline = plain_tokens / plain_s if plain_s else 0.0
+    ours = spec_tokens / spec_s if spec_s else 0.0
+    by_category: dict[str, list[int]] = defaultdict(list)
+    for r in records:
+        by_category[r["category"]].extend(r["accepted_lengths"])
+    timings: dict[str, float] = defaultdict(float)
+    for r in records:
+        for key, value in r["timings"].items():
+            timings[key] += value
+    total_timed = sum(timings.values())
+    n = settings.repetition_ngram
+    report = {
+        "num_prompts": len(records),
+        "tau": tau_of(accepted),
+        "tokens_per_s": ours,
+        "baseline_tokens_per_s": baseline,
+        "speedup": ours / baseline if baseline else 0.0,
+        "identical_fraction": sum(r["identical"] for r in records) / len(records) if records else 0.0,
+        "per_position_acceptance": per_position_acceptance(accepted),
+        "acceptance_length_histogram": acceptance_histogram(accepted),
+        "per_category_tau": {c: tau_of(a) for c, a in sorted(by_category.items())},
+        "repetition": {
+            "ngram": n,
+            "plain": repetition_fraction([r["_tokens"][0] for r in records], n),
+            "speculative": repetition_fraction([r["_tokens"][1] for r in records], n),
+        },
+        "profile": {
+            "seconds": dict(timings),
+            "fractions": {k: v / total_timed for k, v in timings.items()} if total_timed else {},
+        },
+        "totals": {
+            "plain_new_tokens": plain_tokens,
+            "new_tokens": spec_tokens,
+            "rounds": len(accepted),
+            "plain_seconds": plain_s,
+            "seconds": spec_s,
+        },
+    }
+    if records and "hf_prompt_lookup_seconds" in records[0]:
+        hf_tokens = sum(r["hf_prompt_lookup_new_tokens"] for r in records)
+        hf_s = sum(r["hf_prompt_lookup_seconds"] for r in records)
+        report["hf_prompt_lookup_tokens_per_s"] = hf_tokens / hf_s if hf_s else 0.0
+        report["hf_prompt_lookup_speedup"] = report["hf_prompt_lookup_tokens_per_s"] / baseline if baseline else 0.0
+        report["hf_prompt_lookup_identical_fraction"] = sum(r["hf_prompt_lookup_identical"] for r in records) / len(records)
+    return report
+
+
+def _settings_record(target, settings: BenchSettings, num_prompts: int) -> dict:
+    import transformers
+
+    param = next(target.parameters())
+    record = {
+        "max_new_tokens": settings.max_new_tokens,
+        "sampling": asdict(settings.sampling),
+        "seed": settings.seed,
+        "eos_token_ids": list(settings.eos_token_ids),
+        "compare_hf_prompt_lookup": settings.compare_hf_prompt_lookup,
+        "hf_prompt_lookup_num_tokens": settings.hf_prompt_lookup_num_tokens,
+        "warmup_tokens": settings.warmup_tokens,
+        "num_prompts": num_prompts,
+        "model_dtype": str(param.dtype).removeprefix("torch."),
+        "device": str(param.device),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    if param.device.type == "cuda":
+        record["gpu"] = torch.cuda.get_device_name(param.device)
+    record.update(settings.info)
+    return record

@@ -1,0 +1,148 @@
+"""Rendering a benchmark report (the dict `bench.run_bench` returns): terminal table, Markdown, plots.
+
+Only presentation lives here; every number is computed in bench.py.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def method_rows(report: dict) -> list[dict]:
+    """One row per decoding method: plain generate, HF prompt lookup (when compared), ours."""
+    settings = report.get("settings", {})
+    rows = [
+        {
+            "method": "plain generate()",
+            "tokens_per_s": report["baseline_tokens_per_s"],
+            "speedup": 1.0,
+            "tau": None,
+            "identical": None,
+        }
+    ]
+    if "hf_prompt_lookup_tokens_per_s" in report:
+        rows.append(
+            {
+                "method": f"HF prompt lookup ({settings.get('hf_prompt_lookup_num_tokens', '?')})",
+                "tokens_per_s": report["hf_prompt_lookup_tokens_per_s"],
+                "speedup": report["hf_prompt_lookup_speedup"],
+                "tau": None,
+                "identical": report["hf_prompt_lookup_identical_fraction"],
+            }
+        )
+    proposer = settings.get("proposer", "speculative")
+    rows.append(
+        {
+            "method": f"drafthead: {proposer}",
+            "tokens_per_s": report["tokens_per_s"],
+            "speedup": report["speedup"],
+            "tau": report["tau"],
+            "identical": report["identical_fraction"],
+        }
+    )
+    return rows
+
+
+def _cells(row: dict) -> list[str]:
+    return [
+        row["method"],
+        f"{row['tokens_per_s']:.1f}",
+        f"{row['speedup']:.2f}x",
+        "-" if row["tau"] is None else f"{row['tau']:.2f}",
+        "-" if row["identical"] is None else f"{100 * row['identical']:.0f}%",
+    ]
+
+
+HEADER = ["method", "tokens/s", "speedup", "tau", "identical"]
+
+
+def _summary_lines(report: dict) -> list[str]:
+    s = report.get("settings", {})
+    rep = report["repetition"]
+    rss = report.get("peak_rss_mb", {})
+    lines = [
+        f"target {s.get('target', '?')} ({s.get('model_dtype', '?')}, {s.get('device', '?')}, "
+        f"{s.get('torch_threads', '?')} threads), {report['num_prompts']} prompts, "
+        f"max_new_tokens {s.get('max_new_tokens', '?')}, temperature {s.get('sampling', {}).get('temperature', '?')}",
+        f"repeated {rep['ngram']}-grams in outputs: plain {100 * rep['plain']:.1f}%, "
+        f"speculative {100 * rep['speculative']:.1f}%",
+    ]
+    if rss:
+        ratio = "-" if rss.get("ratio") is None else f"{rss['ratio']:.3f}"
+        lines.append(f"peak RSS: plain {rss['plain']:.0f} MB, speculative {rss['speculative']:.0f} MB (ratio {ratio})")
+    ppa = report["per_position_acceptance"]
+    if ppa:
+        lines.append("accepted >= d drafts: " + ", ".join(f"d{d + 1} {100 * a:.0f}%" for d, a in enumerate(ppa[:8])))
+    return lines
+
+
+def format_table(report: dict, profile: bool = False) -> str:
+    """The terminal summary: a method table, then repetition, memory, acceptance (and profile)."""
+    rows = [HEADER] + [_cells(r) for r in method_rows(report)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+
+    def line(row):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+
+    out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
+    out += [""] + _summary_lines(report)
+    cats = report.get("per_category_tau", {})
+    if len(cats) > 1:
+        out.append("tau by category: " + ", ".join(f"{c} {t:.2f}" for c, t in cats.items()))
+    if profile:
+        out.append("engine time: " + _profile_text(report))
+    return "\n".join(out)
+
+
+def _profile_text(report: dict) -> str:
+    seconds = report["profile"]["seconds"]
+    fractions = report["profile"]["fractions"]
+    order = sorted(seconds, key=lambda k: -seconds[k])
+    return ", ".join(f"{k} {seconds[k]:.2f}s ({100 * fractions.get(k, 0):.0f}%)" for k in order)
+
+
+def render_markdown(report: dict) -> str:
+    """The same summary as a Markdown table plus notes (for READMEs and PR descriptions)."""
+    out = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(HEADER) - 1)) + " |"]
+    out += ["| " + " | ".join(_cells(r)) + " |" for r in method_rows(report)]
+    out += [""] + [f"- {line}" for line in _summary_lines(report)]
+    cats = report.get("per_category_tau", {})
+    if cats:
+        out += ["", "| category | tau |", "| --- | ---: |"] + [f"| {c} | {t:.2f} |" for c, t in cats.items()]
+    if report["profile"]["seconds"]:
+        out += ["", f"- engine time: {_profile_text(report)}"]
+    return "\n".join(out) + "\n"
+
+
+def plot_report(report: dict, path: str | Path) -> Path:
+    """Three panels: acceptance-length histogram, tau per category, tokens/s per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    hist = report["acceptance_length_histogram"]
+    lengths = [int(k) for k in hist]
+    axes[0].bar(lengths, [hist[str(k)] for k in lengths], color="tab:blue")
+    axes[0].set(title=f"tokens per round (tau {report['tau']:.2f})", xlabel="tokens emitted in a round", ylabel="rounds")
+    cats = report.get("per_category_tau", {})
+    axes[1].barh(list(cats), list(cats.values()), color="tab:green")
+    axes[1].axvline(1.0, color="grey", lw=0.8)
+    axes[1].set(title="tau per category", xlabel="tau")
+    rows = method_rows(report)
+    names = [r["method"] for r in rows]
+    values = [r["tokens_per_s"] for r in rows]
+    colors = ["grey"] + ["tab:orange"] * (len(rows) - 2) + ["tab:red"]  # plain, HF lookup, ours
+    bars = axes[2].bar(range(len(rows)), values, color=colors)
+    axes[2].set_xticks(range(len(rows)), names, rotation=10, fontsize=8)
+    axes[2].set(title="decoding speed", ylabel="tokens/s", ylim=(0, 1.15 * max(values)))  # room for labels
+    for bar, row in zip(bars, rows):
+        axes[2].annotate(f"{row['speedup']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
+    s = report.get("settings", {})
+    fig.suptitle(f"{s.get('target', '')} {s.get('model_dtype', '')} {s.get('device', '')}: {report['num_prompts']} prompts")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

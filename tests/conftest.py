@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random causal LMs (Llama, Qwen2, Mistral; built by tests/tiny.py) with the
+tiny byte-level BPE tokenizer of drafthead.train.tiny (ChatML chat template), saved as Hugging Face
+folders, as a user's local model would be.
+
+Everything is built in-process (no hub): a tokenizer trained on a few strings, random weights.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# The machine has 2 cores shared by everyone: never use more than 2 threads in tests.
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def build_tiny_tokenizer(chat_template: bool = True):
+    """The project's tiny byte-level BPE tokenizer (drafthead.train.tiny: ChatML template, EOS
+    <|im_end|>; every string encodes and decodes back), optionally without its chat template."""
+    from drafthead.train.tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    if not chat_template:
+        tokenizer.chat_template = None
+    return tokenizer
+
+
+def save_tiny_target(folder: Path, family: str = "llama", seed: int = 0, chat_template: bool = True, **overrides) -> Path:
+    """Write a tiny model + tokenizer as a Hugging Face folder; returns the folder."""
+    from tests.tiny import tiny_causal_lm  # the one tiny-model builder (STYLE.md 12)
+
+    tokenizer = build_tiny_tokenizer(chat_template=chat_template)
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = tiny_causal_lm(family, vocab=len(tokenizer), seed=seed, **{**ids, **overrides})
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory):
+    """Factory: family -> folder of a saved tiny random target (built once per session)."""
+    made: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", **overrides) -> Path:
+        key = (family, tuple(sorted(overrides.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{family}")
+            made[key] = save_tiny_target(folder, family, **overrides)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_target_dir) -> Path:
+    return tiny_target_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_target_dir) -> Path:
+    return tiny_target_dir("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tiny_target_dir) -> Path:
+    return tiny_target_dir("mistral")
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch) -> Path:
+    """Point $DRAFTHEAD_CACHE at an empty temp folder."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("DRAFTHEAD_CACHE", str(folder))
+    return folder
+
+
+def pytest_configure(config):
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

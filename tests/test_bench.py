@@ -1,0 +1,187 @@
+"""The benchmark harness: pure metrics against hand-made cases and slow twins, then a real run on
+a tiny random target with prompt lookup (fp32 greedy: speculative output == plain output)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafthead.drafters import make_drafter_factory
+from drafthead.inference.bench import (
+    BenchSettings,
+    acceptance_histogram,
+    first_difference,
+    per_position_acceptance,
+    repeated_ngrams,
+    repetition_fraction,
+    run_bench,
+    tau_of,
+)
+from drafthead.inference.prompts import Prompt
+from drafthead.inference.report import format_table, plot_report, render_markdown
+from drafthead.inference.sampling import SamplingConfig
+from drafthead.targets import eos_token_ids, load_target
+
+# -- pure metrics ------------------------------------------------------------------------------
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2  # one is a prefix of the other
+    assert first_difference([], []) is None
+    assert first_difference([], [4]) == 0
+
+
+def slow_repeated(tokens, n):
+    seen, repeated, total = [], 0, 0
+    for i in range(len(tokens) - n + 1):
+        gram = list(tokens[i : i + n])
+        total += 1
+        if gram in seen:
+            repeated += 1
+        else:
+            seen.append(gram)
+    return repeated, total
+
+
+@pytest.mark.parametrize(
+    "tokens", [[], [1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4], [7] * 9, list(range(20)) + list(range(10))]
+)
+def test_repeated_ngrams_matches_slow_twin(tokens):
+    assert repeated_ngrams(tokens, 4) == slow_repeated(tokens, 4)
+
+
+def test_repetition_fraction_by_hand():
+    # 1 2 3 4 1 2 3 4: 4-grams 1234 2341 3412 4123 1234 -> 1 repeated of 5
+    assert repetition_fraction([[1, 2, 3, 4, 1, 2, 3, 4]]) == pytest.approx(1 / 5)
+    # n-grams never span two outputs: [1,2,3,4] twice -> 1 repeated of 2
+    assert repetition_fraction([[1, 2, 3, 4], [1, 2, 3, 4]]) == pytest.approx(0.0)
+    assert repetition_fraction([[1, 2]]) == 0.0
+
+
+def test_acceptance_metrics_by_hand():
+    lengths = [1, 3, 2, 1, 4]  # draft tokens accepted per round: 0, 2, 1, 0, 3
+    assert tau_of(lengths) == pytest.approx(11 / 5)
+    assert per_position_acceptance(lengths) == pytest.approx([3 / 5, 2 / 5, 1 / 5])
+    assert per_position_acceptance(lengths, depth=4)[-1] == 0.0
+    assert acceptance_histogram(lengths) == {"1": 2, "2": 1, "3": 1, "4": 1}
+    assert per_position_acceptance([]) == [] and tau_of([]) == 0.0
+
+
+def test_settings_reject_unknown_keys_and_bad_values():
+    with pytest.raises(TypeError):
+        BenchSettings(max_new_token=5)  # a typo is an error, not ignored
+    with pytest.raises(ValueError):
+        BenchSettings(max_new_tokens=0)
+
+
+# -- a real run on a tiny target ---------------------------------------------------------------
+
+PROMPTS = [
+    Prompt("hello world, hello there, hello world", "greeting", "p1"),
+    Prompt("one two three four five six seven", "counting", "p2"),
+    Prompt("the quick brown fox jumps over the lazy dog", "counting", "p3"),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir):
+    return load_target(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def greedy_report(tiny):
+    factory, _ = make_drafter_factory("prompt-lookup", tiny.model, tiny.tokenizer)
+    settings = BenchSettings(
+        max_new_tokens=48,
+        eos_token_ids=eos_token_ids(tiny.model, tiny.tokenizer),
+        compare_hf_prompt_lookup=True,
+        progress=False,
+        keep_text=True,
+        info={"target": tiny.name, "proposer": "prompt-lookup"},
+    )
+    return run_bench(tiny.model, tiny.tokenizer, factory, PROMPTS, settings)
+
+
+def test_report_has_every_key(greedy_report):
+    for key in [
+        "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "identical_fraction", "num_prompts",
+        "per_position_acceptance", "acceptance_length_histogram", "peak_rss_mb", "repetition",
+        "per_category_tau", "profile", "hf_prompt_lookup_tokens_per_s", "settings", "prompts",
+    ]:
+        assert key in greedy_report, key
+    assert set(greedy_report["peak_rss_mb"]) == {"plain", "speculative", "ratio"}
+    settings = greedy_report["settings"]
+    for key in ["target", "proposer", "max_new_tokens", "torch", "transformers", "model_dtype", "torch_threads"]:
+        assert key in settings, key
+    record = greedy_report["prompts"][0]
+    for key in ["id", "category", "tau", "tokens_per_s", "plain_tokens_per_s", "identical", "first_difference"]:
+        assert key in record, key
+    json.dumps(greedy_report)  # JSON-ready
+
+
+def test_fp32_greedy_outputs_are_identical(greedy_report):
+    assert greedy_report["identical_fraction"] == 1.0
+    assert greedy_report["hf_prompt_lookup_identical_fraction"] == 1.0
+    for record in greedy_report["prompts"]:
+        assert record["identical"] and record["first_difference"] is None
+        assert record["output"] == record["plain_output"]
+        assert record["new_tokens"] == record["plain_new_tokens"] > 0
+
+
+def test_aggregates_agree_with_the_records(greedy_report):
+    r = greedy_report
+    records = r["prompts"]
+    lengths = [a for rec in records for a in rec["accepted_lengths"]]
+    assert r["num_prompts"] == len(PROMPTS) == len(records)
+    # every emitted token belongs to a round: tau = tokens / rounds
+    assert sum(lengths) == r["totals"]["new_tokens"] == sum(rec["new_tokens"] for rec in records)
+    assert r["tau"] == pytest.approx(sum(lengths) / len(lengths))
+    assert r["tau"] >= 1.0
+    assert sum(r["acceptance_length_histogram"].values()) == len(lengths)
+    ppa = r["per_position_acceptance"]
+    assert all(a >= b for a, b in zip(ppa, ppa[1:]))  # deeper positions are accepted no more often
+    assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"])
+    assert set(r["per_category_tau"]) == {"greeting", "counting"}
+    assert r["profile"]["fractions"] and sum(r["profile"]["fractions"].values()) == pytest.approx(1.0)
+    assert 0.0 <= r["repetition"]["plain"] <= 1.0 and r["repetition"]["plain"] == r["repetition"]["speculative"]
+
+
+def test_rendering(greedy_report, tmp_path):
+    table = format_table(greedy_report, profile=True)
+    assert "plain generate()" in table and "HF prompt lookup" in table and "drafthead: prompt-lookup" in table
+    assert "engine time" in table and "repeated 4-grams" in table
+    md = render_markdown(greedy_report)
+    assert md.startswith("| method |") and "| greeting |" in md
+    png = plot_report(greedy_report, tmp_path / "fig" / "bench.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sampling_run_completes(tiny):
+    factory, _ = make_drafter_factory("prompt-lookup", tiny.model, tiny.tokenizer)
+    settings = BenchSettings(
+        max_new_tokens=16,
+        sampling=SamplingConfig(temperature=0.8, top_k=20),
+        eos_token_ids=eos_token_ids(tiny.model, tiny.tokenizer),
+        progress=False,
+        warmup_tokens=0,
+    )
+    report = run_bench(tiny.model, tiny.tokenizer, factory, PROMPTS[:1], settings)
+    assert report["settings"]["sampling"]["temperature"] == 0.8
+    assert 1 <= report["prompts"][0]["new_tokens"] <= 16
+
+
+def test_prompt_over_the_context_is_refused(tiny_target_dir):
+    short = load_target(tiny_target_dir("llama", max_position_embeddings=16))
+    factory, _ = make_drafter_factory("prompt-lookup", short.model, short.tokenizer)
+    long_prompt = Prompt(" ".join(["hello world"] * 20))
+    with pytest.raises(ValueError, match="context of 16"):
+        run_bench(short.model, short.tokenizer, factory, [long_prompt], BenchSettings(progress=False))
+
+
+def test_the_run_accepted_drafts(greedy_report):
+    """Identity must hold through multi-token rounds, not only one-token ones: the tiny random
+    model repeats itself, so prompt lookup gets drafts accepted."""
+    assert max(int(k) for k in greedy_report["acceptance_length_histogram"]) > 1
+    assert greedy_report["per_position_acceptance"][0] > 0

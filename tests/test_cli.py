@@ -1,0 +1,243 @@
+"""The CLI: happy paths on a tiny target, and expected errors as one line with exit code 2."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from drafthead import cli
+from drafthead.commands import choose_proposer
+from drafthead.commands.generate import TextPrinter
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(code, err, fragment):
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert lines and lines[-1].startswith("drafthead: error: "), err
+    assert fragment in lines[-1], lines[-1]
+    assert "Traceback" not in err
+
+
+def test_commands_are_registered():
+    parser, modules = cli.build_parser()
+    assert set(cli.COMMANDS) <= set(modules)
+    assert {"generate", "bench", "demo"} <= set(cli.COMMANDS)
+
+
+def test_unknown_target(capsys):
+    code, out, err = run_cli(capsys, "generate", "--target", "no-such-model", "--prompt", "hi")
+    assert_one_line_error(code, err, "unknown target 'no-such-model'")
+
+
+def test_limit_zero(capsys, tiny_llama_dir):
+    code, out, err = run_cli(capsys, "bench", "--target", str(tiny_llama_dir), "--limit", "0")
+    assert_one_line_error(code, err, "limit must be a positive number")
+
+
+def test_empty_prompt_file(capsys, tiny_llama_dir, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    code, out, err = run_cli(capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(empty))
+    assert_one_line_error(code, err, "no prompts")
+
+
+def test_malformed_prompt_file_names_the_line(capsys, tiny_llama_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"prompt": \n')
+    code, out, err = run_cli(capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(bad))
+    assert_one_line_error(code, err, "bad.jsonl:2:")
+
+
+def test_prompt_longer_than_the_context(capsys, tiny_target_dir):
+    short = tiny_target_dir("llama", max_position_embeddings=16)
+    long_prompt = " ".join(["hello world"] * 20)
+    code, out, err = run_cli(capsys, "generate", "--target", str(short), "--prompt", long_prompt, "--threads", "1")
+    assert_one_line_error(code, err, "context of 16")
+    prompts = short.parent / "long.jsonl"
+    prompts.write_text(json.dumps({"prompt": long_prompt}) + "\n")
+    code, out, err = run_cli(capsys, "bench", "--target", str(short), "--dataset", str(prompts), "--no-progress")
+    assert_one_line_error(code, err, "context of 16")
+
+
+def test_other_expected_errors(capsys, tiny_llama_dir, tmp_path):
+    code, out, err = run_cli(capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "  ")
+    assert_one_line_error(code, err, "prompt is empty")
+    code, out, err = run_cli(
+        capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--proposer", "heads", "--head", str(tmp_path / "none")
+    )
+    assert_one_line_error(code, err, "no head folder")
+    code, out, err = run_cli(capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--temperature", "-1")
+    assert_one_line_error(code, err, "temperature")
+    code, out, err = run_cli(capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(tmp_path / "missing.jsonl"))
+    assert_one_line_error(code, err, "no prompt file")
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["generate"])  # --prompt is required
+    assert info.value.code == 2
+    with pytest.raises(SystemExit) as info:
+        cli.main(["bench", "--num-draft", "0"])
+    assert info.value.code == 2
+
+
+def test_console_script_prints_one_line(tiny_llama_dir):
+    script = Path(sys.executable).with_name("drafthead")  # installed by `pip install -e .`
+    proc = subprocess.run(
+        [str(script), "bench", "--target", "no-such-model", "--limit", "2"],
+        capture_output=True, text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert lines[0].startswith("drafthead: error: unknown target 'no-such-model': use a built-in name (")
+
+
+def test_generate_streams_and_reports(capsys, tiny_llama_dir):
+    code, out, err = run_cli(
+        capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hello world, hello there",
+        "--max-new-tokens", "24", "--threads", "1",
+    )
+    assert code == 0
+    assert "no trained head ships" in err and "prompt lookup" in err
+    assert "tau " in err and "tokens/s" in err
+    assert out.endswith("\n") and len(out.strip()) > 0
+
+
+def test_bench_writes_report_markdown_and_plot(capsys, tiny_llama_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t, "category": c}) + "\n" for t, c in [("hello world", "a"), ("one two three", "b")]))
+    out_json, md, png = tmp_path / "r" / "report.json", tmp_path / "r.md", tmp_path / "r.png"
+    code, out, err = run_cli(
+        capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--max-new-tokens", "16",
+        "--out", str(out_json), "--markdown", str(md), "--plot", str(png), "--compare", "hf-prompt-lookup",
+        "--no-progress", "--threads", "1", "--profile",
+    )
+    assert code == 0, err
+    report = json.loads(out_json.read_text())
+    assert report["num_prompts"] == 2 and report["identical_fraction"] == 1.0
+    assert report["settings"]["proposer"] == "prompt-lookup" and report["settings"]["dataset"] == str(prompts)
+    assert "hf_prompt_lookup_tokens_per_s" in report
+    assert md.read_text().startswith("| method |")
+    assert png.stat().st_size > 1000
+    assert "plain generate()" in out and "engine time" in out
+
+
+def test_text_printer_holds_back_partial_characters():
+    class ByteTokenizer:  # one token per UTF-8 byte
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    import io
+
+    stream = io.StringIO()
+    printer = TextPrinter(ByteTokenizer(), stream)
+    data = list("héllo 東京".encode())
+    for b in data:
+        printer([b])
+        assert "\ufffd" not in stream.getvalue()
+    printer.finish()
+    assert stream.getvalue() == "héllo 東京\n"
+
+
+def test_default_proposer_is_prompt_lookup_without_a_shipped_head():
+    class Args:
+        proposer = head = draft_model = None
+
+    proposer, head, message = choose_proposer(Args, "no-head-target")
+    assert (proposer, head) == ("prompt-lookup", None) and "no trained head ships" in message
+    Args.draft_model = "x"
+    assert choose_proposer(Args, "t")[0] == "draft-model"
+
+
+# -- the drafter factory behind --proposer -----------------------------------------------------
+
+
+def test_draft_model_proposer_end_to_end(capsys, tiny_llama_dir, tiny_qwen2_dir, tmp_path):
+    """A tiny Qwen2 drafting for a tiny Llama with the same tokenizer: fp32 greedy stays identical."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello world, hello there"}) + "\n")
+    out_json = tmp_path / "report.json"
+    code, out, err = run_cli(
+        capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--max-new-tokens", "16",
+        "--draft-model", str(tiny_qwen2_dir), "--num-draft", "3", "--out", str(out_json), "--no-progress",
+        "--threads", "1",
+    )
+    assert code == 0, err
+    assert f"draft model {tiny_qwen2_dir}" in err
+    report = json.loads(out_json.read_text())
+    assert report["settings"]["proposer"] == "draft-model"
+    assert report["identical_fraction"] == 1.0
+    assert max(report["prompts"][0]["drafted"]) == 3
+
+
+def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from drafthead.drafters import DrafterError, build_drafter, check_same_vocabulary
+    from drafthead.targets import load_target
+    from tests.tiny import tiny_causal_lm
+
+    target = load_target(tiny_llama_dir)
+    # a different vocabulary size
+    small = tiny_causal_lm("llama", vocab=300)
+    with pytest.raises(DrafterError, match=r"vocabulary \(300\) differs"):
+        build_drafter("draft-model", target.model, target.tokenizer, draft_model=small)
+    # the same size, two token ids swapped: the ids mean other things
+    spec = json.loads(target.tokenizer.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    a, b = (k for k, v in vocab.items() if v in (100, 101))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    swapped = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)))
+    assert len(swapped) == len(target.tokenizer)
+    same_size = tiny_causal_lm("llama", vocab=len(swapped))
+    with pytest.raises(DrafterError, match="map 2 tokens differently"):
+        check_same_vocabulary(target.model, target.tokenizer, same_size, swapped)
+    # the same tokenizer passes
+    check_same_vocabulary(target.model, target.tokenizer, same_size, target.tokenizer)
+
+
+def test_unknown_proposer_and_missing_arguments(tiny_llama_dir):
+    from drafthead.drafters import DrafterError, build_drafter, default_head_path
+
+    with pytest.raises(DrafterError, match="unknown proposer"):
+        build_drafter("medusa-magic", None, None)
+    with pytest.raises(DrafterError, match="needs a draft model"):
+        build_drafter("draft-model", None, None)
+    with pytest.raises(DrafterError, match="needs a trained head"):
+        build_drafter("heads", None, None)
+    assert default_head_path("no-such-target") is None
+    lookup = build_drafter("prompt-lookup", None, None, num_draft=5, max_ngram=2)
+    assert (lookup.num_draft, lookup.max_ngram) == (5, 2)
+
+
+@pytest.mark.parametrize("kind", ["medusa1", "eagle1"])
+def test_heads_proposer_end_to_end(capsys, tiny_llama_dir, tmp_path, kind):
+    """An (untrained) head folder through --head: loads with identity checks, stays exact."""
+    from drafthead.heads.registry import build_head, make_config
+    from drafthead.targets import load_target
+
+    target = load_target(tiny_llama_dir)
+    head = build_head(make_config(kind, target.model, target.tokenizer, name=target.name), target.model)
+    head.save_pretrained(tmp_path / "head")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello world, hello there"}) + "\n")
+    out_json = tmp_path / "report.json"
+    code, out, err = run_cli(
+        capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--max-new-tokens", "16",
+        "--head", str(tmp_path / "head"), "--num-draft", "5", "--out", str(out_json), "--no-progress", "--threads", "1",
+    )
+    assert code == 0, err
+    report = json.loads(out_json.read_text())
+    assert report["settings"]["proposer"] == "heads" and report["identical_fraction"] == 1.0
+    assert max(report["prompts"][0]["drafted"]) <= 5  # --num-draft sets the head's node budget
