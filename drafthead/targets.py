@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from .heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Bumped when the layout of a cached target folder changes; older folders are rebuilt.
@@ -200,26 +202,6 @@ def _load_model(folder: Path, dtype: torch.dtype):
         except OSError as e:
             raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
     return model
-
-
-def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
-    """Every id that ends generation: the generation config's, the model config's and the
-    tokenizer's EOS, in that order, without repeats."""
-    found: list[int] = []
-
-    def add(value) -> None:
-        if value is None:
-            return
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            if v is not None and int(v) not in found:
-                found.append(int(v))
-
-    gen = getattr(model, "generation_config", None)
-    add(getattr(gen, "eos_token_id", None))
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    add(getattr(config, "eos_token_id", None))
-    add(getattr(tokenizer, "eos_token_id", None))
-    return tuple(found)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -117,3 +117,23 @@ def check_compatible(expected: TargetIdentity, actual: TargetIdentity) -> None:
             "(every structural field and the tokenizer match)",
             stacklevel=2,
         )
+
+
+def eos_token_ids(model, tokenizer=None) -> tuple[int, ...]:
+    """Every id that ends generation: the generation config's, the model config's and the
+    tokenizer's EOS, in that order, without repeats."""
+    found: list[int] = []
+
+    def add(value) -> None:
+        if value is None:
+            return
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and int(v) not in found:
+                found.append(int(v))
+
+    gen = getattr(model, "generation_config", None)
+    add(getattr(gen, "eos_token_id", None))
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    add(getattr(config, "eos_token_id", None))
+    add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(found)

@@ -10,7 +10,7 @@ from torch import nn
 from .config import CONFIG_CLASSES, HeadConfig
 from .eagle import Eagle1Head
 from .eagle3 import Eagle3Head
-from .identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
+from .identity import HeadTargetMismatch, check_compatible, eos_token_ids, identify_target, identity_diff
 from .io import ADAPTER_DIR, DraftHeadBase, HeadFormatError, check_state_dict, read_head_dir
 from .medusa import MedusaHead
 
@@ -44,17 +44,6 @@ def _new_module(config: HeadConfig, target_model: nn.Module) -> DraftHeadBase:
     return cls(config) if cls is MedusaHead else cls(config, target_model)
 
 
-def eos_ids(target_model: nn.Module) -> list[int]:
-    """EOS ids from the target's config and generation config (int or list in either)."""
-    out: set[int] = set()
-    for cfg in (getattr(target_model, "config", None), getattr(target_model, "generation_config", None)):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if eos is None:
-            continue
-        out.update([eos] if isinstance(eos, int) else list(eos))
-    return sorted(out)
-
-
 def build_head(
     config: HeadConfig,
     target_model: nn.Module,
@@ -77,7 +66,7 @@ def build_head(
         raise HeadTargetMismatch("config was made for another target:\n  " + "\n  ".join(diffs))
     head = _new_module(config, target_model)
     if always_include is None:
-        always_include = [i for i in eos_ids(target_model) if 0 <= i < config.vocab_size]
+        always_include = [i for i in eos_token_ids(target_model) if 0 <= i < config.vocab_size]
     head.init_from_target(target_model, token_counts=token_counts, always_include=always_include)
     head.to(device=target_device(target_model), dtype=dtype or target_dtype(target_model))
     return head.bind_target(target_model)
