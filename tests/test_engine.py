@@ -154,3 +154,26 @@ def test_tree_forward_and_keep_path_equal_recomputation(family):
         for kept, ref in zip(cache.layers, linear.layers):
             torch.testing.assert_close(kept.keys, ref.keys, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(kept.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+class RecordingStreamer:
+    """The transformers streamer protocol: put(prompt) first, then new tokens, then end()."""
+
+    def __init__(self):
+        self.puts, self.ended = [], False
+
+    def put(self, value):
+        self.puts.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_transformers_streamer_gets_prompt_then_tokens_then_end():
+    target = tiny_causal_lm("llama")
+    prompt = repetitive_prompt(96)
+    streamer = RecordingStreamer()
+    result = speculative_generate(target, PromptLookupDrafter(), prompt, GenerationConfig(max_new_tokens=20), streamer=streamer)
+    assert streamer.puts[0] == prompt[0].tolist()
+    assert sum(streamer.puts[1:], []) == result.new_tokens[0].tolist()
+    assert streamer.ended
