@@ -63,6 +63,9 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
     g.add_argument("--num-draft", type=_positive_int, default=None, help="draft tokens per round (proposer default)")
+    g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
+                   help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "
+                        "shipped head's setting, else 0)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int = 256) -> None:
@@ -132,6 +135,8 @@ def drafter_factory_from_args(args, loaded, sampling, proposer: str, head: str |
     kw = {"num_draft": args.num_draft}
     if proposer == "heads":
         kw.update(head=head, target_name=loaded.name)
+        if args.lookup_nodes is not None:
+            kw.update(lookup_nodes=args.lookup_nodes)
     elif proposer == "draft-model":
         if args.draft_model is None:
             raise ValueError("--proposer draft-model needs --draft-model NAME")

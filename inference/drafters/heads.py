@@ -15,6 +15,8 @@ import torch
 from ...heads.registry import load_head
 from ..cache import crop
 from ..drafter import RoundStats, TargetFeatures
+from .merged import MergedDrafter
+from .prompt_lookup import PromptLookupDrafter
 from ..tree import DraftTree, select_top_nodes, tree_attention_mask, tree_from_choices
 
 
@@ -198,14 +200,18 @@ class EagleDrafter:
         return tree.subtree(keep.to(device))
 
 
-def load_head_drafter(path, target_model, tokenizer, target_name: str | None = None, **options):
+def load_head_drafter(path, target_model, tokenizer, target_name: str | None = None, lookup_nodes: int = 0, **options):
     """Load a head folder for `target_model` and wrap it in the matching drafter.
 
+    lookup_nodes > 0 merges that many prompt-lookup nodes into every tree (MergedDrafter): n-gram
+    continuations catch the text a model repeats, where a head is least sure.
     Returns (drafter, target): a Medusa-2 head carries a LoRA adapter merged into the target,
     and that adapted target is the one whose output the speculative path reproduces.
     """
     head, target = load_head(Path(path), target_model, tokenizer, target_name=target_name)
     head.eval()
-    if head.kind in ("medusa1", "medusa2"):
-        return MedusaDrafter(head, **options), target
-    return EagleDrafter(head, **options), target
+    drafter = MedusaDrafter(head, **options) if head.kind in ("medusa1", "medusa2") else EagleDrafter(head, **options)
+    if lookup_nodes > 0:
+        lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes)
+        drafter = MergedDrafter([drafter, lookup], extra_nodes=lookup_nodes)
+    return drafter, target
