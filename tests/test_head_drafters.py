@@ -107,3 +107,23 @@ def test_best_static_tree_prefers_likely_paths():
     acc = torch.tensor([[0.9, 0.05], [0.8, 0.1], [0.5, 0.1]])
     choices = best_static_tree(acc, 4)
     assert choices == [(0,), (0, 0), (0, 0, 0), (0, 1)]  # 0.9, 0.72, 0.36, 0.09 > (1,) 0.05
+
+
+def test_drafting_json_sets_defaults_and_rejects_unknown_keys(tmp_path):
+    import json
+
+    from drafthead.inference.drafters.heads import load_head_drafter
+    from drafthead.inference.drafters.merged import MergedDrafter
+
+    target = tiny_causal_lm("llama", layers=4)
+    head = build_head(make_config("eagle1", target, None, name="tiny"), target)
+    folder = head.save_pretrained(tmp_path / "head")
+    (folder / "drafting.json").write_text(json.dumps({"total_tokens": 7, "depth": 2, "lookup_nodes": 3}))
+    drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
+    assert isinstance(drafter, MergedDrafter)
+    assert drafter.drafters[0].total_tokens == 7 and drafter.drafters[0].depth == 2
+    drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", lookup_nodes=0, depth=3)
+    assert isinstance(drafter, EagleDrafter) and drafter.depth == 3 and drafter.total_tokens == 7
+    (folder / "drafting.json").write_text(json.dumps({"total_tokns": 7}))
+    with pytest.raises(ValueError, match="total_tokns"):
+        load_head_drafter(folder, target, None, target_name="tiny")

@@ -65,7 +65,7 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-draft", type=_positive_int, default=None, help="draft tokens per round (proposer default)")
     g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
                    help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "
-                        "shipped head's setting, else 0)")
+                        "head folder's drafting.json, else 0)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int = 256) -> None:

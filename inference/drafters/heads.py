@@ -6,7 +6,7 @@ never run the target themselves.
 from __future__ import annotations
 
 import heapq
-import math
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -200,17 +200,43 @@ class EagleDrafter:
         return tree.subtree(keep.to(device))
 
 
-def load_head_drafter(path, target_model, tokenizer, target_name: str | None = None, lookup_nodes: int = 0, **options):
+DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter settings measured best for this head
+_DRAFTING_KEYS = {
+    "medusa": {"choices", "num_nodes", "lookup_nodes"},
+    "eagle": {"total_tokens", "depth", "top_k", "lookup_nodes"},
+}
+
+
+def drafting_defaults(path: Path, family: str) -> dict:
+    """Settings from `drafting.json` in a head folder ({} when absent); unknown keys are errors."""
+    file = Path(path) / DRAFTING_FILE
+    if not file.is_file():
+        return {}
+    try:
+        settings = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    unknown = set(settings) - _DRAFTING_KEYS[family]
+    if unknown:
+        raise ValueError(f"{file}: unknown keys {sorted(unknown)} (known: {sorted(_DRAFTING_KEYS[family])})")
+    return settings
+
+
+def load_head_drafter(path, target_model, tokenizer, target_name: str | None = None, **options):
     """Load a head folder for `target_model` and wrap it in the matching drafter.
 
-    lookup_nodes > 0 merges that many prompt-lookup nodes into every tree (MergedDrafter): n-gram
-    continuations catch the text a model repeats, where a head is least sure.
+    Options override the folder's `drafting.json`. lookup_nodes > 0 merges that many
+    prompt-lookup nodes into every tree (MergedDrafter): n-gram continuations catch the text a
+    model repeats, where a head is least sure.
     Returns (drafter, target): a Medusa-2 head carries a LoRA adapter merged into the target,
     and that adapted target is the one whose output the speculative path reproduces.
     """
     head, target = load_head(Path(path), target_model, tokenizer, target_name=target_name)
     head.eval()
-    drafter = MedusaDrafter(head, **options) if head.kind in ("medusa1", "medusa2") else EagleDrafter(head, **options)
+    family = "medusa" if head.kind in ("medusa1", "medusa2") else "eagle"
+    settings = {**drafting_defaults(Path(path), family), **options}
+    lookup_nodes = settings.pop("lookup_nodes", 0)
+    drafter = MedusaDrafter(head, **settings) if family == "medusa" else EagleDrafter(head, **settings)
     if lookup_nodes > 0:
         lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes)
         drafter = MergedDrafter([drafter, lookup], extra_nodes=lookup_nodes)
