@@ -70,12 +70,14 @@ def context_limit(config, override: int | None = None) -> int | None:
     return override or getattr(config, "max_position_embeddings", None)
 
 
-def limit_depth(tree: DraftTree, max_depth: int) -> DraftTree:
-    """Drop nodes deeper than max_depth (a depth-d path emits d + 1 tokens)."""
+def limit_depth(tree: DraftTree, max_depth: int) -> tuple[DraftTree, list[int] | None]:
+    """Drop nodes deeper than max_depth (a depth-d path emits d + 1 tokens). Returns the tree and,
+    when nodes were dropped, the original index of each kept node (None: the tree is unchanged)."""
     depth = node_depths(tree.parents)
     if int(depth.max()) <= max_depth:
-        return tree
-    return tree.subtree((depth <= max_depth).nonzero().flatten())
+        return tree, None
+    keep = (depth <= max_depth).nonzero().flatten()
+    return tree.subtree(keep), keep.tolist()
 
 
 def node_seen(history_seen: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -184,7 +186,7 @@ def speculative_generate(
                     finish = "context"
                     break
                 max_depth = min(max_depth, max_len - committed - 1)
-            tree = limit_depth(drafter.propose(), max_depth)
+            tree, kept_nodes = limit_depth(drafter.propose(), max_depth)
             clock.lap("draft")
 
             past_len = committed - 1
@@ -229,7 +231,8 @@ def speculative_generate(
                 torch.tensor([result.next_token], device=device),
                 RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
                            depth=int(node_depths(tree.parents).max()), accepted_depths=depths[1:],
-                           path=list(result.path)),
+                           # in the drafter's own numbering, before limit_depth
+                           path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path]),
             )
             clock.lap("other")
         if streamer is not None:
