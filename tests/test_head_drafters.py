@@ -127,3 +127,47 @@ def test_drafting_json_sets_defaults_and_rejects_unknown_keys(tmp_path):
     (folder / "drafting.json").write_text(json.dumps({"total_tokns": 7}))
     with pytest.raises(ValueError, match="total_tokns"):
         load_head_drafter(folder, target, None, target_name="tiny")
+
+
+def slow_eagle_logits(head, target, history, path_tokens):
+    """Head logits after the committed pairs and then the draft tokens `path_tokens`, recomputed
+    from scratch with a plain causal mask (each draft pair takes its parent's output hidden)."""
+    with torch.no_grad():
+        hs = target(history[:, :-1], output_hidden_states=True).hidden_states
+        fused = head.fuse([hs[i] for i in head.feature_layers])
+        tokens = history[:, 1:]
+        h, logits = head.step(fused, tokens, None, None, None)
+        for token in path_tokens:
+            fused = torch.cat([fused, h[:, -1:]], dim=1)
+            tokens = torch.cat([tokens, torch.tensor([[token]])], dim=1)
+            h, logits = head.step(fused, tokens, None, None, None)
+    return logits[0, -1]
+
+
+def test_eagle_tree_nodes_are_top_k_children_of_their_recomputed_parents():
+    """Siblings must not see each other: every drafted node is among the top-k of the logits
+    recomputed along its own path alone."""
+    target = tiny_causal_lm("llama", layers=4)
+    head = build_head(make_config("eagle1", target, None, name="tiny"), target).eval()
+    drafter = EagleDrafter(head, total_tokens=30, depth=3, top_k=3)
+    prompt = repetitive_prompt(96, seed=4)
+    with torch.no_grad():
+        out = target(prompt[:, :-1], output_hidden_states=True)
+    from drafthead.inference.drafter import TargetFeatures
+    feats = TargetFeatures(drafter.feature_layers, tuple(out.hidden_states[i] for i in drafter.feature_layers))
+    drafter.begin(prompt[:, :-1], feats, prompt[:, -1])
+    with torch.inference_mode():
+        tree = drafter.propose()
+    tokens, parents = tree.tokens[0].tolist(), tree.parents.tolist()
+    checked = 0
+    for node in range(1, len(tokens)):
+        path, p = [], parents[node]
+        while p > 0:
+            path.append(tokens[p])
+            p = parents[p]
+        if not path:
+            continue
+        logits = slow_eagle_logits(head, target, prompt, path[::-1])
+        assert tokens[node] in torch.topk(logits, 3).indices.tolist()
+        checked += 1
+    assert checked >= 6

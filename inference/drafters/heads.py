@@ -17,7 +17,7 @@ from ..cache import crop
 from ..drafter import RoundStats, TargetFeatures
 from .merged import MergedDrafter
 from .prompt_lookup import PromptLookupDrafter
-from ..tree import DraftTree, select_top_nodes, tree_attention_mask, tree_from_choices
+from ..tree import DraftTree, select_top_nodes, tree_from_choices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,6 +137,20 @@ class EagleDrafter:
 
     # -- drafting ----------------------------------------------------------------------------
 
+    def _frontier_mask(self, nodes: list[int], fed_nodes: list[int], cand_parent: list[int], device) -> torch.Tensor:
+        """Additive [1, 1, F, fed + len(fed_nodes) + F] mask for feeding frontier `nodes`: each sees
+        every committed pair, its ancestors among the tree nodes already in the cache, and itself.
+        Built from parent walks (depth <= self.depth) rather than the whole tree's ancestor matrix."""
+        column = {node: j for j, node in enumerate(fed_nodes + nodes)}
+        allowed = torch.zeros(len(nodes), len(column), dtype=torch.bool)
+        for row, node in enumerate(nodes):
+            while node > 0:  # node n is candidate n - 1; the root lives in the committed pairs
+                allowed[row, column[node]] = True
+                node = cand_parent[node - 1]
+        mask = torch.zeros(len(nodes), self.fed + len(column), dtype=self.head.dtype)
+        mask[:, self.fed:].masked_fill_(~allowed, torch.finfo(self.head.dtype).min)
+        return mask.to(device)[None, None]
+
     def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.draft_ids is None else self.draft_ids[ids]
 
@@ -166,13 +180,7 @@ class EagleDrafter:
         for depth in range(1, self.depth):
             # feed the frontier nodes: they sit at position (L - 2) + depth
             nodes = [c + 1 for c in frontier]
-            n_fed = len(cand_tokens) + 1  # tree so far (root + candidates); mask rows for frontier
-            parents = torch.tensor([-1] + cand_parent, device=device)
-            mask = tree_attention_mask(parents[:n_fed], self.fed, self.head.dtype)
-            # keys: committed pairs + the tree nodes fed in earlier depths + this frontier
-            cols = torch.cat([torch.arange(self.fed, device=device), self.fed + torch.tensor(fed_nodes + nodes, device=device)])
-            rows = torch.tensor(nodes, device=device)
-            step_mask = mask[:, :, rows][:, :, :, cols]
+            step_mask = self._frontier_mask(nodes, fed_nodes, cand_parent, device)
             h_in = torch.stack([cand_hidden[c] for c in frontier])[None]
             tok_in = torch.tensor([[cand_tokens[c] for c in frontier]], device=device)
             pos = torch.full((1, len(nodes)), L - 2 + depth, device=device)
