@@ -95,7 +95,11 @@ def accept_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig,
     if sampling.repetition_penalty != 1.0:
         seen = node_seen(history_seen, tree.tokens, parents)[0]
     if sampling.greedy:
-        lg = logits[0] if seen is None else apply_repetition_penalty(logits[0], seen, sampling.repetition_penalty)
+        # float32 first, as generate() does: argmax over bf16 is ~3x slower on CPU, and the cast
+        # is exact, so ties still resolve to the first index
+        lg = logits[0].float()
+        if seen is not None:
+            lg = apply_repetition_penalty(lg, seen, sampling.repetition_penalty)
         return greedy_accept(tokens, parents.to(tokens.device), lg.argmax(dim=-1))
     p = logits_to_probs(logits[0], sampling, seen)  # [N, V]
     q = None if tree.draft_probs is None else tree.draft_probs[0]
