@@ -228,13 +228,14 @@ def speculative_generate(
             round_features = select_features(
                 verification.hidden_states, drafter.feature_layers, drafter.needs_last_hidden, path_index
             )
-            depths = node_depths(tree.parents)[result.path].tolist()
+            depth_of = node_depths(tree.parents)
+            depths = depth_of[result.path].tolist()
             drafter.commit(
                 tree.tokens[:, path_index],
                 round_features,
                 torch.tensor([result.next_token], device=device),
                 RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
-                           depth=int(node_depths(tree.parents).max()), accepted_depths=depths[1:],
+                           depth=int(depth_of.max()), accepted_depths=depths[1:],
                            # in the drafter's own numbering, before limit_depth
                            path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path]),
             )

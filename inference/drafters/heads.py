@@ -174,7 +174,6 @@ class EagleDrafter:
         cand_parent = [0] * self.top_k
         cand_score = top.values.tolist()
         cand_hidden = [hidden[0, -1]] * self.top_k  # the parent's output feeds its children
-        cand_depth = [1] * self.top_k
         frontier = list(range(self.top_k))  # candidate indices (node = index + 1)
         fed_nodes: list[int] = []  # tree nodes whose K/V the head cache holds, in feeding order
         for depth in range(1, self.depth):
@@ -197,7 +196,6 @@ class EagleDrafter:
                     cand_parent.append(frontier[f_row] + 1)
                     cand_score.append(float(scores[f_row, j]))
                     cand_hidden.append(h_out[0, f_row])
-                    cand_depth.append(depth + 1)
             base = len(cand_tokens) - len(frontier) * self.top_k
             frontier = [base + int(i) for i in best.indices]
         # 3. rerank: keep the total_tokens best candidates (closed under ancestors)
