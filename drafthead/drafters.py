@@ -52,6 +52,8 @@ def build_drafter(
     Heads are loaded from `head`; the head loader may adapt the target in place (Medusa-2's merged
     LoRA): the adapted model is then the target whose output the decode reproduces.
     """
+    if num_draft == "auto" and proposer != "heads":
+        raise DrafterError(f"num_draft 'auto' sizes EAGLE head trees, not {proposer} drafts")
     if proposer == "prompt-lookup":
         from .inference.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -115,6 +117,8 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
         kind = read_json(head / CONFIG_NAME).get("config", {}).get("kind")
         if kind not in _HEAD_NODE_BUDGET:
             raise DrafterError(f"{head}: unknown head kind {kind!r}")
+        if num_draft == "auto" and not kind.startswith("eagle"):
+            raise DrafterError(f"num_draft 'auto' sizes EAGLE trees; {kind} heads take a number of nodes")
         options[_HEAD_NODE_BUDGET[kind]] = num_draft
     return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)
 

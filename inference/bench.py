@@ -67,6 +67,15 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+NEAR_TIE_GAP = 0.5  # logits; bf16 spacing is 0.125 at |logit| 16-32, and a forward adds a few roundings
+
+
+def is_near_tie(divergence: dict) -> bool:
+    """A greedy divergence is a near-tie when the speculative token was the target's runner-up (or
+    tied) and its logit trails the plain token's by at most NEAR_TIE_GAP."""
+    return divergence.get("speculative_rank", 99) <= 1 and divergence.get("gap", 99.0) <= NEAR_TIE_GAP
+
+
 def repeated_ngrams(tokens: Sequence[int], n: int = 4) -> tuple[int, int]:
     """(repeated, total) n-grams: an n-gram is repeated each time it occurs after its first time."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
@@ -188,6 +197,28 @@ def _hf_generate(model, input_ids, config, seed: int | None, memory: PeakMemory)
     return out[0, input_ids.shape[1] :].tolist(), seconds
 
 
+@torch.inference_mode()
+def divergence_detail(target, tokenizer, prompt_ids, plain_tokens, spec_tokens, position: int) -> dict:
+    """Where plain and speculative greedy output part: the target's logits for the token at
+    `position` after the shared prefix (one full forward in the target's dtype), the two tokens,
+    the plain token's lead over the speculative one, and the speculative token's rank."""
+    detail = {"position": position, "context": tokenizer.decode(plain_tokens[max(0, position - 12) : position])}
+    if position >= min(len(plain_tokens), len(spec_tokens)):
+        return dict(detail, reason="length")  # one side stopped (EOS or a stop string) earlier
+    prefix = torch.tensor([plain_tokens[:position]], device=prompt_ids.device, dtype=prompt_ids.dtype)
+    logits = target(input_ids=torch.cat([prompt_ids, prefix], dim=1), logits_to_keep=1).logits[0, -1].float()
+    a, b = plain_tokens[position], spec_tokens[position]
+    return dict(
+        detail,
+        plain_token=tokenizer.decode([a]),
+        speculative_token=tokenizer.decode([b]),
+        plain_logit=float(logits[a]),
+        speculative_logit=float(logits[b]),
+        gap=float(logits[a] - logits[b]),
+        speculative_rank=int((logits > logits[b]).sum()),
+    )
+
+
 def _spec_generate(model, drafter, input_ids, config, tokenizer, memory: PeakMemory):
     _sync(input_ids.device)
     with memory:
@@ -273,6 +304,7 @@ def run_bench(
             "rounds": result.num_rounds,
             "identical": diff is None,
             "first_difference": diff,
+            "divergence": None if diff is None else divergence_detail(target, tokenizer, ids, plain_tokens, spec_tokens, diff),
             "finish_reason": result.finish_reason,
             "accepted_lengths": list(result.accepted_lengths),
             "drafted": list(result.drafted),
@@ -368,6 +400,14 @@ def summarize(records: list[dict], settings: BenchSettings) -> dict:
             "plain_seconds": plain_s,
             "seconds": spec_s,
         },
+    }
+    divergences = [r["divergence"] for r in records if r.get("divergence")]
+    near = [d for d in divergences if is_near_tie(d)]
+    report["divergences"] = {
+        "count": len(divergences),
+        "near_ties": len(near),
+        "near_tie_gap": NEAR_TIE_GAP,
+        "example": (near or divergences or [None])[0],
     }
     if records and "hf_prompt_lookup_seconds" in records[0]:
         hf_tokens = sum(r["hf_prompt_lookup_new_tokens"] for r in records)

@@ -69,6 +69,14 @@ def _summary_lines(report: dict) -> list[str]:
     if rss:
         ratio = "-" if rss.get("ratio") is None else f"{rss['ratio']:.3f}"
         lines.append(f"peak RSS: plain {rss['plain']:.0f} MB, speculative {rss['speculative']:.0f} MB (ratio {ratio})")
+    div = report.get("divergences")
+    if div and div["count"]:
+        lines.append(f"outputs differing from plain: {div['count']}, of which near-ties "
+                     f"(runner-up token, logit gap <= {div['near_tie_gap']}): {div['near_ties']}")
+        ex = div["example"]
+        if ex and "gap" in ex:
+            lines.append(f"  e.g. at token {ex['position']} after {ex['context'][-40:]!r}: plain {ex['plain_token']!r} "
+                         f"({ex['plain_logit']:.3f}) vs speculative {ex['speculative_token']!r} ({ex['speculative_logit']:.3f})")
     ppa = report["per_position_acceptance"]
     if ppa:
         lines.append("accepted >= d drafts: " + ", ".join(f"d{d + 1} {100 * a:.0f}%" for d, a in enumerate(ppa[:8])))

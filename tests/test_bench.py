@@ -10,7 +10,9 @@ from drafthead.drafters import make_drafter_factory
 from drafthead.inference.bench import (
     BenchSettings,
     acceptance_histogram,
+    divergence_detail,
     first_difference,
+    is_near_tie,
     per_position_acceptance,
     repeated_ngrams,
     repetition_fraction,
@@ -123,11 +125,29 @@ def test_report_has_every_key(greedy_report):
 
 def test_fp32_greedy_outputs_are_identical(greedy_report):
     assert greedy_report["identical_fraction"] == 1.0
+    assert greedy_report["divergences"]["count"] == 0 and greedy_report["divergences"]["example"] is None
     assert greedy_report["hf_prompt_lookup_identical_fraction"] == 1.0
     for record in greedy_report["prompts"]:
         assert record["identical"] and record["first_difference"] is None
         assert record["output"] == record["plain_output"]
         assert record["new_tokens"] == record["plain_new_tokens"] > 0
+
+
+def test_divergence_detail_reads_the_targets_logits_there(tiny):
+    import torch
+
+    ids = tiny.tokenizer("hello there", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = tiny.model(ids).logits[0, -1].float()
+    order = torch.argsort(logits, descending=True).tolist()
+    # plain took the argmax, "speculative" the runner-up, at position 0
+    d = divergence_detail(tiny.model, tiny.tokenizer, ids, [order[0], 5], [order[1], 5], 0)
+    assert d["speculative_rank"] == 1 and d["position"] == 0
+    assert d["gap"] == pytest.approx(float(logits[order[0]] - logits[order[1]]), abs=1e-4)
+    assert is_near_tie(d) == (d["gap"] <= 0.5)
+    d = divergence_detail(tiny.model, tiny.tokenizer, ids, [order[0]], [order[0], 7], 1)
+    assert d["reason"] == "length" and not is_near_tie(d)
+    assert not is_near_tie({"speculative_rank": 3, "gap": 0.01})
 
 
 def test_aggregates_agree_with_the_records(greedy_report):

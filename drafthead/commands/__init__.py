@@ -35,6 +35,10 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _positive_int_or_auto(value: str) -> int | str:
+    return "auto" if value == "auto" else _positive_int(value)
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared options
 # ---------------------------------------------------------------------------------------------
@@ -62,10 +66,16 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
-    g.add_argument("--num-draft", type=_positive_int, default=None, help="draft tokens per round (proposer default)")
+    g.add_argument("--num-draft", type=_positive_int_or_auto, default=None,
+                   help="draft tokens per round (proposer default); EAGLE heads also take 'auto': per round, "
+                        "from the target's measured forward cost per node count")
     g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
                    help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "
                         "head folder's drafting.json, else 0)")
+    g.add_argument("--tree-depth", type=_positive_int, default=None, metavar="D",
+                   help="EAGLE heads: draft steps per round (default: drafting.json, else 5)")
+    g.add_argument("--tree-branch", type=_positive_int, default=None, metavar="K",
+                   help="EAGLE heads: children expanded per node and step (default: drafting.json, else 6)")
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int = 256) -> None:
@@ -137,6 +147,10 @@ def drafter_factory_from_args(args, loaded, sampling, proposer: str, head: str |
         kw.update(head=head, target_name=loaded.name)
         if args.lookup_nodes is not None:
             kw.update(lookup_nodes=args.lookup_nodes)
+        if getattr(args, "tree_depth", None) is not None:
+            kw.update(depth=args.tree_depth)
+        if getattr(args, "tree_branch", None) is not None:
+            kw.update(top_k=args.tree_branch)
     elif proposer == "draft-model":
         if args.draft_model is None:
             raise ValueError("--proposer draft-model needs --draft-model NAME")

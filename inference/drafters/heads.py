@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import heapq
 import json
+import math
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -14,6 +16,7 @@ import torch
 
 from ...heads.registry import load_head
 from ..cache import crop
+from ..cost import best_node_count, measure_verify_cost
 from ..drafter import RoundStats, TargetFeatures
 from .merged import MergedDrafter
 from .prompt_lookup import PromptLookupDrafter
@@ -107,12 +110,27 @@ class EagleDrafter:
 
     needs_last_hidden = False
 
-    def __init__(self, head, total_tokens: int = 24, depth: int = 5, top_k: int = 6):
-        if min(total_tokens, depth, top_k) < 1:
-            raise ValueError("total_tokens, depth and top_k must be >= 1")
+    def __init__(self, head, total_tokens: int | str = 24, depth: int = 5, top_k: int = 6,
+                 verify_cost=None, extra_nodes: int = 0):
+        """total_tokens: draft nodes per round, or "auto": each round keeps the number of best
+        candidates that maximises expected tokens per second under `verify_cost` (a
+        cost.CostCurve measured on the target), counting `extra_nodes` that other drafters add."""
+        self.auto = total_tokens == "auto"
+        if self.auto:
+            if verify_cost is None:
+                raise ValueError('total_tokens="auto" needs the target\'s measured verify_cost')
+            total_tokens = top_k + (depth - 1) * top_k * top_k  # every candidate is eligible
+        if not isinstance(total_tokens, int) or min(total_tokens, depth, top_k) < 1:
+            raise ValueError(f'total_tokens (an int or "auto"), depth and top_k must be >= 1; got '
+                             f"{total_tokens!r}, {depth}, {top_k}")
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+        self.verify_cost, self.extra_nodes = verify_cost, extra_nodes
+        # auto sizing: calibration of the draft's path probabilities against what was accepted,
+        # as decayed sums over rounds (kept across sequences), and the time drafting takes
+        self.predicted_sum, self.accepted_sum, self.predicted = 1.0, 1.0, 0.0
+        self.draft_seconds: float | None = None
         d2t = head.draft_to_target
         self.draft_ids = None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
 
@@ -127,6 +145,10 @@ class EagleDrafter:
 
     def commit(self, tokens, features: TargetFeatures | None, pending, stats: RoundStats) -> None:
         crop(self.cache, self.fed)  # drop the draft-tree nodes: only committed pairs stay
+        if self.auto:
+            accepted = len(stats.path) - 1 if stats.path else stats.num_accepted
+            self.predicted_sum = _DECAY * self.predicted_sum + self.predicted
+            self.accepted_sum = _DECAY * self.accepted_sum + accepted
         self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
         self._take(features)
 
@@ -155,10 +177,12 @@ class EagleDrafter:
         return ids if self.draft_ids is None else self.draft_ids[ids]
 
     def propose(self) -> DraftTree:
+        started = time.perf_counter()
         device = self.history.device
         L = self.history.shape[1]
         root = self.history[:, -1:]
         if not self.unfed:
+            self.predicted = 0.0
             return DraftTree(root, torch.tensor([-1], device=device))
         # 1. catch up: pairs (f_t, x_{t+1}) for t = fed .. L-2, at position ids t
         fused = torch.cat(self.unfed, dim=1)
@@ -201,10 +225,26 @@ class EagleDrafter:
         # 3. rerank: keep the total_tokens best candidates (closed under ancestors)
         parents = torch.tensor([-1] + cand_parent)
         scores = torch.tensor([0.0] + cand_score)
-        keep = select_top_nodes(parents, scores, self.total_tokens)
+        budget = self._auto_budget(cand_score, started) if self.auto else self.total_tokens
+        keep = select_top_nodes(parents, scores, budget)
         tree = DraftTree(torch.tensor([[int(root[0, 0])] + cand_tokens], device=device), parents.to(device))
         return tree.subtree(keep.to(device))
 
+
+    def _auto_budget(self, cand_score: list[float], started: float) -> int:
+        """Nodes to keep this round (module cost.py): candidates' path probabilities, scaled by how
+        the draft's confidence has compared with acceptance so far, against the measured cost."""
+        elapsed = time.perf_counter() - started
+        self.draft_seconds = elapsed if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * elapsed
+        calibration = self.accepted_sum / self.predicted_sum
+        probs = sorted((math.exp(x) for x in cand_score), reverse=True)
+        n = best_node_count([min(1.0, calibration * p) for p in probs], self.verify_cost,
+                            self.draft_seconds, self.extra_nodes)
+        self.predicted = sum(probs[:n])
+        return n
+
+
+_DECAY = 0.98  # per round, for the calibration sums of auto tree sizing (~50 rounds of memory)
 
 DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter settings measured best for this head
 _DRAFTING_KEYS = {
@@ -240,8 +280,14 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     head, target = load_head(Path(path), target_model, tokenizer, target_name=target_name)
     head.eval()
     family = "medusa" if head.kind in ("medusa1", "medusa2") else "eagle"
+    unknown = {k for k, v in options.items() if v is not None} - _DRAFTING_KEYS[family]
+    if unknown:
+        raise ValueError(f"{head.kind} heads take no {sorted(unknown)} option (known: {sorted(_DRAFTING_KEYS[family])})")
     settings = {**drafting_defaults(Path(path), family), **options}
     lookup_nodes = settings.pop("lookup_nodes", 0)
+    if family == "eagle" and settings.get("total_tokens") == "auto":
+        # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
+        settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
     drafter = MedusaDrafter(head, **settings) if family == "medusa" else EagleDrafter(head, **settings)
     if lookup_nodes > 0:
         lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes)
