@@ -45,6 +45,13 @@ def drafthead_version() -> str:
 # ----------------------------------------------------------------------------- atomic writes
 
 
+def _umask_mode() -> int:
+    """The mode a plainly created file gets (0o666 less the umask); mkstemp would give 0o600."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _atomic_write(path: Path, write) -> None:
     """write(tmp_path) then rename onto `path` (same directory, so the rename is atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +59,7 @@ def _atomic_write(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, _umask_mode())  # after writing: a writer may recreate the file
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -76,6 +76,30 @@ def is_near_tie(divergence: dict) -> bool:
     return divergence.get("speculative_rank", 99) <= 1 and divergence.get("gap", 99.0) <= NEAR_TIE_GAP
 
 
+def speed_ceiling(tau: float, totals: dict, profile_seconds: dict) -> dict | None:
+    """Where a run stands against its physical limit (REFERENCE.md s.5), in plain-step units.
+
+    A plain step costs plain_seconds / plain_new_tokens (prefill amortised in, as in the
+    baseline's tokens/s). If drafting and bookkeeping were free, a round would cost one verify
+    forward, so tau / verify_in_plain_steps is the ceiling; tau / round_in_plain_steps is what the
+    measured round cost allows (it equals the measured speedup up to the prefill and timer reads).
+    None without verify timings or without rounds."""
+    rounds, verify = totals.get("rounds", 0), profile_seconds.get("verify")
+    if not rounds or not verify or not totals.get("plain_new_tokens") or not totals.get("plain_seconds"):
+        return None
+    plain_step = totals["plain_seconds"] / totals["plain_new_tokens"]
+    verify_steps = verify / rounds / plain_step
+    round_steps = totals["seconds"] / rounds / plain_step
+    return {
+        "plain_step_seconds": plain_step,
+        "verify_seconds_per_round": verify / rounds,
+        "verify_in_plain_steps": verify_steps,
+        "round_in_plain_steps": round_steps,
+        "verify_only_ceiling": tau / verify_steps,
+        "round_cost_speedup": tau / round_steps,
+    }
+
+
 def repeated_ngrams(tokens: Sequence[int], n: int = 4) -> tuple[int, int]:
     """(repeated, total) n-grams: an n-gram is repeated each time it occurs after its first time."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
@@ -401,6 +425,7 @@ def summarize(records: list[dict], settings: BenchSettings) -> dict:
             "seconds": spec_s,
         },
     }
+    report["ceiling"] = speed_ceiling(report["tau"], report["totals"], report["profile"]["seconds"])
     divergences = [r["divergence"] for r in records if r.get("divergence")]
     near = [d for d in divergences if is_near_tie(d)]
     report["divergences"] = {

@@ -77,6 +77,11 @@ def _summary_lines(report: dict) -> list[str]:
         if ex and "gap" in ex:
             lines.append(f"  e.g. at token {ex['position']} after {ex['context'][-40:]!r}: plain {ex['plain_token']!r} "
                          f"({ex['plain_logit']:.3f}) vs speculative {ex['speculative_token']!r} ({ex['speculative_logit']:.3f})")
+    ceiling = report.get("ceiling")
+    if ceiling:
+        lines.append(f"against the ceiling: a verify forward costs {ceiling['verify_in_plain_steps']:.2f} plain steps, "
+                     f"a whole round {ceiling['round_in_plain_steps']:.2f}: tau / verify = "
+                     f"{ceiling['verify_only_ceiling']:.2f}x, tau / round = {ceiling['round_cost_speedup']:.2f}x")
     ppa = report["per_position_acceptance"]
     if ppa:
         lines.append("accepted >= d drafts: " + ", ".join(f"d{d + 1} {100 * a:.0f}%" for d, a in enumerate(ppa[:8])))

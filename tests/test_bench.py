@@ -17,6 +17,7 @@ from drafthead.inference.bench import (
     repeated_ngrams,
     repetition_fraction,
     run_bench,
+    speed_ceiling,
     tau_of,
 )
 from drafthead.inference.prompts import Prompt
@@ -71,6 +72,18 @@ def test_acceptance_metrics_by_hand():
     assert per_position_acceptance([]) == [] and tau_of([]) == 0.0
 
 
+def test_speed_ceiling_by_hand():
+    # plain: 100 tokens in 5 s -> 50 ms a step; 40 rounds, 3.6 s verifying (90 ms = 1.8 steps),
+    # 4.8 s in all (120 ms = 2.4 steps); tau 3.6
+    totals = {"rounds": 40, "plain_new_tokens": 100, "plain_seconds": 5.0, "seconds": 4.8}
+    c = speed_ceiling(3.6, totals, {"verify": 3.6, "draft": 1.0})
+    assert c["plain_step_seconds"] == pytest.approx(0.05)
+    assert c["verify_in_plain_steps"] == pytest.approx(1.8) and c["round_in_plain_steps"] == pytest.approx(2.4)
+    assert c["verify_only_ceiling"] == pytest.approx(2.0) and c["round_cost_speedup"] == pytest.approx(1.5)
+    assert speed_ceiling(3.6, dict(totals, rounds=0), {"verify": 3.6}) is None
+    assert speed_ceiling(3.6, totals, {}) is None
+
+
 def test_settings_reject_unknown_keys_and_bad_values():
     with pytest.raises(TypeError):
         BenchSettings(max_new_token=5)  # a typo is an error, not ignored
@@ -110,7 +123,8 @@ def test_report_has_every_key(greedy_report):
     for key in [
         "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "identical_fraction", "num_prompts",
         "per_position_acceptance", "acceptance_length_histogram", "peak_rss_mb", "repetition",
-        "per_category_tau", "profile", "hf_prompt_lookup_tokens_per_s", "settings", "prompts",
+        "per_category_tau", "profile", "hf_prompt_lookup_tokens_per_s", "settings", "prompts", "ceiling",
+        "divergences",
     ]:
         assert key in greedy_report, key
     assert set(greedy_report["peak_rss_mb"]) == {"plain", "speculative", "ratio"}

@@ -119,6 +119,18 @@ def test_save_is_atomic(tok, tmp_path, monkeypatch):
     assert torch.equal(head_outputs(load_head(tmp_path / "h", target, tok)[0], target), before)
 
 
+def test_saved_files_get_the_umask_mode_not_mkstemps_0600(tok, tmp_path):
+    import os
+
+    old = os.umask(0o022)
+    try:
+        make_head("medusa1", make_target(), tok).save_pretrained(tmp_path / "h")
+    finally:
+        os.umask(old)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        assert (tmp_path / "h" / name).stat().st_mode & 0o777 == 0o644, name
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 
