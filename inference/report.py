@@ -72,7 +72,7 @@ def _summary_lines(report: dict) -> list[str]:
     div = report.get("divergences")
     if div and div["count"]:
         lines.append(f"outputs differing from plain: {div['count']}, of which near-ties "
-                     f"(runner-up token, logit gap <= {div['near_tie_gap']}): {div['near_ties']}")
+                     f"(logits within {div['near_tie_gap']} of each other): {div['near_ties']}")
         ex = div["example"]
         if ex and "gap" in ex:
             lines.append(f"  e.g. at token {ex['position']} after {ex['context'][-40:]!r}: plain {ex['plain_token']!r} "

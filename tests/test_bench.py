@@ -161,7 +161,8 @@ def test_divergence_detail_reads_the_targets_logits_there(tiny):
     assert is_near_tie(d) == (d["gap"] <= 0.5)
     d = divergence_detail(tiny.model, tiny.tokenizer, ids, [order[0]], [order[0], 7], 1)
     assert d["reason"] == "length" and not is_near_tie(d)
-    assert not is_near_tie({"speculative_rank": 3, "gap": 0.01})
+    assert is_near_tie({"speculative_rank": 2, "gap": 0.125}) and is_near_tie({"gap": -0.25})
+    assert not is_near_tie({"speculative_rank": 1, "gap": 0.75})
 
 
 def test_aggregates_agree_with_the_records(greedy_report):
