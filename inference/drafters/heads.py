@@ -230,7 +230,6 @@ class EagleDrafter:
         tree = DraftTree(torch.tensor([[int(root[0, 0])] + cand_tokens], device=device), parents.to(device))
         return tree.subtree(keep.to(device))
 
-
     def _auto_budget(self, cand_score: list[float], started: float) -> int:
         """Nodes to keep this round (module cost.py): candidates' path probabilities, scaled by how
         the draft's confidence has compared with acceptance so far, against the measured cost."""
