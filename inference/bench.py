@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .cost import sync_device
 from .generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
 from .prompts import Prompt, encode_chat
 from .sampling import SamplingConfig
@@ -180,11 +181,6 @@ class PeakMemory:
             self.cuda_mb = torch.cuda.max_memory_allocated(self.device) / 2**20
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_token_ids, pad_token_id, **extra):
     """The transformers GenerationConfig matching our sampling settings, every field explicit so
     the model's own generation_config defaults (e.g. a shipped temperature) cannot leak in."""
@@ -212,12 +208,12 @@ def _hf_generate(model, input_ids, config, seed: int | None, memory: PeakMemory)
     if seed is not None:
         torch.manual_seed(seed)
     attention_mask = torch.ones_like(input_ids)
-    _sync(input_ids.device)
+    sync_device(input_ids.device)
     with memory:
         start = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config)
-        _sync(input_ids.device)
+        sync_device(input_ids.device)
         seconds = time.perf_counter() - start
     return out[0, input_ids.shape[1] :].tolist(), seconds
 
@@ -245,11 +241,11 @@ def divergence_detail(target, tokenizer, prompt_ids, plain_tokens, spec_tokens, 
 
 
 def _spec_generate(model, drafter, input_ids, config, tokenizer, memory: PeakMemory):
-    _sync(input_ids.device)
+    sync_device(input_ids.device)
     with memory:
         start = time.perf_counter()
         result = speculative_generate(model, drafter, input_ids, config, tokenizer=tokenizer)
-        _sync(input_ids.device)
+        sync_device(input_ids.device)
         seconds = time.perf_counter() - start
     return result, seconds
 

@@ -53,9 +53,6 @@ class CostCurve:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (n - x0) / (x1 - x0)
 
-    def as_dict(self) -> dict:
-        return {"nodes": list(self.nodes), "seconds": [round(s, 6) for s in self.seconds]}
-
 
 def best_node_count(accept_probs: Sequence[float], verify_cost, fixed_cost: float, extra_nodes: int = 0) -> int:
     """The n (1 <= n <= len(accept_probs)) maximising expected tokens per second of one round.
@@ -76,7 +73,8 @@ def best_node_count(accept_probs: Sequence[float], verify_cost, fixed_cost: floa
     return best_n
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock reads time it (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -101,10 +99,10 @@ def measure_verify_cost(
         parents = chain_parents(n - 1, device=param.device)  # the shape of the tree does not change the cost
         times = []
         for r in range(repeats + 1):
-            _sync(param.device)
+            sync_device(param.device)
             start = time.perf_counter()
             forward_tree(target, cache, tokens, parents, context, want_hidden)
-            _sync(param.device)
+            sync_device(param.device)
             if r:  # the first call warms up kernels and allocations for this shape
                 times.append(time.perf_counter() - start)
             crop(cache, context)

@@ -30,11 +30,11 @@ def main() -> None:
     ap.add_argument("--answer-chars", type=int, nargs=2, default=(200, 2500))
     args = ap.parse_args()
     regen = [json.loads(line) for line in open(args.regen)]
-    conversations, report = read_conversations(sharegpt_path(), limit=args.skip + 4 * args.extra)
+    conversations, _ = read_conversations(sharegpt_path(), limit=args.skip + 4 * args.extra)
+    lo, hi = args.answer_chars
     extra = []
     for i, conv in enumerate(conversations[args.skip:]):
         turns = first_turn(conv["messages"])
-        lo, hi = args.answer_chars
         if turns and len(turns[0]["content"]) < args.max_prompt_chars and lo < len(turns[1]["content"]) < hi:
             extra.append({"id": f"sharegpt-{conv.get('id') or i}", "messages": turns})
         if len(extra) >= args.extra:

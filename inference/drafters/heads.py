@@ -252,6 +252,13 @@ _DRAFTING_KEYS = {
 }
 
 
+def check_drafting_keys(keys, family: str, where: str) -> None:
+    """Raise ValueError naming `where` for drafter settings the family's drafter does not take."""
+    unknown = set(keys) - _DRAFTING_KEYS[family]
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_DRAFTING_KEYS[family])})")
+
+
 def drafting_defaults(path: Path, family: str) -> dict:
     """Settings from `drafting.json` in a head folder ({} when absent); unknown keys are errors."""
     file = Path(path) / DRAFTING_FILE
@@ -261,9 +268,7 @@ def drafting_defaults(path: Path, family: str) -> dict:
         settings = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
-    unknown = set(settings) - _DRAFTING_KEYS[family]
-    if unknown:
-        raise ValueError(f"{file}: unknown keys {sorted(unknown)} (known: {sorted(_DRAFTING_KEYS[family])})")
+    check_drafting_keys(settings, family, str(file))
     return settings
 
 
@@ -279,10 +284,9 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     head, target = load_head(Path(path), target_model, tokenizer, target_name=target_name)
     head.eval()
     family = "medusa" if head.kind in ("medusa1", "medusa2") else "eagle"
-    unknown = {k for k, v in options.items() if v is not None} - _DRAFTING_KEYS[family]
-    if unknown:
-        raise ValueError(f"{head.kind} heads take no {sorted(unknown)} option (known: {sorted(_DRAFTING_KEYS[family])})")
-    settings = {**drafting_defaults(Path(path), family), **options}
+    given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
+    check_drafting_keys(given, family, f"{head.kind} drafter options")
+    settings = {**drafting_defaults(Path(path), family), **given}
     lookup_nodes = settings.pop("lookup_nodes", 0)
     if family == "eagle" and settings.get("total_tokens") == "auto":
         # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
