@@ -57,7 +57,8 @@ def build_drafter(
     if proposer == "prompt-lookup":
         from .inference.drafters.prompt_lookup import PromptLookupDrafter
 
-        defaults = {"num_draft": 10, "max_ngram": 3, "min_ngram": 1}
+        # streak 32: +2% tau, +2% tokens/s over none on 10 MT-bench prompts x 256 (bf16, here)
+        defaults = {"num_draft": 10, "max_ngram": 3, "min_ngram": 1, "streak_draft": 32}
         if num_draft is not None:
             defaults["num_draft"] = num_draft
         return PromptLookupDrafter(**{**defaults, **kw})

@@ -188,10 +188,11 @@ class Eagle1Head(DecoderHeadBase):
         )
         return out[0] if isinstance(out, tuple) else out
 
-    def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None):
-        """fused [B,T,H], tokens [B,T] -> (hidden [B,T,H] = predicted next features, logits [B,T,V])."""
+    def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None, last_only=False):
+        """fused [B,T,H], tokens [B,T] -> (hidden [B,T,H] = predicted next features, logits [B,T,V];
+        last_only: [B,1,V], the last position's)."""
         h = self._hidden(fused, tokens, position_ids, cache, attention_mask)
-        return h, self.refs.lm_logits(h)
+        return h, self.refs.lm_logits(h[:, -1:] if last_only else h)
 
     def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """feature_weight * SmoothL1(h_t, f_{t+1}) + ce_weight * CE(lm_head(h_t), x_{t+2}) on

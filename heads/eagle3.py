@@ -146,12 +146,13 @@ class Eagle3Head(DecoderHeadBase):
         """hidden [.., H] (pre-norm, as returned by step) -> draft-vocab logits [.., V_draft]."""
         return self.lm_head(self.norm(hidden))
 
-    def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None):
+    def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None, last_only=False):
         """fused [B,T,H] (fuse(...) output, or the parent's returned hidden), tokens [B,T] ->
         (hidden [B,T,H] pre-norm, fed back as the children's `fused`; logits [B,T,V_draft],
-        map with `draft_to_target` / `to_target_logits`)."""
+        map with `draft_to_target` / `to_target_logits`). last_only: logits [B,1,V_draft] of the
+        last position only (catching up on accepted tokens needs no others)."""
         h = self._hidden(fused, tokens, position_ids, cache, attention_mask)
-        return h, self.logits(h)
+        return h, self.logits(h[:, -1:] if last_only else h)
 
     def ttt_unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int):
         """Yield the hidden states [B, T, H] of training-time-test steps 0..steps-1.

@@ -18,6 +18,7 @@ def drafters(target, family):
     return {
         "prompt-lookup": PromptLookupDrafter(num_draft=6),
         "prompt-lookup-chain": PromptLookupDrafter(num_draft=4, max_matches=1),
+        "prompt-lookup-streak": PromptLookupDrafter(num_draft=3, streak_draft=12),
         "draft-model-chain": DraftModelDrafter(other, num_draft=3),
         "draft-model-tree": DraftModelDrafter(other, choices=TREE),
         "draft-model-dynamic": DraftModelDrafter(other, num_draft=2, dynamic=True),

@@ -118,10 +118,14 @@ def test_drafting_json_sets_defaults_and_rejects_unknown_keys(tmp_path):
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config("eagle1", target, None, name="tiny"), target)
     folder = head.save_pretrained(tmp_path / "head")
-    (folder / "drafting.json").write_text(json.dumps({"total_tokens": 7, "depth": 2, "lookup_nodes": 3}))
+    (folder / "drafting.json").write_text(json.dumps({"total_tokens": 7, "depth": 2, "lookup_nodes": 3, "lookup_streak": 9}))
     drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
     assert isinstance(drafter, MergedDrafter)
     assert drafter.drafters[0].total_tokens == 7 and drafter.drafters[0].depth == 2
+    lookup = drafter.drafters[1]
+    assert (lookup.num_draft, lookup.max_nodes, lookup.streak_draft) == (3, 3, 9)
+    drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", lookup_streak=0)
+    assert drafter.drafters[1].streak_draft is None  # 0 turns streaks off
     drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", lookup_nodes=0, depth=3)
     assert isinstance(drafter, EagleDrafter) and drafter.depth == 3 and drafter.total_tokens == 7
     (folder / "drafting.json").write_text(json.dumps({"total_tokns": 7}))

@@ -35,3 +35,8 @@ def test_merged_head_and_lookup_and_draft_model_are_exact():
         ):
             result = speculative_generate(target, MergedDrafter(drafters), prompt, GenerationConfig(max_new_tokens=40))
             assert result.new_tokens[0].tolist() == ref
+        # uncapped: the lookup drafter caps itself, and grows its chain on a streak
+        streaky = MergedDrafter([EagleDrafter(head, total_tokens=6, depth=3, top_k=2),
+                                 PromptLookupDrafter(num_draft=3, max_nodes=3, streak_draft=10)], extra_nodes=None)
+        result = speculative_generate(target, streaky, prompt, GenerationConfig(max_new_tokens=40))
+        assert result.new_tokens[0].tolist() == ref

@@ -72,6 +72,10 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
                    help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "
                         "head folder's drafting.json, else 0)")
+    g.add_argument("--lookup-streak", type=int, default=None, metavar="N",
+                   help="prompt lookup (alone or merged into a head's tree): after a round that accepted a "
+                        "whole continuation, draft one N tokens long (0: off; default: drafting.json for heads, "
+                        "32 for prompt lookup alone)")
     g.add_argument("--tree-depth", type=_positive_int, default=None, metavar="D",
                    help="EAGLE heads: draft steps per round (default: drafting.json, else 5)")
     g.add_argument("--tree-branch", type=_positive_int, default=None, metavar="K",
@@ -147,10 +151,15 @@ def drafter_factory_from_args(args, loaded, sampling, proposer: str, head: str |
         kw.update(head=head, target_name=loaded.name)
         if args.lookup_nodes is not None:
             kw.update(lookup_nodes=args.lookup_nodes)
+        if getattr(args, "lookup_streak", None) is not None:
+            kw.update(lookup_streak=args.lookup_streak)
         if getattr(args, "tree_depth", None) is not None:
             kw.update(depth=args.tree_depth)
         if getattr(args, "tree_branch", None) is not None:
             kw.update(top_k=args.tree_branch)
+    elif proposer == "prompt-lookup":
+        if getattr(args, "lookup_streak", None) is not None:
+            kw.update(streak_draft=args.lookup_streak)
     elif proposer == "draft-model":
         if args.draft_model is None:
             raise ValueError("--proposer draft-model needs --draft-model NAME")

@@ -189,7 +189,7 @@ class EagleDrafter:
         self.unfed = []
         tokens = self.history[:, self.fed + 1 : L]
         positions = torch.arange(self.fed, L - 1, device=device)[None]
-        hidden, logits = self.head.step(fused, tokens, positions, self.cache, None)
+        hidden, logits = self.head.step(fused, tokens, positions, self.cache, None, last_only=True)
         self.fed = L - 1
         # 2. grow the tree: candidates carry (token, parent, cumulative log-prob, hidden)
         logp = torch.log_softmax(logits[0, -1].float(), dim=-1)
@@ -247,8 +247,8 @@ _DECAY = 0.98  # per round, for the calibration sums of auto tree sizing (~50 ro
 
 DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter settings measured best for this head
 _DRAFTING_KEYS = {
-    "medusa": {"choices", "num_nodes", "lookup_nodes"},
-    "eagle": {"total_tokens", "depth", "top_k", "lookup_nodes"},
+    "medusa": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
+    "eagle": {"total_tokens", "depth", "top_k", "lookup_nodes", "lookup_streak"},
 }
 
 
@@ -277,7 +277,8 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
 
     Options override the folder's `drafting.json`. lookup_nodes > 0 merges that many
     prompt-lookup nodes into every tree (MergedDrafter): n-gram continuations catch the text a
-    model repeats, where a head is least sure.
+    model repeats, where a head is least sure; lookup_streak > lookup_nodes lets a continuation
+    that was wholly accepted come back that long next round (PromptLookupDrafter.streak_draft).
     Returns (drafter, target): a Medusa-2 head carries a LoRA adapter merged into the target,
     and that adapted target is the one whose output the speculative path reproduces.
     """
@@ -288,11 +289,13 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     check_drafting_keys(given, family, f"{head.kind} drafter options")
     settings = {**drafting_defaults(Path(path), family), **given}
     lookup_nodes = settings.pop("lookup_nodes", 0)
+    lookup_streak = settings.pop("lookup_streak", None)
     if family == "eagle" and settings.get("total_tokens") == "auto":
         # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
         settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
     drafter = MedusaDrafter(head, **settings) if family == "medusa" else EagleDrafter(head, **settings)
     if lookup_nodes > 0:
-        lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes)
-        drafter = MergedDrafter([drafter, lookup], extra_nodes=lookup_nodes)
+        lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes, streak_draft=lookup_streak)
+        # the lookup drafter caps its own tree (lookup_nodes, or lookup_streak on a streak)
+        drafter = MergedDrafter([drafter, lookup], extra_nodes=None)
     return drafter, target

@@ -54,9 +54,9 @@ def merge_trees(trees: list[DraftTree], budgets: list[int | None]) -> tuple[Draf
 
 class MergedDrafter:
     """Drafts with every sub-drafter and verifies the union. The first is the primary: its whole
-    tree goes in; each later one adds at most `extra_nodes` new nodes."""
+    tree goes in; each later one adds at most `extra_nodes` new nodes (None: its whole tree)."""
 
-    def __init__(self, drafters: list, extra_nodes: int = 8):
+    def __init__(self, drafters: list, extra_nodes: int | None = 8):
         if len(drafters) < 2:
             raise ValueError("MergedDrafter needs at least two drafters")
         self.drafters = drafters

@@ -3,6 +3,13 @@
 Like transformers' `prompt_lookup_num_tokens`, but the continuations of several earlier matches
 are merged into one token tree (a trie), so the verifier can accept whichever one the target
 follows. Needs no training and no model.
+
+Two additions for text that copies itself (small models loop; lists and code repeat):
+  * a continuation that runs into the present is extended periodically: if the text after the
+    match is what followed it, the text after *that* is the same again (period = the distance
+    from the match to the end);
+  * streaks: after a round that accepted a whole continuation, the next round drafts a longer
+    one (`streak_draft`), since copying tends to go on; the first miss returns to `num_draft`.
 """
 from __future__ import annotations
 
@@ -12,9 +19,20 @@ from ..drafter import DrafterBase
 from ..tree import DraftTree
 
 
+def periodic_continuation(history: list[int], start: int, num_draft: int) -> list[int]:
+    """Up to num_draft tokens that follow history[:start], extended past the end of `history`
+    as a repetition of history[start:] (the text since the match repeats itself)."""
+    cont = history[start:start + num_draft]
+    period = len(history) - start
+    while 0 < len(cont) < num_draft and period > 0:
+        cont.append(cont[len(cont) - period])
+    return cont
+
+
 def find_continuations(history: list[int], max_ngram: int, min_ngram: int, num_draft: int, max_matches: int) -> list[list[int]]:
     """Continuations that followed earlier occurrences of the longest suffix n-gram of `history`
-    (n from max_ngram down to min_ngram), most recent match first, at most `max_matches`."""
+    (n from max_ngram down to min_ngram), most recent match first, at most `max_matches`, each
+    `num_draft` tokens long (see `periodic_continuation`)."""
     length = len(history)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = history[length - n:]
@@ -23,7 +41,7 @@ def find_continuations(history: list[int], max_ngram: int, min_ngram: int, num_d
         # scan right to left: recent text predicts best; the suffix itself sits at length - n
         for start in range(length - n - 1, -1, -1):
             if history[start:start + n] == suffix:
-                cont = history[start + n:start + n + num_draft]
+                cont = periodic_continuation(history, start + n, num_draft)
                 key = tuple(cont)
                 if cont and key not in seen:
                     seen.add(key)
@@ -57,7 +75,11 @@ def trie_tree(root: int, branches: list[list[int]], max_nodes: int) -> tuple[lis
 
 
 class PromptLookupDrafter(DrafterBase):
-    def __init__(self, num_draft: int = 10, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4, max_nodes: int | None = None):
+    def __init__(self, num_draft: int = 10, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
+                 max_nodes: int | None = None, streak_draft: int | None = None):
+        """num_draft: continuation length; max_nodes: nodes of the merged trie (default 2x).
+        streak_draft: after a round that accepted `num_draft` or more of this drafter's tokens,
+        draft one continuation (the most recent match) this long (None or <= num_draft: off)."""
         super().__init__()
         if num_draft < 1 or min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError("need num_draft >= 1 and 1 <= min_ngram <= max_ngram")
@@ -66,10 +88,25 @@ class PromptLookupDrafter(DrafterBase):
         self.min_ngram = min_ngram
         self.max_matches = max_matches
         self.max_nodes = max_nodes or num_draft * 2
+        self.streak_draft = streak_draft if streak_draft and streak_draft > num_draft else None
+        self.on_streak = False
+
+    def begin(self, tokens, features, pending) -> None:
+        super().begin(tokens, features, pending)
+        self.on_streak = False
+
+    def commit(self, tokens, features, pending, stats) -> None:
+        super().commit(tokens, features, pending, stats)
+        own_accepted = len(stats.path) - 1 if stats.path else stats.num_accepted
+        self.on_streak = self.streak_draft is not None and own_accepted >= self.num_draft
 
     def propose(self) -> DraftTree:
         history = self.history[0].tolist()
-        branches = find_continuations(history, self.max_ngram, self.min_ngram, self.num_draft, self.max_matches)
-        tokens, parents = trie_tree(history[-1], branches, self.max_nodes)
+        if self.on_streak:
+            branches = find_continuations(history, self.max_ngram, self.min_ngram, self.streak_draft, 1)
+            tokens, parents = trie_tree(history[-1], branches, self.streak_draft)
+        else:
+            branches = find_continuations(history, self.max_ngram, self.min_ngram, self.num_draft, self.max_matches)
+            tokens, parents = trie_tree(history[-1], branches, self.max_nodes)
         device = self.history.device
         return DraftTree(torch.tensor([tokens], device=device), torch.tensor(parents, device=device))
