@@ -126,6 +126,7 @@ def test_bench_writes_report_markdown_and_plot(capsys, tiny_llama_dir, tmp_path)
     report = json.loads(out_json.read_text())
     assert report["num_prompts"] == 2 and report["identical_fraction"] == 1.0
     assert report["settings"]["proposer"] == "prompt-lookup" and report["settings"]["dataset"] == str(prompts)
+    assert report["settings"]["drafter"]["kind"] == "prompt-lookup" and report["settings"]["drafter"]["streak_draft"] == 32
     assert "hf_prompt_lookup_tokens_per_s" in report
     assert md.read_text().startswith("| method |")
     assert png.stat().st_size > 1000
@@ -241,3 +242,5 @@ def test_heads_proposer_end_to_end(capsys, tiny_llama_dir, tmp_path, kind):
     report = json.loads(out_json.read_text())
     assert report["settings"]["proposer"] == "heads" and report["identical_fraction"] == 1.0
     assert max(report["prompts"][0]["drafted"]) <= 5  # --num-draft sets the head's node budget
+    described = report["settings"]["drafter"]  # the effective drafter settings are recorded
+    assert described["kind"].startswith(kind) and described.get("total_tokens", described.get("nodes")) == 5

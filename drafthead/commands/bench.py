@@ -66,6 +66,9 @@ def run(args) -> int:
             "limit": args.limit,
         },
     )
+    example = factory()
+    if hasattr(example, "describe"):
+        settings.info["drafter"] = example.describe()  # the effective settings, drafting.json included
     report = run_bench(model, loaded.tokenizer, factory, prompts, settings)
     if args.out:
         write_text(args.out, json.dumps(report, indent=2) + "\n")

@@ -56,6 +56,10 @@ class DraftModelDrafter(DrafterBase):
         vocab = model.config.get_text_config().vocab_size
         self.vocab_size = vocab
 
+    def describe(self) -> dict:
+        shape = {"choices": len(self.fixed_choices)} if self.fixed_choices else {"num_draft": self.num_draft, "dynamic": self.dynamic}
+        return {"kind": "draft-model", "model": getattr(self.model.config, "_name_or_path", "") or type(self.model).__name__, **shape}
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def begin(self, tokens, features, pending) -> None:

@@ -74,6 +74,10 @@ class MedusaDrafter:
         self.last_hidden: torch.Tensor | None = None  # [B, H]
         self.pending: torch.Tensor | None = None
 
+    def describe(self) -> dict:
+        return {"kind": f"{self.head.kind} static tree", "nodes": int(self.shape.parents.shape[0]) - 1,
+                "depth": self.shape.depth}
+
     def begin(self, tokens, features: TargetFeatures | None, pending) -> None:
         self.last_hidden = None if features is None or features.last.shape[1] == 0 else features.last[:, -1]
         self.pending = pending
@@ -133,6 +137,10 @@ class EagleDrafter:
         self.draft_seconds: float | None = None
         d2t = head.draft_to_target
         self.draft_ids = None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+    def describe(self) -> dict:
+        return {"kind": f"{self.head.kind} tree", "total_tokens": "auto" if self.auto else self.total_tokens,
+                "depth": self.depth, "top_k": self.top_k}
 
     # -- lifecycle ---------------------------------------------------------------------------
 

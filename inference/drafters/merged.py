@@ -68,6 +68,10 @@ class MergedDrafter:
         self.needs_last_hidden = any(d.needs_last_hidden for d in drafters)
         self.maps: list[list[int]] = []
 
+    def describe(self) -> dict:
+        return {"kind": "merged", "extra_nodes": self.extra_nodes,
+                "drafters": [d.describe() if hasattr(d, "describe") else {"kind": type(d).__name__} for d in self.drafters]}
+
     def _features_for(self, drafter, features: TargetFeatures | None) -> TargetFeatures | None:
         if features is None or not (drafter.feature_layers or drafter.needs_last_hidden):
             return None

@@ -91,6 +91,11 @@ class PromptLookupDrafter(DrafterBase):
         self.streak_draft = streak_draft if streak_draft and streak_draft > num_draft else None
         self.on_streak = False
 
+    def describe(self) -> dict:
+        return {"kind": "prompt-lookup", "num_draft": self.num_draft, "max_nodes": self.max_nodes,
+                "max_ngram": self.max_ngram, "min_ngram": self.min_ngram, "max_matches": self.max_matches,
+                "streak_draft": self.streak_draft}
+
     def begin(self, tokens, features, pending) -> None:
         super().begin(tokens, features, pending)
         self.on_streak = False
