@@ -47,6 +47,12 @@ class RoundStats:
     accepted_depths: list[int] = field(default_factory=list)  # depth of each accepted node
     path: list[int] = field(default_factory=list)  # accepted node indices, root (0) first
 
+    @property
+    def accepted_on_path(self) -> int:
+        """Draft tokens accepted along `path`, this drafter's own tree (a merged drafter hands each
+        sub-drafter the accepted path as far as its tree has it); num_accepted without a path."""
+        return len(self.path) - 1 if self.path else self.num_accepted
+
 
 @runtime_checkable
 class Drafter(Protocol):

@@ -154,9 +154,8 @@ class EagleDrafter:
     def commit(self, tokens, features: TargetFeatures | None, pending, stats: RoundStats) -> None:
         crop(self.cache, self.fed)  # drop the draft-tree nodes: only committed pairs stay
         if self.auto:
-            accepted = len(stats.path) - 1 if stats.path else stats.num_accepted
             self.predicted_sum = _DECAY * self.predicted_sum + self.predicted
-            self.accepted_sum = _DECAY * self.accepted_sum + accepted
+            self.accepted_sum = _DECAY * self.accepted_sum + stats.accepted_on_path
         self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
         self._take(features)
 

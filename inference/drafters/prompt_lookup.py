@@ -102,16 +102,14 @@ class PromptLookupDrafter(DrafterBase):
 
     def commit(self, tokens, features, pending, stats) -> None:
         super().commit(tokens, features, pending, stats)
-        own_accepted = len(stats.path) - 1 if stats.path else stats.num_accepted
-        self.on_streak = self.streak_draft is not None and own_accepted >= self.num_draft
+        self.on_streak = self.streak_draft is not None and stats.accepted_on_path >= self.num_draft
 
     def propose(self) -> DraftTree:
         history = self.history[0].tolist()
-        if self.on_streak:
-            branches = find_continuations(history, self.max_ngram, self.min_ngram, self.streak_draft, 1)
-            tokens, parents = trie_tree(history[-1], branches, self.streak_draft)
-        else:
-            branches = find_continuations(history, self.max_ngram, self.min_ngram, self.num_draft, self.max_matches)
-            tokens, parents = trie_tree(history[-1], branches, self.max_nodes)
+        # on a streak: one continuation (the most recent match), streak_draft long
+        length, matches, cap = ((self.streak_draft, 1, self.streak_draft) if self.on_streak
+                                else (self.num_draft, self.max_matches, self.max_nodes))
+        branches = find_continuations(history, self.max_ngram, self.min_ngram, length, matches)
+        tokens, parents = trie_tree(history[-1], branches, cap)
         device = self.history.device
         return DraftTree(torch.tensor([tokens], device=device), torch.tensor(parents, device=device))
