@@ -18,6 +18,7 @@ from ...heads.registry import load_head
 from ..cache import crop
 from ..cost import best_node_count, measure_verify_cost
 from ..drafter import RoundStats, TargetFeatures
+from ..kernels import pack_linears
 from .merged import MergedDrafter
 from .prompt_lookup import PromptLookupDrafter
 from ..tree import DraftTree, select_top_nodes, tree_from_choices
@@ -220,12 +221,12 @@ class EagleDrafter:
             child = torch.topk(lp, self.top_k, dim=-1)  # [F, k]
             scores = torch.tensor([cand_score[c] for c in frontier], device=device)[:, None] + child.values
             best = torch.topk(scores.flatten(), self.top_k)  # EAGLE-2: next frontier = best k of k*k
-            ids = self._to_target(child.indices).tolist()
+            ids, score_rows = self._to_target(child.indices).tolist(), scores.tolist()
             for f_row in range(len(frontier)):
                 for j in range(self.top_k):
                     cand_tokens.append(ids[f_row][j])
                     cand_parent.append(frontier[f_row] + 1)
-                    cand_score.append(float(scores[f_row, j]))
+                    cand_score.append(score_rows[f_row][j])
                     cand_hidden.append(h_out[0, f_row])
             base = len(cand_tokens) - len(frontier) * self.top_k
             frontier = [base + int(i) for i in best.indices]
@@ -291,6 +292,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     """
     head, target = load_head(Path(path), target_model, tokenizer, target_name=target_name)
     head.eval()
+    pack_linears(head)  # draft steps multiply a few rows by every head weight: prepacked is 2.5-8x faster on CPU
     family = "medusa" if head.kind in ("medusa1", "medusa2") else "eagle"
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     check_drafting_keys(given, family, f"{head.kind} drafter options")
