@@ -49,19 +49,19 @@ def keep_path(cache: DynamicCache, past_len: int, path: list[int] | torch.Tensor
 
     K/V per layer: [B, kv_heads, past_len + N, d] -> [B, kv_heads, past_len + len(path), d].
     """
+    end = past_len + len(path)
+    moved = not _is_contiguous_run(path)  # a chain's accepted path is already a prefix of the nodes
     for layer in _layers(cache):
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
-        index = torch.as_tensor(path, dtype=torch.long, device=layer.keys.device) + past_len
-        # The accepted path of a chain is a prefix: a slice avoids the gather's copy.
-        if _is_contiguous_run(path):
-            end = past_len + len(path)
-            layer.keys = layer.keys[:, :, :end]
-            layer.values = layer.values[:, :, :end]
-        else:
-            keep = torch.cat([torch.arange(past_len, device=index.device), index])
-            layer.keys = layer.keys.index_select(2, keep)
-            layer.values = layer.values.index_select(2, keep)
+        if moved:
+            # Move the path's K/V up behind the committed prefix in place (the right-hand side is
+            # gathered first, so the overlap is safe); the prefix itself is never copied.
+            index = torch.as_tensor(path, dtype=torch.long, device=layer.keys.device) + past_len
+            layer.keys[:, :, past_len:end] = layer.keys[:, :, index]
+            layer.values[:, :, past_len:end] = layer.values[:, :, index]
+        layer.keys = layer.keys[:, :, :end]
+        layer.values = layer.values[:, :, :end]
 
 
 def crop(cache: DynamicCache, length: int) -> None:
