@@ -36,9 +36,18 @@ class PackedLinear(nn.Module):
         self.weight = linear.weight
         self.bias = linear.bias
         self.packed = packed  # opaque mkldnn tensor [out, in]; a plain attribute, not a buffer
+        self.packed_dtype = linear.weight.dtype
+
+    def _packed_applies(self, x: torch.Tensor) -> bool:
+        # not under autograd, and neither x nor the layer moved off the packed copy's CPU dtype
+        # (`.to()` moves the Parameters, never the packed copy)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return False
+        return (x.dtype == self.weight.dtype == self.packed_dtype
+                and x.device.type == self.weight.device.type == "cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad) or x.dtype != self.weight.dtype:
+        if not self._packed_applies(x):
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features).contiguous()  # [M, in]
         out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")

@@ -1,5 +1,6 @@
 """Prepacked oneDNN linears for drafter weights (inference/kernels.py)."""
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from drafthead.inference.kernels import PackedLinear, pack_linear, pack_linears
@@ -45,6 +46,17 @@ def test_packed_float32_linear_is_close_and_autograd_falls_back_to_the_plain_ker
     xg.grad, linear.weight.grad = None, None
     linear(xg).square().sum().backward()
     assert torch.equal(grad_packed[0], xg.grad) and torch.equal(grad_packed[1], linear.weight.grad)
+
+
+def test_a_packed_model_moved_to_another_dtype_falls_back_to_the_plain_kernel():
+    model = _mlp(torch.bfloat16)
+    pack_linears(model)
+    model.to(torch.float64)  # moves the Parameters; the packed copies stay bf16
+    x = torch.randn(3, 48, dtype=torch.float64)
+    with torch.inference_mode():
+        hidden = F.silu(F.linear(x, model[0].weight, model[0].bias))
+        want = F.linear(hidden, model[2].weight)
+        assert torch.equal(model(x), want)
 
 
 def test_layers_that_cannot_be_packed_are_left_alone():
