@@ -38,6 +38,9 @@ class _HeadConfig:
     """Shared behaviour. Subclasses are dataclasses with `kind` and `target` fields."""
 
     KINDS: ClassVar[tuple[str, ...]] = ()
+    # fields that shape only the training loss, not the weights: a run may change them when it
+    # continues from a saved head (TrainConfig.init_from)
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def from_dict(cls, d: dict):
@@ -53,6 +56,15 @@ class _HeadConfig:
                 v = list(v)
             out[f.name] = v
         return out
+
+    def architecture_diff(self, other: "_HeadConfig") -> list[str]:
+        """'field: mine != other' for every field that shapes the weights (all but `target` and
+        LOSS_FIELDS); [] when `other`'s weights fit a head built from this config."""
+        if type(other) is not type(self) or other.kind != self.kind:
+            return [f"kind: {self.kind} != {other.kind}"]
+        skip = {"target", *self.LOSS_FIELDS}
+        mine, theirs = self.to_dict(), other.to_dict()
+        return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if k not in skip and mine[k] != theirs[k]]
 
     def _check_kind(self) -> None:
         if self.kind not in self.KINDS:
@@ -93,6 +105,7 @@ class MedusaConfig(_HeadConfig):
     """
 
     KINDS: ClassVar[tuple[str, ...]] = ("medusa1", "medusa2")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("loss_decay",)
 
     kind: str = "medusa1"
     num_heads: int = 4
@@ -128,6 +141,7 @@ class Eagle1Config(_HeadConfig):
     """
 
     KINDS: ClassVar[tuple[str, ...]] = ("eagle1",)
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("feature_weight", "ce_weight", "ce_to_target_dist")
 
     kind: str = "eagle1"
     feature_weight: float = 1.0  # SmoothL1 on the next feature
@@ -163,6 +177,7 @@ class Eagle3Config(_HeadConfig):
     training-time test (unroll `ttt_steps` steps on its own hidden states, loss sum decay**i CE_i)."""
 
     KINDS: ClassVar[tuple[str, ...]] = ("eagle3",)
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay")
 
     kind: str = "eagle3"
     aux_layers: tuple[int, ...] | None = None  # None: default_eagle3_layers(L), filled in when target is set

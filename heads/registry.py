@@ -81,7 +81,7 @@ def apply_adapter(target_model: nn.Module, adapter_dir: Path) -> nn.Module:
     return peft_model.merge_and_unload()
 
 
-def load_head(path, target_model: nn.Module, tokenizer, target_name: str | None = None):
+def load_head(path, target_model: nn.Module, tokenizer, target_name: str | None = None, *, dtype: torch.dtype | None = None):
     """Load a saved head onto `target_model` -> (head, target_model).
 
     Checks, in order: the directory's format (config, kind, keys, weights file readable), the
@@ -114,6 +114,6 @@ def load_head(path, target_model: nn.Module, tokenizer, target_name: str | None 
             validate_draft_vocab(head.d2t, head.t2d)
         except ValueError as e:
             raise HeadFormatError(f"{path}: invalid draft vocab: {e}") from e
-    head.to(device=target_device(target_model), dtype=target_dtype(target_model))
+    head.to(device=target_device(target_model), dtype=dtype or target_dtype(target_model))
     head.eval()
     return head.bind_target(target_model), target_model

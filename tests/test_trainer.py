@@ -251,3 +251,41 @@ def test_real_heads_train_in_bf16_autocast(tmp_path, kind, isolated_cache):
     result = trainer.fit(progress=False)
     assert all(p.dtype == torch.float32 for p in trainer.head.parameters())
     assert math.isfinite(result.train_metrics["loss"]) and math.isfinite(result.eval_metrics["loss"])
+
+
+def test_a_run_continues_from_a_saved_head_and_refuses_another_architecture(tmp_path, isolated_cache):
+    """init_from: the saved weights (and EAGLE-3 draft vocab) are the starting point, in float32
+    even from a target loaded in bf16; loss-only fields may change; anything that shapes the
+    weights may not; medusa2 (adapter) is refused."""
+    from drafthead.heads.registry import load_head
+    from drafthead.train.config import ConfigError
+    from drafthead.train.run import build_trainer
+    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+
+    tok = tiny_tokenizer()
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 24)
+
+    def cfg(out: str, **kw) -> TrainConfig:
+        base = dict(target="tiny", head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, report_to="none",
+                    output_dir=str(tmp_path / out), data={"source": "json", "path": str(chats), "max_length": 48},
+                    batch_size=4, max_steps=3, eval_every=0, checkpoint_every=0, log_every=1, lr=1e-2)
+        return TrainConfig.from_dict({**base, **kw})
+
+    first = build_trainer(cfg("first"), tiny_target(tok), tok).fit(progress=False)
+    saved, _ = load_head(first.final_dir, tiny_target(tok), tok, dtype=torch.float32)
+
+    bf16_target = tiny_target(tok).to(torch.bfloat16)
+    again = build_trainer(cfg("again", init_from=str(first.final_dir), head={"kind": "eagle3", "draft_vocab_size": 64,
+                                                                             "ttt_steps": 3}), bf16_target, tok)
+    assert again.head.config.ttt_steps == 3
+    for (name, a), (_, b) in zip(again.head.state_dict().items(), saved.state_dict().items()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert again.fit(progress=False).train_metrics["loss"] < 50
+
+    with pytest.raises(ConfigError, match="draft_vocab_size: 32 != 64"):
+        build_trainer(cfg("other", init_from=str(first.final_dir), head={"kind": "eagle3", "draft_vocab_size": 32}),
+                      tiny_target(tok), tok)
+    with pytest.raises(ConfigError, match="kind: eagle1 != eagle3"):
+        build_trainer(cfg("kind", init_from=str(first.final_dir), head={"kind": "eagle1"}), tiny_target(tok), tok)
+    with pytest.raises(ConfigError, match="not supported for medusa2"):
+        build_trainer(cfg("m2", init_from=str(first.final_dir), head={"kind": "medusa2"}), tiny_target(tok), tok)

@@ -97,6 +97,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)  # used only when head.kind == medusa2
+    init_from: str | None = None  # a saved head folder to continue training from (same target and architecture)
 
     batch_size: int = 4  # per process
     grad_accum: int = 1

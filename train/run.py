@@ -65,6 +65,23 @@ def build_samples(config: TrainConfig, tokenizer, layers: tuple[int, ...]) -> Sa
     return token_samples(config, tokenizer)
 
 
+def saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name: str | None = None):
+    """The head at `config.init_from` as float32 trainable weights, to continue training: same
+    target (load_head checks the fingerprint), same architecture as this run's head section;
+    loss-only fields (ttt_steps, loss weights) come from this run. Its draft vocab is kept."""
+    from ..heads.registry import load_head
+
+    if config.joint_lora:
+        raise ConfigError("init_from is not supported for medusa2 (its saved adapter would be merged into the target)")
+    head, _ = load_head(config.init_from, target_model, tokenizer, target_name, dtype=torch.float32)
+    diffs = hcfg.architecture_diff(head.config)
+    if diffs:
+        raise ConfigError(f"init_from {config.init_from} holds a different head than this run's head section "
+                          "(run != saved):\n  " + "\n  ".join(diffs))
+    head.config = hcfg
+    return head.train()
+
+
 def build_trainer(
     config: TrainConfig,
     target_model,
@@ -88,14 +105,18 @@ def build_trainer(
             say(report.summary())
     train_idx, eval_idx = split_indices(len(samples.dataset), config.data.eval_fraction, config.data.eval_size, config.seed)
 
-    token_counts = None
-    if getattr(hcfg, "draft_vocab_size", hcfg.vocab_size) < hcfg.vocab_size:
-        # EAGLE-3's reduced vocab: the most frequent *assistant* tokens of the training split
-        token_counts = samples.dataset.token_counts(hcfg.vocab_size, train_idx)
-    from ..heads.registry import build_head
+    if config.init_from is not None:
+        head = saved_head(config, hcfg, target_model, tokenizer, target_name)
+        say(f"head initialised from {config.init_from}")
+    else:
+        token_counts = None
+        if getattr(hcfg, "draft_vocab_size", hcfg.vocab_size) < hcfg.vocab_size:
+            # EAGLE-3's reduced vocab: the most frequent *assistant* tokens of the training split
+            token_counts = samples.dataset.token_counts(hcfg.vocab_size, train_idx)
+        from ..heads.registry import build_head
 
-    torch.manual_seed(config.seed)  # the head's random init
-    head = build_head(hcfg, target_model, token_counts=token_counts, dtype=torch.float32)
+        torch.manual_seed(config.seed)  # the head's random init
+        head = build_head(hcfg, target_model, token_counts=token_counts, dtype=torch.float32)
 
     target = None
     featurize = None
