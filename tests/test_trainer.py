@@ -281,6 +281,8 @@ def test_a_run_continues_from_a_saved_head_and_refuses_another_architecture(tmp_
     for (name, a), (_, b) in zip(again.head.state_dict().items(), saved.state_dict().items()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert again.fit(progress=False).train_metrics["loss"] < 50
+    with pytest.warns(UserWarning, match="seed 0 -> 1: the eval split differs"):  # eval would score trained-on samples
+        build_trainer(cfg("reseeded", init_from=str(first.final_dir), seed=1), tiny_target(tok), tok)
 
     with pytest.raises(ConfigError, match="draft_vocab_size: 32 != 64"):
         build_trainer(cfg("other", init_from=str(first.final_dir), head={"kind": "eagle3", "draft_vocab_size": 32}),

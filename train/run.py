@@ -3,17 +3,19 @@ the CLI and the loop (STYLE.md 7). The target is an argument; `run_training` alo
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
+import yaml
 
 from .chat_format import FormatReport, tokenize_conversations
 from .config import ConfigError, TrainConfig, head_config_dict
 from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, required_layers
 from .sources import SourceReport, load_conversations
-from .trainer import TrainData, Trainer, TrainResult, make_accelerator, split_indices, wrap_lora
+from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, make_accelerator, split_indices, wrap_lora
 
 
 @dataclass
@@ -79,7 +81,21 @@ def saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name: 
         raise ConfigError(f"init_from {config.init_from} holds a different head than this run's head section "
                           "(run != saved):\n  " + "\n  ".join(diffs))
     head.config = hcfg
+    made_by = Path(config.init_from).parent / CONFIG_FILE  # the config.yaml of the run that saved it
+    if made_by.exists():
+        for line in split_differences(yaml.safe_load(made_by.read_text()) or {}, config):
+            warnings.warn(f"init_from {config.init_from}: {line}", stacklevel=2)
     return head.train()
+
+
+def split_differences(earlier: dict, config: TrainConfig) -> list[str]:
+    """Why this run's train/eval split may differ from the run (config dict `earlier`) that made
+    its init_from head: the split follows `seed` and the data section, and a different split
+    lets eval score samples the head was trained on. [] when both match."""
+    now = config.to_dict()
+    return [f"{key} {earlier[key]!r} -> {now[key]!r}: the eval split differs from the earlier run's, "
+            "so eval may include samples the head was trained on" for key in ("seed", "data")
+            if key in earlier and earlier[key] != now[key]]
 
 
 def build_trainer(
