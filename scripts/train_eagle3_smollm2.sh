@@ -4,10 +4,12 @@
 #   2. mix in original ShareGPT first turns (scripts/mix_data.py)
 #   3. capture the target's features once (low/mid/high layers + final state) to disk
 #   4. train EAGLE-3 on them (training-time test), bf16 autocast, 2 threads
-#   5. save the final head in bf16 with its drafting settings (`--ship`: into heads/pretrained)
+#   5. continue training from that head (`init_from`, same seed so the same eval split) with a fresh warmup
+#      and a lower peak lr (CONTINUE_STEPS=0 skips it)
+#   6. save the final head in bf16 with its drafting settings (`--ship`: into heads/pretrained)
 #
 #   scripts/train_eagle3_smollm2.sh --quick    # ~30 min here, regeneration included (README "Training")
-#   scripts/train_eagle3_smollm2.sh --ship     # the shipped head (~80 min): see heads/pretrained/README.md
+#   scripts/train_eagle3_smollm2.sh --ship     # the shipped head (~2.2 h): see heads/pretrained/README.md
 #   CONVS=600 EXTRA=600 STEPS=150 scripts/train_eagle3_smollm2.sh   # any other size
 # Regeneration resumes (answered ids are skipped); capture and training restart from disk.
 # Each phase's wall time is printed and appended to $WORK/times.txt.
@@ -17,6 +19,7 @@ MODE=${1:-}
 if [[ "$MODE" == "--quick" ]]; then
     # sized to fit 30 minutes on 2 cores: ~7 min regeneration, ~6 min capture, ~15 min training
     : "${CONVS:=420}" "${EXTRA:=560}" "${STEPS:=120}" "${MAX_NEW:=256}" "${MAX_LEN:=512}" "${WARMUP:=12}" "${WORK:=runs/eagle3-smollm2-quick}"
+    : "${CONTINUE_STEPS:=0}"
 fi
 BIN=${BIN:-.venv/bin}
 CONVS=${CONVS:-1050}           # ShareGPT conversations to look at for regeneration (long prompts are skipped)
@@ -25,6 +28,7 @@ STEPS=${STEPS:-320}            # optimizer steps (batch 4 x accum 4 sequences)
 MAX_NEW=${MAX_NEW:-320}        # regenerated answer length cap
 MAX_LEN=${MAX_LEN:-704}        # training sample length cap (tokens)
 WARMUP=${WARMUP:-30}           # warmup steps (then cosine)
+CONTINUE_STEPS=${CONTINUE_STEPS:-450}  # second run from the first run's head: steps, peak lr 5e-4, warmup 10
 THREADS=${THREADS:-2}
 WORK=${WORK:-runs/eagle3-smollm2}
 DATA=${DATA:-$WORK/regen.jsonl}
@@ -52,7 +56,16 @@ phase train "$BIN/drafthead" train --config configs/eagle3.yaml "${OVERRIDES[@]}
     "eval_every=$((STEPS / 8))" eval_batches=8 "checkpoint_every=$((STEPS / 8))" log_every=5 \
     "output_dir=$WORK/train" report_to=${REPORT_TO:-wandb}
 
-phase export "$BIN/drafthead" export "$WORK/train/final" --format ours --dtype bfloat16 --out "$WORK/head-bf16"
+FINAL="$WORK/train/final"
+if (( CONTINUE_STEPS > 0 )); then
+    phase continue "$BIN/drafthead" train --config configs/eagle3.yaml "${OVERRIDES[@]}" "init_from=$FINAL" \
+        "max_steps=$CONTINUE_STEPS" epochs=null head.ttt_steps=3 lr=5.0e-4 warmup_steps=10 \
+        "eval_every=$((CONTINUE_STEPS / 6))" eval_batches=8 "checkpoint_every=$((CONTINUE_STEPS / 6))" log_every=5 \
+        "output_dir=$WORK/continue" report_to=${REPORT_TO:-wandb}
+    FINAL="$WORK/continue/final"
+fi
+
+phase export "$BIN/drafthead" export "$FINAL" --format ours --dtype bfloat16 --out "$WORK/head-bf16"
 # drafter settings measured best for this head on this machine (bench sweep, README "Results")
 cp configs/drafting/smollm2-135m-eagle3.json "$WORK/head-bf16/drafting.json"
 echo "head: $WORK/head-bf16   wall time: $((SECONDS - START)) s"
