@@ -51,17 +51,18 @@ phase mix "$BIN/python" scripts/mix_data.py "$DATA" "$WORK/mix.jsonl" --extra "$
 OVERRIDES=(data.source=json "data.path=$WORK/mix.jsonl" data.limit=null "data.max_length=$MAX_LEN" data.eval_size=48
            "features.path=$WORK/features" "threads=$THREADS")
 phase capture "$BIN/drafthead" data capture --config configs/eagle3.yaml "${OVERRIDES[@]}"
-phase train "$BIN/drafthead" train --config configs/eagle3.yaml "${OVERRIDES[@]}" \
-    "max_steps=$STEPS" epochs=null head.ttt_steps=3 lr=1.0e-3 "warmup_steps=$WARMUP" \
-    "eval_every=$((STEPS / 8))" eval_batches=8 "checkpoint_every=$((STEPS / 8))" log_every=5 \
-    "output_dir=$WORK/train" report_to=${REPORT_TO:-wandb}
-
+train_phase() {  # train_phase NAME OUT_DIR STEPS LR WARMUP EVALS [override ...]: one EAGLE-3 run, EVALS evals/checkpoints
+    local name=$1 out=$2 steps=$3 lr=$4 warmup=$5 evals=$6
+    shift 6
+    phase "$name" "$BIN/drafthead" train --config configs/eagle3.yaml "${OVERRIDES[@]}" "$@" \
+        "max_steps=$steps" epochs=null head.ttt_steps=3 "lr=$lr" "warmup_steps=$warmup" \
+        "eval_every=$((steps / evals))" eval_batches=8 "checkpoint_every=$((steps / evals))" log_every=5 \
+        "output_dir=$out" report_to=${REPORT_TO:-wandb}
+}
+train_phase train "$WORK/train" "$STEPS" 1.0e-3 "$WARMUP" 8
 FINAL="$WORK/train/final"
 if (( CONTINUE_STEPS > 0 )); then
-    phase continue "$BIN/drafthead" train --config configs/eagle3.yaml "${OVERRIDES[@]}" "init_from=$FINAL" \
-        "max_steps=$CONTINUE_STEPS" epochs=null head.ttt_steps=3 lr=5.0e-4 warmup_steps=10 \
-        "eval_every=$((CONTINUE_STEPS / 6))" eval_batches=8 "checkpoint_every=$((CONTINUE_STEPS / 6))" log_every=5 \
-        "output_dir=$WORK/continue" report_to=${REPORT_TO:-wandb}
+    train_phase continue "$WORK/continue" "$CONTINUE_STEPS" 5.0e-4 10 6 "init_from=$FINAL"
     FINAL="$WORK/continue/final"
 fi
 
