@@ -4,6 +4,11 @@ EAGLE-3 learns the target's own distribution at every position (soft targets fro
 LM head), so original answers still teach it; they add diversity at no generation cost.
 
     python scripts/mix_data.py REGEN.jsonl OUT.jsonl --extra 1300 --skip 1500
+    python scripts/mix_data.py REGEN.jsonl OUT2.jsonl --extra 1300 --skip 1500 --answers REGEN_EXTRA.jsonl
+
+`--answers` swaps in the target's own answers to the mixed-in prompts (`data regenerate` run on
+the first mix's extras, ids kept). Order and count stay those of the first mix, so a run with the
+same seed holds out the same prompts: a continuation's eval stays clean.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=1500, help="skip the first N (the regenerated ones)")
     ap.add_argument("--max-prompt-chars", type=int, default=1500)
     ap.add_argument("--answer-chars", type=int, nargs=2, default=(200, 2500))
+    ap.add_argument("--answers", help="JSONL of regenerated conversations replacing records with the same id")
     args = ap.parse_args()
     regen = [json.loads(line) for line in open(args.regen)]
     conversations, _ = read_conversations(sharegpt_path(), limit=args.skip + 4 * args.extra)
@@ -39,12 +45,18 @@ def main() -> None:
             extra.append({"id": f"sharegpt-{conv.get('id') or i}", "messages": turns})
         if len(extra) >= args.extra:
             break
+    answers = {}
+    if args.answers:
+        answers = {r["id"]: r["messages"] for r in map(json.loads, open(args.answers))}
+    replaced = sum(r["id"] in answers for r in extra)
     with open(args.out, "w") as f:
         for record in regen:
             f.write(json.dumps({"id": record["id"], "messages": record["messages"]}) + "\n")
         for record in extra:
-            f.write(json.dumps(record) + "\n")
-    print(f"{args.out}: {len(regen)} regenerated + {len(extra)} original ShareGPT conversations")
+            messages = answers.get(record["id"], record["messages"])
+            f.write(json.dumps({"id": record["id"], "messages": messages}) + "\n")
+    answered = f" ({replaced} re-answered by the target, {len(extra) - replaced} original)" if args.answers else ""
+    print(f"{args.out}: {len(regen)} regenerated + {len(extra)} ShareGPT first turns{answered}")
 
 
 if __name__ == "__main__":
