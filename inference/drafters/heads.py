@@ -16,7 +16,7 @@ import torch
 
 from ...heads.registry import load_head
 from ..cache import crop
-from ..cost import best_node_count, measure_verify_cost
+from ..cost import best_node_count, measure_verify_cost, sync_device
 from ..drafter import RoundStats, TargetFeatures
 from ..kernels import pack_linears
 from .merged import MergedDrafter
@@ -233,14 +233,17 @@ class EagleDrafter:
         # 3. rerank: keep the total_tokens best candidates (closed under ancestors)
         parents = torch.tensor([-1] + cand_parent)
         scores = torch.tensor([0.0] + cand_score)
-        budget = self._auto_budget(cand_score, started) if self.auto else self.total_tokens
+        budget = self._auto_budget(cand_score, started, device) if self.auto else self.total_tokens
         keep = select_top_nodes(parents, scores, budget)
         tree = DraftTree(torch.tensor([[int(root[0, 0])] + cand_tokens], device=device), parents.to(device))
         return tree.subtree(keep.to(device))
 
-    def _auto_budget(self, cand_score: list[float], started: float) -> int:
+    def _auto_budget(self, cand_score: list[float], started: float, device: torch.device) -> int:
         """Nodes to keep this round (module cost.py): candidates' path probabilities, scaled by how
         the draft's confidence has compared with acceptance so far, against the measured cost."""
+        # the .tolist() reads above already waited for the draft steps; the explicit sync keeps the
+        # timing right on CUDA should they ever go (a no-op on CPU)
+        sync_device(device)
         elapsed = time.perf_counter() - started
         self.draft_seconds = elapsed if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * elapsed
         calibration = self.accepted_sum / self.predicted_sum
