@@ -127,7 +127,7 @@ def test_cli_capture_then_train_on_captured_features(tmp_path, isolated_cache, c
     target = save_tiny_target(tmp_path / "target")
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 40)
     common = ["--config", "tiny-eagle3", f"target={target}", f"data.path={chats}", f"output_dir={tmp_path / 'run'}"]
-    assert main(["data", "capture", *common, "--out", str(tmp_path / "feats")]) == 0
+    assert main(["data", "capture", *common, "--device", "cpu", "--out", str(tmp_path / "feats")]) == 0
     index = json.loads((tmp_path / "feats" / "index.json").read_text())
     assert index["layers"] == [0, 1, 2] and index["num_samples"] == 40  # eagle3 aux layers (2, 1, 0) for L=2, plus L
     assert main(["train", *common, "features.mode=captured", f"features.path={tmp_path / 'feats'}", "features.dtype=float32"]) == 0
@@ -137,3 +137,6 @@ def test_cli_capture_then_train_on_captured_features(tmp_path, isolated_cache, c
     rc = main(["train", *common, "data.limit=10", "features.mode=captured", f"features.path={tmp_path / 'feats'}",
                f"output_dir={tmp_path / 'run2'}"])
     assert rc == 2 and "capture again" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # capture runs on the GPU when there is one; asked for one without, it says so
+        assert main(["data", "capture", *common, "--device", "cuda", "--out", str(tmp_path / "feats2")]) == 2
+        assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "feats2").exists()

@@ -52,8 +52,12 @@ def add_target_options(parser: argparse.ArgumentParser, *, dtype: str = "float32
         help=f"built-in name (smollm2-135m, gemma3-270m), a local Hugging Face folder or a .gguf file (default {DEFAULT_TARGET})",
     )
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype, help=f"target dtype (default {dtype})")
-    g.add_argument("--device", type=_device, default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
+    add_device_option(g)
     g.add_argument("--threads", type=_positive_int, default=threads, help="torch CPU threads")
+
+
+def add_device_option(parser) -> None:
+    parser.add_argument("--device", type=_device, default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
 
 
 def add_proposer_options(parser: argparse.ArgumentParser) -> None:
@@ -97,16 +101,21 @@ def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int
 # ---------------------------------------------------------------------------------------------
 
 
-def load_target_from_args(args):
-    from ..targets import load_target
-
-    device = args.device or default_device()
+def resolve_device(device: str | None) -> str:
+    """--device, or cuda when available; a CUDA device asked for on a machine without one is an error."""
+    device = device or default_device()
     if device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             raise ValueError(f"--device {device}: no CUDA device is available")
-    return load_target(args.target, dtype=args.dtype, device=device, threads=args.threads)
+    return device
+
+
+def load_target_from_args(args):
+    from ..targets import load_target
+
+    return load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), threads=args.threads)
 
 
 def sampling_from_args(args):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from . import _positive_int, add_target_options, load_target_from_args, note
+from . import _positive_int, add_device_option, add_target_options, load_target_from_args, note, resolve_device
 
 
 def add_parser(subparsers) -> None:
@@ -44,6 +44,7 @@ def add_parser(subparsers) -> None:
     q.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     q.add_argument("--out", default=None, help="shard folder (default: the config's features.path)")
     q.add_argument("--batch-size", type=_positive_int, default=None, help="default: the config's batch_size")
+    add_device_option(q)  # the target's dtype and threads come from the config
 
     q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
@@ -91,7 +92,7 @@ def _capture(args) -> int:
     out = args.out or config.features.path
     if not out:
         raise ValueError("pass --out DIR or set features.path in the config")
-    loaded = load_target(config.target, dtype=config.target_dtype, threads=config.threads)
+    loaded = load_target(config.target, dtype=config.target_dtype, device=resolve_device(args.device), threads=config.threads)
     bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True)
     try:
         index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
