@@ -11,7 +11,7 @@ import os
 import sys
 
 # Subcommand modules under drafthead.commands; each exposes add_parser(subparsers) and run(args).
-COMMANDS = ("generate", "bench", "demo", "export", "train", "data")
+COMMANDS = ("generate", "bench", "demo", "export", "import", "train", "data")
 
 # What counts as an expected error: our error classes derive from ValueError (TargetError,
 # PromptError, DrafterError, PromptTooLong, config errors...), plus missing files and features.
@@ -29,7 +29,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name in COMMANDS:
-        module = importlib.import_module(f"drafthead.commands.{name}")
+        # `import` is a Python keyword, so its module is import_
+        module = importlib.import_module(f"drafthead.commands.{'import_' if name == 'import' else name}")
         module.add_parser(subparsers)
         modules[name] = module
     return parser, modules

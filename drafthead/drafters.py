@@ -10,6 +10,7 @@ proposer whose module is broken or absent only fails when asked for.
 from __future__ import annotations
 
 import importlib.resources
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -111,11 +112,22 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
     head = Path(head)
     if not head.is_dir():
         raise FileNotFoundError(f"no head folder at {head}")
-    from .heads.io import CONFIG_NAME, read_json
+    from .heads.formats import detect_layout, read_foreign
+    from .heads.io import CONFIG_NAME, HeadFormatError, read_json
     from .inference.drafters.heads import load_head_drafter
 
-    if num_draft is not None:
+    layout = detect_layout(head)
+    if layout == "ours":
         kind = read_json(head / CONFIG_NAME).get("config", {}).get("kind")
+    else:
+        try:
+            kind = read_foreign(head).kind
+        except HeadFormatError as e:
+            raise HeadFormatError(f"{e}. Convert it once with `drafthead import {head} --convention ... --out DIR` "
+                                  "and pass --head DIR") from e
+        print(f"drafthead: {head} is a {layout} checkpoint, read exactly into a {kind} head "
+              f"(`drafthead import` saves it as a drafthead head folder)", file=sys.stderr)
+    if num_draft is not None:
         if kind not in _HEAD_NODE_BUDGET:
             raise DrafterError(f"{head}: unknown head kind {kind!r}")
         if num_draft == "auto" and not kind.startswith("eagle"):

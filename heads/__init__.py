@@ -4,7 +4,7 @@ from .config import Eagle1Config, Eagle3Config, MedusaConfig, config_from_dict, 
 from .draft_vocab import build_draft_vocab, count_tokens, validate_draft_vocab
 from .eagle import Eagle1Head
 from .eagle3 import Eagle3Head
-from .export import export_head, import_head
+from .formats import export_head, import_head
 from .identity import HeadTargetMismatch, TargetIdentity, check_compatible, identify_target
 from .io import DraftHeadBase, HeadFormatError
 from .medusa import MedusaHead

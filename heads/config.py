@@ -4,7 +4,8 @@ Feature indices everywhere are indices into the target's `output_hidden_states` 
 convention, checked on transformers 5.24 Llama/Qwen2): 0 = token embeddings, i = output of
 decoder block i (= input of block i + 1), L = the *final normed* state, the LM head's input
 (`lm_head(hidden_states[L]) == logits`). vLLM's `eagle_aux_hidden_state_layer_ids` are the
-decoder layers whose *input* is taken, which is the same number (see heads/export.py).
+decoder layers whose *input* is taken, which is the same number; SGLang counts one lower
+(docs/formats.md).
 
 Every config records the `TargetIdentity` it was made for; the target's sizes are read from it
 rather than repeated (STYLE.md 12).
@@ -150,6 +151,11 @@ class Eagle1Config(_HeadConfig):
     # distribution at t+1 (softmax of lm_head(feature_{t+1})).
     ce_to_target_dist: bool = False
     input_layernorm: bool = False
+    fc_bias: bool = False  # upstream EAGLE trains fc with a bias (its default); vLLM's layout has none
+    # The draft layer's own RoPE (transformers `rope_parameters`: rope_type, rope_theta, scaling
+    # fields); None = the target's. Imported heads keep their producer's: upstream EAGLE-1 always
+    # ran RoPE with base 10000, whatever the target's (docs/formats.md).
+    rope_parameters: dict | None = None
     target: TargetIdentity | None = None
 
     def __post_init__(self) -> None:
@@ -184,6 +190,16 @@ class Eagle3Config(_HeadConfig):
     draft_vocab_size: int = 8192  # capped at the target vocab when the target is known
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    # True: the fused feature is normed (hidden_norm) *before* it becomes the residual; False (ours,
+    # SpecForge's, vLLM's research layout): the residual is the un-normed feature (docs/formats.md)
+    norm_before_residual: bool = False
+    # EAGLE-3.1 / speculators variants (docs/formats.md): norm_before_fc = one RMSNorm over the
+    # concatenated [3H] fc input; fc_norm = one RMSNorm per target feature before fc (EAGLE-3.1);
+    # norm_output = the *normed* hidden state is fed to the next draft step (EAGLE-3.1)
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    rope_parameters: dict | None = None  # as Eagle1Config.rope_parameters
     target: TargetIdentity | None = None
 
     def __post_init__(self) -> None:
@@ -194,6 +210,8 @@ class Eagle3Config(_HeadConfig):
             raise ValueError(f"ttt_decay must be > 0, got {self.ttt_decay}")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are two ways to norm fc's input: pick one")
         if self.target is not None:
             L = self.target.num_layers
             if self.aux_layers is None:

@@ -63,10 +63,15 @@ def target_rotary(model: nn.Module) -> nn.Module:
     return rot
 
 
-def draft_layer_config(model: nn.Module):
-    """The target's (text) config with one layer: what the draft decoder layer is built from."""
+def draft_layer_config(model: nn.Module, rope_parameters: dict | None = None):
+    """The target's (text) config with one layer: what the draft decoder layer is built from.
+    rope_parameters: the draft's own RoPE (transformers v5 `rope_parameters`), else the target's."""
     cfg = copy.deepcopy(text_config(model))
     cfg.num_hidden_layers = 1
+    if rope_parameters is not None:
+        if "rope_theta" not in rope_parameters:
+            raise ValueError(f"rope_parameters needs rope_theta, got {rope_parameters}")
+        cfg.rope_parameters = {"rope_type": "default", **rope_parameters}
     cfg.architectures = [type(model).__name__]  # the family, for export (models built from a config lack it)
     if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
         # flash/flex kernels take no arbitrary additive 4-D mask, and tree drafting needs one
@@ -110,7 +115,7 @@ class DecoderHeadBase(DraftHeadBase):
 
     def _init_decoder_common(self, target_model: nn.Module) -> None:
         self.refs = FrozenRefs()
-        self._layer_cfg = draft_layer_config(target_model)
+        self._layer_cfg = draft_layer_config(target_model, self.config.rope_parameters)
         # RoPE tables stay float32 and unregistered: `head.to(bfloat16)` would otherwise round
         # inv_freq. Moved to the input's device on first use.
         # object.__setattr__: keep it out of nn.Module's registry (no state_dict entry, no cast).
@@ -158,7 +163,7 @@ class Eagle1Head(DecoderHeadBase):
         self.config = config
         self._init_decoder_common(target_model)
         H = config.hidden_size
-        self.fc = nn.Linear(2 * H, H, bias=False)  # input: cat(embed(x_{t+1}), f_t), embed first (EAGLE, vLLM)
+        self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)  # input: cat(embed(x_{t+1}), f_t), embed first (EAGLE, vLLM)
         layer = type(decoder_layers(target_model)[0])(self._layer_cfg, layer_idx=0)
         if not config.input_layernorm:
             layer.input_layernorm = nn.Identity()

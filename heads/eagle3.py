@@ -10,6 +10,7 @@ the *inputs* of those decoder layers, vLLM's `eagle_aux_hidden_state_layer_ids`)
 follows vLLM's/SpecForge's EAGLE-3 layer so exported weights load there unchanged:
 
     residual = g;  a = cat(input_layernorm(e), hidden_norm(g))       [.., 2H]
+                   (norm_before_residual: residual = hidden_norm(g), the speculators variant)
     h = residual + self_attn(a)                                      q/k/v_proj take 2H inputs
     h = h + mlp(post_attention_layernorm(h))
 
@@ -55,8 +56,9 @@ def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None) -> to
 class Eagle3DecoderLayer(nn.Module):
     """EAGLE-3's midlayer from the target family's attention, MLP and norm classes."""
 
-    def __init__(self, cfg, family_layer: nn.Module) -> None:
+    def __init__(self, cfg, family_layer: nn.Module, norm_before_residual: bool = False) -> None:
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         H = cfg.hidden_size
         eps = getattr(cfg, "rms_norm_eps", 1e-6)
         self.self_attn = type(family_layer.self_attn)(cfg, 0)
@@ -74,8 +76,9 @@ class Eagle3DecoderLayer(nn.Module):
         self._cache_kw = cache_kwarg(type(self.self_attn).forward)
 
     def forward(self, embeds, hidden, attention_mask, position_ids, position_embeddings, cache=None):
-        residual = hidden
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B, T, 2H]
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
         attn = self.self_attn(
             hidden_states=x,
             position_embeddings=position_embeddings,
@@ -94,9 +97,14 @@ class Eagle3Head(DecoderHeadBase):
         self._init_decoder_common(target_model)
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         family = decoder_layers(target_model)[0]
-        self.fc = nn.Linear(len(config.feature_layers) * H, H, bias=False)
-        self.midlayer = Eagle3DecoderLayer(self._layer_cfg, family)
-        self.norm = type(family.input_layernorm)(H, eps=getattr(self._layer_cfg, "rms_norm_eps", 1e-6))
+        n_feat = len(config.feature_layers)
+        norm_cls, eps = type(family.input_layernorm), getattr(self._layer_cfg, "rms_norm_eps", 1e-6)
+        # optional norms on fc's input (module docstring): None when off, so the keys are absent
+        self.input_norm = norm_cls(n_feat * H, eps=eps) if config.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(norm_cls(H, eps=eps) for _ in range(n_feat)) if config.fc_norm else None
+        self.fc = nn.Linear(n_feat * H, H, bias=False)
+        self.midlayer = Eagle3DecoderLayer(self._layer_cfg, family, config.norm_before_residual)
+        self.norm = norm_cls(H, eps=eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
         # Placeholder mapping (target ids 0..Vd-1); `init_from_target` or a loaded state replaces it.
         d2t, t2d = identity_draft_vocab(V) if Vd == V else draft_vocab_from_ids(torch.arange(Vd), V)
@@ -134,7 +142,13 @@ class Eagle3Head(DecoderHeadBase):
         if len(features) != len(self.config.feature_layers):
             raise ValueError(f"EAGLE-3 fuses {len(self.config.feature_layers)} features "
                              f"{self.config.feature_layers}, got {len(features)}")
-        return self.fc(torch.cat([f.to(self.dtype) for f in features], dim=-1))
+        feats = [f.to(self.dtype) for f in features]
+        if self.fc_norm is not None:
+            feats = [norm(f) for norm, f in zip(self.fc_norm, feats)]
+        x = torch.cat(feats, dim=-1)  # [B, T, n*H]
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        return self.fc(x)
 
     def _hidden(self, fused, tokens, position_ids, cache, attention_mask) -> torch.Tensor:
         e = self.refs.embed_tokens(tokens, self.dtype)
@@ -148,14 +162,21 @@ class Eagle3Head(DecoderHeadBase):
 
     def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None, last_only=False):
         """fused [B,T,H] (fuse(...) output, or the parent's returned hidden), tokens [B,T] ->
-        (hidden [B,T,H] pre-norm, fed back as the children's `fused`; logits [B,T,V_draft],
+        (hidden [B,T,H] = `feedback` of the layer output, fed back as the children's `fused`; logits [B,T,V_draft],
         map with `draft_to_target` / `to_target_logits`). last_only: logits [B,1,V_draft] of the
         last position only (catching up on accepted tokens needs no others)."""
         h = self._hidden(fused, tokens, position_ids, cache, attention_mask)
-        return h, self.logits(h[:, -1:] if last_only else h)
+        logits = self.logits(h[:, -1:] if last_only else h)
+        return self.feedback(h), logits
+
+    def feedback(self, h: torch.Tensor) -> torch.Tensor:
+        """What the next draft step reads as its `fused` input: h itself, or norm(h) with
+        norm_output (EAGLE-3.1's post-norm hidden states)."""
+        return self.norm(h) if self.config.norm_output else h
 
     def ttt_unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int):
-        """Yield the hidden states [B, T, H] of training-time-test steps 0..steps-1.
+        """Yield the layer outputs [B, T, H] (pre-norm) of training-time-test steps 0..steps-1; the
+        next step reads `feedback` of each.
 
         Step i at column t reads token input_ids[t + 1 + i] at position t + i and the previous
         step's hidden state at column t (step 0: `fused`), attending as `ttt_attention_mask` says.
@@ -169,8 +190,9 @@ class Eagle3Head(DecoderHeadBase):
             tokens = shift_left(input_ids, 1 + i)  # x_{t+1+i} at column t
             pos = (cols + i)[None].expand(B, T)
             mask = ttt_attention_mask(T, i, hidden.dtype, hidden.device).expand(B, -1, -1, -1)
-            hidden = self._hidden(hidden, tokens, pos, cache, mask)
-            yield hidden
+            out = self._hidden(hidden, tokens, pos, cache, mask)
+            yield out
+            hidden = self.feedback(out)
 
     def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Training-time test loss sum_i ttt_decay**i * softCE_i (module docstring).

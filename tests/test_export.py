@@ -1,4 +1,6 @@
-"""Export to the vLLM / SGLang layouts (keys, shapes, dtypes, config) and import back."""
+"""Export to the engine layouts (keys, shapes, dtypes, config) and import back; foreign-layout
+refusals. The layouts themselves are checked against the consumers' own code by `make interop`
+and against checkpoints the upstream packages wrote (tests/test_interop_fixtures.py)."""
 from __future__ import annotations
 
 import json
@@ -9,21 +11,23 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from drafthead.cli import main as cli_main
-from drafthead.heads import HeadFormatError, build_head, make_config
-from drafthead.heads.export import detect_layout, export_head, import_head
+from drafthead.heads import HeadFormatError, HeadTargetMismatch, build_head, make_config
+from drafthead.heads.formats import detect_layout, export_head, import_head
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from tests.tiny import tiny_causal_lm
 
 V, H, L = 128, 32, 4
 
 
-def make_target(family="llama"):
-    return tiny_causal_lm(family, vocab=V, layers=L, hidden=H)
+def make_target(family="llama", **kw):
+    return tiny_causal_lm(family, vocab=V, layers=L, hidden=H, **kw)
 
 
 def saved_head(kind, target, path, **kw):
+    if kind == "eagle3":
+        kw.setdefault("aux_layers", (1, 2, 3))  # the engines' rule: 3 ascending ids below L
     cfg = make_config(kind, target, None, name="tiny", **kw)
-    head = build_head(cfg, target, token_counts=(torch.arange(V) * 7919) % 101)
+    head = build_head(cfg, target, token_counts=(torch.arange(cfg.vocab_size) * 7919) % 101)
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -41,19 +45,27 @@ def outputs(head, target):
         return torch.cat([h, logits], -1)
 
 
-def read(out):
+def read(out, weights=WEIGHTS_NAME):
     cfg = json.loads((out / CONFIG_NAME).read_text())
-    with safe_open(str(out / WEIGHTS_NAME), "pt") as f:
+    with safe_open(str(out / weights), "pt") as f:
         shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
         dtypes = {k: f.get_slice(k).get_dtype() for k in f.keys()}
     return cfg, shapes, dtypes
 
 
+def strip_provenance(out):
+    """Make our export look like another producer's: no `drafthead` block."""
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    del cfg["drafthead"]
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    return cfg
+
+
 # ----------------------------------------------------------------------------- EAGLE-3
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-def test_eagle3_layout(fmt, tmp_path):
+@pytest.mark.parametrize("fmt, ids", [("vllm", [1, 2, 3]), ("sglang", [0, 1, 2]), ("llama.cpp", [1, 2, 3])])
+def test_eagle3_research_layouts(fmt, ids, tmp_path):
     target = make_target()
     head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40, aux_layers=(1, 2, 3))
     out = export_head(tmp_path / "h", tmp_path / fmt, fmt)
@@ -61,26 +73,42 @@ def test_eagle3_layout(fmt, tmp_path):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["num_hidden_layers"] == 1 and cfg["draft_vocab_size"] == 40 and cfg["vocab_size"] == V
     assert cfg["target_hidden_size"] == H and cfg["hidden_size"] == H
-    # our output_hidden_states indices == vLLM's "input of decoder layer idx": written unchanged
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    # vLLM / llama.cpp count ids as output_hidden_states indices; SGLang adds 1 before capturing
+    if fmt == "llama.cpp":  # its converter reads only the top-level key
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == ids and "eagle_config" not in cfg
+    else:
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids
     assert cfg["num_attention_heads"] == 4 and cfg["num_key_value_heads"] == 2 and cfg["intermediate_size"] == 64
     assert cfg["rope_theta"] == target.config.rope_parameters["rope_theta"]
     assert cfg["attention_bias"] is False and cfg["torch_dtype"] == "float32"
-    assert shapes["fc.weight"] == (H, 3 * H)
-    assert shapes["lm_head.weight"] == (40, H)
-    assert shapes["norm.weight"] == (H,)
+    assert shapes["fc.weight"] == (H, 3 * H) and shapes["lm_head.weight"] == (40, H)
     assert shapes["d2t"] == (40,) and dtypes["d2t"] == "I64"
     assert shapes["t2d"] == (V,) and dtypes["t2d"] == "BOOL"
     assert shapes["midlayer.self_attn.q_proj.weight"] == (H, 2 * H)  # cat(embeds, hidden)
-    assert shapes["midlayer.self_attn.k_proj.weight"] == (H // 2, 2 * H)
-    assert shapes["midlayer.hidden_norm.weight"] == (H,)
     expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
         f"midlayer.{k}" for k in head.midlayer.state_dict()
     }
     assert set(shapes) == expected
     d2t = load_file(str(out / WEIGHTS_NAME))["d2t"]
     assert torch.equal(d2t, head.d2t) and bool(d2t.any())  # not the all-zero bug
-    back = import_head(out, target)
+    back = import_head(out, target)  # our own export: the drafthead block says how ids are counted
+    assert back.config.feature_layers == (1, 2, 3)
+    assert torch.equal(outputs(back, target), outputs(head, target))
+
+
+def test_foreign_eagle3_needs_its_id_convention(tmp_path):
+    """Without our provenance block the ids are ambiguous: vLLM-side and SGLang-side producers
+    count them differently, so the import refuses to guess."""
+    target = make_target()
+    head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40, aux_layers=(1, 2, 3))
+    out = export_head(tmp_path / "h", tmp_path / "s", "sglang")
+    strip_provenance(out)
+    with pytest.raises(HeadFormatError, match="convention"):
+        import_head(out, target)
+    wrong = import_head(out, target, convention="vllm")
+    assert wrong.config.feature_layers == (0, 1, 2)
+    back = import_head(out, target, convention="sglang")
+    assert back.config.feature_layers == (1, 2, 3)
     assert torch.equal(outputs(back, target), outputs(head, target))
 
 
@@ -91,13 +119,85 @@ def test_eagle3_qwen2_gets_zero_o_proj_bias_and_round_trips(tmp_path):
     cfg, shapes, _ = read(out)
     assert cfg["attention_bias"] is True  # Llama's flag: bias on q/k/v *and* o_proj
     state = load_file(str(out / WEIGHTS_NAME))
-    assert shapes["midlayer.self_attn.q_proj.bias"] == (H,)
     assert torch.equal(state["midlayer.self_attn.o_proj.bias"], torch.zeros(H))
-    back = import_head(out, target)
-    assert torch.equal(outputs(back, target), outputs(head, target))
+    assert torch.equal(outputs(import_head(out, target), target), outputs(head, target))
     state["midlayer.self_attn.o_proj.bias"] += 1.0
     save_file(state, str(out / WEIGHTS_NAME))
     with pytest.raises(HeadFormatError, match="non-zero"):
+        import_head(out, target)
+    with pytest.raises(ValueError, match="attention biases"):
+        export_head(tmp_path / "h", tmp_path / "l", "llama.cpp")
+
+
+def test_speculators_layout(tmp_path):
+    target = make_target()
+    head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40, aux_layers=(1, 2, 3))
+    with pytest.raises(ValueError, match="embed_tokens"):
+        export_head(tmp_path / "h", tmp_path / "x", "speculators")
+    out = export_head(tmp_path / "h", tmp_path / "s", "speculators", target_model=target)
+    cfg, shapes, _ = read(out)
+    assert cfg["speculators_model_type"] == "eagle3"
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    # every flag explicit: vLLM defaults norm_before_residual to True for this format
+    assert cfg["norm_before_residual"] is False and cfg["norm_before_fc"] is False
+    assert cfg["transformer_layer_config"]["vocab_size"] == V
+    assert shapes["layers.0.self_attn.q_proj.weight"] == (H, 2 * H) and not any(k.startswith("midlayer") for k in shapes)
+    assert torch.equal(load_file(str(out / WEIGHTS_NAME))["embed_tokens.weight"], target.model.embed_tokens.weight)
+    strip_provenance(out)
+    back = import_head(out, target)
+    assert torch.equal(outputs(back, target), outputs(head, target))
+
+
+def test_speculators_flags(tmp_path):
+    """norm_before_residual changes the maths and the consumers default it differently
+    (speculators False, vLLM True): absent, it is refused; stated, it is obeyed."""
+    target = make_target()
+    head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40, aux_layers=(1, 2, 3))
+    out = export_head(tmp_path / "h", tmp_path / "s", "speculators", target_model=target)
+    cfg = strip_provenance(out)
+    del cfg["norm_before_residual"]
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(HeadFormatError, match="norm_before_residual"):
+        import_head(out, target)
+    cfg["norm_before_residual"] = True
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    back = import_head(out, target)
+    assert back.config.norm_before_residual is True
+    assert not torch.allclose(outputs(back, target), outputs(head, target))
+    cfg["fc_norm"] = "yes"
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(HeadFormatError, match="fc_norm"):
+        import_head(out, target)
+    cfg["fc_norm"] = True  # EAGLE-3.1's per-feature norms: weights the file does not have
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(HeadFormatError, match="missing tensor.*fc_norm.0.weight"):
+        import_head(out, target)
+
+
+@pytest.mark.parametrize("flags", [{"norm_before_fc": True, "norm_output": True}, {"fc_norm": True}])
+def test_eagle31_variants_round_trip_through_speculators(flags, tmp_path):
+    target = make_target()
+    head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40, aux_layers=(1, 2, 3), **flags)
+    with pytest.raises(ValueError, match="speculators"):
+        export_head(tmp_path / "h", tmp_path / "v", "sglang")
+    vllm = export_head(tmp_path / "h", tmp_path / "v", "vllm")  # vLLM's research reader takes the flags too
+    assert all(json.loads((vllm / CONFIG_NAME).read_text())[k] == v for k, v in flags.items())
+    assert torch.equal(outputs(import_head(vllm, target), target), outputs(head, target))
+    out = export_head(tmp_path / "h", tmp_path / "s", "speculators", target_model=target)
+    strip_provenance(out)
+    back = import_head(out, target)
+    assert all(getattr(back.config, k) == v for k, v in flags.items())
+    assert torch.equal(outputs(back, target), outputs(head, target))
+
+
+def test_extra_embed_tokens_must_be_the_targets(tmp_path):
+    target = make_target()
+    saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40)
+    out = export_head(tmp_path / "h", tmp_path / "s", "speculators", target_model=target)
+    state = load_file(str(out / WEIGHTS_NAME))
+    state["embed_tokens.weight"][5, 0] += 1.0
+    save_file(state, str(out / WEIGHTS_NAME))
+    with pytest.raises(HeadFormatError, match="embed_tokens.weight differs"):
         import_head(out, target)
 
 
@@ -110,84 +210,127 @@ def test_bf16_export(tmp_path):
     assert set(dtypes.values()) == {"BF16"}
 
 
-def test_foreign_eagle3_checkpoint_imports_by_shape(tmp_path):
-    """A checkpoint from another trainer has no `drafthead` block: config comes from the file."""
-    target = make_target()
-    head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40)
-    out = export_head(tmp_path / "h", tmp_path / "v", "vllm")
-    cfg = json.loads((out / CONFIG_NAME).read_text())
-    del cfg["drafthead"]
-    (out / CONFIG_NAME).write_text(json.dumps(cfg))
-    back = import_head(out, target)
-    assert back.config.feature_layers == head.config.feature_layers and back.config.draft_vocab_size == 40
-    assert torch.equal(outputs(back, target), outputs(head, target))
-
-
-def test_import_checks_target_identity(tmp_path):
+def test_import_checks_target_identity_and_layer_fields(tmp_path):
     target = make_target()
     saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40)
     out = export_head(tmp_path / "h", tmp_path / "v", "vllm")
-    from drafthead.heads import HeadTargetMismatch
-
     with pytest.raises(HeadTargetMismatch, match="num_layers"):
         import_head(out, tiny_causal_lm("llama", vocab=V, layers=3, hidden=H))
+    cfg = strip_provenance(out)
+    cfg["rms_norm_eps"] = 1e-2  # changes the maths, not any shape
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(HeadFormatError, match="rms_norm_eps"):
+        import_head(out, target, convention="vllm")
 
 
-# ----------------------------------------------------------------------------- EAGLE-1 and Medusa
+def test_unknown_tensor_is_named(tmp_path):
+    target = make_target()
+    saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40)
+    out = export_head(tmp_path / "h", tmp_path / "v", "vllm")
+    state = load_file(str(out / WEIGHTS_NAME))
+    state["fc.bias"] = torch.zeros(H)
+    save_file(state, str(out / WEIGHTS_NAME))
+    with pytest.raises(HeadFormatError, match="unexpected tensor.*fc.bias"):
+        import_head(out, target)
+
+
+# ----------------------------------------------------------------------------- EAGLE-1
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_eagle1_layout(family, tmp_path):
+def test_eagle1_engine_layout(family, tmp_path):
     target = make_target(family)
     head = saved_head("eagle1", target, tmp_path / "h")
     out = export_head(tmp_path / "h", tmp_path / "v", "vllm")
     cfg, shapes, _ = read(out)
     assert cfg["num_hidden_layers"] == 1 and cfg["model_type"] == family
     assert cfg["architectures"] == [type(target).__name__]  # the engines add the Eagle prefix
-    assert shapes["fc.weight"] == (H, 2 * H)
-    assert "fc.bias" not in shapes
+    assert shapes["fc.weight"] == (H, 2 * H) and "fc.bias" not in shapes
     assert all(k == "fc.weight" or k.startswith("layers.0.") for k in shapes)
     assert not any("input_layernorm" in k for k in shapes)  # dropped, as vLLM/SGLang expect
-    assert shapes["layers.0.self_attn.q_proj.weight"] == (H, H)
     assert detect_layout(out) == "eagle1"
-    back = import_head(out, target)
-    assert torch.equal(outputs(back, target), outputs(head, target))
+    assert torch.equal(outputs(import_head(out, target), target), outputs(head, target))
     saved_head("eagle1", target, tmp_path / "h2", input_layernorm=True)
     with pytest.raises(ValueError, match="input_layernorm"):
         export_head(tmp_path / "h2", tmp_path / "v2", "vllm")
 
 
-def test_medusa_layout(tmp_path):
-    target = make_target()
-    head = saved_head("medusa1", target, tmp_path / "h", num_heads=3, num_layers=2)
+def test_eagle1_upstream_layout(tmp_path):
+    """Upstream EAGLE: pytorch_model.bin with embed_tokens and fc.bias, RoPE base 10000 always."""
+    target = make_target(rope_theta=10000.0)
+    head = saved_head("eagle1", target, tmp_path / "h")
+    with pytest.raises(ValueError, match="embed_tokens"):
+        export_head(tmp_path / "h", tmp_path / "x", "eagle")
+    out = export_head(tmp_path / "h", tmp_path / "e", "eagle", target_model=target)
+    assert not (out / WEIGHTS_NAME).exists()
+    state = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert torch.equal(state["fc.bias"], torch.zeros(H)) and torch.equal(state["embed_tokens.weight"],
+                                                                         target.model.embed_tokens.weight)
+    cfg = strip_provenance(out)
+    assert cfg["bias"] is True and cfg["num_hidden_layers"] == 1
+    back = import_head(out, target)
+    assert back.config.fc_bias
+    assert torch.equal(outputs(back, target), outputs(head, target))
+    other = make_target(rope_theta=100000.0)
+    saved_head("eagle1", other, tmp_path / "h5")
+    with pytest.raises(ValueError, match="rope_theta"):
+        export_head(tmp_path / "h5", tmp_path / "e5", "eagle", target_model=other)
+
+
+def test_eagle1_stated_rope_needs_convention(tmp_path):
+    """A config stating RoPE base 1e5: upstream EAGLE ran it at 10000, vLLM at 1e5."""
+    target = make_target(rope_theta=100000.0)
+    head = saved_head("eagle1", target, tmp_path / "h")
     out = export_head(tmp_path / "h", tmp_path / "v", "vllm")
-    cfg, shapes, _ = read(out)
-    assert cfg["architectures"] == ["MedusaModel"] and cfg["model_type"] == "medusa"
-    assert cfg["num_heads"] == 3 and cfg["num_hidden_layers"] == 2 and cfg["medusa_fc_bias"] is True
-    assert cfg["hidden_size"] == H and cfg["vocab_size"] == V
-    expected = {f"blocks.{h}.layers.{l}.{w}": (H, H) if w == "weight" else (H,)
-                for h in range(3) for l in range(2) for w in ("weight", "bias")}
-    expected.update({f"lm_heads.{h}.weight": (V, H) for h in range(3)})
-    assert shapes == expected
+    strip_provenance(out)
+    with pytest.raises(HeadFormatError, match="convention"):
+        import_head(out, target)
+    vllm_side = import_head(out, target, convention="vllm")
+    assert vllm_side.config.rope_parameters is None  # the target's own
+    assert torch.equal(outputs(vllm_side, target), outputs(head, target))
+    upstream = import_head(out, target, convention="eagle")
+    assert upstream.config.rope_parameters["rope_theta"] == 10000.0
+    assert not torch.allclose(outputs(upstream, target), outputs(head, target))
+
+
+# ----------------------------------------------------------------------------- Medusa
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_medusa_upstream_layout(share, tmp_path):
+    target = make_target()
+    head = saved_head("medusa1", target, tmp_path / "h", num_heads=3, num_layers=2, share_lm_head=share)
+    if share:
+        with pytest.raises(ValueError, match="pass the target"):
+            export_head(tmp_path / "h", tmp_path / "x", "medusa")
+    out = export_head(tmp_path / "h", tmp_path / "m", "medusa", target_model=target)
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    assert cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 2
+    state = torch.load(out / "medusa_lm_head.pt", weights_only=True)
+    expected = {f"{h}.{l}.linear.{w}" for h in range(3) for l in range(2) for w in ("weight", "bias")}
+    assert set(state) == expected | {f"{h}.2.weight" for h in range(3)}
+    assert detect_layout(out) == "medusa"
     back = import_head(out, target)
     assert torch.equal(outputs(back, target), outputs(head, target))
-    with pytest.raises(ValueError, match="SGLang has no Medusa"):
+    with pytest.raises(ValueError, match="carries"):
         export_head(tmp_path / "h", tmp_path / "s", "sglang")
 
 
-def test_medusa_shared_lm_head_needs_the_target(tmp_path):
+def test_medusa_unknown_key_refused(tmp_path):
     target = make_target()
-    head = saved_head("medusa1", target, tmp_path / "h", share_lm_head=True)
-    with pytest.raises(ValueError, match="target_model"):
-        export_head(tmp_path / "h", tmp_path / "v", "vllm")
-    out = export_head(tmp_path / "h", tmp_path / "v", "vllm", target_model=target)
-    cfg, shapes, _ = read(out)
-    assert cfg["original_lm_head"] is True
-    assert shapes["lm_heads.0.weight"] == (V, H) and "lm_heads.1.weight" not in shapes
-    assert torch.equal(load_file(str(out / WEIGHTS_NAME))["lm_heads.0.weight"], target.lm_head.weight)
-    back = import_head(out, target)
-    assert back.config.share_lm_head
-    assert torch.equal(outputs(back, target), outputs(head, target))
+    saved_head("medusa1", target, tmp_path / "h", num_heads=2)
+    out = export_head(tmp_path / "h", tmp_path / "m", "medusa")
+    state = torch.load(out / "medusa_lm_head.pt", weights_only=True)
+    state["0.0.linear.scale"] = torch.ones(1)
+    torch.save(state, out / "medusa_lm_head.pt")
+    with pytest.raises(HeadFormatError, match="0.0.linear.scale"):
+        import_head(out, target)
+    (out / "medusa_lm_head.pt").write_bytes(b"not a zip")
+    with pytest.raises(HeadFormatError, match="weights-only"):
+        import_head(out, target)
+
+
+# ----------------------------------------------------------------------------- ours, CLI
 
 
 def test_ours_format_copies_and_loads(tmp_path):
@@ -201,18 +344,36 @@ def test_ours_format_copies_and_loads(tmp_path):
         export_head(tmp_path / "h", tmp_path / "x", "onnx")
 
 
-# ----------------------------------------------------------------------------- CLI
-
-
-def test_cli_export(tmp_path, capsys):
+@pytest.mark.parametrize("aux, why", [((2, 2, 1), "ascending"), ((1, 2, 4), "normed"), ((1, 2), "exactly 3")])
+def test_engine_exports_refuse_layers_the_engines_read_differently(aux, why, tmp_path):
     target = make_target()
-    saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40)
+    saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40, aux_layers=aux)
+    for fmt in ("vllm", "sglang", "llama.cpp"):
+        with pytest.raises(ValueError, match=why):
+            export_head(tmp_path / "h", tmp_path / fmt, fmt)
+
+
+def test_cli_export_and_import(tmp_path, capsys, tiny_target_dir):
+    from drafthead.targets import load_target
+
+    tiny_llama_dir = tiny_target_dir("llama", layers=L)
+    loaded = load_target(tiny_llama_dir)
+    target = loaded.model
+    head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40, aux_layers=(1, 2, 3))
     rc = cli_main(["export", str(tmp_path / "h"), "--format", "sglang", "--out", str(tmp_path / "s"), "--dtype", "bfloat16"])
     assert rc == 0
     assert json.loads((tmp_path / "s" / CONFIG_NAME).read_text())["torch_dtype"] == "bfloat16"
+    strip_provenance(tmp_path / "s")
+    args = ["import", str(tmp_path / "s"), "--target", str(tiny_llama_dir), "--out", str(tmp_path / "i")]
+    assert cli_main(args) == 2 and "convention" in capsys.readouterr().err
+    assert cli_main(args + ["--convention", "sglang"]) == 0 and "eagle3-research" in capsys.readouterr().err
+    assert detect_layout(tmp_path / "i") == "ours"
+    back = import_head(tmp_path / "i", target, loaded.tokenizer)
+    assert back.config.feature_layers == head.config.feature_layers
+    assert load_file(str(tmp_path / "i" / WEIGHTS_NAME))["fc.weight"].dtype == torch.bfloat16  # stored dtype kept
     saved_head("medusa1", target, tmp_path / "m")
     rc = cli_main(["export", str(tmp_path / "m"), "--format", "sglang", "--out", str(tmp_path / "ms")])
-    assert rc == 2 and "SGLang has no Medusa" in capsys.readouterr().err
+    assert rc == 2 and "carries" in capsys.readouterr().err
     rc = cli_main(["export", str(tmp_path / "missing"), "--format", "vllm", "--out", str(tmp_path / "x")])
     assert rc == 2 and "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -1,5 +1,5 @@
-"""`drafthead export HEAD_DIR --format ours|vllm|sglang --out DIR`: write a trained head in the
-layout a serving engine loads (the work is `heads.export.export_head`)."""
+"""`drafthead export HEAD_DIR --format FMT --out DIR`: write a trained head in the layout a serving
+engine loads (the work is `heads.formats.export_head`; docs/formats.md lists the layouts)."""
 from __future__ import annotations
 
 from . import note
@@ -8,24 +8,25 @@ DTYPES = ("keep", "float32", "bfloat16", "float16")
 
 
 def add_parser(subparsers) -> None:
-    from ..heads.export import FORMATS
+    from ..heads.formats import EXPORT_FORMATS
 
-    p = subparsers.add_parser("export", help="write a trained head for vLLM / SGLang (or re-save ours)")
+    p = subparsers.add_parser("export", help="write a trained head for vLLM, SGLang, llama.cpp, speculators, EAGLE, Medusa")
     p.add_argument("head_dir", metavar="HEAD_DIR", help="a head folder written by `drafthead train`")
-    p.add_argument("--format", choices=FORMATS, required=True, help="target layout")
+    p.add_argument("--format", choices=EXPORT_FORMATS, required=True, help="target layout (docs/formats.md)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     p.add_argument("--dtype", choices=DTYPES, default="keep", help="cast the weights (default: keep the saved dtype)")
     p.add_argument(
         "--target",
         default=None,
-        help="the target (name or folder); only needed for a Medusa head that shares the target's LM head",
+        help="the head's target (name or folder), for layouts that store a copy of its tensors: speculators and "
+             "eagle (embed_tokens), medusa with a shared LM head",
     )
 
 
 def run(args) -> int:
     import torch
 
-    from ..heads.export import export_head
+    from ..heads.formats import export_head
 
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     target_model = None

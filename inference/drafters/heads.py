@@ -14,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from ...heads.formats import detect_layout, import_head
 from ...heads.registry import load_head
 from ..cache import crop
 from ..cost import best_node_count, measure_verify_cost, sync_device
@@ -293,7 +294,10 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     Returns (drafter, target): a Medusa-2 head carries a LoRA adapter merged into the target,
     and that adapted target is the one whose output the speculative path reproduces.
     """
-    head, target = load_head(Path(path), target_model, tokenizer, target_name=target_name)
+    if detect_layout(path) == "ours":
+        head, target = load_head(Path(path), target_model, tokenizer, target_name=target_name)
+    else:  # a published layout (vLLM, speculators, upstream EAGLE/Medusa...), read exactly or refused
+        head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
     pack_linears(head)  # draft steps multiply a few rows by every head weight (measured: inference/kernels.py)
     family = "medusa" if head.kind in ("medusa1", "medusa2") else "eagle"

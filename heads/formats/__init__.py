@@ -1,0 +1,269 @@
+"""Foreign head layouts: export our heads to what serving engines load, and import what other
+trainers publish (docs/formats.md has every layout and the engine versions each was run against).
+
+Export formats (`export_head(head_dir, out_dir, fmt)`):
+    ours         our own folder, re-saved (optionally cast)
+    vllm         EAGLE-3 / EAGLE-1 research layout, vLLM's aux-id convention
+    speculators  EAGLE-3 in vLLM's preferred format (speculators library), every flag explicit
+    sglang       EAGLE-3 / EAGLE-1 research layout, SGLang's aux-id convention (one lower)
+    llama.cpp    EAGLE-3 folder for llama.cpp's convert_hf_to_gguf.py (top-level aux ids)
+    eagle        upstream EAGLE-1 (eagle-llm): pytorch_model.bin with embed_tokens and fc.bias
+    medusa       upstream Medusa (medusa-llm): medusa_lm_head.pt
+
+Import (`import_head(src, target, convention=...)`) reads all of them, plus the old vLLM Medusa
+layout and SpecForge's `to_hf` output. Where a layout does not say how it numbers aux layers or which
+RoPE it ran, `convention` must (vllm / sglang / eagle); nothing is guessed. Every tensor lands in our
+head exactly or the import is refused naming it.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..config import config_from_dict
+from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
+from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
+    write_json, write_safetensors
+from . import eagle1, eagle3, medusa, speculators
+from .common import ForeignHead, drafthead_block, dtype_name, layer_field_diffs, read_config, read_weights
+
+EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa")
+CONVENTIONS = ("vllm", "sglang", "eagle")
+
+# Which kinds each engine format can carry.
+_FORMAT_KINDS = {
+    "vllm": ("eagle3", "eagle1"),
+    "speculators": ("eagle3",),
+    "sglang": ("eagle3", "eagle1"),
+    "llama.cpp": ("eagle3",),
+    "eagle": ("eagle1",),
+    "medusa": ("medusa1",),
+}
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None,
+                target_model: nn.Module | None = None) -> Path:
+    """Write `head_dir` (our format) to `out_dir` in layout `fmt` (EXPORT_FORMATS).
+
+    dtype: cast floating tensors (e.g. torch.bfloat16). target_model: needed where the layout stores
+    a copy of a target tensor (upstream EAGLE's embed_tokens, speculators' embed_tokens, a shared
+    Medusa LM head); it must be the head's own target.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(EXPORT_FORMATS)})")
+    head_dir, out_dir = Path(head_dir), Path(out_dir)
+    if out_dir.resolve() == head_dir.resolve():
+        raise ValueError("export output directory must differ from the head directory")
+    config, meta, state = read_head_dir(head_dir)
+    if dtype is not None:
+        state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
+
+    if fmt == "ours":
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if (head_dir / ADAPTER_DIR).exists():
+            shutil.copytree(head_dir / ADAPTER_DIR, out_dir / ADAPTER_DIR, dirs_exist_ok=True)
+        write_safetensors(out_dir / WEIGHTS_NAME, state, {"format": "pt"})
+        write_json(out_dir / CONFIG_NAME, {**meta, "dtype": dtype_name(state)})
+        return out_dir
+
+    kinds = _FORMAT_KINDS[fmt]
+    if config.kind == "medusa2":
+        raise ValueError("a medusa2 head changes the target (LoRA adapter); no engine format carries the adapter")
+    if config.kind not in kinds:
+        raise ValueError(f"--format {fmt} carries {' / '.join(kinds)} heads, not {config.kind}")
+    if target_model is not None:
+        diffs = identity_diff(config.target, identify_target(target_model))
+        if diffs:
+            raise HeadTargetMismatch("target_model is not this head's target:\n  " + "\n  ".join(diffs))
+
+    def target_tensor(get):
+        return None if target_model is None else get(target_model).weight
+
+    if config.kind == "eagle3" and fmt == "speculators":
+        cfg, tensors = speculators.to_speculators(config, meta, state, target_tensor(lambda m: m.get_input_embeddings()))
+    elif config.kind == "eagle3":
+        cfg, tensors = eagle3.to_engine(fmt, config, meta, state)
+    elif config.kind == "eagle1":
+        cfg, tensors = eagle1.to_engine(fmt, config, meta, state, target_tensor(lambda m: m.get_input_embeddings()))
+    else:
+        cfg, tensors = medusa.to_upstream(config, meta, state, target_tensor(lambda m: m.get_output_embeddings()),
+                                          config.target.name)
+    cfg["torch_dtype"] = dtype_name(tensors)
+    cfg["drafthead"] = drafthead_block(meta)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if fmt == "eagle":
+        _atomic_torch_save(out_dir / "pytorch_model.bin", tensors)
+    elif fmt == "medusa":
+        _atomic_torch_save(out_dir / "medusa_lm_head.pt", tensors)
+    else:
+        write_safetensors(out_dir / WEIGHTS_NAME, tensors, {"format": "pt"})
+    write_json(out_dir / CONFIG_NAME, cfg)  # last: the folder is complete once this exists
+    return out_dir
+
+
+def _atomic_torch_save(path: Path, tensors: dict) -> None:
+    from ..io import _atomic_write
+
+    cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    _atomic_write(path, lambda tmp: torch.save(cpu, tmp))
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def detect_layout(src_dir) -> str:
+    """Which layout a folder holds: "ours", "speculators", "medusa", "medusa-vllm",
+    "eagle3-research" or "eagle1"."""
+    src = Path(src_dir)
+    if not src.is_dir():
+        raise HeadFormatError(f"head directory {src} does not exist")
+    cfg = read_config(src)
+    if cfg.get("format") == FORMAT:
+        return "ours"
+    if speculators.is_layout(cfg):
+        return "speculators"
+    if medusa.is_upstream(cfg) or any((src / n).is_file() for n in medusa.UPSTREAM_WEIGHTS):
+        return "medusa"
+    if medusa.is_vllm(cfg):
+        return "medusa-vllm"
+    if eagle3.is_layout(cfg):
+        return "eagle3-research"
+    if eagle1.is_layout(cfg):
+        return "eagle1"
+    raise HeadFormatError(f"cannot tell which head layout {src} holds (architectures={cfg.get('architectures')}); "
+                          "known: ours, speculators, EAGLE-3 research, EAGLE-1, Medusa")
+
+
+def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:
+    """A foreign folder in our terms (no target needed yet)."""
+    src = Path(src_dir)
+    layout = detect_layout(src)
+    if layout == "ours":
+        raise ValueError(f"{src} is already a drafthead head folder")
+    if convention is not None and convention not in CONVENTIONS:
+        raise HeadFormatError(f"unknown convention {convention!r} (known: {', '.join(CONVENTIONS)})")
+    cfg = read_config(src)
+    ours = cfg.get("drafthead")
+    if layout == "medusa":
+        foreign = medusa.read_upstream(src, cfg, read_weights(src, medusa.UPSTREAM_WEIGHTS))
+    elif layout == "medusa-vllm":
+        foreign = medusa.read_vllm(src, cfg, read_weights(src))
+    elif layout == "speculators":
+        foreign = speculators.read(src, cfg, read_weights(src))
+    elif layout == "eagle3-research":
+        if ours is not None:  # our own export: the config below says how the ids are counted
+            convention = convention or _our_export_convention(cfg, ours)
+        foreign = eagle3.read(src, cfg, read_weights(src), convention)
+    else:
+        if ours is not None:
+            convention = convention or "vllm"
+        foreign = eagle1.read(src, cfg, read_weights(src), convention)
+    if ours is not None:
+        foreign.config = ours["config"]
+        if ours["config"].get("share_lm_head"):  # our Medusa head read the target's LM head: the copies must be it
+            for key in [k for k in foreign.state if k.startswith("lm_heads.")]:
+                foreign.target_copies[key] = foreign.state.pop(key)
+    return foreign
+
+
+def _our_export_convention(cfg: dict, ours: dict) -> str:
+    ids = (cfg.get("eagle_config") or {}).get(eagle3.IDS_KEY, cfg.get(eagle3.IDS_KEY))
+    layers = list(ours["config"].get("aux_layers") or [])
+    for name, offset in (("vllm", 0), ("sglang", 1)):
+        if ids is not None and [i + offset for i in ids] == layers:
+            return name
+    raise HeadFormatError(f"aux ids {ids} match neither convention for the recorded layers {layers}")
+
+
+def import_head(src_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None,
+                convention: str | None = None):
+    """Read a head in any known layout onto `target_model` -> the head, bound to the target."""
+    return _import(src_dir, target_model, tokenizer, target_name, convention)[0]
+
+
+def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None,
+            convention: str | None = None):
+    """-> (head, notes: what the import decided).
+
+    Our own folders load as `load_head` does. Foreign ones: the layout is translated
+    (`read_foreign`), checked against the target (stored copies of target tensors must equal the
+    target's; the decoder layer's shape fields must match), and loaded strictly.
+    """
+    from ..registry import _new_module, load_head, make_config, target_device, target_dtype
+
+    src = Path(src_dir)
+    if detect_layout(src) == "ours":
+        return load_head(src, target_model, tokenizer, target_name)[0], []
+    foreign = read_foreign(src, convention)
+    name = target_name or str(getattr(target_model.config, "_name_or_path", "") or "target")
+    if foreign.config is not None:
+        config = config_from_dict(foreign.config)
+        check_compatible(config.target, identify_target(target_model, tokenizer, target_name or config.target.name))
+    else:
+        overrides = dict(foreign.overrides)
+        _drop_target_rope(overrides, target_model)
+        config = make_config(foreign.kind, target_model, tokenizer, name, **overrides)
+    head = _new_module(config, target_model)
+    diffs = layer_field_diffs(foreign.layer_fields, getattr(head, "_layer_cfg", None))
+    if diffs:
+        raise HeadFormatError(f"{src}: the checkpoint's decoder layer is not the target family's:\n  " + "\n  ".join(diffs))
+    expected = head.state_dict()
+    state = dict(foreign.state)
+    if foreign.kind == "eagle3":
+        eagle3.drop_zero_o_bias(expected, state, src)
+    check_state_dict(expected, state, where=f"in {src}")
+    _check_target_copies(foreign.target_copies, target_model, src)
+    head.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
+    if foreign.kind == "eagle3":
+        from ..draft_vocab import validate_draft_vocab
+
+        try:
+            validate_draft_vocab(head.d2t, head.t2d)
+        except ValueError as e:
+            raise HeadFormatError(f"{src}: invalid draft vocab: {e}") from e
+    head.to(device=target_device(target_model), dtype=target_dtype(target_model))
+    head.eval()
+    return head.bind_target(target_model), [f"read {src} as {foreign.layout}"] + foreign.notes
+
+
+def _drop_target_rope(overrides: dict, target_model: nn.Module) -> None:
+    """A stated RoPE equal to the target's is no override (keeps imported configs like trained ones)."""
+    from ..identity import text_config
+
+    rope = overrides.get("rope_parameters")
+    if rope is None:
+        return
+    own = dict(getattr(text_config(target_model), "rope_parameters", None) or {})
+    if {"rope_type": "default", **own} == {"rope_type": "default", **rope}:
+        del overrides["rope_parameters"]
+
+
+def _check_target_copies(copies: dict, target_model: nn.Module, src) -> None:
+    """A checkpoint's copy of a target tensor must be the target's (exactly, up to its dtype)."""
+    for key, stored in copies.items():
+        ref = target_model.get_input_embeddings() if "embed_tokens" in key else target_model.get_output_embeddings()
+        own = ref.weight.detach().to("cpu")
+        if tuple(stored.shape) != tuple(own.shape):
+            raise HeadFormatError(f"{src}: {key} has shape {tuple(stored.shape)}, the target's {tuple(own.shape)}: "
+                                  "this head was made for another target")
+        if not torch.equal(stored.to(own.dtype), own) and not torch.equal(stored, own.to(stored.dtype)):
+            diff = (stored.float() - own.float()).abs().max().item()
+            raise HeadFormatError(f"{src}: {key} differs from the target's (max abs diff {diff:.3g}); drafthead reads "
+                                  "it from the target, so this head was trained against another one")
+
+
+def import_to_folder(src_dir, out_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None,
+                     convention: str | None = None, dtype: torch.dtype | None = None) -> tuple[Path, list[str]]:
+    """`drafthead import`: a foreign layout -> one of our head folders. The weights are saved in
+    `dtype`, by default the dtype they were stored in (so a bf16 checkpoint stays bit-exact)."""
+    head, notes = _import(src_dir, target_model, tokenizer, target_name, convention)
+    if dtype is None and detect_layout(src_dir) != "ours":
+        floats = {v.dtype for v in read_foreign(src_dir, convention).state.values() if v.is_floating_point()}
+        dtype = floats.pop() if len(floats) == 1 else None
+    return head.save_pretrained(out_dir, dtype=dtype), notes

@@ -1,0 +1,174 @@
+"""What every foreign layout shares: reading its files, the aux-layer id conventions, the
+`drafthead` provenance block, and the record an importer hands back (docs/formats.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..io import CONFIG_NAME, FORMAT, HeadFormatError, drafthead_version, read_json, read_safetensors
+
+# How a checkpoint numbers the target hidden states an EAGLE-3 head fuses. Ours (heads/config.py)
+# are transformers `output_hidden_states` indices: id i = the input of decoder layer i.
+#   vllm:   the same numbers (vLLM, speculators, llama.cpp, drafthead)
+#   sglang: one lower: SGLang adds 1 to every id before capturing (SGLang, SpecForge)
+ID_OFFSETS = {"vllm": 0, "sglang": 1}
+
+# Files a foreign head keeps its weights in, in the order they are looked for.
+WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+@dataclass
+class ForeignHead:
+    """A foreign checkpoint translated into our terms, before it meets the target.
+
+    kind, overrides: what `heads.registry.make_config(kind, target, **overrides)` needs.
+    state: tensors under OUR names, exactly as stored (no approximation).
+    target_copies: tensors the producer stored but we read from the target (e.g. embed_tokens):
+      the importer checks each equals the target's and refuses otherwise.
+    config: our full config dict when the checkpoint carries a `drafthead` block (then the target
+      identity is checked too); None for a foreign producer.
+    notes: what the import decided (printed by the CLI).
+    """
+
+    layout: str
+    kind: str
+    overrides: dict
+    state: dict[str, torch.Tensor]
+    target_copies: dict[str, torch.Tensor] = field(default_factory=dict)
+    config: dict | None = None
+    notes: list[str] = field(default_factory=list)
+    layer_fields: dict = field(default_factory=dict)  # the decoder layer's config as the checkpoint states it
+
+
+# Decoder-layer fields that change the maths without changing any tensor's shape, or that must
+# agree with the target's for our layer (built from the target's config) to be the checkpoint's.
+CHECKED_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                        "head_dim", "hidden_act", "rms_norm_eps")
+
+
+def layer_field_diffs(stated: dict, built) -> list[str]:
+    """'field: checkpoint X != ours Y' for every CHECKED_LAYER_FIELDS entry both sides state."""
+    out = []
+    for name in CHECKED_LAYER_FIELDS:
+        mine = getattr(built, name, None)
+        if name not in stated or stated[name] is None or mine is None:
+            continue
+        theirs = stated[name]
+        same = abs(float(theirs) - float(mine)) <= 1e-6 * abs(float(mine)) if name == "rms_norm_eps" else theirs == mine
+        if not same:
+            out.append(f"{name}: checkpoint {theirs!r} != target's {mine!r}")
+    return out
+
+
+def read_config(src: Path) -> dict:
+    return read_json(src / CONFIG_NAME)
+
+
+def read_weights(src: Path, names=WEIGHT_FILES) -> dict[str, torch.Tensor]:
+    """The first of `names` found in `src`; a `.bin`/`.pt` is read with `weights_only=True`
+    (no pickled code runs)."""
+    for name in names:
+        path = src / name
+        if not path.is_file():
+            continue
+        if path.suffix == ".safetensors":
+            return read_safetensors(path)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # truncated zip, pickle with code, ...
+            raise HeadFormatError(f"{path} is not a readable weights-only torch file: {e}") from e
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise HeadFormatError(f"{path} does not hold a flat state dict of tensors")
+        return dict(state)
+    raise HeadFormatError(f"no weights file in {src} (looked for {', '.join(names)})")
+
+
+def need_convention(convention: str | None, allowed: tuple[str, ...], why: str) -> str:
+    if convention is None:
+        raise HeadFormatError(f"{why}: say which with convention= / --convention ({' or '.join(allowed)})")
+    if convention not in allowed:
+        raise HeadFormatError(f"convention {convention!r} does not apply here ({why}); use {' or '.join(allowed)}")
+    return convention
+
+
+def ids_to_ours(ids, convention: str) -> tuple[int, ...]:
+    """A checkpoint's aux-layer ids -> our output_hidden_states indices."""
+    return tuple(int(i) + ID_OFFSETS[convention] for i in ids)
+
+
+def ids_from_ours(layers, convention: str) -> list[int]:
+    out = [int(i) - ID_OFFSETS[convention] for i in layers]
+    if any(i < 0 for i in out):
+        raise ValueError(f"aux layers {tuple(layers)} cannot be written in {convention}'s convention "
+                         "(it cannot name the embedding output)")
+    return out
+
+
+def refuse_unknown(meta: dict, field_name: str, supported, where: str) -> None:
+    """A config flag whose value we cannot run exactly: refuse, naming it."""
+    if field_name in meta and meta[field_name] not in supported:
+        raise HeadFormatError(f"{where}: {field_name}={meta[field_name]!r} is not supported "
+                              f"(drafthead runs {', '.join(map(repr, supported))}); refusing rather than approximating")
+
+
+def dtype_name(state: dict[str, torch.Tensor]) -> str:
+    floats = sorted({str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()})
+    return floats[0] if len(floats) == 1 else "float32"
+
+
+def drafthead_block(meta: dict) -> dict:
+    """Provenance written into every export's config.json: HF-style config loaders keep unknown
+    keys, and an import back into drafthead uses it to check the target identity."""
+    return {"format": FORMAT, "drafthead_version": meta.get("drafthead_version", drafthead_version()),
+            "config": meta["config"]}
+
+
+def rope_fields(layer_cfg: dict) -> dict:
+    """transformers v5 keeps RoPE in `rope_parameters`; engines read `rope_theta`/`rope_scaling`."""
+    out = {}
+    rp = layer_cfg.get("rope_parameters") or {}
+    theta = layer_cfg.get("rope_theta", rp.get("rope_theta"))
+    if theta is not None:
+        out["rope_theta"] = theta
+    scaling = layer_cfg.get("rope_scaling")
+    if scaling is None and rp and rp.get("rope_type", "default") != "default":
+        scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+    if scaling is not None:
+        out["rope_scaling"] = scaling
+    return out
+
+
+def rope_parameters_of(cfg: dict) -> dict | None:
+    """A foreign config's RoPE as our `rope_parameters` (None when it states none)."""
+    rp = cfg.get("rope_parameters")
+    if rp:
+        return dict(rp)
+    theta = cfg.get("rope_theta")
+    if theta is None:
+        return None
+    scaling = dict(cfg.get("rope_scaling") or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {**scaling, "rope_theta": float(theta)}
+
+
+def layer_config(meta: dict) -> dict:
+    lc = meta.get("layer_config")
+    if not lc:
+        raise HeadFormatError("head config.json has no layer_config (needed to describe the decoder layer)")
+    return lc
+
+
+# Llama config fields the engines' draft layers read, copied from our draft layer's HF config.
+LLAMA_FIELDS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id",
+    "pad_token_id", "initializer_range", "mlp_bias",
+)
+
+
+def llama_layer_fields(lc: dict) -> dict:
+    out = {k: lc[k] for k in LLAMA_FIELDS if k in lc and lc[k] is not None}
+    out.update(rope_fields(lc))
+    return out

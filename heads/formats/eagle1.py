@@ -1,0 +1,88 @@
+"""EAGLE-1 layouts (docs/formats.md, "EAGLE-1"): the original EAGLE checkpoint, which upstream
+EAGLE (eagle-llm) writes and vLLM / SGLang load.
+
+    config.json   the target family's config with num_hidden_layers 1 (engines add the Eagle prefix to
+                  the architecture themselves); upstream adds `"bias": true|false` for fc's bias
+    weights       fc.weight [H, 2H] (input cat(embed(x_{t+1}), f_t)), fc.bias (upstream default),
+                  layers.0.* without input_layernorm; upstream also stores embed_tokens.weight (a copy
+                  of the target's) and uses pytorch_model.bin
+
+Upstream EAGLE runs its RoPE with base 10000 whatever its config says, so a checkpoint it trained
+for a target with another base is read with base 10000 (convention "eagle"), and we refuse to
+export a head to it unless the head's own base is 10000.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..io import HeadFormatError
+from .common import ForeignHead, layer_config, need_convention, rope_fields, rope_parameters_of
+
+UPSTREAM_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+_DROP = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype",
+         "output_hidden_states", "use_cache", "rope_parameters")
+
+
+def _base_config(meta: dict) -> dict:
+    lc = dict(layer_config(meta))
+    rope = rope_fields(lc)
+    for k in _DROP:
+        lc.pop(k, None)
+    lc.update(rope)
+    lc["num_hidden_layers"] = 1
+    if lc.get("layer_types"):
+        lc["layer_types"] = lc["layer_types"][:1]
+    lc["tie_word_embeddings"] = False
+    return lc
+
+
+def to_engine(fmt: str, config, meta: dict, state: dict, target_embed: torch.Tensor | None) -> tuple[dict, dict]:
+    """fmt "vllm" | "sglang": the engines' layout (safetensors, no embeddings); "eagle": upstream's."""
+    if config.input_layernorm:
+        raise ValueError("EAGLE-1 checkpoints have no input_layernorm on layer 0; this head keeps one "
+                         "(Eagle1Config.input_layernorm=True) and would run differently there")
+    cfg, tensors = _base_config(meta), dict(state)
+    if fmt != "eagle":
+        return cfg, tensors
+    rope = rope_parameters_of(cfg) or {}
+    if rope.get("rope_type", "default") != "default" or float(rope.get("rope_theta", 10000.0)) != 10000.0:
+        raise ValueError(f"upstream EAGLE runs RoPE with base 10000 whatever its config says; this head uses "
+                         f"{rope} and would draft differently there (rope_theta)")
+    if cfg.get("model_type") != "llama":
+        raise ValueError(f"upstream EAGLE's draft layer is Llama's; this head's family is {cfg.get('model_type')}")
+    if target_embed is None:
+        raise ValueError("upstream EAGLE stores the target's embed_tokens in the checkpoint: pass the target")
+    tensors["embed_tokens.weight"] = target_embed.detach().to("cpu", next(iter(state.values())).dtype)
+    if "fc.bias" not in tensors:
+        tensors["fc.bias"] = torch.zeros(config.hidden_size, dtype=tensors["fc.weight"].dtype)  # exact: adds 0
+    cfg["bias"] = True
+    return cfg, tensors
+
+
+def is_layout(cfg: dict) -> bool:
+    return cfg.get("num_hidden_layers") == 1 and cfg.get("model_type") not in (None, "medusa")
+
+
+def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
+    state = dict(state)
+    copies = {}
+    if "embed_tokens.weight" in state:
+        copies["embed_tokens.weight"] = state.pop("embed_tokens.weight")
+    overrides = {"fc_bias": "fc.bias" in state}
+    if cfg.get("bias") is not None and bool(cfg["bias"]) != overrides["fc_bias"]:
+        raise HeadFormatError(f"{src}: config says bias={cfg['bias']} but fc.bias is "
+                              f"{'present' if overrides['fc_bias'] else 'absent'}")
+    if "layers.0.input_layernorm.weight" in state:
+        overrides["input_layernorm"] = True
+    stated = rope_parameters_of(cfg)
+    notes = []
+    if stated is not None and stated != UPSTREAM_ROPE:
+        convention = need_convention(convention, ("eagle", "vllm"), f"{src} is an EAGLE-1 checkpoint whose config "
+                                     f"states RoPE {stated}; upstream EAGLE ran it with base 10000 regardless "
+                                     "(eagle), vLLM and SGLang with the stated one (vllm)")
+        rope = UPSTREAM_ROPE if convention == "eagle" else stated
+        notes.append(f"RoPE {rope} ({convention}'s convention)")
+    else:
+        rope = UPSTREAM_ROPE if stated is None else stated
+    overrides["rope_parameters"] = rope
+    return ForeignHead("eagle1", "eagle1", overrides, state, copies, notes=notes, layer_fields=cfg)

@@ -1,0 +1,132 @@
+"""EAGLE-3's research layout: what vLLM and SGLang load, SpecForge `to_sglang` writes, and
+llama.cpp's converter reads (docs/formats.md, "EAGLE-3 research layout").
+
+    config.json        architectures ["LlamaForCausalLMEagle3"], model_type llama, num_hidden_layers 1,
+                       draft_vocab_size, target_hidden_size, the decoder layer's Llama fields, and the
+                       aux-layer ids: nested `eagle_config.eagle_aux_hidden_state_layer_ids` (vLLM,
+                       SGLang) or top-level `eagle_aux_hidden_state_layer_ids` (llama.cpp)
+    model.safetensors  midlayer.*, fc.weight [H, 3H], norm.weight, lm_head.weight [Vd, H], d2t, t2d;
+                       embed_tokens.weight optional (a copy of the target's)
+
+The three engine formats differ only in how they write the ids: vLLM and llama.cpp number them as
+we do, SGLang one lower (`ID_OFFSETS`). The engines' layer is Llama's, whose `attention_bias` puts a
+bias on q/k/v *and* o_proj: for families with q/k/v bias but no o_proj bias (Qwen2) a zero
+`o_proj.bias` is written, which is exact; llama.cpp's converter takes no attention bias at all.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..io import HeadFormatError
+from .common import ForeignHead, ids_from_ours, ids_to_ours, layer_config, llama_layer_fields, need_convention, \
+    rope_parameters_of
+
+ARCH = "LlamaForCausalLMEagle3"
+IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+O_BIAS = "midlayer.self_attn.o_proj.bias"
+
+# export format -> (id convention, ids written top-level rather than under eagle_config, layer flags
+# the consumer reads from this layout: docs/formats.md)
+FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+VARIANTS = {
+    "vllm": ("vllm", False, FLAGS),
+    "sglang": ("sglang", False, ()),
+    "llama.cpp": ("vllm", True, ("norm_before_residual", "norm_before_fc")),
+}
+
+
+def is_layout(cfg: dict) -> bool:
+    return any("Eagle3" in a for a in cfg.get("architectures") or []) or "draft_vocab_size" in cfg
+
+
+def to_engine(fmt: str, config, meta: dict, state: dict) -> tuple[dict, dict]:
+    convention, top_level, readable = VARIANTS[fmt]
+    check_engine_layers(config)
+    unread = [f for f in FLAGS if getattr(config, f) and f not in readable]
+    if unread:
+        raise ValueError(f"this head sets {', '.join(unread)}, which {fmt} does not read from this layout: "
+                         "export it with --format speculators or vllm")
+    qkv_bias = "midlayer.self_attn.q_proj.bias" in state
+    if qkv_bias and fmt == "llama.cpp":
+        raise ValueError("llama.cpp's EAGLE-3 converter takes no attention biases; this head's family has q/k/v biases")
+    tensors = dict(state)
+    if qkv_bias and O_BIAS not in tensors:
+        o = tensors["midlayer.self_attn.o_proj.weight"]
+        tensors[O_BIAS] = torch.zeros(o.shape[0], dtype=o.dtype)
+    ids = ids_from_ours(config.feature_layers, convention)
+    cfg = llama_layer_fields(layer_config(meta))
+    cfg.update({
+        "architectures": [ARCH],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.hidden_size,
+        "attention_bias": qkv_bias,
+        "tie_word_embeddings": False,
+    })
+    if top_level:
+        cfg[IDS_KEY] = ids
+    else:
+        cfg["eagle_config"] = {IDS_KEY: ids, "use_aux_hidden_state": True}
+    cfg.update({f: bool(getattr(config, f)) for f in readable})  # explicit, never the reader's default
+    return cfg, tensors
+
+
+def check_engine_layers(config) -> None:
+    """The engines fuse exactly 3 features, in ascending id order (vLLM sorts and de-duplicates the
+    ids), and read id L as the *pre*-norm last layer output where ours is post-norm."""
+    layers = tuple(config.feature_layers)
+    if len(layers) != 3:
+        raise ValueError(f"the engines' EAGLE-3 fuses exactly 3 features (fc 3H->H); this head has {layers}")
+    if list(layers) != sorted(set(layers)):
+        raise ValueError(f"the engines fuse features in ascending layer order without repeats; this head's "
+                         f"aux_layers {layers} would be reordered there")
+    if config.final_layer in layers:
+        raise ValueError(f"aux layer {config.final_layer} is the final *normed* state here but the unnormed one "
+                         "in the engines")
+
+
+def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
+    nested = (cfg.get("eagle_config") or {}).get(IDS_KEY)
+    top = cfg.get(IDS_KEY)
+    if nested is not None and top is not None and list(nested) != list(top):
+        raise HeadFormatError(f"{src}: eagle_config.{IDS_KEY}={nested} and top-level {IDS_KEY}={top} disagree")
+    ids = nested if nested is not None else top
+    overrides = {"draft_vocab_size": int(cfg.get("draft_vocab_size", cfg.get("vocab_size"))),
+                 # absent flags: the readers' default (False in vLLM's, SGLang's and llama.cpp's research readers)
+                 **{f: bool(cfg.get(f, False)) for f in FLAGS}}
+    nested_fc = (cfg.get("eagle_config") or {}).get("norm_before_fc")
+    if nested_fc is not None:
+        overrides["norm_before_fc"] = bool(nested_fc)
+    notes = []
+    if ids is None:
+        raise HeadFormatError(f"{src}: config.json names no {IDS_KEY}; each engine then picks its own default "
+                              "layers, so the features this head was trained on are unknown")
+    convention = need_convention(convention, ("vllm", "sglang"), f"{src} is an EAGLE-3 research checkpoint, whose "
+                                 "aux-layer ids vLLM-side producers (vLLM, speculators, llama.cpp) and SGLang-side "
+                                 "producers (SGLang, SpecForge) number differently")
+    overrides["aux_layers"] = ids_to_ours(ids, convention)
+    notes.append(f"aux-layer ids {list(ids)} read in {convention}'s convention -> output_hidden_states "
+                 f"{list(overrides['aux_layers'])}")
+    target_hidden = cfg.get("target_hidden_size")
+    if target_hidden is not None and int(target_hidden) != int(cfg.get("hidden_size", target_hidden)):
+        raise HeadFormatError(f"{src}: target_hidden_size {target_hidden} != hidden_size {cfg.get('hidden_size')}: "
+                              "a draft narrower than its target cannot be represented")
+    rope = rope_parameters_of(cfg)
+    if rope is not None:
+        overrides["rope_parameters"] = rope
+    state = dict(state)
+    copies = {}
+    if "embed_tokens.weight" in state:
+        copies["embed_tokens.weight"] = state.pop("embed_tokens.weight")
+    return ForeignHead("eagle3-research", "eagle3", overrides, state, copies, notes=notes, layer_fields=cfg)
+
+
+def drop_zero_o_bias(head_state: dict, state: dict, where) -> None:
+    """The engines' Llama layer carries an o_proj bias where the family has none (Qwen2): it must be
+    zero to be dropped exactly."""
+    if O_BIAS in state and O_BIAS not in head_state:
+        if bool(state[O_BIAS].abs().max() > 0):
+            raise HeadFormatError(f"{where}: non-zero {O_BIAS}, but the target family's attention has no o_proj bias")
+        del state[O_BIAS]

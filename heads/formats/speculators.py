@@ -1,0 +1,95 @@
+"""The speculators format: vLLM's preferred EAGLE-3 layout, written by the speculators library
+(docs/formats.md, "speculators").
+
+    config.json   speculators_model_type "eagle3", speculators_version, architectures,
+                  speculators_config {algorithm, proposal_methods, default_proposal_method, verifier},
+                  transformer_layer_config (the decoder layer's Llama config, where vocab_size lives),
+                  draft_vocab_size, eagle_aux_hidden_state_layer_ids (top level, vLLM's numbering),
+                  norm_before_residual, and the EAGLE-3.1 flags
+    model.safetensors  layers.0.* (our midlayer.*), fc.weight, norm.weight, lm_head.weight, d2t, t2d,
+                  embed_tokens.weight (a copy of the target's)
+
+Every flag is written explicitly: vLLM defaults `norm_before_residual` to True for this format,
+speculators' own config class to False, so a config that omits it is refused on import.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..io import HeadFormatError
+from .eagle3 import check_engine_layers
+from .common import ForeignHead, layer_config, llama_layer_fields, refuse_unknown, rope_parameters_of
+
+MODEL_TYPE = "eagle3"
+VERSION = "0.9.0"
+IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+# Boolean layer flags, their default when absent (speculators' own config class) and our field
+FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+_PREFIX_OURS, _PREFIX_THEIRS = "midlayer.", "layers.0."
+
+
+def is_layout(cfg: dict) -> bool:
+    return "speculators_model_type" in cfg
+
+
+def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor | None) -> tuple[dict, dict]:
+    check_engine_layers(config)
+    if "midlayer.self_attn.q_proj.bias" in state:
+        raise ValueError("speculators' EAGLE-3 layer is Llama's without attention biases; this head's family has them")
+    if target_embed is None:
+        raise ValueError("the speculators format stores the target's embed_tokens: pass the target")
+    tensors = {(_PREFIX_THEIRS + k[len(_PREFIX_OURS):] if k.startswith(_PREFIX_OURS) else k): v for k, v in state.items()}
+    dtype = state["fc.weight"].dtype
+    tensors["embed_tokens.weight"] = target_embed.detach().to("cpu", dtype)
+    lc = layer_config(meta)
+    layer = llama_layer_fields(lc)
+    layer.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+                  "vocab_size": config.vocab_size, "attention_bias": False, "tie_word_embeddings": False})
+    target = config.target
+    cfg = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": MODEL_TYPE,
+        "speculators_version": VERSION,
+        "speculators_config": {
+            "algorithm": MODEL_TYPE,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "accept_tolerance": 0.0,
+                                  "verifier_accept_k": 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": target.name, "architectures": list(lc.get("architectures") or [])},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        IDS_KEY: list(config.feature_layers),
+        **{flag: bool(getattr(config, flag)) for flag in FLAGS},
+        "target_hidden_size": config.hidden_size,
+    }
+    return cfg, tensors
+
+
+def read(src, cfg: dict, state: dict) -> ForeignHead:
+    if cfg.get("speculators_model_type") != MODEL_TYPE:
+        raise HeadFormatError(f"{src}: speculators_model_type {cfg.get('speculators_model_type')!r} is not supported "
+                              f"(drafthead reads {MODEL_TYPE!r})")
+    for flag in FLAGS:
+        refuse_unknown(cfg, flag, (True, False), str(src))
+    if "norm_before_residual" not in cfg:
+        raise HeadFormatError(f"{src}: the config does not say norm_before_residual, and the consumers disagree on "
+                              "its default (speculators' config class: False, vLLM's reader: True); write it explicitly")
+    layer = cfg.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        raise HeadFormatError(f"{src}: speculators config has no transformer_layer_config")
+    ids = cfg.get(IDS_KEY)
+    if ids is None:
+        raise HeadFormatError(f"{src}: speculators config names no {IDS_KEY}")
+    overrides = {"aux_layers": tuple(int(i) for i in ids),
+                 "draft_vocab_size": int(cfg.get("draft_vocab_size", layer.get("vocab_size"))),
+                 **{flag: bool(cfg.get(flag, False)) for flag in FLAGS}}
+    rope = rope_parameters_of(layer)
+    if rope is not None:
+        overrides["rope_parameters"] = rope
+    theirs = dict(state)
+    copies = {k: theirs.pop(k) for k in ("embed_tokens.weight",) if k in theirs}
+    ours = {(_PREFIX_OURS + k[len(_PREFIX_THEIRS):] if k.startswith(_PREFIX_THEIRS) else k): v for k, v in theirs.items()}
+    notes = [f"aux-layer ids {list(ids)} (speculators numbers them as vLLM does); "
+             + ", ".join(f"{flag}={overrides[flag]}" for flag in FLAGS)]
+    return ForeignHead("speculators", "eagle3", overrides, ours, copies, notes=notes, layer_fields=layer)
