@@ -164,6 +164,11 @@ def test_speculators_flags(tmp_path):
     back = import_head(out, target)
     assert back.config.norm_before_residual is True
     assert not torch.allclose(outputs(back, target), outputs(head, target))
+    cfg["transformer_layer_config"]["layer_types"] = ["sliding_attention"]  # speculators' trainer default
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(HeadFormatError, match="sliding window"):
+        import_head(out, target)
+    cfg["transformer_layer_config"]["layer_types"] = ["full_attention"]
     cfg["fc_norm"] = "yes"
     (out / CONFIG_NAME).write_text(json.dumps(cfg))
     with pytest.raises(HeadFormatError, match="fc_norm"):
@@ -381,3 +386,25 @@ def test_cli_export_and_import(tmp_path, capsys, tiny_target_dir):
     assert rc == 2 and "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli_main(["export", str(tmp_path / "h"), "--format", "onnx", "--out", str(tmp_path / "x")])
+
+
+def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
+    """--head accepts a published layout: read exactly, said so, and greedy output stays the target's."""
+    from drafthead import GenerationConfig, speculative_generate
+    from drafthead.drafters import load_heads
+    from drafthead.targets import load_target
+    from tests.tiny import plain_greedy, repetitive_prompt
+
+    loaded = load_target(tiny_target_dir("llama", layers=L))
+    saved_head("eagle3", loaded.model, tmp_path / "h", draft_vocab_size=40)
+    out = export_head(tmp_path / "h", tmp_path / "s", "speculators", target_model=loaded.model)
+    strip_provenance(out)
+    drafter, target = load_heads(out, loaded.model, loaded.tokenizer, lookup_nodes=0)
+    assert "is a speculators checkpoint" in capsys.readouterr().err
+    prompt = repetitive_prompt(len(loaded.tokenizer))
+    result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, eos_token_ids=()))
+    assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 16)
+    research = export_head(tmp_path / "h", tmp_path / "v", "vllm")
+    strip_provenance(research)
+    with pytest.raises(HeadFormatError, match="drafthead import"):
+        load_heads(research, loaded.model, loaded.tokenizer)

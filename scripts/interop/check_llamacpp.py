@@ -45,7 +45,7 @@ try:
     import gguf  # noqa: F401
     import transformers  # noqa: F401
 except ImportError:
-    if VENV_PY.exists() and Path(sys.executable).resolve() != VENV_PY.resolve() and not os.environ.get("_LLAMACPP_REEXEC"):
+    if VENV_PY.exists() and Path(sys.prefix).resolve() != VENV_PY.parents[1].resolve() and not os.environ.get("_LLAMACPP_REEXEC"):
         os.environ["_LLAMACPP_REEXEC"] = "1"
         os.execv(str(VENV_PY), [str(VENV_PY), __file__, *sys.argv[1:]])
     raise

@@ -4,8 +4,10 @@
 #
 # llama.cpp has no release on PyPI of its own; its C++ source and its Python converter
 # (convert_hf_to_gguf.py + conversion/ + gguf-py/) ship vendored inside the llama-cpp-python sdist,
-# which is what we pin.  The vendored tree has no .git, so llama.cpp's build-info reports
-# build 0 / commit "unknown"; the pin below (sdist sha256) is the identity of the source.
+# which is what we pin (sdist sha256 below). The sdist ships the submodule's shallow git metadata
+# (.git/modules/vendor/llama.cpp), so llama.cpp's build-info reads it: the vendored llama.cpp is
+# commit 0c1e57098bba43ac29e6e3b677cdceebdd22334f (2026-10-01, "webgpu: fix SSM_SCAN binding aliasing
+# (#29750)"); `--version` prints "0.5.0-dev (build 1, commit 0c1e570)" (build 1: shallow clone).
 #
 # Builds (Release, CPU only, static libs, no curl/openssl, no web UI):
 #   llama-speculative-simple  greedy speculative decoding; accepts --spec-type draft-eagle3
