@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from .identity import TargetIdentity
 
-KINDS = ("medusa1", "medusa2", "eagle1", "eagle3")
+KINDS = ("medusa1", "medusa2", "eagle1", "eagle3", "eagle31")
 
 
 def _from_dict(cls, d: dict):
@@ -233,14 +233,29 @@ class Eagle3Config(_HeadConfig):
     needs_last_hidden: ClassVar[bool] = False
 
 
+@dataclass
+class Eagle31Config(Eagle3Config):
+    """EAGLE-3.1 (vLLM / EAGLE / TorchSpec, 2026): EAGLE-3 with an RMSNorm on each target feature before
+    fc (`fc_norm`) and the *normed* hidden state fed to the next draft step (`norm_output`), which
+    keeps deeper draft steps from drifting. Same head module and checkpoint layout as EAGLE-3 plus
+    `fc_norm.{i}.weight`; the engines read both flags from the config (docs/formats.md)."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("eagle31",)
+
+    kind: str = "eagle31"
+    fc_norm: bool = True
+    norm_output: bool = True
+
+
 CONFIG_CLASSES: dict[str, type] = {
     "medusa1": MedusaConfig,
     "medusa2": MedusaConfig,
     "eagle1": Eagle1Config,
     "eagle3": Eagle3Config,
+    "eagle31": Eagle31Config,
 }
 
-HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config
+HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config  # Eagle31Config is an Eagle3Config
 
 
 def config_from_dict(d: dict) -> HeadConfig:

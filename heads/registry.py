@@ -19,6 +19,7 @@ HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {
     "medusa2": MedusaHead,
     "eagle1": Eagle1Head,
     "eagle3": Eagle3Head,
+    "eagle31": Eagle3Head,  # the EAGLE-3 head with fc_norm and norm_output on (heads/config.py)
 }
 
 

@@ -24,7 +24,7 @@ def make_target(family="llama", **kw):
 
 
 def saved_head(kind, target, path, **kw):
-    if kind == "eagle3":
+    if kind in ("eagle3", "eagle31"):
         kw.setdefault("aux_layers", (1, 2, 3))  # the engines' rule: 3 ascending ids below L
     cfg = make_config(kind, target, None, name="tiny", **kw)
     head = build_head(cfg, target, token_counts=(torch.arange(cfg.vocab_size) * 7919) % 101)
@@ -408,3 +408,17 @@ def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     strip_provenance(research)
     with pytest.raises(HeadFormatError, match="drafthead import"):
         load_heads(research, loaded.model, loaded.tokenizer)
+
+
+def test_eagle31_kind_exports_where_the_flags_are_read(tmp_path):
+    target = make_target()
+    head = saved_head("eagle31", target, tmp_path / "h", draft_vocab_size=40)
+    assert head.config.fc_norm and head.config.norm_output and head.fc_norm is not None
+    for fmt in ("sglang", "llama.cpp"):
+        with pytest.raises(ValueError):
+            export_head(tmp_path / "h", tmp_path / fmt, fmt)
+    for fmt in ("vllm", "speculators"):
+        out = export_head(tmp_path / "h", tmp_path / fmt, fmt, target_model=target)
+        cfg = json.loads((out / CONFIG_NAME).read_text())
+        assert cfg["fc_norm"] is True and cfg["norm_output"] is True
+        assert torch.equal(outputs(import_head(out, target), target), outputs(head, target))

@@ -9,7 +9,7 @@ from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter, best
 from drafthead.inference.generate import GenerationConfig, speculative_generate
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
-KINDS = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}}
+KINDS = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64}}
 
 
 def make_drafter(head):
@@ -81,7 +81,7 @@ def slow_eagle_chain(head, target, history, depth):
     return chain
 
 
-@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3", "eagle31"])
 def test_eagle_drafter_matches_recomputation_across_rounds(kind):
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target,

@@ -52,7 +52,8 @@ def counts_of(batch):
     return torch.bincount(batch.input_ids.flatten(), minlength=V)
 
 
-HEAD_KW = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64, "ttt_steps": 3}}
+HEAD_KW = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64, "ttt_steps": 3},
+           "eagle31": {"draft_vocab_size": 64, "ttt_steps": 3}}
 
 
 def new_head(kind, target, batch=None, **kw):
@@ -225,12 +226,14 @@ def test_ttt_mask_matches_slow_loop():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_eagle3_ttt_is_chain_drafting(family):
+@pytest.mark.parametrize("kind", ["eagle3", "eagle31"])
+def test_eagle3_ttt_is_chain_drafting(family, kind):
     """Unroll step i at column t == drafting a chain at inference: commit pairs 0..t into the
-    cache, then run steps 1..i one token at a time on the parent's hidden state."""
+    cache, then run steps 1..i one token at a time on the parent's hidden state (EAGLE-3.1: the
+    parent's *normed* state, `feedback`)."""
     target = make_target(family)
     batch = make_batch(target)
-    head = new_head("eagle3", target, batch, ttt_steps=4)
+    head = new_head(kind, target, batch, ttt_steps=4)
     ids = batch.input_ids[:1]
     fused = head.fuse([batch.hidden_states[i][:1] for i in head.feature_layers])
     with torch.no_grad():
@@ -238,12 +241,12 @@ def test_eagle3_ttt_is_chain_drafting(family):
         for t in (0, 5, 11):
             cache = head.new_cache()
             h, _ = head.step(fused[:, : t + 1], ids[:, 1 : t + 2], torch.arange(t + 1)[None], cache)
-            assert torch.allclose(h[:, t], unrolled[0][:, t], atol=1e-5)
+            assert torch.allclose(h[:, t], head.feedback(unrolled[0][:, t]), atol=1e-5)
             parent = h[:, t : t + 1]
             for i in range(1, 4):
                 tok = ids[:, t + 1 + i : t + 2 + i]
                 parent, _ = head.step(parent, tok, torch.tensor([[t + i]]), cache)
-                assert torch.allclose(parent[:, 0], unrolled[i][:, t], atol=1e-5), (t, i)
+                assert torch.allclose(parent[:, 0], head.feedback(unrolled[i][:, t]), atol=1e-5), (t, i)
 
 
 def entropy_floor(head, batch):
@@ -261,12 +264,13 @@ def entropy_floor(head, batch):
     return total
 
 
-def test_eagle3_loss_matches_slow_loop():
+@pytest.mark.parametrize("kind", ["eagle3", "eagle31"])
+def test_eagle3_loss_matches_slow_loop(kind):
     """sum_i 0.8**i * mean over labelled (b, t) of soft CE(q_i(b, t), p(b, t + 1 + i)), p the
     target's softmax restricted to the draft vocab, q_i from the unrolled step i."""
     target = make_target()
     batch = make_batch(target)
-    head = new_head("eagle3", target, batch)
+    head = new_head(kind, target, batch)
     loss, metrics = head.compute_loss(batch)
     with torch.no_grad():
         ids = head.draft_target_ids

@@ -130,7 +130,7 @@ class TrainConfig:
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _choice("report_to", self.report_to, REPORT_TO)
         if not isinstance(self.head, dict) or "kind" not in self.head:
-            raise ConfigError("head must be a mapping with a 'kind' (medusa1, medusa2, eagle1, eagle3)")
+            raise ConfigError("head must be a mapping with a 'kind' (medusa1, medusa2, eagle1, eagle3, eagle31)")
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")

@@ -35,8 +35,8 @@ CONVENTIONS = ("vllm", "sglang", "eagle")
 
 # Which kinds each engine format can carry.
 _FORMAT_KINDS = {
-    "vllm": ("eagle3", "eagle1"),
-    "speculators": ("eagle3",),
+    "vllm": ("eagle3", "eagle31", "eagle1"),
+    "speculators": ("eagle3", "eagle31"),
     "sglang": ("eagle3", "eagle1"),
     "llama.cpp": ("eagle3",),
     "eagle": ("eagle1",),
@@ -89,11 +89,11 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
         w = get(target_model).weight
         return w if dtype is None else w.to(dtype)
 
-    if config.kind == "eagle3" and fmt == "speculators":
+    if config.kind in ("eagle3", "eagle31") and fmt == "speculators":
         verifier = None if target_model is None else str(getattr(target_model.config, "_name_or_path", "") or "") or None
         cfg, tensors = speculators.to_speculators(config, meta, state, target_tensor(lambda m: m.get_input_embeddings()),
                                                   verifier)
-    elif config.kind == "eagle3":
+    elif config.kind in ("eagle3", "eagle31"):
         cfg, tensors = eagle3.to_engine(fmt, config, meta, state)
     elif config.kind == "eagle1":
         cfg, tensors = eagle1.to_engine(fmt, config, meta, state, target_tensor(lambda m: m.get_input_embeddings()))
@@ -225,12 +225,12 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
         raise HeadFormatError(f"{src}: the checkpoint's decoder layer is not the target family's:\n  " + "\n  ".join(diffs))
     expected = head.state_dict()
     state = dict(foreign.state)
-    if foreign.kind == "eagle3":
+    if foreign.kind in ("eagle3", "eagle31"):
         eagle3.drop_zero_o_bias(expected, state, src)
     check_state_dict(expected, state, where=f"in {src}")
     _check_target_copies(foreign.target_copies, target_model, src)
     head.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
-    if foreign.kind == "eagle3":
+    if foreign.kind in ("eagle3", "eagle31"):
         from ..draft_vocab import validate_draft_vocab
 
         try:

