@@ -258,6 +258,9 @@ def test_eagle1_engine_layout(family, tmp_path):
     saved_head("eagle1", target, tmp_path / "h2", input_layernorm=True)
     with pytest.raises(ValueError, match="input_layernorm"):
         export_head(tmp_path / "h2", tmp_path / "v2", "vllm")
+    saved_head("eagle1", target, tmp_path / "h3", fc_bias=True)  # random, non-zero bias
+    with pytest.raises(ValueError, match="drops one silently"):
+        export_head(tmp_path / "h3", tmp_path / "v3", "vllm")
 
 
 def test_eagle1_upstream_layout(tmp_path):

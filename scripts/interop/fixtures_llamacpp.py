@@ -137,7 +137,8 @@ def build_ref() -> None:
     src = Path(__file__).with_name("llamacpp_eagle3_ref.cpp")
     if REF_BIN.exists() and REF_BIN.stat().st_mtime > src.stat().st_mtime:
         return
-    libs = [BUILD / "common" / "libllama-common.a", BUILD / "src" / "libllama.a",
+    libs = [BUILD / "common" / "libllama-common.a", BUILD / "common" / "libllama-common-base.a",
+            BUILD / "src" / "libllama.a",
             BUILD / "ggml" / "src" / "libggml.a", BUILD / "ggml" / "src" / "libggml-cpu.a",
             BUILD / "ggml" / "src" / "libggml-base.a"]
     extra = sorted((BUILD / "vendor").rglob("*.a")) if (BUILD / "vendor").exists() else []
@@ -298,7 +299,7 @@ def main() -> int:
                 "v/o/gate/up/down -> attn_v/attn_output/ffn_gate/ffn_up/ffn_down unchanged; norm->output_norm; "
                 "lm_head->output; d2t -> I64 ABSOLUTE target ids (d2t + arange(64)); t2d dropped; no token_embd "
                 "(the target's is used). gguf-py ReaderTensor.shape is GGML ne order (reversed); .data is numpy [out, in]. "
-                "reference.safetensors: llama.cpp's own eagle3 graphs (scripts/interop/llamacpp_eagle3_ref.cpp, "
+                "reference.safetensors: llama.cpp's own eagle3 graphs (scripts/interop/llamacpp_eagle3_ref.cpp, F32 KV cache, flash attention off, "
                 "target fixture converted to GGUF for its tok_embd) on inputs.safetensors: fused = fc(features3), "
                 "hidden = decoder pre-norm output with column t = (input_ids[t], fused[t]) at position t, causal; "
                 "logits = llama.cpp's full-vocab logits gathered at the draft ids (draft vocab order); all other "

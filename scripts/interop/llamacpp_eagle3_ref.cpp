@@ -64,6 +64,11 @@ int main(int argc, char ** argv) {
     cp.n_ubatch = 256;
     cp.n_threads = 1;
     cp.n_threads_batch = 1;
+    // Exact f32 attention: F32 KV cache (default F16) and no flash attention (default AUTO, which
+    // is on for the CPU backend; with it the outputs move by ~1e-4 relative, without ~1e-7).
+    cp.type_k = GGML_TYPE_F32;
+    cp.type_v = GGML_TYPE_F32;
+    cp.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
     llama_context * ctx_tgt = llama_init_from_model(tgt, cp);
     cp.ctx_other = ctx_tgt;  // the draft borrows the target's tok_embd (and lm_head if it has none)
     llama_context * ctx_dft = llama_init_from_model(dft, cp);

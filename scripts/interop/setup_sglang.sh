@@ -44,6 +44,8 @@ DEPS=(
   "compressed-tensors==0.18.0"
   "gguf==0.19.0"
   "apache-tvm-ffi==0.1.11"
+  "openai==2.8.0"
+  "partial_json_parser==0.2.1.1.post7"
 )
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
