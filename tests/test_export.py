@@ -255,6 +255,11 @@ def test_eagle1_engine_layout(family, tmp_path):
     assert not any("input_layernorm" in k for k in shapes)  # dropped, as vLLM/SGLang expect
     assert detect_layout(out) == "eagle1"
     assert torch.equal(outputs(import_head(out, target), target), outputs(head, target))
+    sg = export_head(tmp_path / "h", tmp_path / "s", "sglang")
+    cfg, shapes, _ = read(sg)
+    assert cfg["architectures"] == [type(target).__name__ + "Eagle"]  # SGLang adds no suffix itself
+    assert torch.equal(load_file(str(sg / WEIGHTS_NAME))["fc.bias"], torch.zeros(H))  # its fc always has one
+    assert torch.equal(outputs(import_head(sg, target), target), outputs(head, target))
     saved_head("eagle1", target, tmp_path / "h2", input_layernorm=True)
     with pytest.raises(ValueError, match="input_layernorm"):
         export_head(tmp_path / "h2", tmp_path / "v2", "vllm")

@@ -227,6 +227,8 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     state = dict(foreign.state)
     if foreign.kind in ("eagle3", "eagle31"):
         eagle3.drop_zero_o_bias(expected, state, src)
+    elif foreign.kind == "eagle1":
+        eagle1.drop_zero_fc_bias(expected, state, src)
     check_state_dict(expected, state, where=f"in {src}")
     _check_target_copies(foreign.target_copies, target_model, src)
     head.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)

@@ -42,6 +42,12 @@ def to_engine(fmt: str, config, meta: dict, state: dict, target_embed: torch.Ten
         raise ValueError("EAGLE-1 checkpoints have no input_layernorm on layer 0; this head keeps one "
                          "(Eagle1Config.input_layernorm=True) and would run differently there")
     cfg, tensors = _base_config(meta), dict(state)
+    if fmt == "sglang":
+        # SGLang loads the architecture the config names (it adds no Eagle suffix, vLLM adds a prefix
+        # itself), and its fc always has a bias, random unless the file holds one: write a zero one
+        cfg["architectures"] = [a + "Eagle" for a in cfg.get("architectures") or ["LlamaForCausalLM"]]
+        tensors.setdefault("fc.bias", torch.zeros(config.hidden_size, dtype=tensors["fc.weight"].dtype))
+        return cfg, tensors
     if fmt != "eagle":
         if "fc.bias" in tensors and bool(tensors["fc.bias"].abs().max() > 0):
             raise ValueError(f"{fmt}'s EAGLE-1 fc has no bias and drops one silently; this head's fc.bias is non-zero: "
@@ -90,3 +96,11 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
         rope = UPSTREAM_ROPE if stated is None else stated
     overrides["rope_parameters"] = rope
     return ForeignHead("eagle1", "eagle1", overrides, state, copies, notes=notes, layer_fields=cfg)
+
+
+def drop_zero_fc_bias(head_state: dict, state: dict, where) -> None:
+    """Exports for engines whose fc always has a bias (SGLang) carry a zero one: drop it exactly."""
+    if "fc.bias" in state and "fc.bias" not in head_state:
+        if bool(state["fc.bias"].abs().max() > 0):
+            raise HeadFormatError(f"{where}: non-zero fc.bias, but this head's fc has none")
+        del state["fc.bias"]

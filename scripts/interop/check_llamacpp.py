@@ -223,6 +223,8 @@ def run_spec(target: Path, draft: Path, text: str, n_tokens: int, k: int, thread
         "stats_line": next((ln.strip() for ln in err.splitlines() if "statistics" in ln and "eagle3" in ln), None),
         "extract_layers": f(r"EAGLE3 extract_layers = (\[[\d, ]+\])", err, json.loads),
     }
+    m = re.search(r"#calls\(b,g,a\) =\s*(\d+)\s+(\d+)\s+(\d+)", err)
+    res["n_rounds"] = int(m.group(3)) if m else None  # accept() calls = verification rounds
     m = re.search(r"#acc rate/pos = \(([^)]*)\)", err)
     if m:
         res["acc_rate_per_pos"] = [float(x) for x in m.group(1).split(",") if x.strip()]
@@ -305,10 +307,21 @@ def main() -> int:
         nd = sum(r["spec"]["n_drafted"] for r in ok)
         na = sum(r["spec"]["n_accept"] for r in ok)
         per_pos = [r["spec"]["acc_rate_per_pos"] for r in ok if r["spec"]["acc_rate_per_pos"]]
+        rounds = sum(r["spec"]["n_rounds"] or 0 for r in ok)
+        # pooled over prompts: share of all rounds that accepted at least d drafts (llama.cpp's
+        # acc rate/pos is n_acc_tokens_per_pos / n_call_accept per prompt)
+        pooled = None
+        if rounds and all(r["spec"]["acc_rate_per_pos"] and r["spec"]["n_rounds"] for r in ok):
+            depth = max(len(r["spec"]["acc_rate_per_pos"]) for r in ok)
+            pooled = [sum((r["spec"]["acc_rate_per_pos"] + [0.0] * depth)[d] * r["spec"]["n_rounds"] for r in ok) / rounds
+                      for d in range(depth)]
         result["summary"] = {
             "n_prompts": len(rows),
             "all_spec_equal_plain": all(r["spec_equals_plain"] for r in rows),
             "n_drafted": nd, "n_accept": na, "acceptance_rate": (na / nd) if nd else None,
+            "n_rounds": rounds,
+            "tau": (1 + na / rounds) if rounds else None,
+            "acc_rate_per_pos_pooled": pooled,
             "mean_acc_len_per_prompt": [r["spec"]["mean_acc_len"] for r in ok],
             "acc_rate_per_pos_mean_over_prompts": ([sum(c) / len(per_pos) for c in zip(*per_pos)]
                                                    if per_pos else None),
