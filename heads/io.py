@@ -256,7 +256,7 @@ class DraftHeadBase(nn.Module):
 
 # ----------------------------------------------------------------------------- label alignment
 # Shared by every head's compute_loss. Kept here, beside the base class, so there is one home for
-# the rule that trips every reimplementation (REFERENCE.md s.4 "loss-mask off-by-one").
+# the rule that trips every reimplementation (docs/acceptance.md "loss-mask off-by-one").
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:

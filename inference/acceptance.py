@@ -1,4 +1,4 @@
-"""Exact acceptance rules (REFERENCE.md s.1), as pure functions on tensors.
+"""Exact acceptance rules (docs/acceptance.md), as pure functions on tensors.
 
 Notation follows the papers: `p` is the target's processed next-token distribution at a node,
 `q` the drafter's, `x` a drafted token. Every function returns the accepted path (node indices,

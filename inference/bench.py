@@ -6,12 +6,12 @@ own prompt lookup (`prompt_lookup_num_tokens`). Wall times include the prefill o
 
 Definitions (one home; report.py only renders them):
     tau                     total emitted tokens / total verification rounds, over all prompts
-                            (the target's own token counted: tau >= 1; REFERENCE.md s.4)
+                            (the target's own token counted: tau >= 1; docs/acceptance.md)
     tokens_per_s            total new tokens / total wall seconds of the calls (each side)
     speedup                 tokens_per_s / baseline_tokens_per_s
     identical_fraction      share of prompts whose speculative tokens equal the plain tokens
     per_position_acceptance [d-1] = share of rounds whose accepted draft length is >= d
-    repetition              share of repeated n-grams (n=4) in outputs: REFERENCE.md s.5 asks for
+    repetition              share of repeated n-grams (n=4) in outputs: docs/cpu-measurements.md asks for
                             it, since n-gram drafting thrives on repetitive text
 """
 from __future__ import annotations
@@ -39,7 +39,7 @@ class BenchSettings:
     seed: int = 0  # sampling runs seed prompt i with seed + i on every side
     eos_token_ids: tuple[int, ...] = ()
     compare_hf_prompt_lookup: bool = False
-    hf_prompt_lookup_num_tokens: int = 10  # REFERENCE.md s.5 measured 10
+    hf_prompt_lookup_num_tokens: int = 10  # docs/cpu-measurements.md: measured with 10
     profile: bool = False  # synchronise the device around engine phases so timings are exact
     warmup_tokens: int = 8  # a short generation on each side before timing; 0: none
     keep_text: bool = False  # put decoded outputs in the per-prompt records
@@ -79,7 +79,7 @@ def is_near_tie(divergence: dict) -> bool:
 
 
 def speed_ceiling(tau: float, totals: dict, profile_seconds: dict) -> dict | None:
-    """Where a run stands against its physical limit (REFERENCE.md s.5), in plain-step units.
+    """Where a run stands against its physical limit (docs/cpu-measurements.md), in plain-step units.
 
     A plain step costs plain_seconds / plain_new_tokens (prefill amortised in, as in the
     baseline's tokens/s). If drafting and bookkeeping were free, a round would cost one verify

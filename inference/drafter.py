@@ -1,7 +1,7 @@
 """The one interface every proposer implements (STYLE.md 3).
 
 The decode loop keeps the target's KV cache holding every committed token except the last one,
-the *pending* token (REFERENCE.md s.2, seeds s.12): its K/V is computed as the root of the next
+the *pending* token (docs/trees.md): its K/V is computed as the root of the next
 verified tree. A drafter sees the same sequence:
 
     drafter.begin(tokens, features, pending)      after prefill of prompt[:-1]; pending = prompt[-1]

@@ -1,6 +1,6 @@
 """The speculative decode loop: draft a tree, verify it in one target forward, accept exactly.
 
-Cache convention (REFERENCE.md s.2, seeds s.12): the target cache holds every committed token but
+Cache convention (docs/trees.md): the target cache holds every committed token but
 the last, the *pending* token, which enters each round as the root (node 0) of the verified tree.
 
     prefill(prompt[:-1])                           pending = prompt[-1]

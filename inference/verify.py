@@ -1,4 +1,4 @@
-"""One target forward over a whole draft tree (REFERENCE.md s.2).
+"""One target forward over a whole draft tree (docs/trees.md).
 
 The target is an unmodified transformers causal LM; the tree goes in through `position_ids`
 (prefix length + depth) and a 4-D additive attention mask.

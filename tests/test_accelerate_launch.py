@@ -1,4 +1,4 @@
-"""`accelerate launch --multi_gpu --num_processes 2 -m drafthead.train` on CPU (REFERENCE.md s.7):
+"""`accelerate launch --multi_gpu --num_processes 2 -m drafthead.train` on CPU (docs/launching.md):
 two gloo processes train a tiny config on a tiny random target, report world size 2, and only
 the main process writes (one checkpoint, one final head, one metrics file)."""
 from __future__ import annotations

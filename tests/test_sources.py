@@ -106,7 +106,7 @@ def test_limit_and_disk_cache(tmp_path, isolated_cache):
 
 def test_sharegpt_package_file_is_salvaged():
     rows, report = read_conversations(__import__("drafthead.train.sources", fromlist=["x"]).sharegpt_path(), source_name="sharegpt")
-    assert report.file_truncated and report.records_read == 17671  # REFERENCE.md s.6
+    assert report.file_truncated and report.records_read == 17671  # docs/models-and-data.md
     assert report.conversations == len(rows) > 17000
     assert report.dropped_turns.get("leading_assistant", 0) > 0
     assert all(m["role"] in ("system", "user", "assistant") for r in rows[:500] for m in r["messages"])

@@ -3,7 +3,7 @@
 The loss mask marks every token of each assistant reply *and* the end-of-turn token that closes
 it (`<|im_end|>` for SmolLM2): a draft head must learn to predict where the answer stops.
 Templates such as SmolLM2's have no `{% generation %}` markers, so the assistant spans are derived
-by rendering prefixes of the conversation (REFERENCE.md s.4 lists the mask off-by-one as a known
+by rendering prefixes of the conversation (docs/acceptance.md lists the mask off-by-one as a known
 complaint about other trainers):
 
     prefix_i = render(messages[:i], add_generation_prompt=True)   # ends with "<|im_start|>assistant\n"

@@ -59,7 +59,7 @@ class DataConfig:
 @dataclass
 class FeaturesConfig:
     # online: run the frozen target inside every step; captured: read shards written by
-    # `drafthead data capture` (REFERENCE.md s.5: capture once, reuse across epochs on CPU).
+    # `drafthead data capture` (docs/cpu-measurements.md: capture once, reuse across epochs on CPU).
     mode: str = "online"
     path: str | None = None  # captured shard folder
     dtype: str = "bfloat16"  # storage dtype of captured hidden states

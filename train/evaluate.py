@@ -2,7 +2,7 @@
 
 A greedy chain drafted by heads 0..K-1 is accepted up to the first miss; if position k is
 accepted with probability acc_k independently, the expected number of tokens per target
-forward (the target's own token included, REFERENCE.md s.4 convention) is
+forward (the target's own token included, docs/acceptance.md convention) is
 
     tau_est = 1 + sum_{k=0}^{K-1} prod_{j<=k} acc_j
 

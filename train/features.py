@@ -2,7 +2,7 @@
 
 Both paths produce the same `FeatureBatch` (heads/batch.py), so the trainer never knows which it
 has (STYLE.md 9). Capturing once and reusing the shards across epochs is the default for real
-targets on CPU: a target forward with all hidden states runs at ~1,600 tokens/s here (REFERENCE.md s.5).
+targets on CPU: a target forward with all hidden states runs at ~1,600 tokens/s here (docs/cpu-measurements.md).
 
 Shard layout (`drafthead data capture`): `<dir>/index.json` plus `shard-00000.safetensors`, ...
 Each shard holds `shard_samples` consecutive samples flattened over tokens (no padding on disk):
@@ -103,7 +103,7 @@ def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     """{layer: [B, T, H]} target hidden states (output_hidden_states indices), without gradients.
 
     Runs only the decoder stack (`get_decoder()`), skipping the LM head: for SmolLM2 that head is
-    28M of 135M parameters (REFERENCE.md s.5). Passing the indices to `output_hidden_states`
+    28M of 135M parameters (docs/cpu-measurements.md). Passing the indices to `output_hidden_states`
     keeps only those states alive. Padded positions are zeroed, as `collate` pads captured states:
     their values are meaningless and must not differ between the two paths.
     """

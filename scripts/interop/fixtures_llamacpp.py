@@ -248,7 +248,8 @@ def main() -> int:
             print(p.stderr[-3000:], file=sys.stderr)
             return 1
         shutil.copy(tmp / "draft.gguf", OUT / "draft.gguf")
-        conv_log = [ln.split(":", 2)[-1] for ln in p.stderr.splitlines() if "EAGLE-3" in ln or "-->" in ln]
+        conv_log = [ln.split(":", 2)[-1].replace(str(tmp), "<scratch>") for ln in p.stderr.splitlines()
+                    if "EAGLE-3" in ln or "-->" in ln]
         p = convert(tgt_tok, tmp / "target.gguf")
         if p.returncode != 0:
             print(p.stderr[-3000:], file=sys.stderr)
@@ -327,7 +328,7 @@ def probes(tmp: Path, tgt_tok: Path, feats, ids) -> dict:
         "convert_rc": p.returncode,
         "gguf_target_layers": (list(GGUFReader(str(tmp / "probe-nested.gguf")).fields["eagle3.target_layers"].contents())
                                if p.returncode == 0 else None),
-        "log": [ln for ln in p.stderr.splitlines() if "target_layers" in ln]}
+        "log": [ln.replace(str(tmp), "<scratch>") for ln in p.stderr.splitlines() if "target_layers" in ln]}
     d = tmp / "probe-bias"
     write_head(d, head_config(bias=True), head_tensors(bias=True))
     p = convert(d, tmp / "probe-bias.gguf", tgt_tok)

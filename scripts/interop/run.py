@@ -125,8 +125,9 @@ def our_outputs(head, inputs: dict) -> dict[str, torch.Tensor]:
     pos = torch.arange(ids.shape[1])[None]
     with torch.no_grad():
         if head.kind == "eagle3":
-            h, logits = head.step(head.fuse(list(inputs["features3"].chunk(3, dim=-1))), ids, pos)
-            return {"hidden": h, "logits": logits}
+            fused = head.fuse(list(inputs["features3"].chunk(3, dim=-1)))
+            h, logits = head.step(fused, ids, pos)
+            return {"fused": fused, "hidden": h, "logits": logits}
         if head.kind == "eagle1":
             return {"hidden": head.step(head.fuse(inputs["feature"]), ids, pos)[0]}
         return {"logits": head(inputs["hidden"])}
@@ -207,13 +208,16 @@ def fixture_imports(consumer: str, names, convention: str | None = None, produce
     return rows
 
 
-def our_chain_acceptance(args, tdir: Path, k: int) -> list[float]:
-    """Our engine, the shipped head drafting a chain of k (no tree, no lookup), same prompts."""
-    out = OUT / f"ours_chain{k}.json"
+def our_chain_acceptance(args, tdir: Path, k: int, limit: int | None = None) -> tuple[list[float], dict]:
+    """Our engine, the shipped head drafting a chain of k (no tree, no lookup), on the same first
+    MT-bench prompts as the consumer. One thread: only acceptance is compared, and spinning OpenMP
+    threads beside another busy process slowed this 10x."""
+    limit = limit or args.prompts
+    out = OUT / f"ours_chain{k}_{limit}.json"
     sh(DRAFTHEAD + ["bench", "--target", tdir, "--proposer", "heads", "--head", SHIPPED, "--num-draft", k,
                     "--tree-depth", k, "--tree-branch", 1, "--lookup-nodes", 0, "--dataset", "mt-bench",
-                    "--limit", args.prompts, "--max-new-tokens", args.max_tokens, "--dtype", "float32",
-                    "--threads", 2, "--out", out], OUT / f"ours_chain{k}.log", timeout=7200)
+                    "--limit", limit, "--max-new-tokens", args.max_tokens, "--dtype", "float32",
+                    "--threads", 1, "--out", out], OUT / f"ours_chain{k}_{limit}.log", timeout=7200)
     report = json.loads(out.read_text())
     return report["per_position_acceptance"][:k], report
 
@@ -290,19 +294,49 @@ def check_sglang(args) -> list[Row]:
 
 
 def check_llamacpp(args) -> list[Row]:
-    tdir = smollm2_dir()
+    from transformers import AutoModelForCausalLM
+
+    from drafthead.heads.formats import import_head
+
+    tdir, k = smollm2_dir(), 3
+    n_prompts = min(args.prompts, 4)
     exp = export(SHIPPED, "llama.cpp", OUT / "exports" / "llamacpp")
     log = OUT / "llamacpp_export.log"
-    k = 3
-    try:
-        sh([PYTHONS["llamacpp"], SCRIPTS / "check_llamacpp.py", "--head", exp, "--target", tdir, "--prompts",
-            min(args.prompts, 4), "--max-tokens", args.max_tokens, "--draft-max", k, "--out", OUT / "llamacpp_export"],
-           log, timeout=7200)
-        res = last_json(log)
+    rows = []
+    what = f"shipped head, --format llama.cpp, converted by convert_hf_to_gguf.py (chain {k})"
+    try:  # --aux-ids off: the harness must not patch our config.json; our layout must be enough
+        sh([PYTHONS["llamacpp"], SCRIPTS / "check_llamacpp.py", "--head", exp, "--target", tdir, "--prompts", n_prompts,
+            "--max-tokens", args.max_tokens, "--draft-max", k, "--aux-ids", "off", "--threads", 1,
+            "--work", OUT / "llamacpp-work", "--out", OUT / "llamacpp_export"], log, timeout=7200)
+        res = json.loads((OUT / "llamacpp_export.json").read_text())
+        summary = res["summary"]
+        ours, _ = our_chain_acceptance(args, tdir, k, limit=n_prompts)
+        rows.append(Row("llama.cpp", "export", what, bool(res["loaded"]) and bool(res.get("aux_ids_ok")),
+                        acceptance=f"llama.cpp {[round(x, 3) for x in summary['acc_rate_per_pos_pooled']]} / ours "
+                                   f"{[round(x, 3) for x in ours]}",
+                        note=f"aux ids in the GGUF {res.get('aux_ids_written')}; llama.cpp speculative == plain on all "
+                             f"{summary['n_prompts']} prompts: {summary['all_spec_equal_plain']}"))
+        draft = Path(res["draft_gguf"])
+        from drafthead.targets import load_target
+
+        t = load_target(tdir)
+        back = import_head(draft, t.model, t.tokenizer)
+        shipped = import_head(SHIPPED, t.model, t.tokenizer)
+        diff = max(max_diff(a, b) for a, b in zip(back.state_dict().values(), shipped.state_dict().values()))
+        rows.append(Row("llama.cpp", "import", "that GGUF read back into our head", True, diff,
+                        note="every tensor compared with the shipped head's"))
     except Exception as e:
-        return [Row("llama.cpp", "export", "shipped head, --format llama.cpp", False, note=str(e)[-300:])]
-    return [Row("llama.cpp", "export", f"shipped head, --format llama.cpp (chain {k})", bool(res.get("loaded")),
-                acceptance=str(res.get("acceptance", "-")), note=str(res.get("note", "")))]
+        rows.append(Row("llama.cpp", "export", what, False, note=str(e)[-300:]))
+    try:  # a GGUF llama.cpp's converter wrote, checked against llama.cpp's own eagle3 graphs
+        sh([PYTHONS["llamacpp"], SCRIPTS / "fixtures_llamacpp.py"], OUT / "fixtures_llamacpp.log", timeout=3600)
+        target = AutoModelForCausalLM.from_pretrained(FIX / "target", dtype=torch.float32).eval()
+        head = import_head(FIX / "llamacpp-eagle3" / "draft.gguf", target)
+        ref = load_file(str(FIX / "llamacpp-eagle3" / "reference.safetensors"))
+        rows.append(Row("llama.cpp", "import", "llamacpp-eagle3/draft.gguf (its converter; reference: its eagle3 graphs)",
+                        True, compare(our_outputs(head, load_file(str(FIX / "inputs.safetensors"))), ref)))
+    except Exception as e:
+        rows.append(Row("llama.cpp", "import", "fixture GGUF", False, note=str(e)[-300:]))
+    return rows
 
 
 def tiny_head(kind: str, folder: Path) -> Path:

@@ -11,7 +11,8 @@
 # torchvision is NOT installed: the PyPI wheel is built against CUDA torch and fails to load
 # its ops on torch 2.13.0+cpu ("operator torchvision::nms does not exist"). sglang only needs
 # it for multimodal configs imported by sglang/srt/configs/__init__.py; check_sglang.py
-# installs an import stub for it (see _install_import_stubs there).
+# installs an import stub for it (see _install_import_stubs there), and one for `vllm`, whose
+# rotary kernel llama.py's RotaryEmbedding imports (never calls) off CUDA.
 #
 # Idempotent: re-running reuses the venv; pip skips what is already satisfied.
 set -euo pipefail
@@ -46,6 +47,7 @@ DEPS=(
   "apache-tvm-ffi==0.1.11"
   "openai==2.8.0"
   "partial_json_parser==0.2.1.1.post7"
+  "einops==0.8.2"
 )
 
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
