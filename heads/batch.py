@@ -1,6 +1,6 @@
 """The tensors a head trains on: target features for a batch of formatted chat sequences.
 
-The trainer only sees these (STYLE.md 9): they come from the target inside the training step
+The trainer only sees these (docs/style.md 9): they come from the target inside the training step
 (online) or from shards captured ahead (`drafthead data capture`); trainer tests use random ones.
 """
 from __future__ import annotations

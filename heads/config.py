@@ -1,4 +1,4 @@
-"""Small typed configs, one per head family (STYLE.md 5). Unknown keys are errors.
+"""Small typed configs, one per head family (docs/style.md 5). Unknown keys are errors.
 
 Feature indices everywhere are indices into the target's `output_hidden_states` (transformers
 convention, checked on transformers 5.24 Llama/Qwen2): 0 = token embeddings, i = output of
@@ -8,7 +8,7 @@ decoder layers whose *input* is taken, which is the same number; SGLang counts o
 (docs/formats.md).
 
 Every config records the `TargetIdentity` it was made for; the target's sizes are read from it
-rather than repeated (STYLE.md 12).
+rather than repeated (docs/style.md 12).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The target KV cache lifecycle around a verified tree (STYLE.md 6).
+"""The target KV cache lifecycle around a verified tree (docs/style.md 6).
 
     new_cache()                        an empty transformers DynamicCache
     (verification forward appends the N tree nodes after `past_len` committed positions)

@@ -1,4 +1,4 @@
-"""The one interface every proposer implements (STYLE.md 3).
+"""The one interface every proposer implements (docs/style.md 3).
 
 The decode loop keeps the target's KV cache holding every committed token except the last one,
 the *pending* token (docs/trees.md): its K/V is computed as the root of the next

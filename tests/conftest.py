@@ -29,7 +29,7 @@ def build_tiny_tokenizer(chat_template: bool = True):
 
 def save_tiny_target(folder: Path, family: str = "llama", seed: int = 0, chat_template: bool = True, **overrides) -> Path:
     """Write a tiny model + tokenizer as a Hugging Face folder; returns the folder."""
-    from tests.tiny import tiny_causal_lm  # the one tiny-model builder (STYLE.md 12)
+    from tests.tiny import tiny_causal_lm  # the one tiny-model builder (docs/style.md 12)
 
     tokenizer = build_tiny_tokenizer(chat_template=chat_template)
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)

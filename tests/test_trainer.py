@@ -1,4 +1,4 @@
-"""The trainer on a dummy head and random FeatureBatches (no target, no real head: STYLE.md 9)."""
+"""The trainer on a dummy head and random FeatureBatches (no target, no real head: docs/style.md 9)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Tiny random causal LMs of several families, built in-process (STYLE.md 10)."""
+"""Tiny random causal LMs of several families, built in-process (docs/style.md 10)."""
 from __future__ import annotations
 
 import torch

@@ -11,7 +11,7 @@
 
 A checkpoint is written into a temp folder and renamed into place, then `latest` is replaced
 atomically, so a crash mid-write leaves the previous checkpoint as the one `--resume` finds.
-Only the main process calls the writers (STYLE.md 8).
+Only the main process calls the writers (docs/style.md 8).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The run config: small typed dataclasses, YAML presets, `key=value` / `a.b=value` overrides.
 
-Unknown keys are errors naming the key and the valid ones (STYLE.md 5). The head section is a
+Unknown keys are errors naming the key and the valid ones (docs/style.md 5). The head section is a
 free-form dict `{kind, ...}` checked by the head's own config class (heads/config.py), so head
 options have one home.
 

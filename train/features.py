@@ -1,7 +1,7 @@
 """Target features for training: computed online inside the step, or captured ahead into shards.
 
 Both paths produce the same `FeatureBatch` (heads/batch.py), so the trainer never knows which it
-has (STYLE.md 9). Capturing once and reusing the shards across epochs is the default for real
+has (docs/style.md 9). Capturing once and reusing the shards across epochs is the default for real
 targets on CPU: a target forward with all hidden states runs at ~1,600 tokens/s here (docs/cpu-measurements.md).
 
 Shard layout (`drafthead data capture`): `<dir>/index.json` plus `shard-00000.safetensors`, ...

@@ -1,5 +1,5 @@
 """From a run config to a Trainer (and to captured feature shards): the `build_*` layer between
-the CLI and the loop (STYLE.md 7). The target is an argument; `run_training` alone loads it.
+the CLI and the loop (docs/style.md 7). The target is an argument; `run_training` alone loads it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A tiny random target (2-layer Llama, byte-level BPE with a ChatML template) and synthetic chats.
 
-For tests and smoke runs of the whole pipeline without a real model (STYLE.md 10): everything is
+For tests and smoke runs of the whole pipeline without a real model (docs/style.md 10): everything is
 built offline and deterministically from a seed.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Where a run reports: `output_dir/metrics.jsonl`, a tqdm bar, and wandb (offline by default).
 
-Only the main process reports (STYLE.md 8); on other processes every method is a no-op.
+Only the main process reports (docs/style.md 8); on other processes every method is a no-op.
 wandb runs offline unless the user set WANDB_MODE: nothing here reaches a server by default.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The training loop: a head (and for Medusa-2 the target's LoRA) on FeatureBatches.
 
-One code path for one process and for `accelerate launch` / `torchrun` (STYLE.md 8): the
+One code path for one process and for `accelerate launch` / `torchrun` (docs/style.md 8): the
 `Accelerator` says how many processes there are; each reads its own slice of every shuffled
 epoch; only the main process writes checkpoints, metrics and the final head.
 

@@ -1,7 +1,7 @@
 """Subcommands of the `drafthead` CLI, one module each (`add_parser(subparsers)`, `run(args) -> int`).
 
 The options several commands share are defined once here, with the helpers that turn parsed
-arguments into the objects the library functions take (STYLE.md 7: parse, build, call).
+arguments into the objects the library functions take (docs/style.md 7: parse, build, call).
 """
 from __future__ import annotations
 
