@@ -106,6 +106,10 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
     convention = need_convention(convention, ("vllm", "sglang"), f"{src} is an EAGLE-3 research checkpoint, whose "
                                  "aux-layer ids vLLM-side producers (vLLM, speculators, llama.cpp) and SGLang-side "
                                  "producers (SGLang, SpecForge) number differently")
+    if convention == "sglang" and "norm_output" in cfg:
+        raise HeadFormatError(f"{src}: norm_output={cfg['norm_output']!r} means two things on the SGLang side: SpecForge "
+                              "reads it as 'norm before lm_head' (default true), SGLang as EAGLE-3.1's normed feedback "
+                              "(default false); drop the key if the head was trained by SpecForge")
     overrides["aux_layers"] = ids_to_ours(ids, convention)
     notes.append(f"aux-layer ids {list(ids)} read in {convention}'s convention -> output_hidden_states "
                  f"{list(overrides['aux_layers'])}")
