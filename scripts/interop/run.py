@@ -251,8 +251,25 @@ def check_vllm(args) -> list[Row]:
         note = f"vLLM speculative == vLLM plain on {same}/{len(res['outputs_equal'])} prompts"
         if head == SHIPPED:
             note += f"; ours == plain generate() on {report['identical_fraction']:.0%}"
+            if fmt == "vllm":
+                note += f"; vLLM plain == transformers generate() on {hf_agreement(tdir, res)} prompts"
         rows.append(Row("vLLM CPU", "export", what, bool(res["loaded"]), acceptance=acceptance, note=note))
     return rows
+
+
+def hf_agreement(tdir: Path, res: dict) -> str:
+    """How many of vLLM's plain greedy outputs equal transformers' generate() on the same prompt ids."""
+    from drafthead.targets import load_target
+
+    model = load_target(tdir).model
+    same = 0
+    for prompt, theirs in zip(res["prompt_token_ids"], res["plain_token_ids"]):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():  # the mask is explicit: SmolLM2's pad id is <|im_end|>, which chat prompts contain
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(theirs), do_sample=False,
+                                 eos_token_id=None, pad_token_id=model.config.pad_token_id)
+        same += out[0, ids.shape[1]:].tolist() == list(theirs)
+    return f"{same}/{len(res['plain_token_ids'])}"
 
 
 def smollm2_untrained(kind: str, folder: Path, **overrides) -> Path:
