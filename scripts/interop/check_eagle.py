@@ -32,6 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from harness_common import stub_tokenizer  # beside this file (scripts/interop/)
+
 
 def target_tensor(target: Path, names: tuple[str, ...]) -> torch.Tensor | None:
     files = sorted(target.glob("*.safetensors"))
@@ -70,22 +72,6 @@ def load_full(head: Path, target: Path, dtype: torch.dtype):
     state = torch.load(str(head / "pytorch_model.bin"), map_location="cpu")
     lm = model.base_model.lm_head.weight.detach().float().cpu()
     return model.ea_layer, model.ea_layer.layers[0].self_attn.config, bias, state, lm, notes
-
-
-def stub_tokenizer(module, notes: list) -> None:
-    """The wrapper's __init__ loads the target's tokenizer, which the heads never use. Fall back to None
-    when that fails (no tokenizer in the folder, or one saved by transformers 5 with tokenizer_class
-    "TokenizersBackend", which transformers 4.x cannot build), and say so in the notes."""
-    real = module.AutoTokenizer.from_pretrained
-
-    def load(*a, **k):
-        try:
-            return real(*a, **k)
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"target tokenizer not loadable by this transformers ({type(e).__name__}: {str(e)[:120]}); stubbed")
-            return None
-
-    module.AutoTokenizer.from_pretrained = staticmethod(load)
 
 
 def main() -> int:

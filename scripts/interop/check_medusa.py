@@ -34,6 +34,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from harness_common import stub_tokenizer  # beside this file (scripts/interop/)
+
 
 def target_lm_head(target: Path) -> torch.Tensor:
     cfg = json.loads((target / "config.json").read_text())
@@ -67,22 +69,6 @@ class StandInBase(nn.Module):
     @property
     def device(self):
         return self.lm_head.weight.device
-
-
-def stub_tokenizer(module, notes: list) -> None:
-    """The wrapper's __init__ loads the target's tokenizer, which the heads never use. Fall back to None
-    when that fails (no tokenizer in the folder, or one saved by transformers 5 with tokenizer_class
-    "TokenizersBackend", which transformers 4.x cannot build), and say so in the notes."""
-    real = module.AutoTokenizer.from_pretrained
-
-    def load(*a, **k):
-        try:
-            return real(*a, **k)
-        except Exception as e:  # noqa: BLE001
-            notes.append(f"target tokenizer not loadable by this transformers ({type(e).__name__}: {str(e)[:120]}); stubbed")
-            return None
-
-    module.AutoTokenizer.from_pretrained = staticmethod(load)
 
 
 def main() -> int:

@@ -247,7 +247,8 @@ def check_vllm(args) -> list[Row]:
             continue
         theirs = [round(x, 3) for x in res["accepted_per_pos"]]
         same = sum(bool(x) for x in res["outputs_equal"])
-        acceptance = f"vLLM {theirs}" + (f" / ours {[round(x, 3) for x in ours]}" if head == SHIPPED else "")
+        acceptance = f"vLLM {theirs}" + (f" / ours {[round(x, 3) for x in ours]}, aligned "
+                                          f"{aligned_acceptance(report, k)}" if head == SHIPPED else "")
         note = f"vLLM speculative == vLLM plain on {same}/{len(res['outputs_equal'])} prompts"
         if head == SHIPPED:
             note += f"; ours == plain generate() on {report['identical_fraction']:.0%}"
@@ -255,6 +256,15 @@ def check_vllm(args) -> list[Row]:
                 note += f"; vLLM plain == transformers generate() on {hf_agreement(tdir, res)} prompts"
         rows.append(Row("vLLM CPU", "export", what, bool(res["loaded"]), acceptance=acceptance, note=note))
     return rows
+
+
+def aligned_acceptance(report: dict, k: int) -> list[float]:
+    """Our per-position acceptance counted as vLLM counts its drafts: vLLM's first token per prompt
+    comes from the prefill, undrafted, where our first round drafts from the prompt alone; and we
+    shorten the last chains to the tokens left, where vLLM drafts k and discards. So: drop each
+    prompt's first round and the rounds that drafted fewer than k."""
+    rounds = [a for p in report["prompts"] for a, d in zip(p["accepted_lengths"][1:], p["drafted"][1:]) if d == k]
+    return [round(sum(a - 1 >= depth for a in rounds) / len(rounds), 3) for depth in range(1, k + 1)]
 
 
 def hf_agreement(tdir: Path, res: dict) -> str:
