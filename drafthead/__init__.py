@@ -24,6 +24,7 @@ _EXPORTS = {
     "GenerationConfig": "drafthead.inference.generate",
     "GenerationResult": "drafthead.inference.generate",
     "SamplingConfig": "drafthead.inference.sampling",
+    "TypicalAcceptance": "drafthead.inference.acceptance",
     "load_prompts": "drafthead.inference.prompts",
     "encode_chat": "drafthead.inference.prompts",
 }

@@ -117,3 +117,40 @@ def tree_rejection_sample(
             return Acceptance(path=path, next_token=int(torch.multinomial(p_cur.float(), 1, generator=generator)))
         node = chosen
         path.append(node)
+
+
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's typical acceptance (Cai et al. 2024, sec. 3.3.1). **LOSSY**: the output is no
+    longer distributed as the target's; opt-in only, and every result made with it says so.
+
+    A drafted token x below node n is accepted when p_n(x) > min(epsilon, delta * exp(-H(p_n))),
+    H the entropy of the target's processed distribution at n: confident positions demand a likely
+    token, uncertain ones accept any reasonably plausible one. Medusa's defaults.
+    """
+
+    epsilon: float = 0.09  # hard threshold (Medusa's posterior_threshold)
+    delta: float = 0.3  # entropy-scaled threshold (Medusa's posterior_alpha)
+
+    def __post_init__(self) -> None:
+        if not (0 < self.epsilon <= 1 and self.delta > 0):
+            raise ValueError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, got {self.epsilon}, {self.delta}")
+
+
+def typical_accept(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, rule: TypicalAcceptance,
+                   generator: torch.Generator | None = None) -> Acceptance:
+    """LOSSY tree acceptance by `TypicalAcceptance`. tokens, parents: [N]; p: [N, V] the target's
+    processed distributions at the nodes. The deepest node whose whole path passes is kept (first
+    index among equals); the token after it is sampled from p there."""
+    p = p.double()
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)  # [N]
+    threshold = torch.minimum(torch.full_like(entropy, rule.epsilon), rule.delta * torch.exp(-entropy))  # [N]
+    parent = parents.clamp(min=0)
+    passes = p[parent, tokens] > threshold[parent]  # [N]: node i's token is typical at its parent
+    passes[0] = True
+    anc = ancestor_mask(parents)
+    accepted = ~(anc & ~passes[None, :]).any(dim=1)
+    depth = node_depths(parents)
+    best = int(torch.argmax(torch.where(accepted, depth, torch.full_like(depth, -1))))
+    path = anc[best].nonzero().flatten().tolist()
+    return Acceptance(path=path, next_token=int(torch.multinomial(p[best].float(), 1, generator=generator)))

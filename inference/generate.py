@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .acceptance import Acceptance, greedy_accept, tree_rejection_sample
+from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
 from .cache import cache_kwargs, keep_path, new_cache
 from .drafter import RoundStats
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
@@ -40,10 +40,19 @@ class GenerationConfig:
     seed: int | None = None
     max_length: int | None = None  # context limit; None: the target config's max_position_embeddings
     profile: bool = False  # synchronise the device around each phase so `timings` are exact
+    # LOSSY, opt-in: Medusa's typical acceptance instead of the exact rule (sampling only)
+    typical: TypicalAcceptance | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.typical is not None and self.sampling.greedy:
+            raise ValueError("typical acceptance is a sampling rule (and lossy); greedy decoding is exact already")
+
+    @property
+    def lossy(self) -> bool:
+        """True when the output is NOT the target's own distribution (typical acceptance)."""
+        return self.typical is not None
 
 
 @dataclass
@@ -51,6 +60,7 @@ class GenerationResult:
     new_tokens: torch.Tensor  # [B, n_new] long, what the target emitted after the prompt
     accepted_lengths: list[int]  # tokens emitted per verification round, the target's own included
     finish_reason: str  # "eos" | "stop_string" | "length" | "context"
+    lossy: bool = False  # made with a lossy acceptance rule (typical acceptance): not the target's distribution
     timings: dict[str, float] = field(default_factory=dict)  # seconds: draft, verify, accept, cache, other
     drafted: list[int] = field(default_factory=list)  # draft nodes per round (root excluded)
     prefill_seconds: float = 0.0
@@ -88,8 +98,10 @@ def node_seen(history_seen: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     return on_path | history_seen[:, None, :]
 
 
-def accept_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, history_seen, generator) -> Acceptance:
-    """Apply the exact rule to batch row 0. logits: [B, N, V] target logits at the tree nodes."""
+def accept_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, history_seen, generator,
+                typical: TypicalAcceptance | None = None) -> Acceptance:
+    """Apply the exact rule (or, when asked, the LOSSY typical rule) to batch row 0. logits: [B, N, V]
+    target logits at the tree nodes."""
     tokens, parents = tree.tokens[0], tree.parents
     seen = None
     if sampling.repetition_penalty != 1.0:
@@ -102,6 +114,8 @@ def accept_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig,
             lg = apply_repetition_penalty(lg, seen, sampling.repetition_penalty)
         return greedy_accept(tokens, parents.to(tokens.device), lg.argmax(dim=-1))
     p = logits_to_probs(logits[0], sampling, seen)  # [N, V]
+    if typical is not None:
+        return typical_accept(tokens.cpu(), parents.cpu(), p.cpu(), typical, generator)
     q = None if tree.draft_probs is None else tree.draft_probs[0]
     return tree_rejection_sample(tokens.cpu(), parents.cpu(), p.cpu(), None if q is None else q.cpu(), generator)
 
@@ -197,7 +211,7 @@ def speculative_generate(
             verification = forward_tree(target, cache, tree.tokens, tree.parents, past_len, want_hidden)
             clock.lap("verify")
 
-            result = accept_tree(tree, verification.logits, config.sampling, history_seen, generator)
+            result = accept_tree(tree, verification.logits, config.sampling, history_seen, generator, config.typical)
             clock.lap("accept")
 
             keep_path(cache, past_len, result.path)
@@ -247,6 +261,7 @@ def speculative_generate(
         new_tokens=torch.tensor([emitted], dtype=torch.long, device=device),
         accepted_lengths=accepted_lengths,
         finish_reason=finish,
+        lossy=config.lossy,
         timings=dict(clock.totals),
         drafted=drafted,
         prefill_seconds=prefill_seconds,

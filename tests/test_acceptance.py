@@ -148,3 +148,46 @@ def test_chain_rule_first_token_is_exact():
         accepted, token = speculative_sample_chain(p, q, y, g)
         counts[int(y) if accepted else token] += 1
     assert chi_square_pvalue(counts, {i: float(p[0, i]) for i in range(vocab)}, n) > ALPHA
+
+
+# ----------------------------------------------------------------------------- typical (lossy)
+
+
+def test_typical_accept_known_answers():
+    """Root 0 -> node 1 (token 2) -> node 2 (token 3); root -> node 3 (token 1). Thresholds:
+    min(eps, delta * exp(-H)). A peaked row demands the likely token; a flat row accepts any."""
+    from drafthead.inference.acceptance import TypicalAcceptance, typical_accept
+
+    V = 4
+    tokens = torch.tensor([0, 2, 3, 1])
+    parents = torch.tensor([-1, 0, 1, 0])
+    p = torch.full((4, V), 0.25)  # flat rows: H = log 4, delta*exp(-H) = 0.075 < eps: 0.25 passes
+    p[0] = torch.tensor([0.02, 0.03, 0.9, 0.05])  # peaked root: threshold min(0.09, 0.3*exp(-H))
+    rule = TypicalAcceptance(epsilon=0.09, delta=0.3)
+    out = typical_accept(tokens, parents, p, rule, torch.Generator().manual_seed(0))
+    assert out.path == [0, 1, 2]  # token 2 (0.9) typical at the root, token 3 (0.25) at a flat node
+    p[1] = torch.tensor([0.97, 0.01, 0.01, 0.01])  # node 1 now confident in token 0: token 3 (0.01) fails
+    out = typical_accept(tokens, parents, p, rule, torch.Generator().manual_seed(0))
+    assert out.path == [0, 1] and out.next_token == 0  # sampled from p at node 1 (0.97 on token 0 here)
+    # H(root) = 0.434, 0.3 * exp(-H) = 0.194: the threshold is eps = 0.09, which neither child
+    # (token 2 at 0.03, token 1 at 0.04) reaches; with eps = 0.035 only token 1 passes
+    p[0] = torch.tensor([0.9, 0.04, 0.03, 0.03])
+    assert typical_accept(tokens, parents, p, rule, torch.Generator().manual_seed(0)).path == [0]
+    loose = TypicalAcceptance(epsilon=0.035, delta=0.3)
+    assert typical_accept(tokens, parents, p, loose, torch.Generator().manual_seed(0)).path == [0, 3]
+
+
+def test_typical_acceptance_is_opt_in_and_labelled_lossy():
+    from drafthead import GenerationConfig, SamplingConfig, TypicalAcceptance, speculative_generate
+    from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+    from tests.tiny import repetitive_prompt, tiny_causal_lm
+
+    with pytest.raises(ValueError, match="greedy"):
+        GenerationConfig(typical=TypicalAcceptance())
+    target = tiny_causal_lm("llama")
+    sampling = SamplingConfig(temperature=1.0)
+    exact = speculative_generate(target, PromptLookupDrafter(num_draft=4), repetitive_prompt(96),
+                                 GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0))
+    lossy = speculative_generate(target, PromptLookupDrafter(num_draft=4), repetitive_prompt(96),
+                                 GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0, typical=TypicalAcceptance()))
+    assert not exact.lossy and lossy.lossy and lossy.new_tokens.shape[1] == 12

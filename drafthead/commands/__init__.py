@@ -126,6 +126,26 @@ def sampling_from_args(args):
     )
 
 
+def add_typical_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--typical-acceptance", nargs="?", const="0.09,0.3", default=None, metavar="EPS,DELTA",
+                        help="LOSSY: Medusa's typical acceptance instead of the exact rule (sampling only; the output "
+                             "is no longer the target's distribution). Default thresholds 0.09,0.3")
+
+
+def typical_from_args(args):
+    """--typical-acceptance EPS,DELTA -> TypicalAcceptance (lossy), or None (the exact rule)."""
+    value = getattr(args, "typical_acceptance", None)
+    if value is None:
+        return None
+    from ..inference.acceptance import TypicalAcceptance
+
+    try:
+        epsilon, delta = (float(x) for x in value.split(","))
+    except ValueError:
+        raise ValueError(f"--typical-acceptance takes EPS,DELTA (e.g. 0.09,0.3), got {value!r}") from None
+    return TypicalAcceptance(epsilon=epsilon, delta=delta)
+
+
 def choose_proposer(args, target_name: str) -> tuple[str, str | None, str]:
     """(proposer, head folder or None, a line saying what drafts and why)."""
     from ..drafters import default_head_path

@@ -7,11 +7,13 @@ from . import (
     add_proposer_options,
     add_sampling_options,
     add_target_options,
+    add_typical_option,
     choose_proposer,
     drafter_factory_from_args,
     load_target_from_args,
     note,
     sampling_from_args,
+    typical_from_args,
 )
 
 
@@ -22,6 +24,7 @@ def add_parser(subparsers) -> None:
     add_target_options(p)
     add_proposer_options(p)
     add_sampling_options(p)
+    add_typical_option(p)
 
 
 class TextPrinter:
@@ -74,7 +77,10 @@ def run(args) -> int:
         eos_token_ids=eos_token_ids(model, tokenizer),
         stop_strings=tuple(args.stop),
         seed=args.seed,
+        typical=typical_from_args(args),
     )
+    if config.lossy:
+        note("LOSSY: typical acceptance is on; the output is not distributed as the target's")
     printer = TextPrinter(tokenizer)
     start = time.perf_counter()
     result = speculative_generate(model, drafter, input_ids, config, tokenizer=tokenizer, on_tokens=printer)
