@@ -199,6 +199,9 @@ class Eagle3Config(_HeadConfig):
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
+    # the draft layer attends only the last `sliding_window` positions (query included); None: the
+    # whole prefix. speculators' trainer makes such heads (window 2048).
+    sliding_window: int | None = None
     rope_parameters: dict | None = None  # as Eagle1Config.rope_parameters
     target: TargetIdentity | None = None
 
@@ -210,6 +213,8 @@ class Eagle3Config(_HeadConfig):
             raise ValueError(f"ttt_decay must be > 0, got {self.ttt_decay}")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm are two ways to norm fc's input: pick one")
         if self.target is not None:

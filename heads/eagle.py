@@ -110,6 +110,17 @@ def prepare_mask(mask: torch.Tensor | None, batch: int, q_len: int, past_len: in
     return mask.to(device).float().clamp(min=torch.finfo(dtype).min).to(dtype)
 
 
+def window_mask(mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """Block keys `window` or more positions behind the query: additive mask [B, 1, T, K], query
+    positions [B, T]. A key's position is taken as its cache index: exact for the committed prefix
+    (index == position), and for keys of the current tree or unroll, whose index is >= their
+    position, the distance is only underestimated, which matters only if it could reach the window,
+    and a tree or unroll never spans it."""
+    K = mask.shape[-1]
+    behind = position_ids[:, None, :, None] - torch.arange(K, device=mask.device)[None, None, None, :]  # [B, 1, T, K]
+    return mask.masked_fill(behind >= window, torch.finfo(mask.dtype).min)
+
+
 class DecoderHeadBase(DraftHeadBase):
     """Shared by EAGLE-1/3: target references, RoPE, cache handling."""
 
@@ -140,6 +151,9 @@ class DecoderHeadBase(DraftHeadBase):
         if position_ids is None:
             position_ids = (torch.arange(T, device=tokens.device) + past)[None].expand(B, T)
         mask = prepare_mask(attention_mask, B, T, past, x.dtype, x.device)
+        window = getattr(self.config, "sliding_window", None)
+        if window is not None:
+            mask = window_mask(mask, position_ids, window)
         return position_ids, mask, self._position_embeddings(x, position_ids)
 
     def to_target_logits(self, logits: torch.Tensor) -> torch.Tensor:

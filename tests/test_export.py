@@ -166,8 +166,17 @@ def test_speculators_flags(tmp_path):
     assert not torch.allclose(outputs(back, target), outputs(head, target))
     cfg["transformer_layer_config"]["layer_types"] = ["sliding_attention"]  # speculators' trainer default
     (out / CONFIG_NAME).write_text(json.dumps(cfg))
-    with pytest.raises(HeadFormatError, match="sliding window"):
+    with pytest.raises(HeadFormatError, match="no sliding_window"):
         import_head(out, target)
+    cfg["transformer_layer_config"]["sliding_window"] = 2
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    windowed = import_head(out, target)
+    assert windowed.config.sliding_window == 2
+    assert not torch.allclose(outputs(windowed, target), outputs(back, target))  # 6 positions cross a window of 2
+    with pytest.raises(ValueError, match="sliding window"):  # the research layout cannot say it
+        windowed.save_pretrained(tmp_path / "w")
+        export_head(tmp_path / "w", tmp_path / "wv", "vllm")
+    del cfg["transformer_layer_config"]["sliding_window"]
     cfg["transformer_layer_config"]["layer_types"] = ["full_attention"]
     cfg["fc_norm"] = "yes"
     (out / CONFIG_NAME).write_text(json.dumps(cfg))

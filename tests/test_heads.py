@@ -226,14 +226,14 @@ def test_ttt_mask_matches_slow_loop():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("kind", ["eagle3", "eagle31"])
-def test_eagle3_ttt_is_chain_drafting(family, kind):
+@pytest.mark.parametrize("kind, extra", [("eagle3", {}), ("eagle31", {}), ("eagle3", {"sliding_window": 3})])
+def test_eagle3_ttt_is_chain_drafting(family, kind, extra):
     """Unroll step i at column t == drafting a chain at inference: commit pairs 0..t into the
     cache, then run steps 1..i one token at a time on the parent's hidden state (EAGLE-3.1: the
     parent's *normed* state, `feedback`)."""
     target = make_target(family)
     batch = make_batch(target)
-    head = new_head(kind, target, batch, ttt_steps=4)
+    head = new_head(kind, target, batch, ttt_steps=4, **extra)
     ids = batch.input_ids[:1]
     fused = head.fuse([batch.hidden_states[i][:1] for i in head.feature_layers])
     with torch.no_grad():

@@ -25,6 +25,7 @@ FIXTURES = {
     "speculators-eagle3": (".", "speculators", None),
     "speculators-eagle3-nbr": (".", "speculators", None),  # norm_before_residual=True
     "speculators-eagle3-train": (".", "speculators", None),  # its training CLI's defaults: + norm_before_fc, norm_output
+    "speculators-eagle3-window": (".", "speculators", None),  # its trainer's sliding-window layer, window 3 of 8
     "eagle1": (".", "eagle1", "eagle"),
     "medusa": (".", "medusa", None),
     # llama.cpp's converter output; reference from llama.cpp's own eagle3 graphs (F32 KV cache)

@@ -50,12 +50,13 @@ CHECKED_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads
 
 def layer_field_diffs(stated: dict, built) -> list[str]:
     """'field: checkpoint X != ours Y' for every CHECKED_LAYER_FIELDS entry both sides state, plus a
-    sliding-window draft layer (speculators' trainer makes them; ours attends the whole prefix)."""
+    sliding-window draft layer in a layout that cannot say its window to us (the speculators reader
+    takes the window into Eagle3Config.sliding_window and removes the fields first)."""
     out = []
     types = stated.get("layer_types") or []
     if any(t != "full_attention" for t in types) or stated.get("use_sliding_window"):
         out.append(f"layer_types {types} / use_sliding_window {stated.get('use_sliding_window')}: the checkpoint's "
-                   "draft layer attends a sliding window, drafthead's the whole prefix")
+                   "draft layer attends a sliding window this layout's reader does not carry over")
     for name in CHECKED_LAYER_FIELDS:
         mine = getattr(built, name, None)
         if name not in stated or stated[name] is None or mine is None:

@@ -42,6 +42,9 @@ def is_layout(cfg: dict) -> bool:
 def to_engine(fmt: str, config, meta: dict, state: dict) -> tuple[dict, dict]:
     convention, top_level, readable = VARIANTS[fmt]
     check_engine_layers(config)
+    if config.sliding_window is not None:
+        raise ValueError(f"this head's draft layer attends a sliding window of {config.sliding_window}, which the "
+                         "research layout cannot say: export it with --format speculators")
     unread = [f for f in FLAGS if getattr(config, f) and f not in readable]
     if unread:
         raise ValueError(f"this head sets {', '.join(unread)}, which {fmt} does not read from this layout: "

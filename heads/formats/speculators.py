@@ -49,6 +49,9 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
     layer = llama_layer_fields(lc)
     layer.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
                   "vocab_size": config.vocab_size, "attention_bias": False, "tie_word_embeddings": False})
+    if config.sliding_window is not None:
+        layer.update({"layer_types": ["sliding_attention"], "sliding_window": config.sliding_window,
+                      "use_sliding_window": True})
     target = config.target
     cfg = {
         "architectures": ["Eagle3Speculator"],
@@ -91,6 +94,12 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
     rope = rope_parameters_of(layer)
     if rope is not None:
         overrides["rope_parameters"] = rope
+    types = layer.get("layer_types") or ["full_attention"]
+    if types == ["sliding_attention"]:  # speculators' trainer default; one draft layer
+        if not layer.get("sliding_window"):
+            raise HeadFormatError(f"{src}: transformer_layer_config says sliding_attention but gives no sliding_window")
+        overrides["sliding_window"] = int(layer["sliding_window"])
+        layer = {k: v for k, v in layer.items() if k not in ("layer_types", "use_sliding_window")}
     theirs = dict(state)
     copies = {k: theirs.pop(k) for k in ("embed_tokens.weight",) if k in theirs}
     ours = {(_PREFIX_OURS + k[len(_PREFIX_THEIRS):] if k.startswith(_PREFIX_THEIRS) else k): v for k, v in theirs.items()}

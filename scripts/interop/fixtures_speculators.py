@@ -58,6 +58,9 @@ VARIANTS = {
                                    fc_norm=False, norm_output=False),
     "speculators-eagle3-train": dict(norm_before_residual=True, norm_before_fc=True,
                                      fc_norm=False, norm_output=True),
+    # the trainer's sliding-window draft layer, with a window short enough for 8 inputs to cross it
+    "speculators-eagle3-window": dict(norm_before_residual=True, norm_before_fc=False,
+                                      fc_norm=False, norm_output=False, sliding_window=3),
 }
 
 
@@ -94,9 +97,11 @@ def build(name: str, flags: dict, gen: torch.Generator) -> Path:
     if out.exists():
         shutil.rmtree(out)
     # speculators' trainer helper builds the draft's LlamaConfig from the verifier's config
+    flags = dict(flags)
+    window = flags.pop("sliding_window", None)  # None: the full-attention layer
     tl_config = create_transformer_layer_config(
         verifier_name_or_path=verifier_path(), num_layers=1, draft_arch="llama",
-        hidden_act="silu", sliding_window=2048, full_attention_indices=[0])
+        hidden_act="silu", sliding_window=window or 2048, full_attention_indices=[] if window else [0])
     d2t, t2d = make_mapping(gen)
     # from_training_args: the trainer's own constructor; it copies embed_tokens (and lm_head
     # rows t2d, which randomize() then replaces) from the verifier folder.
