@@ -177,7 +177,8 @@ def check_speculators(args) -> list[Row]:
     ours = our_outputs(import_head(SHIPPED, t.model, t.tokenizer), load_file(str(inputs)))
     rows.append(Row("speculators", "export", "shipped EAGLE-3 head, Eagle3DraftModel.from_pretrained", True,
                     compare(ours, theirs), note=f"{last_json(log).get('note', '')}"))
-    rows += fixture_imports("speculators", ("speculators-eagle3", "speculators-eagle3-nbr", "speculators-eagle3-train"))
+    rows += fixture_imports("speculators", ("speculators-eagle3", "speculators-eagle3-nbr", "speculators-eagle3-train",
+                                            "speculators-eagle3-window"))
     return rows
 
 
