@@ -28,7 +28,7 @@ from ..identity import HeadTargetMismatch, check_compatible, identify_target, id
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
 from . import eagle1, eagle3, gguf_eagle3, medusa, speculators
-from .common import ForeignHead, drafthead_block, dtype_name, layer_field_diffs, read_config, read_weights
+from .common import ID_OFFSETS, ForeignHead, drafthead_block, dtype_name, layer_field_diffs, read_config, read_weights
 
 EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa")
 CONVENTIONS = ("vllm", "sglang", "eagle")
@@ -185,7 +185,7 @@ def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:
 def _our_export_convention(cfg: dict, ours: dict) -> str:
     ids = (cfg.get("eagle_config") or {}).get(eagle3.IDS_KEY, cfg.get(eagle3.IDS_KEY))
     layers = list(ours["config"].get("aux_layers") or [])
-    for name, offset in (("vllm", 0), ("sglang", 1)):
+    for name, offset in ID_OFFSETS.items():
         if ids is not None and [i + offset for i in ids] == layers:
             return name
     raise HeadFormatError(f"aux ids {ids} match neither convention for the recorded layers {layers}")
