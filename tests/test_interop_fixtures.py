@@ -36,7 +36,8 @@ FIXTURES = {
 }
 # SpecForge's own forward (the references) embeds tokens with the checkpoint's bf16 copy; the
 # import checks that copy is the target's up to its dtype and then reads the target's, as SGLang
-# does. Comparing against a target whose embedding carries the same rounding isolates that.
+# does. Comparing against a target whose embedding carries the same rounding isolates that; the
+# rule (a stored copy below float32) is scripts/interop/run.py's too.
 EMBED_ROUNDED_TO = {"specforge-hf": torch.bfloat16}
 
 

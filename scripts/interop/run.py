@@ -14,6 +14,7 @@ out/interop/report.json and out/interop/report.md. docs/formats.md says what eac
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -187,6 +188,7 @@ def fixture_imports(consumer: str, names, convention: str | None = None, produce
     from transformers import AutoModelForCausalLM
 
     from drafthead.heads.formats import import_head
+    from drafthead.heads.formats.common import read_weights
 
     producer = producer or consumer
     sh([PYTHONS[producer], SCRIPTS / f"fixtures_{producer}.py"], OUT / f"fixtures_{producer}.log")
@@ -195,8 +197,17 @@ def fixture_imports(consumer: str, names, convention: str | None = None, produce
     rows = []
     for name in names:
         meta = json.loads((FIX / name / "meta.json").read_text())
+        seen_by_producer = target
+        stored = read_weights(FIX / name).get("embed_tokens.weight") if (FIX / name).is_dir() else None
+        if stored is not None and stored.dtype != torch.float32:
+            # the producer's forward embedded with its own rounded copy (SpecForge to_hf: bf16); the import
+            # reads the target's, so compare on a target whose embedding carries the same rounding
+            seen_by_producer = copy.deepcopy(target)
+            with torch.no_grad():
+                emb = seen_by_producer.get_input_embeddings().weight
+                emb.copy_(emb.to(stored.dtype).float())
         try:
-            head = import_head(FIX / name, target, convention=convention)
+            head = import_head(FIX / name, seen_by_producer, convention=convention)
         except Exception as e:  # the row says why
             rows.append(Row(consumer, "import", f"{name} ({meta['writer'].split(' ')[0]})", False, note=str(e)[:200]))
             continue
