@@ -355,7 +355,7 @@ def check_llamacpp(args) -> list[Row]:
                                    f"{[round(x, 3) for x in ours]}",
                         note=f"aux ids in the GGUF {res.get('aux_ids_written')}; llama.cpp speculative == plain on all "
                              f"{summary['n_prompts']} prompts: {summary['all_spec_equal_plain']}"))
-        draft = Path(res["draft_gguf"])
+        draft = Path(res["draft_gguf"]["path"])
         from drafthead.targets import load_target
 
         t = load_target(tdir)
