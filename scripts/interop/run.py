@@ -188,7 +188,7 @@ def fixture_imports(consumer: str, names, convention: str | None = None, produce
     from transformers import AutoModelForCausalLM
 
     from drafthead.heads.formats import import_head
-    from drafthead.heads.formats.common import read_weights
+    from drafthead.heads.formats.common import WEIGHT_FILES, read_weights
 
     producer = producer or consumer
     sh([PYTHONS[producer], SCRIPTS / f"fixtures_{producer}.py"], OUT / f"fixtures_{producer}.log")
@@ -198,7 +198,8 @@ def fixture_imports(consumer: str, names, convention: str | None = None, produce
     for name in names:
         meta = json.loads((FIX / name / "meta.json").read_text())
         seen_by_producer = target
-        stored = read_weights(FIX / name).get("embed_tokens.weight") if (FIX / name).is_dir() else None
+        has_weights = any((FIX / name / f).is_file() for f in WEIGHT_FILES)
+        stored = read_weights(FIX / name).get("embed_tokens.weight") if has_weights else None
         if stored is not None and stored.dtype != torch.float32:
             # the producer's forward embedded with its own rounded copy (SpecForge to_hf: bf16); the import
             # reads the target's, so compare on a target whose embedding carries the same rounding
