@@ -20,7 +20,6 @@ the target's lm_head on hidden, as EaModel drafts} and PREFIX.json; prints the J
 """
 from __future__ import annotations
 
-import argparse
 import importlib.metadata as md
 import json
 import os
@@ -32,7 +31,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from harness_common import stub_tokenizer  # beside this file (scripts/interop/)
+from harness_common import harness_args, stub_tokenizer  # beside this file (scripts/interop/)
 
 
 def target_tensor(target: Path, names: tuple[str, ...]) -> torch.Tensor | None:
@@ -75,15 +74,7 @@ def load_full(head: Path, target: Path, dtype: torch.dtype):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--head", required=True, type=Path)
-    ap.add_argument("--target", required=True, type=Path)
-    ap.add_argument("--inputs", required=True, type=Path)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--full", action="store_true", help="load through EaModel.from_pretrained (with the base)")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--reference", type=Path, help="optional reference.safetensors to compare `hidden` with")
-    args = ap.parse_args()
+    args = harness_args('load through EaModel.from_pretrained (with the base)', 'hidden')
     dtype = getattr(torch, args.dtype)
     res: dict = {"consumer": "eagle-llm", "version": md.version("eagle-llm"), "torch": torch.__version__,
                  "transformers": md.version("transformers"), "head": str(args.head),

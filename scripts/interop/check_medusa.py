@@ -21,7 +21,6 @@ prints the JSON on one line.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.metadata as md
 import json
 import os
@@ -34,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from harness_common import stub_tokenizer  # beside this file (scripts/interop/)
+from harness_common import harness_args, stub_tokenizer  # beside this file (scripts/interop/)
 
 
 def target_lm_head(target: Path) -> torch.Tensor:
@@ -72,15 +71,7 @@ class StandInBase(nn.Module):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--head", required=True, type=Path)
-    ap.add_argument("--target", required=True, type=Path)
-    ap.add_argument("--inputs", required=True, type=Path)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--full", action="store_true", help="base = the package's KV Llama loaded from --target")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    ap.add_argument("--reference", type=Path, help="optional reference.safetensors to compare `logits` with")
-    args = ap.parse_args()
+    args = harness_args("base = the package's KV Llama loaded from --target", 'logits')
     dtype = getattr(torch, args.dtype)
     res: dict = {"consumer": "medusa-llm", "version": md.version("medusa-llm"), "torch": torch.__version__,
                  "transformers": md.version("transformers"), "head": str(args.head),
