@@ -61,3 +61,39 @@ def test_deterministic_lookup_tree_sampling_is_exact():
                                    GenerationConfig(max_new_tokens=2, sampling=sampling, seed=run))
         counts[tuple(out.new_tokens[0].tolist())] += 1
     assert chi_square_pvalue(counts, exact_first_two(target, prompt, sampling), RUNS) > ALPHA
+
+
+def exact_first_three(target, prompt, sampling):
+    """P(t1, t2, t3) enumerated from the target's processed distributions (VOCAB**3 outcomes)."""
+    with torch.no_grad():
+        p1 = logits_to_probs(target(prompt).logits[0, -1], sampling)  # [V]
+        two = torch.cat([prompt.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)  # [V, P+1]
+        p2 = logits_to_probs(target(two).logits[:, -1], sampling)  # [V, V]
+        pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # [V*V, 2]
+        three = torch.cat([prompt.repeat(VOCAB * VOCAB, 1), pairs], dim=1)
+        p3 = logits_to_probs(target(three).logits[:, -1], sampling).view(VOCAB, VOCAB, VOCAB)
+    return {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c])
+            for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)}
+
+
+@pytest.mark.parametrize("kind", ["eagle31"])
+def test_head_tree_sampling_is_exact_at_depth_two(kind):
+    """An EAGLE head's tree (top-2 children, depth 2): three new tokens, so a path of two drafts
+    can be accepted whole; the three tokens' joint law is the target's."""
+    from drafthead.heads import build_head, make_config
+    from drafthead.inference.drafters.heads import EagleDrafter
+
+    sampling = SamplingConfig(temperature=0.9)
+    target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)
+    head = build_head(make_config(kind, target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
+    prompt = torch.tensor([[3, 4, 5, 3, 4]])
+    counts, deep = Counter(), 0
+    for run in range(RUNS):
+        out = speculative_generate(target, EagleDrafter(head, total_tokens=6, depth=2, top_k=2), prompt,
+                                   GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run))
+        counts[tuple(out.new_tokens[0].tolist())] += 1
+        deep += out.accepted_lengths[0] == 3
+    assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
+    assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
