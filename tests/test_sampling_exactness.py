@@ -64,29 +64,41 @@ def test_deterministic_lookup_tree_sampling_is_exact():
 
 
 def exact_first_three(target, prompt, sampling):
-    """P(t1, t2, t3) enumerated from the target's processed distributions (VOCAB**3 outcomes)."""
+    """P(t1, t2, t3) enumerated from the target's processed distributions (VOCAB**3 outcomes); a
+    repetition penalty sees the prompt and the tokens before each step, as generate() does."""
+    from drafthead.inference.sampling import seen_mask
+
+    def probs(seqs):  # [n, L] -> [n, V], the distribution after each sequence
+        return logits_to_probs(target(seqs).logits[:, -1], sampling, seen_mask(seqs, VOCAB))
+
     with torch.no_grad():
-        p1 = logits_to_probs(target(prompt).logits[0, -1], sampling)  # [V]
+        p1 = probs(prompt)[0]  # [V]
         two = torch.cat([prompt.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)  # [V, P+1]
-        p2 = logits_to_probs(target(two).logits[:, -1], sampling)  # [V, V]
+        p2 = probs(two)  # [V, V]
         pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # [V*V, 2]
         three = torch.cat([prompt.repeat(VOCAB * VOCAB, 1), pairs], dim=1)
-        p3 = logits_to_probs(target(three).logits[:, -1], sampling).view(VOCAB, VOCAB, VOCAB)
+        p3 = probs(three).view(VOCAB, VOCAB, VOCAB)
     return {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c])
             for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)}
 
 
-@pytest.mark.parametrize("kind", ["eagle31"])
-def test_head_tree_sampling_is_exact_at_depth_two(kind):
+# (kind, sampling, lm_head scale): spread logits for plain sampling; for the penalty, tiny_causal_lm's
+# sharp logits and a strong penalty, so that the law without it is far off (p ~ 1e-21 when checked)
+HEAD_CASES = [("eagle3", SamplingConfig(temperature=0.9), 0.25),
+              ("eagle31", SamplingConfig(temperature=1.0, repetition_penalty=3.0), 1.0)]
+
+
+@pytest.mark.parametrize("kind, sampling, lm_scale", HEAD_CASES)
+def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
     """An EAGLE head's tree (top-2 children, depth 2): three new tokens, so a path of two drafts
-    can be accepted whole; the three tokens' joint law is the target's."""
+    can be accepted whole; the three tokens' joint law is the target's (with a repetition penalty
+    too, which the target and the acceptance apply along each tree path)."""
     from drafthead.heads import build_head, make_config
     from drafthead.inference.drafters.heads import EagleDrafter
 
-    sampling = SamplingConfig(temperature=0.9)
     target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
     with torch.no_grad():
-        target.lm_head.weight.mul_(0.25)
+        target.lm_head.weight.mul_(lm_scale)
     head = build_head(make_config(kind, target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
     counts, deep = Counter(), 0
