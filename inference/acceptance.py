@@ -33,14 +33,21 @@ def greedy_accept(tokens: torch.Tensor, parents: torch.Tensor, target_argmax: to
     first, which only matters when a tree repeats a token among siblings).
     """
     match = tokens == target_argmax[parents.clamp(min=0)]  # [N]: node i agrees with its parent's argmax
-    match[0] = True
-    anc = ancestor_mask(parents)  # [N, N]
-    accepted = ~(anc & ~match[None, :]).any(dim=1)  # all of i's ancestors-or-self match
-    depth = node_depths(parents)
-    score = torch.where(accepted, depth, torch.full_like(depth, -1))
-    best = int(torch.argmax(score))  # first index among the maximal depth
-    path = anc[best].nonzero().flatten().tolist()  # ancestors in index order == root-to-node order
+    best, path = deepest_passing_path(match, parents)
     return Acceptance(path=path, next_token=int(target_argmax[best]))
+
+
+def deepest_passing_path(passes: torch.Tensor, parents: torch.Tensor) -> tuple[int, list[int]]:
+    """passes [N] bool: node i's token passes the rule at its parent (the root's entry is ignored).
+    -> (the deepest node whose whole path passes, first index among equal depths; that path, root
+    first)."""
+    passes = passes.clone()
+    passes[0] = True
+    anc = ancestor_mask(parents)  # [N, N]
+    accepted = ~(anc & ~passes[None, :]).any(dim=1)  # all of i's ancestors-or-self pass
+    depth = node_depths(parents)
+    best = int(torch.argmax(torch.where(accepted, depth, torch.full_like(depth, -1))))
+    return best, anc[best].nonzero().flatten().tolist()  # ancestors in index order == root-to-node order
 
 
 def _normalise(p: torch.Tensor) -> torch.Tensor:
@@ -147,10 +154,5 @@ def typical_accept(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor,
     threshold = torch.minimum(torch.full_like(entropy, rule.epsilon), rule.delta * torch.exp(-entropy))  # [N]
     parent = parents.clamp(min=0)
     passes = p[parent, tokens] > threshold[parent]  # [N]: node i's token is typical at its parent
-    passes[0] = True
-    anc = ancestor_mask(parents)
-    accepted = ~(anc & ~passes[None, :]).any(dim=1)
-    depth = node_depths(parents)
-    best = int(torch.argmax(torch.where(accepted, depth, torch.full_like(depth, -1))))
-    path = anc[best].nonzero().flatten().tolist()
+    best, path = deepest_passing_path(passes, parents)
     return Acceptance(path=path, next_token=int(torch.multinomial(p[best].float(), 1, generator=generator)))
