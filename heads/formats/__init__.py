@@ -28,15 +28,17 @@ from ..identity import HeadTargetMismatch, check_compatible, identify_target, id
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
 from . import eagle1, eagle3, gguf_eagle3, medusa, speculators
-from .common import ID_OFFSETS, ForeignHead, drafthead_block, dtype_name, layer_field_diffs, read_config, read_weights
+from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
+    read_weights
 
 EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa")
 CONVENTIONS = ("vllm", "sglang", "eagle")
 
 # Which kinds each engine format can carry.
+EAGLE3_KINDS = ("eagle3", "eagle31")  # one head module (heads/eagle3.py), flags aside
 _FORMAT_KINDS = {
-    "vllm": ("eagle3", "eagle31", "eagle1"),
-    "speculators": ("eagle3", "eagle31"),
+    "vllm": (*EAGLE3_KINDS, "eagle1"),
+    "speculators": EAGLE3_KINDS,
     "sglang": ("eagle3", "eagle1"),
     "llama.cpp": ("eagle3",),
     "eagle": ("eagle1",),
@@ -89,11 +91,11 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
         w = get(target_model).weight
         return w if dtype is None else w.to(dtype)
 
-    if config.kind in ("eagle3", "eagle31") and fmt == "speculators":
+    if config.kind in EAGLE3_KINDS and fmt == "speculators":
         verifier = None if target_model is None else str(getattr(target_model.config, "_name_or_path", "") or "") or None
         cfg, tensors = speculators.to_speculators(config, meta, state, target_tensor(lambda m: m.get_input_embeddings()),
                                                   verifier)
-    elif config.kind in ("eagle3", "eagle31"):
+    elif config.kind in EAGLE3_KINDS:
         cfg, tensors = eagle3.to_engine(fmt, config, meta, state)
     elif config.kind == "eagle1":
         cfg, tensors = eagle1.to_engine(fmt, config, meta, state, target_tensor(lambda m: m.get_input_embeddings()))
@@ -225,14 +227,14 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
         raise HeadFormatError(f"{src}: the checkpoint's decoder layer is not the target family's:\n  " + "\n  ".join(diffs))
     expected = head.state_dict()
     state = dict(foreign.state)
-    if foreign.kind in ("eagle3", "eagle31"):
-        eagle3.drop_zero_o_bias(expected, state, src)
-    elif foreign.kind == "eagle1":
-        eagle1.drop_zero_fc_bias(expected, state, src)
+    if foreign.kind in EAGLE3_KINDS:  # the engines' Llama layer has an o_proj bias where Qwen2's has none
+        drop_zero_extra(expected, state, eagle3.O_BIAS, src, "the target family's attention has no o_proj bias")
+    elif foreign.kind == "eagle1":  # SGLang's EAGLE-1 fc always has a bias
+        drop_zero_extra(expected, state, "fc.bias", src, "this head's fc has none")
     check_state_dict(expected, state, where=f"in {src}")
     _check_target_copies(foreign.target_copies, target_model, src)
     head.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
-    if foreign.kind in ("eagle3", "eagle31"):
+    if foreign.kind in EAGLE3_KINDS:
         from ..draft_vocab import validate_draft_vocab
 
         try:

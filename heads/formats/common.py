@@ -178,3 +178,12 @@ def llama_layer_fields(lc: dict) -> dict:
     out = {k: lc[k] for k in LLAMA_FIELDS if k in lc and lc[k] is not None}
     out.update(rope_fields(lc))
     return out
+
+
+def drop_zero_extra(head_state: dict, state: dict, key: str, where, why: str) -> None:
+    """A tensor an engine layout carries but the head has no place for (`why`): dropped when it is
+    all zero, which is exact (it only ever adds zero), refused otherwise."""
+    if key in state and key not in head_state:
+        if bool(state[key].abs().max() > 0):
+            raise HeadFormatError(f"{where}: non-zero {key}, but {why}")
+        del state[key]

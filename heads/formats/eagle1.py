@@ -97,10 +97,3 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
     overrides["rope_parameters"] = rope
     return ForeignHead("eagle1", "eagle1", overrides, state, copies, notes=notes, layer_fields=cfg)
 
-
-def drop_zero_fc_bias(head_state: dict, state: dict, where) -> None:
-    """Exports for engines whose fc always has a bias (SGLang) carry a zero one: drop it exactly."""
-    if "fc.bias" in state and "fc.bias" not in head_state:
-        if bool(state["fc.bias"].abs().max() > 0):
-            raise HeadFormatError(f"{where}: non-zero fc.bias, but this head's fc has none")
-        del state["fc.bias"]

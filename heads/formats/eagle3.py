@@ -129,11 +129,3 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
         copies["embed_tokens.weight"] = state.pop("embed_tokens.weight")
     return ForeignHead("eagle3-research", "eagle3", overrides, state, copies, notes=notes, layer_fields=cfg)
 
-
-def drop_zero_o_bias(head_state: dict, state: dict, where) -> None:
-    """The engines' Llama layer carries an o_proj bias where the family has none (Qwen2): it must be
-    zero to be dropped exactly."""
-    if O_BIAS in state and O_BIAS not in head_state:
-        if bool(state[O_BIAS].abs().max() > 0):
-            raise HeadFormatError(f"{where}: non-zero {O_BIAS}, but the target family's attention has no o_proj bias")
-        del state[O_BIAS]
