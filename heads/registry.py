@@ -82,6 +82,18 @@ def apply_adapter(target_model: nn.Module, adapter_dir: Path) -> nn.Module:
     return peft_model.merge_and_unload()
 
 
+def check_draft_vocab(head: DraftHeadBase, where) -> None:
+    """An EAGLE-3 head's loaded d2t/t2d must describe one valid draft vocabulary (HeadFormatError)."""
+    if not isinstance(head, Eagle3Head):
+        return
+    from .draft_vocab import validate_draft_vocab
+
+    try:
+        validate_draft_vocab(head.d2t, head.t2d)
+    except ValueError as e:
+        raise HeadFormatError(f"{where}: invalid draft vocab: {e}") from e
+
+
 def load_head(path, target_model: nn.Module, tokenizer, target_name: str | None = None, *, dtype: torch.dtype | None = None):
     """Load a saved head onto `target_model` -> (head, target_model).
 
@@ -108,13 +120,7 @@ def load_head(path, target_model: nn.Module, tokenizer, target_name: str | None 
     check_state_dict(head.state_dict(), state, where=f"in {path}")
     own = head.state_dict()
     head.load_state_dict({k: v.to(own[k].dtype) for k, v in state.items()}, strict=True)
-    if isinstance(head, Eagle3Head):
-        from .draft_vocab import validate_draft_vocab
-
-        try:
-            validate_draft_vocab(head.d2t, head.t2d)
-        except ValueError as e:
-            raise HeadFormatError(f"{path}: invalid draft vocab: {e}") from e
+    check_draft_vocab(head, path)
     head.to(device=target_device(target_model), dtype=dtype or target_dtype(target_model))
     head.eval()
     return head.bind_target(target_model), target_model

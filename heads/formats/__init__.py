@@ -201,17 +201,17 @@ def import_head(src_dir, target_model: nn.Module, tokenizer=None, target_name: s
 
 def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None,
             convention: str | None = None):
-    """-> (head, notes: what the import decided).
+    """-> (head, notes: what the import decided, the ForeignHead read; None for our own folders).
 
     Our own folders load as `load_head` does. Foreign ones: the layout is translated
     (`read_foreign`), checked against the target (stored copies of target tensors must equal the
     target's; the decoder layer's shape fields must match), and loaded strictly.
     """
-    from ..registry import _new_module, load_head, make_config, target_device, target_dtype
+    from ..registry import _new_module, check_draft_vocab, load_head, make_config, target_device, target_dtype
 
     src = Path(src_dir)
     if detect_layout(src) == "ours":
-        return load_head(src, target_model, tokenizer, target_name)[0], []
+        return load_head(src, target_model, tokenizer, target_name)[0], [], None
     foreign = read_foreign(src, convention)
     name = target_name or str(getattr(target_model.config, "_name_or_path", "") or "target")
     if foreign.config is not None:
@@ -234,16 +234,10 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     check_state_dict(expected, state, where=f"in {src}")
     _check_target_copies(foreign.target_copies, target_model, src)
     head.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
-    if foreign.kind in EAGLE3_KINDS:
-        from ..draft_vocab import validate_draft_vocab
-
-        try:
-            validate_draft_vocab(head.d2t, head.t2d)
-        except ValueError as e:
-            raise HeadFormatError(f"{src}: invalid draft vocab: {e}") from e
+    check_draft_vocab(head, src)
     head.to(device=target_device(target_model), dtype=target_dtype(target_model))
     head.eval()
-    return head.bind_target(target_model), [f"read {src} as {foreign.layout}"] + foreign.notes
+    return head.bind_target(target_model), [f"read {src} as {foreign.layout}"] + foreign.notes, foreign
 
 
 def _drop_target_rope(overrides: dict, target_model: nn.Module) -> None:
@@ -276,8 +270,8 @@ def import_to_folder(src_dir, out_dir, target_model: nn.Module, tokenizer=None, 
                      convention: str | None = None, dtype: torch.dtype | None = None) -> tuple[Path, list[str]]:
     """`drafthead import`: a foreign layout -> one of our head folders. The weights are saved in
     `dtype`, by default the dtype they were stored in (so a bf16 checkpoint stays bit-exact)."""
-    head, notes = _import(src_dir, target_model, tokenizer, target_name, convention)
-    if dtype is None and detect_layout(src_dir) != "ours":
-        floats = {v.dtype for v in read_foreign(src_dir, convention).state.values() if v.is_floating_point()}
+    head, notes, foreign = _import(src_dir, target_model, tokenizer, target_name, convention)
+    if dtype is None and foreign is not None:
+        floats = {v.dtype for v in foreign.state.values() if v.is_floating_point()}
         dtype = floats.pop() if len(floats) == 1 else None
     return head.save_pretrained(out_dir, dtype=dtype), notes
