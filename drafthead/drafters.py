@@ -113,28 +113,31 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
     head = Path(head)
     if not head.is_dir():
         raise FileNotFoundError(f"no head folder at {head}")
-    from .heads.formats import detect_layout, read_foreign
-    from .heads.io import CONFIG_NAME, HeadFormatError, read_json
+    from .heads.formats import LAYOUT_KINDS, ConventionNeeded, detect_layout
+    from .heads.io import CONFIG_NAME, read_json
     from .inference.drafters.heads import load_head_drafter
 
     layout = detect_layout(head)
     if layout == "ours":
         kind = read_json(head / CONFIG_NAME).get("config", {}).get("kind")
     else:
-        try:
-            kind = read_foreign(head).kind
-        except HeadFormatError as e:
-            raise HeadFormatError(f"{e}. Convert it once with `drafthead import {head} --convention ... --out DIR` "
-                                  "and pass --head DIR") from e
-        print(f"drafthead: {head} is a {layout} checkpoint, read exactly into a {kind} head "
-              f"(`drafthead import` saves it as a drafthead head folder)", file=sys.stderr)
+        kind = LAYOUT_KINDS[layout]
     if num_draft is not None:
         if kind not in _HEAD_NODE_BUDGET:
             raise DrafterError(f"{head}: unknown head kind {kind!r}")
         if num_draft == "auto" and not kind.startswith("eagle"):
             raise DrafterError(f"num_draft 'auto' sizes EAGLE trees; {kind} heads take a number of nodes")
         options[_HEAD_NODE_BUDGET[kind]] = num_draft
-    return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)
+    if layout == "ours":
+        return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)
+    try:
+        loaded = load_head_drafter(head, target, tokenizer, target_name=target_name, **options)
+    except ConventionNeeded as e:  # --head has no --convention: the import command does
+        raise ConventionNeeded(f"{e}. Convert it once with `drafthead import {head} --convention ... --out DIR` "
+                               "and pass --head DIR") from e
+    print(f"drafthead: {head} is a {layout} checkpoint, read exactly into a {kind} head "
+          f"(`drafthead import` saves it as a drafthead head folder)", file=sys.stderr)
+    return loaded
 
 
 def default_head_path(target_name: str) -> Path | None:

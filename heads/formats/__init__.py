@@ -28,7 +28,7 @@ from ..identity import HeadTargetMismatch, check_compatible, identify_target, id
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
 from . import eagle1, eagle3, gguf_eagle3, medusa, speculators
-from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
+from .common import ID_OFFSETS, ConventionNeeded, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
     read_weights
 
 EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa")
@@ -36,6 +36,9 @@ CONVENTIONS = ("vllm", "sglang", "eagle")
 
 # Which kinds each engine format can carry.
 EAGLE3_KINDS = ("eagle3", "eagle31")  # one head module (heads/eagle3.py), flags aside
+# The head kind each foreign layout is read into (the flags of an EAGLE-3.1 checkpoint ride on eagle3).
+LAYOUT_KINDS = {"speculators": "eagle3", "eagle3-research": "eagle3", "llama.cpp-gguf": "eagle3",
+                "eagle1": "eagle1", "medusa": "medusa1", "medusa-vllm": "medusa1"}
 _FORMAT_KINDS = {
     "vllm": (*EAGLE3_KINDS, "eagle1"),
     "speculators": EAGLE3_KINDS,

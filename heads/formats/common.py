@@ -91,9 +91,13 @@ def read_weights(src: Path, names=WEIGHT_FILES) -> dict[str, torch.Tensor]:
     raise HeadFormatError(f"no weights file in {src} (looked for {', '.join(names)})")
 
 
+class ConventionNeeded(HeadFormatError):
+    """The layout leaves open how its producer counted (aux ids, RoPE): the caller must say."""
+
+
 def need_convention(convention: str | None, allowed: tuple[str, ...], why: str) -> str:
     if convention is None:
-        raise HeadFormatError(f"{why}: say which with convention= / --convention ({' or '.join(allowed)})")
+        raise ConventionNeeded(f"{why}: say which with convention= / --convention ({' or '.join(allowed)})")
     if convention not in allowed:
         raise HeadFormatError(f"convention {convention!r} does not apply here ({why}); use {' or '.join(allowed)}")
     return convention
