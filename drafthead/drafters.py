@@ -113,7 +113,8 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
     head = Path(head)
     if not head.is_dir():
         raise FileNotFoundError(f"no head folder at {head}")
-    from .heads.formats import LAYOUT_KINDS, ConventionNeeded, detect_layout
+    from .heads.formats import LAYOUT_KINDS, detect_layout
+    from .heads.formats.common import ConventionNeeded
     from .heads.io import CONFIG_NAME, read_json
     from .inference.drafters.heads import load_head_drafter
 

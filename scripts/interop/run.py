@@ -14,7 +14,7 @@ out/interop/report.json and out/interop/report.md. docs/formats.md says what eac
 from __future__ import annotations
 
 import argparse
-import copy
+import functools
 import json
 import os
 import subprocess
@@ -27,6 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tests/interop.py: the comparison rules the test suite applies too
+from tests.interop import our_outputs, reference_as_ours, target_as_producer_saw  # noqa: E402
 SCRIPTS = ROOT / "scripts" / "interop"
 VENVS = ROOT / ".venv-interop"
 FIX = ROOT / "tests" / "fixtures" / "interop"
@@ -94,10 +96,16 @@ def setup(consumer: str) -> None:
             sh(["bash", script], OUT / f"setup_{name}.log", timeout=5400)
 
 
-def smollm2_dir() -> Path:
+@functools.lru_cache(maxsize=1)
+def smollm2():
+    """SmolLM2-135M in float32, loaded once for the whole run (every check reads the same target)."""
     from drafthead.targets import load_target
 
-    return load_target("smollm2-135m").path
+    return load_target("smollm2-135m")
+
+
+def smollm2_dir() -> Path:
+    return smollm2().path
 
 
 def export(head: Path, fmt: str, out: Path, target: str | Path | None = None) -> Path:
@@ -106,9 +114,7 @@ def export(head: Path, fmt: str, out: Path, target: str | Path | None = None) ->
 
     model = None
     if target == "smollm2-135m":
-        from drafthead.targets import load_target
-
-        model = load_target(target).model
+        model = smollm2().model
     elif target is not None:
         from transformers import AutoModelForCausalLM
 
@@ -120,20 +126,6 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def our_outputs(head, inputs: dict) -> dict[str, torch.Tensor]:
-    """Our head on the shared inputs (the same contract as tests/test_interop_fixtures.py)."""
-    ids = inputs["input_ids"]
-    pos = torch.arange(ids.shape[1])[None]
-    with torch.no_grad():
-        if head.kind == "eagle3":
-            fused = head.fuse(list(inputs["features3"].chunk(3, dim=-1)))
-            h, logits = head.step(fused, ids, pos)
-            return {"fused": fused, "hidden": h, "logits": logits}
-        if head.kind == "eagle1":
-            return {"hidden": head.step(head.fuse(inputs["feature"]), ids, pos)[0]}
-        return {"logits": head(inputs["hidden"])}
-
-
 def compare(ours: dict, theirs: dict) -> float:
     keys = sorted(set(ours) & set(theirs))
     if not keys:
@@ -141,12 +133,11 @@ def compare(ours: dict, theirs: dict) -> float:
     return max(max_diff(ours[k], theirs[k]) for k in keys)
 
 
-def smollm2_inputs(target_dir: Path, path: Path) -> Path:
+def smollm2_inputs(path: Path) -> Path:
     """Real features of SmolLM2 on one chat prompt, for the shipped head (layers 2, 15, 27)."""
     from drafthead.heads.formats import import_head
-    from drafthead.targets import load_target
 
-    t = load_target(target_dir)
+    t = smollm2()
     head = import_head(SHIPPED, t.model, t.tokenizer)
     ids = t.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
                                           add_generation_prompt=True, return_tensors="pt")
@@ -164,17 +155,15 @@ def smollm2_inputs(target_dir: Path, path: Path) -> Path:
 
 def check_speculators(args) -> list[Row]:
     from drafthead.heads.formats import import_head
-    from drafthead.targets import load_target
 
     py, rows = PYTHONS["speculators"], []
-    tdir = smollm2_dir()
     exp = export(SHIPPED, "speculators", OUT / "exports" / "speculators", "smollm2-135m")
-    inputs = smollm2_inputs(tdir, OUT / "smollm2_inputs.safetensors")
+    inputs = smollm2_inputs(OUT / "smollm2_inputs.safetensors")
     log = OUT / "speculators_export.log"
     sh([py, SCRIPTS / "check_speculators.py", "--head", exp, "--inputs", inputs, "--out", OUT / "speculators_export"],
        log)
     theirs = load_file(str(OUT / "speculators_export.safetensors"))
-    t = load_target(tdir)
+    t = smollm2()
     ours = our_outputs(import_head(SHIPPED, t.model, t.tokenizer), load_file(str(inputs)))
     rows.append(Row("speculators", "export", "shipped EAGLE-3 head, Eagle3DraftModel.from_pretrained", True,
                     compare(ours, theirs), note=f"{last_json(log).get('note', '')}"))
@@ -188,7 +177,6 @@ def fixture_imports(consumer: str, names, convention: str | None = None, produce
     from transformers import AutoModelForCausalLM
 
     from drafthead.heads.formats import import_head
-    from drafthead.heads.formats.common import WEIGHT_FILES, read_weights
 
     producer = producer or consumer
     sh([PYTHONS[producer], SCRIPTS / f"fixtures_{producer}.py"], OUT / f"fixtures_{producer}.log")
@@ -197,25 +185,12 @@ def fixture_imports(consumer: str, names, convention: str | None = None, produce
     rows = []
     for name in names:
         meta = json.loads((FIX / name / "meta.json").read_text())
-        seen_by_producer = target
-        has_weights = any((FIX / name / f).is_file() for f in WEIGHT_FILES)
-        stored = read_weights(FIX / name).get("embed_tokens.weight") if has_weights else None
-        if stored is not None and stored.dtype != torch.float32:
-            # the producer's forward embedded with its own rounded copy (SpecForge to_hf: bf16); the import
-            # reads the target's, so compare on a target whose embedding carries the same rounding
-            seen_by_producer = copy.deepcopy(target)
-            with torch.no_grad():
-                emb = seen_by_producer.get_input_embeddings().weight
-                emb.copy_(emb.to(stored.dtype).float())
         try:
-            head = import_head(FIX / name, seen_by_producer, convention=convention)
+            head = import_head(FIX / name, target_as_producer_saw(target, FIX / name), convention=convention)
         except Exception as e:  # the row says why
             rows.append(Row(consumer, "import", f"{name} ({meta['writer'].split(' ')[0]})", False, note=str(e)[:200]))
             continue
-        ref = load_file(str(FIX / name / "reference.safetensors"))
-        if head.kind == "eagle3" and head.config.norm_output:
-            with torch.no_grad():
-                ref["hidden"] = head.norm(ref["hidden"])  # our step returns what the next step reads
+        ref = reference_as_ours(head, load_file(str(FIX / name / "reference.safetensors")))
         rows.append(Row(consumer, "import", f"{name} ({meta['package']} {meta['version']})", True,
                         compare(our_outputs(head, inputs), ref)))
     return rows
@@ -266,7 +241,7 @@ def check_vllm(args) -> list[Row]:
         if head == SHIPPED:
             note += f"; ours == plain generate() on {report['identical_fraction']:.0%}"
             if fmt == "vllm":
-                note += f"; vLLM plain == transformers generate() on {hf_agreement(tdir, res)} prompts"
+                note += f"; vLLM plain == transformers generate() on {hf_agreement(res)} prompts"
         rows.append(Row("vLLM CPU", "export", what, bool(res["loaded"]), acceptance=acceptance, note=note))
     return rows
 
@@ -280,11 +255,9 @@ def aligned_acceptance(report: dict, k: int) -> list[float]:
     return [round(sum(a - 1 >= depth for a in rounds) / len(rounds), 3) for depth in range(1, k + 1)]
 
 
-def hf_agreement(tdir: Path, res: dict) -> str:
+def hf_agreement(res: dict) -> str:
     """How many of vLLM's plain greedy outputs equal transformers' generate() on the same prompt ids."""
-    from drafthead.targets import load_target
-
-    model = load_target(tdir).model
+    model = smollm2().model
     same = 0
     for prompt, theirs in zip(res["prompt_token_ids"], res["plain_token_ids"]):
         ids = torch.tensor([prompt])
@@ -298,9 +271,8 @@ def hf_agreement(tdir: Path, res: dict) -> str:
 def smollm2_untrained(kind: str, folder: Path, **overrides) -> Path:
     """An untrained (target-initialised, seeded) head for SmolLM2, to show vLLM loads the layout."""
     from drafthead.heads import build_head, make_config
-    from drafthead.targets import load_target
 
-    t = load_target("smollm2-135m")
+    t = smollm2()
     torch.manual_seed(0)
     head = build_head(make_config(kind, t.model, t.tokenizer, "smollm2-135m", **overrides), t.model)
     with torch.no_grad():  # non-zero blocks, so that a dropped bias or weight would show
@@ -357,9 +329,7 @@ def check_llamacpp(args) -> list[Row]:
                         note=f"aux ids in the GGUF {res.get('aux_ids_written')}; llama.cpp speculative == plain on all "
                              f"{summary['n_prompts']} prompts: {summary['all_spec_equal_plain']}"))
         draft = Path(res["draft_gguf"]["path"])
-        from drafthead.targets import load_target
-
-        t = load_target(tdir)
+        t = smollm2()
         back = import_head(draft, t.model, t.tokenizer)
         shipped = import_head(SHIPPED, t.model, t.tokenizer)
         diff = max(max_diff(a, b) for a, b in zip(back.state_dict().values(), shipped.state_dict().values()))
@@ -473,5 +443,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
     sys.exit(main())
