@@ -4,7 +4,8 @@
     (verification forward appends the N tree nodes after `past_len` committed positions)
     keep_path(cache, past_len, path)   keep the accepted nodes' K/V, drop the rest
 
-so after every round the cache again holds one linear sequence.
+so after every round the cache again holds one linear sequence (per row: `keep_paths` for a
+batch whose rows have accepted different numbers of tokens).
 """
 from __future__ import annotations
 
@@ -62,6 +63,48 @@ def keep_path(cache: DynamicCache, past_len: int, path: list[int] | torch.Tensor
             layer.values[:, :, past_len:end] = layer.values[:, :, index]
         layer.keys = layer.keys[:, :, :end]
         layer.values = layer.values[:, :, :end]
+
+
+def keep_paths(cache: DynamicCache, lengths: list[int], past_len: int, paths: list[list[int]]) -> int:
+    """Batched keep_path for rows of different lengths (docs/trees.md "Batches"). Row b holds its
+    committed K/V in slots [0, lengths[b]) of the `past_len` cached ones, and the tree nodes were
+    appended at slots past_len + i; its accepted `paths[b]` move to slots lengths[b] onwards.
+    The cache is cut to the longest row; slots past a row's own end are stale, hidden by the mask.
+    Returns the new slot count. In place.
+    """
+    ends = [length + len(path) for length, path in zip(lengths, paths)]
+    end = max(ends)
+    if len(paths) == 1 and lengths[0] == past_len:
+        keep_path(cache, past_len, paths[0])
+        return end
+    width = max(len(path) for path in paths)
+    src, dst = [], []
+    for length, path in zip(lengths, paths):
+        pad = width - len(path)  # repeat the last move: the same value written twice
+        src.append([past_len + i for i in path] + [past_len + path[-1]] * pad)
+        dst.append(list(range(length, length + len(path))) + [length + len(path) - 1] * pad)
+    for layer in _layers(cache):
+        if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+            continue
+        b, h, _, d = layer.keys.shape
+        device = layer.keys.device
+        src_index = torch.tensor(src, device=device)[:, None, :, None].expand(b, h, width, d)
+        dst_index = torch.tensor(dst, device=device)[:, None, :, None].expand(b, h, width, d)
+        # gathered before any write, so a destination that overlaps a source is safe
+        layer.keys.scatter_(2, dst_index, layer.keys.gather(2, src_index))
+        layer.values.scatter_(2, dst_index, layer.values.gather(2, src_index))
+        layer.keys = layer.keys[:, :, :end]
+        layer.values = layer.values[:, :, :end]
+    return end
+
+
+def select_rows(cache: DynamicCache, rows: list[int], length: int) -> None:
+    """Keep batch rows `rows` (in that order) and slots [0, length). In place."""
+    for layer in _layers(cache):
+        if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0:
+            index = torch.tensor(rows, device=layer.keys.device)
+            layer.keys = layer.keys[index, :, :length]
+            layer.values = layer.values[index, :, :length]
 
 
 def crop(cache: DynamicCache, length: int) -> None:

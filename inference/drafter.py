@@ -15,6 +15,7 @@ verified tree. A drafter sees the same sequence:
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -77,6 +78,14 @@ class Drafter(Protocol):
         stats: RoundStats,
     ) -> None:
         """Advance past a verified round. tokens: [B, 1 + accepted] (old pending + accepted drafts)."""
+
+
+def fork_drafter(drafter):
+    """A drafter for another row of a batch: the same weights and settings, its own sequence state
+    (set by `begin`). Drafters holding other drafters define `fork()`; the rest are copied shallowly,
+    which shares models and heads and leaves `begin` to make fresh caches and histories."""
+    fork = getattr(drafter, "fork", None)
+    return fork() if fork is not None else copy.copy(drafter)
 
 
 class DrafterBase:

@@ -9,6 +9,10 @@ the last, the *pending* token, which enters each round as the root (node 0) of t
           path, token = accept(tree, logits)       exact rule (greedy or rejection sampling)
           keep_path(cache, path)                   cache = prefix + accepted nodes
           emit tokens[path[1:]] + token;           pending = token
+
+A batch runs the same loop with one drafter and one tree per row: the trees are padded to one
+node count and verified in one forward, each row accepts by itself and keeps its own path, and a
+row that finishes leaves the batch (docs/trees.md "Batches").
 """
 from __future__ import annotations
 
@@ -19,12 +23,12 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
-from .cache import cache_kwargs, keep_path, new_cache
-from .drafter import RoundStats
+from .cache import cache_kwargs, keep_paths, new_cache, select_rows
+from .drafter import RoundStats, fork_drafter
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from .stopping import StopRules, first_stop
-from .tree import DraftTree, ancestor_mask, node_depths
-from .verify import check_tree_mask_support, forward_tree, select_features
+from .tree import DraftTree, ancestor_mask, node_depths, pad_trees
+from .verify import check_tree_mask_support, forward_trees, select_features
 
 
 class PromptTooLong(ValueError):
@@ -76,6 +80,23 @@ class GenerationResult:
         return sum(self.accepted_lengths) / max(1, len(self.accepted_lengths))
 
 
+@dataclass
+class BatchGenerationResult:
+    """A batch's output: one GenerationResult per prompt, in the caller's order (their `timings`
+    are empty: the rounds were shared), and the batch's own clock."""
+
+    rows: list[GenerationResult]
+    num_forwards: int  # verification forwards the batch ran
+    timings: dict[str, float] = field(default_factory=dict)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    lossy: bool = False
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(row.new_tokens.shape[1] for row in self.rows)
+
+
 def context_limit(config, override: int | None = None) -> int | None:
     return override or getattr(config, "max_position_embeddings", None)
 
@@ -100,8 +121,8 @@ def node_seen(history_seen: torch.Tensor, tokens: torch.Tensor, parents: torch.T
 
 def accept_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, history_seen, generator,
                 typical: TypicalAcceptance | None = None) -> Acceptance:
-    """Apply the exact rule (or, when asked, the LOSSY typical rule) to batch row 0. logits: [B, N, V]
-    target logits at the tree nodes."""
+    """Apply the exact rule (or, when asked, the LOSSY typical rule) to one row's tree (batch 1).
+    logits: [1, N, V] target logits at the tree nodes."""
     tokens, parents = tree.tokens[0], tree.parents
     seen = None
     if sampling.repetition_penalty != 1.0:
@@ -137,34 +158,75 @@ class _Clock:
         self.last = now
 
 
+@dataclass
+class _Row:
+    """One sequence of a batch while it decodes."""
+
+    drafter: object
+    prompt_len: int
+    length: int  # committed tokens whose K/V the cache holds, in slots [0, length); the pending one is not
+    seen: torch.Tensor | None  # [1, V] what a repetition penalty sees (prompt + emitted)
+    emitted: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    finish: str | None = None
+
+
+def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """Each row's own prompt [P_b]: the tokens where attention_mask is 1 (left or right padding)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [B, P], got {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return list(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    return [ids[mask.bool()] for ids, mask in zip(input_ids, attention_mask)]
+
+
 def speculative_generate(
     target,
     drafter,
     input_ids: torch.Tensor,
     config: GenerationConfig,
     *,
+    attention_mask: torch.Tensor | None = None,
     tokenizer=None,
     streamer=None,
     on_tokens=None,
-) -> GenerationResult:
+):
     """Generate from `target` with trees from `drafter`; the output is the target's own
     (token for token under greedy, in distribution under sampling).
 
-    input_ids: [B, P] prompt (batch 1 for now). `on_tokens(list[int])` and a transformers
-    `streamer` receive each round's emitted tokens as they are accepted.
+    input_ids: [B, P] prompts, padded on either side where `attention_mask` [B, P] says so.
+    Batch 1 returns a GenerationResult; B > 1 a BatchGenerationResult with one per row (each row
+    drafts with its own fork of `drafter`). `on_tokens(list[int])` and a transformers `streamer`
+    (batch 1 only) receive each round's emitted tokens as they are accepted.
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [B, P], got {tuple(input_ids.shape)}")
-    batch, prompt_len = input_ids.shape
-    if batch != 1:
-        raise NotImplementedError(f"batch size {batch}: speculative generation runs batch 1 for now")
-    if prompt_len == 0:
+    prompts = unpad(input_ids, attention_mask)
+    if len(prompts) > 1 and (streamer is not None or on_tokens is not None):
+        raise ValueError("streaming (streamer, on_tokens) takes one prompt at a time")
+    result = generate_batch(target, drafter, prompts, config, tokenizer=tokenizer, streamer=streamer, on_tokens=on_tokens)
+    if len(prompts) > 1:
+        return result
+    row = result.rows[0]
+    row.timings, row.prefill_seconds, row.decode_seconds = result.timings, result.prefill_seconds, result.decode_seconds
+    return row
+
+
+def generate_batch(target, drafter, prompts: list[torch.Tensor], config: GenerationConfig, *, tokenizer=None,
+                   streamer=None, on_tokens=None) -> BatchGenerationResult:
+    """The decode loop over prompts [P_b] of any lengths; row 0 drafts with `drafter`, row b > 0
+    with `fork_drafter(drafter)` (shared weights, its own state)."""
+    if not prompts:
+        raise ValueError("no prompts")
+    if any(p.numel() == 0 for p in prompts):
         raise ValueError("empty prompt: nothing to condition on")
     check_tree_mask_support(target.config)
     max_len = context_limit(target.config, config.max_length)
-    if max_len is not None and prompt_len >= max_len:
-        raise PromptTooLong(f"prompt of {prompt_len} tokens leaves no room in a context of {max_len}")
-    device = input_ids.device
+    longest = max(p.numel() for p in prompts)
+    if max_len is not None and longest >= max_len:
+        raise PromptTooLong(f"prompt of {longest} tokens leaves no room in a context of {max_len}")
+    device = prompts[0].device
     generator = None
     if config.seed is not None:
         generator = torch.Generator().manual_seed(config.seed)
@@ -173,97 +235,144 @@ def speculative_generate(
     want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
     vocab = target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config") else target.config.vocab_size
     track_seen = config.sampling.repetition_penalty != 1.0
+    drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
 
     with torch.inference_mode():
         start = time.perf_counter()
         cache = new_cache()
-        prefix, pending = input_ids[:, :-1], input_ids[:, -1]
-        features = None
-        if prefix.shape[1] > 0:
+        # prefill every prompt but its last token, right-padded: row b's K/V land in slots
+        # [0, P_b - 1) and a causal mask never lets them see the padding after them
+        slots = longest - 1
+        hidden = None
+        if slots > 0:
+            padded = torch.zeros(len(prompts), slots, dtype=torch.long, device=device)
+            for b, p in enumerate(prompts):
+                padded[b, : p.numel() - 1] = p[:-1]
             out = target(
-                input_ids=prefix, **cache_kwargs(target, cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
+                input_ids=padded, **cache_kwargs(target, cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
             )
-            features = select_features(out.hidden_states, drafter.feature_layers, drafter.needs_last_hidden)
-        drafter.begin(prefix, features, pending)
-        history_seen = seen_mask(input_ids, vocab) if track_seen else None
+            hidden = out.hidden_states
+        rows = []
+        for b, (p, d) in enumerate(zip(prompts, drafters)):
+            n = p.numel() - 1
+            features = None
+            if hidden is not None and n > 0:
+                features = select_features(tuple(h[b : b + 1, :n] for h in hidden), d.feature_layers, d.needs_last_hidden)
+            d.begin(p[None, :-1], features, p[-1:])
+            rows.append(_Row(d, p.numel(), n, seen_mask(p[None], vocab) if track_seen else None))
         if streamer is not None:
-            streamer.put(input_ids.cpu())
+            streamer.put(prompts[0][None].cpu())
         prefill_seconds = time.perf_counter() - start
 
         clock = _Clock(device, config.profile)
-        emitted: list[int] = []
-        accepted_lengths: list[int] = []
-        drafted: list[int] = []
-        finish = "length"
-        committed = prompt_len  # tokens in the sequence, pending included
-        while True:
+        active = list(rows)
+        num_forwards = 0
+        while active:
             # A path of depth d emits d + 1 tokens: stay within max_new_tokens and the context.
-            max_depth = config.max_new_tokens - len(emitted) - 1
-            if max_len is not None:
-                if committed >= max_len:
-                    finish = "context"
-                    break
-                max_depth = min(max_depth, max_len - committed - 1)
-            tree, kept_nodes = limit_depth(drafter.propose(), max_depth)
+            limits = []
+            for row in active:
+                max_depth = config.max_new_tokens - len(row.emitted) - 1
+                if max_len is not None:
+                    if row.length + 1 >= max_len:
+                        row.finish = "context"
+                    max_depth = min(max_depth, max_len - row.length - 2)
+                limits.append(max_depth)
+            active, limits, slots = _leave(cache, active, limits, slots)
+            if not active:
+                break
+            drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
             clock.lap("draft")
 
-            past_len = committed - 1
-            verification = forward_tree(target, cache, tree.tokens, tree.parents, past_len, want_hidden)
+            trees = [tree for tree, _ in drafts]
+            batch = pad_trees(trees)
+            lengths = torch.tensor([row.length for row in active], device=device)
+            verification = forward_trees(target, cache, batch, lengths, slots, want_hidden)
+            num_forwards += 1
             clock.lap("verify")
 
-            result = accept_tree(tree, verification.logits, config.sampling, history_seen, generator, config.typical)
+            results = [
+                accept_tree(tree, verification.logits[b : b + 1, : tree.num_nodes], config.sampling, row.seen, generator,
+                            config.typical)
+                for b, (row, tree) in enumerate(zip(active, trees))
+            ]
             clock.lap("accept")
 
-            keep_path(cache, past_len, result.path)
+            slots = keep_paths(cache, [row.length for row in active], slots, [r.path for r in results])
             clock.lap("cache")
 
-            path_tokens = tree.tokens[0, result.path].tolist()
-            round_tokens = path_tokens[1:] + [result.next_token]
-            before = len(emitted)
-            emitted.extend(round_tokens)
-            stop = first_stop(emitted, before, rules, decode)
-            if stop is not None:
-                del emitted[stop[0]:]
-                finish = stop[1]
-            kept = emitted[before:]
-            accepted_lengths.append(len(kept))
-            drafted.append(tree.num_draft)
-            committed += len(round_tokens)
-            if track_seen:
-                history_seen[0, torch.tensor(round_tokens, device=device)] = True
-            if on_tokens is not None and kept:
-                on_tokens(kept)
-            if streamer is not None and kept:
-                streamer.put(torch.tensor(kept))
-            if stop is not None:
-                clock.lap("other")
-                break
-            path_index = torch.tensor(result.path, device=device)
-            round_features = select_features(
-                verification.hidden_states, drafter.feature_layers, drafter.needs_last_hidden, path_index
-            )
-            depth_of = node_depths(tree.parents)
-            depths = depth_of[result.path].tolist()
-            drafter.commit(
-                tree.tokens[:, path_index],
-                round_features,
-                torch.tensor([result.next_token], device=device),
-                RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
-                           depth=int(depth_of.max()), accepted_depths=depths[1:],
-                           # in the drafter's own numbering, before limit_depth
-                           path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path]),
-            )
+            for b, (row, (tree, kept_nodes), result) in enumerate(zip(active, drafts, results)):
+                _advance(row, b, tree, kept_nodes, result, verification, rules, decode, on_tokens, streamer)
             clock.lap("other")
         if streamer is not None:
             streamer.end()
 
-    return GenerationResult(
-        new_tokens=torch.tensor([emitted], dtype=torch.long, device=device),
-        accepted_lengths=accepted_lengths,
-        finish_reason=finish,
-        lossy=config.lossy,
+    return BatchGenerationResult(
+        rows=[
+            GenerationResult(
+                new_tokens=torch.tensor([row.emitted], dtype=torch.long, device=device),
+                accepted_lengths=row.accepted_lengths, finish_reason=row.finish or "length", lossy=config.lossy,
+                drafted=row.drafted,
+            )
+            for row in rows
+        ],
+        num_forwards=num_forwards,
         timings=dict(clock.totals),
-        drafted=drafted,
         prefill_seconds=prefill_seconds,
         decode_seconds=sum(clock.totals.values()),
+        lossy=config.lossy,
+    )
+
+
+def _leave(cache, active: list[_Row], limits: list[int], slots: int):
+    """Drop finished rows from the batch and their K/V from the cache (cut to the longest row left)."""
+    keep = [i for i, row in enumerate(active) if row.finish is None]
+    if len(keep) == len(active):
+        return active, limits, slots
+    active = [active[i] for i in keep]
+    if active:
+        slots = max(row.length for row in active)
+        select_rows(cache, keep, slots)
+    return active, [limits[i] for i in keep], slots
+
+
+def _advance(row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance, verification, rules, decode,
+             on_tokens, streamer) -> None:
+    """Emit row b's accepted tokens, apply the stop rules and move its drafter on."""
+    path_tokens = tree.tokens[0, result.path].tolist()
+    round_tokens = path_tokens[1:] + [result.next_token]
+    before = len(row.emitted)
+    row.emitted.extend(round_tokens)
+    stop = first_stop(row.emitted, before, rules, decode)
+    if stop is not None:
+        del row.emitted[stop[0]:]
+        row.finish = stop[1]
+    kept = row.emitted[before:]
+    row.accepted_lengths.append(len(kept))
+    row.drafted.append(tree.num_draft)
+    row.length += len(result.path)  # the root and the accepted drafts are now in the cache
+    device = tree.tokens.device
+    if row.seen is not None:
+        row.seen[0, torch.tensor(round_tokens, device=device)] = True
+    if on_tokens is not None and kept:
+        on_tokens(kept)
+    if streamer is not None and kept:
+        streamer.put(torch.tensor(kept))
+    if stop is not None:
+        return
+    path_index = torch.tensor(result.path, device=device)
+    hidden = None
+    if verification.hidden_states is not None:
+        hidden = tuple(h[b : b + 1] for h in verification.hidden_states)
+    drafter = row.drafter
+    round_features = select_features(hidden, drafter.feature_layers, drafter.needs_last_hidden, path_index)
+    depth_of = node_depths(tree.parents)
+    depths = depth_of[result.path].tolist()
+    drafter.commit(
+        tree.tokens[:, path_index],
+        round_features,
+        torch.tensor([result.next_token], device=device),
+        RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
+                   depth=int(depth_of.max()), accepted_depths=depths[1:],
+                   # in the drafter's own numbering, before limit_depth
+                   path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path]),
     )

@@ -93,21 +93,75 @@ def tree_attention_mask(
     batch: int = 1,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
+    """Additive 4-D mask [B, 1, N, past_len + N] for one tree shared by the batch, after `past_len`
+    cached positions that every row holds in full (see `batch_tree_mask`)."""
+    n = parents.shape[0]
+    ancestors = ancestor_mask(parents)[None].expand(batch, n, n)
+    depths = node_depths(parents)[None].expand(batch, n)
+    lengths = torch.full((batch,), past_len, dtype=torch.long, device=parents.device)
+    return batch_tree_mask(ancestors, depths, lengths, past_len, dtype, sliding_window)
+
+
+def batch_tree_mask(
+    ancestors: torch.Tensor,
+    depths: torch.Tensor,
+    prefix_lengths: torch.Tensor,
+    past_len: int,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
     """Additive 4-D mask [B, 1, N, past_len + N]: 0 where a node may attend, dtype-min elsewhere.
 
-    Each node sees the whole cached prefix, its ancestors and itself. With `sliding_window` w,
-    a query at absolute position t sees keys at positions > t - w (the usual local-attention rule).
+    ancestors: [B, N, N] bool (`ancestor_mask` of each row's tree); depths: [B, N];
+    prefix_lengths: [B], row b's committed tokens, held in cache slots [0, prefix_lengths[b]) of
+    the `past_len` cached ones (slots past a row's own length are stale, docs/trees.md "Batches").
+    Each node sees its row's prefix, its ancestors and itself. With `sliding_window` w, a query at
+    absolute position t sees keys at positions > t - w (the usual local-attention rule). The
+    minimum is finite, so a row that sees nothing stays finite instead of NaN.
     """
-    anc = ancestor_mask(parents)  # [N, N]
-    n = parents.shape[0]
-    allowed = torch.cat([torch.ones(n, past_len, dtype=torch.bool, device=parents.device), anc], dim=1)
+    batch, n, _ = ancestors.shape
+    device = ancestors.device
+    slots = torch.arange(past_len, device=device)
+    prefix = (slots[None, :] < prefix_lengths[:, None])[:, None, :].expand(batch, n, past_len)  # [B, N, past]
+    allowed = torch.cat([prefix, ancestors], dim=2)  # [B, N, past + N]
     if sliding_window is not None:
-        q_pos = node_depths(parents) + past_len  # [N]
-        k_pos = torch.cat([torch.arange(past_len, device=parents.device), q_pos])  # [past + N]
-        allowed &= k_pos[None, :] > (q_pos[:, None] - sliding_window)
-    mask = torch.zeros(n, past_len + n, dtype=dtype, device=parents.device)
+        q_pos = prefix_lengths[:, None] + depths  # [B, N]
+        k_pos = torch.cat([slots[None, :].expand(batch, past_len), q_pos], dim=1)  # [B, past + N]
+        allowed = allowed & (k_pos[:, None, :] > (q_pos[:, :, None] - sliding_window))
+    mask = torch.zeros(batch, n, past_len + n, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].expand(batch, 1, n, past_len + n)
+    return mask[:, None]
+
+
+@dataclass
+class TreeBatch:
+    """Each row's own tree, padded to one node count for one verification forward.
+
+    tokens: [B, N] long; ancestors: [B, N, N] bool; depths: [B, N] long; sizes[b]: row b's real
+    node count. Padding nodes (index >= sizes[b]) repeat the root token at depth 0 and see only
+    themselves: their logits are never read and their K/V never kept.
+    """
+
+    tokens: torch.Tensor
+    ancestors: torch.Tensor
+    depths: torch.Tensor
+    sizes: list[int]
+
+
+def pad_trees(trees: Sequence[DraftTree]) -> TreeBatch:
+    """Stack batch-1 trees (one per row) into a TreeBatch."""
+    n = max(t.num_nodes for t in trees)
+    device = trees[0].tokens.device
+    tokens = torch.empty(len(trees), n, dtype=torch.long, device=device)
+    ancestors = torch.eye(n, dtype=torch.bool, device=device).repeat(len(trees), 1, 1)
+    depths = torch.zeros(len(trees), n, dtype=torch.long, device=device)
+    for b, tree in enumerate(trees):
+        size = tree.num_nodes
+        tokens[b, :size] = tree.tokens[0]
+        tokens[b, size:] = tree.tokens[0, 0]
+        ancestors[b, :size, :size] = ancestor_mask(tree.parents)
+        depths[b, :size] = node_depths(tree.parents)
+    return TreeBatch(tokens, ancestors, depths, [t.num_nodes for t in trees])
 
 
 def retrieve_indices(parents: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from .cache import cache_kwargs
 from .drafter import TargetFeatures
-from .tree import tree_attention_mask, tree_position_ids
+from .tree import TreeBatch, ancestor_mask, batch_tree_mask, node_depths
 
 
 class TreeMaskUnsupported(NotImplementedError):
@@ -45,19 +45,32 @@ def _sliding_window(config) -> int | None:
 
 
 def attention_masks(config, parents: torch.Tensor, past_len: int, dtype: torch.dtype, batch: int):
+    """The mask for one tree shared by the batch, every row holding all `past_len` cached positions."""
+    n = parents.shape[0]
+    lengths = torch.full((batch,), past_len, dtype=torch.long, device=parents.device)
+    return batch_attention_masks(config, ancestor_mask(parents)[None].expand(batch, n, n),
+                                 node_depths(parents)[None].expand(batch, n), lengths, past_len, dtype)
+
+
+def batch_attention_masks(config, ancestors: torch.Tensor, depths: torch.Tensor, prefix_lengths: torch.Tensor,
+                          past_len: int, dtype: torch.dtype):
     """The tree mask in the form the target's family takes: one [B, 1, N, past+N] tensor, or a
     {layer type: mask} dict where full and sliding-window layers are mixed (Gemma-3, Qwen2 with
     `layer_types`). Masks are our own, so sliding windows are applied here, not by transformers."""
     window = _sliding_window(config)
     types = _layer_types(config)
-    full = tree_attention_mask(parents, past_len, dtype, batch)
+
+    def mask(w):
+        return batch_tree_mask(ancestors, depths, prefix_lengths, past_len, dtype, sliding_window=w)
+
+    full = mask(None)
     if types is None:
         # no per-layer types: a configured window applies to every layer (Mistral-style)
-        return full if window is None else tree_attention_mask(parents, past_len, dtype, batch, sliding_window=window)
+        return full if window is None else mask(window)
     kinds = set(types)
     sliding = None
     if "sliding_attention" in kinds and window is not None:
-        sliding = tree_attention_mask(parents, past_len, dtype, batch, sliding_window=window)
+        sliding = mask(window)
     if kinds <= {"full_attention"} or sliding is None:
         return full
     if kinds == {"sliding_attention"}:
@@ -72,15 +85,28 @@ class Verification:
 
 
 def forward_tree(target, cache, tokens: torch.Tensor, parents: torch.Tensor, past_len: int, want_hidden: bool) -> Verification:
-    """Run the target over the tree nodes `tokens` [B, N] after `past_len` cached positions.
-    Appends the N nodes' K/V to `cache` (the caller keeps only the accepted path)."""
-    batch = tokens.shape[0]
+    """Run the target over one tree's nodes `tokens` [B, N] (every row the same shape) after
+    `past_len` cached positions. Appends the N nodes' K/V to `cache` (the caller keeps only the
+    accepted path)."""
+    batch, n = tokens.shape
+    parents = parents.to(tokens.device)
+    trees = TreeBatch(tokens, ancestor_mask(parents)[None].expand(batch, n, n),
+                      node_depths(parents)[None].expand(batch, n), [n] * batch)
+    lengths = torch.full((batch,), past_len, dtype=torch.long, device=tokens.device)
+    return forward_trees(target, cache, trees, lengths, past_len, want_hidden)
+
+
+def forward_trees(target, cache, trees: TreeBatch, prefix_lengths: torch.Tensor, past_len: int,
+                  want_hidden: bool) -> Verification:
+    """Run the target over each row's tree after its own `prefix_lengths[b]` committed tokens, all
+    rows in one forward; the cache holds `past_len` slots per row (docs/trees.md "Batches").
+    A node sits at position prefix_lengths[b] + depth."""
     dtype = next(target.parameters()).dtype
-    mask = attention_masks(target.config, parents.to(tokens.device), past_len, dtype, batch)
+    mask = batch_attention_masks(target.config, trees.ancestors, trees.depths, prefix_lengths, past_len, dtype)
     out = target(
-        input_ids=tokens,
+        input_ids=trees.tokens,
         attention_mask=mask,
-        position_ids=tree_position_ids(parents.to(tokens.device), past_len, batch),
+        position_ids=prefix_lengths[:, None] + trees.depths,
         **cache_kwargs(target, cache),
         use_cache=True,
         output_hidden_states=want_hidden,

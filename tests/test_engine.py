@@ -120,8 +120,12 @@ def test_repetition_penalty_greedy_matches_generate():
 
 def test_bad_inputs_are_clear_errors():
     target = tiny_causal_lm("llama")
-    with pytest.raises(NotImplementedError, match="batch"):
-        speculative_generate(target, PromptLookupDrafter(), torch.zeros(2, 5, dtype=torch.long), GenerationConfig())
+    with pytest.raises(ValueError, match="attention_mask"):
+        speculative_generate(target, PromptLookupDrafter(), torch.zeros(2, 5, dtype=torch.long), GenerationConfig(),
+                             attention_mask=torch.ones(2, 4))
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        speculative_generate(target, PromptLookupDrafter(), torch.zeros(2, 5, dtype=torch.long), GenerationConfig(),
+                             on_tokens=print)
     with pytest.raises(ValueError, match="empty prompt"):
         speculative_generate(target, PromptLookupDrafter(), torch.zeros(1, 0, dtype=torch.long), GenerationConfig())
     with pytest.raises(PromptTooLong):

@@ -54,3 +54,22 @@ def test_self_draft_tree_accepts_full_depth(smollm2):
                                   GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_ids=eos))
     assert result.new_tokens[0].tolist() == ref
     assert all(n == 4 for n in result.accepted_lengths[:-1])
+
+
+def test_batched_shipped_head_rows_equal_the_target_greedy_output(smollm2):
+    """The three prompts (of different lengths) in one batch, drafted by the shipped EAGLE-3 head
+    with prompt lookup merged in: each row is that prompt's own greedy output."""
+    from drafthead.drafters import default_head_path, load_heads
+
+    loaded, encoded, refs, eos = smollm2
+    drafter, target = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)
+    assert target is loaded.model
+    width = max(ids.shape[1] for ids in encoded)
+    batch = torch.full((len(encoded), width), eos[0])
+    mask = torch.zeros_like(batch)
+    for b, ids in enumerate(encoded):
+        batch[b, width - ids.shape[1]:], mask[b, width - ids.shape[1]:] = ids[0], 1
+    result = speculative_generate(loaded.model, drafter, batch, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_ids=eos),
+                                  attention_mask=mask)
+    assert [row.new_tokens[0].tolist() for row in result.rows] == refs
+    assert sum(row.tau for row in result.rows) / len(refs) > 1.5  # the head drafts well in the batch too

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter import RoundStats, TargetFeatures
+from ..drafter import RoundStats, TargetFeatures, fork_drafter
 from ..tree import DraftTree, node_depths
 
 
@@ -67,6 +67,9 @@ class MergedDrafter:
         self.feature_layers = tuple(layers)
         self.needs_last_hidden = any(d.needs_last_hidden for d in drafters)
         self.maps: list[list[int]] = []
+
+    def fork(self) -> "MergedDrafter":
+        return MergedDrafter([fork_drafter(d) for d in self.drafters], self.extra_nodes)
 
     def describe(self) -> dict:
         return {"kind": "merged", "extra_nodes": self.extra_nodes,

@@ -1,0 +1,162 @@
+"""Batch > 1: every row of a batched speculative decode is that prompt's own output, token for
+token in fp32 greedy and in distribution under sampling (at tree depth 2), whatever the other rows
+accept, however long their prompts and whenever they finish."""
+from collections import Counter
+
+import pytest
+import torch
+
+from drafthead.heads.registry import build_head, make_config
+from drafthead.inference.cache import cache_kwargs, keep_paths, new_cache
+from drafthead.inference.drafters.draft_model import DraftModelDrafter
+from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
+from drafthead.inference.drafters.merged import MergedDrafter
+from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+from drafthead.inference.generate import GenerationConfig, speculative_generate
+from drafthead.inference.sampling import SamplingConfig
+from drafthead.inference.tree import DraftTree, pad_trees
+from drafthead.inference.verify import forward_trees
+from tests.stats import chi_square_pvalue
+from tests.test_sampling_exactness import ALPHA, VOCAB, exact_first_three
+from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
+
+LENGTHS = (1, 6, 13, 21)  # a one-token prompt has nothing to prefill: its drafter starts blind
+
+
+def left_padded(prompts: list[torch.Tensor], pad: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] ids and attention mask, shorter prompts padded on the left (as tokenizers do for generation)."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():] = p
+        mask[b, width - p.numel():] = 1
+    return ids, mask
+
+
+def prompts_of(lengths, seed=0) -> list[torch.Tensor]:
+    return [repetitive_prompt(96, length=max(2, n), seed=seed + n)[0, :n] for n in lengths]
+
+
+def batch_drafters(target, family):
+    head_e = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
+                        token_counts=torch.arange(96)).eval()
+    head_m = build_head(make_config("medusa1", target, None, name="tiny"), target).eval()
+    return {
+        "prompt-lookup": PromptLookupDrafter(num_draft=6),
+        "prompt-lookup-streak": PromptLookupDrafter(num_draft=3, streak_draft=12),
+        "draft-model-tree": DraftModelDrafter(tiny_causal_lm(family, seed=7, layers=4),
+                                              choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]),
+        "self-chain": DraftModelDrafter(target, num_draft=4),
+        "eagle3": EagleDrafter(head_e, total_tokens=10, depth=4, top_k=3),
+        "medusa1": MedusaDrafter(head_m, num_nodes=8),
+        "eagle3+lookup": MergedDrafter([EagleDrafter(head_e, total_tokens=8, depth=3, top_k=3),
+                                        PromptLookupDrafter(num_draft=4)], extra_nodes=4),
+    }
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_batched_greedy_rows_equal_their_own_plain_greedy(family):
+    target = tiny_causal_lm(family, layers=4)
+    prompts = prompts_of(LENGTHS, seed=len(family))
+    refs = [plain_greedy(target, p[None], 28) for p in prompts]
+    ids, mask = left_padded(prompts)
+    for name, drafter in batch_drafters(target, family).items():
+        result = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=28), attention_mask=mask)
+        assert [row.new_tokens[0].tolist() for row in result.rows] == refs, (family, name)
+        assert all(row.finish_reason == "length" for row in result.rows)
+        # one forward per round of the slowest row: the batch did not decode row by row
+        assert result.num_forwards == max(row.num_rounds for row in result.rows), name
+
+
+def test_rows_finish_independently_as_they_would_alone():
+    """An EOS in one row's output and a context limit in another's: each row stops where its own
+    batch-1 run stops, and the rows still running are unchanged by those leaving."""
+    target = tiny_causal_lm("qwen2", layers=4)
+    prompts = prompts_of((5, 9, 16, 30), seed=4)
+    free = [plain_greedy(target, p[None], 40) for p in prompts]
+    eos = free[1][6]  # row 1 emits this token early; the other rows may too, later or never
+    config = GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,), max_length=62)
+    ids, mask = left_padded(prompts)
+    batched = speculative_generate(target, PromptLookupDrafter(num_draft=5), ids, config, attention_mask=mask)
+    alone = [speculative_generate(target, PromptLookupDrafter(num_draft=5), p[None], config) for p in prompts]
+    assert [r.finish_reason for r in batched.rows] == [r.finish_reason for r in alone]
+    assert [r.new_tokens.tolist() for r in batched.rows] == [r.new_tokens.tolist() for r in alone]
+    reasons = {r.finish_reason for r in alone}
+    assert "eos" in reasons and "context" in reasons, reasons  # both ways of leaving early were exercised
+    assert batched.rows[1].new_tokens.shape[1] == free[1].index(eos) + 1  # stopped right after its EOS
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_ragged_cache_matches_recomputation(family):
+    """Rows of different lengths verify different trees in one forward: every node's logits equal
+    a plain forward over that row's tokens and the node's path; after keep_paths moves each row's
+    accepted path behind its own prefix, the next round's logits are right again."""
+    target = tiny_causal_lm(family, layers=2)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 96, (n,), generator=g) for n in (3, 11, 7)]  # committed tokens per row
+    shapes = [[-1, 0, 0, 1, 2, 3], [-1, 0, 1], [-1, 0, 1, 1, 0, 4, 5, 2]]
+    paths = [[0, 1, 3], [0], [0, 4, 5, 6]]
+    cache = new_cache()
+    slots = max(s.numel() for s in seqs)
+    padded = torch.zeros(len(seqs), slots, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        padded[b, : s.numel()] = s
+    with torch.no_grad():
+        target(input_ids=padded, **cache_kwargs(target, cache), use_cache=True)
+        for round_ in range(2):
+            trees = [DraftTree(torch.randint(3, 96, (1, len(p)), generator=g), torch.tensor(p)) for p in shapes]
+            lengths = torch.tensor([s.numel() for s in seqs])
+            out = forward_trees(target, cache, pad_trees(trees), lengths, slots, want_hidden=False)
+            for b, (tree, seq) in enumerate(zip(trees, seqs)):
+                parents = tree.parents.tolist()
+                for node in range(tree.num_nodes):
+                    path, i = [], node
+                    while i >= 0:
+                        path.append(int(tree.tokens[0, i]))
+                        i = parents[i]
+                    ref = target(torch.cat([seq, torch.tensor(path[::-1])])[None]).logits[0, -1]
+                    torch.testing.assert_close(out.logits[b, node], ref, atol=2e-5, rtol=1e-4, msg=f"{round_} {b} {node}")
+            slots = keep_paths(cache, lengths.tolist(), slots, paths)
+            seqs = [torch.cat([seq, tree.tokens[0, path]]) for seq, tree, path in zip(seqs, trees, paths)]
+            assert slots == max(s.numel() for s in seqs)
+
+
+BATCH_RUNS = 1250  # x 2 copies of each prompt in the batch: 2500 samples per prompt
+
+
+# (drafter, sampling): a sampled draft-model chain of 2, and an EAGLE head tree of depth 2 with a
+# repetition penalty (sharp logits and a strong penalty, so that the law without it is far off)
+SAMPLED_BATCH_CASES = {
+    "draft-model-chain": (SamplingConfig(temperature=0.9), 0.25),
+    "eagle3-tree-penalty": (SamplingConfig(temperature=1.0, repetition_penalty=3.0), 1.0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLED_BATCH_CASES))
+def test_batched_sampling_is_exact_per_row_at_depth_two(case):
+    """Four rows (two prompts of different lengths, twice each) per batch: the first three tokens of
+    each row follow that prompt's own law, and depth-2 paths were accepted whole."""
+    sampling, lm_scale = SAMPLED_BATCH_CASES[case]
+    target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(lm_scale)
+    if case == "draft-model-chain":
+        draft = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=4)
+        drafter = DraftModelDrafter(draft, num_draft=2, sampling=sampling, seed=0)
+    else:
+        head = build_head(make_config("eagle3", target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
+        drafter = EagleDrafter(head, total_tokens=6, depth=2, top_k=2)
+    prompts = [torch.tensor([3, 4, 5, 3, 4]), torch.tensor([6, 3])]
+    ids, mask = left_padded(prompts * 2, pad=0)
+    counts, deep = [Counter(), Counter()], 0
+    for run in range(BATCH_RUNS):
+        out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run),
+                                   attention_mask=mask)
+        for b, row in enumerate(out.rows):
+            counts[b % 2][tuple(row.new_tokens[0].tolist())] += 1
+            deep += row.accepted_lengths[0] == 3
+    assert deep > 0  # some rows accepted a depth-2 path in their first round
+    for prompt, count in zip(prompts, counts):
+        exact = exact_first_three(target, prompt[None], sampling)
+        assert chi_square_pvalue(count, exact, 2 * BATCH_RUNS) > ALPHA, prompt.tolist()
