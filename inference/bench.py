@@ -46,6 +46,7 @@ class BenchSettings:
     progress: bool = True  # tqdm bar over prompts (stderr)
     repetition_ngram: int = 4
     info: dict = field(default_factory=dict)  # recorded verbatim under report["settings"]
+    policy: object = None  # a SpeculationPolicy (`--num-draft auto`), shared by every prompt's run
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -281,7 +282,8 @@ def run_bench(
 
     def gen_config(n: int, seed: int | None) -> GenerationConfig:
         return GenerationConfig(
-            max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, profile=settings.profile
+            max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, profile=settings.profile,
+            policy=settings.policy,
         )
 
     sampled = not settings.sampling.greedy

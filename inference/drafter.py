@@ -47,6 +47,9 @@ class RoundStats:
     depth: int  # deepest node of the tree
     accepted_depths: list[int] = field(default_factory=list)  # depth of each accepted node
     path: list[int] = field(default_factory=list)  # accepted node indices, root (0) first
+    # the drafter was not asked to propose this round (the load policy decoded plainly): the tree
+    # its state remembers is not the one verified, and the path holds the root only
+    skipped: bool = False
 
     @property
     def accepted_on_path(self) -> int:

@@ -25,6 +25,7 @@ import torch
 from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
 from .cache import cache_kwargs, keep_paths, new_cache, select_rows
 from .drafter import RoundStats, fork_drafter
+from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from .stopping import StopRules, first_stop
 from .tree import DraftTree, ancestor_mask, node_depths, pad_trees
@@ -46,6 +47,9 @@ class GenerationConfig:
     profile: bool = False  # synchronise the device around each phase so `timings` are exact
     # LOSSY, opt-in: Medusa's typical acceptance instead of the exact rule (sampling only)
     typical: TypicalAcceptance | None = None
+    # speculation by load (`--num-draft auto`): cuts every row's tree to the node count that pays
+    # at this batch size, down to plain decoding (inference/policy.py); None: verify whole trees
+    policy: SpeculationPolicy | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -166,6 +170,7 @@ class _Row:
     prompt_len: int
     length: int  # committed tokens whose K/V the cache holds, in slots [0, length); the pending one is not
     seen: torch.Tensor | None  # [1, V] what a repetition penalty sees (prompt + emitted)
+    pending: int  # the last committed token, whose K/V the next round computes as the tree root
     emitted: list[int] = field(default_factory=list)
     accepted_lengths: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
@@ -259,7 +264,7 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
             if hidden is not None and n > 0:
                 features = select_features(tuple(h[b : b + 1, :n] for h in hidden), d.feature_layers, d.needs_last_hidden)
             d.begin(p[None, :-1], features, p[-1:])
-            rows.append(_Row(d, p.numel(), n, seen_mask(p[None], vocab) if track_seen else None))
+            rows.append(_Row(d, p.numel(), n, seen_mask(p[None], vocab) if track_seen else None, int(p[-1])))
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         prefill_seconds = time.perf_counter() - start
@@ -280,7 +285,18 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
             active, limits, slots = _leave(cache, active, limits, slots)
             if not active:
                 break
-            drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
+            policy = config.policy
+            round_start = time.perf_counter()
+            drafting = policy is None or policy.should_draft(len(active))
+            if drafting:
+                drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
+            else:  # plain decoding this round: each tree is its root
+                drafts = [(DraftTree(torch.tensor([[row.pending]], device=device), torch.tensor([-1], device=device)), None)
+                          for row in active]
+            if policy is not None and drafting:
+                keep = policy.cut([tree for tree, _ in drafts])
+                drafts = [(cut_tree(tree, keep), kept_nodes) for tree, kept_nodes in drafts]
+            draft_seconds = time.perf_counter() - round_start
             clock.lap("draft")
 
             trees = [tree for tree, _ in drafts]
@@ -289,6 +305,7 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
             verification = forward_trees(target, cache, batch, lengths, slots, want_hidden)
             num_forwards += 1
             clock.lap("verify")
+            verify_end = time.perf_counter()
 
             results = [
                 accept_tree(tree, verification.logits[b : b + 1, : tree.num_nodes], config.sampling, row.seen, generator,
@@ -301,7 +318,12 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
             clock.lap("cache")
 
             for b, (row, (tree, kept_nodes), result) in enumerate(zip(active, drafts, results)):
-                _advance(row, b, tree, kept_nodes, result, verification, rules, decode, on_tokens, streamer)
+                _advance(row, b, tree, kept_nodes, result, verification, rules, decode, on_tokens, streamer, not drafting)
+            if policy is not None:
+                policy.observe([t.num_nodes for t in trees], [r.path for r in results],
+                               fixed_seconds=time.perf_counter() - verify_end,
+                               draft_seconds=draft_seconds if drafting else None)
+                policy.decisions.append(max(t.num_nodes for t in trees))
             clock.lap("other")
         if streamer is not None:
             streamer.end()
@@ -336,7 +358,7 @@ def _leave(cache, active: list[_Row], limits: list[int], slots: int):
 
 
 def _advance(row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance, verification, rules, decode,
-             on_tokens, streamer) -> None:
+             on_tokens, streamer, skipped: bool) -> None:
     """Emit row b's accepted tokens, apply the stop rules and move its drafter on."""
     path_tokens = tree.tokens[0, result.path].tolist()
     round_tokens = path_tokens[1:] + [result.next_token]
@@ -350,6 +372,7 @@ def _advance(row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance,
     row.accepted_lengths.append(len(kept))
     row.drafted.append(tree.num_draft)
     row.length += len(result.path)  # the root and the accepted drafts are now in the cache
+    row.pending = result.next_token
     device = tree.tokens.device
     if row.seen is not None:
         row.seen[0, torch.tensor(round_tokens, device=device)] = True
@@ -374,5 +397,6 @@ def _advance(row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance,
         RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
                    depth=int(depth_of.max()), accepted_depths=depths[1:],
                    # in the drafter's own numbering, before limit_depth
-                   path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path]),
+                   path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path],
+                   skipped=skipped),
     )

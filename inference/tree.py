@@ -50,7 +50,8 @@ class DraftTree:
         return self.tokens.shape[1] - 1
 
     def subtree(self, keep: torch.Tensor) -> "DraftTree":
-        """Keep the nodes in `keep` ([M] long, sorted, containing 0 and closed under ancestors)."""
+        """Keep the nodes in `keep` ([M] long, starting with 0, closed under ancestors, every node
+        after its parent), renumbered in that order."""
         parents = reindex_parents(self.parents, keep)
         probs = None if self.draft_probs is None else self.draft_probs[:, keep]
         return DraftTree(self.tokens[:, keep], parents, probs)
@@ -197,7 +198,7 @@ def path_to(parents: torch.Tensor, node: int) -> list[int]:
 
 
 def reindex_parents(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Parents of the sub-tree made of nodes `keep` (sorted, closed under ancestors), renumbered."""
+    """Parents of the sub-tree made of nodes `keep` (closed under ancestors, parents first), renumbered."""
     new_index = torch.full_like(parents, -1)
     new_index[keep] = torch.arange(keep.numel(), device=parents.device)
     old_parents = parents[keep]
@@ -288,3 +289,24 @@ def select_top_nodes(parents: torch.Tensor, scores: torch.Tensor, total_tokens: 
             kept.add(j)
             j = p[j]
     return torch.tensor(sorted(kept), dtype=torch.long, device=parents.device)
+
+
+def best_first(parents: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """The nodes `keep` (containing 0, closed under ancestors) reordered best score first, root
+    first and every node after its parent, so that any prefix of the order is itself a tree of
+    the best nodes: what the load policy's cut keeps (inference/policy.py). Ties go to shallower,
+    then earlier nodes; a node whose parent scores lower (a non-monotone drafter) waits for it."""
+    p = parents.tolist()
+    s = scores.tolist()
+    depth = node_depths(parents).tolist()
+    order = sorted(keep.tolist()[1:] if int(keep[0]) == 0 else keep.tolist(), key=lambda i: (-s[i], depth[i], i))
+    placed, out = {0}, [0]
+    for node in order:
+        chain = []
+        while node not in placed:
+            chain.append(node)
+            node = p[node]
+        for n in reversed(chain):
+            placed.add(n)
+            out.append(n)
+    return torch.tensor(out, dtype=torch.long, device=parents.device)

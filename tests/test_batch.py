@@ -160,3 +160,25 @@ def test_batched_sampling_is_exact_per_row_at_depth_two(case):
     for prompt, count in zip(prompts, counts):
         exact = exact_first_three(target, prompt[None], sampling)
         assert chi_square_pvalue(count, exact, 2 * BATCH_RUNS) > ALPHA, prompt.tolist()
+
+
+def test_batched_greedy_with_mixed_sliding_and_full_layers():
+    """Gemma-3's layer mix (sliding-window and full attention layers, one mask each): rows of
+    different lengths past the window still equal their own plain greedy output."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                              max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    target = Gemma3ForCausalLM(config).eval().requires_grad_(False)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)  # tied to the embeddings: sharper logits, fewer near-ties
+    prompts = prompts_of((2, 7, 12), seed=9)
+    refs = [plain_greedy(target, p[None], 20) for p in prompts]
+    ids, mask = left_padded(prompts)
+    for drafter in (PromptLookupDrafter(num_draft=5), DraftModelDrafter(target, num_draft=3)):
+        result = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=20), attention_mask=mask)
+        assert [row.new_tokens[0].tolist() for row in result.rows] == refs, type(drafter).__name__

@@ -220,3 +220,30 @@ def test_the_run_accepted_drafts(greedy_report):
     model repeats itself, so prompt lookup gets drafts accepted."""
     assert max(int(k) for k in greedy_report["acceptance_length_histogram"]) > 1
     assert greedy_report["per_position_acceptance"][0] > 0
+
+
+def test_batch_bench_rows_are_identical_and_the_report_adds_up(tiny):
+    """`bench --batch-size`: fixed tree and load policy on batches of 2 (one batch ragged: three
+    prompts), fp32 greedy rows equal their batch-1 plain outputs; the totals match the records."""
+    from drafthead.inference.batch_bench import format_batch_table, run_batch_bench, until_eos
+    from drafthead.inference.cost import CostCurve
+    from drafthead.inference.policy import SpeculationPolicy
+
+    factory, _ = make_drafter_factory("prompt-lookup", tiny.model, tiny.tokenizer)
+    policy = SpeculationPolicy(CostCurve((1, 8, 64), (0.01, 0.011, 0.05)), probe_every=4)
+    settings = BenchSettings(max_new_tokens=24, eos_token_ids=eos_token_ids(tiny.model, tiny.tokenizer), progress=False)
+    report = run_batch_bench(tiny.model, tiny.tokenizer, {"fixed": (factory, None), "policy": (factory, policy)},
+                             PROMPTS, settings, batch_size=2)
+    assert report["num_prompts"] == 3 and set(report["methods"]) == {"fixed", "policy"}
+    for name, method in report["methods"].items():
+        records = report["prompts"][name]
+        assert method["identical_fraction"] == 1.0, name
+        assert method["per_row_tau"] == [r["tau"] for r in records]
+        rounds = sum(r["rounds"] for r in records)
+        assert method["tau"] == pytest.approx(sum(r["new_tokens"] for r in records) / rounds)
+        assert method["num_forwards"] <= rounds  # rows of a batch share forwards
+    assert report["methods"]["policy"]["policy"]["mean_nodes"] >= 1
+    assert report["baseline_tokens_per_s"] > 0 and report["engine_plain_tokens_per_s"] > 0
+    assert "policy" in format_batch_table(report)
+    json.dumps(report)
+    assert until_eos([5, 6, 1, 2, 2], (1,)) == [5, 6, 1] and until_eos([5, 6], (1,)) == [5, 6]

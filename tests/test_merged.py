@@ -15,10 +15,10 @@ def test_merge_trees_dedupes_shared_prefixes_and_respects_budgets():
     a = DraftTree(torch.tensor([[9, 1, 2, 3]]), torch.tensor([-1, 0, 1, 0]))  # 9 -> 1 -> 2, 9 -> 3
     b = DraftTree(torch.tensor([[9, 1, 5, 6, 7]]), torch.tensor([-1, 0, 1, 2, 0]))  # 9 -> 1 -> 5 -> 6, 9 -> 7
     merged, maps = merge_trees([a, b], [None, 2])
-    # breadth-first: depth-1 nodes of a, then its depth-2 node, then b's new nodes
-    assert merged.tokens[0].tolist() == [9, 1, 3, 2, 7, 5]
-    assert merged.parents.tolist() == [-1, 0, 0, 1, 0, 1]
-    assert maps[0] == [0, 1, 3, 2]
+    # a (no budget) in its own order, then b's new nodes shallowest first
+    assert merged.tokens[0].tolist() == [9, 1, 2, 3, 7, 5]
+    assert merged.parents.tolist() == [-1, 0, 1, 0, 0, 1]
+    assert maps[0] == [0, 1, 2, 3]
     assert maps[1] == [0, 1, 5, -1, 4]  # 6 fell outside b's budget of 2 new nodes
 
 

@@ -164,3 +164,30 @@ def test_regenerate_feeds_own_answers_and_resumes(tmp_path):
     assert report.already_done == 2 and report.written == 1 and stub2.calls == 1
     ds, _ = load_conversations("regenerated", str(out), use_cache=False)
     assert ds["id"] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize("proposer", ["prompt-lookup", "eagle3"])
+def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_path, proposer):
+    """fp32 greedy: answering through our batched speculative decoding writes the same records as
+    answering with transformers' generate() (multi-turn, prompts of different lengths per batch)."""
+    from drafthead.heads.registry import build_head, make_config
+    from drafthead.inference.drafters.heads import EagleDrafter
+    from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+    from tests.tiny import tiny_causal_lm
+
+    tok = tiny_tokenizer()
+    target = tiny_causal_lm("llama", vocab=len(tok), layers=4, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    if proposer == "eagle3":
+        head = build_head(make_config("eagle3", target, tok, name="tiny"), target).eval()
+        drafter = EagleDrafter(head, total_tokens=8, depth=3, top_k=3)
+    else:
+        drafter = PromptLookupDrafter(num_draft=4)
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "x"},
+                                         {"role": "user", "content": "and then " * (i + 1)}]}
+             for i, text in enumerate(["hi", "tell me a story about a cat", "the the the the"])]
+    plain, spec = tmp_path / "plain.jsonl", tmp_path / "spec.jsonl"
+    regenerate(target, tok, convs, plain, max_new_tokens=12, batch_size=1, progress=False)
+    report = regenerate(target, tok, convs, spec, max_new_tokens=12, batch_size=3, progress=False, drafter=drafter)
+    assert report.written == 3 and report.turns_answered == 6
+    assert spec.read_text() == plain.read_text()

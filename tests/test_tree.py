@@ -8,6 +8,7 @@ from drafthead.inference.tree import (
     chain_parents,
     node_depths,
     retrieve_indices,
+    best_first,
     select_top_nodes,
     tree_attention_mask,
     tree_from_choices,
@@ -130,3 +131,16 @@ def test_select_top_nodes_keeps_best_and_ancestors():
 
 def test_chain_parents():
     assert chain_parents(3).tolist() == [-1, 0, 1, 2]
+
+
+def test_best_first_order_is_a_tree_at_every_prefix():
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3])
+    scores = torch.tensor([0.0, -1.0, -0.5, -1.2, -3.0, -0.9, -2.0])
+    order = best_first(parents, scores, torch.arange(7))
+    assert order.tolist() == [0, 2, 5, 1, 3, 6, 4]  # by score, every parent before its children
+    tree = DraftTree(torch.arange(7)[None], parents).subtree(order)
+    for n in range(1, 8):  # every prefix is a valid tree
+        DraftTree(tree.tokens[:, :n], tree.parents[:n])
+    # a child scoring above its parent (non-monotone drafter) waits for the parent
+    odd = best_first(parents, torch.tensor([0.0, -2.0, -3.0, -0.1, -4.0, -5.0, -6.0]), torch.arange(7))
+    assert odd.tolist()[:3] == [0, 1, 3]

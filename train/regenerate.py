@@ -75,8 +75,13 @@ def _split_turns(messages: list[dict]) -> tuple[list[dict], list[str]]:
 
 @torch.no_grad()
 def answer(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-           stop_ids: list[int], pad_id: int) -> list[tuple[str, bool]]:
-    """Batched generation with left padding -> [(answer text, ended with a stop token)]."""
+           stop_ids: list[int], pad_id: int, drafter=None, seed: int = 0) -> list[tuple[str, bool]]:
+    """Batched generation -> [(answer text, ended with a stop token)]: transformers `generate()` with
+    left padding, or, given a drafter, our batched speculative decoding (the same answers under
+    greedy, the same distribution under sampling; docs/trees.md "Batches")."""
+    if drafter is not None:
+        return _answer_speculative(model, tokenizer, prompts, drafter, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_p=top_p, stop_ids=stop_ids, seed=seed)
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
     device = next(model.parameters()).device
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids)
@@ -91,6 +96,25 @@ def answer(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempera
         hits = [i for i, t in enumerate(row.tolist()) if t in stop_ids]
         ended = bool(hits)
         ids = row[: hits[0]] if hits else row
+        results.append((tokenizer.decode(ids, skip_special_tokens=True).strip(), ended))
+    return results
+
+
+def _answer_speculative(model, tokenizer, prompts, drafter, *, max_new_tokens, temperature, top_p, stop_ids, seed):
+    from ..inference.generate import GenerationConfig, generate_batch
+    from ..inference.sampling import SamplingConfig
+
+    device = next(model.parameters()).device
+    encoded = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"], device=device) for p in prompts]
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p) if temperature > 0 else SamplingConfig()
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids), seed=seed)
+    result = generate_batch(model, drafter, encoded, config)
+    results = []
+    for row in result.rows:
+        ids = row.new_tokens[0].tolist()
+        ended = row.finish_reason == "eos"
+        if ended:
+            ids = ids[:-1]  # the stop token itself, as generate()'s answers drop it
         results.append((tokenizer.decode(ids, skip_special_tokens=True).strip(), ended))
     return results
 
@@ -110,8 +134,10 @@ def regenerate(
     seed: int = 0,
     target_name: str | None = None,
     progress: bool = True,
+    drafter=None,
 ) -> RegenerateReport:
-    """Re-answer `conversations` ({id, messages}) with `model`; append records to `out_path`."""
+    """Re-answer `conversations` ({id, messages}) with `model`; append records to `out_path`.
+    drafter: answer with batched speculative decoding through it (None: transformers `generate()`)."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = done_ids(out_path)
@@ -151,7 +177,8 @@ def regenerate(
                 if not active:
                     break
                 answers = answer(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_p=top_p, stop_ids=stop_ids, pad_id=pad_id)
+                                 top_p=top_p, stop_ids=stop_ids, pad_id=pad_id, drafter=drafter,
+                                 seed=seed + zlib.crc32(str(batch[0]["id"]).encode()) + k)
                 for i, (text, ended) in zip(active, answers):
                     if not text:
                         report.empty_answers += 1

@@ -71,8 +71,8 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
     g.add_argument("--num-draft", type=_positive_int_or_auto, default=None,
-                   help="draft tokens per round (proposer default); EAGLE heads also take 'auto': per round, "
-                        "from the target's measured forward cost per node count")
+                   help="draft tokens per round (proposer default), or 'auto': each round, the node count (down "
+                        "to plain decoding) that pays at the batch size, from the target's measured forward cost")
     g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
                    help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "
                         "head folder's drafting.json, else 0)")
@@ -175,7 +175,8 @@ def drafter_factory_from_args(args, loaded, sampling, proposer: str, head: str |
     the loaded target unless a head adapts it (Medusa-2)."""
     from ..drafters import make_drafter_factory
 
-    kw = {"num_draft": args.num_draft}
+    # auto: the drafter drafts its default tree and the engine's load policy cuts it (policy_from_args)
+    kw = {"num_draft": None if args.num_draft == "auto" else args.num_draft}
     if proposer == "heads":
         kw.update(head=head, target_name=loaded.name)
         if args.lookup_nodes is not None:
@@ -194,6 +195,22 @@ def drafter_factory_from_args(args, loaded, sampling, proposer: str, head: str |
             raise ValueError("--proposer draft-model needs --draft-model NAME")
         kw.update(draft_model=args.draft_model, sampling=sampling, seed=getattr(args, "seed", None))
     return make_drafter_factory(proposer, loaded.model, loaded.tokenizer, **kw)
+
+
+POLICY_TOKEN_COUNTS = (1, 4, 8, 16, 32, 64, 128, 256, 512)  # what a batch of 16 rows x 32 nodes reaches
+
+
+def policy_from_args(args, model, drafter):
+    """`--num-draft auto`: the load policy (inference/policy.py), with the target's forward timed
+    once at POLICY_TOKEN_COUNTS the way the verifier calls it; else None."""
+    if args.num_draft != "auto":
+        return None
+    from ..inference.cost import measure_verify_cost
+    from ..inference.policy import SpeculationPolicy
+
+    note("--num-draft auto: timing the target's forward at " + ", ".join(map(str, POLICY_TOKEN_COUNTS)) + " tokens")
+    want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
+    return SpeculationPolicy(measure_verify_cost(model, POLICY_TOKEN_COUNTS, want_hidden=want_hidden))
 
 
 def note(message: str) -> None:

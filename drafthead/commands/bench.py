@@ -13,6 +13,7 @@ from . import (
     drafter_factory_from_args,
     load_target_from_args,
     note,
+    policy_from_args,
     sampling_from_args,
 )
 
@@ -28,6 +29,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--compare", choices=("hf-prompt-lookup",), action="append", default=[], help="also time HF's own method")
     p.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation length (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B",
+                   help="decode B prompts at a time, plain batched generate() vs ours batched (and ours with no "
+                        "drafting); reports total tokens/s, per-row tau, identical share and peak RSS")
     add_target_options(p)
     add_proposer_options(p)
     add_sampling_options(p)
@@ -73,6 +77,10 @@ def run(args) -> int:
     example = factory()
     if hasattr(example, "describe"):
         settings.info["drafter"] = example.describe()  # the effective settings, drafting.json included
+    if args.batch_size is not None:
+        return _run_batched(args, model, loaded.tokenizer, factory, example, prompts, settings)
+    if args.num_draft == "auto":
+        settings.policy = policy_from_args(args, model, example)
     report = run_bench(model, loaded.tokenizer, factory, prompts, settings)
     if args.out:
         write_text(args.out, json.dumps(report, indent=2) + "\n")
@@ -83,6 +91,19 @@ def run(args) -> int:
     if args.plot:
         note(f"plot: {plot_report(report, args.plot)}")
     print(format_table(report, profile=args.profile))
+    return 0
+
+
+def _run_batched(args, model, tokenizer, factory, example, prompts, settings) -> int:
+    from ..inference.batch_bench import format_batch_table, run_batch_bench
+
+    policy = policy_from_args(args, model, example)
+    name = "policy" if policy is not None else "speculative"
+    report = run_batch_bench(model, tokenizer, {name: (factory, policy)}, prompts, settings, args.batch_size)
+    if args.out:
+        write_text(args.out, json.dumps(report, indent=2) + "\n")
+        note(f"report: {args.out}")
+    print(format_batch_table(report))
     return 0
 
 

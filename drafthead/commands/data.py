@@ -38,6 +38,9 @@ def add_parser(subparsers) -> None:
     q.add_argument("--max-turns", type=_positive_int, default=None, help="answer at most this many user turns")
     q.add_argument("--max-prompt-tokens", type=_positive_int, default=None, help="stop a conversation whose prompt grows past this")
     q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--speculative", action="store_true",
+                   help="answer through our batched speculative decoding with the target's shipped head (or --head)")
+    q.add_argument("--head", default=None, metavar="DIR", help="with --speculative: this head instead of the shipped one")
 
     q = sub.add_parser("capture", help="write the target features a run config needs to shards")
     q.add_argument("--config", required=True, help="run config (target, head, data) or preset name")
@@ -72,10 +75,19 @@ def _regenerate(args) -> int:
     ds, source_report = load_conversations(args.source, args.path, args.limit)
     note(source_report.summary())
     loaded = load_target_from_args(args)
+    model, drafter = loaded.model, None
+    if args.speculative or args.head:
+        from ..drafters import default_head_path, load_heads
+
+        head = args.head or default_head_path(loaded.name)
+        if head is None:
+            raise ValueError(f"--speculative: no head ships for {loaded.name}; pass --head DIR")
+        drafter, model = load_heads(head, loaded.model, loaded.tokenizer, target_name=loaded.name)
+        note(f"answering through speculative decoding with the head at {head}")
     report = regenerate(
-        loaded.model, loaded.tokenizer, ds, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+        model, loaded.tokenizer, ds, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns,
-        seed=args.seed, target_name=loaded.name,
+        seed=args.seed, target_name=loaded.name, drafter=drafter,
     )
     print(f"{args.out}: {report.summary()}")
     return 0

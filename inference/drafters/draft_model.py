@@ -71,6 +71,8 @@ class DraftModelDrafter(DrafterBase):
     def commit(self, tokens, features, pending, stats: RoundStats) -> None:
         before = self.history.shape[1] - 1  # committed tokens before this round, old pending excluded
         super().commit(tokens, features, pending, stats)
+        if stats.skipped:  # nothing was drafted or fed: the next propose catches the cache up
+            return
         # The cache holds `before` history tokens + the fed tree nodes; keep those on the path.
         # Fed nodes are the shallower ones, so they form a prefix of the accepted path.
         slots = [self.cache_slot[node] for node in stats.path if self.cache_slot[node] is not None]

@@ -22,7 +22,7 @@ from ..drafter import RoundStats, TargetFeatures
 from ..kernels import pack_linears
 from .merged import MergedDrafter
 from .prompt_lookup import PromptLookupDrafter
-from ..tree import DraftTree, select_top_nodes, tree_from_choices
+from ..tree import DraftTree, best_first, select_top_nodes, tree_from_choices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ class EagleDrafter:
 
     def commit(self, tokens, features: TargetFeatures | None, pending, stats: RoundStats) -> None:
         crop(self.cache, self.fed)  # drop the draft-tree nodes: only committed pairs stay
-        if self.auto:
+        if self.auto and not stats.skipped:
             self.predicted_sum = _DECAY * self.predicted_sum + self.predicted
             self.accepted_sum = _DECAY * self.accepted_sum + stats.accepted_on_path
         self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
@@ -235,7 +235,8 @@ class EagleDrafter:
         parents = torch.tensor([-1] + cand_parent)
         scores = torch.tensor([0.0] + cand_score)
         budget = self._auto_budget(cand_score, started, device) if self.auto else self.total_tokens
-        keep = select_top_nodes(parents, scores, budget)
+        # best first: a cut to the first n nodes keeps the n likeliest (the load policy's cut)
+        keep = best_first(parents, scores, select_top_nodes(parents, scores, budget))
         tree = DraftTree(torch.tensor([[int(root[0, 0])] + cand_tokens], device=device), parents.to(device))
         return tree.subtree(keep.to(device))
 

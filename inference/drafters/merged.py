@@ -16,8 +16,10 @@ def merge_trees(trees: list[DraftTree], budgets: list[int | None]) -> tuple[Draf
     """Union of trees sharing a root token, as a trie in topological order.
 
     budgets[i]: at most that many nodes *new to the merged tree* come from tree i (None: all),
-    taken shallowest first. Returns the merged tree and, per input tree, the merged index of each
-    of its nodes (-1 where a node was left out by its budget).
+    taken shallowest first. An unbudgeted tree's nodes keep their own order (an EAGLE tree's is
+    best first, which the load policy's cut relies on: inference/policy.py). Trees follow one
+    another. Returns the merged tree and, per input tree, the merged index of each of its nodes
+    (-1 where a node was left out by its budget).
     """
     root = int(trees[0].tokens[0, 0])
     tokens, parents = [root], [-1]
@@ -29,8 +31,11 @@ def merge_trees(trees: list[DraftTree], budgets: list[int | None]) -> tuple[Draf
         if int(tree.tokens[0, 0]) != root:
             raise ValueError("trees to merge must share the root token")
         t, p = tree.tokens[0].tolist(), tree.parents.tolist()
-        depth = node_depths(tree.parents).tolist()
-        order = sorted(range(1, len(t)), key=lambda i: (depth[i], i))
+        if budget is None:
+            order = list(range(1, len(t)))  # topological: a node's parent is mapped before it
+        else:
+            depth = node_depths(tree.parents).tolist()
+            order = sorted(range(1, len(t)), key=lambda i: (depth[i], i))
         mapping = [0] + [-1] * (len(t) - 1)
         added = 0
         for i in order:
@@ -99,9 +104,10 @@ class MergedDrafter:
         for d, mapping in zip(self.drafters, self.maps):
             back = {m: i for i, m in enumerate(mapping) if m >= 0}
             own_path = []
-            for node in stats.path:  # the accepted path as far as this drafter's tree has it
+            for node in [0] if stats.skipped else stats.path:  # the accepted path as far as this drafter's tree has it
                 if node not in back:
                     break
                 own_path.append(back[node])
-            own = RoundStats(stats.num_drafted, stats.num_accepted, stats.depth, stats.accepted_depths, own_path)
+            own = RoundStats(stats.num_drafted, stats.num_accepted, stats.depth, stats.accepted_depths, own_path,
+                             skipped=stats.skipped)
             d.commit(tokens, self._features_for(d, features), pending, own)

@@ -1,0 +1,216 @@
+"""Our engine beside the engines a CPU user would pick instead, on the same prompts in one run.
+
+    .venv/bin/python scripts/compare_engines.py --prompts 80 --max-new-tokens 128 --out out/engines
+
+Batch 1, greedy, the first turns of MT-bench rendered with the target's chat template (token ids
+as inference/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and thread count for all:
+  - transformers `generate()`;
+  - ours with no drafting (the same engine, root-only trees), and ours speculative with the shipped head;
+  - llama.cpp plain decoding (llama-completion) and with its own n-gram drafting
+    (llama-speculative-simple --spec-type ngram-simple), built by scripts/interop/setup_llamacpp.sh;
+  - vLLM's CPU build, plain, one request at a time, in its own venv (scripts/interop/setup_vllm.sh).
+The first four run prompt by prompt, interleaved; vLLM runs after them in a child process (it
+cannot share this process's torch). Tokens/s count prefill: ours and generate() are timed wall to
+wall around the call, llama.cpp by its own prompt and decode timers (model load excluded), vLLM
+wall to wall around each `generate` (engine start excluded). Engines that are not installed are
+skipped and named. Writes OUT/engines.json and OUT/engines.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+INTEROP = ROOT / "scripts" / "interop"
+VLLM_PY = ROOT / ".venv-interop" / "vllm" / "bin" / "python"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--engines", default="hf,ours,llama.cpp,vllm")
+    p.add_argument("--out", default="out/engines")
+    p.add_argument("--_vllm_child", metavar="JSON", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp
+# ---------------------------------------------------------------------------------------------
+
+
+def _ms(rx: str, text: str) -> float | None:
+    m = re.search(rx, text)
+    return float(m.group(1)) if m else None
+
+
+def _llama(llama, exe: str, model: Path, text: str, n: int, threads: int, extra: list[str], timers: dict) -> dict:
+    """Run one llama.cpp tool on one prompt; {name: number} read from its log by `timers` regexes."""
+    p = llama.run([llama.BIN / exe, "-m", model, "-p", text, "-n", str(n), *extra, *llama.common_args(threads, 4096)])
+    found = {name: _ms(rx, p.stderr) for name, rx in timers.items()}
+    if p.returncode or None in found.values():
+        raise RuntimeError(f"{exe} failed (rc {p.returncode}): {p.stderr[-800:]}")
+    return found
+
+
+def llama_plain(llama, model: Path, text: str, n: int, threads: int) -> dict:
+    t = _llama(llama, "llama-completion", model, text, n, threads, ["-no-cnv", "--no-display-prompt"],
+               {"prompt_ms": r"prompt eval time =\s*([\d.]+) ms", "eval_ms": r"(?<!prompt )eval time =\s*([\d.]+) ms",
+                "runs": r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) runs"})
+    # the first new token comes out of the prompt pass, the rest from `runs` decode steps
+    return {"tokens": int(t["runs"]) + 1, "seconds": (t["prompt_ms"] + t["eval_ms"]) / 1000}
+
+
+def llama_ngram(llama, model: Path, text: str, n: int, threads: int) -> dict:
+    t = _llama(llama, "llama-speculative-simple", model, text, n, threads,
+               ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"],
+               {"encode_s": r"encoded\s+\d+ tokens in\s+([\d.]+) seconds",
+                "decode_s": r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", "tokens": r"decoded\s+(\d+) tokens in"})
+    return {"tokens": int(t["tokens"]), "seconds": t["encode_s"] + t["decode_s"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM (child process in its own venv)
+# ---------------------------------------------------------------------------------------------
+
+
+def vllm_child(spec_path: str) -> int:
+    sys.path.insert(0, str(INTEROP))
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    spec = json.loads(Path(spec_path).read_text())
+    llm = LLM(model=spec["target"], tokenizer=spec["target"], dtype=spec["dtype"], max_model_len=2048, seed=0,
+              kv_cache_memory_bytes=1 << 30, enforce_eager=True, enable_prefix_caching=False, max_num_seqs=1)
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"], stop_token_ids=spec["eos"])
+    llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0])], SamplingParams(temperature=0.0, max_tokens=4),
+                 use_tqdm=False)  # warm-up
+    rows = []
+    for ids in spec["prompts"]:
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        rows.append({"tokens": len(out[0].outputs[0].token_ids), "seconds": time.perf_counter() - start,
+                     "token_ids": list(out[0].outputs[0].token_ids)})
+    Path(spec_path).with_suffix(".out.json").write_text(json.dumps(rows))
+    return 0
+
+
+def run_vllm(target: Path, prompts: list[list[int]], eos: list[int], args, work: Path) -> list[dict]:
+    spec = work / "vllm_spec.json"
+    spec.write_text(json.dumps({"target": str(target), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
+                                "prompts": prompts, "eos": eos}))
+    sys.path.insert(0, str(INTEROP))
+    import check_vllm  # its child environment (quiet logs, offline, Intel OpenMP preload)
+
+    env = {**os.environ, **check_vllm.CHILD_ENV, "OMP_NUM_THREADS": str(args.threads)}
+    lib = VLLM_PY.parents[1] / "lib" / "libiomp5.so"
+    if lib.exists():
+        env["LD_PRELOAD"] = str(lib)
+    log = work / "vllm.log"
+    with open(log, "w") as f:
+        rc = subprocess.run([str(VLLM_PY), __file__, "--_vllm_child", str(spec)], env=env, stdout=f,
+                            stderr=subprocess.STDOUT, timeout=3600).returncode
+    if rc:
+        raise RuntimeError(f"vLLM child failed (rc {rc}), see {log}")
+    return json.loads(spec.with_suffix(".out.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    args = parse_args()
+    if args._vllm_child:
+        return vllm_child(args._vllm_child)
+    import torch
+    from tqdm.auto import tqdm
+
+    from drafthead.drafters import default_head_path, load_heads
+    from drafthead.inference.batch_bench import RootOnlyDrafter
+    from drafthead.inference.bench import hf_generation_config
+    from drafthead.inference.generate import GenerationConfig, speculative_generate
+    from drafthead.inference.prompts import encode_chat, load_prompts
+    from drafthead.inference.sampling import SamplingConfig
+    from drafthead.targets import eos_token_ids, load_target
+
+    engines = args.engines.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    drafter, _ = load_heads(default_head_path("smollm2-135m"), model, tokenizer)
+    eos = list(eos_token_ids(model, tokenizer))
+    prompts = load_prompts("mt-bench", args.prompts)
+    encoded = [encode_chat(tokenizer, p) for p in prompts]
+    texts = [tokenizer.decode(ids[0]) for ids in encoded]
+    n = args.max_new_tokens
+    skipped: dict[str, str] = {}
+    llama = None
+    if "llama.cpp" in engines:
+        sys.path.insert(0, str(INTEROP))
+        import check_llamacpp as llama
+
+        if not (llama.BIN / "llama-completion").exists():
+            skipped["llama.cpp"] = "not built (scripts/interop/setup_llamacpp.sh)"
+            llama = None
+        else:
+            gguf = llama.target_gguf(Path(loaded.path), {"bfloat16": "bf16", "float32": "f32"}[args.dtype])
+    config = GenerationConfig(max_new_tokens=n, eos_token_ids=tuple(eos))
+    hf_config = hf_generation_config(SamplingConfig(), n, eos, tokenizer.pad_token_id)
+
+    def timed(fn):
+        start = time.perf_counter()
+        result = fn()
+        return result, time.perf_counter() - start
+
+    with torch.inference_mode():  # warm-up: first calls pay for allocations
+        speculative_generate(model, drafter, encoded[0], GenerationConfig(max_new_tokens=8))
+        model.generate(encoded[0], attention_mask=torch.ones_like(encoded[0]), max_new_tokens=8, do_sample=False)
+    rows: dict[str, list[dict]] = {}
+    for ids, text in tqdm(list(zip(encoded, texts)), desc="engines", unit="prompt"):
+        with torch.inference_mode():
+            if "hf" in engines:
+                res, s = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=hf_config))
+                rows.setdefault("transformers generate()", []).append({"tokens": res.shape[1] - ids.shape[1], "seconds": s})
+            if "ours" in engines:
+                res, s = timed(lambda: speculative_generate(model, RootOnlyDrafter(), ids, config))
+                rows.setdefault("ours, no drafting", []).append({"tokens": res.new_tokens.shape[1], "seconds": s})
+                res, s = timed(lambda: speculative_generate(model, drafter, ids, config))
+                rows.setdefault("ours, shipped head + lookup", []).append(
+                    {"tokens": res.new_tokens.shape[1], "seconds": s, "tau": res.tau})
+        if llama is not None:
+            rows.setdefault("llama.cpp plain", []).append(llama_plain(llama, gguf, text, n, args.threads))
+            rows.setdefault("llama.cpp n-gram (ngram-simple, n=3)", []).append(llama_ngram(llama, gguf, text, n, args.threads))
+    if "vllm" in engines:
+        if VLLM_PY.exists():
+            rows["vLLM CPU plain"] = run_vllm(Path(loaded.path), [ids[0].tolist() for ids in encoded], eos, args, out)
+        else:
+            skipped["vLLM"] = "not installed (scripts/interop/setup_vllm.sh)"
+    summary = {name: {"tokens": sum(r["tokens"] for r in rs), "seconds": sum(r["seconds"] for r in rs)} for name, rs in rows.items()}
+    for s in summary.values():
+        s["tokens_per_s"] = s["tokens"] / s["seconds"]
+    report = {"settings": vars(args) | {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, "summary": summary,
+              "skipped": skipped, "rows": rows}
+    (out / "engines.json").write_text(json.dumps(report, indent=1) + "\n")
+    lines = [f"SmolLM2-135M, {args.dtype}, {args.threads} threads, batch 1, greedy, {len(encoded)} MT-bench first turns, "
+             f"at most {n} new tokens; tokens/s with prefill.", "", "| engine | tokens | tokens/s |", "| --- | ---: | ---: |"]
+    lines += [f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} |" for name, s in summary.items()]
+    lines += [f"- skipped {k}: {v}" for k, v in skipped.items()]
+    (out / "engines.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""The load policy (inference/policy.py): the rule's choices on known costs and gains, what a cut
+tree would have accepted, and exactness when it cuts trees or decodes plainly."""
+import torch
+
+from drafthead.inference.cost import CostCurve
+from drafthead.inference.drafters.draft_model import DraftModelDrafter
+from drafthead.inference.drafters.heads import EagleDrafter
+from drafthead.inference.drafters.merged import MergedDrafter
+from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+from drafthead.inference.generate import GenerationConfig, speculative_generate
+from drafthead.inference.policy import SpeculationPolicy, accepted_within, best_batch_node_count, cut_tree
+from drafthead.inference.tree import DraftTree
+from drafthead.heads.registry import build_head, make_config
+from tests.test_batch import left_padded, prompts_of
+from tests.tiny import plain_greedy, tiny_causal_lm
+
+FLAT = CostCurve((1, 1024), (0.010, 0.0101))  # a GPU at small batch: more tokens cost nothing
+STEEP = CostCurve((1, 16, 64), (0.010, 0.012, 0.048))  # a CPU: flat to 16 tokens, then linear
+
+
+def test_accepted_within_counts_the_surviving_prefix_of_the_path():
+    path = [0, 2, 5, 9]
+    assert [accepted_within(path, cut) for cut in (0, 1, 2, 4, 5, 8, 9, 20)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_rule_keeps_whole_trees_when_verifying_is_flat_and_none_when_it_is_steep():
+    gains = [[0.0, 0.6, 0.9, 1.1, 1.2, 1.25]]  # diminishing returns per extra node
+    assert best_batch_node_count(gains, FLAT, 0.001, 0.002, 6) == 6
+    # batch 16 on the steep curve: 16 tokens already fill the flat part, each extra node per row costs
+    # 16 tokens' worth, and drafting costs per row: plain decoding wins
+    assert best_batch_node_count(gains * 16, STEEP, 0.001, 16 * 0.002, 6) == 1
+    # batch 1 on the steep curve: the tree fits in the flat part and pays
+    assert best_batch_node_count(gains, STEEP, 0.001, 0.002, 6) == 6
+    # in between, a partial tree: batch 4 gets 4 nodes (16 tokens), no more
+    assert best_batch_node_count(gains * 4, STEEP, 0.001, 4 * 0.002, 6) == 4
+
+
+def test_rule_ignores_spent_drafting_but_not_future_drafting():
+    gains = [[0.0, 0.3]] * 8
+    curve = CostCurve((1, 64), (0.010, 0.011))
+    assert best_batch_node_count(gains, curve, 0.0, 8 * 0.01, 2) == 1  # drafting 10 ms a row does not pay
+    assert best_batch_node_count(gains, curve, 0.0, 0.0, 2) == 2  # once drafted, verifying it does
+
+
+def test_cut_tree_keeps_a_prefix_of_the_nodes():
+    tree = DraftTree(torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([-1, 0, 0, 1, 3]))
+    cut = cut_tree(tree, 3)
+    assert cut.tokens.tolist() == [[5, 6, 7]] and cut.parents.tolist() == [-1, 0, 0]
+    assert cut_tree(tree, 9) is tree
+
+
+def test_policy_learns_gains_and_turns_drafting_off_under_steep_cost():
+    policy = SpeculationPolicy(STEEP, probe_every=4)
+    for _ in range(8):  # rows accept one draft token of a 6-node tree, never more
+        policy.observe([7] * 16, [[0, 1]] * 16, fixed_seconds=0.001, draft_seconds=16 * 0.002)
+    assert policy.gain[:3] == [0.0, 1.0, 1.0]
+    policy.rounds = 1  # not a probe round
+    assert not policy.should_draft(16)
+    assert policy.should_draft(1)
+
+
+def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
+    """Rows cut to the policy's node count, some rounds plain, some probing: every row is still
+    its own plain greedy output, for a head, a draft model and a merged drafter."""
+    target = tiny_causal_lm("llama", layers=4)
+    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
+                      token_counts=torch.arange(96)).eval()
+    prompts = prompts_of((3, 9, 14, 20, 6, 11), seed=5)
+    refs = [plain_greedy(target, p[None], 30) for p in prompts]
+    for curve in (FLAT, STEEP):
+        for drafter in (EagleDrafter(head, total_tokens=10, depth=4, top_k=3), DraftModelDrafter(target, num_draft=4),
+                        MergedDrafter([EagleDrafter(head, total_tokens=6, depth=3, top_k=2), PromptLookupDrafter(num_draft=4)])):
+            for batch in (1, 6):
+                policy = SpeculationPolicy(curve, probe_every=3)
+                ids, mask = left_padded(prompts[:batch])
+                config = GenerationConfig(max_new_tokens=30, policy=policy)
+                out = speculative_generate(target, drafter, ids, config, attention_mask=mask)
+                rows = [out] if batch == 1 else out.rows
+                assert [r.new_tokens[0].tolist() for r in rows] == refs[:batch], (curve, type(drafter).__name__, batch)
+                if curve is STEEP and batch == 6:
+                    assert 1 in policy.decisions  # the policy decoded plainly in some rounds
+
+
+def test_probes_back_off_while_plain_decoding_keeps_winning():
+    """Under a load where drafting never pays, probes come ever more rarely (gaps 32, 64, 128);
+    once the estimates say drafting pays again, every round drafts."""
+    policy = SpeculationPolicy(STEEP, probe_every=16, max_probe_every=128)
+    drafted = []
+    for _ in range(300):
+        d = policy.should_draft(16)
+        drafted.append(d)
+        policy.observe([7 if d else 1] * 16, [[0, 1] if d else [0]] * 16, fixed_seconds=0.001,
+                       draft_seconds=16 * 0.002 if d else None)
+    assert [i for i, d in enumerate(drafted) if d] == [0, 32, 96, 224]
+    policy.verify_cost, policy.draft_seconds = FLAT, 1e-5  # the load drops and drafting gets cheap
+    for _ in range(300):
+        d = policy.should_draft(16)
+        drafted.append(d)
+        policy.observe([7 if d else 1] * 16, [[0, 1, 2] if d else [0]] * 16, fixed_seconds=0.001,
+                       draft_seconds=16 * 1e-5 if d else None)
+    assert all(drafted[300:])
