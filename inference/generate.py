@@ -287,8 +287,11 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
                 break
             policy = config.policy
             round_start = time.perf_counter()
-            drafting = policy is None or policy.should_draft(len(active))
+            planned = 0 if policy is None else policy.plan(len(active))  # 0: whole trees, 1: plain
+            drafting = planned != 1
             if drafting:
+                for row in active:
+                    _limit(row.drafter, planned - 1 if planned > 1 else None)
                 drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
             else:  # plain decoding this round: each tree is its root
                 drafts = [(DraftTree(torch.tensor([[row.pending]], device=device), torch.tensor([-1], device=device)), None)
@@ -322,8 +325,7 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
             if policy is not None:
                 policy.observe([t.num_nodes for t in trees], [r.path for r in results],
                                fixed_seconds=time.perf_counter() - verify_end,
-                               draft_seconds=draft_seconds if drafting else None)
-                policy.decisions.append(max(t.num_nodes for t in trees))
+                               draft_seconds=draft_seconds if drafting else None, planned=planned)
             clock.lap("other")
         if streamer is not None:
             streamer.end()
@@ -343,6 +345,13 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
         decode_seconds=sum(clock.totals.values()),
         lossy=config.lossy,
     )
+
+
+def _limit(drafter, nodes: int | None) -> None:
+    """Pass the load policy's node limit to drafters that can stop early (EAGLE heads; optional)."""
+    limit = getattr(drafter, "limit", None)
+    if limit is not None:
+        limit(nodes)
 
 
 def _leave(cache, active: list[_Row], limits: list[int], slots: int):

@@ -43,21 +43,23 @@ def accepted_within(path: Sequence[int], cut: int) -> int:
 
 
 def best_batch_node_count(gains: Sequence[Sequence[float]], verify_cost: Callable[[int], float], fixed_cost: float,
-                          draft_cost: float, max_nodes: int) -> int:
+                          draft_cost: float | Callable[[int], float], max_nodes: int) -> int:
     """N (1 <= N <= max_nodes) maximising the batch's expected tokens per second (module docstring).
 
     gains[b][n]: expected draft tokens row b accepts with n draft nodes (gains[b][0] == 0; past the
     end of a row's list, its last value); verify_cost(T): seconds of a target forward over T tokens;
     fixed_cost: seconds of a round besides verifying and drafting; draft_cost: seconds of drafting
-    (0 when it is already spent). N = 1 means plain decoding. Ties go to the smaller N.
+    for the whole batch, or a function of N (drafters that stop early draft small trees faster);
+    0 when it is already spent. N = 1 means plain decoding. Ties go to the smaller N.
     """
     batch = len(gains)
     if batch == 0 or max_nodes < 1:
         raise ValueError("need at least one row and max_nodes >= 1")
+    drafting = draft_cost if callable(draft_cost) else (lambda n: draft_cost)
     best_n, best_rate = 1, batch / (fixed_cost + verify_cost(batch))
     for n in range(2, max_nodes + 1):
         expected = batch + sum(g[min(n - 1, len(g) - 1)] for g in gains)
-        rate = expected / (fixed_cost + draft_cost + verify_cost(batch * n))
+        rate = expected / (fixed_cost + drafting(n) + verify_cost(batch * n))
         if rate > best_rate * (1 + 1e-9):
             best_n, best_rate = n, rate
     return best_n
@@ -75,7 +77,12 @@ class SpeculationPolicy:
     """The load rule with its running estimates (decayed averages over rounds, kept across calls).
 
     verify_cost: the target's forward seconds by token count (cost.CostCurve from
-    `measure_verify_cost` over the token counts a batch reaches)."""
+    `measure_verify_cost` over the token counts a batch reaches). Each round:
+
+        n = plan(B)      0: probe (whole trees), 1: decode plainly (no drafting), else draft for n nodes
+        keep = cut(trees)  after drafting: the node count every tree is cut to
+        observe(...)     what the round verified, accepted and cost
+    """
 
     verify_cost: Callable[[int], float]
     probe_every: int = 16
@@ -84,43 +91,47 @@ class SpeculationPolicy:
     gain: list[float] = field(default_factory=lambda: [0.0])  # G(n), pooled over rows: [0] = 0 drafts
     weight: list[float] = field(default_factory=lambda: [1.0])
     fixed_seconds: float = 0.0
-    draft_seconds: float | None = None  # per row
+    # drafting seconds per row, by the node count planned (0: a probe's whole tree)
+    draft_seconds: dict[int, float] = field(default_factory=dict)
     rounds: int = 0
-    decisions: list[int] = field(default_factory=list)  # N chosen per round (for reports)
+    decisions: list[int] = field(default_factory=list)  # nodes verified per row and round (for reports)
     next_probe: int = 0  # the round of the next probe
     probe_gap: int = 0  # rounds between probes now (0: probe_every)
     last_probe: int = -1
 
     def probing(self) -> bool:
         """Whether this round drafts and verifies whole trees (always before any estimate exists)."""
-        return self.draft_seconds is None or self.rounds >= self.next_probe
+        return 0 not in self.draft_seconds or self.rounds >= self.next_probe
 
-    def gains(self, batch: int) -> list[list[float]]:
-        return [list(self.gain)] * batch
+    def _draft_cost(self, batch: int) -> Callable[[int], float]:
+        whole = self.draft_seconds[0]
+        return lambda n: batch * self.draft_seconds.get(n, whole)  # unmeasured sizes: the whole tree's cost
 
-    def should_draft(self, batch: int) -> bool:
-        """Before drafting: whether drafting is expected to pay this round (else decode plainly)."""
+    def plan(self, batch: int) -> int:
+        """Before drafting: 0 (probe: whole trees), 1 (decode plainly, drafters skipped) or the node
+        count N to draft for (drafters with `limit` stop at N - 1 draft nodes)."""
         if self.probing():
-            return True
-        pays = best_batch_node_count(self.gains(batch), self.verify_cost, self.fixed_seconds,
-                                     batch * self.draft_seconds, len(self.gain)) > 1
+            return 0
+        n = best_batch_node_count([self.gain] * batch, self.verify_cost, self.fixed_seconds,
+                                  self._draft_cost(batch), len(self.gain))
         if self.rounds == self.last_probe + 1:  # the first decision after a probe sets the next gap
             gap = self.probe_gap or self.probe_every
-            self.probe_gap = self.probe_every if pays else min(self.max_probe_every, 2 * gap)
+            self.probe_gap = self.probe_every if n > 1 else min(self.max_probe_every, 2 * gap)
             self.next_probe = self.last_probe + self.probe_gap
-        return pays
+        return n
 
     def cut(self, trees: list[DraftTree]) -> int:
         """After drafting (its cost spent): the node count every row's tree is cut to."""
         largest = max(t.num_nodes for t in trees)
         if self.probing():
             return largest
-        return best_batch_node_count(self.gains(len(trees)), self.verify_cost, self.fixed_seconds, 0.0, largest)
+        return best_batch_node_count([self.gain] * len(trees), self.verify_cost, self.fixed_seconds, 0.0, largest)
 
     def observe(self, sizes: Sequence[int], paths: Sequence[Sequence[int]], fixed_seconds: float,
-                draft_seconds: float | None) -> None:
+                draft_seconds: float | None, planned: int = 0) -> None:
         """After a round: row b verified sizes[b] nodes and accepted paths[b]; the round spent
-        fixed_seconds outside verify and drafting, and draft_seconds drafting (None: it did not draft)."""
+        fixed_seconds outside verify and drafting, and draft_seconds drafting for `planned` nodes
+        (None: it did not draft)."""
         for size, path in zip(sizes, paths):
             for n in range(1, size):
                 if n >= len(self.gain):
@@ -135,8 +146,10 @@ class SpeculationPolicy:
         self.fixed_seconds = fixed_seconds if self.rounds == 0 else 0.9 * self.fixed_seconds + 0.1 * fixed_seconds
         if draft_seconds is not None:
             per_row = draft_seconds / max(1, len(sizes))
-            self.draft_seconds = per_row if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * per_row
-        if self.rounds >= self.next_probe and draft_seconds is not None:  # this round was a probe
+            old = self.draft_seconds.get(planned)
+            self.draft_seconds[planned] = per_row if old is None else 0.9 * old + 0.1 * per_row
+        if planned == 0 and draft_seconds is not None:  # this round was a probe
             self.last_probe = self.rounds
             self.next_probe = self.rounds + (self.probe_gap or self.probe_every)
+        self.decisions.append(max(sizes))
         self.rounds += 1

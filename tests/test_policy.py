@@ -42,6 +42,35 @@ def test_rule_ignores_spent_drafting_but_not_future_drafting():
     assert best_batch_node_count(gains, curve, 0.0, 0.0, 2) == 2  # once drafted, verifying it does
 
 
+def test_rule_counts_the_cheaper_drafting_of_small_trees():
+    gains = [[0.0, 0.6, 0.9, 1.1, 1.2, 1.25]]
+    # drafting the whole tree costs 8 ms, a 1-node draft 0.5 ms: the cheap small tree wins
+    costs = {2: 0.0005}
+    assert best_batch_node_count(gains, STEEP, 0.001, lambda n: costs.get(n, 0.008), 6) == 2
+    assert best_batch_node_count(gains, STEEP, 0.001, 0.008, 6) == 6  # one price for all sizes: the whole tree
+
+
+def test_eagle_drafter_limit_drafts_fewer_and_shallower_nodes():
+    target = tiny_causal_lm("llama", layers=4)
+    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
+                      token_counts=torch.arange(96)).eval()
+    drafter = EagleDrafter(head, total_tokens=10, depth=4, top_k=3)
+    prompt = prompts_of((12,))[0][None]
+    calls = []
+    original = head.step
+    head.step = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+    with torch.no_grad():
+        out = target(prompt[:, :-1], output_hidden_states=True)
+    from drafthead.inference.verify import select_features
+
+    features = select_features(out.hidden_states, drafter.feature_layers, False)
+    drafter.begin(prompt[:, :-1], features, prompt[0, -1:])
+    drafter.limit(2)
+    tree = drafter.propose()
+    assert tree.num_draft == 2 and len(calls) == 2  # catch-up + one deeper step, not four
+    head.step = original
+
+
 def test_cut_tree_keeps_a_prefix_of_the_nodes():
     tree = DraftTree(torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([-1, 0, 0, 1, 3]))
     cut = cut_tree(tree, 3)
@@ -55,8 +84,8 @@ def test_policy_learns_gains_and_turns_drafting_off_under_steep_cost():
         policy.observe([7] * 16, [[0, 1]] * 16, fixed_seconds=0.001, draft_seconds=16 * 0.002)
     assert policy.gain[:3] == [0.0, 1.0, 1.0]
     policy.rounds = 1  # not a probe round
-    assert not policy.should_draft(16)
-    assert policy.should_draft(1)
+    assert policy.plan(16) == 1  # decode plainly
+    assert policy.plan(1) > 1
 
 
 def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
@@ -87,15 +116,17 @@ def test_probes_back_off_while_plain_decoding_keeps_winning():
     policy = SpeculationPolicy(STEEP, probe_every=16, max_probe_every=128)
     drafted = []
     for _ in range(300):
-        d = policy.should_draft(16)
+        n = policy.plan(16)
+        d = n != 1
         drafted.append(d)
         policy.observe([7 if d else 1] * 16, [[0, 1] if d else [0]] * 16, fixed_seconds=0.001,
-                       draft_seconds=16 * 0.002 if d else None)
+                       draft_seconds=16 * 0.002 if d else None, planned=n)
     assert [i for i, d in enumerate(drafted) if d] == [0, 32, 96, 224]
-    policy.verify_cost, policy.draft_seconds = FLAT, 1e-5  # the load drops and drafting gets cheap
+    policy.verify_cost, policy.draft_seconds = FLAT, {0: 1e-5}  # the load drops and drafting gets cheap
     for _ in range(300):
-        d = policy.should_draft(16)
+        n = policy.plan(16)
+        d = n != 1
         drafted.append(d)
         policy.observe([7 if d else 1] * 16, [[0, 1, 2] if d else [0]] * 16, fixed_seconds=0.001,
-                       draft_seconds=16 * 1e-5 if d else None)
+                       draft_seconds=16 * 1e-5 if d else None, planned=n)
     assert all(drafted[300:])

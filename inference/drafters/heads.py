@@ -133,6 +133,7 @@ class EagleDrafter:
         self.feature_layers = tuple(head.feature_layers)
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
         self.verify_cost, self.extra_nodes = verify_cost, extra_nodes
+        self.node_limit: int | None = None  # set by the load policy for the next round (`limit`)
         # auto sizing: calibration of the draft's path probabilities against what was accepted,
         # as decayed sums over rounds (kept across sequences), and the time drafting takes
         self.predicted_sum, self.accepted_sum, self.predicted = 1.0, 1.0, 0.0
@@ -143,6 +144,11 @@ class EagleDrafter:
     def describe(self) -> dict:
         return {"kind": f"{self.head.kind} tree", "total_tokens": "auto" if self.auto else self.total_tokens,
                 "depth": self.depth, "top_k": self.top_k}
+
+    def limit(self, nodes: int | None) -> None:
+        """Draft at most `nodes` nodes next round (None: the configured tree). Best-first nodes lie
+        at most `nodes` deep, so fewer head steps run: the load policy's small trees cost less."""
+        self.node_limit = nodes
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -209,7 +215,8 @@ class EagleDrafter:
         cand_hidden = [hidden[0, -1]] * self.top_k  # the parent's output feeds its children
         frontier = list(range(self.top_k))  # candidate indices (node = index + 1)
         fed_nodes: list[int] = []  # tree nodes whose K/V the head cache holds, in feeding order
-        for depth in range(1, self.depth):
+        steps = self.depth if self.node_limit is None else max(1, min(self.depth, self.node_limit))
+        for depth in range(1, steps):
             # feed the frontier nodes: they sit at position (L - 2) + depth
             nodes = [c + 1 for c in frontier]
             step_mask = self._frontier_mask(nodes, fed_nodes, cand_parent, device)
@@ -235,6 +242,8 @@ class EagleDrafter:
         parents = torch.tensor([-1] + cand_parent)
         scores = torch.tensor([0.0] + cand_score)
         budget = self._auto_budget(cand_score, started, device) if self.auto else self.total_tokens
+        if self.node_limit is not None:
+            budget = min(budget, self.node_limit)
         # best first: a cut to the first n nodes keeps the n likeliest (the load policy's cut)
         keep = best_first(parents, scores, select_top_nodes(parents, scores, budget))
         tree = DraftTree(torch.tensor([[int(root[0, 0])] + cand_tokens], device=device), parents.to(device))

@@ -73,6 +73,12 @@ class MergedDrafter:
         self.needs_last_hidden = any(d.needs_last_hidden for d in drafters)
         self.maps: list[list[int]] = []
 
+    def limit(self, nodes: int | None) -> None:
+        """The load policy's node limit goes to the primary drafter (the later ones add few nodes)."""
+        limit = getattr(self.drafters[0], "limit", None)
+        if limit is not None:
+            limit(nodes)
+
     def fork(self) -> "MergedDrafter":
         return MergedDrafter([fork_drafter(d) for d in self.drafters], self.extra_nodes)
 
