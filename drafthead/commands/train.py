@@ -13,6 +13,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="a YAML run config or a preset name (configs/NAME.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. lr=3e-4 data.limit=2000 head.num_heads=3")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    parser.add_argument("--plan", default=None, metavar="CONFIG_JSON",
+                        help="do not train: print per-rank memory under DDP and FSDP for this target config.json "
+                             "(e.g. configs/targets/llama-3.1-8b.json), built on the meta device")
+    parser.add_argument("--ranks", default="1,8,64", help="with --plan: rank counts (default 1,8,64)")
 
 
 def add_parser(subparsers) -> None:
@@ -27,6 +31,11 @@ def run(args) -> int:
     from ..train.trainer import NonFiniteLossError
 
     config = load_config(args.config, args.overrides)
+    if args.plan:
+        from ..train.plan import plan_table
+
+        print(plan_table(config, args.plan, tuple(int(r) for r in args.ranks.split(","))))
+        return 0
     try:
         result = run_training(config, resume=args.resume)
     except NonFiniteLossError as e:

@@ -1,0 +1,126 @@
+"""`drafthead train --plan TARGET_CONFIG`: per-rank memory of a run for targets this machine
+cannot hold, with the target and the head built on the meta device (shapes, no weights).
+
+Per rank, for N ranks (docs/scaling.md has the model and what was run versus only planned):
+
+    params      trainable head parameters, fp32 masters             DDP: all      FSDP: 1/N
+    grads       their gradients, fp32                               DDP: all      FSDP: 1/N
+    optimizer   AdamW's two moments, fp32                           DDP: all      FSDP: 1/N
+    target      the frozen target at its dtype                      DDP: all      FSDP: 1/N
+    gathered    FSDP only: the largest unsharded unit during its forward (one target decoder layer,
+                or the whole head, whichever is larger), the transient all-gather buffer
+    activations what the backward keeps for one micro-batch (batch_size x max_length tokens),
+                an estimate, not a measurement:
+                  EAGLE (per token, per training-time-test step): one decoder layer, 34 H bytes
+                  in bf16 (the usual count for a layer with fused attention), plus the draft
+                  logits and their log-softmax in fp32 (8 V_draft bytes); plus the fused features
+                  (6 H bytes, once);
+                  Medusa (per token, per head): a residual block (4 H bytes) and the logits (8 V).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import TrainConfig
+
+GIB = 2**30
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RunShapes:
+    """What the memory model needs, read off the meta-device target and head."""
+
+    target_bytes: int
+    largest_layer_bytes: int  # one target decoder layer at the target's dtype
+    head_trainable: int  # parameters
+    head_frozen_bytes: int  # frozen head tensors the head owns (none for ours: they bind the target's)
+    hidden: int
+    draft_vocab: int
+    steps: int  # EAGLE: training-time-test steps; Medusa: heads
+    kind: str
+    tokens: int  # per micro-batch: batch_size x max_length
+
+
+def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
+    """Build the target from its config.json and this run's head on the meta device."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..heads.registry import _new_module
+    from .run import head_config
+
+    hf_config = AutoConfig.from_pretrained(str(target_config))
+    dtype = DTYPES[config.target_dtype]
+    with init_empty_weights():
+        target = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    target.requires_grad_(False)
+    name = Path(target_config).stem
+    hcfg = head_config(config, target, None, name)
+    vocab = hf_config.get_text_config().vocab_size
+    # accelerate's init_empty_weights: parameters on the meta device, small buffers (the draft
+    # vocabulary's maps) computed for real; the head as built, not initialised from the target
+    with init_empty_weights():
+        head = _new_module(hcfg, target)
+    layers = target.model.layers if hasattr(target, "model") and hasattr(target.model, "layers") else []
+    layer_bytes = max((sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers), default=0)
+    medusa = hcfg.kind.startswith("medusa")
+    return RunShapes(
+        target_bytes=sum(p.numel() * p.element_size() for p in target.parameters()),
+        largest_layer_bytes=layer_bytes,
+        head_trainable=sum(p.numel() for p in head.parameters() if p.requires_grad),
+        head_frozen_bytes=sum(p.numel() * p.element_size() for p in head.parameters() if not p.requires_grad),
+        hidden=hf_config.get_text_config().hidden_size,
+        draft_vocab=getattr(hcfg, "draft_vocab_size", vocab) if not medusa else vocab,
+        steps=hcfg.num_heads if medusa else getattr(hcfg, "ttt_steps", 1),
+        kind=hcfg.kind,
+        tokens=config.batch_size * config.data.max_length,
+    )
+
+
+def activation_bytes(shapes: RunShapes) -> int:
+    """The estimate in the module docstring, for one micro-batch."""
+    h, v = shapes.hidden, shapes.draft_vocab
+    if shapes.kind.startswith("medusa"):
+        per_token = shapes.steps * (4 * h + 8 * v)
+    else:
+        per_token = shapes.steps * (34 * h + 8 * v) + 6 * h
+    return shapes.tokens * per_token
+
+
+def memory_per_rank(shapes: RunShapes, strategy: str, ranks: int) -> dict[str, int]:
+    """Bytes per rank by part (module docstring) for "ddp" or "fsdp" over `ranks` ranks."""
+    if strategy not in ("ddp", "fsdp") or ranks < 1:
+        raise ValueError(f"strategy ddp|fsdp and ranks >= 1; got {strategy!r}, {ranks}")
+    share = ranks if strategy == "fsdp" else 1
+    p = shapes.head_trainable
+    parts = {
+        "params": 4 * p // share,
+        "grads": 4 * p // share,
+        "optimizer": 8 * p // share,
+        "target": (shapes.target_bytes + shapes.head_frozen_bytes) // share,
+        "gathered": max(shapes.largest_layer_bytes, 4 * p) if strategy == "fsdp" and ranks > 1 else 0,
+        "activations": activation_bytes(shapes),
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def plan_table(config: TrainConfig, target_config: str | Path, ranks: tuple[int, ...] = (1, 8, 64)) -> str:
+    """The printed plan: one row per (strategy, ranks), GiB per rank."""
+    shapes = run_shapes(config, target_config)
+    head = f"{shapes.kind} head: {shapes.head_trainable / 1e6:.1f}M trainable parameters"
+    lines = [f"plan for {Path(target_config).stem} ({shapes.target_bytes / GIB:.1f} GiB at {config.target_dtype}), {head}, "
+             f"micro-batch {config.batch_size} x {config.data.max_length} tokens, {shapes.steps} "
+             f"{'heads' if shapes.kind.startswith('medusa') else 'TTT steps'}; GiB per rank:",
+             "", "| strategy | ranks | params | grads | optimizer | target | gathered | activations | total |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for strategy in ("ddp", "fsdp"):
+        for n in ranks:
+            m = memory_per_rank(shapes, strategy, n)
+            cells = " | ".join(f"{m[k] / GIB:.2f}" for k in ("params", "grads", "optimizer", "target", "gathered", "activations", "total"))
+            lines.append(f"| {strategy} | {n} | {cells} |")
+    return "\n".join(lines)
