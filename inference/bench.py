@@ -442,6 +442,18 @@ def summarize(records: list[dict], settings: BenchSettings) -> dict:
     return report
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo; else platform's guess): one machine kind can be
+    several CPUs, with very different multi-token forward costs (docs/cpu-measurements.md)."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def _settings_record(target, settings: BenchSettings, num_prompts: int) -> dict:
     import transformers
 
@@ -462,6 +474,7 @@ def _settings_record(target, settings: BenchSettings, num_prompts: int) -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

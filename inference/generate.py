@@ -270,63 +270,13 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
         prefill_seconds = time.perf_counter() - start
 
         clock = _Clock(device, config.profile)
-        active = list(rows)
-        num_forwards = 0
-        while active:
-            # A path of depth d emits d + 1 tokens: stay within max_new_tokens and the context.
-            limits = []
-            for row in active:
-                max_depth = config.max_new_tokens - len(row.emitted) - 1
-                if max_len is not None:
-                    if row.length + 1 >= max_len:
-                        row.finish = "context"
-                    max_depth = min(max_depth, max_len - row.length - 2)
-                limits.append(max_depth)
-            active, limits, slots = _leave(cache, active, limits, slots)
-            if not active:
-                break
-            policy = config.policy
-            round_start = time.perf_counter()
-            planned = 0 if policy is None else policy.plan(len(active))  # 0: whole trees, 1: plain
-            drafting = planned != 1
-            if drafting:
-                for row in active:
-                    _limit(row.drafter, planned - 1 if planned > 1 else None)
-                drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
-            else:  # plain decoding this round: each tree is its root
-                drafts = [(DraftTree(torch.tensor([[row.pending]], device=device), torch.tensor([-1], device=device)), None)
-                          for row in active]
-            if policy is not None and drafting:
-                keep = policy.cut([tree for tree, _ in drafts])
-                drafts = [(cut_tree(tree, keep), kept_nodes) for tree, kept_nodes in drafts]
-            draft_seconds = time.perf_counter() - round_start
-            clock.lap("draft")
-
-            trees = [tree for tree, _ in drafts]
-            batch = pad_trees(trees)
-            lengths = torch.tensor([row.length for row in active], device=device)
-            verification = forward_trees(target, cache, batch, lengths, slots, want_hidden)
-            num_forwards += 1
-            clock.lap("verify")
-            verify_end = time.perf_counter()
-
-            results = [
-                accept_tree(tree, verification.logits[b : b + 1, : tree.num_nodes], config.sampling, row.seen, generator,
-                            config.typical)
-                for b, (row, tree) in enumerate(zip(active, trees))
-            ]
-            clock.lap("accept")
-
-            slots = keep_paths(cache, [row.length for row in active], slots, [r.path for r in results])
-            clock.lap("cache")
-
-            for b, (row, (tree, kept_nodes), result) in enumerate(zip(active, drafts, results)):
-                _advance(row, b, tree, kept_nodes, result, verification, rules, decode, on_tokens, streamer, not drafting)
-            if policy is not None:
-                policy.observe([t.num_nodes for t in trees], [r.path for r in results],
-                               fixed_seconds=time.perf_counter() - verify_end,
-                               draft_seconds=draft_seconds if drafting else None, planned=planned)
-            clock.lap("other")
+        try:
+            num_forwards = _decode(target, config, list(rows), cache, slots, want_hidden, generator, rules, decode,
+                                   on_tokens, streamer, clock, max_len, device)
+        finally:
+            if config.policy is not None:  # the policy's node limit is for its own rounds only
+                for d in drafters:
+                    _limit(d, None)
         if streamer is not None:
             streamer.end()
 
@@ -345,6 +295,68 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
         decode_seconds=sum(clock.totals.values()),
         lossy=config.lossy,
     )
+
+
+def _decode(target, config, active, cache, slots, want_hidden, generator, rules, decode, on_tokens, streamer,
+            clock, max_len, device) -> int:
+    """The rounds, until every row has finished; returns the number of verification forwards."""
+    num_forwards = 0
+    while active:
+        # A path of depth d emits d + 1 tokens: stay within max_new_tokens and the context.
+        limits = []
+        for row in active:
+            max_depth = config.max_new_tokens - len(row.emitted) - 1
+            if max_len is not None:
+                if row.length + 1 >= max_len:
+                    row.finish = "context"
+                max_depth = min(max_depth, max_len - row.length - 2)
+            limits.append(max_depth)
+        active, limits, slots = _leave(cache, active, limits, slots)
+        if not active:
+            break
+        policy = config.policy
+        round_start = time.perf_counter()
+        planned = 0 if policy is None else policy.plan(len(active))  # 0: whole trees, 1: plain
+        drafting = planned != 1
+        if drafting:
+            for row in active:
+                _limit(row.drafter, planned - 1 if planned > 1 else None)
+            drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
+        else:  # plain decoding this round: each tree is its root
+            drafts = [(DraftTree(torch.tensor([[row.pending]], device=device), torch.tensor([-1], device=device)), None)
+                      for row in active]
+        if policy is not None and drafting:
+            keep = policy.cut([tree for tree, _ in drafts])
+            drafts = [(cut_tree(tree, keep), kept_nodes) for tree, kept_nodes in drafts]
+        draft_seconds = time.perf_counter() - round_start
+        clock.lap("draft")
+
+        trees = [tree for tree, _ in drafts]
+        batch = pad_trees(trees)
+        lengths = torch.tensor([row.length for row in active], device=device)
+        verification = forward_trees(target, cache, batch, lengths, slots, want_hidden)
+        num_forwards += 1
+        clock.lap("verify")
+        verify_end = time.perf_counter()
+
+        results = [
+            accept_tree(tree, verification.logits[b : b + 1, : tree.num_nodes], config.sampling, row.seen, generator,
+                        config.typical)
+            for b, (row, tree) in enumerate(zip(active, trees))
+        ]
+        clock.lap("accept")
+
+        slots = keep_paths(cache, [row.length for row in active], slots, [r.path for r in results])
+        clock.lap("cache")
+
+        for b, (row, (tree, kept_nodes), result) in enumerate(zip(active, drafts, results)):
+            _advance(row, b, tree, kept_nodes, result, verification, rules, decode, on_tokens, streamer, not drafting)
+        if policy is not None:
+            policy.observe([t.num_nodes for t in trees], [r.path for r in results],
+                           fixed_seconds=time.perf_counter() - verify_end,
+                           draft_seconds=draft_seconds if drafting else None, planned=planned)
+        clock.lap("other")
+    return num_forwards
 
 
 def _limit(drafter, nodes: int | None) -> None:

@@ -31,12 +31,14 @@ def main() -> int:
     from drafthead.inference.batch_bench import format_batch_table, run_batch_bench
     from drafthead.inference.bench import BenchSettings
     from drafthead.inference.cost import measure_verify_cost
+    from drafthead.inference.drafter import fork_drafter
     from drafthead.inference.policy import SpeculationPolicy
     from drafthead.inference.prompts import load_prompts
     from drafthead.targets import eos_token_ids, load_target
 
     loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads)
     drafter, model = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)
+    policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
     curve = measure_verify_cost(model, POLICY_TOKEN_COUNTS, want_hidden=True)
     prompts = load_prompts("mt-bench", args.limit)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(model, loaded.tokenizer),
@@ -44,7 +46,7 @@ def main() -> int:
                                    "verify_cost": {"tokens": curve.nodes, "seconds": curve.seconds}})
     reports = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        methods = {"fixed tree": (lambda: drafter, None), "policy": (lambda: drafter, SpeculationPolicy(curve))}
+        methods = {"fixed tree": (lambda: drafter, None), "policy": (lambda: policy_drafter, SpeculationPolicy(curve))}
         report = run_batch_bench(model, loaded.tokenizer, methods, prompts, settings, batch, check_identity=args.identity)
         print(format_batch_table(report), flush=True)
         reports.append(report)

@@ -130,3 +130,21 @@ def test_probes_back_off_while_plain_decoding_keeps_winning():
         policy.observe([7 if d else 1] * 16, [[0, 1, 2] if d else [0]] * 16, fixed_seconds=0.001,
                        draft_seconds=16 * 1e-5 if d else None, planned=n)
     assert all(drafted[300:])
+
+
+def test_the_policys_node_limit_does_not_outlive_its_run():
+    """A drafter used under the policy and then without it drafts its whole tree again."""
+    target = tiny_causal_lm("llama", layers=4)
+    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
+                      token_counts=torch.arange(96)).eval()
+    drafter = EagleDrafter(head, total_tokens=10, depth=4, top_k=3)
+    prompt = prompts_of((10,))[0][None]
+    set_to = []
+    original = drafter.limit
+    drafter.limit = lambda n: (set_to.append(n), original(n))
+    # estimates as if small trees had paid so far (slow to move), no probe due: the plan is a small tree
+    policy = SpeculationPolicy(CostCurve((1, 2, 64), (0.010, 0.0101, 0.2)), gain=[0.0, 0.9, 0.95], weight=[1.0, 1e3, 1e3],
+                               draft_seconds={0: 1e-4}, rounds=1, next_probe=10**9)
+    speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, policy=policy))
+    assert any(n is not None for n in set_to)  # the run did limit the drafter
+    assert drafter.node_limit is None
