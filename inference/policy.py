@@ -19,12 +19,15 @@ none; where verify is flat (a GPU at small batch) the whole tree is kept.
 
 Cut trees only show G up to their cut, so every `probe_every`-th round drafts and verifies the
 drafters' whole trees, which keeps the larger cuts measured. Under plain decoding a probe checks
-whether drafting pays again; each probe after which plain decoding still wins doubles the gap to
-the next (up to `max_probe_every`), so a load where speculation never pays loses little to probes.
+whether drafting pays again. Each probe after which plain decoding still wins doubles the gap to
+the next (up to `max_probe_every`). The gap is also never shorter than the probe's own cost, in
+plain rounds, divided by `probe_budget`. So while plain decoding wins, probes take at most about
+that share of the time, however costly a whole-tree round is at this batch size.
 docs/trees.md "Batches" has the derivation.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -87,6 +90,7 @@ class SpeculationPolicy:
     verify_cost: Callable[[int], float]
     probe_every: int = 16
     max_probe_every: int = 128
+    probe_budget: float = 0.02  # the share of time probes may cost while plain decoding wins
     decay: float = 0.9
     gain: list[float] = field(default_factory=lambda: [0.0])  # G(n), pooled over rows: [0] = 0 drafts
     weight: list[float] = field(default_factory=lambda: [1.0])
@@ -98,6 +102,7 @@ class SpeculationPolicy:
     next_probe: int = 0  # the round of the next probe
     probe_gap: int = 0  # rounds between probes now (0: probe_every)
     last_probe: int = -1
+    probe_nodes: int = 1  # nodes per row the last probe verified
 
     def probing(self) -> bool:
         """Whether this round drafts and verifies whole trees (always before any estimate exists)."""
@@ -117,6 +122,10 @@ class SpeculationPolicy:
         if self.rounds == self.last_probe + 1:  # the first decision after a probe sets the next gap
             gap = self.probe_gap or self.probe_every
             self.probe_gap = self.probe_every if n > 1 else min(self.max_probe_every, 2 * gap)
+            if n == 1:  # a probe costs this many plain rounds more than the plain round it replaces
+                plain = self.fixed_seconds + self.verify_cost(batch)
+                probe = self.fixed_seconds + batch * self.draft_seconds[0] + self.verify_cost(batch * self.probe_nodes)
+                self.probe_gap = max(self.probe_gap, math.ceil((probe / plain - 1) / self.probe_budget))
             self.next_probe = self.last_probe + self.probe_gap
         return n
 
@@ -150,6 +159,7 @@ class SpeculationPolicy:
             self.draft_seconds[planned] = per_row if old is None else 0.9 * old + 0.1 * per_row
         if planned == 0 and draft_seconds is not None:  # this round was a probe
             self.last_probe = self.rounds
+            self.probe_nodes = max(sizes)
             self.next_probe = self.rounds + (self.probe_gap or self.probe_every)
         self.decisions.append(max(sizes))
         self.rounds += 1

@@ -23,6 +23,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--identity", action="store_true", help="also compare every row with its batch-1 plain output")
+    parser.add_argument("--methods", default="fixed tree,policy", help="which of: fixed tree, policy")
     parser.add_argument("--out", default="out/batch")
     args = parser.parse_args()
 
@@ -47,6 +48,7 @@ def main() -> int:
     reports = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         methods = {"fixed tree": (lambda: drafter, None), "policy": (lambda: policy_drafter, SpeculationPolicy(curve))}
+        methods = {name: methods[name] for name in args.methods.split(",")}
         report = run_batch_bench(model, loaded.tokenizer, methods, prompts, settings, batch, check_identity=args.identity)
         print(format_batch_table(report), flush=True)
         reports.append(report)
@@ -60,17 +62,23 @@ def main() -> int:
 
 
 def markdown(reports: list[dict], args) -> str:
+    names = list(reports[0]["methods"])
     lines = [f"SmolLM2-135M, {args.dtype}, {args.threads} threads, {reports[0]['num_prompts']} MT-bench prompts x "
-             f"{args.max_new_tokens} tokens, greedy; tokens/s of all rows together, prefill included.", "",
-             "| batch | plain generate() | ours, no drafting | fixed tree (tau) | policy (tau, nodes/row, plain rounds) | identical |",
-             "| ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"{args.max_new_tokens} tokens, greedy; tokens/s of all rows together, prefill included; "
+             f"CPU: {reports[0]['settings'].get('cpu_model', '?')}.", "",
+             "| batch | plain generate() | ours, no drafting | " + " | ".join(f"{n} (tau)" for n in names) + " | identical |",
+             "| ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |"]
     for r in reports:
-        fixed, policy = r["methods"]["fixed tree"], r["methods"]["policy"]
-        same = [m["identical_fraction"] for m in (fixed, policy)]
+        cells = []
+        for name in names:
+            m = r["methods"][name]
+            extra = "" if not m["policy"] else (f", {m['policy']['mean_nodes']:.1f} nodes/row, "
+                                                f"{100 * m['policy']['plain_rounds']:.0f}% plain rounds")
+            cells.append(f"{m['tokens_per_s']:.1f} ({m['tau']:.2f}{extra})")
+        same = [r["methods"][n]["identical_fraction"] for n in names]
         same_text = "-" if None in same else f"{100 * min(same):.0f}%"
         lines.append(f"| {r['batch_size']} | {r['baseline_tokens_per_s']:.1f} | {r['engine_plain_tokens_per_s']:.1f} | "
-                     f"{fixed['tokens_per_s']:.1f} ({fixed['tau']:.2f}) | {policy['tokens_per_s']:.1f} ({policy['tau']:.2f}, "
-                     f"{policy['policy']['mean_nodes']:.1f}, {100 * policy['policy']['plain_rounds']:.0f}%) | {same_text} |")
+                     + " | ".join(cells) + f" | {same_text} |")
     return "\n".join(lines) + "\n"
 
 
@@ -85,6 +93,8 @@ def plot(reports: list[dict], path: Path, args) -> None:
     ax.plot(sizes, [r["baseline_tokens_per_s"] for r in reports], "o-", label="plain generate()")
     ax.plot(sizes, [r["engine_plain_tokens_per_s"] for r in reports], "s--", label="ours, no drafting")
     for name, style in (("fixed tree", "^-"), ("policy", "D-")):
+        if name not in reports[0]["methods"]:
+            continue
         ax.plot(sizes, [r["methods"][name]["tokens_per_s"] for r in reports], style, label=f"ours, {name}")
     ax.set_xscale("log", base=2)
     ax.set_xticks(sizes, [str(s) for s in sizes])

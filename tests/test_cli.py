@@ -133,6 +133,21 @@ def test_bench_writes_report_markdown_and_plot(capsys, tiny_llama_dir, tmp_path)
     assert "plain generate()" in out and "engine time" in out
 
 
+def test_bench_batch_size_with_the_load_policy(capsys, tiny_llama_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello world", "one two three", "a b a b a")))
+    out_json = tmp_path / "batch.json"
+    code, out, err = run_cli(
+        capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--max-new-tokens", "12",
+        "--batch-size", "2", "--num-draft", "auto", "--out", str(out_json), "--no-progress", "--threads", "1",
+    )
+    assert code == 0, err
+    report = json.loads(out_json.read_text())
+    assert report["batch_size"] == 2 and report["num_prompts"] == 3
+    assert report["methods"]["policy"]["identical_fraction"] == 1.0  # fp32 greedy rows = their batch-1 outputs
+    assert "timing the target's forward" in err and "ours, policy" in out
+
+
 def test_text_printer_holds_back_partial_characters():
     class ByteTokenizer:  # one token per UTF-8 byte
         def decode(self, ids, skip_special_tokens=True):

@@ -1,5 +1,7 @@
 """The load policy (inference/policy.py): the rule's choices on known costs and gains, what a cut
 tree would have accepted, and exactness when it cuts trees or decodes plainly."""
+import math
+
 import torch
 
 from drafthead.inference.cost import CostCurve
@@ -16,6 +18,14 @@ from tests.tiny import plain_greedy, tiny_causal_lm
 
 FLAT = CostCurve((1, 1024), (0.010, 0.0101))  # a GPU at small batch: more tokens cost nothing
 STEEP = CostCurve((1, 16, 64), (0.010, 0.012, 0.048))  # a CPU: flat to 16 tokens, then linear
+
+
+def tiny_eagle_drafter():
+    """(target, untrained EAGLE-3 head, its drafter: 10 nodes, depth 4, top-3) on a tiny Llama."""
+    target = tiny_causal_lm("llama", layers=4)
+    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
+                      token_counts=torch.arange(96)).eval()
+    return target, head, EagleDrafter(head, total_tokens=10, depth=4, top_k=3)
 
 
 def test_accepted_within_counts_the_surviving_prefix_of_the_path():
@@ -51,10 +61,7 @@ def test_rule_counts_the_cheaper_drafting_of_small_trees():
 
 
 def test_eagle_drafter_limit_drafts_fewer_and_shallower_nodes():
-    target = tiny_causal_lm("llama", layers=4)
-    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
-                      token_counts=torch.arange(96)).eval()
-    drafter = EagleDrafter(head, total_tokens=10, depth=4, top_k=3)
+    target, head, drafter = tiny_eagle_drafter()
     prompt = prompts_of((12,))[0][None]
     calls = []
     original = head.step
@@ -113,7 +120,7 @@ def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
 def test_probes_back_off_while_plain_decoding_keeps_winning():
     """Under a load where drafting never pays, probes come ever more rarely (gaps 32, 64, 128);
     once the estimates say drafting pays again, every round drafts."""
-    policy = SpeculationPolicy(STEEP, probe_every=16, max_probe_every=128)
+    policy = SpeculationPolicy(STEEP, probe_every=16, max_probe_every=128, probe_budget=1.0)  # budget: see below
     drafted = []
     for _ in range(300):
         n = policy.plan(16)
@@ -134,10 +141,7 @@ def test_probes_back_off_while_plain_decoding_keeps_winning():
 
 def test_the_policys_node_limit_does_not_outlive_its_run():
     """A drafter used under the policy and then without it drafts its whole tree again."""
-    target = tiny_causal_lm("llama", layers=4)
-    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
-                      token_counts=torch.arange(96)).eval()
-    drafter = EagleDrafter(head, total_tokens=10, depth=4, top_k=3)
+    target, head, drafter = tiny_eagle_drafter()
     prompt = prompts_of((10,))[0][None]
     set_to = []
     original = drafter.limit
@@ -148,3 +152,15 @@ def test_the_policys_node_limit_does_not_outlive_its_run():
     speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, policy=policy))
     assert any(n is not None for n in set_to)  # the run did limit the drafter
     assert drafter.node_limit is None
+
+
+def test_costly_probes_are_spaced_to_the_probe_budget():
+    """At batch 16 on the steep curve a whole-tree probe costs many plain rounds: the gap after it
+    is at least (probe cost / plain cost - 1) / probe_budget rounds, so probes stay ~2% of the time."""
+    policy = SpeculationPolicy(STEEP, probe_every=16, max_probe_every=128, probe_budget=0.02)
+    policy.observe([7] * 16, [[0, 1]] * 16, fixed_seconds=0.001, draft_seconds=16 * 0.002, planned=0)  # a probe
+    assert policy.plan(16) == 1
+    plain = 0.001 + STEEP(16)
+    probe = 0.001 + 16 * 0.002 + STEEP(16 * 7)
+    assert policy.probe_gap == math.ceil((probe / plain - 1) / 0.02) > 128
+    assert policy.next_probe == policy.last_probe + policy.probe_gap

@@ -208,9 +208,12 @@ def policy_from_args(args, model, drafter):
     from ..inference.cost import measure_verify_cost
     from ..inference.policy import SpeculationPolicy
 
-    note("--num-draft auto: timing the target's forward at " + ", ".join(map(str, POLICY_TOKEN_COUNTS)) + " tokens")
+    context = 128  # cached tokens behind the timed forward (measure_verify_cost's default)
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 10**9
+    counts = [n for n in POLICY_TOKEN_COUNTS if context + n <= limit] or [1, 2]
+    note("--num-draft auto: timing the target's forward at " + ", ".join(map(str, counts)) + " tokens")
     want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-    return SpeculationPolicy(measure_verify_cost(model, POLICY_TOKEN_COUNTS, want_hidden=want_hidden))
+    return SpeculationPolicy(measure_verify_cost(model, counts, context=context, want_hidden=want_hidden))
 
 
 def note(message: str) -> None:

@@ -10,6 +10,7 @@ from . import (
     drafter_factory_from_args,
     load_target_from_args,
     note,
+    policy_from_args,
 )
 
 # An MT-bench-style coding question: answers quote the prompt's identifiers, as real ones do.
@@ -44,6 +45,7 @@ def run(args) -> int:
         keep_text=True,
         progress=False,
         info={"target": loaded.name, "proposer": proposer, "head": head},
+        policy=policy_from_args(args, model, factory()),  # --num-draft auto
     )
     report = run_bench(model, loaded.tokenizer, factory, [Prompt(DEMO_PROMPT, "coding", "demo")], settings)
     record = report["prompts"][0]
