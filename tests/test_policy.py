@@ -106,13 +106,15 @@ def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
     for curve in (FLAT, STEEP):
         for drafter in (EagleDrafter(head, total_tokens=10, depth=4, top_k=3), DraftModelDrafter(target, num_draft=4),
                         MergedDrafter([EagleDrafter(head, total_tokens=6, depth=3, top_k=2), PromptLookupDrafter(num_draft=4)])):
-            for batch in (1, 6):
+            for batch, fresh in ((1, True), (6, True), (6, False)):
                 policy = SpeculationPolicy(curve, probe_every=3)
+                if not fresh:  # estimates from an earlier run: plain first, the first drafting round mid-sequence
+                    policy = SpeculationPolicy(curve, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7)
                 ids, mask = left_padded(prompts[:batch])
                 config = GenerationConfig(max_new_tokens=30, policy=policy)
                 out = speculative_generate(target, drafter, ids, config, attention_mask=mask)
                 rows = [out] if batch == 1 else out.rows
-                assert [r.new_tokens[0].tolist() for r in rows] == refs[:batch], (curve, type(drafter).__name__, batch)
+                assert [r.new_tokens[0].tolist() for r in rows] == refs[:batch], (curve, type(drafter).__name__, batch, fresh)
                 if curve is STEEP and batch == 6:
                     assert 1 in policy.decisions  # the policy decoded plainly in some rounds
 

@@ -107,13 +107,16 @@ class MergedDrafter:
         return merged
 
     def commit(self, tokens, features, pending, stats: RoundStats) -> None:
+        if stats.skipped:  # no tree was proposed (self.maps is an older round's, or none): the root alone
+            for d in self.drafters:
+                d.commit(tokens, self._features_for(d, features), pending, stats)
+            return
         for d, mapping in zip(self.drafters, self.maps):
             back = {m: i for i, m in enumerate(mapping) if m >= 0}
             own_path = []
-            for node in [0] if stats.skipped else stats.path:  # the accepted path as far as this drafter's tree has it
+            for node in stats.path:  # the accepted path as far as this drafter's tree has it
                 if node not in back:
                     break
                 own_path.append(back[node])
-            own = RoundStats(stats.num_drafted, stats.num_accepted, stats.depth, stats.accepted_depths, own_path,
-                             skipped=stats.skipped)
+            own = RoundStats(stats.num_drafted, stats.num_accepted, stats.depth, stats.accepted_depths, own_path)
             d.commit(tokens, self._features_for(d, features), pending, own)
