@@ -156,7 +156,9 @@ class EagleDrafter:
         self.cache = self.head.new_cache()
         self.history = torch.cat([tokens, pending[:, None]], dim=1)  # [B, L] committed + pending
         self.fed = 0  # pairs (t, t+1) in the head cache, t = 0..fed-1
-        self.unfed: list[torch.Tensor] = []  # fused features of committed positions not yet fed
+        # target features of committed positions not yet fed, per round: fused at the next propose,
+        # in one call (rounds decoded plainly by the load policy only append)
+        self.unfed: list[tuple[torch.Tensor, ...]] = []
         self._take(features)
 
     def commit(self, tokens, features: TargetFeatures | None, pending, stats: RoundStats) -> None:
@@ -169,8 +171,7 @@ class EagleDrafter:
 
     def _take(self, features: TargetFeatures | None) -> None:
         if features is not None and features.hidden_states[0].shape[1] > 0:
-            with torch.inference_mode():
-                self.unfed.append(self.head.fuse(list(features.hidden_states)))
+            self.unfed.append(tuple(features.hidden_states))
 
     # -- drafting ----------------------------------------------------------------------------
 
@@ -200,7 +201,7 @@ class EagleDrafter:
             self.predicted = 0.0
             return DraftTree(root, torch.tensor([-1], device=device))
         # 1. catch up: pairs (f_t, x_{t+1}) for t = fed .. L-2, at position ids t
-        fused = torch.cat(self.unfed, dim=1)
+        fused = self.head.fuse([torch.cat(layer, dim=1) for layer in zip(*self.unfed)])
         self.unfed = []
         tokens = self.history[:, self.fed + 1 : L]
         positions = torch.arange(self.fed, L - 1, device=device)[None]
