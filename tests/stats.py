@@ -23,4 +23,6 @@ def chi_square_pvalue(observed: dict, expected_probs: dict, n: int, min_expected
         cells.append((pooled_obs, pooled_exp))
     stat = sum((o - e) ** 2 / e for o, e in cells)
     dof = len(cells) - 1
+    if dof < 1:  # every cell pooled into one: no test at all (it would read p = 0)
+        raise ValueError(f"{n} samples are too few for {len(expected_probs)} outcomes: every cell was pooled")
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
