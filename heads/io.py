@@ -213,15 +213,20 @@ class DraftHeadBase(nn.Module):
     def init_from_target(self, model: nn.Module, **kwargs) -> None:
         """Initialise owned weights from the target (copies, e.g. Medusa's LM heads)."""
 
-    def save_pretrained(self, path, *, dtype: torch.dtype | None = None, adapter_model=None) -> Path:
+    def save_pretrained(self, path, *, dtype: torch.dtype | None = None, adapter_model=None,
+                        state: dict[str, torch.Tensor] | None = None) -> Path:
         """Write config.json + model.safetensors (own tensors only) atomically.
 
         dtype: cast floating tensors (e.g. torch.bfloat16 halves the file); integer/bool buffers
         (d2t, t2d) keep theirs. adapter_model: a peft model whose adapter goes to `adapter/`.
+        state: the tensors to write instead of this module's own (a sharded head's gathered
+        state dict, same keys); None: `self.state_dict()`.
         """
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = self.state_dict()
+        if state is not None and set(state) != set(self.state_dict()):
+            raise ValueError(f"state keys do not match the head's: {sorted(set(state) ^ set(self.state_dict()))[:4]}")
+        state = self.state_dict() if state is None else state
         if dtype is not None:
             state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
         float_dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()}

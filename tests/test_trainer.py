@@ -51,7 +51,7 @@ class DummyHead(nn.Module):
         metrics["loss"] = float(total.detach())
         return total, metrics
 
-    def save_pretrained(self, path, adapter_model=None):
+    def save_pretrained(self, path, adapter_model=None, state=None):
         path.mkdir(parents=True, exist_ok=True)
         torch.save(self.state_dict(), path / "head.pt")
         return path

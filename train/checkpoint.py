@@ -42,6 +42,7 @@ class TrainState:
     sampler_seed: int = 0  # epoch e is shuffled with seed sampler_seed + e
     world_size: int = 1
     tokens: int = 0  # real tokens seen by all processes, counted at each log step
+    parallelism: str = "ddp"  # ddp (or one process) | fsdp: how weights and optimizer state were kept
 
     def to_dict(self) -> dict:
         return asdict(self)

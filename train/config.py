@@ -28,6 +28,7 @@ PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 SCHEDULES = ("cosine", "linear", "constant")
 MIXED_PRECISION = ("no", "bf16", "fp16")
 REPORT_TO = ("none", "wandb")
+PARALLELISM = ("ddp", "fsdp")  # train/sharding.py
 FEATURE_MODES = ("online", "captured")
 
 
@@ -111,6 +112,10 @@ class TrainConfig:
     epochs: float | None = 1.0
     clip_norm: float | None = 1.0
     mixed_precision: str = "no"
+    # ddp: every rank holds the whole head and target; fsdp: fully_shard the head and the target's
+    # decoder layers across ranks (train/sharding.py, docs/scaling.md). One process ignores it.
+    parallelism: str = "ddp"
+    shard_target: bool = True  # under fsdp, shard the frozen target's decoder layers too
 
     checkpoint_every: int = 200  # optimizer steps (and at the end); 0: never
     keep_checkpoints: int = 2
@@ -129,6 +134,7 @@ class TrainConfig:
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _choice("report_to", self.report_to, REPORT_TO)
+        _choice("parallelism", self.parallelism, PARALLELISM)
         if not isinstance(self.head, dict) or "kind" not in self.head:
             raise ConfigError("head must be a mapping with a 'kind' (medusa1, medusa2, eagle1, eagle3, eagle31)")
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):

@@ -6,7 +6,8 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
     params      trainable head parameters, fp32 masters             DDP: all      FSDP: 1/N
     grads       their gradients, fp32                               DDP: all      FSDP: 1/N
     optimizer   AdamW's two moments, fp32                           DDP: all      FSDP: 1/N
-    target      the frozen target at its dtype                      DDP: all      FSDP: 1/N
+    target      the frozen target at its dtype                      DDP: all      FSDP: decoder
+                layers 1/N, embedding, final norm and LM head whole (what train/sharding.py shards)
     gathered    FSDP only: the largest unsharded unit during its forward (one target decoder layer,
                 or the whole head, whichever is larger), the transient all-gather buffer
     activations what the backward keeps for one micro-batch (batch_size x max_length tokens),
@@ -36,6 +37,7 @@ class RunShapes:
 
     target_bytes: int
     largest_layer_bytes: int  # one target decoder layer at the target's dtype
+    layers_bytes: int  # all decoder layers: the part of the target FSDP shards
     head_trainable: int  # parameters
     head_frozen_bytes: int  # frozen head tensors the head owns (none for ours: they bind the target's)
     hidden: int
@@ -71,6 +73,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     return RunShapes(
         target_bytes=sum(p.numel() * p.element_size() for p in target.parameters()),
         largest_layer_bytes=layer_bytes,
+        layers_bytes=sum(p.numel() * p.element_size() for layer in layers for p in layer.parameters()),
         head_trainable=sum(p.numel() for p in head.parameters() if p.requires_grad),
         head_frozen_bytes=sum(p.numel() * p.element_size() for p in head.parameters() if not p.requires_grad),
         hidden=hf_config.get_text_config().hidden_size,
@@ -101,7 +104,7 @@ def memory_per_rank(shapes: RunShapes, strategy: str, ranks: int) -> dict[str, i
         "params": 4 * p // share,
         "grads": 4 * p // share,
         "optimizer": 8 * p // share,
-        "target": (shapes.target_bytes + shapes.head_frozen_bytes) // share,
+        "target": shapes.target_bytes - shapes.layers_bytes + shapes.layers_bytes // share + shapes.head_frozen_bytes // share,
         "gathered": max(shapes.largest_layer_bytes, 4 * p) if strategy == "fsdp" and ranks > 1 else 0,
         "activations": activation_bytes(shapes),
     }

@@ -146,7 +146,8 @@ def build_trainer(
         featurize=featurize,
         pad_token_id=pad_token_id(tokenizer),
     )
-    return Trainer(config, head, data, accelerator=accelerator, target=target, layers=layers)
+    return Trainer(config, head, data, accelerator=accelerator, target=target, layers=layers,
+                   frozen_target=target_model if featurize is not None else None)
 
 
 def run_training(config: TrainConfig, *, resume: bool = False, say: Callable[[str], None] = print) -> TrainResult:
@@ -170,9 +171,11 @@ def capture_from_config(
     batch_size: int | None = None,
     progress: Callable[[int], None] | None = None,
     say: Callable[[str], None] = lambda message: None,
+    share=None,
 ) -> Path:
     """Capture the hidden states the config's head needs, over all of the config's samples (the
-    trainer splits train/eval by index, the same way for online and captured data)."""
+    trainer splits train/eval by index, the same way for online and captured data).
+    share: this process's part of a capture run by several (features.WorkShare; default alone)."""
     hcfg = head_config(config, target_model, tokenizer, target_name)
     layers = required_layers(hcfg, hcfg.final_layer)
     samples = token_samples(config, tokenizer)
@@ -182,5 +185,5 @@ def capture_from_config(
     return capture_features(
         target_model, samples.dataset, layers, out_dir,
         batch_size=batch_size or config.batch_size, shard_samples=config.features.shard_samples,
-        dtype=config.features.dtype, pad_token_id=pad_token_id(tokenizer), meta=meta, progress=progress,
+        dtype=config.features.dtype, pad_token_id=pad_token_id(tokenizer), meta=meta, progress=progress, share=share,
     )

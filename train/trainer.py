@@ -39,6 +39,7 @@ from .checkpoint import (
 from .config import TrainConfig
 from .evaluate import WEIGHT_KEY, MetricMean, summarize
 from .features import collate
+from . import sharding
 from .tracking import RunLog
 
 FINAL_DIR = "final"
@@ -219,14 +220,17 @@ def make_accelerator(config: TrainConfig):
 
 class Trainer:
     def __init__(self, config: TrainConfig, head: nn.Module, data: TrainData, *, accelerator=None, target: nn.Module | None = None,
-                 layers: tuple[int, ...] = ()):
+                 layers: tuple[int, ...] = (), frozen_target: nn.Module | None = None):
         """head: a fresh (or to-be-resumed) head. target: the LoRA-wrapped target for medusa2
-        (trained jointly; `layers` are the hidden states the head reads); None otherwise."""
+        (trained jointly; `layers` are the hidden states the head reads); None otherwise.
+        frozen_target: the target behind `data.featurize`, sharded with the head under FSDP."""
         self.config = config
         self.accelerator = accelerator or make_accelerator(config)
         self.data = data
         self.head = head
         self.target = target
+        self.frozen_target = frozen_target
+        self.fsdp = False  # set by fit(): the modules are sharded with fully_shard (train/sharding.py)
         if target is not None:
             lora = config.lora
             self.module: HeadLoss = JointLoss(head, target, layers, lora.lm_loss_weight, lora.head_loss_weight)
@@ -290,9 +294,12 @@ class Trainer:
         if bpe == 0:
             raise ValueError(f"{n_train} training samples do not fill one batch of {cfg.batch_size} on {world} process(es)")
         total = self.total_steps()
-        if acc.distributed_type == DistributedType.FSDP:
-            # checkpoints and the final save read the unwrapped head's tensors, which FSDP shards
-            raise NotImplementedError("the trainer does not support FSDP yet; draft heads are small: use DDP (configs/accelerate/multi_gpu.yaml)")
+        # accelerate's own FSDP launch (a GPU config) gets the same fully_shard path as parallelism: fsdp
+        self.fsdp = world > 1 and (cfg.parallelism == "fsdp" or acc.distributed_type == DistributedType.FSDP)
+        if self.fsdp and self.target is not None:
+            raise NotImplementedError("medusa2 (LoRA on the target) under FSDP is not supported: use parallelism: ddp")
+        if self.fsdp and cfg.mixed_precision == "fp16":
+            raise NotImplementedError("fp16 under FSDP needs a sharded grad scaler: use mixed_precision: bf16 or no")
 
         existing = latest_checkpoint(out)
         if existing is not None and not resume:
@@ -300,19 +307,38 @@ class Trainer:
         ckpt = load_checkpoint(existing) if (resume and existing is not None) else None
 
         set_seed(cfg.seed + rank)  # fresh start; a resume overwrites every RNG below
-        model, optimizer = acc.prepare(self.module, self.optimizer)
+        held = {"head": [sum(p.numel() for p in self.module.parameters())] * 2}  # part: [on this rank, in all]
+        if self.frozen_target is not None:
+            held["target"] = [sum(p.numel() for p in self.frozen_target.parameters())] * 2
+        if self.fsdp:
+            if self.frozen_target is not None and cfg.shard_target:
+                sharding.shard_frozen_target(self.frozen_target)
+            sharding.shard_trainable(self.module)
+            self.optimizer = self._build_optimizer()  # over the sharded (DTensor) parameters
+            held["head"][0] = sharding.local_numel(self.module.parameters())
+            if "target" in held:
+                held["target"][0] = sharding.local_numel(self.frozen_target.parameters())
+            model, optimizer = self.module, self.optimizer
+        else:
+            model, optimizer = acc.prepare(self.module, self.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio)
         )
-        state = TrainState(sampler_seed=cfg.seed, world_size=world)
+        state = TrainState(sampler_seed=cfg.seed, world_size=world, parallelism="fsdp" if self.fsdp else "ddp")
         if ckpt is not None:
             if ckpt.state.world_size != world:
                 raise ValueError(
                     f"checkpoint {ckpt.path} was written by {ckpt.state.world_size} process(es), this run has {world}: "
                     "the data order would differ; resume with the same number of processes"
                 )
-            self.module.load_trainable_state({k: v.to(acc.device) for k, v in ckpt.weights.items()})
-            optimizer.load_state_dict(ckpt.optimizer_state)
+            if ckpt.state.parallelism != state.parallelism:
+                raise ValueError(f"checkpoint {ckpt.path} was written under {ckpt.state.parallelism}, this run is {state.parallelism}: "
+                                 "their optimizer states are keyed differently; resume with the same parallelism")
+            if self.fsdp:
+                sharding.load_gathered_state(self.module, optimizer, ckpt.weights, ckpt.optimizer_state)
+            else:
+                self.module.load_trainable_state({k: v.to(acc.device) for k, v in ckpt.weights.items()})
+                optimizer.load_state_dict(ckpt.optimizer_state)
             self.scheduler.load_state_dict(ckpt.scheduler_state)
             if ckpt.scaler_state is not None and acc.scaler is not None:
                 acc.scaler.load_state_dict(ckpt.scaler_state)
@@ -328,8 +354,10 @@ class Trainer:
             "resume" if ckpt is not None else "start",
             f"{'resuming from ' + str(ckpt.path) if ckpt is not None else 'training'}: world size {world} "
             f"({acc.distributed_type}), device {acc.device}, {n_train} train samples, {bpe} batches/epoch/process, "
-            f"{total} steps",
-            world_size=world, distributed_type=str(acc.distributed_type), device=str(acc.device),
+            f"{total} steps; {state.parallelism}: this rank holds "
+            + ", ".join(f"{mine:,} of {whole:,} {part} parameters" for part, (mine, whole) in held.items()),
+            world_size=world, distributed_type=str(acc.distributed_type), device=str(acc.device), parallelism=state.parallelism,
+            **{f"{part}_params_local": mine for part, (mine, _) in held.items()},
             train_samples=n_train, eval_samples=len(self.data.eval) if self.data.eval is not None else 0,
             batches_per_epoch=bpe, total_steps=total, step=state.step,
         )
@@ -351,8 +379,9 @@ class Trainer:
                         epoch_cache = {epoch: epoch_batches(n_train, cfg.batch_size, world, rank, state.sampler_seed, epoch)}
                     batch = self._batch(epoch_cache[epoch][index], self.data.train)
                     last_micro = m == cfg.grad_accum - 1
-                    with contextlib.nullcontext() if last_micro else acc.no_sync(model):
-                        loss, metrics = model(batch)
+                    with self._accumulating(model, not last_micro):
+                        with acc.autocast() if self.fsdp else contextlib.nullcontext():  # DDP's prepare wraps forward in it
+                            loss, metrics = model(batch)
                         self._check_finite(loss, "loss", state.step + 1, last_ckpt, m)
                         acc.backward(loss / cfg.grad_accum)
                     n_tokens = int(batch.attention_mask.sum())
@@ -360,7 +389,8 @@ class Trainer:
                     window_tokens += n_tokens
                     state.micro_step += 1
                     state.epoch, state.batch_index = divmod(state.micro_step, bpe)
-                grad_norm = acc.clip_grad_norm_(params, cfg.clip_norm if cfg.clip_norm else float("inf"))
+                max_norm = cfg.clip_norm if cfg.clip_norm else float("inf")
+                grad_norm = sharding.clip_grad_norm(params, max_norm) if self.fsdp else acc.clip_grad_norm_(params, max_norm)
                 if cfg.mixed_precision != "fp16":  # fp16: the grad scaler skips overflowing steps itself
                     self._check_finite(grad_norm, "gradient norm", state.step + 1, last_ckpt)
                 optimizer.step()
@@ -392,8 +422,12 @@ class Trainer:
             final_dir = None
             if state.step >= total:
                 final_dir = out / FINAL_DIR
+                head_state = None
+                if self.fsdp:  # gathered on every rank (a collective), written by the main one
+                    weights, _ = sharding.gathered_state(self.module, self.optimizer)
+                    head_state = {k[len("head."):]: v for k, v in weights.items() if k.startswith("head.")}
                 if acc.is_main_process:
-                    self.head.save_pretrained(final_dir, adapter_model=self.target)
+                    self.head.save_pretrained(final_dir, adapter_model=self.target, state=head_state)
                     log.event("end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir), **{f"eval_{k}": v for k, v in eval_metrics.items()})
                 acc.wait_for_everyone()
         finally:
@@ -407,14 +441,27 @@ class Trainer:
         acc, cfg = self.accelerator, self.config
         rng_states = gather_object([capture_rng_state()])  # in rank order
         path = checkpoint_root(cfg.output_dir) / checkpoint_name(state.step)
+        if self.fsdp:
+            weights, optimizer_state = sharding.gathered_state(self.module, optimizer)  # every rank takes part
+        elif acc.is_main_process:
+            weights, optimizer_state = self.module.trainable_state(), optimizer.state_dict()
         if acc.is_main_process:
             path = save_checkpoint(
-                cfg.output_dir, state, self.module.trainable_state(), optimizer.state_dict(), self.scheduler.state_dict(), rng_states,
+                cfg.output_dir, state, weights, optimizer_state, self.scheduler.state_dict(), rng_states,
                 scaler_state=acc.scaler.state_dict() if acc.scaler is not None else None, keep=cfg.keep_checkpoints,
             )
             log.event("checkpoint", step=state.step, path=str(path))
         acc.wait_for_everyone()
         return path
+
+    def _accumulating(self, model, accumulate: bool):
+        """A context in which backward keeps gradients local (a micro-batch before the last)."""
+        if not accumulate:
+            return contextlib.nullcontext()
+        if self.fsdp:
+            model.set_requires_gradient_sync(False)
+            return _restore_sync(model)
+        return self.accelerator.no_sync(model)
 
     def _check_finite(self, value: torch.Tensor, what: str, step: int, last_ckpt: Path | None, micro: int | None = None) -> None:
         """Stop every process together when `value` is NaN/inf (a lone raise would leave the others
@@ -436,22 +483,41 @@ class Trainer:
         hang when processes have different numbers of eval batches."""
         cfg, acc = self.config, self.accelerator
         world, rank = acc.num_processes, acc.process_index
-        indices = list(range(len(self.data.eval)))[rank::world]
-        batches = [indices[i : i + cfg.batch_size] for i in range(0, len(indices), cfg.batch_size)]
-        if cfg.eval_batches is not None:
-            batches = batches[: max(1, cfg.eval_batches // world)]
+        batches = eval_batches(len(self.data.eval), cfg.batch_size, world, rank, cfg.eval_batches)
+        if self.fsdp:
+            # a sharded forward is a collective: every rank runs as many batches as the busiest one,
+            # a rank with fewer repeats its first and ignores the result
+            busiest = max(len(eval_batches(len(self.data.eval), cfg.batch_size, world, r, cfg.eval_batches)) for r in range(world))
+            batches = batches + [None] * (busiest - len(batches))
         mean = MetricMean()
         was_training = self.module.training
         self.module.eval()
         try:
+            filler = next((b for b in batches if b), [0])
             for idx in batches:
-                batch = self._batch(idx, self.data.eval)
+                batch = self._batch(idx if idx is not None else filler, self.data.eval)
                 with acc.autocast():
                     _, metrics = self.module(batch)
-                mean.add(metrics, float(metrics.get(WEIGHT_KEY, batch.loss_mask.sum())))
+                if idx is not None:
+                    mean.add(metrics, float(metrics.get(WEIGHT_KEY, batch.loss_mask.sum())))
         finally:
             self.module.train(was_training)
         return summarize(reduce_means(acc, mean))
+
+
+def eval_batches(num_samples: int, batch_size: int, world_size: int, rank: int, cap: int | None) -> list[list[int]]:
+    """This process's held-out batches: samples dealt round-robin, chunked, at most cap // world."""
+    indices = list(range(num_samples))[rank::world_size]
+    batches = [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
+    return batches[: max(1, cap // world_size)] if cap is not None else batches
+
+
+@contextlib.contextmanager
+def _restore_sync(model):
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def reduce_means(acc, mean: MetricMean) -> dict[str, float]:
