@@ -16,6 +16,10 @@ Each shard holds `shard_samples` consecutive samples flattened over tokens (no p
 Hidden states at a sample's real tokens do not depend on the right padding added for batching,
 except for float rounding of differently shaped matmuls (~1e-7 in fp32): capture with the
 training batch size and order to get bit-identical batches.
+
+Several processes (`accelerate launch`, `torchrun`) share a capture shard by shard: a shard's
+samples and batches are the same whichever process runs it, so the shards and the index are
+byte-identical to one process's (docs/launching.md "Data work on several processes").
 """
 from __future__ import annotations
 
@@ -30,9 +34,13 @@ from safetensors.torch import save_file
 
 from ..heads.batch import FeatureBatch
 from ..targets import resolve_dtype
+from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"
 FORMAT_VERSION = 1
+
+
+
 def required_layers(head_config, num_hidden_layers: int) -> tuple[int, ...]:
     """output_hidden_states indices a head trains on: its `feature_layers`, the final normed state
     (index L = num_hidden_layers) when it `needs_last_hidden` (Medusa), and whatever else its
@@ -152,13 +160,19 @@ def capture_features(
     pad_token_id: int = 0,
     meta: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
+    share: WorkShare | None = None,
 ) -> Path:
     """Run the target over `samples` (TokenDataset-like) and write hidden states to shards.
 
     Resumable: a shard covers samples [k*shard_samples, (k+1)*shard_samples) and is written to a
     temp file then renamed, so complete shards from an interrupted run are kept and skipped.
-    `progress(n)` is called with the number of samples done after each batch. Returns the index path.
+    share: this process's part of a job run by several (WorkShare; default alone). The missing
+    shards are dealt round-robin, so a rerun after a rank died spreads what is left over all
+    ranks; the main rank writes the index once every shard is on disk.
+    `progress(n)` is called with the number of samples done after each batch (this rank's, plus
+    the kept shards on the main rank). Returns the index path.
     """
+    share = share or WorkShare()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     store_dtype = resolve_dtype(dtype)
@@ -176,30 +190,38 @@ def capture_features(
     plan_file = out_dir / "capture.json"
     if plan_file.exists() and json.loads(plan_file.read_text()) != plan:
         raise ValueError(f"{out_dir} holds a capture with different settings ({plan_file}); use another --out")
-    plan_file.write_text(json.dumps(plan, indent=1))
+    if share.is_main:
+        write_atomically(plan_file, json.dumps(plan, indent=1))
 
-    shards = []
-    hidden_size = None
-    for k, start in enumerate(range(0, n, shard_samples)):
-        stop = min(n, start + shard_samples)
+    bounds = [(k, start, min(n, start + shard_samples)) for k, start in enumerate(range(0, n, shard_samples))]
+    missing = [k for k, _, _ in bounds if not (out_dir / _shard_name(k)).exists()]
+    share.barrier()  # all ranks have listed the missing shards before any rank writes one
+    # each rank writes the shards it was dealt (that is the sharing); the index is the main rank's
+    mine, kept = set(share.mine(missing)), set(range(len(bounds))) - set(missing)
+    for k, start, stop in bounds:
         path = out_dir / _shard_name(k)
-        if not path.exists():
+        if k in mine:
             tensors = _capture_shard(model, samples, range(start, stop), layers, batch_size, store_dtype, pad_token_id, progress)
             tmp = path.with_suffix(".tmp")
             save_file(tensors, str(tmp))
             os.replace(tmp, path)
-        elif progress is not None:
+        elif k in kept and share.is_main and progress is not None:
             progress(stop - start)
-        with safe_open(str(path), "pt") as f:
-            num_tokens = f.get_slice("input_ids").get_shape()[0]
-            hidden_size = f.get_slice(f"hidden.{layers[0]}").get_shape()[1]
-        shards.append({"file": path.name, "num_samples": stop - start, "num_tokens": num_tokens})
 
-    index = dict(plan, hidden_size=hidden_size, shards=shards)
-    tmp = out_dir / (INDEX_FILE + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out_dir / INDEX_FILE)
-    return out_dir / INDEX_FILE
+    share.barrier()  # every shard is on disk
+    index_file = out_dir / INDEX_FILE
+    if share.is_main:
+        shards = []
+        hidden_size = None
+        for k, start, stop in bounds:
+            path = out_dir / _shard_name(k)
+            with safe_open(str(path), "pt") as f:
+                num_tokens = f.get_slice("input_ids").get_shape()[0]
+                hidden_size = f.get_slice(f"hidden.{layers[0]}").get_shape()[1]
+            shards.append({"file": path.name, "num_samples": stop - start, "num_tokens": num_tokens})
+        write_atomically(index_file, json.dumps(dict(plan, hidden_size=hidden_size, shards=shards), indent=1))
+    share.barrier()  # no rank returns the index path before the index is there
+    return index_file
 
 
 def _capture_shard(model, samples, indices, layers, batch_size, store_dtype, pad_token_id, progress) -> dict[str, torch.Tensor]:

@@ -9,19 +9,31 @@ Output: OpenAI-form JSONL, one `{"id", "messages", "generation"}` record per con
 form `train/sources.py` reads back. Resumable: ids already in the file are skipped; each record is
 written and flushed as soon as its batch finishes, so an interruption loses at most one batch.
 A torn last line (killed mid-write) is cut off before appending.
+
+Batches are cut from the whole input in order, then the finished conversations are dropped from
+them: a resumed run answers in the batches a clean run would have, so its greedy answers are the
+clean run's (batch composition changes padding, hence float rounding).
+
+Several processes (`accelerate launch`, `torchrun`): the batches left are dealt round-robin; rank
+r of w appends its records to `<out stem>.rank-r-of-w<suffix>` beside the output, and the main
+rank folds the part files into the output, in input order, once all ranks are done. The same
+batches as one process, so the same greedy answers (docs/launching.md "Data work on several
+processes"). A rerun after a rank died reads the part files' ids as done too.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 
 from .chat_format import render, stop_token_ids
+from .workshare import WorkShare, write_atomically
 
 
 @dataclass
@@ -40,15 +52,20 @@ class RegenerateReport:
     def summary(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self.to_dict().items())
 
+    @classmethod
+    def combine(cls, reports: Sequence["RegenerateReport"]) -> "RegenerateReport":
+        """The report of a job from its ranks' reports: counts add up; every rank read the same
+        done ids, so already_done is any one's."""
+        total = cls(**{f.name: sum(getattr(r, f.name) for r in reports) for f in fields(cls)})
+        total.already_done = reports[0].already_done
+        return total
 
-def done_ids(path: Path) -> set[str]:
-    """Ids already written; repairs a torn last line (no trailing newline / bad JSON) by cutting it."""
-    if not path.exists():
-        return set()
-    data = path.read_bytes()
-    ids: set[str] = set()
-    good_end = 0
-    pos = 0
+
+def _records(data: bytes) -> tuple[list[tuple[str, bytes]], int]:
+    """([(id, line with its newline)], end of the last good line): whole lines up to the first
+    broken one (no trailing newline: torn by a kill; bad JSON or no id); blank lines are skipped."""
+    records: list[tuple[str, bytes]] = []
+    good_end = pos = 0
     while pos < len(data):
         nl = data.find(b"\n", pos)
         if nl < 0:
@@ -56,14 +73,56 @@ def done_ids(path: Path) -> set[str]:
         line = data[pos:nl]
         if line.strip():
             try:
-                ids.add(str(json.loads(line)["id"]))
+                records.append((str(json.loads(line)["id"]), data[pos : nl + 1]))
             except (ValueError, KeyError, TypeError):
                 break  # a broken line: everything from here on is dropped
         pos = good_end = nl + 1
-    if good_end < len(data):
+    return records, good_end
+
+
+def done_ids(path: Path, *, repair: bool = True) -> set[str]:
+    """Ids already written; repairs a torn last line (no trailing newline / bad JSON) by cutting
+    it. repair=False only reads (a file another process may append to)."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    records, good_end = _records(data)
+    if repair and good_end < len(data):
         with open(path, "r+b") as f:
             f.truncate(good_end)
-    return ids
+    return {id_ for id_, _ in records}
+
+
+def part_path(out_path: Path, rank: int, world: int) -> Path:
+    """Where rank `rank` of `world` appends its records: `out.jsonl` -> `out.rank-1-of-2.jsonl`."""
+    return out_path.with_name(f"{out_path.stem}.rank-{rank}-of-{world}{out_path.suffix}")
+
+
+def part_files(out_path: Path) -> list[Path]:
+    """The part files beside `out_path`, of any world size (a killed run leaves them), by name."""
+    if not out_path.parent.exists():
+        return []
+    name = re.compile(re.escape(out_path.stem) + r"\.rank-\d+-of-\d+" + re.escape(out_path.suffix))
+    return sorted(p for p in out_path.parent.iterdir() if name.fullmatch(p.name))
+
+
+def merge_parts(out_path: Path, order: Sequence[str]) -> int:
+    """Fold the part files into `out_path`, then delete them: the records of both, each id once
+    (the output's copy first), sorted by position in `order` (the input's ids; ids not in it first,
+    in file order). Lines are copied as they are. Returns the number of records in the output.
+    Killed between the rename and the deletes, a rerun folds the same parts again to the same file."""
+    parts = part_files(out_path)
+    records: dict[str, bytes] = {}
+    for path in [out_path, *parts]:
+        if path.exists():
+            for id_, line in _records(path.read_bytes())[0]:
+                records.setdefault(id_, line)
+    position = {id_: i for i, id_ in enumerate(order)}
+    merged = sorted(records.items(), key=lambda item: position.get(item[0], -1))  # stable
+    write_atomically(out_path, b"".join(line for _, line in merged))
+    for path in parts:
+        path.unlink()
+    return len(merged)
 
 
 def _split_turns(messages: list[dict]) -> tuple[list[dict], list[str]]:
@@ -135,27 +194,38 @@ def regenerate(
     target_name: str | None = None,
     progress: bool = True,
     drafter=None,
+    share: WorkShare | None = None,
 ) -> RegenerateReport:
     """Re-answer `conversations` ({id, messages}) with `model`; append records to `out_path`.
-    drafter: answer with batched speculative decoding through it (None: transformers `generate()`)."""
+    drafter: answer with batched speculative decoding through it (None: transformers `generate()`).
+    share: this process's part of a job run by several (train/features.py WorkShare; default
+    alone); every rank returns the job's report."""
+    share = share or WorkShare()
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = done_ids(out_path)
+    conversations = list(conversations)
+    leftovers = part_files(out_path)  # of a run that was killed
+    mine = out_path if share.world == 1 else part_path(out_path, share.rank, share.world)
+    done: set[str] = set()
+    for path in dict.fromkeys([out_path, *leftovers, mine]):
+        done |= done_ids(path, repair=path == mine)  # a rank cuts only its own file's torn line
     report = RegenerateReport(already_done=len(done))
-    todo = [c for c in conversations if str(c["id"]) not in done]
+    batches = [conversations[b0 : b0 + batch_size] for b0 in range(0, len(conversations), batch_size)]
+    todo = [kept for kept in ([c for c in b if str(c["id"]) not in done] for b in batches) if kept]
+    share.barrier()  # all ranks have read the done ids before any rank writes more
+    todo = share.mine(todo)
     stop_ids = stop_token_ids(tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
     limit = max_prompt_tokens or getattr(model.config, "max_position_embeddings", None)
     generation = {"target": target_name, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
 
     bar = None
-    if progress:
+    if progress and share.is_main:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
-    with open(out_path, "a", encoding="utf-8") as f:
-        for b0 in range(0, len(todo), batch_size):
-            batch = todo[b0 : b0 + batch_size]
+        bar = tqdm(total=sum(map(len, todo)), desc="regenerate", unit="conv", dynamic_ncols=True)
+    with open(mine, "a", encoding="utf-8") as f:
+        for batch in todo:
             # seeded by the batch's first id: reruns of the same batch sample the same answers
             torch.manual_seed(seed + zlib.crc32(str(batch[0]["id"]).encode()))
             turns = [_split_turns(c["messages"]) for c in batch]
@@ -199,4 +269,8 @@ def regenerate(
                 bar.update(len(batch))
     if bar is not None:
         bar.close()
-    return report
+    reports = share.gather(report)  # every rank is done with its batches
+    if share.is_main and (share.world > 1 or leftovers):
+        merge_parts(out_path, [str(c["id"]) for c in conversations])
+    share.barrier()  # no rank returns before the output is whole
+    return RegenerateReport.combine(reports)

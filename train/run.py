@@ -175,7 +175,7 @@ def capture_from_config(
 ) -> Path:
     """Capture the hidden states the config's head needs, over all of the config's samples (the
     trainer splits train/eval by index, the same way for online and captured data).
-    share: this process's part of a capture run by several (features.WorkShare; default alone)."""
+    share: this process's part of a capture run by several (train/workshare.py; default alone)."""
     hcfg = head_config(config, target_model, tokenizer, target_name)
     layers = required_layers(hcfg, hcfg.final_layer)
     samples = token_samples(config, tokenizer)

@@ -40,7 +40,7 @@ from .config import TrainConfig
 from .evaluate import WEIGHT_KEY, MetricMean, summarize
 from .features import collate
 from . import sharding
-from .tracking import RunLog
+from .tracking import PhaseClock, RunLog
 
 FINAL_DIR = "final"
 CONFIG_FILE = "config.yaml"
@@ -267,10 +267,13 @@ class Trainer:
 
     # -- batches -------------------------------------------------------------------------------
 
-    def _batch(self, indices: list[int], dataset) -> FeatureBatch:
-        batch = collate([dataset[i] for i in indices], self.data.pad_token_id)
+    def _batch(self, indices: list[int], dataset, clock: PhaseClock | None = None) -> FeatureBatch:
+        clock = clock or PhaseClock()
+        with clock("data"):
+            batch = collate([dataset[i] for i in indices], self.data.pad_token_id)
         if self.data.featurize is not None:
-            batch = self.data.featurize(batch)
+            with clock("target"):  # the frozen target's forward (online features)
+                batch = self.data.featurize(batch)
         batch = batch.to(self.accelerator.device)
         # Heads keep fp32 master weights; captured / bf16-target features are cast up here, and
         # autocast (mixed_precision) decides the compute dtype.
@@ -363,7 +366,8 @@ class Trainer:
         )
 
         last_ckpt = ckpt.path if ckpt is not None else None
-        window, window_tokens, window_start = MetricMean(), 0, time.perf_counter()
+        window, window_tokens, window_start, window_steps = MetricMean(), 0, time.perf_counter(), 0
+        clock = PhaseClock()  # where a step's time goes, reported with every log line
         eval_metrics: dict[str, float] = {}
         train_metrics: dict[str, float] = {}
         bar_eval: dict[str, float] = {}  # the last eval's acc_0 / tau_est, kept on the progress bar
@@ -377,27 +381,30 @@ class Trainer:
                     epoch, index = divmod(state.micro_step, bpe)
                     if epoch not in epoch_cache:
                         epoch_cache = {epoch: epoch_batches(n_train, cfg.batch_size, world, rank, state.sampler_seed, epoch)}
-                    batch = self._batch(epoch_cache[epoch][index], self.data.train)
+                    batch = self._batch(epoch_cache[epoch][index], self.data.train, clock)
                     last_micro = m == cfg.grad_accum - 1
                     with self._accumulating(model, not last_micro):
-                        with acc.autocast() if self.fsdp else contextlib.nullcontext():  # DDP's prepare wraps forward in it
+                        with clock("head"), acc.autocast() if self.fsdp else contextlib.nullcontext():  # DDP's prepare wraps forward in it
                             loss, metrics = model(batch)
                         self._check_finite(loss, "loss", state.step + 1, last_ckpt, m)
-                        acc.backward(loss / cfg.grad_accum)
+                        with clock("backward"):  # under DDP/FSDP this includes the gradient all-reduce
+                            acc.backward(loss / cfg.grad_accum)
                     n_tokens = int(batch.attention_mask.sum())
                     window.add(metrics, float(metrics.get(WEIGHT_KEY, batch.loss_mask.sum())))
                     window_tokens += n_tokens
                     state.micro_step += 1
                     state.epoch, state.batch_index = divmod(state.micro_step, bpe)
-                max_norm = cfg.clip_norm if cfg.clip_norm else float("inf")
-                grad_norm = sharding.clip_grad_norm(params, max_norm) if self.fsdp else acc.clip_grad_norm_(params, max_norm)
-                if cfg.mixed_precision != "fp16":  # fp16: the grad scaler skips overflowing steps itself
-                    self._check_finite(grad_norm, "gradient norm", state.step + 1, last_ckpt)
-                optimizer.step()
-                self.scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                with clock("optimizer"):
+                    max_norm = cfg.clip_norm if cfg.clip_norm else float("inf")
+                    grad_norm = sharding.clip_grad_norm(params, max_norm) if self.fsdp else acc.clip_grad_norm_(params, max_norm)
+                    if cfg.mixed_precision != "fp16":  # fp16: the grad scaler skips overflowing steps itself
+                        self._check_finite(grad_norm, "gradient norm", state.step + 1, last_ckpt)
+                    optimizer.step()
+                    self.scheduler.step()
+                    optimizer.zero_grad(set_to_none=True)
                 state.step += 1
                 steps_this_call += 1
+                window_steps += 1
                 done = state.step == total
 
                 if state.step % cfg.log_every == 0 or done:
@@ -405,11 +412,12 @@ class Trainer:
                     state.tokens += tokens
                     elapsed = time.perf_counter() - window_start
                     train_metrics = summarize(reduce_means(acc, window))  # all processes' batches
-                    train_metrics.update(lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm), tokens_per_s=tokens / max(elapsed, 1e-9), epoch=state.epoch)
+                    train_metrics.update(lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm), tokens_per_s=tokens / max(elapsed, 1e-9), epoch=state.epoch,
+                                         s_step=elapsed / window_steps, **clock.take(window_steps))
                     log.metrics(state.step, "train", train_metrics)
                     log.progress(state.step, loss=train_metrics.get("loss", float("nan")), acc_0=train_metrics.get("acc_0", float("nan")),
                                  tok_s=round(train_metrics["tokens_per_s"]), **bar_eval)
-                    window, window_tokens, window_start = MetricMean(), 0, time.perf_counter()
+                    window, window_tokens, window_start, window_steps = MetricMean(), 0, time.perf_counter(), 0
                 if self.data.eval is not None and len(self.data.eval) and ((cfg.eval_every and state.step % cfg.eval_every == 0) or done):
                     eval_metrics = self.evaluate()
                     log.metrics(state.step, "eval", eval_metrics)

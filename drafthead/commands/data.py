@@ -5,11 +5,16 @@
         --max-new-tokens 256 --temperature 0 --batch-size 8
     drafthead data capture --config configs/eagle3.yaml data.path=data/regen.jsonl --out data/eagle3-features
     drafthead data tiny-target --out /tmp/tiny     # a tiny random target for smoke runs
+
+`regenerate` and `capture` also run as several processes, each taking a share of the work:
+    accelerate launch --multi_gpu --num_processes 2 -m drafthead.cli data capture ...
+(docs/launching.md "Data work on several processes").
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from . import _positive_int, add_device_option, add_target_options, load_target_from_args, note, resolve_device
 
@@ -68,12 +73,35 @@ def _inspect(args) -> int:
     return 0
 
 
+def _work_share():
+    """This process's part of the job: one of several under `accelerate launch` / `torchrun`, else alone."""
+    from ..train.workshare import detect_work_share
+
+    return detect_work_share()
+
+
+def _main_note(share):
+    """`note` on the main process, silence on the others (docs/style.md 8: one process talks)."""
+    return note if share.is_main else (lambda message: None)
+
+
+def _rank_device(device: str | None, share) -> str:
+    """--device for this process: under a launcher, a bare `cuda` is this process's own GPU."""
+    device = resolve_device(device)
+    if device == "cuda" and share.world > 1:
+        return f"cuda:{os.environ.get('LOCAL_RANK', share.rank)}"
+    return device
+
+
 def _regenerate(args) -> int:
     from ..train.regenerate import regenerate
     from ..train.sources import load_conversations
 
+    share = _work_share()
+    say = _main_note(share)
     ds, source_report = load_conversations(args.source, args.path, args.limit)
-    note(source_report.summary())
+    say(source_report.summary())
+    args.device = _rank_device(args.device, share)
     loaded = load_target_from_args(args)
     model, drafter = loaded.model, None
     if args.speculative or args.head:
@@ -83,13 +111,14 @@ def _regenerate(args) -> int:
         if head is None:
             raise ValueError(f"--speculative: no head ships for {loaded.name}; pass --head DIR")
         drafter, model = load_heads(head, loaded.model, loaded.tokenizer, target_name=loaded.name)
-        note(f"answering through speculative decoding with the head at {head}")
+        say(f"answering through speculative decoding with the head at {head}")
     report = regenerate(
         model, loaded.tokenizer, ds, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns,
-        seed=args.seed, target_name=loaded.name, drafter=drafter,
+        seed=args.seed, target_name=loaded.name, drafter=drafter, share=share,
     )
-    print(f"{args.out}: {report.summary()}")
+    if share.is_main:
+        print(f"{args.out}: {report.summary()}")
     return 0
 
 
@@ -104,14 +133,17 @@ def _capture(args) -> int:
     out = args.out or config.features.path
     if not out:
         raise ValueError("pass --out DIR or set features.path in the config")
-    loaded = load_target(config.target, dtype=config.target_dtype, device=resolve_device(args.device), threads=config.threads)
-    bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True)
+    share = _work_share()
+    loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share), threads=config.threads)
+    bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
     try:
         index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
-                                    batch_size=args.batch_size, progress=bar.update, say=note)
+                                    batch_size=args.batch_size, progress=bar.update,
+                                    say=_main_note(share), share=share)
     finally:
         bar.close()
-    print(f"captured features: {index}; train with features.mode=captured features.path={out}")
+    if share.is_main:
+        print(f"captured features: {index}; train with features.mode=captured features.path={out}")
     return 0
 
 
