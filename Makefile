@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/drafthead demo
 
+# One pytest worker per core (pytest-xdist), one torch thread each: the tests are small models
+# whose time is mostly Python, so workers beat intra-op threads (docs/cpu-measurements.md).
 test: setup
-	$(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto tests
 
 bench: setup
 	$(BIN)/drafthead bench $(BENCH_ARGS) --out out/bench.json --markdown out/bench.md --plot out/bench.png

@@ -5,7 +5,8 @@
 One launch trains, in turn:
   OUT/ddp, OUT/fsdp   the equal-length run (`equal_length_trainer`) under DDP, then under FSDP;
   OUT/cli-fsdp        the CLI's tiny EAGLE-3 config under FSDP, to the end (the reference a killed
-                      and resumed FSDP run must match bit for bit).
+                      and resumed FSDP run must match bit for bit);
+  OUT/stream-ddp      the same config reading its data as a stream (data.streaming), past an epoch end.
 Every trainer builds its own fresh head from the same seed.
 """
 from __future__ import annotations
@@ -59,6 +60,9 @@ def main(out: str, target: str, chats: str) -> None:
         loaded = load_target(cfg.target, dtype=cfg.target_dtype, threads=1)
         equal_length_trainer(cfg, loaded.model, loaded.tokenizer).fit(progress=False)
     run_training(tiny_config(target, chats, out / "cli-fsdp", parallelism="fsdp", max_steps=8, checkpoint_every=1, eval_every=4),
+                 say=lambda message: None)
+    stream = {"data.streaming": "true", "data.shuffle_buffer": 8}  # 48 chats - 8 eval: 5 batches of 2 x 4 per epoch
+    run_training(tiny_config(target, chats, out / "stream-ddp", max_steps=7, checkpoint_every=0, eval_every=7, **stream),
                  say=lambda message: None)
 
 

@@ -123,6 +123,10 @@ def test_ddp_and_fsdp_end_with_the_weights_of_one_process(two_process_runs, tiny
     target_total = sum(p.numel() for p in loaded.model.parameters())
     assert start["head_params_local"] <= head_total // 2 + 64
     assert start["target_params_local"] < 0.75 * target_total
+    # a stream read by 2 ranks: both reach the end of epoch 1 together (no hang) and finish
+    stream_start = json.loads((two_process_runs / "stream-ddp" / "metrics.jsonl").read_text().splitlines()[0])
+    assert stream_start["world_size"] == 2 and stream_start["batches_per_epoch"] == 5
+    assert (two_process_runs / "stream-ddp" / "final" / "model.safetensors").exists()
 
 
 def test_fsdp_rank_killed_after_a_checkpoint_resumes_bit_equal(two_process_runs, tiny_run_inputs):

@@ -10,7 +10,7 @@ from torch import nn
 
 from drafthead.heads.batch import FeatureBatch
 from drafthead.train.checkpoint import latest_checkpoint
-from drafthead.train.config import TrainConfig
+from drafthead.train.config import ConfigError, TrainConfig
 from drafthead.train.evaluate import estimate_tau
 from drafthead.train.trainer import (
     NonFiniteLossError,
@@ -292,3 +292,38 @@ def test_a_run_continues_from_a_saved_head_and_refuses_another_architecture(tmp_
         build_trainer(cfg("kind", init_from=str(first.final_dir), head={"kind": "eagle1"}), tiny_target(tok), tok)
     with pytest.raises(ConfigError, match="not supported for medusa2"):
         build_trainer(cfg("m2", init_from=str(first.final_dir), head={"kind": "medusa2"}), tiny_target(tok), tok)
+
+
+def test_streaming_run_reads_lazily_and_resumes_exactly(tmp_path, isolated_cache):
+    """data.streaming: the trainer reads a TokenStream (train/streaming.py) in its seeded order,
+    across an epoch boundary; a run stopped after step 5 (checkpoint at 4) and resumed ends with
+    the uninterrupted run's weights, and the eval set is the stream's first samples."""
+    from drafthead.train.run import build_trainer
+    from drafthead.train.streaming import TokenStream
+    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+
+    tok = tiny_tokenizer()
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 30)
+
+    def trainer(name):
+        cfg = TrainConfig.from_dict(dict(
+            target="tiny", head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, report_to="none",
+            output_dir=str(tmp_path / name), batch_size=4, max_steps=10, eval_every=5, checkpoint_every=4, log_every=1, lr=1e-2,
+            data={"source": "json", "path": str(chats), "max_length": 64, "eval_size": 6, "streaming": True, "shuffle_buffer": 8},
+        ))
+        return build_trainer(cfg, tiny_target(tok), tok, target_name="tiny")
+
+    straight = trainer("straight")
+    assert isinstance(straight.data.train, TokenStream) and len(straight.data.eval) == 6
+    assert straight.batches_per_epoch() == (30 - 6) // 4  # 6 per epoch: 10 steps cross into epoch 2
+    straight.fit(progress=False)
+    stopped = trainer("resumed")
+    assert stopped.fit(progress=False, stop_after_steps=5).final_dir is None
+    resumed = trainer("resumed")
+    result = resumed.fit(progress=False, resume=True)
+    assert result.state.step == 10 and result.state.epoch == 1
+    for (name, a), (_, b) in zip(straight.head.state_dict().items(), resumed.head.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ConfigError, match="captured"):
+        TrainConfig.from_dict(dict(target="tiny", head={"kind": "eagle3"}, data={"streaming": True},
+                                   features={"mode": "captured", "path": str(tmp_path)}))

@@ -23,6 +23,12 @@ from dataclasses import asdict, dataclass, field
 import datasets
 
 
+# Bump when the formatting or mask rules change. `.map` caches are keyed on the map function, and
+# datasets hashes the functions it calls by module and name only, not by their code: without a
+# bump, a changed rule would read samples tokenized under the old one.
+FORMAT_VERSION = 1
+
+
 class ChatTemplateError(ValueError):
     pass
 
@@ -117,25 +123,51 @@ class FormatReport:
         )
 
 
+def format_row(tokenizer, row: dict, max_length: int) -> dict:
+    """One {id, messages} row -> {input_ids, loss_mask, truncated, n_loss, n_tokens}: the `.map`
+    function of both the cached path (below) and the streaming one (train/streaming.py).
+    A template that cannot format the row raises ChatTemplateError naming the row's id."""
+    try:
+        f = format_conversation(tokenizer, row["messages"], max_length)
+    except ChatTemplateError as e:
+        raise ChatTemplateError(f"conversation {row.get('id')!r}: {e}") from e
+    return {"input_ids": f.input_ids, "loss_mask": f.loss_mask, "truncated": f.truncated, "n_loss": sum(f.loss_mask),
+            "n_tokens": len(f.input_ids)}
+
+
+def _has_loss(n_loss: int) -> bool:
+    return n_loss > 0
+
+
+def _column_sum(dataset: datasets.Dataset, column: str) -> int:
+    """Sum of an integer column without turning it into Python objects (respects `.filter`)."""
+    import pyarrow.compute as pc
+
+    return int(pc.sum(dataset.with_format("arrow")[column]).as_py() or 0)
+
+
 def tokenize_conversations(
     dataset: datasets.Dataset, tokenizer, max_length: int, num_proc: int | None = None
 ) -> tuple[datasets.Dataset, FormatReport]:
     """`messages` dataset -> dataset with `id`, `input_ids`, `loss_mask`; drops (and counts) samples
-    with no assistant token inside `max_length`."""
+    with no assistant token inside `max_length`.
 
-    def fmt(row):
-        f = format_conversation(tokenizer, row["messages"], max_length)
-        return {"input_ids": f.input_ids, "loss_mask": f.loss_mask, "truncated": f.truncated, "n_loss": sum(f.loss_mask)}
+    `.map` and `.filter` run in `num_proc` processes and are cached by fingerprint (the input's
+    fingerprint, the function with its tokenizer, `max_length` and FORMAT_VERSION): on a dataset from
+    `load_conversations`, which is memory-mapped from $DRAFTHEAD_CACHE/data, the cache files sit
+    beside it and a second call reads them instead of tokenizing again. An in-memory dataset
+    (`use_cache=False`) is tokenized every time.
+    """
 
-    mapped = dataset.map(fmt, remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc, desc="chat template")
-    report = FormatReport(conversations=len(mapped))
-    n_loss = mapped["n_loss"]
-    report.truncated = int(sum(mapped["truncated"]))
-    keep = [i for i, n in enumerate(n_loss) if n > 0]
-    if len(keep) < len(mapped):
-        report.dropped = {"no_assistant_token_within_max_length": len(mapped) - len(keep)}
-    out = mapped.select(keep).remove_columns(["truncated", "n_loss"])
-    report.kept = len(out)
-    report.loss_tokens = int(sum(n_loss[i] for i in keep))
-    report.tokens = int(sum(len(x) for x in out["input_ids"]))
-    return out, report
+    def fmt(row, version=FORMAT_VERSION):  # a default value is hashed with the function: the version keys the cache
+        return format_row(tokenizer, row, max_length)
+
+    mapped = dataset.map(fmt, remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc,
+                         desc="chat template")
+    out = mapped.filter(_has_loss, input_columns="n_loss", num_proc=num_proc, desc="drop samples without labels")
+    report = FormatReport(conversations=len(mapped), kept=len(out), truncated=_column_sum(mapped, "truncated"))
+    if len(out) < len(mapped):
+        report.dropped = {"no_assistant_token_within_max_length": len(mapped) - len(out)}
+    report.loss_tokens = _column_sum(out, "n_loss")
+    report.tokens = _column_sum(out, "n_tokens")
+    return out.remove_columns(["truncated", "n_loss", "n_tokens"]), report

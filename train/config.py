@@ -43,18 +43,29 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
 
 @dataclass
 class DataConfig:
-    source: str = "sharegpt"  # sharegpt | json | regenerated (train/sources.py)
+    source: str = "sharegpt"  # sharegpt | json | jsonl | regenerated | file (format from the path; train/sources.py)
     path: str | None = None  # file for json/regenerated; overrides the package file for sharegpt
     limit: int | None = None  # first N usable conversations
     max_length: int = 1024  # tokens per sample after the chat template (longer ones are cut)
     eval_fraction: float = 0.02  # held-out share of samples ...
     eval_size: int | None = 64  # ... capped at this many
+    # streaming: read the file lazily, never whole (train/streaming.py, docs/models-and-data.md);
+    # the eval set is then the first eval_size usable samples, and eval_fraction is unused
+    streaming: bool = False
+    shuffle_buffer: int = 1000  # streaming: samples in the seeded shuffle buffer (<= 1: file order)
+    num_proc: int | None = None  # processes for the chat-template `.map` (the cached, non-streaming path)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction must be in [0, 1); got {self.eval_fraction}")
         if self.max_length < 2:
             raise ConfigError(f"data.max_length must be >= 2; got {self.max_length}")
+        if self.shuffle_buffer < 0:
+            raise ConfigError(f"data.shuffle_buffer must be >= 0; got {self.shuffle_buffer}")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise ConfigError(f"data.num_proc must be >= 1; got {self.num_proc}")
+        if self.streaming and self.eval_size is None:
+            raise ConfigError("data.streaming needs data.eval_size (a count): a stream's length is unknown, so eval_fraction cannot apply")
 
 
 @dataclass
@@ -146,6 +157,9 @@ class TrainConfig:
             raise ConfigError(f"max_steps must be >= 1; got {self.max_steps}")
         if len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers; got {self.betas}")
+        if self.data.streaming and self.features.mode == "captured":
+            raise ConfigError("data.streaming reads samples lazily while training; captured features are already on disk: "
+                              "use features.mode=online, or data.streaming=false")
 
     @property
     def head_kind(self) -> str:

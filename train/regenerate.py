@@ -198,7 +198,7 @@ def regenerate(
 ) -> RegenerateReport:
     """Re-answer `conversations` ({id, messages}) with `model`; append records to `out_path`.
     drafter: answer with batched speculative decoding through it (None: transformers `generate()`).
-    share: this process's part of a job run by several (train/features.py WorkShare; default
+    share: this process's part of a job run by several (train/workshare.py WorkShare; default
     alone); every rank returns the job's report."""
     share = share or WorkShare()
     out_path = Path(out_path)

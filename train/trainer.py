@@ -231,6 +231,7 @@ class Trainer:
         self.target = target
         self.frozen_target = frozen_target
         self.fsdp = False  # set by fit(): the modules are sharded with fully_shard (train/sharding.py)
+        self._bpe: int | None = None
         if target is not None:
             lora = config.lora
             self.module: HeadLoss = JointLoss(head, target, layers, lora.lm_loss_weight, lora.head_loss_weight)
@@ -258,19 +259,28 @@ class Trainer:
         params = [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
         return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
+    def batches_per_epoch(self) -> int:
+        """Batches each process takes per epoch; a stream (train/streaming.py) counts them in one pass."""
+        cfg, world = self.config, self.accelerator.num_processes
+        if self._bpe is None:
+            if is_stream(self.data.train):
+                self._bpe = self.data.train.count_batches(cfg.batch_size, world)
+            else:
+                self._bpe = batches_per_epoch(len(self.data.train), cfg.batch_size, world)
+        return self._bpe
+
     def total_steps(self) -> int:
         cfg = self.config
         if cfg.max_steps is not None:
             return cfg.max_steps
-        bpe = batches_per_epoch(len(self.data.train), cfg.batch_size, self.accelerator.num_processes)
-        return max(1, math.ceil(cfg.epochs * bpe / cfg.grad_accum))
+        return max(1, math.ceil(cfg.epochs * self.batches_per_epoch() / cfg.grad_accum))
 
     # -- batches -------------------------------------------------------------------------------
 
-    def _batch(self, indices: list[int], dataset, clock: PhaseClock | None = None) -> FeatureBatch:
+    def _batch(self, samples: list[dict], clock: PhaseClock | None = None) -> FeatureBatch:
         clock = clock or PhaseClock()
         with clock("data"):
-            batch = collate([dataset[i] for i in indices], self.data.pad_token_id)
+            batch = collate(samples, self.data.pad_token_id)
         if self.data.featurize is not None:
             with clock("target"):  # the frozen target's forward (online features)
                 batch = self.data.featurize(batch)
@@ -292,8 +302,8 @@ class Trainer:
         cfg, acc = self.config, self.accelerator
         out = Path(cfg.output_dir)
         world, rank = acc.num_processes, acc.process_index
-        n_train = len(self.data.train)
-        bpe = batches_per_epoch(n_train, cfg.batch_size, world)
+        bpe = self.batches_per_epoch()
+        n_train = bpe * cfg.batch_size * world if is_stream(self.data.train) else len(self.data.train)  # a stream: the samples used
         if bpe == 0:
             raise ValueError(f"{n_train} training samples do not fill one batch of {cfg.batch_size} on {world} process(es)")
         total = self.total_steps()
@@ -372,16 +382,16 @@ class Trainer:
         train_metrics: dict[str, float] = {}
         bar_eval: dict[str, float] = {}  # the last eval's acc_0 / tau_est, kept on the progress bar
         params = [p for p in self.module.parameters() if p.requires_grad]
-        epoch_cache: dict[int, list[list[int]]] = {}
+        read = EpochReader(self.data.train, cfg.batch_size, world, rank, state.sampler_seed)
         steps_this_call = 0
         model.train()
         try:
             while state.step < total and (stop_after_steps is None or steps_this_call < stop_after_steps):
                 for m in range(cfg.grad_accum):
                     epoch, index = divmod(state.micro_step, bpe)
-                    if epoch not in epoch_cache:
-                        epoch_cache = {epoch: epoch_batches(n_train, cfg.batch_size, world, rank, state.sampler_seed, epoch)}
-                    batch = self._batch(epoch_cache[epoch][index], self.data.train, clock)
+                    with clock("data"):  # a stream reads and tokenizes here
+                        samples = read(epoch, index)
+                    batch = self._batch(samples, clock)
                     last_micro = m == cfg.grad_accum - 1
                     with self._accumulating(model, not last_micro):
                         with clock("head"), acc.autocast() if self.fsdp else contextlib.nullcontext():  # DDP's prepare wraps forward in it
@@ -503,7 +513,7 @@ class Trainer:
         try:
             filler = next((b for b in batches if b), [0])
             for idx in batches:
-                batch = self._batch(idx if idx is not None else filler, self.data.eval)
+                batch = self._batch([self.data.eval[i] for i in (idx if idx is not None else filler)])
                 with acc.autocast():
                     _, metrics = self.module(batch)
                 if idx is not None:
@@ -511,6 +521,37 @@ class Trainer:
         finally:
             self.module.train(was_training)
         return summarize(reduce_means(acc, mean))
+
+
+def is_stream(train) -> bool:
+    """Training data read lazily in order (train/streaming.py TokenStream) rather than by index."""
+    return hasattr(train, "batches") and hasattr(train, "count_batches")
+
+
+class EpochReader:
+    """This process's batches (lists of samples) by (epoch, batch index): read in order, and
+    reopened at the asked-for batch after a jump (a resume, or the next epoch).
+
+    Indexed data: `epoch_batches`' shuffle of the sample indices. A stream: its own seeded order,
+    the first `index` batches skipped by reading them (train/streaming.py)."""
+
+    def __init__(self, train, batch_size: int, world_size: int, rank: int, seed: int):
+        self.train, self.batch_size, self.world_size, self.rank, self.seed = train, batch_size, world_size, rank, seed
+        self._next: tuple[int, int] | None = None
+        self._batches = iter(())
+
+    def __call__(self, epoch: int, index: int) -> list[dict]:
+        if self._next != (epoch, index):
+            self._batches = self._open(epoch, index)
+        self._next = (epoch, index + 1)
+        return next(self._batches)
+
+    def _open(self, epoch: int, index: int):
+        if is_stream(self.train):
+            return iter(self.train.batches(self.batch_size, rank=self.rank, world_size=self.world_size, seed=self.seed,
+                                           epoch=epoch, skip=index))
+        batches = epoch_batches(len(self.train), self.batch_size, self.world_size, self.rank, self.seed, epoch)
+        return ([self.train[i] for i in indices] for indices in batches[index:])
 
 
 def eval_batches(num_samples: int, batch_size: int, world_size: int, rank: int, cap: int | None) -> list[list[int]]:
