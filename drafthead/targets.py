@@ -121,7 +121,7 @@ def load_target(
 
     Raises TargetError (unknown name, missing package, not a model) or FileNotFoundError.
     """
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype(dtype, device)
     if threads is not None:
         if threads < 1:
             raise TargetError(f"threads must be >= 1, got {threads}")
@@ -154,11 +154,25 @@ def load_target(
     return LoadedTarget(model=model, tokenizer=tokenizer, name=name, path=folder)
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def has_native_bf16(device: str | torch.device | None = None) -> bool:
+    """Whether bf16 matmuls run at hardware speed. CUDA: the GPU supports bf16. CPU: AVX512-BF16
+    or AMX tiles (torch's own probes); without them bf16 is emulated and slower than fp32
+    (docs/cpu-measurements.md "Training throughput")."""
+    kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda":
+        return torch.cuda.is_bf16_supported()
+    probes = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
+    return any(probe is not None and probe() for probe in probes)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = None) -> torch.dtype:
+    """A dtype name, or "auto": bfloat16 where `device` runs it natively, else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if has_native_bf16(device) else torch.float32
     if dtype not in DTYPES:
-        raise TargetError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}")
+        raise TargetError(f"unknown dtype '{dtype}': use one of {', '.join(DTYPES)}, auto")
     return DTYPES[dtype]
 
 

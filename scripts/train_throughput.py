@@ -1,9 +1,10 @@
 """Training tokens/s on this machine for 1 and 2 processes, and where a step's time goes.
 
-    .venv/bin/python scripts/train_throughput.py --out out/train-throughput [--steps 12] [--config eagle3]
+    .venv/bin/python scripts/train_throughput.py --out out/train-throughput --steps 8 --log-every 2 \
+        --max-length 256 --precision auto --target-dtype auto grad_accum=1
 
-Runs the same short EAGLE-3 run (SmolLM2 target, ShareGPT, online features, bf16 autocast)
-as one process with 2 threads, as 2 DDP processes with 1 thread each, and as 2 FSDP processes.
+Runs the same short EAGLE-3 run (SmolLM2 target, ShareGPT, online features) as one process with
+2 threads, as 2 DDP processes with 1 thread each, and as 2 FSDP processes.
 It reads each run's metrics.jsonl and prints tokens/s and the seconds per step of every phase
 (train/tracking.py PhaseClock). The first log window holds warm-up and is left out.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,7 @@ PHASES = ("data", "target", "head", "backward", "optimizer")
 
 def launch(name: str, processes: int, overrides: list[str], out: Path) -> Path:
     run_dir = out / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: an old run's rows would mix in
     env = dict(os.environ, WANDB_MODE="disabled", ACCELERATE_USE_CPU="1")
     args = ["--config", overrides[0], *overrides[1:], f"output_dir={run_dir}"]
     if processes == 1:
@@ -50,11 +53,15 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=2, help="per process (2 processes: twice the global batch)")
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--runs", default="1proc,ddp2,fsdp2")
+    parser.add_argument("--precision", default="bf16", help="mixed_precision of every run (no: fp32)")
+    parser.add_argument("--target-dtype", default="bfloat16")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more run config overrides")
     args = parser.parse_args()
     out = Path(args.out)
-    base = [args.config, "features.mode=online", "mixed_precision=bf16", "data.source=sharegpt", "data.limit=400",
+    base = [args.config, "features.mode=online", f"mixed_precision='{args.precision}'", f"target_dtype={args.target_dtype}",
+            "data.source=sharegpt", "data.limit=400",
             f"data.max_length={args.max_length}", f"batch_size={args.batch_size}", f"max_steps={args.steps}",
-            f"log_every={args.log_every}", "checkpoint_every=0", "eval_every=0", "data.eval_size=8", "report_to=none"]
+            f"log_every={args.log_every}", "checkpoint_every=0", "eval_every=0", "data.eval_size=8", "report_to=none", *args.overrides]
     plans = {"1proc": (1, []), "ddp2": (2, ["parallelism=ddp"]), "fsdp2": (2, ["parallelism=fsdp"])}
     results = {}
     for name in args.runs.split(","):

@@ -327,3 +327,13 @@ def test_streaming_run_reads_lazily_and_resumes_exactly(tmp_path, isolated_cache
     with pytest.raises(ConfigError, match="captured"):
         TrainConfig.from_dict(dict(target="tiny", head={"kind": "eagle3"}, data={"streaming": True},
                                    features={"mode": "captured", "path": str(tmp_path)}))
+
+
+def test_auto_precision_follows_the_hardware():
+    from drafthead.targets import has_native_bf16, resolve_dtype
+    from drafthead.train.trainer import resolve_mixed_precision
+
+    assert resolve_mixed_precision("auto", True) == "bf16" and resolve_mixed_precision("auto", False) == "no"
+    assert resolve_mixed_precision("fp16", False) == "fp16" and resolve_mixed_precision("no", True) == "no"
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if has_native_bf16("cpu") else torch.float32)
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16

@@ -26,7 +26,7 @@ DTYPE_NAMES = tuple(DTYPES)
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 SCHEDULES = ("cosine", "linear", "constant")
-MIXED_PRECISION = ("no", "bf16", "fp16")
+MIXED_PRECISION = ("no", "bf16", "fp16", "auto")  # auto: bf16 where the hardware runs it natively (train/trainer.py)
 REPORT_TO = ("none", "wandb")
 PARALLELISM = ("ddp", "fsdp")  # train/sharding.py
 FEATURE_MODES = ("online", "captured")
@@ -104,7 +104,7 @@ class LoraConfig:
 @dataclass
 class TrainConfig:
     target: str = "smollm2-135m"  # built-in name or local folder (drafthead.targets.load_target)
-    target_dtype: str = "float32"  # dtype the target is loaded in (bf16 halves online feature cost)
+    target_dtype: str = "float32"  # dtype the target is loaded in; auto: bfloat16 where native, else float32
     head: dict = field(default_factory=lambda: {"kind": "medusa1"})  # {kind, ...} -> heads/config.py
     data: DataConfig = field(default_factory=DataConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
@@ -141,7 +141,7 @@ class TrainConfig:
     threads: int | None = None  # torch threads per process; None: leave as is
 
     def __post_init__(self) -> None:
-        _choice("target_dtype", self.target_dtype, DTYPE_NAMES)
+        _choice("target_dtype", self.target_dtype, DTYPE_NAMES + ("auto",))
         _choice("schedule", self.schedule, SCHEDULES)
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _choice("report_to", self.report_to, REPORT_TO)

@@ -56,7 +56,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     from .run import head_config
 
     hf_config = AutoConfig.from_pretrained(str(target_config))
-    dtype = DTYPES[config.target_dtype]
+    dtype = DTYPES.get(config.target_dtype, torch.bfloat16)  # auto: the GPUs planned for run bf16 natively
     with init_empty_weights():
         target = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     target.requires_grad_(False)

@@ -204,18 +204,28 @@ class TrainResult:
     train_metrics: dict[str, float] = field(default_factory=dict)  # means over the last log window
 
 
+def resolve_mixed_precision(setting: str, native_bf16: bool) -> str:
+    """`mixed_precision: auto` -> "bf16" where bf16 matmuls are native, else "no" (fp32).
+    On a CPU without AVX512-BF16 or AMX, bf16 autocast is emulated: an EAGLE-3 step on SmolLM2
+    trained 2.1x slower than in fp32 (docs/cpu-measurements.md "Training throughput")."""
+    return ("bf16" if native_bf16 else "no") if setting == "auto" else setting
+
+
 def make_accelerator(config: TrainConfig):
     """An Accelerator for this machine: CPU processes when there is no CUDA (docs/launching.md:
     without cpu=True each CPU process of `accelerate launch` would see DistributedType.NO)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
 
+    from ..targets import has_native_bf16
+
+    precision = resolve_mixed_precision(config.mixed_precision, has_native_bf16())
     if AcceleratorState._shared_state and PartialState().num_processes == 1:
         # accelerate keeps one process-wide state and refuses a second Accelerator with another
         # mixed_precision; a single process may train several runs in turn (tests, notebooks)
-        if AcceleratorState._shared_state.get("_mixed_precision") != config.mixed_precision:
+        if AcceleratorState._shared_state.get("_mixed_precision") != precision:
             AcceleratorState._reset_state()
-    return Accelerator(mixed_precision=config.mixed_precision, cpu=not torch.cuda.is_available())
+    return Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
 
 
 class Trainer:
@@ -311,7 +321,7 @@ class Trainer:
         self.fsdp = world > 1 and (cfg.parallelism == "fsdp" or acc.distributed_type == DistributedType.FSDP)
         if self.fsdp and self.target is not None:
             raise NotImplementedError("medusa2 (LoRA on the target) under FSDP is not supported: use parallelism: ddp")
-        if self.fsdp and cfg.mixed_precision == "fp16":
+        if self.fsdp and acc.mixed_precision == "fp16":
             raise NotImplementedError("fp16 under FSDP needs a sharded grad scaler: use mixed_precision: bf16 or no")
 
         existing = latest_checkpoint(out)
@@ -370,6 +380,7 @@ class Trainer:
             f"{total} steps; {state.parallelism}: this rank holds "
             + ", ".join(f"{mine:,} of {whole:,} {part} parameters" for part, (mine, whole) in held.items()),
             world_size=world, distributed_type=str(acc.distributed_type), device=str(acc.device), parallelism=state.parallelism,
+            mixed_precision=acc.mixed_precision,
             **{f"{part}_params_local": mine for part, (mine, _) in held.items()},
             train_samples=n_train, eval_samples=len(self.data.eval) if self.data.eval is not None else 0,
             batches_per_epoch=bpe, total_steps=total, step=state.step,
@@ -407,7 +418,7 @@ class Trainer:
                 with clock("optimizer"):
                     max_norm = cfg.clip_norm if cfg.clip_norm else float("inf")
                     grad_norm = sharding.clip_grad_norm(params, max_norm) if self.fsdp else acc.clip_grad_norm_(params, max_norm)
-                    if cfg.mixed_precision != "fp16":  # fp16: the grad scaler skips overflowing steps itself
+                    if acc.mixed_precision != "fp16":  # fp16: the grad scaler skips overflowing steps itself
                         self._check_finite(grad_norm, "gradient norm", state.step + 1, last_ckpt)
                     optimizer.step()
                     self.scheduler.step()
