@@ -102,8 +102,8 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
     if settings.warmup_tokens > 0:
         ids, mask = left_pad(groups[0], pad)
         plain(ids, mask, settings.warmup_tokens, settings.seed)
-        for factory, _ in methods.values():
-            ours(ids, mask, factory(), settings.warmup_tokens, settings.seed, None)
+        for factory, policy in methods.values():  # a policy's cold start (its first probe) falls here,
+            ours(ids, mask, factory(), settings.warmup_tokens, settings.seed, policy)  # as in a server already serving
 
     from tqdm.auto import tqdm
 

@@ -23,6 +23,11 @@ whether drafting pays again. Each probe after which plain decoding still wins do
 the next (up to `max_probe_every`). The gap is also never shorter than the probe's own cost, in
 plain rounds, divided by `probe_budget`. So while plain decoding wins, probes take at most about
 that share of the time, however costly a whole-tree round is at this batch size.
+
+A probe's trees are themselves capped (`probe_size`): at most the node count N whose verify(B * N)
+costs `probe_ratio` plain rounds. A larger N could only win with more than probe_ratio - 1
+accepted drafts per row and round, which no drafter we measure reaches. Without the cap, the first
+probe of a batch of 16 on a CPU verified ~1,000 tokens, about 8 plain rounds of time in one round.
 docs/trees.md "Batches" has the derivation.
 """
 from __future__ import annotations
@@ -91,6 +96,7 @@ class SpeculationPolicy:
     probe_every: int = 16
     max_probe_every: int = 128
     probe_budget: float = 0.02  # the share of time probes may cost while plain decoding wins
+    probe_ratio: float = 4.0  # a probe verifies at most the nodes that cost this many plain rounds
     decay: float = 0.9
     gain: list[float] = field(default_factory=lambda: [0.0])  # G(n), pooled over rows: [0] = 0 drafts
     weight: list[float] = field(default_factory=lambda: [1.0])
@@ -107,6 +113,15 @@ class SpeculationPolicy:
     def probing(self) -> bool:
         """Whether this round drafts and verifies whole trees (always before any estimate exists)."""
         return 0 not in self.draft_seconds or self.rounds >= self.next_probe
+
+    def probe_size(self, batch: int, largest: int) -> int:
+        """Nodes per row a probe keeps (root included, at most `largest`): the most whose verify
+        over the batch costs at most probe_ratio times a plain round's."""
+        budget = self.probe_ratio * self.verify_cost(batch)
+        n = 1
+        while n < largest and self.verify_cost(batch * (n + 1)) <= budget:
+            n += 1
+        return max(2, n) if largest >= 2 else largest
 
     def _draft_cost(self, batch: int) -> Callable[[int], float]:
         whole = self.draft_seconds[0]
@@ -133,7 +148,7 @@ class SpeculationPolicy:
         """After drafting (its cost spent): the node count every row's tree is cut to."""
         largest = max(t.num_nodes for t in trees)
         if self.probing():
-            return largest
+            return self.probe_size(len(trees), largest)
         return best_batch_node_count([self.gain] * len(trees), self.verify_cost, self.fixed_seconds, 0.0, largest)
 
     def observe(self, sizes: Sequence[int], paths: Sequence[Sequence[int]], fixed_seconds: float,

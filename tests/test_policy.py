@@ -166,3 +166,17 @@ def test_costly_probes_are_spaced_to_the_probe_budget():
     probe = 0.001 + 16 * 0.002 + STEEP(16 * 7)
     assert policy.probe_gap == math.ceil((probe / plain - 1) / 0.02) > 128
     assert policy.next_probe == policy.last_probe + policy.probe_gap
+
+
+def test_probe_trees_are_capped_where_verifying_them_would_cost_many_plain_rounds():
+    """STEEP: 16 tokens cost 1.2 single-token rounds, 64 cost 4.8. A probe at batch 1 keeps at
+    most the nodes whose verify costs probe_ratio (4) plain rounds; at batch 16 it keeps 4 (64
+    tokens, 4 x the 16 of a plain round); on a flat curve the whole tree."""
+    steep, flat = SpeculationPolicy(STEEP), SpeculationPolicy(FLAT)
+    assert steep.probing()  # no estimate yet: the first round probes
+    n1 = steep.probe_size(1, 60)
+    assert STEEP(n1) <= 4 * STEEP(1) < STEEP(n1 + 1) and 16 < n1 < 60
+    assert steep.probe_size(16, 60) == 4
+    assert flat.probe_size(16, 60) == 60 and flat.probe_size(1, 1) == 1
+    trees = [DraftTree(torch.arange(40)[None], torch.tensor([-1] + list(range(39)))) for _ in range(4)]
+    assert steep.cut(trees) == steep.probe_size(4, 40) < 40  # a probe's cut is capped too
