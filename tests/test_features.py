@@ -64,14 +64,15 @@ def test_online_and_captured_batches_are_identical(setup):
     online = _trainer(TrainData(train=samples, featurize=OnlineFeaturizer(model, LAYERS), pad_token_id=tok.pad_token_id))
     offline = _trainer(TrainData(train=captured, pad_token_id=tok.pad_token_id))
     for idx in ([0, 1, 2, 3], [8, 9, 10, 11], [16, 17, 18, 19]):  # the capture's own batches: bit-identical
-        a, b = online._batch(idx, samples), offline._batch(idx, captured)
+        a, b = online._batch([samples[i] for i in idx]), offline._batch([captured[i] for i in idx])
         for name in ("input_ids", "attention_mask", "loss_mask"):
             assert torch.equal(getattr(a, name), getattr(b, name)), name
         assert a.hidden_states.keys() == b.hidden_states.keys()
         for layer in LAYERS:
             assert torch.equal(a.hidden_states[layer], b.hidden_states[layer]), (idx, layer)
     # another batch composition changes only float rounding of the padded matmuls
-    a, b = online._batch([3, 11, 5, 17], samples), offline._batch([3, 11, 5, 17], captured)
+    mixed = [3, 11, 5, 17]
+    a, b = online._batch([samples[i] for i in mixed]), offline._batch([captured[i] for i in mixed])
     for layer in LAYERS:
         torch.testing.assert_close(a.hidden_states[layer], b.hidden_states[layer], atol=1e-5, rtol=1e-5)
     assert torch.equal(captured.token_counts(len(tok)), samples.token_counts(len(tok)))

@@ -330,20 +330,7 @@ class Trainer:
         ckpt = load_checkpoint(existing) if (resume and existing is not None) else None
 
         set_seed(cfg.seed + rank)  # fresh start; a resume overwrites every RNG below
-        held = {"head": [sum(p.numel() for p in self.module.parameters())] * 2}  # part: [on this rank, in all]
-        if self.frozen_target is not None:
-            held["target"] = [sum(p.numel() for p in self.frozen_target.parameters())] * 2
-        if self.fsdp:
-            if self.frozen_target is not None and cfg.shard_target:
-                sharding.shard_frozen_target(self.frozen_target)
-            sharding.shard_trainable(self.module)
-            self.optimizer = self._build_optimizer()  # over the sharded (DTensor) parameters
-            held["head"][0] = sharding.local_numel(self.module.parameters())
-            if "target" in held:
-                held["target"][0] = sharding.local_numel(self.frozen_target.parameters())
-            model, optimizer = self.module, self.optimizer
-        else:
-            model, optimizer = acc.prepare(self.module, self.optimizer)
+        model, optimizer, held = self._prepare()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio)
         )
@@ -482,6 +469,25 @@ class Trainer:
             log.event("checkpoint", step=state.step, path=str(path))
         acc.wait_for_everyone()
         return path
+
+    def _prepare(self):
+        """(model, optimizer, held): DDP-wrapped by accelerate, or sharded by us under FSDP (with the
+        optimizer rebuilt over the sharded parameters). held: {part: [parameters on this rank, in
+        all]} for the head and the frozen target, for the start log."""
+        held = {"head": [sum(p.numel() for p in self.module.parameters())] * 2}
+        if self.frozen_target is not None:
+            held["target"] = [sum(p.numel() for p in self.frozen_target.parameters())] * 2
+        if not self.fsdp:
+            model, optimizer = self.accelerator.prepare(self.module, self.optimizer)
+            return model, optimizer, held
+        if self.frozen_target is not None and self.config.shard_target:
+            sharding.shard_frozen_target(self.frozen_target)
+        sharding.shard_trainable(self.module)
+        self.optimizer = self._build_optimizer()  # over the sharded (DTensor) parameters
+        held["head"][0] = sharding.local_numel(self.module.parameters())
+        if "target" in held:
+            held["target"][0] = sharding.local_numel(self.frozen_target.parameters())
+        return self.module, self.optimizer, held
 
     def _accumulating(self, model, accumulate: bool):
         """A context in which backward keeps gradients local (a micro-batch before the last)."""
