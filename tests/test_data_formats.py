@@ -12,7 +12,7 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from drafthead.train import chat_format, sources
+from drafthead.train import chat_format, json_records, sources
 from drafthead.train.chat_format import ChatTemplateError, tokenize_conversations
 from drafthead.train.features import TokenDataset
 from drafthead.train.sources import EmptySourceError, load_conversations, read_conversations
@@ -139,7 +139,7 @@ def salvage_slow(text: str) -> tuple[list, bool]:
 def test_chunked_json_array_decoder_slow_twin(tmp_path, monkeypatch):
     """Read 5 characters at a time, the decoder sees records, strings and separators split at every
     possible place; cut at every position, it salvages what the whole-text decoder salvages."""
-    monkeypatch.setattr(sources, "_CHUNK", 5)
+    monkeypatch.setattr(json_records, "_CHUNK", 5)
     records = [chat(0), {"id": "tricky", "messages": [{"role": "user", "content": "],[{\"\\ ünï ✓"}]}, 12345, chat(1)]
     text = json.dumps(records, indent=1, ensure_ascii=False)
     path = tmp_path / "a.json"
