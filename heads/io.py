@@ -52,7 +52,7 @@ def _umask_mode() -> int:
     return 0o666 & ~mask
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
     """write(tmp_path) then rename onto `path` (same directory, so the rename is atomic)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -73,13 +73,13 @@ def write_json(path: Path, obj: dict) -> None:
             json.dump(obj, f, indent=2, sort_keys=False)
             f.write("\n")
 
-    _atomic_write(Path(path), w)
+    atomic_write(Path(path), w)
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata_: dict | None = None) -> None:
     # contiguous CPU copies: safetensors refuses views that share storage
     cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    _atomic_write(Path(path), lambda tmp: save_file(cpu, tmp, metadata=metadata_))
+    atomic_write(Path(path), lambda tmp: save_file(cpu, tmp, metadata=metadata_))
 
 
 # ----------------------------------------------------------------------------- reading

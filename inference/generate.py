@@ -319,10 +319,7 @@ def _decode(target, config, active, cache, slots, want_hidden, generator, rules,
         planned = 0 if policy is None else policy.plan(len(active))  # 0: whole trees, 1: plain
         drafting = planned != 1
         if drafting:
-            cap = planned if planned > 1 else None
-            if planned == 0 and policy is not None:  # a probe: as many nodes as its cut will keep
-                size = policy.probe_size(len(active), PROBE_NODES_MAX)
-                cap = size if size < PROBE_NODES_MAX else None
+            cap = None if policy is None else policy.draft_limit(len(active), planned)
             for row in active:
                 _limit(row.drafter, cap - 1 if cap is not None else None)
             drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
@@ -361,9 +358,6 @@ def _decode(target, config, active, cache, slots, want_hidden, generator, rules,
                            draft_seconds=draft_seconds if drafting else None, planned=planned)
         clock.lap("other")
     return num_forwards
-
-
-PROBE_NODES_MAX = 256  # nodes per row beyond which a probe does not limit the drafters
 
 
 def _limit(drafter, nodes: int | None) -> None:

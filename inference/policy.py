@@ -40,6 +40,8 @@ import torch
 
 from .tree import DraftTree
 
+PROBE_NODES_MAX = 256  # nodes per row from which a probe no longer limits the drafters
+
 
 def accepted_within(path: Sequence[int], cut: int) -> int:
     """Draft tokens the round would have accepted had its tree kept only draft nodes 1..cut.
@@ -122,6 +124,15 @@ class SpeculationPolicy:
         while n < largest and self.verify_cost(batch * (n + 1)) <= budget:
             n += 1
         return max(2, n) if largest >= 2 else largest
+
+    def draft_limit(self, batch: int, planned: int) -> int | None:
+        """Nodes per row (root included) the drafters need to draft for `plan`'s answer: the
+        planned N, a probe's `probe_size`, or None (no limit: a probe that keeps the largest
+        trees drafters make, PROBE_NODES_MAX or more)."""
+        if planned > 1:
+            return planned
+        size = self.probe_size(batch, PROBE_NODES_MAX)
+        return size if size < PROBE_NODES_MAX else None
 
     def _draft_cost(self, batch: int) -> Callable[[int], float]:
         whole = self.draft_seconds[0]

@@ -135,7 +135,8 @@ def format_row(tokenizer, row: dict, max_length: int) -> dict:
             "n_tokens": len(f.input_ids)}
 
 
-def _has_loss(n_loss: int) -> bool:
+def has_loss(n_loss: int) -> bool:
+    """A formatted sample keeps at least one labelled (assistant) token within max_length."""
     return n_loss > 0
 
 
@@ -164,7 +165,7 @@ def tokenize_conversations(
 
     mapped = dataset.map(fmt, remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc,
                          desc="chat template")
-    out = mapped.filter(_has_loss, input_columns="n_loss", num_proc=num_proc, desc="drop samples without labels")
+    out = mapped.filter(has_loss, input_columns="n_loss", num_proc=num_proc, desc="drop samples without labels")
     report = FormatReport(conversations=len(mapped), kept=len(out), truncated=_column_sum(mapped, "truncated"))
     if len(out) < len(mapped):
         report.dropped = {"no_assistant_token_within_max_length": len(mapped) - len(out)}

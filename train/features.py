@@ -40,7 +40,6 @@ INDEX_FILE = "index.json"
 FORMAT_VERSION = 1
 
 
-
 def required_layers(head_config, num_hidden_layers: int) -> tuple[int, ...]:
     """output_hidden_states indices a head trains on: its `feature_layers`, the final normed state
     (index L = num_hidden_layers) when it `needs_last_hidden` (Medusa), and whatever else its
@@ -79,6 +78,20 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0) -> Feature
     return FeatureBatch(input_ids, attention_mask, loss_mask, hidden)
 
 
+def token_sample(row: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A tokenized row (train/chat_format.py) as a training sample: {input_ids [T] long, loss_mask [T] bool}."""
+    return {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long), "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.bool)}
+
+
+def label_token_counts(samples: Iterable[dict[str, Any]], vocab_size: int) -> torch.Tensor:
+    """[V] how often each token id is a loss-masked (assistant) token in `samples`: what EAGLE-3's
+    reduced draft vocabulary is chosen from."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """Samples {input_ids, loss_mask} of a tokenized `datasets.Dataset` (train/chat_format.py)."""
 
@@ -89,16 +102,11 @@ class TokenDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        row = self.dataset[int(i)]
-        return {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long), "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.bool)}
+        return token_sample(self.dataset[int(i)])
 
     def token_counts(self, vocab_size: int, indices: Iterable[int] | None = None) -> torch.Tensor:
         """[V] how often each token id is a loss-masked (assistant) token in the given samples."""
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for i in range(len(self)) if indices is None else indices:
-            s = self[i]
-            counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
-        return counts
+        return label_token_counts((self[i] for i in (range(len(self)) if indices is None else indices)), vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -303,11 +311,8 @@ class CapturedFeatures(torch.utils.data.Dataset):
 
     def token_counts(self, vocab_size: int, indices: Iterable[int] | None = None) -> torch.Tensor:
         """[V] how often each token id is a loss-masked (assistant) token in the given samples."""
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for i in range(len(self)) if indices is None else indices:
-            s = self.__getitem__(i, with_hidden=False)
-            counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
-        return counts
+        indices = range(len(self)) if indices is None else indices
+        return label_token_counts((self.__getitem__(i, with_hidden=False) for i in indices), vocab_size)
 
     def __getstate__(self):  # safe_open handles do not pickle (DataLoader workers): reopen lazily
         state = dict(self.__dict__)

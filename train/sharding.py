@@ -76,13 +76,18 @@ def _options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
+def gathered_weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict, unsharded, on CPU. A collective: every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(module, options=_options(cpu_offload=True))
+
+
 def gathered_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """(weights, optimizer state), unsharded, on CPU. A collective: every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    weights = get_model_state_dict(module, options=_options(cpu_offload=True))
-    optim = get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=True))
-    return weights, optim
+    return gathered_weights(module), get_optimizer_state_dict(module, optimizer, options=_options(cpu_offload=True))
 
 
 def load_gathered_state(module: nn.Module, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor], optim: dict) -> None:

@@ -31,7 +31,8 @@ from typing import Any, Iterable, Iterator, TypeVar
 import datasets
 import torch
 
-from .chat_format import format_row
+from .chat_format import format_row, has_loss
+from .features import label_token_counts, token_sample
 from .sources import EmptySourceError, SourceReport, empty_source_error, iter_conversations, resolve_source, source_format
 
 T = TypeVar("T")
@@ -57,14 +58,6 @@ def rank_batches(samples: Iterable[T], batch_size: int, rank: int = 0, world_siz
             if k >= skip:
                 yield chunk[rank * batch_size : (rank + 1) * batch_size]
             chunk, k = [], k + 1
-
-
-def _as_sample(row: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long), "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.bool)}
-
-
-def _has_loss(row: dict[str, Any]) -> bool:
-    return row["n_loss"] > 0
 
 
 def _conversations(file: str, fmt: str, report: SourceReport, limit: int | None) -> Iterator[dict]:
@@ -108,13 +101,13 @@ class TokenStream:
             _conversations, gen_kwargs={"file": str(self.file), "fmt": self.format, "report": self.report, "limit": self.limit}
         )
         tokenizer, max_length = self.tokenizer, self.max_length
-        return rows.map(lambda row: format_row(tokenizer, row, max_length), remove_columns=["messages"]).filter(_has_loss)
+        return rows.map(lambda row: format_row(tokenizer, row, max_length), remove_columns=["messages"]).filter(has_loss, input_columns="n_loss")
 
     def eval_samples(self) -> list[dict[str, torch.Tensor]]:
         """The first `eval_size` usable samples (fewer if the stream is shorter)."""
         if self.eval_size == 0:
             return []
-        return [_as_sample(row) for row in self.samples().take(self.eval_size)]
+        return [token_sample(row) for row in self.samples().take(self.eval_size)]
 
     def _train_rows(self, seed: int, epoch: int) -> datasets.IterableDataset:
         rows = self.samples().skip(self.eval_size)
@@ -125,7 +118,7 @@ class TokenStream:
 
     def train_samples(self, seed: int = 0, epoch: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """The samples after the eval set, in an order fixed by (seed, epoch)."""
-        return map(_as_sample, self._train_rows(seed, epoch))
+        return map(token_sample, self._train_rows(seed, epoch))
 
     def batches(self, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, epoch: int = 0,
                 skip: int = 0) -> Iterator[list[dict[str, torch.Tensor]]]:
@@ -134,17 +127,13 @@ class TokenStream:
         n = 0
         for rows in rank_batches(self._train_rows(seed, epoch), batch_size, rank, world_size, skip):
             n += 1
-            yield [_as_sample(row) for row in rows]  # tensors only for this rank's share
+            yield [token_sample(row) for row in rows]  # tensors only for this rank's share
         if n == 0 and skip == 0:
             raise self._too_short(batch_size * world_size)
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
-        """[V] how often each token id is a loss-masked token in the training samples (one pass;
-        what EAGLE-3's draft vocabulary is chosen from, as TokenDataset.token_counts)."""
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        for s in self.train_samples():
-            counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
-        return counts
+        """[V] label-token counts of the training samples (one pass), as TokenDataset.token_counts."""
+        return label_token_counts(self.train_samples(), vocab_size)
 
     def count_batches(self, batch_size: int, world_size: int = 1) -> int:
         """Batches per rank in one epoch (the same for every seed and epoch): one pass over the file."""

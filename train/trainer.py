@@ -440,7 +440,7 @@ class Trainer:
                 final_dir = out / FINAL_DIR
                 head_state = None
                 if self.fsdp:  # gathered on every rank (a collective), written by the main one
-                    weights, _ = sharding.gathered_state(self.module, self.optimizer)
+                    weights = sharding.gathered_weights(self.module)
                     head_state = {k[len("head."):]: v for k, v in weights.items() if k.startswith("head.")}
                 if acc.is_main_process:
                     self.head.save_pretrained(final_dir, adapter_model=self.target, state=head_state)
@@ -472,22 +472,21 @@ class Trainer:
 
     def _prepare(self):
         """(model, optimizer, held): DDP-wrapped by accelerate, or sharded by us under FSDP (with the
-        optimizer rebuilt over the sharded parameters). held: {part: [parameters on this rank, in
-        all]} for the head and the frozen target, for the start log."""
-        held = {"head": [sum(p.numel() for p in self.module.parameters())] * 2}
-        if self.frozen_target is not None:
-            held["target"] = [sum(p.numel() for p in self.frozen_target.parameters())] * 2
-        if not self.fsdp:
+        optimizer rebuilt over the sharded parameters). held: {part: (parameters on this rank, in
+        all)} for the head and the frozen target, for the start log."""
+        if self.fsdp:
+            if self.frozen_target is not None and self.config.shard_target:
+                sharding.shard_frozen_target(self.frozen_target)
+            sharding.shard_trainable(self.module)
+            self.optimizer = self._build_optimizer()  # over the sharded (DTensor) parameters
+            model, optimizer = self.module, self.optimizer
+        else:
             model, optimizer = self.accelerator.prepare(self.module, self.optimizer)
-            return model, optimizer, held
-        if self.frozen_target is not None and self.config.shard_target:
-            sharding.shard_frozen_target(self.frozen_target)
-        sharding.shard_trainable(self.module)
-        self.optimizer = self._build_optimizer()  # over the sharded (DTensor) parameters
-        held["head"][0] = sharding.local_numel(self.module.parameters())
-        if "target" in held:
-            held["target"][0] = sharding.local_numel(self.frozen_target.parameters())
-        return self.module, self.optimizer, held
+        parts = {"head": self.module, "target": self.frozen_target}
+        # a DTensor's numel() is its whole (global) size, its local shard what this rank stores
+        held = {part: (sharding.local_numel(m.parameters()), sum(p.numel() for p in m.parameters()))
+                for part, m in parts.items() if m is not None}
+        return model, optimizer, held
 
     def _accumulating(self, model, accumulate: bool):
         """A context in which backward keeps gradients local (a micro-batch before the last)."""
@@ -520,9 +519,9 @@ class Trainer:
         world, rank = acc.num_processes, acc.process_index
         batches = eval_batches(len(self.data.eval), cfg.batch_size, world, rank, cfg.eval_batches)
         if self.fsdp:
-            # a sharded forward is a collective: every rank runs as many batches as the busiest one,
-            # a rank with fewer repeats its first and ignores the result
-            busiest = max(len(eval_batches(len(self.data.eval), cfg.batch_size, world, r, cfg.eval_batches)) for r in range(world))
+            # a sharded forward is a collective: every rank runs as many batches as the busiest one
+            # (rank 0: samples are dealt from it), a rank with fewer repeats its first and ignores the result
+            busiest = len(eval_batches(len(self.data.eval), cfg.batch_size, world, 0, cfg.eval_batches))
             batches = batches + [None] * (busiest - len(batches))
         mean = MetricMean()
         was_training = self.module.training

@@ -10,6 +10,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..heads.io import atomic_write
+
 # How long a process of a data job waits at a barrier for the others. A rank that died is noticed
 # at once (its connections close) and the launcher ends the others; this bounds the wait for one
 # that hangs. The slowest rank can be up to one shard (capture) or one batch (regenerate) of work
@@ -81,11 +83,15 @@ def detect_work_share(timeout_s: float = BARRIER_TIMEOUT_S) -> WorkShare:
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:
-    """Write to a temp file beside `path`, then rename: a reader (or a rerun after a kill) sees the
-    old file or the new one, never half of one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """`data` into `path` through heads/io.py's atomic_write (a temp file beside it, then a rename),
+    synced to disk before the rename: a reader, or a rerun after a kill, sees the old file or the
+    new one, never half of one."""
+    payload = data.encode() if isinstance(data, str) else data
+
+    def write(tmp) -> None:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+
+    atomic_write(Path(path), write)

@@ -119,10 +119,10 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
 
 
 def _atomic_torch_save(path: Path, tensors: dict) -> None:
-    from ..io import _atomic_write
+    from ..io import atomic_write
 
     cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    _atomic_write(path, lambda tmp: torch.save(cpu, tmp))
+    atomic_write(path, lambda tmp: torch.save(cpu, tmp))
 
 
 # ----------------------------------------------------------------------------- import
