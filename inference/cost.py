@@ -23,6 +23,7 @@ import torch
 
 from .cache import crop, new_cache, cache_kwargs
 from .tree import chain_parents
+from .target_linears import engine_linears
 from .verify import forward_tree
 
 DEFAULT_NODE_COUNTS = (1, 8, 16, 24, 32, 48, 64)
@@ -82,11 +83,17 @@ def sync_device(device: torch.device) -> None:
 @torch.inference_mode()
 def measure_verify_cost(
     target, node_counts: Sequence[int] = DEFAULT_NODE_COUNTS, context: int = 128, repeats: int = 5,
-    want_hidden: bool = True,
+    want_hidden: bool = True, linears: bool = True,
 ) -> CostCurve:
     """Time the target's tree forward at each node count after `context` cached tokens (median of
     `repeats`, one untimed warm-up each). want_hidden: also return hidden states, as drafters that
-    read target features make the verifier do."""
+    read target features make the verifier do; linears: with the engine's linears
+    (GenerationConfig.engine_linears), as the engine's rounds run them."""
+    with engine_linears(target, linears):
+        return _measure(target, node_counts, context, repeats, want_hidden)
+
+
+def _measure(target, node_counts, context, repeats, want_hidden) -> CostCurve:
     param = next(target.parameters())
     vocab = target.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)

@@ -28,6 +28,7 @@ from .drafter import RoundStats, fork_drafter
 from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from .stopping import StopRules, first_stop
+from .target_linears import engine_linears
 from .tree import DraftTree, ancestor_mask, node_depths, pad_trees
 from .verify import check_tree_mask_support, forward_trees, select_features
 
@@ -50,6 +51,9 @@ class GenerationConfig:
     # speculation by load (`--num-draft auto`): cuts every row's tree to the node count that pays
     # at this batch size, down to plain decoding (inference/policy.py); None: verify whole trees
     policy: SpeculationPolicy | None = None
+    # the target's linears on the faster CPU kernel per row count while we decode
+    # (inference/target_linears.py); generate() and training never see the swap
+    engine_linears: bool = True
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -242,7 +246,7 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
     track_seen = config.sampling.repetition_penalty != 1.0
     drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
 
-    with torch.inference_mode():
+    with torch.inference_mode(), engine_linears(target, config.engine_linears):
         start = time.perf_counter()
         cache = new_cache()
         # prefill every prompt but its last token, right-padded: row b's K/V land in slots

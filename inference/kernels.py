@@ -8,14 +8,10 @@ pack it once. Measured on the 2-core dev machine (AVX512-BF16), rows x in -> out
     4 x 576 -> 1536   bfloat16  F.linear 102 us   packed  41 us   (output bit-identical)
     4 x 576 -> 8192   float32   F.linear 1996 us  packed 248 us   (output within 1e-5)
 
-Only drafter weights are packed, never the target's: the target's forward stays the one
-transformers runs, so what verification computes is exactly what plain decoding computes. It
-would also buy little: SmolLM2-135M's own linears, packed, gave bit-identical bf16 outputs at
-every row count tried (1-40, 64, 128, 300), but timed one by one (q, k, gate, down, lm_head; v, o,
-up share those shapes) they add up to only ~3 ms saved of a ~49 ms plain step and of a ~61 ms
-13-node verify forward (at 13 rows: lm_head 5.4 -> 4.1 ms, MLP linears ~20%, attention
-projections nothing): linears are about a third of the target's forward here, the rest is
-attention, norms and per-op overhead. Plain decoding would gain the same, so speedup would not.
+This module packs drafter weights. The target's linears are packed only inside our engine's
+calls, and only at the row counts where the packed kernel measures faster on this CPU
+(inference/target_linears.py): on the AVX512-BF16 machine above they gained ~3 ms of a ~49 ms bf16
+step, but on a CPU without bf16 instructions fp32 F.linear is 2-3x slower than packed at 4-32 rows.
 Packing is inference-only (a packed layer falls back to `F.linear` whenever autograd records),
 CPU-only, and checked on a probe input at pack time: a build or dtype where the packed kernel is
 missing or disagrees keeps the plain layer.

@@ -5,7 +5,9 @@
 Batch 1, greedy, the first turns of MT-bench rendered with the target's chat template (token ids
 as inference/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and thread count for all:
   - transformers `generate()`;
-  - ours with no drafting (the same engine, root-only trees), and ours speculative with the shipped head;
+  - ours with no drafting (the same engine, root-only trees), ours speculative with the shipped head's
+    fixed tree, and ours with the load policy (`--num-draft auto`: each round's node count from
+    the measured forward cost, down to plain decoding);
   - llama.cpp plain decoding (llama-completion) and with its own n-gram drafting
     (llama-speculative-simple --spec-type ngram-simple), built by scripts/interop/setup_llamacpp.sh;
   - vLLM's CPU build, plain, one request at a time, in its own venv (scripts/interop/setup_vllm.sh).
@@ -36,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--llama-dtype", default=None, choices=("float32", "bfloat16"),
+                   help="llama.cpp's GGUF type (default: --dtype); each engine can run its own fastest")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="hf,ours,llama.cpp,vllm")
     p.add_argument("--out", default="out/engines")
@@ -136,8 +140,12 @@ def main() -> int:
     import torch
     from tqdm.auto import tqdm
 
+    from drafthead.commands import POLICY_TOKEN_COUNTS
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.batch_bench import RootOnlyDrafter
+    from drafthead.inference.cost import measure_verify_cost
+    from drafthead.inference.drafter import fork_drafter
+    from drafthead.inference.policy import SpeculationPolicy
     from drafthead.inference.bench import hf_generation_config
     from drafthead.inference.generate import GenerationConfig, speculative_generate
     from drafthead.inference.prompts import encode_chat, load_prompts
@@ -165,8 +173,11 @@ def main() -> int:
             skipped["llama.cpp"] = "not built (scripts/interop/setup_llamacpp.sh)"
             llama = None
         else:
-            gguf = llama.target_gguf(Path(loaded.path), {"bfloat16": "bf16", "float32": "f32"}[args.dtype])
+            gguf = llama.target_gguf(Path(loaded.path), {"bfloat16": "bf16", "float32": "f32"}[args.llama_dtype or args.dtype])
     config = GenerationConfig(max_new_tokens=n, eos_token_ids=tuple(eos))
+    policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
+    policy_config = GenerationConfig(max_new_tokens=n, eos_token_ids=tuple(eos),
+                                     policy=SpeculationPolicy(measure_verify_cost(model, POLICY_TOKEN_COUNTS)))
     hf_config = hf_generation_config(SamplingConfig(), n, eos, tokenizer.pad_token_id)
 
     def timed(fn):
@@ -176,6 +187,7 @@ def main() -> int:
 
     with torch.inference_mode():  # warm-up: first calls pay for allocations
         speculative_generate(model, drafter, encoded[0], GenerationConfig(max_new_tokens=8))
+        speculative_generate(model, policy_drafter, encoded[0], policy_config)  # the policy's probes, untimed
         model.generate(encoded[0], attention_mask=torch.ones_like(encoded[0]), max_new_tokens=8, do_sample=False)
     rows: dict[str, list[dict]] = {}
     for ids, text in tqdm(list(zip(encoded, texts)), desc="engines", unit="prompt"):
@@ -188,7 +200,10 @@ def main() -> int:
                 rows.setdefault("ours, no drafting", []).append({"tokens": res.new_tokens.shape[1], "seconds": s})
                 res, s = timed(lambda: speculative_generate(model, drafter, ids, config))
                 rows.setdefault("ours, shipped head + lookup", []).append(
-                    {"tokens": res.new_tokens.shape[1], "seconds": s, "tau": res.tau})
+                    {"tokens": res.new_tokens.shape[1], "seconds": s, "rounds": res.num_rounds})
+                res, s = timed(lambda: speculative_generate(model, policy_drafter, ids, policy_config))
+                rows.setdefault("ours, load policy", []).append(
+                    {"tokens": res.new_tokens.shape[1], "seconds": s, "rounds": res.num_rounds})
         if llama is not None:
             rows.setdefault("llama.cpp plain", []).append(llama_plain(llama, gguf, text, n, args.threads))
             rows.setdefault("llama.cpp n-gram (ngram-simple, n=3)", []).append(llama_ngram(llama, gguf, text, n, args.threads))
@@ -198,14 +213,17 @@ def main() -> int:
         else:
             skipped["vLLM"] = "not installed (scripts/interop/setup_vllm.sh)"
     summary = {name: {"tokens": sum(r["tokens"] for r in rs), "seconds": sum(r["seconds"] for r in rs)} for name, rs in rows.items()}
-    for s in summary.values():
+    for name, s in summary.items():
         s["tokens_per_s"] = s["tokens"] / s["seconds"]
+        if all("rounds" in r for r in rows[name]):  # tau: tokens emitted per verification forward
+            s["tau"] = s["tokens"] / sum(r["rounds"] for r in rows[name])
     report = {"settings": vars(args) | {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, "summary": summary,
               "skipped": skipped, "rows": rows}
     (out / "engines.json").write_text(json.dumps(report, indent=1) + "\n")
-    lines = [f"SmolLM2-135M, {args.dtype}, {args.threads} threads, batch 1, greedy, {len(encoded)} MT-bench first turns, "
-             f"at most {n} new tokens; tokens/s with prefill.", "", "| engine | tokens | tokens/s |", "| --- | ---: | ---: |"]
-    lines += [f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} |" for name, s in summary.items()]
+    lines = [f"SmolLM2-135M, {args.dtype} (llama.cpp {args.llama_dtype or args.dtype}), {args.threads} threads, batch 1, greedy, {len(encoded)} MT-bench first turns, "
+             f"at most {n} new tokens; tokens/s with prefill.", "", "| engine | tokens | tokens/s | tau |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | {s['tau']:.2f} |" if "tau" in s
+              else f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | - |" for name, s in summary.items()]
     lines += [f"- skipped {k}: {v}" for k, v in skipped.items()]
     (out / "engines.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -51,7 +51,8 @@ def add_target_options(parser: argparse.ArgumentParser, *, dtype: str = "float32
         default=DEFAULT_TARGET,
         help=f"built-in name (smollm2-135m, gemma3-270m), a local Hugging Face folder or a .gguf file (default {DEFAULT_TARGET})",
     )
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), default=dtype, help=f"target dtype (default {dtype})")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=dtype,
+                   help=f"target dtype; auto: bfloat16 where the device runs it natively, else float32 (default {dtype})")
     add_device_option(g)
     g.add_argument("--threads", type=_positive_int, default=threads, help="torch CPU threads")
 
@@ -115,7 +116,17 @@ def resolve_device(device: str | None) -> str:
 def load_target_from_args(args):
     from ..targets import load_target
 
+    resolve_dtype_arg(args)
     return load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), threads=args.threads)
+
+
+def resolve_dtype_arg(args) -> str:
+    """--dtype auto becomes the dtype it stands for on this device (in place), so every later
+    message and report names the dtype that ran."""
+    from ..targets import resolve_dtype
+
+    args.dtype = str(resolve_dtype(args.dtype, resolve_device(args.device))).removeprefix("torch.")
+    return args.dtype
 
 
 def sampling_from_args(args):

@@ -11,6 +11,7 @@ from . import (
     load_target_from_args,
     note,
     policy_from_args,
+    resolve_dtype_arg,
 )
 
 # An MT-bench-style coding question: answers quote the prompt's identifiers, as real ones do.
@@ -24,7 +25,9 @@ DEMO_PROMPT = (
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("demo", help="SmolLM2-135M: plain vs speculative generation on one prompt")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    add_target_options(p, dtype="bfloat16", threads=2)
+    # auto: bf16 only where the CPU has bf16 instructions; emulated bf16 is slower than fp32
+    # (docs/cpu-measurements.md)
+    add_target_options(p, dtype="auto", threads=2)
     add_proposer_options(p)
 
 
@@ -34,7 +37,7 @@ def run(args) -> int:
     from ..inference.sampling import SamplingConfig
     from ..targets import eos_token_ids
 
-    note(f"loading {args.target} ({args.dtype}, {args.threads} threads); the first run dequantizes it (~20 s)")
+    note(f"loading {args.target} ({resolve_dtype_arg(args)}, {args.threads} threads); the first run dequantizes it (~20 s)")
     loaded = load_target_from_args(args)
     proposer, head, message = choose_proposer(args, loaded.name)
     note(message)
