@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from .identity import TargetIdentity
 
-KINDS = ("medusa1", "medusa2", "eagle1", "eagle3", "eagle31")
+KINDS = ("medusa1", "medusa2", "eagle1", "eagle3", "eagle31", "peagle")
 
 
 def _from_dict(cls, d: dict):
@@ -252,15 +252,51 @@ class Eagle31Config(Eagle3Config):
     norm_output: bool = True
 
 
+@dataclass
+class PEagleConfig(Eagle3Config):
+    """P-EAGLE (parallel drafting; SpecForge, speculators and vLLM, 2026): the EAGLE-3 module plus a
+    learned mask-token embedding and a learned stand-in for the target features (`mask_hidden`,
+    in the fused-feature space before fc), so that one forward drafts `parallel_depth` tokens:
+    the last committed pair predicts the first, and each of `parallel_depth - 1` mask positions
+    after it one more (heads/peagle.py). Training keeps every chain at depth 0 and a shrinking
+    random share of them deeper: `max(cod_ratio**d, cod_min_ratio)` at depth d (docs/formats.md
+    "Parallel drafters"). `mask_token_id` is the target token whose embedding row an engine's
+    export carries the learned mask embedding in: pick one the text never uses. `ttt_steps` is
+    unused."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("peagle",)
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("cod_ratio", "cod_min_ratio")
+
+    kind: str = "peagle"
+    parallel_depth: int = 4
+    mask_token_id: int | None = None
+    cod_ratio: float = 0.8
+    cod_min_ratio: float = 0.2
+    ttt_steps: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.parallel_depth < 1:
+            raise ValueError(f"parallel_depth must be >= 1, got {self.parallel_depth}")
+        if not (0 < self.cod_min_ratio <= 1 and 0 < self.cod_ratio <= 1):
+            raise ValueError(f"cod_ratio and cod_min_ratio must lie in (0, 1], got {self.cod_ratio}, {self.cod_min_ratio}")
+        if self.mask_token_id is None:
+            raise ValueError("P-EAGLE needs mask_token_id: a target token id the text never uses (its embedding "
+                             "row carries the learned mask embedding in engine exports)")
+        if self.target is not None and not 0 <= self.mask_token_id < self.target.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary (0..{self.target.vocab_size - 1})")
+
+
 CONFIG_CLASSES: dict[str, type] = {
     "medusa1": MedusaConfig,
     "medusa2": MedusaConfig,
     "eagle1": Eagle1Config,
     "eagle3": Eagle3Config,
     "eagle31": Eagle31Config,
+    "peagle": PEagleConfig,
 }
 
-HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config  # Eagle31Config is an Eagle3Config
+HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config  # Eagle31Config and PEagleConfig are Eagle3Configs
 
 
 def config_from_dict(d: dict) -> HeadConfig:

@@ -194,6 +194,20 @@ class Eagle3Head(DecoderHeadBase):
             yield out
             hidden = self.feedback(out)
 
+    def _target_distribution(self, batch: FeatureBatch) -> torch.Tensor:
+        """[B, T, Vd]: the target's distribution for the token after each position, restricted to
+        the draft vocab and renormalised (softmax of the restricted logits): the soft targets."""
+        cfg = self.config
+        need = set(cfg.feature_layers) | {cfg.final_layer}
+        missing = sorted(need - set(batch.hidden_states))
+        if missing:
+            raise KeyError(f"{cfg.kind} needs hidden_states {sorted(need)} (config.train_hidden_layers: the "
+                           f"features plus L for the soft targets); batch lacks {missing}")
+        with torch.no_grad():
+            w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
+            hL = batch.hidden_states[cfg.final_layer]
+            return torch.softmax(nn.functional.linear(hL.to(w.device, w.dtype), w).float(), dim=-1).to(hL.device)
+
     def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Training-time test loss sum_i ttt_decay**i * softCE_i (module docstring).
 
@@ -201,18 +215,8 @@ class Eagle3Head(DecoderHeadBase):
         distribution restricted to the draft vocab, on loss-masked positions), num_labels.
         """
         cfg = self.config
-        need = set(cfg.feature_layers) | {cfg.final_layer}
-        missing = sorted(need - set(batch.hidden_states))
-        if missing:
-            raise KeyError(f"EAGLE-3 needs hidden_states {sorted(need)} (config.train_hidden_layers: the "
-                           f"features plus L for the soft targets); batch lacks {missing}")
         ids = batch.input_ids
-        # Target distribution for the token after each position s, restricted to the draft vocab
-        # and renormalised = softmax of the restricted logits. [B, T, Vd]
-        with torch.no_grad():
-            w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
-            hL = batch.hidden_states[cfg.final_layer]
-            target_p = torch.softmax(nn.functional.linear(hL.to(w.device, w.dtype), w).float(), dim=-1).to(hL.device)
+        target_p = self._target_distribution(batch)  # [B, T, Vd]
         fused = self.fuse([batch.hidden_states[i] for i in cfg.feature_layers])  # [B, T, H]
         total = fused.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}

@@ -128,6 +128,35 @@ def run_vllm(target: Path, prompts: list[list[int]], eos: list[int], args, work:
     return json.loads(spec.with_suffix(".out.json").read_text())
 
 
+def external_engines(engines: list[str], target: Path, prompts: list[list[int]], texts: list[str], eos: list[int],
+                     max_new_tokens: int, dtype: str, threads: int, work: Path) -> tuple[dict, dict]:
+    """`drafthead bench --compare llama.cpp|vllm`: the same prompts through those engines, one at a
+    time, greedy (llama.cpp takes the rendered text, vLLM the token ids). Returns ({engine: rows},
+    {engine: why it was skipped})."""
+    rows: dict[str, list[dict]] = {}
+    skipped: dict[str, str] = {}
+    args = argparse.Namespace(dtype=dtype, threads=threads, max_new_tokens=max_new_tokens)
+    if "llama.cpp" in engines:
+        sys.path.insert(0, str(INTEROP))
+        import check_llamacpp as llama
+
+        if not (llama.BIN / "llama-completion").exists():
+            skipped["llama.cpp"] = "not built (make interop, or scripts/interop/setup_llamacpp.sh)"
+        else:
+            gguf = llama.target_gguf(target, {"bfloat16": "bf16", "float32": "f32"}[dtype])
+            for text in texts:
+                rows.setdefault("llama.cpp plain", []).append(llama_plain(llama, gguf, text, max_new_tokens, threads))
+                rows.setdefault("llama.cpp n-gram (ngram-simple, n=3)", []).append(
+                    llama_ngram(llama, gguf, text, max_new_tokens, threads))
+    if "vllm" in engines:
+        if VLLM_PY.exists():
+            work.mkdir(parents=True, exist_ok=True)
+            rows["vLLM CPU plain"] = run_vllm(target, prompts, eos, args, work)
+        else:
+            skipped["vllm"] = "not installed (make interop, or scripts/interop/setup_vllm.sh)"
+    return rows, skipped
+
+
 # ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------

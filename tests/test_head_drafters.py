@@ -6,13 +6,17 @@ import torch
 from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter, best_static_tree
+from drafthead.inference.drafters.parallel import ParallelDrafter
 from drafthead.inference.generate import GenerationConfig, speculative_generate
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
-KINDS = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64}}
+KINDS = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64},
+         "peagle": {"draft_vocab_size": 64, "parallel_depth": 4, "mask_token_id": 2}}
 
 
 def make_drafter(head):
+    if head.kind == "peagle":
+        return ParallelDrafter(head, num_nodes=8)
     if head.kind.startswith("medusa"):
         return MedusaDrafter(head, num_nodes=12)
     return EagleDrafter(head, total_tokens=12, depth=4, top_k=3)
@@ -87,20 +91,27 @@ def test_eagle_drafter_matches_recomputation_across_rounds(kind):
     head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target,
                       token_counts=torch.arange(96)).eval()
     drafter = EagleDrafter(head, total_tokens=4, depth=4, top_k=1)  # top-1: a chain
+    assert_drafts_match_recomputation(target, drafter, lambda history: slow_eagle_chain(head, target, history, 4),
+                                      repetitive_prompt(96, seed=9))
+
+
+def assert_drafts_match_recomputation(target, drafter, slow, prompt, rounds: int = 3) -> None:
+    """Decode `prompt` with `drafter`; every round's drafted chain must equal `slow(history)`, a
+    from-scratch recomputation on the committed history (the cached drafter lost nothing)."""
     seen = []
     original_propose = drafter.propose
 
     def checked_propose():
         history = drafter.history.clone()
         tree = original_propose()
-        seen.append((tree.tokens[0, 1:].tolist(), slow_eagle_chain(head, target, history, 4)))
+        seen.append((tree.tokens[0, 1:].tolist(), slow(history)))
         return tree
 
     drafter.propose = checked_propose
-    speculative_generate(target, drafter, repetitive_prompt(96, seed=9), GenerationConfig(max_new_tokens=25))
-    assert len(seen) > 3
-    for fast, slow in seen:
-        assert fast == slow
+    speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=25))
+    assert len(seen) > rounds
+    for fast, slow_chain in seen:
+        assert fast == slow_chain
 
 
 def test_best_static_tree_prefers_likely_paths():

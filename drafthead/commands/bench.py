@@ -26,7 +26,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="acceptance / tau / tokens-per-second figure")
     p.add_argument("--markdown", default=None, metavar="MD", help="write the summary table as Markdown")
     p.add_argument("--profile", action="store_true", help="exact per-phase engine timings (syncs the device)")
-    p.add_argument("--compare", choices=("hf-prompt-lookup",), action="append", default=[], help="also time HF's own method")
+    p.add_argument("--compare", choices=("hf-prompt-lookup", "llama.cpp", "vllm"), action="append", default=[],
+                   help="also time HF's own prompt lookup, or the same prompts through llama.cpp (plain and its "
+                        "n-gram drafting) / vLLM's CPU build, from their own venvs (`make interop`; greedy, batch 1)")
     p.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation length (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
@@ -82,6 +84,9 @@ def run(args) -> int:
     if args.num_draft == "auto":
         settings.policy = policy_from_args(args, model, example)
     report = run_bench(model, loaded.tokenizer, factory, prompts, settings)
+    engines = [e for e in args.compare if e in EXTERNAL_ENGINES]
+    if engines:
+        report["engines"] = _external(engines, args, loaded, prompts, settings, report)
     if args.out:
         write_text(args.out, json.dumps(report, indent=2) + "\n")
         note(f"report: {args.out}")
@@ -91,7 +96,40 @@ def run(args) -> int:
     if args.plot:
         note(f"plot: {plot_report(report, args.plot)}")
     print(format_table(report, profile=args.profile))
+    for name, row in report.get("engines", {}).get("tokens_per_s", {}).items():
+        print(f"{name}: {row:.1f} tokens/s (same prompts, after ours)")
+    for name, why in report.get("engines", {}).get("skipped", {}).items():
+        note(f"--compare {name} skipped: {why}")
     return 0
+
+
+EXTERNAL_ENGINES = ("llama.cpp", "vllm")
+
+
+def _external(engines, args, loaded, prompts, settings, report) -> dict:
+    """The same prompts through llama.cpp / vLLM (scripts/compare_engines.py, which a source checkout
+    has): tokens/s with prefill, as ours are counted, beside our own plain and speculative."""
+    import importlib.util
+
+    from ..inference.prompts import encode_chat
+
+    if not settings.sampling.greedy:
+        raise ValueError("--compare llama.cpp / vllm runs greedy decoding only; drop --temperature")
+    script = Path(__file__).resolve().parents[2] / "scripts" / "compare_engines.py"
+    if not script.is_file():
+        raise ValueError(f"--compare {' / '.join(engines)} needs a drafthead source checkout ({script} is missing)")
+    spec = importlib.util.spec_from_file_location("compare_engines", script)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    encoded = [encode_chat(loaded.tokenizer, p) for p in prompts]
+    rows, skipped = compare.external_engines(
+        engines, Path(loaded.path), [ids[0].tolist() for ids in encoded],
+        [loaded.tokenizer.decode(ids[0]) for ids in encoded], list(settings.eos_token_ids), settings.max_new_tokens,
+        args.dtype, args.threads or 2, Path(args.out).parent / "engines" if args.out else Path("out/engines"))
+    speeds = {name: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for name, rs in rows.items()}
+    speeds = {"ours speculative": report["tokens_per_s"], "transformers generate()": report["baseline_tokens_per_s"],
+              **speeds}
+    return {"tokens_per_s": speeds, "skipped": skipped, "rows": rows}
 
 
 def _run_batched(args, model, tokenizer, factory, example, prompts, settings) -> int:

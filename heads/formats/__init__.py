@@ -35,12 +35,12 @@ EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle",
 CONVENTIONS = ("vllm", "sglang", "eagle")
 
 # Which kinds each engine format can carry.
-EAGLE3_KINDS = ("eagle3", "eagle31")  # one head module (heads/eagle3.py), flags aside
+EAGLE3_KINDS = ("eagle3", "eagle31", "peagle")  # one head module (heads/eagle3.py), flags and P-EAGLE's extras aside
 # The head kind each foreign layout is read into (the flags of an EAGLE-3.1 checkpoint ride on eagle3).
 LAYOUT_KINDS = {"speculators": "eagle3", "eagle3-research": "eagle3", "llama.cpp-gguf": "eagle3",
                 "eagle1": "eagle1", "medusa": "medusa1", "medusa-vllm": "medusa1"}
 _FORMAT_KINDS = {
-    "vllm": (*EAGLE3_KINDS, "eagle1"),
+    "vllm": ("eagle3", "eagle31", "eagle1"),  # vLLM takes P-EAGLE through the speculators layout only
     "speculators": EAGLE3_KINDS,
     "sglang": ("eagle3", "eagle1"),
     "llama.cpp": ("eagle3",),
@@ -235,7 +235,7 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     elif foreign.kind == "eagle1":  # SGLang's EAGLE-1 fc always has a bias
         drop_zero_extra(expected, state, "fc.bias", src, "this head's fc has none")
     check_state_dict(expected, state, where=f"in {src}")
-    _check_target_copies(foreign.target_copies, target_model, src)
+    _check_target_copies(foreign.target_copies, target_model, src, foreign.copy_rows_own)
     head.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)
     check_draft_vocab(head, src)
     head.to(device=target_device(target_model), dtype=target_dtype(target_model))
@@ -255,14 +255,19 @@ def _drop_target_rope(overrides: dict, target_model: nn.Module) -> None:
         del overrides["rope_parameters"]
 
 
-def _check_target_copies(copies: dict, target_model: nn.Module, src) -> None:
-    """A checkpoint's copy of a target tensor must be the target's (exactly, up to its dtype)."""
+def _check_target_copies(copies: dict, target_model: nn.Module, src, own_rows: dict | None = None) -> None:
+    """A checkpoint's copy of a target tensor must be the target's (exactly, up to its dtype), but
+    for the rows `own_rows[key]` that belong to the head."""
     for key, stored in copies.items():
         ref = target_model.get_input_embeddings() if "embed_tokens" in key else target_model.get_output_embeddings()
         own = ref.weight.detach().to("cpu")
         if tuple(stored.shape) != tuple(own.shape):
             raise HeadFormatError(f"{src}: {key} has shape {tuple(stored.shape)}, the target's {tuple(own.shape)}: "
                                   "this head was made for another target")
+        rows = list((own_rows or {}).get(key, ()))
+        if rows:  # compare everything else: the head's rows set to the target's own
+            stored = stored.clone()
+            stored[rows] = own[rows].to(stored.dtype)
         if not torch.equal(stored.to(own.dtype), own) and not torch.equal(stored, own.to(stored.dtype)):
             diff = (stored.float() - own.float()).abs().max().item()
             raise HeadFormatError(f"{src}: {key} differs from the target's (max abs diff {diff:.3g}); drafthead reads "

@@ -40,6 +40,8 @@ class ForeignHead:
     config: dict | None = None
     notes: list[str] = field(default_factory=list)
     layer_fields: dict = field(default_factory=dict)  # the decoder layer's config as the checkpoint states it
+    # rows of a target copy that are the head's own (P-EAGLE's mask-token row), not compared with the target
+    copy_rows_own: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 # Decoder-layer fields that change the maths without changing any tensor's shape, or that must

@@ -11,6 +11,11 @@
 
 Every flag is written explicitly: vLLM defaults `norm_before_residual` to True for this format,
 speculators' own config class to False, so a config that omits it is refused on import.
+
+P-EAGLE (`speculators_model_type` "peagle", docs/formats.md "Parallel drafters") adds
+`mask_token_id` and the parallel depth as `speculative_tokens`; its `mask_hidden` is stored as
+[1, 1, n x H], and the learned mask embedding travels as `embed_tokens`' row `mask_token_id`
+(that row alone differs from the target's).
 """
 from __future__ import annotations
 
@@ -21,6 +26,8 @@ from .eagle3 import check_engine_layers
 from .common import ForeignHead, layer_config, llama_layer_fields, refuse_unknown, rope_parameters_of
 
 MODEL_TYPE = "eagle3"
+MODEL_TYPES = {"eagle3": "eagle3", "eagle31": "eagle3", "peagle": "peagle"}  # our kind -> theirs
+ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
 VERSION = "0.9.0"
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 # Boolean layer flags, their default when absent (speculators' own config class) and our field
@@ -45,6 +52,14 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
     # the target's own values and dtype: engines use this copy instead of the target's embedding
     # unless the two are equal, so a rounded copy would change what the head sees
     tensors["embed_tokens.weight"] = target_embed.detach().to("cpu")
+    model_type = MODEL_TYPES[config.kind]
+    speculative_tokens = 3
+    if model_type == "peagle":
+        embed = tensors["embed_tokens.weight"].clone()
+        embed[config.mask_token_id] = tensors.pop("mask_embedding").to(embed.dtype)
+        tensors["embed_tokens.weight"] = embed
+        tensors["mask_hidden"] = tensors["mask_hidden"].reshape(1, 1, -1)
+        speculative_tokens = config.parallel_depth
     lc = layer_config(meta)
     layer = llama_layer_fields(lc)
     layer.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
@@ -54,12 +69,12 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
                       "use_sliding_window": True})
     target = config.target
     cfg = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": MODEL_TYPE,
+        "architectures": [ARCHITECTURES[model_type]],
+        "speculators_model_type": model_type,
         "speculators_version": VERSION,
         "speculators_config": {
-            "algorithm": MODEL_TYPE,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "accept_tolerance": 0.0,
+            "algorithm": model_type,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "accept_tolerance": 0.0,
                                   "verifier_accept_k": 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier or target.name, "architectures": list(lc.get("architectures") or [])},
@@ -70,13 +85,16 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
         **{flag: bool(getattr(config, flag)) for flag in FLAGS},
         "target_hidden_size": config.hidden_size,
     }
+    if model_type == "peagle":
+        cfg["mask_token_id"] = config.mask_token_id
     return cfg, tensors
 
 
 def read(src, cfg: dict, state: dict) -> ForeignHead:
-    if cfg.get("speculators_model_type") != MODEL_TYPE:
-        raise HeadFormatError(f"{src}: speculators_model_type {cfg.get('speculators_model_type')!r} is not supported "
-                              f"(drafthead reads {MODEL_TYPE!r})")
+    model_type = cfg.get("speculators_model_type")
+    if model_type not in ARCHITECTURES:
+        raise HeadFormatError(f"{src}: speculators_model_type {model_type!r} is not supported "
+                              f"(drafthead reads {', '.join(map(repr, ARCHITECTURES))})")
     for flag in FLAGS:
         refuse_unknown(cfg, flag, (True, False), str(src))
     if "norm_before_residual" not in cfg:
@@ -105,4 +123,19 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
     ours = {(_PREFIX_OURS + k[len(_PREFIX_THEIRS):] if k.startswith(_PREFIX_THEIRS) else k): v for k, v in theirs.items()}
     notes = [f"aux-layer ids {list(ids)} (speculators numbers them as vLLM does); "
              + ", ".join(f"{flag}={overrides[flag]}" for flag in FLAGS)]
-    return ForeignHead("speculators", "eagle3", overrides, ours, copies, notes=notes, layer_fields=layer)
+    skipped_rows = {}
+    if model_type == "peagle":
+        mask_id = cfg.get("mask_token_id")
+        if not isinstance(mask_id, int) or "embed_tokens.weight" not in copies:
+            raise HeadFormatError(f"{src}: a P-EAGLE checkpoint needs mask_token_id and embed_tokens.weight (the mask "
+                                  "token's trained row)")
+        if "mask_hidden" not in ours:
+            raise HeadFormatError(f"{src}: a P-EAGLE checkpoint needs mask_hidden (the learned feature placeholder)")
+        ours["mask_hidden"] = ours["mask_hidden"].reshape(-1)
+        ours["mask_embedding"] = copies["embed_tokens.weight"][mask_id].clone()
+        skipped_rows["embed_tokens.weight"] = (mask_id,)  # the one row that is the head's, not the target's
+        proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
+        overrides.update(mask_token_id=mask_id, parallel_depth=int(proposals[0].get("speculative_tokens", 1)))
+        notes.append(f"P-EAGLE: mask token {mask_id}, {overrides['parallel_depth']} tokens per forward")
+    return ForeignHead("speculators", MODEL_TYPES[model_type], overrides, ours, copies, notes=notes, layer_fields=layer,
+                       copy_rows_own=skipped_rows)

@@ -272,6 +272,7 @@ DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter set
 _DRAFTING_KEYS = {
     "medusa": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
     "eagle": {"total_tokens", "depth", "top_k", "lookup_nodes", "lookup_streak"},
+    "peagle": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
 }
 
 
@@ -311,7 +312,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
         head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
     pack_linears(head)  # draft steps multiply a few rows by every head weight (measured: inference/kernels.py)
-    family = "medusa" if head.kind in ("medusa1", "medusa2") else "eagle"
+    family = {"medusa1": "medusa", "medusa2": "medusa", "peagle": "peagle"}.get(head.kind, "eagle")
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     check_drafting_keys(given, family, f"{head.kind} drafter options")
     settings = {**drafting_defaults(Path(path), family), **given}
@@ -320,7 +321,12 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     if family == "eagle" and settings.get("total_tokens") == "auto":
         # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
         settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
-    drafter = MedusaDrafter(head, **settings) if family == "medusa" else EagleDrafter(head, **settings)
+    if family == "peagle":
+        from .parallel import ParallelDrafter  # parallel.py builds on EagleDrafter, defined here
+
+        drafter = ParallelDrafter(head, **settings)
+    else:
+        drafter = MedusaDrafter(head, **settings) if family == "medusa" else EagleDrafter(head, **settings)
     if lookup_nodes > 0:
         lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes, streak_draft=lookup_streak)
         # the lookup drafter caps its own tree (lookup_nodes, or lookup_streak on a streak)
