@@ -347,6 +347,10 @@ def run_phase(args) -> dict:
         method, kind = detect_method(args.head, args.method)
         kw["speculative_config"] = {"model": stage_head(args.head, args._phase_out), "method": method,
                                     "num_speculative_tokens": args.num_spec_tokens}
+        if read_json(Path(args.head) / "config.json").get("speculators_model_type") == "peagle":
+            # what vLLM's speculators reader derives from "peagle" when no method is passed
+            # (configs/speculators/base.py): EAGLE-3's model with parallel drafting
+            kw["speculative_config"]["parallel_drafting"] = True
     t0 = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
