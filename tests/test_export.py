@@ -439,3 +439,17 @@ def test_eagle31_kind_exports_where_the_flags_are_read(tmp_path):
         cfg = json.loads((out / CONFIG_NAME).read_text())
         assert cfg["fc_norm"] is True and cfg["norm_output"] is True
         assert torch.equal(outputs(import_head(out, target), target), outputs(head, target))
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators", "sglang"])
+def test_a_full_draft_vocabulary_exports_without_its_identity_maps(fmt, tmp_path):
+    """With Vd == V the engines build no d2t / t2d (vLLM refuses them as unknown parameters): the
+    export leaves them out and the import restores the identity."""
+    target = make_target()
+    head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=V)
+    out = export_head(tmp_path / "h", tmp_path / fmt, fmt, target_model=target)
+    _, shapes, _ = read(out)
+    assert "d2t" not in shapes and "t2d" not in shapes and shapes["lm_head.weight"] == (V, H)
+    back = import_head(out, target, convention="vllm" if fmt == "vllm" else None)
+    assert torch.equal(back.d2t, torch.zeros(V, dtype=torch.long)) and bool(back.t2d.all())
+    assert torch.allclose(outputs(back, target), outputs(head, target))

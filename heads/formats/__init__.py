@@ -33,6 +33,7 @@ from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, d
 
 EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa")
 CONVENTIONS = ("vllm", "sglang", "eagle")
+IDENTITY_VOCAB_KEYS = ("d2t", "t2d")  # EAGLE-3's draft-vocab maps, the identity when Vd == V
 
 # Which kinds each engine format can carry.
 EAGLE3_KINDS = ("eagle3", "eagle31", "peagle")  # one head module (heads/eagle3.py), flags and P-EAGLE's extras aside
@@ -94,6 +95,10 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
         w = get(target_model).weight
         return w if dtype is None else w.to(dtype)
 
+    if config.kind in EAGLE3_KINDS and config.draft_vocab_size == config.vocab_size:
+        # a full draft vocabulary maps every id to itself: the engines then build no d2t / t2d
+        # (vLLM refuses them as unknown parameters), and the import restores the identity
+        state = {k: v for k, v in state.items() if k not in IDENTITY_VOCAB_KEYS}
     if config.kind in EAGLE3_KINDS and fmt == "speculators":
         verifier = None if target_model is None else str(getattr(target_model.config, "_name_or_path", "") or "") or None
         cfg, tensors = speculators.to_speculators(config, meta, state, target_tensor(lambda m: m.get_input_embeddings()),
@@ -234,6 +239,9 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
         drop_zero_extra(expected, state, eagle3.O_BIAS, src, "the target family's attention has no o_proj bias")
     elif foreign.kind == "eagle1":  # SGLang's EAGLE-1 fc always has a bias
         drop_zero_extra(expected, state, "fc.bias", src, "this head's fc has none")
+    if foreign.kind in EAGLE3_KINDS and config.draft_vocab_size == config.vocab_size:
+        for key in IDENTITY_VOCAB_KEYS:  # left out for a full vocabulary: our fresh head holds the identity
+            state.setdefault(key, expected[key])
     check_state_dict(expected, state, where=f"in {src}")
     _check_target_copies(foreign.target_copies, target_model, src, foreign.copy_rows_own)
     head.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()}, strict=True)

@@ -220,7 +220,11 @@ def check_vllm(args) -> list[Row]:
             # loading is the point here: an untrained head accepts ~nothing
             ("untrained EAGLE-1 head", smollm2_untrained("eagle1", OUT / "smollm2-eagle1"), "vllm", "eagle", 2, 32),
             ("untrained Medusa head", smollm2_untrained("medusa1", OUT / "smollm2-medusa1", num_heads=3), "medusa",
-             "medusa", 2, 32))
+             "medusa", 2, 32),
+            # vLLM reads "peagle" as EAGLE-3 with parallel drafting (check_vllm passes the flag)
+            ("untrained P-EAGLE head (parallel drafting)",
+             smollm2_untrained("peagle", OUT / "smollm2-peagle", draft_vocab_size=49152, parallel_depth=3,
+                               mask_token_id=16), "speculators", "eagle3", 2, 32))
     for label, head, fmt, method, n_prompts, n_tokens in runs:
         exp = export(head, fmt, OUT / "exports" / f"vllm-{method}-{fmt}", "smollm2-135m")
         prefix = OUT / f"vllm_{method}_{fmt}"
