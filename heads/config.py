@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from .identity import TargetIdentity
 
-KINDS = ("medusa1", "medusa2", "eagle1", "eagle3", "eagle31", "peagle")
+KINDS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle")
 
 
 def _from_dict(cls, d: dict):
@@ -129,6 +129,17 @@ class MedusaConfig(_HeadConfig):
         return (self.final_layer,)  # the final normed hidden state
 
     needs_last_hidden: ClassVar[bool] = True  # draft_logits reads the final normed hidden state
+
+
+@dataclass
+class HydraConfig(MedusaConfig):
+    """Hydra heads (Ankner et al. 2024): Medusa heads made sequentially dependent. Head k also
+    reads the embeddings of the tokens between the target's state and the one it predicts, the
+    pending token and the k tokens drafted before it (heads/hydra.py). No engine serves them."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("hydra",)
+
+    kind: str = "hydra"
 
 
 @dataclass
@@ -290,13 +301,14 @@ class PEagleConfig(Eagle3Config):
 CONFIG_CLASSES: dict[str, type] = {
     "medusa1": MedusaConfig,
     "medusa2": MedusaConfig,
+    "hydra": HydraConfig,
     "eagle1": Eagle1Config,
     "eagle3": Eagle3Config,
     "eagle31": Eagle31Config,
     "peagle": PEagleConfig,
 }
 
-HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config  # Eagle31Config and PEagleConfig are Eagle3Configs
+HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config  # HydraConfig is a MedusaConfig; Eagle31Config and PEagleConfig are Eagle3Configs
 
 
 def config_from_dict(d: dict) -> HeadConfig:

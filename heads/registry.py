@@ -12,12 +12,14 @@ from .eagle import Eagle1Head
 from .eagle3 import Eagle3Head
 from .identity import HeadTargetMismatch, check_compatible, eos_token_ids, identify_target, identity_diff
 from .io import ADAPTER_DIR, DraftHeadBase, HeadFormatError, check_state_dict, read_head_dir
+from .hydra import HydraHead
 from .medusa import MedusaHead
 from .peagle import PEagleHead
 
 HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {
     "medusa1": MedusaHead,
     "medusa2": MedusaHead,
+    "hydra": HydraHead,
     "eagle1": Eagle1Head,
     "eagle3": Eagle3Head,
     "eagle31": Eagle3Head,  # the EAGLE-3 head with fc_norm and norm_output on (heads/config.py)

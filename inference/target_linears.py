@@ -18,7 +18,8 @@ for each bucket (`calibrate`). A forward with M rows uses the choice of the smal
 Scope: `engine_linears(target)` swaps the dispatching layers in for the duration of our engine's
 calls and puts the target's own `nn.Linear`s back afterwards, so transformers' `generate()`,
 training and saving see the unmodified model. The packed copies are kept on the model (one extra
-copy of every linear weight: ~540 MB for SmolLM2 in fp32) and rebuilt when a weight changes.
+copy of every linear weight: ~540 MB for SmolLM2 in fp32) and rebuilt when a weight changes; a
+target whose copies would take over a quarter of physical memory is left unpacked.
 
 Exactness: a packed kernel sums in another order than MKL (fp32 results agree within ~1e-6
 relative), exactly as a tree forward over 17 rows already rounds differently from a one-row
@@ -28,6 +29,7 @@ greedy output token for token, which the tests assert with this path on.
 from __future__ import annotations
 
 import bisect
+import os
 import time
 from contextlib import contextmanager
 
@@ -104,8 +106,29 @@ class RowDispatchLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+MEMORY_SHARE = 0.25  # pack only while the extra copies take at most this share of physical memory
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def fits_in_memory(extra_bytes: int, total_bytes: int | None, share: float = MEMORY_SHARE) -> bool:
+    """Whether packed copies of `extra_bytes` may be made on a machine of `total_bytes` (unknown:
+    yes). A 135M target's ~540 MB fits anywhere; an 8B target's 32 GB of fp32 linears does not
+    fit a 64 GB machine, where the copy would cost more than the kernel saves."""
+    return total_bytes is None or extra_bytes <= share * total_bytes
+
+
 def _build(target: nn.Module) -> dict[str, RowDispatchLinear]:
-    """{qualified name: dispatching layer} for the target's nn.Linears that gain from packing."""
+    """{qualified name: dispatching layer} for the target's nn.Linears that gain from packing
+    ({} when the copies would not fit in memory)."""
+    linears = [m for m in target.modules() if type(m) is nn.Linear]
+    if not fits_in_memory(sum(m.weight.numel() * m.weight.element_size() for m in linears), physical_memory_bytes()):
+        return {}
     layers = {}
     for name, module in target.named_modules():
         if type(module) is not nn.Linear:

@@ -79,6 +79,9 @@ def test_other_expected_errors(capsys, tiny_llama_dir, tmp_path):
     assert_one_line_error(code, err, "temperature")
     code, out, err = run_cli(capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(tmp_path / "missing.jsonl"))
     assert_one_line_error(code, err, "no prompt file")
+    code, out, err = run_cli(capsys, "bench", "--target", str(tiny_llama_dir), "--limit", "1", "--compare", "llama.cpp",
+                             "--temperature", "0.7")
+    assert_one_line_error(code, err, "runs greedy decoding only")
 
 
 def test_argparse_errors_exit_2(capsys):

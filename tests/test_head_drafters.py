@@ -5,18 +5,20 @@ import torch
 
 from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter, best_static_tree
+from drafthead.inference.drafters.heads import EagleDrafter, HydraDrafter, MedusaDrafter, best_static_tree
 from drafthead.inference.drafters.parallel import ParallelDrafter
 from drafthead.inference.generate import GenerationConfig, speculative_generate
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
-KINDS = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64},
+KINDS = {"medusa1": {}, "hydra": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64},
          "peagle": {"draft_vocab_size": 64, "parallel_depth": 4, "mask_token_id": 2}}
 
 
 def make_drafter(head):
     if head.kind == "peagle":
         return ParallelDrafter(head, num_nodes=8)
+    if head.kind == "hydra":
+        return HydraDrafter(head, num_nodes=12)
     if head.kind.startswith("medusa"):
         return MedusaDrafter(head, num_nodes=12)
     return EagleDrafter(head, total_tokens=12, depth=4, top_k=3)

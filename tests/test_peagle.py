@@ -2,8 +2,6 @@
 element-by-element twin that drafts each element the way inference does, the cached drafter
 equals drafting from scratch, and decoding with it is exact (greedy and sampling at depth 2)."""
 import json
-from collections import Counter
-
 import pytest
 import torch
 
@@ -17,7 +15,7 @@ from drafthead.inference.sampling import SamplingConfig
 from tests.stats import chi_square_pvalue
 from tests.test_batch import left_padded, prompts_of
 from tests.test_head_drafters import assert_drafts_match_recomputation
-from tests.test_sampling_exactness import ALPHA, RUNS, VOCAB, exact_first_three
+from tests.test_sampling_exactness import ALPHA, RUNS, VOCAB, exact_first_three, sampled_first_three
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
 
 
@@ -139,7 +137,8 @@ def test_greedy_with_parallel_drafting_equals_plain_greedy(family):
 
 def test_parallel_tree_sampling_is_exact_at_depth_two():
     """A static tree over the parallel depths (two candidates at depth 1, a child under each):
-    three new tokens, so a depth-2 path can be accepted whole; their joint law is the target's."""
+    three new tokens, so a depth-2 path can be accepted whole; their joint law is the target's
+    (ten rows a batch)."""
     sampling = SamplingConfig(temperature=0.9)
     target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
     with torch.no_grad():
@@ -148,11 +147,7 @@ def test_parallel_tree_sampling_is_exact_at_depth_two():
                                   mask_token_id=2), target).eval()
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
     drafter = ParallelDrafter(head, choices=[(0,), (1,), (0, 0), (1, 0)])
-    counts, deep = Counter(), 0
-    for run in range(RUNS):
-        out = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run))
-        counts[tuple(out.new_tokens[0].tolist())] += 1
-        deep += out.accepted_lengths[0] == 3
+    counts, deep = sampled_first_three(target, drafter, prompt, sampling)
     assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
 

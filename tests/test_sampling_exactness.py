@@ -82,6 +82,21 @@ def exact_first_three(target, prompt, sampling):
             for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)}
 
 
+def sampled_first_three(target, drafter, prompt, sampling, copies: int = 10) -> tuple[Counter, int]:
+    """RUNS samples of the first three new tokens after `prompt` [1, P], drawn `copies` rows at a
+    time in one batch (each row its own drafter fork and draws): the joint counts and how many rows
+    accepted a depth-2 path whole in their first round."""
+    ids = prompt.repeat(copies, 1)
+    counts, deep = Counter(), 0
+    for run in range(RUNS // copies):
+        out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run),
+                                   attention_mask=torch.ones_like(ids))
+        for row in out.rows:
+            counts[tuple(row.new_tokens[0].tolist())] += 1
+            deep += row.accepted_lengths[0] == 3
+    return counts, deep
+
+
 # (kind, sampling, lm_head scale): spread logits for plain sampling; for the penalty, tiny_causal_lm's
 # sharp logits and a strong penalty, so that the law without it is far off (p ~ 1e-21 when checked)
 HEAD_CASES = [("eagle3", SamplingConfig(temperature=0.9), 0.25),
@@ -101,11 +116,6 @@ def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
         target.lm_head.weight.mul_(lm_scale)
     head = build_head(make_config(kind, target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    counts, deep = Counter(), 0
-    for run in range(RUNS):
-        out = speculative_generate(target, EagleDrafter(head, total_tokens=6, depth=2, top_k=2), prompt,
-                                   GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run))
-        counts[tuple(out.new_tokens[0].tolist())] += 1
-        deep += out.accepted_lengths[0] == 3
+    counts, deep = sampled_first_three(target, EagleDrafter(head, total_tokens=6, depth=2, top_k=2), prompt, sampling)
     assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA

@@ -7,7 +7,7 @@ from drafthead.inference import target_linears
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.target_linears import ROW_BUCKETS, RowDispatchLinear, engine_linears, kernel_for_rows
+from drafthead.inference.target_linears import ROW_BUCKETS, RowDispatchLinear, engine_linears, fits_in_memory, kernel_for_rows
 from tests.test_batch import left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -21,6 +21,13 @@ def test_the_smallest_bucket_at_or_above_the_row_count_decides():
         "plain", "plain", "packed", "packed", "packed", "packed", "plain", "plain", "plain", "packed", "packed"]
     assert kernel_for_rows(129, wins) == "plain"  # past the last bucket: MKL's regime
     assert kernel_for_rows(4000, (True,) * len(ROW_BUCKETS)) == "plain"
+
+
+def test_packed_copies_are_made_only_where_they_fit():
+    gib = 1 << 30
+    assert fits_in_memory(540 << 20, 24 * gib)  # SmolLM2's fp32 linears on this machine
+    assert not fits_in_memory(32 * gib, 64 * gib)  # an 8B target's on a 64 GB machine
+    assert fits_in_memory(32 * gib, None)  # memory unknown: pack
 
 
 @pytest.fixture

@@ -183,7 +183,8 @@ def test_refuses_to_overwrite_checkpoints_without_resume(tmp_path):
 # ---------------------------------------------------------------------------------------------- real heads
 
 
-@pytest.mark.parametrize("kind,extra", [("medusa1", {"num_heads": 2}), ("medusa2", {"num_heads": 2}), ("eagle1", {}),
+@pytest.mark.parametrize("kind,extra", [("medusa1", {"num_heads": 2}), ("medusa2", {"num_heads": 2}),
+                                        ("hydra", {"num_heads": 2}), ("eagle1", {}),
                                         ("eagle3", {"draft_vocab_size": 64, "ttt_steps": 2}),
                                         ("eagle31", {"draft_vocab_size": 64, "ttt_steps": 2}),
                                         ("peagle", {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": 0})])

@@ -47,6 +47,11 @@ def run(args) -> int:
 
     prompts = load_prompts(args.dataset, args.limit)  # before the model: bad input fails fast
     sampling = sampling_from_args(args)
+    external = [e for e in args.compare if e in EXTERNAL_ENGINES]
+    if external and not sampling.greedy:
+        raise ValueError(f"--compare {' / '.join(external)} runs greedy decoding only; drop --temperature")
+    if external and args.batch_size is not None:
+        raise ValueError(f"--compare {' / '.join(external)} runs one prompt at a time; drop --batch-size")
     loaded = load_target_from_args(args)
     proposer, head, message = choose_proposer(args, loaded.name)
     note(message)
@@ -84,9 +89,8 @@ def run(args) -> int:
     if args.num_draft == "auto":
         settings.policy = policy_from_args(args, model, example)
     report = run_bench(model, loaded.tokenizer, factory, prompts, settings)
-    engines = [e for e in args.compare if e in EXTERNAL_ENGINES]
-    if engines:
-        report["engines"] = _external(engines, args, loaded, prompts, settings, report)
+    if external:
+        report["engines"] = _external(external, args, loaded, prompts, settings, report)
     if args.out:
         write_text(args.out, json.dumps(report, indent=2) + "\n")
         note(f"report: {args.out}")
@@ -97,13 +101,15 @@ def run(args) -> int:
         note(f"plot: {plot_report(report, args.plot)}")
     print(format_table(report, profile=args.profile))
     for name, row in report.get("engines", {}).get("tokens_per_s", {}).items():
-        print(f"{name}: {row:.1f} tokens/s (same prompts, after ours)")
+        if name not in OUR_SIDE:  # those two are in the table above
+            print(f"{name}: {row:.1f} tokens/s (the same prompts, run after ours)")
     for name, why in report.get("engines", {}).get("skipped", {}).items():
         note(f"--compare {name} skipped: {why}")
     return 0
 
 
 EXTERNAL_ENGINES = ("llama.cpp", "vllm")
+OUR_SIDE = ("ours speculative", "transformers generate()")
 
 
 def _external(engines, args, loaded, prompts, settings, report) -> dict:
@@ -113,8 +119,6 @@ def _external(engines, args, loaded, prompts, settings, report) -> dict:
 
     from ..inference.prompts import encode_chat
 
-    if not settings.sampling.greedy:
-        raise ValueError("--compare llama.cpp / vllm runs greedy decoding only; drop --temperature")
     script = Path(__file__).resolve().parents[2] / "scripts" / "compare_engines.py"
     if not script.is_file():
         raise ValueError(f"--compare {' / '.join(engines)} needs a drafthead source checkout ({script} is missing)")
@@ -127,8 +131,7 @@ def _external(engines, args, loaded, prompts, settings, report) -> dict:
         [loaded.tokenizer.decode(ids[0]) for ids in encoded], list(settings.eos_token_ids), settings.max_new_tokens,
         args.dtype, args.threads or 2, Path(args.out).parent / "engines" if args.out else Path("out/engines"))
     speeds = {name: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for name, rs in rows.items()}
-    speeds = {"ours speculative": report["tokens_per_s"], "transformers generate()": report["baseline_tokens_per_s"],
-              **speeds}
+    speeds = dict(zip(OUR_SIDE, (report["tokens_per_s"], report["baseline_tokens_per_s"]))) | speeds
     return {"tokens_per_s": speeds, "skipped": skipped, "rows": rows}
 
 

@@ -99,6 +99,38 @@ class MedusaDrafter:
         return DraftTree(torch.cat([root, drafts], dim=1), self.shape.parents.to(root.device))
 
 
+class HydraDrafter(MedusaDrafter):
+    """Hydra (heads/hydra.py): Medusa's static tree, grown depth by depth, since head k reads the
+    path a node sits on (the pending token, then the drafts above it). One head call per depth,
+    batched over that depth's parents."""
+
+    def describe(self) -> dict:
+        return {**super().describe(), "kind": f"{self.head.kind} static tree (sequential heads)"}
+
+    def propose(self) -> DraftTree:
+        root = self.pending[:, None]  # [1, 1]
+        parents = self.shape.parents.to(root.device)
+        if self.last_hidden is None:  # a one-token prompt: nothing to read yet
+            return DraftTree(root, torch.tensor([-1], device=root.device))
+        depth_of = self.shape.head + 1  # node 0, the root, is depth 0
+        tokens = root.new_zeros(1, parents.numel())
+        tokens[0, 0] = root[0, 0]
+        paths = {0: [0]}  # node -> the nodes from the root down to it
+        for d in range(self.shape.depth):  # head d drafts the nodes at depth d + 1
+            children = (depth_of == d + 1).nonzero().flatten().tolist()
+            above = sorted({int(parents[c]) for c in children})
+            path_ids = tokens[0, torch.tensor([paths[p] for p in above], device=root.device)]  # [n, d + 1]
+            embeds = self.head.refs.embed_tokens(path_ids, self.head.dtype)
+            logits = self.head.path_logits(self.last_hidden.expand(len(above), -1), embeds, d)  # [n, V]
+            top = torch.topk(logits, self.shape.max_rank, dim=-1).indices
+            row = {p: i for i, p in enumerate(above)}
+            for c in children:
+                p = int(parents[c])
+                tokens[0, c] = top[row[p], int(self.shape.rank[c])]
+                paths[c] = paths[p] + [c]
+        return DraftTree(tokens, parents)
+
+
 # ---------------------------------------------------------------------------------------------
 # EAGLE: a one-layer draft model over (feature_t, token_{t+1}) pairs, with its own KV cache
 # ---------------------------------------------------------------------------------------------
@@ -271,6 +303,7 @@ _DECAY = 0.98  # per round, for the calibration sums of auto tree sizing (~50 ro
 DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter settings measured best for this head
 _DRAFTING_KEYS = {
     "medusa": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
+    "hydra": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
     "eagle": {"total_tokens", "depth", "top_k", "lookup_nodes", "lookup_streak"},
     "peagle": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
 }
@@ -312,7 +345,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
         head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
     pack_linears(head)  # draft steps multiply a few rows by every head weight (measured: inference/kernels.py)
-    family = {"medusa1": "medusa", "medusa2": "medusa", "peagle": "peagle"}.get(head.kind, "eagle")
+    family = {"medusa1": "medusa", "medusa2": "medusa", "hydra": "hydra", "peagle": "peagle"}.get(head.kind, "eagle")
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     check_drafting_keys(given, family, f"{head.kind} drafter options")
     settings = {**drafting_defaults(Path(path), family), **given}
@@ -325,6 +358,8 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
         from .parallel import ParallelDrafter  # parallel.py builds on EagleDrafter, defined here
 
         drafter = ParallelDrafter(head, **settings)
+    elif family == "hydra":
+        drafter = HydraDrafter(head, **settings)
     else:
         drafter = MedusaDrafter(head, **settings) if family == "medusa" else EagleDrafter(head, **settings)
     if lookup_nodes > 0:
