@@ -113,7 +113,7 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
     head = Path(head)
     if not head.is_dir():
         raise FileNotFoundError(f"no head folder at {head}")
-    from .heads.formats import LAYOUT_KINDS, detect_layout
+    from .heads.formats import detect_layout, layout_kind
     from .heads.formats.common import ConventionNeeded
     from .heads.io import CONFIG_NAME, read_json
     from .inference.drafters.heads import load_head_drafter
@@ -122,7 +122,7 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
     if layout == "ours":
         kind = read_json(head / CONFIG_NAME).get("config", {}).get("kind")
     else:
-        kind = LAYOUT_KINDS[layout]
+        kind = layout_kind(head, layout)
     if num_draft is not None:
         if kind not in _HEAD_NODE_BUDGET:
             raise DrafterError(f"{head}: unknown head kind {kind!r}")

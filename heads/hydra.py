@@ -40,13 +40,9 @@ class HydraHead(MedusaHead):
         x = torch.cat([h.to(self.dtype), path_embeds.to(self.dtype).flatten(1)], dim=-1)
         return self.head_logits(self.inputs[k](x), k)
 
-    def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Teacher-forced Medusa loss: head k at t reads x_{t+1} .. x_{t+k+1} and predicts x_{t+k+2}.
-        metrics as Medusa's: loss_k, acc_k, num_labels."""
-        L = self.config.final_layer
-        if L not in batch.hidden_states:
-            raise KeyError(f"Hydra needs hidden_states[{L}] (final normed state); batch has {sorted(batch.hidden_states)}")
-        h = batch.hidden_states[L].to(self.dtype)  # [B, T, H]
+    def labelled_logits(self, batch: FeatureBatch, h: torch.Tensor):
+        """Teacher-forced: head k at t reads x_{t+1} .. x_{t+k+1} (the real tokens stand in for the
+        drafts) and predicts x_{t+k+2}; Medusa's loss over it (MedusaHead.compute_loss)."""
         embeds = self.refs.embed_tokens(batch.input_ids, self.dtype)  # [B, T, H]
         following = torch.stack([shift_left(embeds, j) for j in range(1, self.num_heads + 1)], dim=2)  # [B, T, K, H]
-        return self.head_losses(batch, lambda k, valid: self.path_logits(h[valid], following[valid][:, : k + 1], k))
+        return lambda k, valid: self.path_logits(h[valid], following[valid][:, : k + 1], k)

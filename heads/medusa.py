@@ -88,15 +88,10 @@ class MedusaHead(DraftHeadBase):
         """
         L = self.config.final_layer
         if L not in batch.hidden_states:
-            raise KeyError(f"Medusa needs hidden_states[{L}] (final normed state); batch has {sorted(batch.hidden_states)}")
+            raise KeyError(f"{self.kind} needs hidden_states[{L}] (final normed state); batch has {sorted(batch.hidden_states)}")
         h = batch.hidden_states[L].to(self.dtype)  # [B, T, H]
-        # only labelled positions go through the [N, V] projection: memory ~ N*V, not B*T*V
-        return self.head_losses(batch, lambda k, valid: self.head_logits(h[valid], k))
-
-    def head_losses(self, batch: FeatureBatch, logits_at) -> tuple[torch.Tensor, dict[str, float]]:
-        """sum_k loss_decay**k * CE_k, where logits_at(k, valid [B, T] bool) gives head k's logits
-        [N, V] at the valid positions (whose label is token t + k + 2)."""
-        total = torch.zeros((), dtype=torch.float32, device=batch.input_ids.device)
+        logits_at = self.labelled_logits(batch, h)
+        total = h.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         for k in range(self.num_heads):
             labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, k + 2)
@@ -115,3 +110,8 @@ class MedusaHead(DraftHeadBase):
                 metrics["num_labels"] = float(n)
         metrics["loss"] = total.item()
         return total, metrics
+
+    def labelled_logits(self, batch: FeatureBatch, h: torch.Tensor):
+        """(k, valid [B, T] bool) -> head k's logits [N, V] at the valid positions (label t + k + 2).
+        Only labelled positions go through the [N, V] projection: memory ~ N*V, not B*T*V."""
+        return lambda k, valid: self.head_logits(h[valid], k)

@@ -84,10 +84,14 @@ class PEagleHead(Eagle3Head):
         chunks = self.mask_hidden.to(self.dtype).chunk(len(self.config.feature_layers))
         return self.fuse([c[None, None] for c in chunks])[0, 0]
 
+    def _mask_inputs(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What n mask positions read: (embedding, fused feature), each [batch, n, H]."""
+        return (self.mask_embedding.to(self.dtype)[None, None].expand(batch, n, -1),
+                self.placeholder()[None, None].expand(batch, n, -1))
+
     def _masked_hidden(self, batch: int, n: int, position_ids, cache, attention_mask) -> torch.Tensor:
         """The layer output [batch, n, H] of n mask positions at `position_ids` [batch, n]."""
-        e = self.mask_embedding.to(self.dtype)[None, None].expand(batch, n, -1)
-        fused = self.placeholder()[None, None].expand(batch, n, -1)
+        e, fused = self._mask_inputs(batch, n)
         position_ids, mask, pos_emb = self._inputs(e, position_ids, position_ids, cache, attention_mask)
         return self.midlayer(e, fused, mask, position_ids, pos_emb, cache)
 
@@ -98,9 +102,9 @@ class PEagleHead(Eagle3Head):
         [B, parallel_depth, Vd]: the last pair's (depth 1) and each mask position's (depths 2..K)."""
         B, T = tokens.shape
         k = self.parallel_depth - 1
-        e = torch.cat([self.refs.embed_tokens(tokens, self.dtype),
-                       self.mask_embedding.to(self.dtype)[None, None].expand(B, k, -1)], dim=1)
-        hidden = torch.cat([fused.to(self.dtype), self.placeholder()[None, None].expand(B, k, -1)], dim=1)
+        mask_e, mask_fused = self._mask_inputs(B, k)
+        e = torch.cat([self.refs.embed_tokens(tokens, self.dtype), mask_e], dim=1)
+        hidden = torch.cat([fused.to(self.dtype), mask_fused], dim=1)
         last = position_ids[:, -1:]
         positions = torch.cat([position_ids, last + torch.arange(1, k + 1, device=last.device)[None]], dim=1)
         position_ids, mask, pos_emb = self._inputs(e, positions, positions, cache, None)  # causal

@@ -100,7 +100,7 @@ class RowDispatchLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed at rows {rows}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.linear.in_features
+        rows = x.numel() // self.in_features
         if kernel_for_rows(rows, self.packed_wins) == "packed":
             return self.packed(x)  # falls back to F.linear itself under autograd or another dtype
         return F.linear(x, self.weight, self.bias)

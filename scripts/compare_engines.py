@@ -128,6 +128,37 @@ def run_vllm(target: Path, prompts: list[list[int]], eos: list[int], args, work:
     return json.loads(spec.with_suffix(".out.json").read_text())
 
 
+GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}
+LLAMA_ROWS = ("llama.cpp plain", "llama.cpp n-gram (ngram-simple, n=3)")
+VLLM_ROW = "vLLM CPU plain"
+
+
+def llama_engine(target: Path, dtype: str):
+    """(check_llamacpp module, the target's GGUF in `dtype`), or a string: why llama.cpp is skipped."""
+    sys.path.insert(0, str(INTEROP))
+    import check_llamacpp as llama
+
+    if not (llama.BIN / "llama-completion").exists():
+        return "not built (make interop, or scripts/interop/setup_llamacpp.sh)"
+    return llama, llama.target_gguf(target, GGUF_TYPES[dtype])
+
+
+def add_llama_rows(rows: dict, engine, text: str, n: int, threads: int) -> None:
+    """One prompt through llama.cpp, plain and with its n-gram drafting."""
+    llama, gguf = engine
+    for name, run in zip(LLAMA_ROWS, (llama_plain, llama_ngram)):
+        rows.setdefault(name, []).append(run(llama, gguf, text, n, threads))
+
+
+def add_vllm_rows(rows: dict, skipped: dict, target: Path, prompts: list[list[int]], eos: list[int], args,
+                  work: Path) -> None:
+    if not VLLM_PY.exists():
+        skipped["vllm"] = "not installed (make interop, or scripts/interop/setup_vllm.sh)"
+        return
+    work.mkdir(parents=True, exist_ok=True)
+    rows[VLLM_ROW] = run_vllm(target, prompts, eos, args, work)
+
+
 def external_engines(engines: list[str], target: Path, prompts: list[list[int]], texts: list[str], eos: list[int],
                      max_new_tokens: int, dtype: str, threads: int, work: Path) -> tuple[dict, dict]:
     """`drafthead bench --compare llama.cpp|vllm`: the same prompts through those engines, one at a
@@ -135,25 +166,16 @@ def external_engines(engines: list[str], target: Path, prompts: list[list[int]],
     {engine: why it was skipped})."""
     rows: dict[str, list[dict]] = {}
     skipped: dict[str, str] = {}
-    args = argparse.Namespace(dtype=dtype, threads=threads, max_new_tokens=max_new_tokens)
     if "llama.cpp" in engines:
-        sys.path.insert(0, str(INTEROP))
-        import check_llamacpp as llama
-
-        if not (llama.BIN / "llama-completion").exists():
-            skipped["llama.cpp"] = "not built (make interop, or scripts/interop/setup_llamacpp.sh)"
+        engine = llama_engine(target, dtype)
+        if isinstance(engine, str):
+            skipped["llama.cpp"] = engine
         else:
-            gguf = llama.target_gguf(target, {"bfloat16": "bf16", "float32": "f32"}[dtype])
             for text in texts:
-                rows.setdefault("llama.cpp plain", []).append(llama_plain(llama, gguf, text, max_new_tokens, threads))
-                rows.setdefault("llama.cpp n-gram (ngram-simple, n=3)", []).append(
-                    llama_ngram(llama, gguf, text, max_new_tokens, threads))
+                add_llama_rows(rows, engine, text, max_new_tokens, threads)
     if "vllm" in engines:
-        if VLLM_PY.exists():
-            work.mkdir(parents=True, exist_ok=True)
-            rows["vLLM CPU plain"] = run_vllm(target, prompts, eos, args, work)
-        else:
-            skipped["vllm"] = "not installed (make interop, or scripts/interop/setup_vllm.sh)"
+        args = argparse.Namespace(dtype=dtype, threads=threads, max_new_tokens=max_new_tokens)
+        add_vllm_rows(rows, skipped, target, prompts, eos, args, work)
     return rows, skipped
 
 
@@ -195,14 +217,9 @@ def main() -> int:
     skipped: dict[str, str] = {}
     llama = None
     if "llama.cpp" in engines:
-        sys.path.insert(0, str(INTEROP))
-        import check_llamacpp as llama
-
-        if not (llama.BIN / "llama-completion").exists():
-            skipped["llama.cpp"] = "not built (scripts/interop/setup_llamacpp.sh)"
-            llama = None
-        else:
-            gguf = llama.target_gguf(Path(loaded.path), {"bfloat16": "bf16", "float32": "f32"}[args.llama_dtype or args.dtype])
+        llama = llama_engine(Path(loaded.path), args.llama_dtype or args.dtype)
+        if isinstance(llama, str):
+            skipped["llama.cpp"], llama = llama, None
     config = GenerationConfig(max_new_tokens=n, eos_token_ids=tuple(eos))
     policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
     policy_config = GenerationConfig(max_new_tokens=n, eos_token_ids=tuple(eos),
@@ -234,13 +251,9 @@ def main() -> int:
                 rows.setdefault("ours, load policy", []).append(
                     {"tokens": res.new_tokens.shape[1], "seconds": s, "rounds": res.num_rounds})
         if llama is not None:
-            rows.setdefault("llama.cpp plain", []).append(llama_plain(llama, gguf, text, n, args.threads))
-            rows.setdefault("llama.cpp n-gram (ngram-simple, n=3)", []).append(llama_ngram(llama, gguf, text, n, args.threads))
+            add_llama_rows(rows, llama, text, n, args.threads)
     if "vllm" in engines:
-        if VLLM_PY.exists():
-            rows["vLLM CPU plain"] = run_vllm(Path(loaded.path), [ids[0].tolist() for ids in encoded], eos, args, out)
-        else:
-            skipped["vLLM"] = "not installed (scripts/interop/setup_vllm.sh)"
+        add_vllm_rows(rows, skipped, Path(loaded.path), [ids[0].tolist() for ids in encoded], eos, args, out)
     summary = {name: {"tokens": sum(r["tokens"] for r in rs), "seconds": sum(r["seconds"] for r in rs)} for name, rs in rows.items()}
     for name, s in summary.items():
         s["tokens_per_s"] = s["tokens"] / s["seconds"]

@@ -37,7 +37,8 @@ IDENTITY_VOCAB_KEYS = ("d2t", "t2d")  # EAGLE-3's draft-vocab maps, the identity
 
 # Which kinds each engine format can carry.
 EAGLE3_KINDS = ("eagle3", "eagle31", "peagle")  # one head module (heads/eagle3.py), flags and P-EAGLE's extras aside
-# The head kind each foreign layout is read into (the flags of an EAGLE-3.1 checkpoint ride on eagle3).
+# The head kind each foreign layout is read into (the flags of an EAGLE-3.1 checkpoint ride on
+# eagle3); the speculators layout says its own (`layout_kind`).
 LAYOUT_KINDS = {"speculators": "eagle3", "eagle3-research": "eagle3", "llama.cpp-gguf": "eagle3",
                 "eagle1": "eagle1", "medusa": "medusa1", "medusa-vllm": "medusa1"}
 _FORMAT_KINDS = {
@@ -156,6 +157,13 @@ def detect_layout(src_dir) -> str:
         return "eagle1"
     raise HeadFormatError(f"cannot tell which head layout {src} holds (architectures={cfg.get('architectures')}); "
                           "known: ours, speculators, EAGLE-3 research, EAGLE-1, Medusa")
+
+
+def layout_kind(src_dir, layout: str) -> str:
+    """The head kind a foreign folder in `layout` is read into (before reading its weights)."""
+    if layout == "speculators":
+        return speculators.kind_of(read_config(Path(src_dir)))
+    return LAYOUT_KINDS[layout]
 
 
 def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:

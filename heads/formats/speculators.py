@@ -25,8 +25,8 @@ from ..io import HeadFormatError
 from .eagle3 import check_engine_layers
 from .common import ForeignHead, layer_config, llama_layer_fields, refuse_unknown, rope_parameters_of
 
-MODEL_TYPE = "eagle3"
 MODEL_TYPES = {"eagle3": "eagle3", "eagle31": "eagle3", "peagle": "peagle"}  # our kind -> theirs
+# theirs -> its architecture; each of their types is read into our kind of the same name
 ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
 VERSION = "0.9.0"
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -37,6 +37,12 @@ _PREFIX_OURS, _PREFIX_THEIRS = "midlayer.", "layers.0."
 
 def is_layout(cfg: dict) -> bool:
     return "speculators_model_type" in cfg
+
+
+def kind_of(cfg: dict) -> str:
+    """Our head kind for a speculators config (read() refuses the types it does not know)."""
+    model_type = cfg.get("speculators_model_type")
+    return model_type if model_type in ARCHITECTURES else "eagle3"
 
 
 def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor | None,
@@ -137,5 +143,5 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
         proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
         overrides.update(mask_token_id=mask_id, parallel_depth=int(proposals[0].get("speculative_tokens", 1)))
         notes.append(f"P-EAGLE: mask token {mask_id}, {overrides['parallel_depth']} tokens per forward")
-    return ForeignHead("speculators", MODEL_TYPES[model_type], overrides, ours, copies, notes=notes, layer_fields=layer,
+    return ForeignHead("speculators", model_type, overrides, ours, copies, notes=notes, layer_fields=layer,
                        copy_rows_own=skipped_rows)

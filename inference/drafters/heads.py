@@ -59,6 +59,24 @@ def default_rank_accuracy(num_steps: int, ranks: int = 4) -> torch.Tensor:
     return top1[:, None] * rank[None, :]
 
 
+def static_tree_shape(choices: Sequence[Sequence[int]] | None, num_nodes: int, depth: int, what: str):
+    """A StaticTree of per-depth candidates at most `depth` deep: `choices` (tree_from_choices), or
+    else the `num_nodes` best under the default prior of per-depth accuracies. `what` names the
+    depth limit in the error (e.g. "the 4 Medusa heads")."""
+    if choices is None:
+        choices = best_static_tree(default_rank_accuracy(depth), num_nodes)
+    shape = tree_from_choices(choices)
+    if shape.depth > depth:
+        raise ValueError(f"tree depth {shape.depth} exceeds {what}")
+    return shape
+
+
+def draft_ids_of(head) -> torch.Tensor | None:
+    """[Vd] target id of each draft id, or None for a head over the target's whole vocabulary."""
+    d2t = head.draft_to_target
+    return None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
+
+
 class MedusaDrafter:
     """Medusa-1/2: head k on the last committed hidden state proposes the token k + 1 steps after
     the pending one; a static tree of per-step top-k candidates (Cai et al. 2024, sec. 2.1.2)."""
@@ -68,11 +86,7 @@ class MedusaDrafter:
 
     def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_nodes: int = 24):
         self.head = head
-        if choices is None:
-            choices = best_static_tree(default_rank_accuracy(head.num_heads), num_nodes)
-        self.shape = tree_from_choices(choices)
-        if self.shape.depth > head.num_heads:
-            raise ValueError(f"tree depth {self.shape.depth} exceeds the {head.num_heads} Medusa heads")
+        self.shape = static_tree_shape(choices, num_nodes, head.num_heads, f"the {head.num_heads} Medusa heads")
         self.last_hidden: torch.Tensor | None = None  # [B, H]
         self.pending: torch.Tensor | None = None
 
@@ -170,8 +184,7 @@ class EagleDrafter:
         # as decayed sums over rounds (kept across sequences), and the time drafting takes
         self.predicted_sum, self.accepted_sum, self.predicted = 1.0, 1.0, 0.0
         self.draft_seconds: float | None = None
-        d2t = head.draft_to_target
-        self.draft_ids = None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
+        self.draft_ids = draft_ids_of(head)
 
     def describe(self) -> dict:
         return {"kind": f"{self.head.kind} tree", "total_tokens": "auto" if self.auto else self.total_tokens,
@@ -224,6 +237,17 @@ class EagleDrafter:
     def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids if self.draft_ids is None else self.draft_ids[ids]
 
+    def _catch_up_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The committed pairs (f_t, x_{t+1}) the head cache lacks, t = fed .. L-2: fused features
+        [1, n, H], tokens [1, n] and position ids t [1, n]; from now on they count as fed."""
+        L = self.history.shape[1]
+        fused = self.head.fuse([torch.cat(layer, dim=1) for layer in zip(*self.unfed)])
+        self.unfed = []
+        tokens = self.history[:, self.fed + 1 : L]
+        positions = torch.arange(self.fed, L - 1, device=self.history.device)[None]
+        self.fed = L - 1
+        return fused, tokens, positions
+
     def propose(self) -> DraftTree:
         started = time.perf_counter()
         device = self.history.device
@@ -233,12 +257,7 @@ class EagleDrafter:
             self.predicted = 0.0
             return DraftTree(root, torch.tensor([-1], device=device))
         # 1. catch up: pairs (f_t, x_{t+1}) for t = fed .. L-2, at position ids t
-        fused = self.head.fuse([torch.cat(layer, dim=1) for layer in zip(*self.unfed)])
-        self.unfed = []
-        tokens = self.history[:, self.fed + 1 : L]
-        positions = torch.arange(self.fed, L - 1, device=device)[None]
-        hidden, logits = self.head.step(fused, tokens, positions, self.cache, None, last_only=True)
-        self.fed = L - 1
+        hidden, logits = self.head.step(*self._catch_up_pairs(), self.cache, None, last_only=True)
         # 2. grow the tree: candidates carry (token, parent, cumulative log-prob, hidden)
         logp = torch.log_softmax(logits[0, -1].float(), dim=-1)
         top = torch.topk(logp, self.top_k)
@@ -354,14 +373,10 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     if family == "eagle" and settings.get("total_tokens") == "auto":
         # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
         settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
-    if family == "peagle":
-        from .parallel import ParallelDrafter  # parallel.py builds on EagleDrafter, defined here
+    from .parallel import ParallelDrafter  # parallel.py builds on EagleDrafter, defined here
 
-        drafter = ParallelDrafter(head, **settings)
-    elif family == "hydra":
-        drafter = HydraDrafter(head, **settings)
-    else:
-        drafter = MedusaDrafter(head, **settings) if family == "medusa" else EagleDrafter(head, **settings)
+    drafters = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter, "peagle": ParallelDrafter}
+    drafter = drafters[family](head, **settings)
     if lookup_nodes > 0:
         lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes, streak_draft=lookup_streak)
         # the lookup drafter caps its own tree (lookup_nodes, or lookup_streak on a streak)

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from ..tree import DraftTree, chain_choices, tree_from_choices
-from .heads import EagleDrafter, best_static_tree, default_rank_accuracy
+from ..tree import DraftTree, chain_choices
+from .heads import EagleDrafter, draft_ids_of, static_tree_shape
 
 
 class ParallelDrafter(EagleDrafter):
@@ -26,16 +26,13 @@ class ParallelDrafter(EagleDrafter):
     def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_nodes: int | None = None):
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
-        if choices is None:
-            choices = (chain_choices(head.parallel_depth) if num_nodes is None
-                       else best_static_tree(default_rank_accuracy(head.parallel_depth), num_nodes))
-        self.shape = tree_from_choices(choices)
-        if self.shape.depth > head.parallel_depth:
-            raise ValueError(f"tree depth {self.shape.depth} exceeds the head's parallel_depth {head.parallel_depth}")
+        if choices is None and num_nodes is None:
+            choices = chain_choices(head.parallel_depth)
+        self.shape = static_tree_shape(choices, num_nodes, head.parallel_depth,
+                                       f"the head's parallel_depth {head.parallel_depth}")
         self.auto = False  # EagleDrafter.commit's auto-sizing bookkeeping is off
         self.node_limit: int | None = None
-        d2t = head.draft_to_target
-        self.draft_ids = None if d2t is None else torch.arange(d2t.shape[0], device=d2t.device) + d2t
+        self.draft_ids = draft_ids_of(head)
 
     def describe(self) -> dict:
         return {"kind": f"{self.head.kind} parallel", "nodes": int(self.shape.parents.shape[0]) - 1,
@@ -43,16 +40,11 @@ class ParallelDrafter(EagleDrafter):
 
     def propose(self) -> DraftTree:
         device = self.history.device
-        L = self.history.shape[1]
         root = self.history[:, -1:]
         if not self.unfed:  # a one-token prompt: nothing to read yet
             return DraftTree(root, torch.tensor([-1], device=device))
-        fused = self.head.fuse([torch.cat(layer, dim=1) for layer in zip(*self.unfed)])
-        self.unfed = []
-        tokens = self.history[:, self.fed + 1 : L]
-        positions = torch.arange(self.fed, L - 1, device=device)[None]
-        logits = self.head.parallel_draft(fused, tokens, positions, self.cache)  # [1, K, Vd]
-        self.fed = L - 1  # commit() crops the mask positions' K/V back to here
+        # commit() crops the mask positions' K/V back to the pairs fed here
+        logits = self.head.parallel_draft(*self._catch_up_pairs(), self.cache)  # [1, K, Vd]
         top = torch.topk(logits[0], self.shape.max_rank, dim=-1).indices  # [K, R]
         depth, rank = self.shape.head[1:].to(device), self.shape.rank[1:].to(device)
         drafts = self._to_target(top[depth, rank])[None]  # [1, N - 1]
