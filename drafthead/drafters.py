@@ -103,7 +103,7 @@ def make_drafter_factory(proposer: str, target, tokenizer, **kw) -> tuple[Callab
 
 # The drafter option that sets the number of draft nodes per round, by head kind.
 _HEAD_NODE_BUDGET = {"medusa1": "num_nodes", "medusa2": "num_nodes", "hydra": "num_nodes", "peagle": "num_nodes",
-                     "eagle1": "total_tokens", "eagle3": "total_tokens", "eagle31": "total_tokens"}
+                     "dflash": "num_nodes", "eagle1": "total_tokens", "eagle3": "total_tokens", "eagle31": "total_tokens"}
 
 
 def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_name: str | None = None, **options):

@@ -18,7 +18,7 @@ from typing import ClassVar
 
 from .identity import TargetIdentity
 
-KINDS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle")
+KINDS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle", "dflash")
 
 
 def _from_dict(cls, d: dict):
@@ -298,6 +298,83 @@ class PEagleConfig(Eagle3Config):
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary (0..{self.target.vocab_size - 1})")
 
 
+def default_dflash_layers(num_layers: int) -> tuple[int, ...]:
+    """DFlash's target features: EAGLE-3's (2, L//2, L-3), so one capture serves both, kept to
+    decoder-layer outputs 1..L-1 (the engines take the output of layer i - 1; index 0, the
+    embeddings, and L, the final normed state, have no such name) and deduplicated for tiny targets."""
+    return tuple(sorted({min(max(i, 1), num_layers - 1) for i in default_eagle3_layers(num_layers)}))
+
+
+@dataclass
+class DFlashConfig(_HeadConfig):
+    """DFlash (block diffusion drafting, arXiv 2602.06036): `num_layers` Qwen3-style decoder layers
+    whose queries are one block [pending token, mask x (block_size - 1)] and whose keys and values
+    are the fused target features of the committed text plus that block, non-causal inside it. One
+    forward drafts `block_size - 1` tokens through the target's own embedding and LM head
+    (heads/dflash.py). Training: `num_anchors` random blocks per sequence, soft CE against the
+    target's distribution at each block position, weighted exp(-(k - 1) / loss_decay_gamma) for
+    the k-th drafted token (None: uniform) (docs/formats.md "Parallel drafters").
+
+    `mask_token_id`: the target token whose (frozen) embedding fills the mask positions; the
+    engines read it from the checkpoint, so pick one the text never uses."""
+
+    KINDS: ClassVar[tuple[str, ...]] = ("dflash",)
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("num_anchors", "loss_decay_gamma")
+
+    kind: str = "dflash"
+    aux_layers: tuple[int, ...] | None = None  # output_hidden_states indices; None: default_dflash_layers(L)
+    num_layers: int = 1
+    block_size: int = 8
+    mask_token_id: int | None = None
+    num_anchors: int = 64  # blocks trained per sequence (the reference trainers: 512 on GPUs)
+    loss_decay_gamma: float | None = 4.0  # speculators' default; SpecForge's is None (uniform)
+    # the draft layers' own shape and RoPE (rope_type, rope_theta, ...); None: the target's. Set by
+    # imports of published drafts that chose their own (the hidden size is always the target's).
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float | None = None
+    rope_parameters: dict | None = None
+    target: TargetIdentity | None = None
+
+    def __post_init__(self) -> None:
+        self._check_kind()
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (the pending token and at least one mask), got {self.block_size}")
+        if self.num_layers < 1 or self.num_anchors < 1:
+            raise ValueError(f"num_layers and num_anchors must be >= 1, got {self.num_layers}, {self.num_anchors}")
+        if self.loss_decay_gamma is not None and not self.loss_decay_gamma > 0:
+            raise ValueError(f"loss_decay_gamma must be > 0 or None, got {self.loss_decay_gamma}")
+        if self.mask_token_id is None:
+            raise ValueError("DFlash needs mask_token_id: a target token id the text never uses (its embedding "
+                             "fills the mask positions)")
+        if self.target is not None:
+            L = self.target.num_layers
+            if L < 2:
+                raise ValueError("DFlash reads the outputs of decoder layers 1..L-1: the target needs >= 2 layers")
+            if self.aux_layers is None:
+                self.aux_layers = default_dflash_layers(L)
+            if not 0 <= self.mask_token_id < self.target.vocab_size:
+                raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary "
+                                 f"(0..{self.target.vocab_size - 1})")
+        if self.aux_layers is not None:
+            self.aux_layers = tuple(int(i) for i in self.aux_layers)
+            if len(self.aux_layers) == 0:
+                raise ValueError("aux_layers must not be empty")
+            if self.target is not None and any(not 1 <= i < self.target.num_layers for i in self.aux_layers):
+                raise ValueError(f"DFlash aux_layers {self.aux_layers} must be decoder-layer outputs 1.."
+                                 f"{self.target.num_layers - 1} (the engines name no other)")
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        if self.aux_layers is None:
+            return default_dflash_layers(self._need_target().num_layers)
+        return self.aux_layers
+
+    needs_last_hidden: ClassVar[bool] = False
+
+
 CONFIG_CLASSES: dict[str, type] = {
     "medusa1": MedusaConfig,
     "medusa2": MedusaConfig,
@@ -306,9 +383,10 @@ CONFIG_CLASSES: dict[str, type] = {
     "eagle3": Eagle3Config,
     "eagle31": Eagle31Config,
     "peagle": PEagleConfig,
+    "dflash": DFlashConfig,
 }
 
-HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config  # HydraConfig is a MedusaConfig; Eagle31Config and PEagleConfig are Eagle3Configs
+HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config | DFlashConfig  # HydraConfig is a MedusaConfig; Eagle31Config and PEagleConfig are Eagle3Configs
 
 
 def config_from_dict(d: dict) -> HeadConfig:

@@ -9,6 +9,7 @@ from torch import nn
 
 from .config import CONFIG_CLASSES, HeadConfig
 from .eagle import Eagle1Head
+from .dflash import DFlashHead
 from .eagle3 import Eagle3Head
 from .identity import HeadTargetMismatch, check_compatible, eos_token_ids, identify_target, identity_diff
 from .io import ADAPTER_DIR, DraftHeadBase, HeadFormatError, check_state_dict, read_head_dir
@@ -24,6 +25,7 @@ HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {
     "eagle3": Eagle3Head,
     "eagle31": Eagle3Head,  # the EAGLE-3 head with fc_norm and norm_output on (heads/config.py)
     "peagle": PEagleHead,
+    "dflash": DFlashHead,
 }
 
 

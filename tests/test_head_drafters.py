@@ -116,6 +116,22 @@ def assert_drafts_match_recomputation(target, drafter, slow, prompt, rounds: int
         assert fast == slow_chain
 
 
+def assert_greedy_equals_plain(target, drafter_of) -> None:
+    """Greedy decoding with `drafter_of(**options)` equals plain greedy: at batch 1 with the default
+    tree and a 7-node static tree, and at batch 3 (left-padded, a one-token prompt among them)."""
+    from tests.test_batch import left_padded, prompts_of
+
+    prompt = repetitive_prompt(96, seed=8)
+    for drafter in (drafter_of(), drafter_of(num_nodes=7)):
+        result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=30))
+        assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 30)
+    prompts = prompts_of((1, 6, 13), seed=2)
+    ids, mask = left_padded(prompts)
+    batched = speculative_generate(target, drafter_of(num_nodes=5), ids, GenerationConfig(max_new_tokens=20),
+                                   attention_mask=mask)
+    assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 20) for p in prompts]
+
+
 def test_best_static_tree_prefers_likely_paths():
     acc = torch.tensor([[0.9, 0.05], [0.8, 0.1], [0.5, 0.1]])
     choices = best_static_tree(acc, 4)

@@ -58,3 +58,32 @@ def test_upstream_checkpoint_imports_exactly(name, target, inputs):
     for key, ref in reference.items():
         torch.testing.assert_close(ours[key].float(), ref.float(), atol=2e-5, rtol=1e-5,
                                    msg=lambda m: f"{name} ({meta['package']} {meta['version']}) {key}: {m}")
+
+
+def test_dflash_checkpoint_drafts_and_decodes_as_its_producer(target):
+    """z-lab's `dflash` package saved this draft (scripts/interop/fixtures_dflash.py): imported,
+    it drafts the package's own logits for the same block, and our engine's greedy output with it
+    is the package's dflash_generate output, round for round."""
+    from drafthead.inference.drafters.parallel import DFlashDrafter
+    from drafthead.inference.generate import GenerationConfig, speculative_generate
+
+    folder = ROOT / "dflash"
+    assert detect_layout(folder) == "dflash"
+    head = import_head(folder, target)
+    assert (head.config.feature_layers, head.block_size, head.config.mask_token_id) == ((1, 2, 3), 4, 200)
+    ref = load_file(str(folder / "reference.safetensors"))
+    context = ref["context"]
+    with torch.no_grad():
+        hs = target(context, output_hidden_states=True).hidden_states
+        fused = head.fuse([hs[i] for i in head.feature_layers])
+        logits = head.draft_logits(ref["block"][:, 0], context.shape[1], head.context(fused, torch.arange(context.shape[1])[None]))
+    torch.testing.assert_close(logits, ref["logits"], atol=2e-5, rtol=1e-5)
+    prompt, want = ref["prompt"], ref["output_ids"][0, ref["prompt"].shape[1]:]
+    rounds = []
+    drafter = DFlashDrafter(head)
+    commit = drafter.commit
+    drafter.commit = lambda tokens, *a: (rounds.append(tokens.shape[1]), commit(tokens, *a))[1]
+    result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=len(want)))
+    assert result.new_tokens[0].tolist() == want.tolist()
+    # the package counts the tokens each verify produced; the first comes from its prefill
+    assert rounds[: len(ref["acceptance_lengths"]) - 1] == ref["acceptance_lengths"].tolist()[:-1]

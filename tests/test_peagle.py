@@ -10,13 +10,9 @@ from drafthead.heads.config import PEagleConfig
 from drafthead.heads.peagle import cod_columns, parallel_attention_mask
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.parallel import ParallelDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.sampling import SamplingConfig
-from tests.stats import chi_square_pvalue
-from tests.test_batch import left_padded, prompts_of
-from tests.test_head_drafters import assert_drafts_match_recomputation
-from tests.test_sampling_exactness import ALPHA, RUNS, VOCAB, exact_first_three, sampled_first_three
-from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
+from tests.test_head_drafters import assert_drafts_match_recomputation, assert_greedy_equals_plain
+from tests.test_sampling_exactness import assert_static_tree_sampling_exact
+from tests.tiny import FAMILIES, repetitive_prompt, tiny_causal_lm
 
 
 def peagle(target, depth=4, **extra):
@@ -124,32 +120,17 @@ def test_cached_drafting_equals_drafting_from_scratch_across_rounds():
 def test_greedy_with_parallel_drafting_equals_plain_greedy(family):
     target = tiny_causal_lm(family, layers=4)
     head = peagle(target, depth=3).eval()
-    prompt = repetitive_prompt(96, seed=8)
-    for drafter in (ParallelDrafter(head), ParallelDrafter(head, num_nodes=7)):
-        result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=30))
-        assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 30), family
-    prompts = prompts_of((1, 6, 13), seed=2)  # batch 3, a one-token prompt among them
-    ids, mask = left_padded(prompts)
-    batched = speculative_generate(target, ParallelDrafter(head, num_nodes=5), ids, GenerationConfig(max_new_tokens=20),
-                                   attention_mask=mask)
-    assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 20) for p in prompts]
+    assert_greedy_equals_plain(target, lambda **options: ParallelDrafter(head, **options))
 
 
 def test_parallel_tree_sampling_is_exact_at_depth_two():
-    """A static tree over the parallel depths (two candidates at depth 1, a child under each):
-    three new tokens, so a depth-2 path can be accepted whole; their joint law is the target's
+    """A static tree over the parallel depths: the joint law of three new tokens is the target's
     (ten rows a batch)."""
-    sampling = SamplingConfig(temperature=0.9)
-    target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.25)
-    head = build_head(make_config("peagle", target, None, name="tiny", aux_layers=(1, 2, 3), parallel_depth=3,
-                                  mask_token_id=2), target).eval()
-    prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    drafter = ParallelDrafter(head, choices=[(0,), (1,), (0, 0), (1, 0)])
-    counts, deep = sampled_first_three(target, drafter, prompt, sampling)
-    assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
-    assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
+    def drafter_of(target, choices):
+        config = make_config("peagle", target, None, name="tiny", aux_layers=(1, 2, 3), parallel_depth=3, mask_token_id=2)
+        return ParallelDrafter(build_head(config, target).eval(), choices=choices)
+
+    assert_static_tree_sampling_exact(drafter_of)
 
 
 def test_speculators_export_carries_the_mask_row_and_placeholder_and_reads_back(tmp_path):

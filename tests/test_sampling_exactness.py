@@ -82,6 +82,21 @@ def exact_first_three(target, prompt, sampling):
             for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)}
 
 
+def assert_static_tree_sampling_exact(drafter_of) -> None:
+    """A parallel drafter's static tree (two candidates at depth 1, a child under each) on a tiny
+    target with flattened logits: three new tokens, so a depth-2 path can be accepted whole, and
+    their joint law must be the target's. drafter_of(target, choices) -> the drafter."""
+    sampling = SamplingConfig(temperature=0.9)
+    target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.25)
+    prompt = torch.tensor([[3, 4, 5, 3, 4]])
+    drafter = drafter_of(target, [(0,), (1,), (0, 0), (1, 0)])
+    counts, deep = sampled_first_three(target, drafter, prompt, sampling)
+    assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
+    assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
+
+
 def sampled_first_three(target, drafter, prompt, sampling, copies: int = 10) -> tuple[Counter, int]:
     """RUNS samples of the first three new tokens after `prompt` [1, P], drawn `copies` rows at a
     time in one batch (each row its own drafter fork and draws): the joint counts and how many rows

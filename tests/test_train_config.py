@@ -18,7 +18,7 @@ from drafthead.train.config import (
     load_config,
 )
 
-SMOLLM2_PRESETS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle")
+SMOLLM2_PRESETS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle", "dflash")
 SECTIONS = {"data": DataConfig, "features": FeaturesConfig, "lora": LoraConfig}
 
 

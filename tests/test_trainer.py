@@ -187,7 +187,8 @@ def test_refuses_to_overwrite_checkpoints_without_resume(tmp_path):
                                         ("hydra", {"num_heads": 2}), ("eagle1", {}),
                                         ("eagle3", {"draft_vocab_size": 64, "ttt_steps": 2}),
                                         ("eagle31", {"draft_vocab_size": 64, "ttt_steps": 2}),
-                                        ("peagle", {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": 0})])
+                                        ("peagle", {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": 0}),
+                                        ("dflash", {"block_size": 4, "mask_token_id": 3, "num_anchors": 8})])
 def test_real_heads_train_on_a_tiny_target(tmp_path, kind, extra, isolated_cache):
     """build_trainer end to end (chat data -> online features -> head) for every head kind: the
     loss falls, the final head reloads through heads.registry with the trained weights."""

@@ -147,7 +147,7 @@ class TrainConfig:
         _choice("report_to", self.report_to, REPORT_TO)
         _choice("parallelism", self.parallelism, PARALLELISM)
         if not isinstance(self.head, dict) or "kind" not in self.head:
-            raise ConfigError("head must be a mapping with a 'kind' (medusa1, medusa2, hydra, eagle1, eagle3, eagle31, peagle)")
+            raise ConfigError("head must be a mapping with a 'kind' (medusa1, medusa2, hydra, eagle1, eagle3, eagle31, peagle, dflash)")
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")

@@ -9,6 +9,7 @@ Export formats (`export_head(head_dir, out_dir, fmt)`):
     llama.cpp    EAGLE-3 folder for llama.cpp's convert_hf_to_gguf.py (top-level aux ids)
     eagle        upstream EAGLE-1 (eagle-llm): pytorch_model.bin with embed_tokens and fc.bias
     medusa       upstream Medusa (medusa-llm): medusa_lm_head.pt
+    dflash       DFlash's DFlashDraftModel (vLLM method dflash, SGLang DFLASH, z-lab dflash)
 
 Import (`import_head(src, target, convention=...)`) reads all of them, plus llama.cpp's converted
 draft GGUF, the old vLLM Medusa layout and SpecForge's `to_hf` output. Where a layout does not say how it numbers aux layers or which
@@ -27,11 +28,11 @@ from ..config import config_from_dict
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
-from . import eagle1, eagle3, gguf_eagle3, medusa, speculators
+from . import dflash, eagle1, eagle3, gguf_eagle3, medusa, speculators
 from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
     read_weights
 
-EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa")
+EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa", "dflash")
 CONVENTIONS = ("vllm", "sglang", "eagle")
 IDENTITY_VOCAB_KEYS = ("d2t", "t2d")  # EAGLE-3's draft-vocab maps, the identity when Vd == V
 
@@ -40,7 +41,7 @@ EAGLE3_KINDS = ("eagle3", "eagle31", "peagle")  # one head module (heads/eagle3.
 # The head kind each foreign layout is read into (the flags of an EAGLE-3.1 checkpoint ride on
 # eagle3); the speculators layout says its own (`layout_kind`).
 LAYOUT_KINDS = {"speculators": "eagle3", "eagle3-research": "eagle3", "llama.cpp-gguf": "eagle3",
-                "eagle1": "eagle1", "medusa": "medusa1", "medusa-vllm": "medusa1"}
+                "eagle1": "eagle1", "medusa": "medusa1", "medusa-vllm": "medusa1", "dflash": "dflash"}
 _FORMAT_KINDS = {
     "vllm": ("eagle3", "eagle31", "eagle1"),  # vLLM takes P-EAGLE through the speculators layout only
     "speculators": EAGLE3_KINDS,
@@ -48,6 +49,7 @@ _FORMAT_KINDS = {
     "llama.cpp": ("eagle3",),
     "eagle": ("eagle1",),
     "medusa": ("medusa1",),
+    "dflash": ("dflash",),
 }
 
 
@@ -83,7 +85,9 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
     if config.kind == "medusa2":
         raise ValueError("a medusa2 head changes the target (LoRA adapter); no engine format carries the adapter")
     if config.kind not in kinds:
-        raise ValueError(f"--format {fmt} carries {' / '.join(kinds)} heads, not {config.kind}")
+        fits = [f for f, ks in _FORMAT_KINDS.items() if config.kind in ks]
+        raise ValueError(f"--format {fmt} carries {' / '.join(kinds)} heads, not {config.kind} "
+                         f"(a {config.kind} head exports as: {', '.join(fits) or 'ours only'})")
     if target_model is not None:
         diffs = identity_diff(config.target, identify_target(target_model))
         if diffs:
@@ -106,6 +110,8 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
                                                   verifier)
     elif config.kind in EAGLE3_KINDS:
         cfg, tensors = eagle3.to_engine(fmt, config, meta, state)
+    elif config.kind == "dflash":
+        cfg, tensors = dflash.to_engine(config, meta, state)
     elif config.kind == "eagle1":
         cfg, tensors = eagle1.to_engine(fmt, config, meta, state, target_tensor(lambda m: m.get_input_embeddings()))
     else:
@@ -136,7 +142,7 @@ def _atomic_torch_save(path: Path, tensors: dict) -> None:
 
 def detect_layout(src_dir) -> str:
     """Which layout a folder (or a llama.cpp .gguf file) holds: "ours", "speculators", "medusa",
-    "medusa-vllm", "eagle3-research", "eagle1" or "llama.cpp-gguf"."""
+    "medusa-vllm", "eagle3-research", "eagle1", "dflash" or "llama.cpp-gguf"."""
     src = Path(src_dir)
     if gguf_eagle3.is_layout(src):
         return "llama.cpp-gguf"
@@ -147,6 +153,8 @@ def detect_layout(src_dir) -> str:
         return "ours"
     if speculators.is_layout(cfg):
         return "speculators"
+    if dflash.is_layout(cfg):
+        return "dflash"
     if medusa.is_upstream(cfg) or any((src / n).is_file() for n in medusa.UPSTREAM_WEIGHTS):
         return "medusa"
     if medusa.is_vllm(cfg):
@@ -156,7 +164,7 @@ def detect_layout(src_dir) -> str:
     if eagle1.is_layout(cfg):
         return "eagle1"
     raise HeadFormatError(f"cannot tell which head layout {src} holds (architectures={cfg.get('architectures')}); "
-                          "known: ours, speculators, EAGLE-3 research, EAGLE-1, Medusa")
+                          "known: ours, speculators, EAGLE-3 research, EAGLE-1, Medusa, DFlash")
 
 
 def layout_kind(src_dir, layout: str) -> str:
@@ -184,6 +192,8 @@ def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:
         foreign = medusa.read_vllm(src, cfg, read_weights(src))
     elif layout == "speculators":
         foreign = speculators.read(src, cfg, read_weights(src))
+    elif layout == "dflash":
+        foreign = dflash.read(src, cfg, read_weights(src))
     elif layout == "eagle3-research":
         if ours is not None:  # our own export: the config below says how the ids are counted
             convention = convention or _our_export_convention(cfg, ours)

@@ -71,6 +71,13 @@ def static_tree_shape(choices: Sequence[Sequence[int]] | None, num_nodes: int, d
     return shape
 
 
+def static_tree_drafts(shape, logits: torch.Tensor) -> torch.Tensor:
+    """The draft tokens of a static tree's nodes 1..N-1, in node order: node n is candidate
+    `shape.rank[n]` of depth `shape.head[n]`. logits: [B, K, V] per depth -> [B, N - 1]."""
+    top = torch.topk(logits, shape.max_rank, dim=-1).indices  # [B, K, R]
+    return top[:, shape.head[1:].to(top.device), shape.rank[1:].to(top.device)]
+
+
 def draft_ids_of(head) -> torch.Tensor | None:
     """[Vd] target id of each draft id, or None for a head over the target's whole vocabulary."""
     d2t = head.draft_to_target
@@ -107,9 +114,7 @@ class MedusaDrafter:
         if self.last_hidden is None:  # a one-token prompt: nothing to read yet
             return DraftTree(root, torch.tensor([-1], device=root.device))
         logits = self.head.draft_logits(self.last_hidden)  # [K, B, V]
-        top = torch.topk(logits, self.shape.max_rank, dim=-1).indices  # [K, B, R]
-        head, rank = self.shape.head[1:].to(top.device), self.shape.rank[1:].to(top.device)
-        drafts = top[head, :, rank].T  # [B, N-1]
+        drafts = static_tree_drafts(self.shape, logits.transpose(0, 1))  # [B, N-1]
         return DraftTree(torch.cat([root, drafts], dim=1), self.shape.parents.to(root.device))
 
 
@@ -325,6 +330,7 @@ _DRAFTING_KEYS = {
     "hydra": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
     "eagle": {"total_tokens", "depth", "top_k", "lookup_nodes", "lookup_streak"},
     "peagle": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
+    "dflash": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
 }
 
 
@@ -364,7 +370,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
         head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
     pack_linears(head)  # draft steps multiply a few rows by every head weight (measured: inference/kernels.py)
-    family = {"medusa1": "medusa", "medusa2": "medusa", "hydra": "hydra", "peagle": "peagle"}.get(head.kind, "eagle")
+    family = {"medusa1": "medusa", "medusa2": "medusa", "hydra": "hydra", "peagle": "peagle", "dflash": "dflash"}.get(head.kind, "eagle")
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     check_drafting_keys(given, family, f"{head.kind} drafter options")
     settings = {**drafting_defaults(Path(path), family), **given}
@@ -373,9 +379,10 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     if family == "eagle" and settings.get("total_tokens") == "auto":
         # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
         settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
-    from .parallel import ParallelDrafter  # parallel.py builds on EagleDrafter, defined here
+    from .parallel import DFlashDrafter, ParallelDrafter  # parallel.py builds on EagleDrafter, defined here
 
-    drafters = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter, "peagle": ParallelDrafter}
+    drafters = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter, "peagle": ParallelDrafter,
+                "dflash": DFlashDrafter}
     drafter = drafters[family](head, **settings)
     if lookup_nodes > 0:
         lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes, streak_draft=lookup_streak)

@@ -1,11 +1,17 @@
-"""P-EAGLE drafting: one head forward proposes a token at each of `parallel_depth` depths.
+"""Parallel drafters: one head forward proposes a token at every depth of the draft.
 
-The head cache holds the committed pairs as EAGLE's does (EagleDrafter's lifecycle: catch up on
-the pairs verified last round, crop the draft positions afterwards). Each round one forward runs
-the catch-up pairs plus `parallel_depth - 1` mask positions (heads/peagle.py) and gives logits
-[K, Vd], one row per depth. Depth k's distribution is conditioned on the committed text only,
-never on the tokens drafted before it, so the tree is Medusa's: a static tree of per-depth top-r
-candidates (`choices`; the default is the chain of top-1 tokens, what vLLM drafts). Any tree of
+P-EAGLE (`ParallelDrafter`): the head cache holds the committed pairs as EAGLE's does
+(EagleDrafter's lifecycle: catch up on the pairs verified last round, crop the draft positions
+afterwards). Each round one forward runs the catch-up pairs plus `parallel_depth - 1` mask
+positions (heads/peagle.py) and gives logits [K, Vd], one row per depth.
+
+DFlash (`DFlashDrafter`): the drafter keeps every draft layer's keys/values of the committed
+positions' fused features; each round it adds the positions verified last round and runs one
+block [pending token, mask x (S - 1)] over them (heads/dflash.py): logits [S - 1, V].
+
+In both, depth k's distribution is conditioned on the committed text only, never on the tokens
+drafted before it, so the tree is Medusa's: a static tree of per-depth top-r candidates
+(`choices`; the default is the chain of top-1 tokens, what vLLM and SGLang draft). Any tree of
 them is verified exactly like every other, since the rule needs no draft probabilities.
 """
 from __future__ import annotations
@@ -14,11 +20,45 @@ from typing import Sequence
 
 import torch
 
+from ..drafter import TargetFeatures
 from ..tree import DraftTree, chain_choices
-from .heads import EagleDrafter, draft_ids_of, static_tree_shape
+from .heads import EagleDrafter, draft_ids_of, static_tree_drafts, static_tree_shape
 
 
-class ParallelDrafter(EagleDrafter):
+class StaticTreeMixin:
+    """Shared by the parallel drafters: the static tree of per-depth candidates, and the load
+    policy's node limit (`limit`)."""
+
+    def _init_tree(self, choices, num_nodes, depth: int, what: str) -> None:
+        if choices is None and num_nodes is None:
+            choices = chain_choices(depth)
+        self.shape = static_tree_shape(choices, num_nodes, depth, what)
+        self.node_limit: int | None = None
+
+    def limit(self, nodes: int | None) -> None:
+        """Draft at most `nodes` nodes next round (None: the whole static tree)."""
+        self.node_limit = nodes
+
+    def describe(self) -> dict:
+        return {"kind": f"{self.head.kind} parallel", "nodes": int(self.shape.parents.shape[0]) - 1,
+                "depth": self.shape.depth}
+
+    def _tree(self, root: torch.Tensor, logits: torch.Tensor) -> DraftTree:
+        """root [1, 1] and per-depth logits [1, K, V'] (V' draft ids, mapped by `_to_target`)."""
+        drafts = self._to_target(static_tree_drafts(self.shape, logits))  # [1, N - 1]
+        tree = DraftTree(torch.cat([root, drafts], dim=1), self.shape.parents.to(root.device))
+        if self.node_limit is not None and self.node_limit < tree.num_nodes - 1:
+            # nodes are ordered by depth, so the first ones are closed under their parents
+            tree = tree.subtree(torch.arange(self.node_limit + 1, device=root.device))
+        return tree
+
+
+def root_only(root: torch.Tensor) -> DraftTree:
+    """The tree of a round with nothing to draft from (a one-token prompt): the pending token."""
+    return DraftTree(root, torch.tensor([-1], device=root.device))
+
+
+class ParallelDrafter(StaticTreeMixin, EagleDrafter):
     """P-EAGLE's drafter (module docstring). choices: per-depth rank paths (tree_from_choices),
     at most `head.parallel_depth` deep; else num_nodes: the best static tree of that many nodes
     under a prior of per-depth accuracies (Medusa's search); neither: the top-1 chain."""
@@ -26,30 +66,66 @@ class ParallelDrafter(EagleDrafter):
     def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_nodes: int | None = None):
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
-        if choices is None and num_nodes is None:
-            choices = chain_choices(head.parallel_depth)
-        self.shape = static_tree_shape(choices, num_nodes, head.parallel_depth,
-                                       f"the head's parallel_depth {head.parallel_depth}")
+        self._init_tree(choices, num_nodes, head.parallel_depth, f"the head's parallel_depth {head.parallel_depth}")
         self.auto = False  # EagleDrafter.commit's auto-sizing bookkeeping is off
-        self.node_limit: int | None = None
         self.draft_ids = draft_ids_of(head)
 
-    def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} parallel", "nodes": int(self.shape.parents.shape[0]) - 1,
-                "depth": self.shape.depth}
-
     def propose(self) -> DraftTree:
-        device = self.history.device
         root = self.history[:, -1:]
         if not self.unfed:  # a one-token prompt: nothing to read yet
-            return DraftTree(root, torch.tensor([-1], device=device))
+            return root_only(root)
         # commit() crops the mask positions' K/V back to the pairs fed here
         logits = self.head.parallel_draft(*self._catch_up_pairs(), self.cache)  # [1, K, Vd]
-        top = torch.topk(logits[0], self.shape.max_rank, dim=-1).indices  # [K, R]
-        depth, rank = self.shape.head[1:].to(device), self.shape.rank[1:].to(device)
-        drafts = self._to_target(top[depth, rank])[None]  # [1, N - 1]
-        tree = DraftTree(torch.cat([root, drafts], dim=1), self.shape.parents.to(device))
-        if self.node_limit is not None and self.node_limit < tree.num_nodes - 1:
-            # nodes are ordered by depth, so the first ones are closed under their parents
-            tree = tree.subtree(torch.arange(self.node_limit + 1, device=device))
-        return tree
+        return self._tree(root, logits)
+
+
+class DFlashDrafter(StaticTreeMixin):
+    """DFlash's drafter (module docstring). choices / num_nodes as ParallelDrafter's, at most
+    `block_size - 1` deep."""
+
+    needs_last_hidden = False
+
+    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_nodes: int | None = None):
+        self.head = head
+        self.feature_layers = tuple(head.feature_layers)
+        depth = head.block_size - 1
+        self._init_tree(choices, num_nodes, depth, f"the {depth} tokens a block of {head.block_size} drafts")
+
+    @staticmethod
+    def _to_target(ids: torch.Tensor) -> torch.Tensor:
+        return ids  # the target's LM head: draft ids are target ids
+
+    def begin(self, tokens, features: TargetFeatures | None, pending) -> None:
+        self.history = torch.cat([tokens, pending[:, None]], dim=1)  # [1, L]: committed + pending
+        self.context = None  # per draft layer (keys, values) [1, kv_heads, fed, d] of committed positions
+        self.fed = 0
+        self.unfed: list[tuple[torch.Tensor, ...]] = []  # target features verified since the last propose
+        self._take(features)
+
+    def commit(self, tokens, features: TargetFeatures | None, pending, stats) -> None:
+        self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
+        self._take(features)
+
+    def _take(self, features: TargetFeatures | None) -> None:
+        if features is not None and features.hidden_states[0].shape[1] > 0:
+            self.unfed.append(tuple(features.hidden_states))
+
+    def _catch_up(self) -> None:
+        """Add the keys/values of the positions verified since the last round (fed .. fed + n - 1)."""
+        fused = self.head.fuse([torch.cat(layer, dim=1) for layer in zip(*self.unfed)])  # [1, n, H]
+        self.unfed = []
+        n = fused.shape[1]
+        new = self.head.context(fused, torch.arange(self.fed, self.fed + n, device=fused.device)[None])
+        if self.context is None:
+            self.context = new
+        else:
+            self.context = [(torch.cat([k, k2], dim=2), torch.cat([v, v2], dim=2)) for (k, v), (k2, v2) in zip(self.context, new)]
+        self.fed += n
+
+    def propose(self) -> DraftTree:
+        root = self.history[:, -1:]
+        if self.unfed:
+            self._catch_up()
+        if self.fed == 0:  # a one-token prompt: no context yet
+            return root_only(root)
+        return self._tree(root, self.head.draft_logits(root[:, 0], self.fed, self.context))  # logits [1, S - 1, V]

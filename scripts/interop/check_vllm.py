@@ -165,7 +165,8 @@ def detect_method(head: str, method: str) -> tuple[str, str]:
         kind = "vllm"
         if method == "auto":
             archs = " ".join(cfg.get("architectures") or [])
-            method = "eagle3" if "Eagle3" in archs else "eagle" if "Eagle" in archs else None
+            method = ("dflash" if "DFlash" in archs else "eagle3" if "Eagle3" in archs else "eagle" if "Eagle" in archs
+                      else None)
             if method is None:
                 raise SystemExit(f"--method auto: cannot tell EAGLE-1 from EAGLE-3 by architectures "
                                  f"{cfg.get('architectures')}; pass --method")

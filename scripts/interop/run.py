@@ -36,7 +36,7 @@ OUT = ROOT / "out" / "interop"
 SHIPPED = ROOT / "heads" / "pretrained" / "smollm2-135m"
 DRAFTHEAD = [sys.executable, "-m", "drafthead.cli"]
 
-CONSUMERS = ("speculators", "vllm", "sglang", "llamacpp", "eagle", "medusa")
+CONSUMERS = ("speculators", "vllm", "sglang", "llamacpp", "eagle", "medusa", "dflash")
 PYTHONS = {  # consumer -> its venv's python
     "vllm": VENVS / "vllm" / "bin" / "python",
     "speculators": VENVS / "speculators" / "bin" / "python",
@@ -45,6 +45,7 @@ PYTHONS = {  # consumer -> its venv's python
     "llamacpp": VENVS / "llamacpp" / "venv" / "bin" / "python",
     "eagle": VENVS / "eagle" / "bin" / "python",
     "medusa": VENVS / "medusa" / "bin" / "python",
+    "dflash": VENVS / "dflash" / "bin" / "python",
 }
 TOLERANCE = 1e-4  # max |logit difference| that counts as the same maths in float32
 
@@ -224,7 +225,10 @@ def check_vllm(args) -> list[Row]:
             # vLLM reads "peagle" as EAGLE-3 with parallel drafting (check_vllm passes the flag)
             ("untrained P-EAGLE head (parallel drafting)",
              smollm2_untrained("peagle", OUT / "smollm2-peagle", draft_vocab_size=49152, parallel_depth=3,
-                               mask_token_id=16), "speculators", "eagle3", 2, 32))
+                               mask_token_id=16), "speculators", "eagle3", 2, 32),
+            # DFlash: one block of k + 1 (the bonus token and k masks), drafted non-causally
+            ("untrained DFlash head", smollm2_untrained("dflash", OUT / "smollm2-dflash", block_size=k + 1,
+                                                        mask_token_id=16), "dflash", "dflash", 2, 32))
     for label, head, fmt, method, n_prompts, n_tokens in runs:
         exp = export(head, fmt, OUT / "exports" / f"vllm-{method}-{fmt}", "smollm2-135m")
         prefix = OUT / f"vllm_{method}_{fmt}"
@@ -396,6 +400,74 @@ def check_upstream(consumer: str, kind: str, fixture: str, convention: str | Non
     return rows
 
 
+def check_dflash(args) -> list[Row]:
+    """z-lab's `dflash` package loads our DFlash export (a trained head with --dflash-head, else an
+    untrained one) and generates with it on SmolLM2; its output and acceptance per verify are
+    compared with our engine's chain drafting of the same head on the same prompts."""
+    from drafthead.inference.drafters.parallel import DFlashDrafter
+    from drafthead.inference.generate import GenerationConfig, speculative_generate
+    from drafthead.inference.prompts import encode_chat, load_prompts
+
+    rows, t = [], smollm2()
+    head_dir = Path(args.dflash_head) if args.dflash_head else smollm2_untrained(
+        "dflash", OUT / "smollm2-dflash", block_size=4, mask_token_id=16)
+    what = f"{'DFlash head ' + head_dir.name if args.dflash_head else 'untrained DFlash head'}, --format dflash"
+    exp = export(head_dir, "dflash", OUT / "exports" / "dflash")
+    prompts = [encode_chat(t.tokenizer, p)[0].tolist() for p in load_prompts("mt-bench", args.prompts)]
+    (OUT / "dflash_prompts.json").write_text(json.dumps({"prompt_token_ids": prompts}))
+    try:
+        sh([PYTHONS["dflash"], SCRIPTS / "check_dflash.py", "--head", exp, "--target", smollm2_dir(),
+            "--prompts", OUT / "dflash_prompts.json", "--max-tokens", args.max_tokens, "--out", OUT / "dflash_export"],
+           OUT / "dflash_export.log", timeout=7200)
+        theirs = json.loads((OUT / "dflash_export.json").read_text())
+    except Exception as e:
+        return [Row("dflash (z-lab)", "export", what, False, note=str(e)[-300:])]
+    from drafthead.heads.registry import load_head
+
+    head, _ = load_head(head_dir, t.model, t.tokenizer)
+    same_tokens, same_rounds, ours_all, theirs_all = 0, 0, [], []
+    for ids, new, lengths in zip(prompts, theirs["new_tokens"], theirs["acceptance_lengths"]):
+        drafter, rounds = DFlashDrafter(head), []
+        commit = drafter.commit
+        drafter.commit = lambda tokens, *a, _c=commit, _r=rounds: (_r.append(tokens.shape[1]), _c(tokens, *a))[1]
+        result = speculative_generate(t.model, drafter, torch.tensor([ids]), GenerationConfig(max_new_tokens=len(new)))
+        same_tokens += result.new_tokens[0].tolist() == new
+        # the package drafts a shorter block when few tokens are left; compare the full-block rounds
+        same_rounds += rounds[: len(lengths) - 1] == lengths[:-1]
+        ours_all += rounds[: len(lengths) - 1]
+        theirs_all += lengths[:-1]
+    n = len(prompts)
+    mean = lambda xs: round(sum(xs) / max(len(xs), 1), 3)  # noqa: E731
+    rows.append(Row("dflash (z-lab)", "export", what, True,
+                    acceptance=f"dflash tau {mean(theirs_all)} / ours {mean(ours_all)} (block {theirs['block_size']})",
+                    note=f"same tokens on {same_tokens}/{n} prompts, same acceptance every round on {same_rounds}/{n}; "
+                         f"dflash {theirs['versions']['dflash']}"))
+    return rows + [dflash_fixture_import()]
+
+
+def dflash_fixture_import() -> Row:
+    """The package writes a draft (fixtures_dflash.py); we import it and draft the same block."""
+    from transformers import AutoModelForCausalLM
+
+    from drafthead.heads.formats import import_head
+
+    sh([PYTHONS["dflash"], SCRIPTS / "fixtures_dflash.py"], OUT / "fixtures_dflash.log")
+    meta = json.loads((FIX / "dflash" / "meta.json").read_text())
+    what = f"dflash fixture ({meta['package']} {meta['version']})"
+    target = AutoModelForCausalLM.from_pretrained(FIX / "target", dtype=torch.float32).eval()
+    try:
+        head = import_head(FIX / "dflash", target)
+    except Exception as e:  # the row says why
+        return Row("dflash (z-lab)", "import", what, False, note=str(e)[:200])
+    ref = load_file(str(FIX / "dflash" / "reference.safetensors"))
+    n = ref["context"].shape[1]
+    with torch.no_grad():
+        hs = target(ref["context"], output_hidden_states=True).hidden_states
+        context = head.context(head.fuse([hs[i] for i in head.feature_layers]), torch.arange(n)[None])
+        logits = head.draft_logits(ref["block"][:, 0], n, context)
+    return Row("dflash (z-lab)", "import", what, True, max_diff(logits, ref["logits"]))
+
+
 CHECKS = {
     "speculators": check_speculators,
     "vllm": check_vllm,
@@ -403,6 +475,7 @@ CHECKS = {
     "llamacpp": check_llamacpp,
     "eagle": lambda args: check_upstream("eagle", "eagle1", "eagle1", "eagle"),
     "medusa": lambda args: check_upstream("medusa", "medusa1", "medusa", None),
+    "dflash": check_dflash,
 }
 
 
@@ -425,6 +498,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8, help="MT-bench first turns for the generation checks")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--no-setup", action="store_true", help="use the venvs as they are")
+    p.add_argument("--dflash-head", help="a trained DFlash head folder (ours) for the dflash check")
     args = p.parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
