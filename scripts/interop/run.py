@@ -432,9 +432,12 @@ def check_dflash(args) -> list[Row]:
         drafter.commit = lambda tokens, *a, _c=commit, _r=rounds: (_r.append(tokens.shape[1]), _c(tokens, *a))[1]
         result = speculative_generate(t.model, drafter, torch.tensor([ids]), GenerationConfig(max_new_tokens=len(new)))
         same_tokens += result.new_tokens[0].tolist() == new
-        # the package drafts a shorter block when few tokens are left; compare the full-block rounds
-        same_rounds += rounds[: len(lengths) - 1] == lengths[:-1]
-        ours_all += rounds[: len(lengths) - 1]
+        # the package's first token comes from its prefill, our first round's from drafting on the
+        # prompt: when that round accepted nothing, our rounds 2.. are its verify steps 1..; its last
+        # block is cut to the tokens left, so that one is not compared
+        aligned = rounds[1 : len(lengths)] if rounds[0] == 1 else None
+        same_rounds += aligned == lengths[:-1]
+        ours_all += rounds[1 : len(lengths)]
         theirs_all += lengths[:-1]
     n = len(prompts)
     mean = lambda xs: round(sum(xs) / max(len(xs), 1), 3)  # noqa: E731
