@@ -37,6 +37,7 @@ KINDS = {
     "dflash": ("dflash", []),
     "medusa1": ("medusa1", []),
     "hydra": ("hydra", []),
+    "eagle1": ("eagle1", []),
 }
 LR = 1.0e-3
 
