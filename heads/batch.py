@@ -18,6 +18,19 @@ class FeatureBatch:
     # Target hidden states by `output_hidden_states` index (0 = embeddings, L = final normed): [B, T, H]
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
 
+    @property
+    def labels_ok(self) -> torch.Tensor:
+        """[B, T] bool: the positions whose token is a label (an assistant token, not padding)."""
+        return self.loss_mask.bool() & self.attention_mask.bool()
+
+    def require(self, layers, kind: str) -> None:
+        """Raise KeyError unless every `output_hidden_states` index in `layers` is in the batch
+        (a head's features plus L, the final state its soft targets come from)."""
+        missing = sorted(set(layers) - set(self.hidden_states))
+        if missing:
+            raise KeyError(f"{kind} needs hidden_states {sorted(set(layers))} (its features plus L for the soft "
+                           f"targets; config.train_hidden_layers); batch lacks {missing}")
+
     def to(self, device) -> "FeatureBatch":
         return FeatureBatch(
             self.input_ids.to(device),

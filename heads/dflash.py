@@ -46,10 +46,10 @@ def dflash_layer_config(target_model: nn.Module, config: DFlashConfig) -> Qwen3C
     """The Qwen3 config of the draft layers: the target's hidden size, and its MLP width, heads, norm
     epsilon and RoPE unless `config` states the draft's own."""
     cfg = text_config(target_model)
-    heads = config.num_attention_heads or cfg.num_attention_heads
 
     def own(name, default):
         return getattr(config, name) or default
+    heads = own("num_attention_heads", cfg.num_attention_heads)
     rope = dict(config.rope_parameters or getattr(cfg, "rope_parameters", None) or {})
     if "full_attention" in rope:  # per-layer-type RoPE (Gemma 3): the draft attends like a global layer
         rope = dict(rope["full_attention"])
@@ -245,8 +245,7 @@ class DFlashHead(DraftHeadBase):
         return self.refs.lm_logits(self.block_hidden(tokens, positions, context)[:, 1:])
 
     def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        label_ok = batch.loss_mask.bool() & batch.attention_mask.bool()
-        anchors, ok = sample_anchors(label_ok, self.config.num_anchors)
+        anchors, ok = sample_anchors(batch.labels_ok, self.config.num_anchors)
         return self.block_loss(batch, anchors, ok)
 
     def block_loss(self, batch: FeatureBatch, anchors: torch.Tensor, ok: torch.Tensor):
@@ -259,11 +258,7 @@ class DFlashHead(DraftHeadBase):
         ids = batch.input_ids
         B, T = ids.shape
         L = cfg.final_layer
-        need = sorted(set(cfg.feature_layers) | {L})
-        missing = [i for i in need if i not in batch.hidden_states]
-        if missing:
-            raise KeyError(f"dflash needs hidden_states {need} (its features plus L for the soft targets); "
-                           f"batch lacks {missing}")
+        batch.require(set(cfg.feature_layers) | {L}, "dflash")
         fused = self.fuse([batch.hidden_states[i] for i in cfg.feature_layers])  # [B, T, H]
         context = self.context(fused, torch.arange(T, device=ids.device)[None].expand(B, T))
         A = anchors.shape[1]
@@ -273,8 +268,7 @@ class DFlashHead(DraftHeadBase):
         mask = block_attention_mask(T, anchors, S, self.dtype)
         h = self.block_hidden(tokens, positions, context, mask).view(B, A, S, -1)
         label = anchors[:, :, None] + offsets[1:]  # [B, A, S - 1]: the token block position k + 1 drafts
-        label_ok = batch.loss_mask.bool() & batch.attention_mask.bool()
-        valid = ok[:, :, None] & (label < T) & label_ok.gather(1, label.clamp(max=T - 1).view(B, -1)).view_as(label)
+        valid = ok[:, :, None] & (label < T) & batch.labels_ok.gather(1, label.clamp(max=T - 1).view(B, -1)).view_as(label)
         b, a, k = valid.nonzero(as_tuple=True)
         logits = self.refs.lm_logits(h[b, a, k + 1]).float()  # [N, V]
         with torch.no_grad():  # the target's distribution for token label, from the state before it

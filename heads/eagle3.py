@@ -198,11 +198,7 @@ class Eagle3Head(DecoderHeadBase):
         """[B, T, Vd]: the target's distribution for the token after each position, restricted to
         the draft vocab and renormalised (softmax of the restricted logits): the soft targets."""
         cfg = self.config
-        need = set(cfg.feature_layers) | {cfg.final_layer}
-        missing = sorted(need - set(batch.hidden_states))
-        if missing:
-            raise KeyError(f"{cfg.kind} needs hidden_states {sorted(need)} (config.train_hidden_layers: the "
-                           f"features plus L for the soft targets); batch lacks {missing}")
+        batch.require(set(cfg.feature_layers) | {cfg.final_layer}, cfg.kind)
         with torch.no_grad():
             w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
             hL = batch.hidden_states[cfg.final_layer]

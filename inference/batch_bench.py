@@ -85,7 +85,8 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
 
     def ours(ids, mask, drafter, n, seed, policy):
-        config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, policy=policy)
+        config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, policy=policy,
+                                  **settings.engine)
         prompts_b = [row[m.bool()] for row, m in zip(ids, mask)]
         with torch.inference_mode():
             return generate_batch(target, drafter, prompts_b, config, tokenizer=tokenizer)
@@ -102,6 +103,8 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
     if settings.warmup_tokens > 0:
         ids, mask = left_pad(groups[0], pad)
         plain(ids, mask, settings.warmup_tokens, settings.seed)
+        if engine_plain:  # a compiled engine (--compile) builds its one-token graph here
+            ours(ids, mask, RootOnlyDrafter(), settings.warmup_tokens, settings.seed, None)
         for factory, policy in methods.values():  # a policy's cold start (its first probe) falls here,
             ours(ids, mask, factory(), settings.warmup_tokens, settings.seed, policy)  # as in a server already serving
 

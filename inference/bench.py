@@ -47,6 +47,7 @@ class BenchSettings:
     repetition_ngram: int = 4
     info: dict = field(default_factory=dict)  # recorded verbatim under report["settings"]
     policy: object = None  # a SpeculationPolicy (`--num-draft auto`), shared by every prompt's run
+    engine: dict = field(default_factory=dict)  # GenerationConfig's engine fields (static_cache, compile)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -283,7 +284,7 @@ def run_bench(
     def gen_config(n: int, seed: int | None) -> GenerationConfig:
         return GenerationConfig(
             max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, profile=settings.profile,
-            policy=settings.policy,
+            policy=settings.policy, **settings.engine,
         )
 
     sampled = not settings.sampling.greedy

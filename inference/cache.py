@@ -1,11 +1,16 @@
 """The target KV cache lifecycle around a verified tree (docs/style.md 6).
 
     new_cache()                        an empty transformers DynamicCache
+    new_cache(capacity=S)              or one of fixed slot count S (static, docs/trees.md "Static cache")
     (verification forward appends the N tree nodes after `past_len` committed positions)
     keep_path(cache, past_len, path)   keep the accepted nodes' K/V, drop the rest
 
 so after every round the cache again holds one linear sequence (per row: `keep_paths` for a
 batch whose rows have accepted different numbers of tokens).
+
+A dynamic layer's tensors are cut to the kept length; a static layer's never change shape (a
+compiled forward needs fixed addresses and shapes): its write position, transformers'
+`cumulative_length`, is set back to the kept length instead, and the slots after it are stale.
 """
 from __future__ import annotations
 
@@ -13,12 +18,37 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import Cache, StaticLayer
 
 
-def new_cache() -> DynamicCache:
-    # No config: every layer is a plain full-length DynamicLayer, so cropping and gathering act the
-    # same on all layers; sliding windows are applied through the attention mask instead.
-    return DynamicCache()
+def new_cache(num_layers: int | None = None, capacity: int | None = None) -> Cache:
+    """A dynamic cache, or with `capacity` a static one of `num_layers` layers holding `capacity`
+    slots per row (allocated at the first forward, in the K/V's own dtype and device)."""
+    # Every layer is a plain full-length layer, so cropping and gathering act the same on all
+    # layers; sliding windows are applied through the attention mask instead.
+    if capacity is None:
+        return DynamicCache()
+    if num_layers is None:
+        raise ValueError("a static cache needs the target's layer count")
+    return Cache(layers=[StaticLayer(max_cache_len=capacity) for _ in range(num_layers)])
+
+
+def cache_capacity(cache: Cache) -> int | None:
+    """Slots per row of a static cache (its attention masks span all of them); None for a dynamic one."""
+    layers = getattr(cache, "layers", None) or []
+    if layers and isinstance(layers[0], StaticLayer):
+        return layers[0].max_cache_len
+    return None
+
+
+def _cut(layer, end: int) -> None:
+    """Make slot `end` the layer's next write position: a static layer moves its counter (in place,
+    its address is static), a dynamic one drops the slots from `end` on."""
+    if isinstance(layer, StaticLayer):
+        layer.cumulative_length.fill_(end)
+    else:
+        layer.keys = layer.keys[:, :, :end]
+        layer.values = layer.values[:, :, :end]
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -33,18 +63,18 @@ def cache_kwargs(model, cache) -> dict:
 _CACHE_ARG: dict[type, str] = {}
 
 
-def cache_length(cache: DynamicCache) -> int:
-    return cache.get_seq_length()
+def cache_length(cache: Cache) -> int:
+    return int(cache.get_seq_length())
 
 
-def _layers(cache: DynamicCache):
+def _layers(cache: Cache):
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise NotImplementedError(f"unsupported cache type {type(cache).__name__}: expected a layered DynamicCache")
     return layers
 
 
-def keep_path(cache: DynamicCache, past_len: int, path: list[int] | torch.Tensor) -> None:
+def keep_path(cache: Cache, past_len: int, path: list[int] | torch.Tensor) -> None:
     """Keep positions [0, past_len) and the tree nodes `path` (indices into the N appended nodes,
     in order), dropping the other tree nodes, in every layer. In place.
 
@@ -61,11 +91,10 @@ def keep_path(cache: DynamicCache, past_len: int, path: list[int] | torch.Tensor
             index = torch.as_tensor(path, dtype=torch.long, device=layer.keys.device) + past_len
             layer.keys[:, :, past_len:end] = layer.keys[:, :, index]
             layer.values[:, :, past_len:end] = layer.values[:, :, index]
-        layer.keys = layer.keys[:, :, :end]
-        layer.values = layer.values[:, :, :end]
+        _cut(layer, end)
 
 
-def keep_paths(cache: DynamicCache, lengths: list[int], past_len: int, paths: list[list[int]]) -> int:
+def keep_paths(cache: Cache, lengths: list[int], past_len: int, paths: list[list[int]]) -> int:
     """Batched keep_path for rows of different lengths (docs/trees.md "Batches"). Row b holds its
     committed K/V in slots [0, lengths[b]) of the `past_len` cached ones, and the tree nodes were
     appended at slots past_len + i; its accepted `paths[b]` move to slots lengths[b] onwards.
@@ -93,26 +122,26 @@ def keep_paths(cache: DynamicCache, lengths: list[int], past_len: int, paths: li
         # gathered before any write, so a destination that overlaps a source is safe
         layer.keys.scatter_(2, dst_index, layer.keys.gather(2, src_index))
         layer.values.scatter_(2, dst_index, layer.values.gather(2, src_index))
-        layer.keys = layer.keys[:, :, :end]
-        layer.values = layer.values[:, :, :end]
+        _cut(layer, end)
     return end
 
 
-def select_rows(cache: DynamicCache, rows: list[int], length: int) -> None:
+def select_rows(cache: Cache, rows: list[int], length: int) -> None:
     """Keep batch rows `rows` (in that order) and slots [0, length). In place."""
     for layer in _layers(cache):
         if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0:
             index = torch.tensor(rows, device=layer.keys.device)
-            layer.keys = layer.keys[index, :, :length]
-            layer.values = layer.values[index, :, :length]
+            # a static layer gets new (narrower) tensors too: a compiled forward sees a new shape
+            layer.keys = layer.keys[index]
+            layer.values = layer.values[index]
+            _cut(layer, length)
 
 
-def crop(cache: DynamicCache, length: int) -> None:
+def crop(cache: Cache, length: int) -> None:
     """Drop every position at or after `length`."""
     for layer in _layers(cache):
         if getattr(layer, "is_initialized", True) and layer.keys is not None and layer.keys.numel() > 0:
-            layer.keys = layer.keys[:, :, :length]
-            layer.values = layer.values[:, :, :length]
+            _cut(layer, length)
 
 
 def _is_contiguous_run(path) -> bool:

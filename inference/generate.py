@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
-from .cache import cache_kwargs, keep_paths, new_cache, select_rows
+from .cache import cache_capacity, cache_kwargs, keep_paths, new_cache, select_rows
+from .compiled import StaticDecoding, static_capacity
 from .drafter import RoundStats, fork_drafter
 from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
@@ -54,6 +55,11 @@ class GenerationConfig:
     # the target's linears on the faster CPU kernel per row count while we decode
     # (inference/target_linears.py); generate() and training never see the swap
     engine_linears: bool = True
+    # a static KV cache (fixed slot count, K/V written in place), and with `compile` (a
+    # torch.compile backend: "inductor") the target's round forward compiled (inference/compiled.py);
+    # the first generation pays the compile
+    static_cache: bool = False
+    compile: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -246,9 +252,15 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
     track_seen = config.sampling.repetition_penalty != 1.0
     drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
 
+    static = None
+    if config.static_cache or config.compile:
+        static = StaticDecoding.of(target, config.compile)
     with torch.inference_mode(), engine_linears(target, config.engine_linears):
         start = time.perf_counter()
-        cache = new_cache()
+        if static is None:
+            cache = new_cache()
+        else:
+            cache = static.cache(len(prompts), static_capacity(longest, config.max_new_tokens))
         # prefill every prompt but its last token, right-padded: row b's K/V land in slots
         # [0, P_b - 1) and a causal mask never lets them see the padding after them
         slots = longest - 1
@@ -276,7 +288,7 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
         clock = _Clock(device, config.profile)
         try:
             num_forwards = _decode(target, config, list(rows), cache, slots, want_hidden, generator, rules, decode,
-                                   on_tokens, streamer, clock, max_len, device)
+                                   on_tokens, streamer, clock, max_len, device, static)
         finally:
             if config.policy is not None:  # the policy's node limit is for its own rounds only
                 for d in drafters:
@@ -302,7 +314,7 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
 
 
 def _decode(target, config, active, cache, slots, want_hidden, generator, rules, decode, on_tokens, streamer,
-            clock, max_len, device) -> int:
+            clock, max_len, device, static: StaticDecoding | None) -> int:
     """The rounds, until every row has finished; returns the number of verification forwards."""
     num_forwards = 0
     while active:
@@ -333,13 +345,19 @@ def _decode(target, config, active, cache, slots, want_hidden, generator, rules,
         if policy is not None and drafting:
             keep = policy.cut([tree for tree, _ in drafts])
             drafts = [(cut_tree(tree, keep), kept_nodes) for tree, kept_nodes in drafts]
+        if static is not None:
+            # a static cache has room for one tree of capacity - slots nodes (TREE_ROOM at the
+            # least): a bigger tree keeps its first nodes, as the policy's cut does
+            room = cache_capacity(cache) - slots
+            drafts = [(cut_tree(tree, room), kept_nodes) for tree, kept_nodes in drafts]
         draft_seconds = time.perf_counter() - round_start
         clock.lap("draft")
 
         trees = [tree for tree, _ in drafts]
         batch = pad_trees(trees)
         lengths = torch.tensor([row.length for row in active], device=device)
-        verification = forward_trees(target, cache, batch, lengths, slots, want_hidden)
+        verification = forward_trees(target, cache, batch, lengths, slots, want_hidden,
+                                     forward=None if static is None else static.forward)
         num_forwards += 1
         clock.lap("verify")
         verify_end = time.perf_counter()

@@ -21,6 +21,10 @@ training and saving see the unmodified model. The packed copies are kept on the 
 copy of every linear weight: ~540 MB for SmolLM2 in fp32) and rebuilt when a weight changes; a
 target whose copies would take over a quarter of physical memory is left unpacked.
 
+Compiled forwards (inference/compiled.py): dynamo cannot trace an opaque packed weight, so a
+dispatching layer appears in a compiled graph as one custom op (`drafthead::row_dispatch_linear`)
+that makes the same choice at run time, and inductor fuses the elementwise work around it.
+
 Exactness: a packed kernel sums in another order than MKL (fp32 results agree within ~1e-6
 relative), exactly as a tree forward over 17 rows already rounds differently from a one-row
 step. The guarantee stays the one docs/acceptance.md states: fp32 greedy output equals plain
@@ -29,8 +33,10 @@ greedy output token for token, which the tests assert with this path on.
 from __future__ import annotations
 
 import bisect
+import itertools
 import os
 import time
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -82,6 +88,21 @@ def calibrate(linear: nn.Linear, packed) -> tuple[bool, ...]:
     return _CALIBRATION[key]
 
 
+_LAYERS: "weakref.WeakValueDictionary[int, RowDispatchLinear]" = weakref.WeakValueDictionary()
+_NEXT_KEY = itertools.count()
+
+
+@torch.library.custom_op("drafthead::row_dispatch_linear", mutates_args=())
+def row_dispatch_linear(x: torch.Tensor, key: int) -> torch.Tensor:
+    """The dispatching layer registered under `key`, run eagerly: what a compiled graph calls."""
+    return _LAYERS[key].dispatch(x)
+
+
+@row_dispatch_linear.register_fake
+def _(x: torch.Tensor, key: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], _LAYERS[key].out_features))
+
+
 class RowDispatchLinear(nn.Module):
     """An nn.Linear's forward on F.linear or a packed weight, chosen by the row count."""
 
@@ -94,12 +115,19 @@ class RowDispatchLinear(nn.Module):
         object.__setattr__(self, "packed", packed)  # a kernels.PackedLinear on the same weight
         self.packed_wins = packed_wins
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.key = next(_NEXT_KEY)  # for the custom op a compiled graph calls
+        _LAYERS[self.key] = self
 
     def extra_repr(self) -> str:
         rows = [r for r, w in zip(ROW_BUCKETS, self.packed_wins) if w]
         return f"in_features={self.in_features}, out_features={self.out_features}, packed at rows {rows}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return row_dispatch_linear(x, self.key)
+        return self.dispatch(x)
+
+    def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if kernel_for_rows(rows, self.packed_wins) == "packed":
             return self.packed(x)  # falls back to F.linear itself under autograd or another dtype

@@ -110,8 +110,11 @@ def batch_tree_mask(
     past_len: int,
     dtype: torch.dtype,
     sliding_window: int | None = None,
+    kv_length: int | None = None,
 ) -> torch.Tensor:
     """Additive 4-D mask [B, 1, N, past_len + N]: 0 where a node may attend, dtype-min elsewhere.
+    With `kv_length` (a static cache's slot count) it is [B, 1, N, kv_length], the slots after the
+    tree masked.
 
     ancestors: [B, N, N] bool (`ancestor_mask` of each row's tree); depths: [B, N];
     prefix_lengths: [B], row b's committed tokens, held in cache slots [0, prefix_lengths[b]) of
@@ -129,8 +132,11 @@ def batch_tree_mask(
         q_pos = prefix_lengths[:, None] + depths  # [B, N]
         k_pos = torch.cat([slots[None, :].expand(batch, past_len), q_pos], dim=1)  # [B, past + N]
         allowed = allowed & (k_pos[:, None, :] > (q_pos[:, :, None] - sliding_window))
-    mask = torch.zeros(batch, n, past_len + n, dtype=dtype, device=device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    width = past_len + n if kv_length is None else kv_length
+    if width < past_len + n:
+        raise ValueError(f"kv_length {kv_length} cannot hold {past_len} cached slots and {n} tree nodes")
+    mask = torch.full((batch, n, width), torch.finfo(dtype).min, dtype=dtype, device=device)
+    mask[:, :, : past_len + n].masked_fill_(allowed, 0.0)
     return mask[:, None]
 
 

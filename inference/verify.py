@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import cache_kwargs
+from .cache import cache_capacity, cache_kwargs
 from .drafter import TargetFeatures
 from .tree import TreeBatch, ancestor_mask, batch_tree_mask, node_depths
 
@@ -53,15 +53,16 @@ def attention_masks(config, parents: torch.Tensor, past_len: int, dtype: torch.d
 
 
 def batch_attention_masks(config, ancestors: torch.Tensor, depths: torch.Tensor, prefix_lengths: torch.Tensor,
-                          past_len: int, dtype: torch.dtype):
-    """The tree mask in the form the target's family takes: one [B, 1, N, past+N] tensor, or a
-    {layer type: mask} dict where full and sliding-window layers are mixed (Gemma-3, Qwen2 with
-    `layer_types`). Masks are our own, so sliding windows are applied here, not by transformers."""
+                          past_len: int, dtype: torch.dtype, kv_length: int | None = None):
+    """The tree mask in the form the target's family takes: one [B, 1, N, past+N] tensor (or
+    [B, 1, N, kv_length] for a static cache), or a {layer type: mask} dict where full and
+    sliding-window layers are mixed (Gemma-3, Qwen2 with `layer_types`). Masks are our own, so
+    sliding windows are applied here, not by transformers."""
     window = _sliding_window(config)
     types = _layer_types(config)
 
     def mask(w):
-        return batch_tree_mask(ancestors, depths, prefix_lengths, past_len, dtype, sliding_window=w)
+        return batch_tree_mask(ancestors, depths, prefix_lengths, past_len, dtype, sliding_window=w, kv_length=kv_length)
 
     full = mask(None)
     if types is None:
@@ -97,13 +98,15 @@ def forward_tree(target, cache, tokens: torch.Tensor, parents: torch.Tensor, pas
 
 
 def forward_trees(target, cache, trees: TreeBatch, prefix_lengths: torch.Tensor, past_len: int,
-                  want_hidden: bool) -> Verification:
+                  want_hidden: bool, forward=None) -> Verification:
     """Run the target over each row's tree after its own `prefix_lengths[b]` committed tokens, all
     rows in one forward; the cache holds `past_len` slots per row (docs/trees.md "Batches").
-    A node sits at position prefix_lengths[b] + depth."""
+    A node sits at position prefix_lengths[b] + depth. `forward`: the callable that runs the
+    target (its compiled form, inference/compiled.py); None: the target itself."""
     dtype = next(target.parameters()).dtype
-    mask = batch_attention_masks(target.config, trees.ancestors, trees.depths, prefix_lengths, past_len, dtype)
-    out = target(
+    mask = batch_attention_masks(target.config, trees.ancestors, trees.depths, prefix_lengths, past_len, dtype,
+                                 kv_length=cache_capacity(cache))
+    out = (target if forward is None else forward)(
         input_ids=trees.tokens,
         attention_mask=mask,
         position_ids=prefix_lengths[:, None] + trees.depths,

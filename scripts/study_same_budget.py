@@ -38,6 +38,8 @@ KINDS = {
     "medusa1": ("medusa1", []),
     "hydra": ("hydra", []),
     "eagle1": ("eagle1", []),
+    # the target trains too (LoRA), so its features are computed online each step, not read from the capture
+    "medusa2": ("medusa2", ["features.mode=online"]),
 }
 LR = 1.0e-3
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.cache import cache_kwargs, keep_paths, new_cache
+from drafthead.inference.cache import cache_capacity, cache_kwargs, keep_paths, new_cache
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
 from drafthead.inference.drafters.merged import MergedDrafter
@@ -87,17 +87,20 @@ def test_rows_finish_independently_as_they_would_alone():
     assert batched.rows[1].new_tokens.shape[1] == free[1].index(eos) + 1  # stopped right after its EOS
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic-cache", "static-cache"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_ragged_cache_matches_recomputation(family):
+def test_ragged_cache_matches_recomputation(family, static):
     """Rows of different lengths verify different trees in one forward: every node's logits equal
     a plain forward over that row's tokens and the node's path; after keep_paths moves each row's
-    accepted path behind its own prefix, the next round's logits are right again."""
+    accepted path behind its own prefix, the next round's logits are right again. The same in a
+    static cache, whose masks span all its slots and whose tensors never change shape."""
     target = tiny_causal_lm(family, layers=2)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(3, 96, (n,), generator=g) for n in (3, 11, 7)]  # committed tokens per row
     shapes = [[-1, 0, 0, 1, 2, 3], [-1, 0, 1], [-1, 0, 1, 1, 0, 4, 5, 2]]
     paths = [[0, 1, 3], [0], [0, 4, 5, 6]]
-    cache = new_cache()
+    capacity = 48 if static else None
+    cache = new_cache(target.config.num_hidden_layers, capacity)
     slots = max(s.numel() for s in seqs)
     padded = torch.zeros(len(seqs), slots, dtype=torch.long)
     for b, s in enumerate(seqs):
@@ -119,7 +122,9 @@ def test_ragged_cache_matches_recomputation(family):
                     torch.testing.assert_close(out.logits[b, node], ref, atol=2e-5, rtol=1e-4, msg=f"{round_} {b} {node}")
             slots = keep_paths(cache, lengths.tolist(), slots, paths)
             seqs = [torch.cat([seq, tree.tokens[0, path]]) for seq, tree, path in zip(seqs, trees, paths)]
-            assert slots == max(s.numel() for s in seqs)
+            assert int(cache.get_seq_length()) == slots == max(s.numel() for s in seqs)
+            if static:
+                assert cache_capacity(cache) == cache.layers[0].keys.shape[2] == capacity  # never reshaped
 
 
 BATCH_RUNS = 625  # x 4 copies of each prompt in the batch: 2500 samples per prompt (fewer pool every cell)

@@ -79,12 +79,9 @@ def test_dflash_checkpoint_drafts_and_decodes_as_its_producer(target):
         logits = head.draft_logits(ref["block"][:, 0], context.shape[1], head.context(fused, torch.arange(context.shape[1])[None]))
     torch.testing.assert_close(logits, ref["logits"], atol=2e-5, rtol=1e-5)
     prompt, want = ref["prompt"], ref["output_ids"][0, ref["prompt"].shape[1]:]
-    rounds = []
-    drafter = DFlashDrafter(head)
-    commit = drafter.commit
-    drafter.commit = lambda tokens, *a: (rounds.append(tokens.shape[1]), commit(tokens, *a))[1]
-    result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=len(want)))
+    result = speculative_generate(target, DFlashDrafter(head), prompt, GenerationConfig(max_new_tokens=len(want)))
     assert result.new_tokens[0].tolist() == want.tolist()
+    rounds = result.accepted_lengths  # tokens each round emitted, the target's own included
     # the package counts the tokens each verify produced, its first token coming from its prefill:
     # our first round (drafted on the prompt, nothing accepted) made that token, our next rounds are
     # its verify steps (its last block is cut to the tokens left)

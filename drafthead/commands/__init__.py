@@ -85,6 +85,18 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
                    help="EAGLE heads: draft steps per round (default: drafting.json, else 5)")
     g.add_argument("--tree-branch", type=_positive_int, default=None, metavar="K",
                    help="EAGLE heads: children expanded per node and step (default: drafting.json, else 6)")
+    g = parser.add_argument_group("engine")
+    g.add_argument("--static-cache", action="store_true",
+                   help="a fixed-size KV cache for the target (no per-round reallocation)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile (inductor) the target's round forward, with a static cache (the first "
+                        "generation compiles: minutes on a small CPU; docs/trees.md \"Static cache\")")
+
+
+def engine_options(args) -> dict:
+    """GenerationConfig's engine fields from --static-cache / --compile."""
+    return {"static_cache": bool(getattr(args, "static_cache", False)),
+            "compile": "inductor" if getattr(args, "compile", False) else None}
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int = 256) -> None:

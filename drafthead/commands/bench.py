@@ -11,6 +11,7 @@ from . import (
     add_target_options,
     choose_proposer,
     drafter_factory_from_args,
+    engine_options,
     load_target_from_args,
     note,
     policy_from_args,
@@ -65,6 +66,7 @@ def run(args) -> int:
         profile=args.profile,
         warmup_tokens=args.warmup_tokens,
         progress=not args.no_progress,
+        engine=engine_options(args),
         info={
             "target": loaded.name,
             "target_path": str(loaded.path),
@@ -79,6 +81,7 @@ def run(args) -> int:
             "num_draft": args.num_draft,
             "dataset": args.dataset,
             "limit": args.limit,
+            **engine_options(args),
         },
     )
     example = factory()

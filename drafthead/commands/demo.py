@@ -8,6 +8,7 @@ from . import (
     add_target_options,
     choose_proposer,
     drafter_factory_from_args,
+    engine_options,
     load_target_from_args,
     note,
     policy_from_args,
@@ -49,6 +50,7 @@ def run(args) -> int:
         progress=False,
         info={"target": loaded.name, "proposer": proposer, "head": head},
         policy=policy_from_args(args, model, factory()),  # --num-draft auto
+        engine=engine_options(args),
     )
     report = run_bench(model, loaded.tokenizer, factory, [Prompt(DEMO_PROMPT, "coding", "demo")], settings)
     record = report["prompts"][0]

@@ -12,6 +12,7 @@ from . import (
     drafter_factory_from_args,
     load_target_from_args,
     note,
+    engine_options,
     policy_from_args,
     sampling_from_args,
     typical_from_args,
@@ -80,6 +81,7 @@ def run(args) -> int:
         seed=args.seed,
         typical=typical_from_args(args),
         policy=policy_from_args(args, model, drafter),
+        **engine_options(args),
     )
     if config.lossy:
         note("LOSSY: typical acceptance is on; the output is not distributed as the target's")

@@ -81,7 +81,7 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
                  "num_layers": int(cfg.get("num_hidden_layers", 1))}
     for name in OWN_FIELDS:  # the draft's own choices: our layer is built with them
         if cfg.get(name) is not None:
-            overrides[name] = type(cfg[name])(cfg[name])
+            overrides[name] = cfg[name]
     rope = rope_parameters_of(cfg)
     if rope is not None:
         overrides["rope_parameters"] = rope

@@ -155,7 +155,27 @@ class HydraDrafter(MedusaDrafter):
 # ---------------------------------------------------------------------------------------------
 
 
-class EagleDrafter:
+class FeatureBuffer:
+    """The target features of committed positions a head has not read yet: kept per round and
+    fused in one call at the next propose (rounds decoded plainly by the load policy only append).
+    Shared by the EAGLE-family and DFlash drafters; `self.head.fuse` does the fusing."""
+
+    def _start_buffer(self, features: TargetFeatures | None) -> None:
+        self.unfed: list[tuple[torch.Tensor, ...]] = []
+        self._take(features)
+
+    def _take(self, features: TargetFeatures | None) -> None:
+        if features is not None and features.hidden_states[0].shape[1] > 0:
+            self.unfed.append(tuple(features.hidden_states))
+
+    def _fuse_unfed(self) -> torch.Tensor:
+        """[1, n, H]: the head's fused input over the n positions taken since the last call."""
+        fused = self.head.fuse([torch.cat(layer, dim=1) for layer in zip(*self.unfed)])
+        self.unfed = []
+        return fused
+
+
+class EagleDrafter(FeatureBuffer):
     """EAGLE-1/EAGLE-3 drafting with EAGLE-2's dynamic tree (Li et al. 2024b, sec. 4).
 
     The head's cache holds the pairs (target feature at t, token t+1) of committed positions.
@@ -206,10 +226,7 @@ class EagleDrafter:
         self.cache = self.head.new_cache()
         self.history = torch.cat([tokens, pending[:, None]], dim=1)  # [B, L] committed + pending
         self.fed = 0  # pairs (t, t+1) in the head cache, t = 0..fed-1
-        # target features of committed positions not yet fed, per round: fused at the next propose,
-        # in one call (rounds decoded plainly by the load policy only append)
-        self.unfed: list[tuple[torch.Tensor, ...]] = []
-        self._take(features)
+        self._start_buffer(features)
 
     def commit(self, tokens, features: TargetFeatures | None, pending, stats: RoundStats) -> None:
         crop(self.cache, self.fed)  # drop the draft-tree nodes: only committed pairs stay
@@ -218,10 +235,6 @@ class EagleDrafter:
             self.accepted_sum = _DECAY * self.accepted_sum + stats.accepted_on_path
         self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
         self._take(features)
-
-    def _take(self, features: TargetFeatures | None) -> None:
-        if features is not None and features.hidden_states[0].shape[1] > 0:
-            self.unfed.append(tuple(features.hidden_states))
 
     # -- drafting ----------------------------------------------------------------------------
 
@@ -246,8 +259,7 @@ class EagleDrafter:
         """The committed pairs (f_t, x_{t+1}) the head cache lacks, t = fed .. L-2: fused features
         [1, n, H], tokens [1, n] and position ids t [1, n]; from now on they count as fed."""
         L = self.history.shape[1]
-        fused = self.head.fuse([torch.cat(layer, dim=1) for layer in zip(*self.unfed)])
-        self.unfed = []
+        fused = self._fuse_unfed()
         tokens = self.history[:, self.fed + 1 : L]
         positions = torch.arange(self.fed, L - 1, device=self.history.device)[None]
         self.fed = L - 1

@@ -22,7 +22,7 @@ import torch
 
 from ..drafter import TargetFeatures
 from ..tree import DraftTree, chain_choices
-from .heads import EagleDrafter, draft_ids_of, static_tree_drafts, static_tree_shape
+from .heads import EagleDrafter, FeatureBuffer, draft_ids_of, static_tree_drafts, static_tree_shape
 
 
 class StaticTreeMixin:
@@ -79,7 +79,7 @@ class ParallelDrafter(StaticTreeMixin, EagleDrafter):
         return self._tree(root, logits)
 
 
-class DFlashDrafter(StaticTreeMixin):
+class DFlashDrafter(StaticTreeMixin, FeatureBuffer):
     """DFlash's drafter (module docstring). choices / num_nodes as ParallelDrafter's, at most
     `block_size - 1` deep."""
 
@@ -99,21 +99,15 @@ class DFlashDrafter(StaticTreeMixin):
         self.history = torch.cat([tokens, pending[:, None]], dim=1)  # [1, L]: committed + pending
         self.context = None  # per draft layer (keys, values) [1, kv_heads, fed, d] of committed positions
         self.fed = 0
-        self.unfed: list[tuple[torch.Tensor, ...]] = []  # target features verified since the last propose
-        self._take(features)
+        self._start_buffer(features)
 
     def commit(self, tokens, features: TargetFeatures | None, pending, stats) -> None:
         self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
         self._take(features)
 
-    def _take(self, features: TargetFeatures | None) -> None:
-        if features is not None and features.hidden_states[0].shape[1] > 0:
-            self.unfed.append(tuple(features.hidden_states))
-
     def _catch_up(self) -> None:
         """Add the keys/values of the positions verified since the last round (fed .. fed + n - 1)."""
-        fused = self.head.fuse([torch.cat(layer, dim=1) for layer in zip(*self.unfed)])  # [1, n, H]
-        self.unfed = []
+        fused = self._fuse_unfed()  # [1, n, H]
         n = fused.shape[1]
         new = self.head.context(fused, torch.arange(self.fed, self.fed + n, device=fused.device)[None])
         if self.context is None:

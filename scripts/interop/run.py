@@ -427,10 +427,9 @@ def check_dflash(args) -> list[Row]:
     head, _ = load_head(head_dir, t.model, t.tokenizer)
     same_tokens, same_rounds, ours_all, theirs_all = 0, 0, [], []
     for ids, new, lengths in zip(prompts, theirs["new_tokens"], theirs["acceptance_lengths"]):
-        drafter, rounds = DFlashDrafter(head), []
-        commit = drafter.commit
-        drafter.commit = lambda tokens, *a, _c=commit, _r=rounds: (_r.append(tokens.shape[1]), _c(tokens, *a))[1]
-        result = speculative_generate(t.model, drafter, torch.tensor([ids]), GenerationConfig(max_new_tokens=len(new)))
+        result = speculative_generate(t.model, DFlashDrafter(head), torch.tensor([ids]),
+                                      GenerationConfig(max_new_tokens=len(new)))
+        rounds = result.accepted_lengths  # tokens each round emitted, the target's own included
         same_tokens += result.new_tokens[0].tolist() == new
         # the package's first token comes from its prefill, our first round's from drafting on the
         # prompt: when that round accepted nothing, our rounds 2.. are its verify steps 1..; its last

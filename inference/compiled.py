@@ -1,0 +1,63 @@
+"""Static-shape decoding: a static KV cache and, optionally, a compiled target forward
+(docs/trees.md "Static cache").
+
+    cache slots S     fixed for a whole generation: prompt + new tokens + TREE_ROOM, rounded up to
+                      CAPACITY_STEP, so that generations of similar length reuse one cache
+    round forward     tokens [B, N], mask [B, 1, N, S], position ids [B, N], K/V written in place
+
+The compiled forward is traced with dynamic shapes: one graph serves every node count N > 1 and
+every S, and dynamo adds one for N = 1 (plain rounds). Graphs specialised per node bucket were
+the other design; measured on the 2-core CPU, each bucket cost about 90 s of compilation and
+a generation met several, so the dynamic graph won (docs/cpu-measurements.md). Prefill runs
+eagerly (its length is the prompt's).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .cache import _layers, new_cache
+
+CAPACITY_STEP = 512
+TREE_ROOM = 128  # slots kept free after the longest committed text for one round's tree
+
+
+def static_capacity(longest_prompt: int, max_new_tokens: int) -> int:
+    """Cache slots per row for a generation: every committed token plus one round's tree."""
+    need = longest_prompt + max_new_tokens + TREE_ROOM
+    return -(-need // CAPACITY_STEP) * CAPACITY_STEP
+
+
+class StaticDecoding:
+    """The static caches and (with a torch.compile `backend`) the compiled forward of one target,
+    kept across generations: a compiled graph is reused, and so is a cache of the same shape
+    (rewound to slot 0) rather than allocated anew."""
+
+    _of: "weakref.WeakKeyDictionary[torch.nn.Module, dict[str | None, StaticDecoding]]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, target, backend: str | None):
+        self.num_layers = target.config.get_text_config().num_hidden_layers
+        self.compiled = backend is not None
+        self.forward = torch.compile(target, backend=backend, dynamic=True) if self.compiled else target
+        self._caches: dict[tuple[int, int], object] = {}
+
+    @classmethod
+    def of(cls, target, backend: str | None) -> "StaticDecoding":
+        per_target = cls._of.setdefault(target, {})
+        if backend not in per_target:
+            per_target[backend] = cls(target, backend)
+        return per_target[backend]
+
+    def cache(self, batch: int, capacity: int):
+        """An empty static cache of `batch` rows and `capacity` slots."""
+        cache = self._caches.get((batch, capacity))
+        layers = [] if cache is None else _layers(cache)
+        # rows that left a batch narrowed the cache's tensors (select_rows): then start afresh
+        if cache is None or any(layer.is_initialized and layer.keys.shape[0] != batch for layer in layers):
+            cache = self._caches[(batch, capacity)] = new_cache(self.num_layers, capacity)
+            return cache
+        for layer in layers:  # rewind; the stale slots are masked until overwritten
+            if layer.is_initialized:
+                layer.cumulative_length.fill_(0)
+        return cache
