@@ -7,9 +7,10 @@
 
 The compiled forward is traced with dynamic shapes: one graph serves every node count N > 1 and
 every S, and dynamo adds one for N = 1 (plain rounds). Graphs specialised per node bucket were
-the other design; measured on the 2-core CPU, each bucket cost about 90 s of compilation and
-a generation met several, so the dynamic graph won (docs/cpu-measurements.md). Prefill runs
-eagerly (its length is the prompt's).
+the first design: on the 2-core CPU each took a minute or more to compile, and a generation met
+several (docs/cpu-measurements.md "Our round forward by engine setting", which also shows that
+compiling does not speed this CPU's rounds up: they are bound by the weights' bytes). Prefill
+runs eagerly (its length is the prompt's).
 """
 from __future__ import annotations
 
