@@ -194,13 +194,16 @@ class Eagle3Config(_HeadConfig):
     training-time test (unroll `ttt_steps` steps on its own hidden states, loss sum decay**i CE_i)."""
 
     KINDS: ClassVar[tuple[str, ...]] = ("eagle3",)
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp")
 
     kind: str = "eagle3"
     aux_layers: tuple[int, ...] | None = None  # None: default_eagle3_layers(L), filled in when target is set
     draft_vocab_size: int = 8192  # capped at the target vocab when the target is known
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    # progressive TTT: over the first `ttt_ramp` share of training the unroll grows from 1 step
+    # to ttt_steps (ttt_depth), so early steps are cheaper; 0: every step unrolls ttt_steps
+    ttt_ramp: float = 0.0
     # True: the fused feature is normed (hidden_norm) *before* it becomes the residual; False (ours,
     # SpecForge's, vLLM's research layout): the residual is the un-normed feature (docs/formats.md)
     norm_before_residual: bool = False
@@ -222,6 +225,8 @@ class Eagle3Config(_HeadConfig):
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
         if not self.ttt_decay > 0:
             raise ValueError(f"ttt_decay must be > 0, got {self.ttt_decay}")
+        if not 0.0 <= self.ttt_ramp <= 1.0:
+            raise ValueError(f"ttt_ramp must be in [0, 1], got {self.ttt_ramp}")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if self.sliding_window is not None and self.sliding_window < 1:

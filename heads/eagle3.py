@@ -24,6 +24,8 @@ column t predicts token t + 2 + i, with loss sum_i ttt_decay**i * CE_i. Attentio
 t sees step-0 keys at columns <= t (the committed prefix) and its own earlier unroll keys (same
 column t, steps 1..i): exactly what a node at depth i of a draft chain sees at inference
 (`ttt_attention_mask`). Position id of step i at column t is t + i (the depth rule of `step`).
+Progressive TTT (`ttt_ramp`): in training mode the unroll is `ttt_depth` steps at the run's
+progress (`train_progress`, set by the trainer each step); evaluation always unrolls them all.
 """
 from __future__ import annotations
 
@@ -35,6 +37,14 @@ from .config import Eagle3Config
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
 from .eagle import DecoderHeadBase, cache_kwarg, decoder_layers
 from .io import shift_left, shifted_labels
+
+
+def ttt_depth(steps: int, ramp: float, progress: float) -> int:
+    """Unroll steps at training progress `progress` in [0, 1]: growing linearly from 1 to `steps`
+    over the first `ramp` share of the run (each depth an equal share of it), then `steps`."""
+    if ramp <= 0 or progress >= ramp:
+        return steps
+    return min(steps, 1 + int(progress / ramp * steps))
 
 
 def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -94,6 +104,7 @@ class Eagle3Head(DecoderHeadBase):
     def __init__(self, config: Eagle3Config, target_model: nn.Module) -> None:
         super().__init__()
         self.config = config
+        self.train_progress = 1.0  # share of the training run done (the trainer sets it; ttt_depth)
         self._init_decoder_common(target_model)
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         family = decoder_layers(target_model)[0]
@@ -216,7 +227,8 @@ class Eagle3Head(DecoderHeadBase):
         fused = self.fuse([batch.hidden_states[i] for i in cfg.feature_layers])  # [B, T, H]
         total = fused.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
-        for i, hidden in enumerate(self.ttt_unroll(fused, ids, cfg.ttt_steps)):
+        steps = ttt_depth(cfg.ttt_steps, cfg.ttt_ramp, self.train_progress) if self.training else cfg.ttt_steps
+        for i, hidden in enumerate(self.ttt_unroll(fused, ids, steps)):
             _, valid = shifted_labels(ids, batch.loss_mask, batch.attention_mask, 2 + i)
             b_idx, t_idx = valid.nonzero(as_tuple=True)
             logits = self.logits(hidden[b_idx, t_idx]).float()  # [N, Vd]

@@ -29,10 +29,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BIN = ROOT / ".venv" / "bin"
 
+RAMP = 0.5
 # kind -> (preset, head overrides): one learning rate for all, EAGLE's TTT shortened as the quick recipe does
 KINDS = {
-    "eagle3": ("eagle3", ["head.ttt_steps=3"]),
-    "eagle31": ("eagle31", ["head.ttt_steps=3"]),
+    # the fixed unroll, as the first study ran (the presets now ramp it: eagle3-ramp)
+    "eagle3": ("eagle3", ["head.ttt_steps=3", "head.ttt_ramp=0"]),
+    "eagle31": ("eagle31", ["head.ttt_steps=3", "head.ttt_ramp=0"]),
+    # progressive TTT (a training lever): the unroll grows 1 -> 3 over the first half of the run
+    "eagle3-ramp": ("eagle3", ["head.ttt_steps=3", f"head.ttt_ramp={RAMP}"]),
     "peagle": ("peagle", []),
     "dflash": ("dflash", []),
     "medusa1": ("medusa1", []),
@@ -71,14 +75,27 @@ def chain_drafting(kind: str, k: int) -> dict:
     return {"choices": [[0] * d for d in range(1, k + 1)]}
 
 
+def pilot_s_step(name: str, preset: str, head: list[str], args) -> float:
+    """Seconds per optimizer step of `preset` with `head` overrides, from 4 steps on this machine."""
+    work = Path(args.work)
+    pilot = work / f"{name}-pilot"
+    common = ["--config", preset, *train_overrides(work, pilot, args.threads), *head]
+    run([BIN / "drafthead", "train", *common, "max_steps=4", "log_every=2", "eval_every=1000", "checkpoint_every=1000",
+         "warmup_steps=1"], work / f"{name}-pilot.log")
+    return [r["s_step"] for r in metrics(pilot) if r.get("split") == "train"][-1]  # the second window: warm
+
+
 def study_kind(kind: str, args) -> dict:
     preset, head = KINDS[kind]
     work = Path(args.work)
-    pilot = work / f"{kind}-pilot"
-    common = ["--config", preset, *train_overrides(work, pilot, args.threads), *head]
-    run([BIN / "drafthead", "train", *common, "max_steps=4", "log_every=2", "eval_every=1000", "checkpoint_every=1000",
-         "warmup_steps=1"], work / f"{kind}-pilot.log")
-    s_step = [r["s_step"] for r in metrics(pilot) if r.get("split") == "train"][-1]  # the second window: warm
+    fixed = [h for h in head if not h.startswith("head.ttt_ramp")]
+    s_step = pilot_s_step(kind, preset, fixed, args)  # the whole unroll
+    if len(fixed) < len(head):
+        # progressive TTT: depth d (1..3) takes RAMP / 3 of the steps, the whole unroll the rest; a
+        # depth-1 pilot and linear interpolation price the ramp, so the budget buys its extra steps
+        s_one = pilot_s_step(f"{kind}-depth1", preset, [h for h in fixed if not h.startswith("head.ttt_steps")]
+                             + ["head.ttt_steps=1"], args)
+        s_step = RAMP / 3 * (s_one + (s_one + s_step) / 2 + s_step) + (1 - RAMP) * s_step
     steps = max(4, int(args.minutes * 60 / s_step))
     out = work / kind
     every = max(1, steps // 4)

@@ -62,7 +62,8 @@ train_phase() {  # train_phase NAME OUT_DIR STEPS LR WARMUP EVALS [override ...]
 train_phase train "$WORK/train" "$STEPS" 1.0e-3 "$WARMUP" 8
 FINAL="$WORK/train/final"
 if (( CONTINUE_STEPS > 0 )); then
-    train_phase continue "$WORK/continue" "$CONTINUE_STEPS" 5.0e-4 10 6 "init_from=$FINAL"
+    # the continued head already unrolls every depth: no progressive ramp again
+    train_phase continue "$WORK/continue" "$CONTINUE_STEPS" 5.0e-4 10 6 "init_from=$FINAL" head.ttt_ramp=0
     FINAL="$WORK/continue/final"
 fi
 

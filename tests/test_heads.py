@@ -18,7 +18,7 @@ from drafthead.heads import (
     make_config,
 )
 from drafthead.heads.config import default_eagle3_layers
-from drafthead.heads.eagle3 import ttt_attention_mask
+from drafthead.heads.eagle3 import ttt_attention_mask, ttt_depth
 from drafthead.heads.io import shifted_labels
 from drafthead.inference.tree import tree_attention_mask, tree_position_ids
 from tests.tiny import tiny_causal_lm
@@ -298,6 +298,28 @@ def test_eagle3_loss_matches_slow_loop(kind):
 
 
 # ----------------------------------------------------------------------------- learning
+
+
+def test_progressive_ttt_grows_the_unroll_over_the_ramp():
+    """ttt_depth: 1 step at the start, one more per equal share of the ramp, all of them after it;
+    a head in training mode unrolls that many steps at its train_progress, in eval mode all."""
+    assert [ttt_depth(3, 0.5, p) for p in (0.0, 0.16, 0.17, 0.33, 0.34, 0.5, 0.9)] == [1, 1, 2, 2, 3, 3, 3]
+    assert ttt_depth(7, 0.0, 0.0) == 7  # no ramp: the whole unroll from the first step
+    with pytest.raises(ValueError, match="ttt_ramp"):
+        make_config("eagle3", make_target(), None, ttt_ramp=1.5)
+    target = make_target()
+    batch = make_batch(target)
+    head = new_head("eagle3", target, batch, ttt_ramp=0.5).train()
+    head.train_progress = 0.0
+    early = head.compute_loss(batch)[1]
+    assert "loss_0" in early and "loss_1" not in early
+    head.train_progress = 1.0
+    full = head.compute_loss(batch)[1]
+    assert early["loss_0"] == pytest.approx(full["loss_0"]) and "loss_2" in full  # the same first term, more after it
+    head.train_progress = 0.4
+    assert "loss_2" in head.compute_loss(batch)[1]
+    head.train_progress = 0.0
+    assert "loss_2" in head.eval().compute_loss(batch)[1]  # evaluation measures every depth
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -385,6 +385,8 @@ class Trainer:
         model.train()
         try:
             while state.step < total and (stop_after_steps is None or steps_this_call < stop_after_steps):
+                if hasattr(self.head, "train_progress"):  # progressive TTT (heads/eagle3.py ttt_depth)
+                    self.head.train_progress = state.step / total
                 for m in range(cfg.grad_accum):
                     epoch, index = divmod(state.micro_step, bpe)
                     with clock("data"):  # a stream reads and tokenizes here
