@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from .cache import _layers, new_cache
+from .cache import _layers, crop, new_cache
 
 CAPACITY_STEP = 512
 TREE_ROOM = 128  # slots kept free after the longest committed text for one round's tree
@@ -58,7 +58,5 @@ class StaticDecoding:
         if cache is None or any(layer.is_initialized and layer.keys.shape[0] != batch for layer in layers):
             cache = self._caches[(batch, capacity)] = new_cache(self.num_layers, capacity)
             return cache
-        for layer in layers:  # rewind; the stale slots are masked until overwritten
-            if layer.is_initialized:
-                layer.cumulative_length.fill_(0)
+        crop(cache, 0)  # rewind; the stale slots are masked until overwritten
         return cache

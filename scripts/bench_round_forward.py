@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from drafthead import load_target
-from drafthead.inference.cache import crop, new_cache
+from drafthead.inference.cache import cache_kwargs, crop, new_cache
 from drafthead.inference.compiled import StaticDecoding
 from drafthead.inference.target_linears import engine_linears
 from drafthead.inference.tree import DraftTree, chain_parents, pad_trees
@@ -66,9 +66,11 @@ def main(argv=None) -> int:
     for name in names:
         static, backend, linears = SETTINGS[name]
         decoding = StaticDecoding.of(model, backend) if static else None
+        # the two compiled settings share one cache (StaticDecoding keeps one per shape): harmless,
+        # both hold the same context and every round cuts the cache back to it
         cache = decoding.cache(1, args.context + 512) if static else new_cache()
         with torch.inference_mode(), engine_linears(model, linears):
-            model(input_ids=context, past_key_values=cache, use_cache=True)
+            model(input_ids=context, **cache_kwargs(model, cache), use_cache=True)
         states[name] = (cache, None if decoding is None else decoding.forward, linears)
 
     def one_round(name: str, n: int) -> float:
