@@ -116,11 +116,17 @@ def load_target(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     threads: int | None = None,
+    round_weights: str | None = None,
 ) -> LoadedTarget:
     """Load a frozen target: a built-in name (see BUILTIN_TARGETS), a local HF folder or a .gguf file.
 
-    Raises TargetError (unknown name, missing package, not a model) or FileNotFoundError.
+    round_weights="bfloat16": every weight is rounded once to the nearest bf16 value and kept in
+    `dtype` (`round_to_bfloat16`): the target becomes the model a bf16 checkpoint or a bf16 GGUF
+    holds, computed in `dtype`. Raises TargetError (unknown name, missing package, not a model,
+    an unknown rounding) or FileNotFoundError.
     """
+    if round_weights not in (None, "bfloat16"):
+        raise TargetError(f"round_weights must be 'bfloat16' or None, got {round_weights!r}")
     torch_dtype = resolve_dtype(dtype, device)
     if threads is not None:
         if threads < 1:
@@ -151,7 +157,22 @@ def load_target(
             )
     model, tokenizer = _load_folder(folder, torch_dtype)
     model.to(device)
+    if round_weights == "bfloat16":
+        round_to_bfloat16(model)
     return LoadedTarget(model=model, tokenizer=tokenizer, name=name, path=folder)
+
+
+@torch.no_grad()
+def round_to_bfloat16(model: torch.nn.Module) -> torch.nn.Module:
+    """Round every floating parameter to its nearest bf16 value, in place, keeping its
+    dtype. A bf16 checkpoint loaded in fp32 is such a model already. Its fp32 forward is then
+    exactly the bf16 weights' math in fp32, and our engine's panel kernel reads each weight as
+    bf16, half the bytes (inference/panel_kernel.py, docs/cpu-measurements.md "Panel linears").
+    Buffers (rotary inverse frequencies) are left as computed."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            param.copy_(param.to(torch.bfloat16).to(param.dtype))
+    return model
 
 
 def has_native_bf16(device: str | torch.device | None = None) -> bool:

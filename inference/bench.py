@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import panel_kernel
 from .cost import sync_device
 from .generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
 from .prompts import Prompt, encode_chat
@@ -477,6 +478,8 @@ def _settings_record(target, settings: BenchSettings, num_prompts: int) -> dict:
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
+        # our CPU kernel for the target's linears (inference/panel_kernel.py), or why it is off
+        "panel_kernel": "available" if panel_kernel.available() else panel_kernel.why_unavailable(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if param.device.type == "cuda":

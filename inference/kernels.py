@@ -1,17 +1,17 @@
-"""Faster CPU matmuls for a drafter's own weights: oneDNN linears on prepacked weights.
+"""oneDNN linears on prepacked weights: one of the kernels our engine picks from per row count.
 
 A draft step multiplies a handful of rows (1 to 8 frontier nodes) by every weight of the head,
-and `F.linear` in that regime is slow on CPU: it repacks the weight on every call. oneDNN can
-pack it once. Measured on the 2-core dev machine (AVX512-BF16), rows x in -> out:
+and a verify forward a few dozen rows by every weight of the target. `F.linear` in that regime
+can be slow on CPU: it repacks the weight on every call, where oneDNN can pack it once. Measured
+on the 2-core dev machine (AVX512-BF16), rows x in -> out:
 
     4 x 576 -> 8192   bfloat16  F.linear 406 us   packed 123 us   (output bit-identical)
     4 x 576 -> 1536   bfloat16  F.linear 102 us   packed  41 us   (output bit-identical)
     4 x 576 -> 8192   float32   F.linear 1996 us  packed 248 us   (output within 1e-5)
 
-This module packs drafter weights. The target's linears are packed only inside our engine's
-calls, and only at the row counts where the packed kernel measures faster on this CPU
-(inference/target_linears.py): on the AVX512-BF16 machine above they gained ~3 ms of a ~49 ms bf16
-step, but on a CPU without bf16 instructions fp32 F.linear is 2-3x slower than packed at 4-32 rows.
+On other CPUs the order changes (docs/cpu-measurements.md), so inference/target_linears.py
+measures this kernel against F.linear and our panel kernel (inference/panel_kernel.py) and keeps
+the fastest per row count, for the target inside our engine's calls and for drafter heads.
 Packing is inference-only (a packed layer falls back to `F.linear` whenever autograd records),
 CPU-only, and checked on a probe input at pack time: a build or dtype where the packed kernel is
 missing or disagrees keeps the plain layer.
@@ -77,17 +77,3 @@ def pack_linear(linear: nn.Linear, rows_hint: int = 4) -> PackedLinear | None:
     if not torch.allclose(got.float(), want.float(), rtol=tol, atol=tol):
         return None
     return layer
-
-
-def pack_linears(module: nn.Module, rows_hint: int = 4) -> int:
-    """Replace every nn.Linear under `module` by its PackedLinear where one can be made; returns
-    how many were replaced. Call after the module has its final device and dtype."""
-    replaced = 0
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                packed = pack_linear(child, rows_hint)
-                if packed is not None:
-                    setattr(parent, name, packed)
-                    replaced += 1
-    return replaced

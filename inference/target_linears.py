@@ -1,34 +1,42 @@
 """The target's linears on the faster CPU kernel per row count, inside our engine only.
 
-On a CPU without bf16 instructions, fp32 `F.linear` (MKL) is slow in the regime a verify forward
-lives in: a few to a few dozen rows. Measured on the 2-core dev machine (docs/cpu-measurements.md
-"Linears by row count"), SmolLM2-135M shapes, fp32, F.linear vs a oneDNN-packed weight:
+A decode or verify forward multiplies a few rows (1 to a few dozen) by every weight of the
+target, and which CPU kernel does that fastest depends on the shape, the row count, the dtype and
+the CPU. Three compete:
 
-    rows   576 -> 1536 (up)   576 -> 576 (q)   576 -> 49152 (lm_head)
-       1   0.11 / 0.19 ms     0.03 / 0.10      5.0 / 5.5
-       4   0.17 / 0.21        0.25 / 0.09      10.1 / 5.6
-      16   0.70 / 0.23        0.24 / 0.09      23.2 / 8.4
-      64   0.66 / 0.62        0.18 / 0.29      26.0 / 18.4
+    plain    F.linear (MKL for fp32)
+    packed   a oneDNN-packed copy of the weight (inference/kernels.py)
+    panel    our own kernel over column panels of the weight (inference/panel_kernel.py), which
+             reads a weight whose values are all bf16 as bf16: half the bytes of fp32
 
-Which kernel wins depends on the shape, the row count, the dtype and the CPU, so it is measured:
-once per (in, out, dtype, threads) and process, at ROW_BUCKETS rows, the faster kernel is kept
-for each bucket (`calibrate`). A forward with M rows uses the choice of the smallest bucket
->= M (`kernel_for_rows`, a pure function).
+Measured on the 2-core dev machines (docs/cpu-measurements.md "Linears by row count" and "Panel
+linears"), SmolLM2-135M shapes, fp32 weights streaming from memory, microseconds:
+
+    rows   576 -> 1536: plain / packed / panel (fp32 panels) / panel (bf16 panels)   [AMD EPYC, AVX2]
+       1   466 / 318 / ... / 165
+      16   783 / 527 / ... / 426
+
+So it is measured: once per (shape, dtype, threads) and process, at ROW_BUCKETS rows, over the
+target's layers of that shape in turn (so the weights stream from memory as in a forward, not from
+cache), the fastest kernel is kept for each bucket (`calibrate`, `fastest`). A forward with M rows
+uses the choice of the smallest bucket >= M (`kernel_for_rows`, a pure function).
 
 Scope: `engine_linears(target)` swaps the dispatching layers in for the duration of our engine's
 calls and puts the target's own `nn.Linear`s back afterwards, so transformers' `generate()`,
-training and saving see the unmodified model. The packed copies are kept on the model (one extra
-copy of every linear weight: ~540 MB for SmolLM2 in fp32) and rebuilt when a weight changes; a
-target whose copies would take over a quarter of physical memory is left unpacked.
+training and saving see the unmodified model. The packed and panel copies are kept on the model
+(each up to one extra copy of every linear weight: ~540 MB for SmolLM2 in fp32, half that for
+bf16 panels) and rebuilt when a weight changes; copies that win at no row count are dropped, and
+a target whose copies would take over a quarter of physical memory is left alone.
 
 Compiled forwards (inference/compiled.py): dynamo cannot trace an opaque packed weight, so a
 dispatching layer appears in a compiled graph as one custom op (`drafthead::row_dispatch_linear`)
 that makes the same choice at run time, and inductor fuses the elementwise work around it.
 
-Exactness: a packed kernel sums in another order than MKL (fp32 results agree within ~1e-6
-relative), exactly as a tree forward over 17 rows already rounds differently from a one-row
-step. The guarantee stays the one docs/acceptance.md states: fp32 greedy output equals plain
-greedy output token for token, which the tests assert with this path on.
+Exactness: each kernel computes the same fp32 products (a bf16 panel holds exactly the weight's
+values) and sums them in its own order (results agree within ~1e-6 relative), exactly as a tree
+forward over 17 rows already rounds differently from a one-row step. The guarantee stays the one
+docs/acceptance.md states: fp32 greedy output equals plain greedy output token for token, which
+the tests assert with each kernel forced on.
 """
 from __future__ import annotations
 
@@ -43,48 +51,72 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import panel_kernel
 from .kernels import pack_linear
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-WIN_MARGIN = 0.9  # the packed kernel is kept where it takes under 90% of F.linear's time
+WIN_MARGIN = 0.9  # another kernel replaces F.linear where it takes under 90% of F.linear's time
+STREAM_BYTES = 64 << 20  # calibrate over at least this many bytes of weights: more than a CPU's cache
 
 
-def kernel_for_rows(rows: int, packed_wins: tuple[bool, ...], buckets: tuple[int, ...] = ROW_BUCKETS) -> str:
-    """'packed' or 'plain' for a forward over `rows` rows, from the per-bucket measurement
-    `packed_wins[i]` (bucket i = buckets[i] rows): the smallest bucket >= rows decides; beyond the
-    last bucket, F.linear (large matmuls are MKL's regime)."""
+def kernel_for_rows(rows: int, choices: tuple[str, ...], buckets: tuple[int, ...] = ROW_BUCKETS) -> str:
+    """The kernel ('plain', 'packed', 'panel') for a forward over `rows` rows, from the per-bucket
+    choice `choices[i]` (bucket i = buckets[i] rows): the smallest bucket >= rows decides; beyond
+    the last bucket, F.linear (large matmuls are MKL's regime)."""
     i = bisect.bisect_left(buckets, rows)
     if i == len(buckets):
         return "plain"
-    return "packed" if packed_wins[i] else "plain"
+    return choices[i]
 
 
-def _best_ms(fn, x, repeats: int = 3) -> float:
-    fn(x)  # warm-up: first-call allocations and kernel selection
+def fastest(seconds: dict[str, float], margin: float = WIN_MARGIN) -> str:
+    """The kernel to keep at one row count, from each kernel's measured time ('plain' required):
+    the fastest other kernel where it takes under `margin` of plain's time, else 'plain' (a
+    near-tie is not worth another copy of the weights)."""
+    best = min((name for name in seconds if name != "plain"), key=seconds.__getitem__, default=None)
+    if best is not None and seconds[best] < margin * seconds["plain"]:
+        return best
+    return "plain"
+
+
+def _best_seconds(fn, x: torch.Tensor, layers: list, repeats: int = 2) -> float:
+    """Seconds of one call, from the best of `repeats` passes over every layer (after a warm-up
+    pass: first-call allocations and kernel selection)."""
     best = float("inf")
-    for _ in range(repeats):
+    for attempt in range(repeats + 1):
         start = time.perf_counter()
-        fn(x)
-        best = min(best, time.perf_counter() - start)
+        for layer in layers:
+            fn(layer, x)
+        if attempt:
+            best = min(best, (time.perf_counter() - start) / len(layers))
     return best
 
 
-_CALIBRATION: dict[tuple, tuple[bool, ...]] = {}
+_CALIBRATION: dict[tuple, tuple[str, ...]] = {}
 
 
 @torch.inference_mode()
-def calibrate(linear: nn.Linear, packed) -> tuple[bool, ...]:
-    """Per ROW_BUCKETS entry, whether the packed kernel beat F.linear on this layer's shape
-    (measured once per shape, dtype and thread count in a process; the minimum of 3 calls each)."""
-    key = (linear.in_features, linear.out_features, linear.weight.dtype, linear.bias is not None, torch.get_num_threads())
+def calibrate(layers: list[dict]) -> tuple[str, ...]:
+    """Per ROW_BUCKETS entry, the fastest kernel for layers of one shape. layers: the target's
+    layers of that shape, each {'plain': nn.Linear, 'packed': PackedLinear | None, 'panel':
+    PanelLinear | None}; timed over enough of them to stream STREAM_BYTES of weights (once per
+    shape, dtype, panel dtype and thread count in a process)."""
+    linear = layers[0]["plain"]
+    panel = layers[0].get("panel")
+    key = (linear.in_features, linear.out_features, linear.weight.dtype, linear.bias is not None,
+           None if panel is None else panel.panels.dtype, layers[0].get("packed") is not None, torch.get_num_threads())
     if key not in _CALIBRATION:
-        wins = []
+        per_layer = linear.weight.numel() * linear.weight.element_size()
+        sample = layers[: max(1, min(len(layers), -(-STREAM_BYTES // per_layer)))]
+        kernels = {"plain": lambda k, x: F.linear(x, k["plain"].weight, k["plain"].bias)}
+        for name in ("packed", "panel"):
+            if layers[0].get(name) is not None:
+                kernels[name] = lambda k, x, name=name: k[name](x)
+        choices = []
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows)).to(linear.weight.dtype)
-            plain = _best_ms(lambda v: F.linear(v, linear.weight, linear.bias), x)
-            fast = _best_ms(packed, x)
-            wins.append(fast < WIN_MARGIN * plain)
-        _CALIBRATION[key] = tuple(wins)
+            choices.append(fastest({name: _best_seconds(fn, x, sample) for name, fn in kernels.items()}))
+        _CALIBRATION[key] = tuple(choices)
     return _CALIBRATION[key]
 
 
@@ -104,23 +136,24 @@ def _(x: torch.Tensor, key: int) -> torch.Tensor:
 
 
 class RowDispatchLinear(nn.Module):
-    """An nn.Linear's forward on F.linear or a packed weight, chosen by the row count."""
+    """An nn.Linear's forward on F.linear, a packed weight or weight panels, chosen by the row count."""
 
-    def __init__(self, linear: nn.Linear, packed, packed_wins: tuple[bool, ...]) -> None:
+    def __init__(self, linear: nn.Linear, kernels: dict[str, nn.Module], choices: tuple[str, ...]) -> None:
         super().__init__()
         # The layer's own Parameters under their own names, and the rest as plain attributes (not
         # submodules): while swapped in, the target's parameters and state_dict are unchanged.
         self.weight, self.bias = linear.weight, linear.bias
         object.__setattr__(self, "linear", linear)
-        object.__setattr__(self, "packed", packed)  # a kernels.PackedLinear on the same weight
-        self.packed_wins = packed_wins
+        # only the kernels some bucket chose: the others' copies are dropped
+        object.__setattr__(self, "kernels", {name: kernels[name] for name in set(choices) - {"plain"}})
+        self.choices = choices
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.key = next(_NEXT_KEY)  # for the custom op a compiled graph calls
         _LAYERS[self.key] = self
 
     def extra_repr(self) -> str:
-        rows = [r for r, w in zip(ROW_BUCKETS, self.packed_wins) if w]
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed at rows {rows}"
+        chosen = ", ".join(f"{rows}: {name}" for rows, name in zip(ROW_BUCKETS, self.choices))
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernels by rows {{{chosen}}}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -128,13 +161,13 @@ class RowDispatchLinear(nn.Module):
         return self.dispatch(x)
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // self.in_features
-        if kernel_for_rows(rows, self.packed_wins) == "packed":
-            return self.packed(x)  # falls back to F.linear itself under autograd or another dtype
-        return F.linear(x, self.weight, self.bias)
+        name = kernel_for_rows(x.numel() // self.in_features, self.choices)
+        if name == "plain":
+            return F.linear(x, self.weight, self.bias)
+        return self.kernels[name](x)  # each falls back to F.linear itself under autograd or another dtype
 
 
-MEMORY_SHARE = 0.25  # pack only while the extra copies take at most this share of physical memory
+MEMORY_SHARE = 0.25  # make copies only while they take at most this share of physical memory
 
 
 def physical_memory_bytes() -> int | None:
@@ -145,29 +178,55 @@ def physical_memory_bytes() -> int | None:
 
 
 def fits_in_memory(extra_bytes: int, total_bytes: int | None, share: float = MEMORY_SHARE) -> bool:
-    """Whether packed copies of `extra_bytes` may be made on a machine of `total_bytes` (unknown:
-    yes). A 135M target's ~540 MB fits anywhere; an 8B target's 32 GB of fp32 linears does not
-    fit a 64 GB machine, where the copy would cost more than the kernel saves."""
+    """Whether copies of `extra_bytes` may be made on a machine of `total_bytes` (unknown: yes).
+    A 135M target's ~540 MB fits anywhere; an 8B target's 32 GB of fp32 linears does not fit a
+    64 GB machine, where the copy would cost more than the kernel saves."""
     return total_bytes is None or extra_bytes <= share * total_bytes
 
 
+def _panel_layer(module: nn.Linear):
+    weight = module.weight
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not panel_kernel.available():
+        return None
+    return panel_kernel.PanelLinear(module)
+
+
 def _build(target: nn.Module) -> dict[str, RowDispatchLinear]:
-    """{qualified name: dispatching layer} for the target's nn.Linears that gain from packing
-    ({} when the copies would not fit in memory)."""
-    linears = [m for m in target.modules() if type(m) is nn.Linear]
-    if not fits_in_memory(sum(m.weight.numel() * m.weight.element_size() for m in linears), physical_memory_bytes()):
+    """{qualified name: dispatching layer} for the target's nn.Linears where another kernel beats
+    F.linear at some row count ({} when the copies would not fit in memory)."""
+    named = [(name, m) for name, m in target.named_modules() if type(m) is nn.Linear]
+    weight_bytes = sum(m.weight.numel() * m.weight.element_size() for _, m in named)
+    # the packed copy and the panels (at most the weight's own size each) exist together until calibrated
+    if not fits_in_memory(2 * weight_bytes, physical_memory_bytes()):
         return {}
+    groups: dict[tuple, list[tuple[str, dict]]] = {}
+    for name, module in named:
+        kernels = {"plain": module, "packed": pack_linear(module, rows_hint=16), "panel": _panel_layer(module)}
+        shape = (module.in_features, module.out_features, module.bias is not None, module.weight.dtype,
+                 None if kernels["panel"] is None else kernels["panel"].panels.dtype)
+        groups.setdefault(shape, []).append((name, kernels))
     layers = {}
-    for name, module in target.named_modules():
-        if type(module) is not nn.Linear:
-            continue
-        packed = pack_linear(module, rows_hint=16)
-        if packed is None:
-            continue
-        wins = calibrate(module, packed)
-        if any(wins):
-            layers[name] = RowDispatchLinear(module, packed, wins)
+    for members in groups.values():
+        measured = calibrate([kernels for _, kernels in members])
+        for name, kernels in members:
+            # a kernel this layer lacks (its packing failed alone in its group) is F.linear's bucket
+            choices = tuple(c if kernels.get(c) is not None else "plain" for c in measured)
+            if set(choices) != {"plain"}:
+                layers[name] = RowDispatchLinear(kernels["plain"], kernels, choices)
     return layers
+
+
+def dispatch_linears(module: nn.Module) -> int:
+    """Replace, for good, every nn.Linear under `module` that another kernel beats by its
+    RowDispatchLinear; returns how many. For a drafter's head, which only ever runs inference
+    once loaded: its draft steps multiply a few rows by every head weight, the regime the faster
+    kernels are for. Parameters and state_dict keys stay the same; a no-op off the CPU."""
+    param = next(module.parameters(), None)
+    if param is None or param.device.type != "cpu":
+        return 0
+    layers = _build(module)
+    _swap(module, layers)
+    return len(layers)
 
 
 def _weights_key(target: nn.Module) -> tuple:
@@ -192,8 +251,8 @@ def engine_linears(target: nn.Module, enabled: bool = True):
     """Within the block the target's linears dispatch by row count (module docstring); on exit
     its own nn.Linear modules are back. A no-op off the CPU, or when `enabled` is False."""
     param = next(target.parameters(), None)
-    if (not enabled or param is None or param.device.type != "cpu" or not torch.backends.mkldnn.is_available()
-            or getattr(target, _ACTIVE, False)):  # off, not a CPU, or inside an enclosing block already
+    if not enabled or param is None or param.device.type != "cpu" or getattr(target, _ACTIVE, False):
+        # off, not a CPU, or inside an enclosing block already
         yield
         return
     key = _weights_key(target)

@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--llama-dtype", default=None, choices=("float32", "bfloat16"),
                    help="llama.cpp's GGUF type (default: --dtype); each engine can run its own fastest")
+    p.add_argument("--round-weights", default=None, choices=("bfloat16",),
+                   help="ours and transformers run the target's weights rounded to bf16 values in --dtype: the "
+                        "weights llama.cpp's bf16 GGUF holds (drafthead/targets.py round_to_bfloat16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="hf,ours,llama.cpp,vllm")
     p.add_argument("--out", default="out/engines")
@@ -206,7 +209,7 @@ def main() -> int:
     engines = args.engines.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads)
+    loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads, round_weights=args.round_weights)
     model, tokenizer = loaded.model, loaded.tokenizer
     drafter, _ = load_heads(default_head_path("smollm2-135m"), model, tokenizer)
     eos = list(eos_token_ids(model, tokenizer))
@@ -262,7 +265,8 @@ def main() -> int:
     report = {"settings": vars(args) | {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, "summary": summary,
               "skipped": skipped, "rows": rows}
     (out / "engines.json").write_text(json.dumps(report, indent=1) + "\n")
-    lines = [f"SmolLM2-135M, {args.dtype} (llama.cpp {args.llama_dtype or args.dtype}), {args.threads} threads, batch 1, greedy, {len(encoded)} MT-bench first turns, "
+    rounded = f" with weights rounded to {args.round_weights}" if args.round_weights else ""
+    lines = [f"SmolLM2-135M, {args.dtype}{rounded} (llama.cpp {args.llama_dtype or args.dtype}), {args.threads} threads, batch 1, greedy, {len(encoded)} MT-bench first turns, "
              f"at most {n} new tokens; tokens/s with prefill.", "", "| engine | tokens | tokens/s | tau |", "| --- | ---: | ---: | ---: |"]
     lines += [f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | {s['tau']:.2f} |" if "tau" in s
               else f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | - |" for name, s in summary.items()]

@@ -66,15 +66,15 @@ def test_a_tree_larger_than_the_room_left_keeps_its_first_nodes():
     assert result.tau > 1  # the star holds every token: the kept part still accepts
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_compiled_rounds_equal_plain_greedy_and_reuse_their_graphs(packed, monkeypatch):
+@pytest.mark.parametrize("kernel", ["plain", "packed", "panel"])
+def test_compiled_rounds_equal_plain_greedy_and_reuse_their_graphs(kernel, monkeypatch):
     """The round forward through torch.compile (the aot_eager backend: dynamo's capture, guards
     and functionalised cache writes, without inductor's slow C++ build, which `bench --compile`
-    checks on the real target), with the target's linears plain or all dispatched to packed
-    kernels (a custom op in the graph): greedy output equals plain greedy, and a second prompt
-    of another length reuses the graphs the first one compiled."""
-    if packed:
-        monkeypatch.setattr(target_linears, "calibrate", lambda linear, weights: (True,) * len(ROW_BUCKETS))
+    checks on the real target), with the target's linears plain or all dispatched to packed or
+    panel kernels (a custom op in the graph): greedy output equals plain greedy, and a second
+    prompt of another length reuses the graphs the first one compiled."""
+    if kernel != "plain":
+        monkeypatch.setattr(target_linears, "calibrate", lambda layers: (kernel,) * len(ROW_BUCKETS))
     target = tiny_causal_lm("llama", layers=2)
     prompts = prompts_of((6, 21), seed=3)
     config = GenerationConfig(max_new_tokens=24, compile="aot_eager")

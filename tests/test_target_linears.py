@@ -1,13 +1,15 @@
-"""The target's linears dispatched by row count inside the engine (inference/target_linears.py)."""
+"""The target's linears dispatched by row count inside the engine (inference/target_linears.py),
+and the panel kernel it can dispatch to (inference/panel_kernel.py)."""
 import pytest
 import torch
 from torch import nn
 
-from drafthead.inference import target_linears
+from drafthead.inference import panel_kernel, target_linears
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.target_linears import ROW_BUCKETS, RowDispatchLinear, engine_linears, fits_in_memory, kernel_for_rows
+from drafthead.inference.target_linears import (ROW_BUCKETS, RowDispatchLinear, engine_linears, fastest, fits_in_memory,
+                                                 kernel_for_rows)
 from tests.test_batch import left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -16,11 +18,19 @@ TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
 
 
 def test_the_smallest_bucket_at_or_above_the_row_count_decides():
-    wins = (False, False, True, True, True, False, False, True)  # buckets 1, 2, 4, ... 128
-    assert [kernel_for_rows(r, wins) for r in (1, 2, 3, 4, 5, 16, 17, 33, 64, 65, 128)] == [
-        "plain", "plain", "packed", "packed", "packed", "packed", "plain", "plain", "plain", "packed", "packed"]
-    assert kernel_for_rows(129, wins) == "plain"  # past the last bucket: MKL's regime
-    assert kernel_for_rows(4000, (True,) * len(ROW_BUCKETS)) == "plain"
+    choices = ("plain", "plain", "packed", "panel", "panel", "plain", "plain", "packed")  # buckets 1, 2, 4, ... 128
+    assert [kernel_for_rows(r, choices) for r in (1, 2, 3, 4, 5, 16, 17, 33, 64, 65, 128)] == [
+        "plain", "plain", "packed", "packed", "panel", "panel", "plain", "plain", "plain", "packed", "packed"]
+    assert kernel_for_rows(129, choices) == "plain"  # past the last bucket: MKL's regime
+    assert kernel_for_rows(4000, ("panel",) * len(ROW_BUCKETS)) == "plain"
+
+
+def test_the_fastest_kernel_must_beat_f_linear_by_the_margin():
+    assert fastest({"plain": 1.0, "packed": 0.5, "panel": 0.3}) == "panel"
+    assert fastest({"plain": 1.0, "packed": 0.5, "panel": 0.6}) == "packed"
+    assert fastest({"plain": 1.0, "packed": 0.95}) == "plain"  # a near-tie keeps F.linear
+    assert fastest({"plain": 1.0, "panel": 0.89}, margin=0.9) == "panel"
+    assert fastest({"plain": 1.0}) == "plain"
 
 
 def test_packed_copies_are_made_only_where_they_fit():
@@ -30,11 +40,17 @@ def test_packed_copies_are_made_only_where_they_fit():
     assert fits_in_memory(32 * gib, None)  # memory unknown: pack
 
 
+def _everywhere(monkeypatch, kernel: str) -> None:
+    """Every layer takes `kernel` at every measured row count, whatever this CPU's timings say, so
+    the tests exercise that path on tiny shapes too."""
+    if kernel == "panel":
+        assert panel_kernel.available(), panel_kernel.why_unavailable()
+    monkeypatch.setattr(target_linears, "calibrate", lambda layers: (kernel,) * len(ROW_BUCKETS))
+
+
 @pytest.fixture
 def packed_everywhere(monkeypatch):
-    """Every layer takes the packed kernel at every measured row count, whatever this CPU's
-    timings say, so the tests exercise that path on tiny shapes too."""
-    monkeypatch.setattr(target_linears, "calibrate", lambda linear, packed: (True,) * len(ROW_BUCKETS))
+    _everywhere(monkeypatch, "packed")
 
 
 def _linear_types(model) -> set[type]:
@@ -57,21 +73,49 @@ def test_the_swap_lasts_only_the_block_and_leaves_the_state_dict(packed_everywhe
         assert _linear_types(target) == {nn.Linear}
 
 
-@pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN")
+def _round_to_bfloat16(model):
+    """The model with every weight rounded to a bf16 value (as a bf16 checkpoint loaded in fp32):
+    its panels then hold bf16."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16).to(param.dtype))
+    return model
+
+
+KERNELS = ["panel", "panel-bf16"] + (["packed"] if PACKING else [])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_with_packed_target_linears_equals_plain_greedy(family, packed_everywhere):
+def test_greedy_with_each_kernel_for_the_target_linears_equals_plain_greedy(family, kernel, monkeypatch):
+    _everywhere(monkeypatch, kernel.removesuffix("-bf16"))
     target = tiny_causal_lm(family, layers=3)
+    if kernel == "panel-bf16":
+        _round_to_bfloat16(target)
     prompt = repetitive_prompt(96, seed=5)
     reference = plain_greedy(target, prompt, 40)
     for drafter in (DraftModelDrafter(tiny_causal_lm(family, seed=7), choices=TREE), PromptLookupDrafter(num_draft=6)):
         result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=40))
         assert result.new_tokens[0].tolist() == reference, family
+    layers = [m for m in target.modules() if isinstance(m, RowDispatchLinear)]  # none: the swap is over
+    assert not layers
     # and at batch 3, prompts of different lengths: every row is its prompt's own plain output
     prompts = prompts_of((4, 11, 19), seed=3)
     ids, mask = left_padded(prompts)
     batched = speculative_generate(target, DraftModelDrafter(target, choices=TREE), ids,
                                    GenerationConfig(max_new_tokens=24), attention_mask=mask)
     assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 24) for p in prompts]
+
+
+def test_panels_hold_bf16_only_where_every_weight_value_is_a_bf16_value(monkeypatch):
+    _everywhere(monkeypatch, "panel")
+    target = tiny_causal_lm("llama")
+    with engine_linears(target):
+        assert {m.kernels["panel"].panels.dtype for m in target.modules() if isinstance(m, RowDispatchLinear)} == {torch.float32}
+    _round_to_bfloat16(target)  # an in-place change: the panels are rebuilt
+    with engine_linears(target):
+        layers = [m for m in target.modules() if isinstance(m, RowDispatchLinear)]
+        assert layers and {m.kernels["panel"].panels.dtype for m in layers} == {torch.bfloat16}
 
 
 @pytest.mark.skipif(not PACKING, reason="this torch build has no oneDNN")
@@ -85,3 +129,51 @@ def test_packed_copies_follow_an_in_place_weight_change(packed_everywhere):
     target.load_state_dict(other.state_dict())
     result = speculative_generate(target, PromptLookupDrafter(num_draft=6), prompt, GenerationConfig(max_new_tokens=30))
     assert result.new_tokens[0].tolist() == plain_greedy(other, prompt, 30)
+
+
+# ---------------------------------------------------------------------------------------------
+# The panel kernel against a float64 matmul
+# ---------------------------------------------------------------------------------------------
+
+
+def test_panels_are_the_weight_column_blocks_k_major_and_zero_padded():
+    assert panel_kernel.available(), panel_kernel.why_unavailable()
+    w = torch.randn(37, 5)
+    panels = panel_kernel.pack(w)
+    assert panels.shape == (3, 5, 16)  # ceil(37 / 16) panels
+    for p in range(3):
+        for k in range(5):
+            for j in range(16):
+                n = 16 * p + j
+                assert panels[p, k, j].item() == (w[n, k].item() if n < 37 else 0.0)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features,in_features,bias", [(37, 29, True), (16, 8, False), (5, 3, True), (96, 130, False)])
+def test_panel_linear_equals_a_float64_matmul(out_features, in_features, bias, weight_dtype, x_dtype):
+    """Rows 1..13 and 40 cross the 6-row tiles; N = 37 and 5 leave partial panels."""
+    assert panel_kernel.available(), panel_kernel.why_unavailable()
+    g = torch.Generator().manual_seed(out_features * in_features)
+    w = torch.randn(out_features, in_features, generator=g).to(weight_dtype)
+    b = torch.randn(out_features, generator=g) if bias else None
+    panels = panel_kernel.pack(w)
+    assert panels.dtype == weight_dtype
+    for rows in list(range(1, 14)) + [40]:
+        x = torch.randn(2, rows, in_features, generator=g).to(x_dtype)  # leading dims are flattened
+        got = panel_kernel.panel_linear(x, panels, b, out_features)
+        assert got.shape == (2, rows, out_features) and got.dtype == x_dtype
+        want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        scale = want.abs().max().item()
+        # fp32 sums (1e-6 of the largest output); a bf16 input's output is rounded to bf16 once
+        tol = 1e-6 if x_dtype == torch.float32 else 2 ** -8
+        assert (got.double() - want).abs().max().item() <= tol * scale, rows
+
+
+def test_panel_linear_refuses_mismatched_shapes():
+    assert panel_kernel.available(), panel_kernel.why_unavailable()
+    panels = panel_kernel.pack(torch.randn(20, 8))
+    with pytest.raises(RuntimeError, match="features"):
+        panel_kernel.panel_linear(torch.randn(3, 9), panels, None, 20)
+    with pytest.raises(RuntimeError, match="panels"):
+        panel_kernel.panel_linear(torch.randn(3, 8), panels, None, 40)

@@ -53,6 +53,9 @@ def add_target_options(parser: argparse.ArgumentParser, *, dtype: str = "float32
     )
     g.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=dtype,
                    help=f"target dtype; auto: bfloat16 where the device runs it natively, else float32 (default {dtype})")
+    g.add_argument("--round-weights", choices=("bfloat16",), default=None,
+                   help="round the target's weights to bf16 values, computed in --dtype: the model a bf16 "
+                        "checkpoint or bf16 GGUF holds; on CPU our engine then streams them as bf16")
     add_device_option(g)
     g.add_argument("--threads", type=_positive_int, default=threads, help="torch CPU threads")
 
@@ -129,7 +132,8 @@ def load_target_from_args(args):
     from ..targets import load_target
 
     resolve_dtype_arg(args)
-    return load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), threads=args.threads)
+    return load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), threads=args.threads,
+                       round_weights=getattr(args, "round_weights", None))
 
 
 def resolve_dtype_arg(args) -> str:

@@ -71,6 +71,7 @@ def run(args) -> int:
             "target": loaded.name,
             "target_path": str(loaded.path),
             "dtype": args.dtype,
+            "round_weights": args.round_weights,
             "threads": args.threads,
             # OpenMP's idle-thread policy moves every absolute number here (PASSIVE: idle threads
             # sleep, and waking them for each small op made both plain and speculative ~1.45x slower)

@@ -19,7 +19,7 @@ from ...heads.registry import load_head
 from ..cache import crop
 from ..cost import best_node_count, measure_verify_cost, sync_device
 from ..drafter import RoundStats, TargetFeatures
-from ..kernels import pack_linears
+from ..target_linears import dispatch_linears
 from .merged import MergedDrafter
 from .prompt_lookup import PromptLookupDrafter
 from ..tree import DraftTree, best_first, select_top_nodes, tree_from_choices
@@ -381,7 +381,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     else:  # a published layout (vLLM, speculators, upstream EAGLE/Medusa...), read exactly or refused
         head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
-    pack_linears(head)  # draft steps multiply a few rows by every head weight (measured: inference/kernels.py)
+    dispatch_linears(head)  # draft steps multiply a few rows by every head weight (inference/target_linears.py)
     family = {"medusa1": "medusa", "medusa2": "medusa", "hydra": "hydra", "peagle": "peagle", "dflash": "dflash"}.get(head.kind, "eagle")
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     check_drafting_keys(given, family, f"{head.kind} drafter options")

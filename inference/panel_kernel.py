@@ -1,0 +1,135 @@
+"""Panel linears: our own CPU kernel for the target's linears at decode and verify row counts.
+
+The kernel (inference/csrc/panel_linear.cpp) stores a weight [N, K] as column panels
+[ceil(N/16), K, 16] and streams each panel once per call, in fp32 arithmetic; a bf16 weight is
+read as bf16, half the bytes of fp32. docs/cpu-measurements.md "Panel linears" has why and what it
+measured. It is compiled on first use with torch's C++ extension builder (a C++ compiler and
+ninja; ~30 s once, cached under ~/.cache/torch_extensions) and only on x86-64 CPUs with AVX2 and
+FMA. Where it cannot be built or loaded, `available()` says why and the engine keeps the other
+kernels (inference/target_linears.py); nothing else changes. DRAFTHEAD_PANEL_KERNEL=0 turns it off.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import threading
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SOURCE = Path(__file__).parent / "csrc" / "panel_linear.cpp"
+ENV_SWITCH = "DRAFTHEAD_PANEL_KERNEL"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "ok": bool, "why": str once load() ran
+
+
+def _cpu_supports() -> str | None:
+    """None when this CPU can run the kernel, else why not."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the kernel is x86-64 AVX2 code, this is {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return f"the CPU lacks AVX2/FMA (torch reports {capability})"
+    return None
+
+
+def _ensure_ninja_on_path() -> None:
+    # torch's builder runs `ninja`; a venv's ninja sits beside its python, which a non-activated
+    # venv does not put on PATH
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+
+
+def load() -> bool:
+    """Build (first time) and load the kernel; False when it is unavailable (`why()` says why)."""
+    with _lock:
+        if "ok" in _state:
+            return bool(_state["ok"])
+        why = None
+        if os.environ.get(ENV_SWITCH, "1") == "0":
+            why = f"{ENV_SWITCH}=0"
+        else:
+            why = _cpu_supports()
+        if why is None:
+            try:
+                from torch.utils.cpp_extension import load as build
+
+                _ensure_ninja_on_path()
+                build("drafthead_panel_linear", [str(SOURCE)], is_python_module=False, verbose=False,
+                      extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                torch.ops.drafthead_panel.linear  # noqa: B018  (raises if the library did not register)
+            except Exception as error:  # a missing compiler or ninja, a failed build: keep the other kernels
+                why = f"could not build {SOURCE.name}: {type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
+        _state["ok"], _state["why"] = why is None, why or ""
+        return why is None
+
+
+def available() -> bool:
+    return load()
+
+
+def why_unavailable() -> str:
+    load()
+    return str(_state["why"])
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] (fp32 or bf16, CPU) -> panels [ceil(N/16), K, 16] of the same dtype."""
+    if not load():
+        raise RuntimeError(f"panel kernel unavailable: {why_unavailable()}")
+    return torch.ops.drafthead_panel.pack(weight.detach())
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x [..., K] (fp32 or bf16) @ W^T + bias -> [..., N] in x's dtype, W given as `pack(W)`."""
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.drafthead_panel.linear(rows, panels, bias, out_features)
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def exact_in_bfloat16(weight: torch.Tensor) -> bool:
+    """Whether every value of an fp32 weight is a bf16 value (a bf16 checkpoint loaded in fp32, or
+    a target rounded by `round_weights_to_bfloat16`): then its panels can hold bf16 and lose
+    nothing."""
+    return weight.dtype == torch.float32 and bool(torch.equal(weight, weight.to(torch.bfloat16).to(torch.float32)))
+
+
+def panel_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype a weight's panels hold: bf16 where that is exact (half the bytes to stream), else
+    the weight's own."""
+    if weight.dtype == torch.bfloat16 or exact_in_bfloat16(weight):
+        return torch.bfloat16
+    return weight.dtype
+
+
+class PanelLinear(nn.Module):
+    """An nn.Linear's forward on the panel kernel: the layer's own Parameters, plus its panels."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.weight_dtype = linear.weight.dtype
+        with torch.no_grad():
+            self.panels = pack(linear.weight.detach().to(panel_dtype(linear.weight)))  # a plain attribute, not a buffer
+
+    def _panels_apply(self, x: torch.Tensor) -> bool:
+        # inference only (as kernels.PackedLinear), and neither x nor the layer moved off the CPU
+        # dtypes the panels were made for (`.to()` moves the Parameters, never the panels)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return False
+        return x.dtype == self.weight.dtype == self.weight_dtype and x.device.type == self.weight.device.type == "cpu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._panels_apply(x):
+            return nn.functional.linear(x, self.weight, self.bias)
+        return panel_linear(x, self.panels, self.bias, self.out_features)
+
+    @property
+    def panel_bytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
