@@ -9,12 +9,14 @@ the CPU. Three compete:
     panel    our own kernel over column panels of the weight (inference/panel_kernel.py), which
              reads a weight whose values are all bf16 as bf16: half the bytes of fp32
 
-Measured on the 2-core dev machines (docs/cpu-measurements.md "Linears by row count" and "Panel
-linears"), SmolLM2-135M shapes, fp32 weights streaming from memory, microseconds:
+Measured on the 2-core dev machine's AMD EPYC (AVX2, no AVX-512; docs/cpu-measurements.md "Panel
+linears"), SmolLM2-135M shapes, fp32 weights streaming from memory, microseconds per call:
 
-    rows   576 -> 1536: plain / packed / panel (fp32 panels) / panel (bf16 panels)   [AMD EPYC, AVX2]
-       1   466 / 318 / ... / 165
-      16   783 / 527 / ... / 426
+    rows   576 -> 1536: plain / packed / panels fp32 / panels bf16     LM head 576 -> 49152
+       1   610 / 438 / 241 / 184                                       18111 / 9957 / 9174 / 4082
+      16   1156 / 687 / 546 / 395                                      45125 / 16768 / 15683 / 9657
+
+and on an Intel CPU with AVX-512 the packed kernel beat F.linear from 4 rows on, not at 1.
 
 So it is measured: once per (shape, dtype, threads) and process, at ROW_BUCKETS rows, over the
 target's layers of that shape in turn (so the weights stream from memory as in a forward, not from

@@ -21,6 +21,8 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=16, help="MT-bench prompts (the first N)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--round-weights", default=None, choices=("bfloat16",),
+                        help="the target's weights rounded to bf16 values (drafthead/targets.py round_to_bfloat16)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--identity", action="store_true", help="also compare every row with its batch-1 plain output")
     parser.add_argument("--methods", default="fixed tree,policy", help="which of: fixed tree, policy")
@@ -37,13 +39,14 @@ def main() -> int:
     from drafthead.inference.prompts import load_prompts
     from drafthead.targets import eos_token_ids, load_target
 
-    loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads)
+    loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads, round_weights=args.round_weights)
     drafter, model = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)
     policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
     curve = measure_verify_cost(model, POLICY_TOKEN_COUNTS, want_hidden=True)
     prompts = load_prompts("mt-bench", args.limit)
     settings = BenchSettings(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(model, loaded.tokenizer),
-                             info={"target": "smollm2-135m", "dtype": args.dtype, "threads": args.threads,
+                             info={"target": "smollm2-135m", "dtype": args.dtype, "round_weights": args.round_weights,
+                                   "threads": args.threads,
                                    "verify_cost": {"tokens": curve.nodes, "seconds": curve.seconds}})
     reports = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):

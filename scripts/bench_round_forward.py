@@ -12,6 +12,9 @@ One verification round as the engine runs it (forward_trees over a chain of N no
     compiled           static cache + torch.compile (inductor, dynamic shapes), linears dispatched
     compiled-F.linear  the same with nn.Linear (inductor's own matmuls)
 
+`DRAFTHEAD_PANEL_KERNEL=0` in the environment leaves our panel kernel out of the dispatched
+linears (inference/panel_kernel.py), to time the engine without it.
+
 Settings are interleaved repeat by repeat, so drift on a shared machine hits all alike; the
 median per (setting, N) is reported, with the compile seconds of the first calls. Prints a
 Markdown table (ms per round, and tokens/s of a plain round for N = 1).
@@ -47,6 +50,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--round-weights", default=None, choices=("bfloat16",),
+                   help="the target's weights rounded to bf16 values (drafthead/targets.py round_to_bfloat16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=256, help="cached tokens before the round")
     p.add_argument("--nodes", default="1,8,17,32")
@@ -54,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--settings", default=",".join(SETTINGS))
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    model = load_target(args.target, dtype=args.dtype, threads=args.threads).model
+    model = load_target(args.target, dtype=args.dtype, threads=args.threads, round_weights=args.round_weights).model
     nodes = [int(n) for n in args.nodes.split(",")]
     names = args.settings.split(",")
     g = torch.Generator().manual_seed(0)
