@@ -194,7 +194,7 @@ class Eagle3Config(_HeadConfig):
     training-time test (unroll `ttt_steps` steps on its own hidden states, loss sum decay**i CE_i)."""
 
     KINDS: ClassVar[tuple[str, ...]] = ("eagle3",)
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp", "entropy_ramp", "entropy_start")
 
     kind: str = "eagle3"
     aux_layers: tuple[int, ...] | None = None  # None: default_eagle3_layers(L), filled in when target is set
@@ -204,6 +204,11 @@ class Eagle3Config(_HeadConfig):
     # progressive TTT: over the first `ttt_ramp` share of training the unroll grows from 1 step
     # to ttt_steps (ttt_depth), so early steps are cheaper; 0: every step unrolls ttt_steps
     ttt_ramp: float = 0.0
+    # entropy curriculum (EDSD's easy-to-hard order, heads/eagle3.py entropy_curriculum): over the
+    # first `entropy_ramp` share of training only the lowest-entropy share of each batch's labelled
+    # positions is trained on, growing from `entropy_start` to all of them; 0: every position always
+    entropy_ramp: float = 0.0
+    entropy_start: float = 0.5
     # True: the fused feature is normed (hidden_norm) *before* it becomes the residual; False (ours,
     # SpecForge's, vLLM's research layout): the residual is the un-normed feature (docs/formats.md)
     norm_before_residual: bool = False
@@ -227,6 +232,10 @@ class Eagle3Config(_HeadConfig):
             raise ValueError(f"ttt_decay must be > 0, got {self.ttt_decay}")
         if not 0.0 <= self.ttt_ramp <= 1.0:
             raise ValueError(f"ttt_ramp must be in [0, 1], got {self.ttt_ramp}")
+        if not 0.0 <= self.entropy_ramp <= 1.0:
+            raise ValueError(f"entropy_ramp must be in [0, 1], got {self.entropy_ramp}")
+        if not 0.0 < self.entropy_start <= 1.0:
+            raise ValueError(f"entropy_start must be in (0, 1], got {self.entropy_start}")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         if self.sliding_window is not None and self.sliding_window < 1:

@@ -26,6 +26,10 @@ column t, steps 1..i): exactly what a node at depth i of a draft chain sees at i
 (`ttt_attention_mask`). Position id of step i at column t is t + i (the depth rule of `step`).
 Progressive TTT (`ttt_ramp`): in training mode the unroll is `ttt_depth` steps at the run's
 progress (`train_progress`, set by the trainer each step); evaluation always unrolls them all.
+Entropy curriculum (`entropy_ramp`, after EDSD, Cheng et al. ACL 2026, "easy to hard"): in training
+mode each unroll step's loss covers only its positions whose target distribution has the lowest
+entropy, a share growing from `entropy_start` to 1 over the first `entropy_ramp` of the run
+(`entropy_curriculum`); accuracy is still reported over every position, and evaluation uses all.
 """
 from __future__ import annotations
 
@@ -45,6 +49,18 @@ def ttt_depth(steps: int, ramp: float, progress: float) -> int:
     if ramp <= 0 or progress >= ramp:
         return steps
     return min(steps, 1 + int(progress / ramp * steps))
+
+
+def entropy_curriculum(entropy: torch.Tensor, ramp: float, progress: float, start: float) -> torch.Tensor:
+    """[N] bool: the positions an easy-to-hard curriculum trains on at `progress` in [0, 1], from
+    each position's target-distribution entropy [N]: the ceil(share * N) lowest (ties at the cut
+    all kept), share = start + (1 - start) * progress / ramp, growing to every position at `ramp`."""
+    n = entropy.numel()
+    if ramp <= 0 or progress >= ramp or n == 0:
+        return torch.ones_like(entropy, dtype=torch.bool)
+    share = start + (1.0 - start) * progress / ramp
+    k = min(n, max(1, int(-(-share * n // 1))))
+    return entropy <= entropy.kthvalue(k).values
 
 
 def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -235,7 +251,11 @@ class Eagle3Head(DecoderHeadBase):
             p = target_p[b_idx, t_idx + 1 + i]  # [N, Vd], the target's distribution for token t+2+i
             n = p.shape[0]
             if n:
-                ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+                ce_each = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)  # [N]
+                if self.training and cfg.entropy_ramp > 0:
+                    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # [N], of the target's distribution
+                    ce_each = ce_each[entropy_curriculum(entropy, cfg.entropy_ramp, self.train_progress, cfg.entropy_start)]
+                ce = ce_each.mean()
                 acc = (logits.argmax(-1) == p.argmax(-1)).float().mean().item()
             else:
                 ce, acc = logits.sum() * 0.0, 0.0

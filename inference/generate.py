@@ -278,7 +278,7 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
             n = p.numel() - 1
             features = None
             if hidden is not None and n > 0:
-                features = select_features(tuple(h[b : b + 1, :n] for h in hidden), d.feature_layers, d.needs_last_hidden)
+                features = select_features(hidden, d.feature_layers, d.needs_last_hidden, slice(0, n), row=b)
             d.begin(p[None, :-1], features, p[-1:])
             rows.append(_Row(d, p.numel(), n, seen_mask(p[None], vocab) if track_seen else None, int(p[-1])))
         if streamer is not None:
@@ -427,11 +427,9 @@ def _advance(row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance,
     if stop is not None:
         return
     path_index = torch.tensor(result.path, device=device)
-    hidden = None
-    if verification.hidden_states is not None:
-        hidden = tuple(h[b : b + 1] for h in verification.hidden_states)
     drafter = row.drafter
-    round_features = select_features(hidden, drafter.feature_layers, drafter.needs_last_hidden, path_index)
+    round_features = select_features(verification.hidden_states, drafter.feature_layers, drafter.needs_last_hidden,
+                                     path_index, row=b)
     depth_of = node_depths(tree.parents)
     depths = depth_of[result.path].tolist()
     drafter.commit(

@@ -117,11 +117,19 @@ def forward_trees(target, cache, trees: TreeBatch, prefix_lengths: torch.Tensor,
     return Verification(out.logits, out.hidden_states if want_hidden else None)
 
 
-def select_features(hidden_states, layers: tuple[int, ...], need_last: bool, index=None) -> TargetFeatures | None:
-    """Pick the drafter's feature layers (and the final normed state) at node positions `index`."""
+def select_features(hidden_states, layers: tuple[int, ...], need_last: bool, index=None,
+                    row: int | None = None) -> TargetFeatures | None:
+    """Pick the drafter's feature layers (and the final normed state) at positions `index` (a tensor or slice),
+    of batch row `row` only (kept as a batch of one) when given. Only the picked layers are
+    sliced: a forward returns all L + 1 hidden states, and a round visits every row."""
     if hidden_states is None:
         return None
-    pick = (lambda h: h) if index is None else (lambda h: h[:, index])
+
+    def pick(h):
+        if row is not None:
+            h = h[row: row + 1]
+        return h if index is None else h[:, index]
+
     return TargetFeatures(
         layers=layers,
         hidden_states=tuple(pick(hidden_states[i]) for i in layers),

@@ -37,6 +37,8 @@ KINDS = {
     "eagle31": ("eagle31", ["head.ttt_steps=3", "head.ttt_ramp=0"]),
     # progressive TTT (a training lever): the unroll grows 1 -> 3 over the first half of the run
     "eagle3-ramp": ("eagle3", ["head.ttt_steps=3", f"head.ttt_ramp={RAMP}"]),
+    # an entropy curriculum on top (EDSD's easy-to-hard order, heads/eagle3.py entropy_curriculum)
+    "eagle3-edsd": ("eagle3", ["head.ttt_steps=3", f"head.ttt_ramp={RAMP}", f"head.entropy_ramp={RAMP}"]),
     "peagle": ("peagle", []),
     "dflash": ("dflash", []),
     "medusa1": ("medusa1", []),

@@ -18,7 +18,7 @@ from drafthead.heads import (
     make_config,
 )
 from drafthead.heads.config import default_eagle3_layers
-from drafthead.heads.eagle3 import ttt_attention_mask, ttt_depth
+from drafthead.heads.eagle3 import entropy_curriculum, ttt_attention_mask, ttt_depth
 from drafthead.heads.io import shifted_labels
 from drafthead.inference.tree import tree_attention_mask, tree_position_ids
 from tests.tiny import tiny_causal_lm
@@ -320,6 +320,50 @@ def test_progressive_ttt_grows_the_unroll_over_the_ramp():
     assert "loss_2" in head.compute_loss(batch)[1]
     head.train_progress = 0.0
     assert "loss_2" in head.eval().compute_loss(batch)[1]  # evaluation measures every depth
+
+
+def test_entropy_curriculum_keeps_the_lowest_entropy_share_growing_to_all():
+    entropy = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.7, 0.2, 0.8, 0.4, 0.6, 0.0])
+    kept = lambda progress: sorted(entropy_curriculum(entropy, 0.5, progress, 0.5).nonzero().flatten().tolist())
+    assert kept(0.0) == [1, 3, 5, 7, 9]  # half: the five lowest (0.0, 0.1, 0.2, 0.3, 0.4)
+    assert kept(0.25) == [1, 2, 3, 4, 5, 7, 8, 9]  # share 0.5 + 0.5 * 0.25 / 0.5 = 0.75: ceil(7.5) = 8 lowest
+    assert kept(0.5) == list(range(10)) and kept(0.9) == list(range(10))  # after the ramp: every position
+    assert entropy_curriculum(entropy, 0.0, 0.0, 0.5).all()  # no ramp
+    ties = torch.tensor([1.0, 1.0, 1.0, 2.0])
+    assert entropy_curriculum(ties, 1.0, 0.0, 0.25).tolist() == [True, True, True, False]  # ties at the cut all kept
+    with pytest.raises(ValueError, match="entropy_ramp"):
+        make_config("eagle3", make_target(), None, entropy_ramp=2.0)
+
+
+def test_entropy_curriculum_loss_is_the_mean_over_the_kept_positions():
+    """Early in the ramp the first unroll step's loss is the soft CE averaged over the labelled
+    positions whose target entropy is among the lowest half (a slow twin picks them by sorting);
+    at the end of the ramp, over all of them, as without a curriculum; accuracy always over all."""
+    target = make_target()
+    batch = make_batch(target)
+    head = new_head("eagle3", target, batch, ttt_steps=1, entropy_ramp=0.5, entropy_start=0.5).train()
+    plain = new_head("eagle3", target, batch, ttt_steps=1).train()
+    plain.load_state_dict(head.state_dict())
+    with torch.no_grad():
+        p = head._target_distribution(batch)
+        fused = head.fuse([batch.hidden_states[i] for i in head.config.feature_layers])
+        hidden = next(iter(head.ttt_unroll(fused, batch.input_ids, 1)))
+        _, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, 2)
+        rows = [(b, t) for b, t in valid.nonzero().tolist()]
+        ces, ents = [], []
+        for b, t in rows:
+            pt = p[b, t + 1]
+            ces.append(-(pt * torch.log_softmax(head.logits(hidden[b, t]).float(), -1)).sum().item())
+            ents.append(-(pt * torch.log(pt.clamp_min(1e-30))).sum().item())
+    order = sorted(range(len(rows)), key=lambda j: ents[j])
+    easy = order[: -(-len(rows) // 2)]
+    head.train_progress = 0.0
+    early = head.compute_loss(batch)[1]
+    assert early["loss_0"] == pytest.approx(sum(ces[j] for j in easy) / len(easy), rel=1e-5)
+    head.train_progress = 0.5
+    assert head.compute_loss(batch)[1]["loss_0"] == pytest.approx(sum(ces) / len(ces), rel=1e-5)
+    assert head.compute_loss(batch)[1]["loss_0"] == pytest.approx(plain.compute_loss(batch)[1]["loss_0"], rel=1e-6)
+    assert early["acc_0"] == pytest.approx(plain.compute_loss(batch)[1]["acc_0"])
 
 
 @pytest.mark.parametrize("family", FAMILIES)

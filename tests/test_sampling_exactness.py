@@ -26,8 +26,11 @@ def exact_first_two(target, prompt, sampling):
     return {(a, b): float(p1[a] * p2[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
 
 
+# (sampling, draft shape): each draws ten rows a batch (each row its own drafter fork and draws), a
+# tenth of the calls; the lookup test below keeps the batch-1 loop's statistical test. A sampled
+# chain of 2 at temperature 0.9 is tests/test_batch.py's depth-two case (two prompts of different
+# lengths, three tokens).
 CASES = {
-    "chain-temperature": (SamplingConfig(temperature=0.9), dict(num_draft=2)),
     "tree-top-p": (SamplingConfig(temperature=1.0, top_p=0.85), dict(choices=[(0,), (1,), (2,), (0, 0), (1, 0)])),
     "chain-top-k": (SamplingConfig(temperature=1.2, top_k=5), dict(num_draft=3)),
 }
@@ -41,25 +44,19 @@ def test_draft_model_sampling_is_exact(case):
         target.lm_head.weight.mul_(0.25)  # undo tiny_causal_lm's sharpening: spread the mass
     draft = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=4)
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    counts = Counter()
     drafter = DraftModelDrafter(draft, sampling=sampling, seed=0, **shape)
-    for run in range(RUNS):
-        out = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=2, sampling=sampling, seed=run))
-        counts[tuple(out.new_tokens[0].tolist())] += 1
+    counts, _ = sampled_first(target, drafter, prompt, sampling, 2)
     assert chi_square_pvalue(counts, exact_first_two(target, prompt, sampling), RUNS) > ALPHA
 
 
 def test_deterministic_lookup_tree_sampling_is_exact():
+    """Batch 1, one sample a call: the plain single-prompt loop under the statistical test too."""
     sampling = SamplingConfig(temperature=0.8)
     target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])  # "3 4" was followed by 5 and by 7
-    counts = Counter()
-    for run in range(RUNS):
-        out = speculative_generate(target, PromptLookupDrafter(num_draft=3), prompt,
-                                   GenerationConfig(max_new_tokens=2, sampling=sampling, seed=run))
-        counts[tuple(out.new_tokens[0].tolist())] += 1
+    counts, _ = sampled_first(target, PromptLookupDrafter(num_draft=3), prompt, sampling, 2, copies=1)
     assert chi_square_pvalue(counts, exact_first_two(target, prompt, sampling), RUNS) > ALPHA
 
 
@@ -92,23 +89,23 @@ def assert_static_tree_sampling_exact(drafter_of) -> None:
         target.lm_head.weight.mul_(0.25)
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
     drafter = drafter_of(target, [(0,), (1,), (0, 0), (1, 0)])
-    counts, deep = sampled_first_three(target, drafter, prompt, sampling)
+    counts, deep = sampled_first(target, drafter, prompt, sampling, 3)
     assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
 
 
-def sampled_first_three(target, drafter, prompt, sampling, copies: int = 10) -> tuple[Counter, int]:
-    """RUNS samples of the first three new tokens after `prompt` [1, P], drawn `copies` rows at a
-    time in one batch (each row its own drafter fork and draws): the joint counts and how many rows
-    accepted a depth-2 path whole in their first round."""
+def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: int = 10) -> tuple[Counter, int]:
+    """RUNS samples of the first `new_tokens` tokens after `prompt` [1, P], drawn `copies` rows at
+    a time in one batch (each row its own drafter fork and draws): the joint counts and how many
+    rows accepted a path of new_tokens - 1 drafts whole in their first round."""
     ids = prompt.repeat(copies, 1)
     counts, deep = Counter(), 0
     for run in range(RUNS // copies):
-        out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run),
+        out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=new_tokens, sampling=sampling, seed=run),
                                    attention_mask=torch.ones_like(ids))
-        for row in out.rows:
+        for row in (out.rows if copies > 1 else [out]):
             counts[tuple(row.new_tokens[0].tolist())] += 1
-            deep += row.accepted_lengths[0] == 3
+            deep += row.accepted_lengths[0] == new_tokens
     return counts, deep
 
 
@@ -131,6 +128,6 @@ def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
         target.lm_head.weight.mul_(lm_scale)
     head = build_head(make_config(kind, target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    counts, deep = sampled_first_three(target, EagleDrafter(head, total_tokens=6, depth=2, top_k=2), prompt, sampling)
+    counts, deep = sampled_first(target, EagleDrafter(head, total_tokens=6, depth=2, top_k=2), prompt, sampling, 3)
     assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
