@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from .heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
+from .heads.io import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -93,12 +94,6 @@ BUILTIN_TARGETS: dict[str, BuiltinTarget] = {
         description="Gemma-3-270M base (gemma3, 18 layers, vocab 262144), from a Q4_K_M GGUF",
     ),
 }
-
-
-def cache_root() -> Path:
-    """drafthead's cache folder: $DRAFTHEAD_CACHE, default ~/.cache/drafthead."""
-    env = os.environ.get("DRAFTHEAD_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "drafthead"
 
 
 def target_cache_dir(key: str) -> Path:

@@ -45,6 +45,13 @@ def drafthead_version() -> str:
 # ----------------------------------------------------------------------------- atomic writes
 
 
+def cache_root() -> Path:
+    """drafthead's cache folder: $DRAFTHEAD_CACHE, default ~/.cache/drafthead (dequantized targets,
+    tokenized data, kernel timings)."""
+    env = os.environ.get("DRAFTHEAD_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "drafthead"
+
+
 def _umask_mode() -> int:
     """The mode a plainly created file gets (0o666 less the umask); mkstemp would give 0o600."""
     mask = os.umask(0)

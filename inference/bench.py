@@ -27,6 +27,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import panel_kernel
+from .machine import cpu_model
 from .cost import sync_device
 from .generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
 from .prompts import Prompt, encode_chat
@@ -442,18 +443,6 @@ def summarize(records: list[dict], settings: BenchSettings) -> dict:
         report["hf_prompt_lookup_speedup"] = report["hf_prompt_lookup_tokens_per_s"] / baseline if baseline else 0.0
         report["hf_prompt_lookup_identical_fraction"] = sum(r["hf_prompt_lookup_identical"] for r in records) / len(records)
     return report
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo; else platform's guess): one machine kind can be
-    several CPUs, with very different multi-token forward costs (docs/cpu-measurements.md)."""
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _settings_record(target, settings: BenchSettings, num_prompts: int) -> dict:

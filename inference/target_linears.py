@@ -18,10 +18,11 @@ linears"), SmolLM2-135M shapes, fp32 weights streaming from memory, microseconds
 
 and on an Intel CPU with AVX-512 the packed kernel beat F.linear from 4 rows on, not at 1.
 
-So it is measured: once per (shape, dtype, threads) and process, at ROW_BUCKETS rows, over the
-target's layers of that shape in turn (so the weights stream from memory as in a forward, not from
-cache), the fastest kernel is kept for each bucket (`calibrate`, `fastest`). A forward with M rows
-uses the choice of the smallest bucket >= M (`kernel_for_rows`, a pure function).
+So it is measured: once per machine, shape, dtype and thread count (kept in the cache folder), at
+ROW_BUCKETS rows, over the target's layers of that shape in turn (so the weights stream from memory
+as in a forward, not from cache), the fastest kernel is kept for each bucket (`calibrate`,
+`fastest`). A forward with M rows uses the choice of the smallest bucket >= M (`kernel_for_rows`,
+a pure function).
 
 Scope: `engine_linears(target)` swaps the dispatching layers in for the duration of our engine's
 calls and puts the target's own `nn.Linear`s back afterwards, so transformers' `generate()`,
@@ -43,28 +44,35 @@ the tests assert with each kernel forced on.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
+import json
 import os
 import time
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..heads.io import atomic_write, cache_root
 from . import panel_kernel
 from .kernels import pack_linear
+from .machine import cpu_model
 
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WIN_MARGIN = 0.9  # another kernel replaces F.linear where it takes under 90% of F.linear's time
 STREAM_BYTES = 64 << 20  # calibrate over at least this many bytes of weights: more than a CPU's cache
+STREAM_ROWS = 32  # up to this many rows a call streams its weight; past it the arithmetic dominates
+CALIBRATION_FILE = "linears-calibration.json"  # under heads.io.cache_root() / "kernels"
 
 
 def kernel_for_rows(rows: int, choices: tuple[str, ...], buckets: tuple[int, ...] = ROW_BUCKETS) -> str:
     """The kernel ('plain', 'packed', 'panel') for a forward over `rows` rows, from the per-bucket
     choice `choices[i]` (bucket i = buckets[i] rows): the smallest bucket >= rows decides; beyond
-    the last bucket, F.linear (large matmuls are MKL's regime)."""
+    the last bucket, F.linear (a prefill's large matmuls are MKL's regime)."""
     i = bisect.bisect_left(buckets, rows)
     if i == len(buckets):
         return "plain"
@@ -81,7 +89,7 @@ def fastest(seconds: dict[str, float], margin: float = WIN_MARGIN) -> str:
     return "plain"
 
 
-def _best_seconds(fn, x: torch.Tensor, layers: list, repeats: int = 2) -> float:
+def _best_seconds(fn, x: torch.Tensor, layers: list, repeats: int) -> float:
     """Seconds of one call, from the best of `repeats` passes over every layer (after a warm-up
     pass: first-call allocations and kernel selection)."""
     best = float("inf")
@@ -94,22 +102,54 @@ def _best_seconds(fn, x: torch.Tensor, layers: list, repeats: int = 2) -> float:
     return best
 
 
-_CALIBRATION: dict[tuple, tuple[str, ...]] = {}
+_CALIBRATION: dict[str, tuple[str, ...]] = {}
+
+
+def _calibration_path() -> Path:
+    return cache_root() / "kernels" / CALIBRATION_FILE
+
+
+def _stored_calibration() -> dict[str, list[str]]:
+    try:
+        return json.loads(_calibration_path().read_text())
+    except (OSError, ValueError):
+        return {}  # none yet, or unreadable: measure again
+
+
+def _store_calibration(key: str, choices: tuple[str, ...]) -> None:
+    """Add one measurement to the file (read again first: another process may have added its own)."""
+    stored = _stored_calibration()
+    stored[key] = list(choices)
+    try:
+        atomic_write(_calibration_path(), lambda tmp: Path(tmp).write_text(json.dumps(stored, indent=1, sort_keys=True)))
+    except OSError:
+        pass  # a read-only home: the process keeps its own measurement
+
+
+def _kernel_source_tag() -> str:
+    return hashlib.sha1(panel_kernel.SOURCE.read_bytes()).hexdigest()[:12]
 
 
 @torch.inference_mode()
 def calibrate(layers: list[dict]) -> tuple[str, ...]:
     """Per ROW_BUCKETS entry, the fastest kernel for layers of one shape. layers: the target's
     layers of that shape, each {'plain': nn.Linear, 'packed': PackedLinear | None, 'panel':
-    PanelLinear | None}; timed over enough of them to stream STREAM_BYTES of weights (once per
-    shape, dtype, panel dtype and thread count in a process)."""
+    PanelLinear | None}. Up to STREAM_ROWS rows, timed over enough of them to stream
+    STREAM_BYTES of weights; past it over two. Measured once per machine (CPU model, torch,
+    threads, shape, dtypes and kernel source) and kept in the cache folder, since timing every
+    bucket of a 135M target takes ~20 s on 2 cores; DRAFTHEAD_CACHE moves that folder."""
     linear = layers[0]["plain"]
     panel = layers[0].get("panel")
-    key = (linear.in_features, linear.out_features, linear.weight.dtype, linear.bias is not None,
-           None if panel is None else panel.panels.dtype, layers[0].get("packed") is not None, torch.get_num_threads())
+    key = json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), linear.in_features, linear.out_features,
+                      str(linear.weight.dtype), linear.bias is not None, None if panel is None else str(panel.panels.dtype),
+                      layers[0].get("packed") is not None, _kernel_source_tag(), ROW_BUCKETS])
     if key not in _CALIBRATION:
+        stored = _stored_calibration().get(key)
+        if stored is not None and len(stored) == len(ROW_BUCKETS):
+            _CALIBRATION[key] = tuple(stored)
+            return _CALIBRATION[key]
         per_layer = linear.weight.numel() * linear.weight.element_size()
-        sample = layers[: max(1, min(len(layers), -(-STREAM_BYTES // per_layer)))]
+        streaming = layers[: max(1, min(len(layers), -(-STREAM_BYTES // per_layer)))]
         kernels = {"plain": lambda k, x: F.linear(x, k["plain"].weight, k["plain"].bias)}
         for name in ("packed", "panel"):
             if layers[0].get(name) is not None:
@@ -117,8 +157,10 @@ def calibrate(layers: list[dict]) -> tuple[str, ...]:
         choices = []
         for rows in ROW_BUCKETS:
             x = torch.randn(rows, linear.in_features, generator=torch.Generator().manual_seed(rows)).to(linear.weight.dtype)
-            choices.append(fastest({name: _best_seconds(fn, x, sample) for name, fn in kernels.items()}))
+            sample, repeats = (streaming, 2) if rows <= STREAM_ROWS else (layers[:2], 1)
+            choices.append(fastest({name: _best_seconds(fn, x, sample, repeats) for name, fn in kernels.items()}))
         _CALIBRATION[key] = tuple(choices)
+        _store_calibration(key, _CALIBRATION[key])
     return _CALIBRATION[key]
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drafthead.inference import panel_kernel
-from drafthead.inference.bench import cpu_model
+from drafthead.inference.machine import cpu_model
 from drafthead.inference.kernels import pack_linear
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576), (576, 49152))  # (in, out)

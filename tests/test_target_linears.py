@@ -18,10 +18,11 @@ TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
 
 
 def test_the_smallest_bucket_at_or_above_the_row_count_decides():
-    choices = ("plain", "plain", "packed", "panel", "panel", "plain", "plain", "packed")  # buckets 1, 2, 4, ... 128
-    assert [kernel_for_rows(r, choices) for r in (1, 2, 3, 4, 5, 16, 17, 33, 64, 65, 128)] == [
-        "plain", "plain", "packed", "packed", "panel", "panel", "plain", "plain", "plain", "packed", "packed"]
-    assert kernel_for_rows(129, choices) == "plain"  # past the last bucket: MKL's regime
+    choices = ("plain", "plain", "packed", "panel", "panel", "plain", "plain", "packed", "panel", "packed")  # 1, 2, 4, ... 512
+    assert [kernel_for_rows(r, choices) for r in (1, 2, 3, 4, 5, 16, 17, 33, 64, 65, 128, 129, 256, 257, 512)] == [
+        "plain", "plain", "packed", "packed", "panel", "panel", "plain", "plain", "plain", "packed", "packed",
+        "panel", "panel", "packed", "packed"]
+    assert ROW_BUCKETS[-1] == 512 and kernel_for_rows(513, choices) == "plain"  # past the last bucket: MKL's regime
     assert kernel_for_rows(4000, ("panel",) * len(ROW_BUCKETS)) == "plain"
 
 
@@ -31,6 +32,21 @@ def test_the_fastest_kernel_must_beat_f_linear_by_the_margin():
     assert fastest({"plain": 1.0, "packed": 0.95}) == "plain"  # a near-tie keeps F.linear
     assert fastest({"plain": 1.0, "panel": 0.89}, margin=0.9) == "panel"
     assert fastest({"plain": 1.0}) == "plain"
+
+
+def test_a_calibration_is_measured_once_per_machine_and_kept_on_disk(tmp_path, monkeypatch):
+    """The second process on this machine reads the first one's measurement from the cache folder."""
+    monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(target_linears, "_CALIBRATION", {})
+    layer = nn.Linear(24, 40)
+    layers = [{"plain": layer, "packed": None, "panel": None}]
+    timed = []
+    monkeypatch.setattr(target_linears, "_best_seconds", lambda fn, x, sample, repeats: timed.append(x.shape[0]) or 1.0)
+    first = target_linears.calibrate(layers)
+    assert first == ("plain",) * len(ROW_BUCKETS) and timed == list(ROW_BUCKETS)
+    assert (tmp_path / "kernels" / target_linears.CALIBRATION_FILE).is_file()
+    monkeypatch.setattr(target_linears, "_CALIBRATION", {})  # a new process: nothing in memory
+    assert target_linears.calibrate(layers) == first and timed == list(ROW_BUCKETS)  # nothing timed again
 
 
 def test_packed_copies_are_made_only_where_they_fit():

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import datasets
 
-from ..targets import cache_root
+from ..heads.io import cache_root
 from .json_records import iter_records
 
 # ShareGPT speakers -> OpenAI roles. Anything else is an unknown role: the turn is dropped and counted.
