@@ -240,12 +240,16 @@ def _build(target: nn.Module) -> dict[str, RowDispatchLinear]:
     F.linear at some row count ({} when the copies would not fit in memory)."""
     named = [(name, m) for name, m in target.named_modules() if type(m) is nn.Linear]
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for _, m in named)
-    # the packed copy and the panels (at most the weight's own size each) exist together until calibrated
-    if not fits_in_memory(2 * weight_bytes, physical_memory_bytes()):
+    # the packed copy and the panels (at most the weight's own size each) exist together until
+    # calibrated; where only one copy fits, the panels alone
+    memory = physical_memory_bytes()
+    if not fits_in_memory(weight_bytes, memory):
         return {}
+    with_packed = fits_in_memory(2 * weight_bytes, memory)
     groups: dict[tuple, list[tuple[str, dict]]] = {}
     for name, module in named:
-        kernels = {"plain": module, "packed": pack_linear(module, rows_hint=16), "panel": _panel_layer(module)}
+        kernels = {"plain": module, "packed": pack_linear(module, rows_hint=16) if with_packed else None,
+                   "panel": _panel_layer(module)}
         shape = (module.in_features, module.out_features, module.bias is not None, module.weight.dtype,
                  None if kernels["panel"] is None else kernels["panel"].panels.dtype)
         groups.setdefault(shape, []).append((name, kernels))

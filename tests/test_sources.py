@@ -166,10 +166,13 @@ def test_regenerate_feeds_own_answers_and_resumes(tmp_path):
     assert ds["id"] == ["a", "b", "c"]
 
 
-@pytest.mark.parametrize("proposer", ["prompt-lookup", "eagle3"])
+@pytest.mark.parametrize("proposer", ["prompt-lookup", "eagle3", "eagle3-policy"])
 def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_path, proposer):
     """fp32 greedy: answering through our batched speculative decoding writes the same records as
-    answering with transformers' generate() (multi-turn, prompts of different lengths per batch)."""
+    answering with transformers' generate() (multi-turn, prompts of different lengths per batch);
+    with the load policy too (`data regenerate --speculative`'s default), on a made-up cost curve
+    under which some rounds draft and some decode plainly."""
+    from drafthead.inference.policy import SpeculationPolicy
     from drafthead.heads.registry import build_head, make_config
     from drafthead.inference.drafters.heads import EagleDrafter
     from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
@@ -178,7 +181,7 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
     tok = tiny_tokenizer()
     target = tiny_causal_lm("llama", vocab=len(tok), layers=4, eos_token_id=tok.eos_token_id,
                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
-    if proposer == "eagle3":
+    if proposer.startswith("eagle3"):
         head = build_head(make_config("eagle3", target, tok, name="tiny"), target).eval()
         drafter = EagleDrafter(head, total_tokens=8, depth=3, top_k=3)
     else:
@@ -188,6 +191,10 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
              for i, text in enumerate(["hi", "tell me a story about a cat", "the the the the"])]
     plain, spec = tmp_path / "plain.jsonl", tmp_path / "spec.jsonl"
     regenerate(target, tok, convs, plain, max_new_tokens=12, batch_size=1, progress=False)
-    report = regenerate(target, tok, convs, spec, max_new_tokens=12, batch_size=3, progress=False, drafter=drafter)
+    policy = SpeculationPolicy(lambda tokens: 1.0 + 0.05 * tokens, probe_every=2) if proposer.endswith("policy") else None
+    report = regenerate(target, tok, convs, spec, max_new_tokens=12, batch_size=3, progress=False, drafter=drafter,
+                        policy=policy)
     assert report.written == 3 and report.turns_answered == 6
     assert spec.read_text() == plain.read_text()
+    if policy is not None:
+        assert 1 in policy.decisions and max(policy.decisions) > 1  # both plain and drafted rounds ran

@@ -134,13 +134,14 @@ def _split_turns(messages: list[dict]) -> tuple[list[dict], list[str]]:
 
 @torch.no_grad()
 def answer(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-           stop_ids: list[int], pad_id: int, drafter=None, seed: int = 0) -> list[tuple[str, bool]]:
+           stop_ids: list[int], pad_id: int, drafter=None, policy=None, seed: int = 0) -> list[tuple[str, bool]]:
     """Batched generation -> [(answer text, ended with a stop token)]: transformers `generate()` with
     left padding, or, given a drafter, our batched speculative decoding (the same answers under
-    greedy, the same distribution under sampling; docs/trees.md "Batches")."""
+    greedy, the same distribution under sampling; docs/trees.md "Batches"), with `policy` (a
+    SpeculationPolicy, inference/policy.py) choosing each round's draft nodes when given."""
     if drafter is not None:
         return _answer_speculative(model, tokenizer, prompts, drafter, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, stop_ids=stop_ids, seed=seed)
+                                   temperature=temperature, top_p=top_p, stop_ids=stop_ids, seed=seed, policy=policy)
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
     device = next(model.parameters()).device
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids)
@@ -159,14 +160,16 @@ def answer(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempera
     return results
 
 
-def _answer_speculative(model, tokenizer, prompts, drafter, *, max_new_tokens, temperature, top_p, stop_ids, seed):
+def _answer_speculative(model, tokenizer, prompts, drafter, *, max_new_tokens, temperature, top_p, stop_ids, seed,
+                        policy=None):
     from ..inference.generate import GenerationConfig, generate_batch
     from ..inference.sampling import SamplingConfig
 
     device = next(model.parameters()).device
     encoded = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"], device=device) for p in prompts]
     sampling = SamplingConfig(temperature=temperature, top_p=top_p) if temperature > 0 else SamplingConfig()
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids), seed=seed)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids), seed=seed,
+                              policy=policy)
     result = generate_batch(model, drafter, encoded, config)
     results = []
     for row in result.rows:
@@ -194,10 +197,12 @@ def regenerate(
     target_name: str | None = None,
     progress: bool = True,
     drafter=None,
+    policy=None,
     share: WorkShare | None = None,
 ) -> RegenerateReport:
     """Re-answer `conversations` ({id, messages}) with `model`; append records to `out_path`.
-    drafter: answer with batched speculative decoding through it (None: transformers `generate()`).
+    drafter: answer with batched speculative decoding through it (None: transformers `generate()`);
+    policy: the load policy that sizes its trees each round (None: its whole trees).
     share: this process's part of a job run by several (train/workshare.py WorkShare; default
     alone); every rank returns the job's report."""
     share = share or WorkShare()
@@ -247,7 +252,7 @@ def regenerate(
                 if not active:
                     break
                 answers = answer(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_p=top_p, stop_ids=stop_ids, pad_id=pad_id, drafter=drafter,
+                                 top_p=top_p, stop_ids=stop_ids, pad_id=pad_id, drafter=drafter, policy=policy,
                                  seed=seed + zlib.crc32(str(batch[0]["id"]).encode()) + k)
                 for i, (text, ended) in zip(active, answers):
                     if not text:

@@ -16,7 +16,8 @@ import argparse
 import json
 import os
 
-from . import _positive_int, add_device_option, add_target_options, load_target_from_args, note, resolve_device
+from . import (_positive_int, add_device_option, add_target_options, load_target_from_args, note, policy_from_args,
+               resolve_device)
 
 
 def add_parser(subparsers) -> None:
@@ -46,6 +47,10 @@ def add_parser(subparsers) -> None:
     q.add_argument("--speculative", action="store_true",
                    help="answer through our batched speculative decoding with the target's shipped head (or --head)")
     q.add_argument("--head", default=None, metavar="DIR", help="with --speculative: this head instead of the shipped one")
+    q.add_argument("--num-draft", choices=("auto", "whole"), default="auto",
+                   help="with --speculative: auto (default), the load policy sizes each round's trees down to plain "
+                        "decoding by the measured forward cost (a whole tree at batch 48 costs more than it "
+                        "gains on a CPU); whole: the head's whole trees every round")
 
     q = sub.add_parser("capture", help="write the target features a run config needs to shards")
     q.add_argument("--config", required=True, help="run config (target, head, data) or preset name")
@@ -103,7 +108,7 @@ def _regenerate(args) -> int:
     say(source_report.summary())
     args.device = _rank_device(args.device, share)
     loaded = load_target_from_args(args)
-    model, drafter = loaded.model, None
+    model, drafter, policy = loaded.model, None, None
     if args.speculative or args.head:
         from ..drafters import default_head_path, load_heads
 
@@ -111,11 +116,13 @@ def _regenerate(args) -> int:
         if head is None:
             raise ValueError(f"--speculative: no head ships for {loaded.name}; pass --head DIR")
         drafter, model = load_heads(head, loaded.model, loaded.tokenizer, target_name=loaded.name)
-        say(f"answering through speculative decoding with the head at {head}")
+        policy = policy_from_args(args, model, drafter)
+        say(f"answering through speculative decoding with the head at {head}"
+            + (", trees sized by the load policy" if policy is not None else ", whole trees"))
     report = regenerate(
         model, loaded.tokenizer, ds, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_p=args.top_p, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns,
-        seed=args.seed, target_name=loaded.name, drafter=drafter, share=share,
+        seed=args.seed, target_name=loaded.name, drafter=drafter, policy=policy, share=share,
     )
     if share.is_main:
         print(f"{args.out}: {report.summary()}")
