@@ -278,9 +278,13 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
             n = p.numel() - 1
             features = None
             if hidden is not None and n > 0:
-                features = select_features(hidden, d.feature_layers, d.needs_last_hidden, slice(0, n), row=b)
+                # an index tensor, not a slice: copies, so that no view keeps the prefill's L + 1
+                # hidden states of the whole padded batch alive while the rows decode
+                positions = torch.arange(n, device=device)
+                features = select_features(hidden, d.feature_layers, d.needs_last_hidden, positions, row=b)
             d.begin(p[None, :-1], features, p[-1:])
             rows.append(_Row(d, p.numel(), n, seen_mask(p[None], vocab) if track_seen else None, int(p[-1])))
+        hidden = out = None  # [B, P, H] x (L + 1): freed before decoding
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         prefill_seconds = time.perf_counter() - start
