@@ -137,14 +137,15 @@ def calibrate(layers: list[dict]) -> tuple[str, ...]:
     PanelLinear | None}. Up to STREAM_ROWS rows, timed over enough of them to stream
     STREAM_BYTES of weights; past it over two. Measured once per machine (CPU model, torch,
     threads, shape, dtypes and kernel source) and kept in the cache folder, since timing every
-    bucket of a 135M target takes ~20 s on 2 cores; DRAFTHEAD_CACHE moves that folder."""
+    bucket of a 135M target takes ~10 s on 2 cores; DRAFTHEAD_CACHE moves that folder, and
+    DRAFTHEAD_RECALIBRATE=1 measures again (a measurement taken while the machine was busy)."""
     linear = layers[0]["plain"]
     panel = layers[0].get("panel")
     key = json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), linear.in_features, linear.out_features,
                       str(linear.weight.dtype), linear.bias is not None, None if panel is None else str(panel.panels.dtype),
                       layers[0].get("packed") is not None, _kernel_source_tag(), ROW_BUCKETS])
     if key not in _CALIBRATION:
-        stored = _stored_calibration().get(key)
+        stored = None if os.environ.get("DRAFTHEAD_RECALIBRATE") == "1" else _stored_calibration().get(key)
         if stored is not None and len(stored) == len(ROW_BUCKETS):
             _CALIBRATION[key] = tuple(stored)
             return _CALIBRATION[key]

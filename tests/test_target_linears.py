@@ -47,6 +47,10 @@ def test_a_calibration_is_measured_once_per_machine_and_kept_on_disk(tmp_path, m
     assert (tmp_path / "kernels" / target_linears.CALIBRATION_FILE).is_file()
     monkeypatch.setattr(target_linears, "_CALIBRATION", {})  # a new process: nothing in memory
     assert target_linears.calibrate(layers) == first and timed == list(ROW_BUCKETS)  # nothing timed again
+    monkeypatch.setattr(target_linears, "_CALIBRATION", {})
+    monkeypatch.setenv("DRAFTHEAD_RECALIBRATE", "1")
+    target_linears.calibrate(layers)
+    assert timed == list(ROW_BUCKETS) * 2  # asked to: timed again
 
 
 def test_packed_copies_are_made_only_where_they_fit():
