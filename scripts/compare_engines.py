@@ -187,6 +187,10 @@ def external_engines(engines: list[str], target: Path, prompts: list[list[int]],
 # ---------------------------------------------------------------------------------------------
 
 
+def _cell(summary: dict, key: str, fmt: str) -> str:
+    return format(summary[key], fmt) if key in summary else "-"
+
+
 def main() -> int:
     args = parse_args()
     if args._vllm_child:
@@ -243,33 +247,36 @@ def main() -> int:
         with torch.inference_mode():
             if "hf" in engines:
                 res, s = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=hf_config))
-                rows.setdefault("transformers generate()", []).append({"tokens": res.shape[1] - ids.shape[1], "seconds": s})
+                rows.setdefault("transformers generate()", []).append(
+                    {"tokens": res.shape[1] - ids.shape[1], "seconds": s, "token_ids": res[0, ids.shape[1]:].tolist()})
             if "ours" in engines:
-                res, s = timed(lambda: speculative_generate(model, RootOnlyDrafter(), ids, config))
-                rows.setdefault("ours, no drafting", []).append({"tokens": res.new_tokens.shape[1], "seconds": s})
-                res, s = timed(lambda: speculative_generate(model, drafter, ids, config))
-                rows.setdefault("ours, shipped head + lookup", []).append(
-                    {"tokens": res.new_tokens.shape[1], "seconds": s, "rounds": res.num_rounds})
-                res, s = timed(lambda: speculative_generate(model, policy_drafter, ids, policy_config))
-                rows.setdefault("ours, load policy", []).append(
-                    {"tokens": res.new_tokens.shape[1], "seconds": s, "rounds": res.num_rounds})
+                for name, run_drafter, run_config in (("ours, no drafting", RootOnlyDrafter(), config),
+                                                      ("ours, shipped head + lookup", drafter, config),
+                                                      ("ours, load policy", policy_drafter, policy_config)):
+                    res, s = timed(lambda: speculative_generate(model, run_drafter, ids, run_config))
+                    rows.setdefault(name, []).append({"tokens": res.new_tokens.shape[1], "seconds": s,
+                                                      "rounds": res.num_rounds, "token_ids": res.new_tokens[0].tolist()})
         if llama is not None:
             add_llama_rows(rows, llama, text, n, args.threads)
     if "vllm" in engines:
         add_vllm_rows(rows, skipped, Path(loaded.path), [ids[0].tolist() for ids in encoded], eos, args, out)
+    reference = rows.get("ours, no drafting")
     summary = {name: {"tokens": sum(r["tokens"] for r in rs), "seconds": sum(r["seconds"] for r in rs)} for name, rs in rows.items()}
     for name, s in summary.items():
         s["tokens_per_s"] = s["tokens"] / s["seconds"]
-        if all("rounds" in r for r in rows[name]):  # tau: tokens emitted per verification forward
+        if all("rounds" in r for r in rows[name]) and name != "ours, no drafting":  # tau: tokens per verify forward
             s["tau"] = s["tokens"] / sum(r["rounds"] for r in rows[name])
+        if reference and all("token_ids" in r for r in rows[name]):  # greedy output equal to ours without drafting
+            s["identical"] = sum(r["token_ids"] == ref["token_ids"] for r, ref in zip(rows[name], reference))
     report = {"settings": vars(args) | {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, "summary": summary,
               "skipped": skipped, "rows": rows}
     (out / "engines.json").write_text(json.dumps(report, indent=1) + "\n")
     rounded = f" with weights rounded to {args.round_weights}" if args.round_weights else ""
     lines = [f"SmolLM2-135M, {args.dtype}{rounded} (llama.cpp {args.llama_dtype or args.dtype}), {args.threads} threads, batch 1, greedy, {len(encoded)} MT-bench first turns, "
-             f"at most {n} new tokens; tokens/s with prefill.", "", "| engine | tokens | tokens/s | tau |", "| --- | ---: | ---: | ---: |"]
-    lines += [f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | {s['tau']:.2f} |" if "tau" in s
-              else f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | - |" for name, s in summary.items()]
+             f"at most {n} new tokens; tokens/s with prefill; identical: prompts whose output equals ours without drafting.",
+             "", "| engine | tokens | tokens/s | tau | identical |", "| --- | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | {_cell(s, 'tau', '.2f')} | {_cell(s, 'identical', 'd')} |"
+              for name, s in summary.items()]
     lines += [f"- skipped {k}: {v}" for k, v in skipped.items()]
     (out / "engines.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
