@@ -2,9 +2,11 @@
 calibration cache) and what every report records."""
 from __future__ import annotations
 
+import functools
 import platform
 
 
+@functools.cache  # read once per process: the CPU does not change under it
 def cpu_model() -> str:
     """The CPU's model name (Linux /proc/cpuinfo; else platform's guess): one machine kind can be
     several CPUs, with very different multi-token forward costs (docs/cpu-measurements.md)."""

@@ -44,6 +44,7 @@ the tests assert with each kernel forced on.
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import itertools
 import json
@@ -126,6 +127,7 @@ def _store_calibration(key: str, choices: tuple[str, ...]) -> None:
         pass  # a read-only home: the process keeps its own measurement
 
 
+@functools.cache  # hashed once per process, not once per shape calibrated
 def _kernel_source_tag() -> str:
     return hashlib.sha1(panel_kernel.SOURCE.read_bytes()).hexdigest()[:12]
 
