@@ -42,7 +42,7 @@ phase() {  # phase NAME COMMAND...: run, then print and record its wall time
     printf '%-12s %5ds  (total %ds)\n' "$name" $((SECONDS - t0)) $((SECONDS - START)) | tee -a "$WORK/times.txt"
 }
 
-phase regenerate "$BIN/drafthead" data regenerate --target smollm2-135m --dtype bfloat16 --threads "$THREADS" \
+phase regenerate "$BIN/drafthead" data regenerate --target smollm2-135m --dtype auto --threads "$THREADS" \
     --source sharegpt --limit "$CONVS" --max-turns 1 --max-prompt-tokens 384 --max-new-tokens "$MAX_NEW" \
     --batch-size 48 --temperature 0 --out "$DATA"
 

@@ -1,0 +1,81 @@
+"""Greedy speculative decoding replayed on a known greedy continuation: a drafter's tau without
+the target's verification rounds (docs/acceptance.md "Replaying greedy rounds").
+
+Greedy speculative output is the target's greedy output (the rule is exact), so once that output
+S = prompt + continuation is known, every round the engine would run is determined by the drafter
+alone: at a pending token at position `pos`, a tree node at depth d stands for position pos + d,
+and the target's argmax there is S[pos + d + 1] for every node whose path matches S, the only
+nodes acceptance ever keeps. One target forward over S gives the features the verifier would
+hand the drafter at accepted positions. The engine's own acceptance rule (`greedy_accept`) picks
+the path, so `replay_greedy` returns the per-round accepted lengths `generate` would, round for
+round, up to floating-point differences between one forward over S and the engine's tree-masked
+forwards (tests/test_replay.py checks them equal on tiny targets).
+
+It costs one target forward per sequence plus the drafting, where a bench costs one target
+forward per round: the 80-prompt x 256-token chain tau of a head takes minutes, not half an hour,
+on a 2-core CPU.
+"""
+from __future__ import annotations
+
+import torch
+
+from .acceptance import greedy_accept
+from .drafter import RoundStats
+from .tree import node_depths
+from .verify import select_features
+
+NO_TOKEN = -1  # the target's argmax past the end of the known continuation: matches no node
+
+
+def sequence_hidden_states(target, sequence: torch.Tensor, drafters) -> tuple[torch.Tensor, ...] | None:
+    """The target's hidden states over `sequence` ([1, T]; all L + 1 of them, [1, T, H] each) when
+    any of `drafters` reads features, else None: one forward serves every drafter replayed on it."""
+    if not any(d.feature_layers or d.needs_last_hidden for d in drafters):
+        return None
+    with torch.inference_mode():
+        return target(input_ids=sequence, output_hidden_states=True).hidden_states
+
+
+def replay_greedy(drafter, sequence: torch.Tensor, prompt_len: int, hidden_states=None) -> list[int]:
+    """Tokens emitted per round (the target's own included) when `drafter` drafts for the greedy
+    decoding whose output is sequence[0, prompt_len:].
+
+    sequence: [1, T] prompt + the target's greedy continuation; hidden_states: the target's
+    `output_hidden_states` over it ([1, T, H] each), needed when the drafter reads features.
+    """
+    if sequence.dim() != 2 or sequence.shape[0] != 1:
+        raise ValueError(f"sequence must be [1, T], got {tuple(sequence.shape)}")
+    total = sequence.shape[1]
+    if not 1 <= prompt_len < total:
+        raise ValueError(f"prompt_len {prompt_len} leaves no continuation in a sequence of {total}")
+    if (drafter.feature_layers or drafter.needs_last_hidden) and hidden_states is None:
+        raise ValueError("this drafter reads target features: pass the target's hidden states over the sequence")
+    device = sequence.device
+    tokens = sequence[0]
+
+    def features(index):
+        return select_features(hidden_states, drafter.feature_layers, drafter.needs_last_hidden, index)
+
+    pos = prompt_len - 1  # the pending token: committed, its K/V not yet in the target's cache
+    drafter.begin(sequence[:, :pos], None if pos == 0 else features(slice(0, pos)), sequence[:, pos])
+    accepted_lengths = []
+    with torch.inference_mode():
+        while True:
+            tree = drafter.propose()
+            depth = node_depths(tree.parents)
+            ahead = pos + 1 + depth  # [N] where each node's argmax points
+            argmax = torch.where(ahead < total, tokens[ahead.clamp(max=total - 1)], torch.full_like(ahead, NO_TOKEN))
+            result = greedy_accept(tree.tokens[0], tree.parents, argmax)
+            remaining = total - (pos + 1)
+            emitted = min(len(result.path), remaining)  # the path's drafts + the target's own token
+            accepted_lengths.append(emitted)
+            if emitted == remaining:  # the continuation is complete: the engine stops without a commit
+                return accepted_lengths
+            path = torch.tensor(result.path, device=device)
+            kept = torch.arange(pos, pos + len(result.path), device=device)  # their positions in the sequence
+            depths = depth[path].tolist()
+            drafter.commit(tree.tokens[:, path], None if hidden_states is None else features(kept),
+                           torch.tensor([result.next_token], device=device),
+                           RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
+                                      depth=int(depth.max()), accepted_depths=depths[1:], path=list(result.path)))
+            pos += len(result.path)

@@ -1,0 +1,133 @@
+"""The same-budget study's heads on all 80 MT-bench first turns x 256 tokens: chain tau, replayed.
+
+    .venv/bin/python scripts/study_bench.py --work runs/study --kinds eagle3,eagle31,peagle,dflash,medusa1 --shipped
+
+scripts/study_same_budget.py trains each kind and benches it at batch 1 on a few prompts. A bench
+of every prompt at 256 tokens would cost about 30 minutes a kind here, nearly all of it target
+forwards, which are the same for every head: greedy speculative output is the target's greedy
+output. So this script decodes each prompt plainly once (our engine, batched, float32: the
+output a batch-1 run gives, README "Batched decoding"), runs the target once over each prompt +
+continuation for its features, and replays every head's rounds on it (inference/replay.py): the
+accepted lengths the engine's rounds would give, without their target forwards.
+
+`--shipped` adds the shipped EAGLE-3 head drafting the same chain (no tree, no lookup nodes):
+the 2.2-hour reference the 7-minute heads stand against.
+
+Writes WORK/greedy-<N>x<T>.json (the continuations, reused by later runs), WORK/bench-80.json
+and WORK/bench-80.md (the table: tau, acceptance per chain position, drafting ms per round).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SHIPPED = "shipped EAGLE-3 (2.2 h)"
+
+
+def per_position_acceptance(accepted_lengths: list[int], chain: int) -> list[float]:
+    """Share of rounds whose chain accepted at least k drafts, for k = 1..chain. An accepted length
+    counts the target's own token too (1: no draft accepted), so position k holds when length > k."""
+    if not accepted_lengths:
+        return [0.0] * chain
+    return [sum(1 for a in accepted_lengths if a > k) / len(accepted_lengths) for k in range(1, chain + 1)]
+
+
+def greedy_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, path: Path) -> list[list[int]]:
+    """Each prompt's greedy continuation by our engine with no drafting, `batch_size` prompts at a
+    time; cached in `path`, which records the settings it was made with."""
+    from drafthead.inference.batch_bench import RootOnlyDrafter
+    from drafthead.inference.generate import GenerationConfig, generate_batch
+    from drafthead.targets import eos_token_ids
+
+    key = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(loaded.model.dtype)}
+    if path.is_file():
+        cached = json.loads(path.read_text())
+        if cached["settings"] == key:
+            return cached["continuations"]
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer))
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        result = generate_batch(loaded.model, RootOnlyDrafter(), prompts[start: start + batch_size], config)
+        out += [row.new_tokens[0].tolist() for row in result.rows]
+        print(f"[greedy] {len(out)}/{len(prompts)} prompts", flush=True)
+    path.write_text(json.dumps({"settings": key, "continuations": out}) + "\n")
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", default="runs/study")
+    p.add_argument("--kinds", default="eagle3,eagle31,peagle,dflash,medusa1")
+    p.add_argument("--shipped", action="store_true", help="also the shipped head, drafting the same chain")
+    p.add_argument("--chain", type=int, default=3, help="the chain length the study's drafting.json files hold")
+    p.add_argument("--prompts", type=int, default=80)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per plain decoding batch")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+
+    from tqdm.auto import tqdm
+
+    from drafthead.drafters import default_head_path, load_heads
+    from drafthead.inference.prompts import encode_chat, load_prompts
+    from drafthead.inference.replay import replay_greedy, sequence_hidden_states
+    from drafthead.targets import load_target
+
+    work = Path(args.work)
+    heads = {kind: work / kind / "final" for kind in args.kinds.split(",") if kind}
+    for kind, path in heads.items():
+        if not (path / "drafting.json").is_file():
+            raise SystemExit(f"{path}: no trained head with its chain drafting.json (run scripts/study_same_budget.py)")
+    loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
+    drafters = {}
+    for kind, path in heads.items():
+        drafter, target = load_heads(path, loaded.model, loaded.tokenizer)
+        if target is not loaded.model:  # Medusa-2 adapts the target: its greedy output is another model's
+            raise SystemExit(f"{kind}: its head changes the target (LoRA); replay it against its own target")
+        drafters[kind] = drafter
+    if args.shipped:
+        drafters[SHIPPED], _ = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer,
+                                          total_tokens=args.chain, depth=args.chain, top_k=1, lookup_nodes=0,
+                                          lookup_streak=0)
+    prompts = [encode_chat(loaded.tokenizer, prompt) for prompt in load_prompts("mt-bench", args.prompts)]
+    continuations = greedy_continuations(loaded, prompts, args.max_new_tokens, args.batch_size,
+                                         work / f"greedy-{args.prompts}x{args.max_new_tokens}.json")
+    accepted = {name: [] for name in drafters}
+    seconds = {name: 0.0 for name in drafters}
+    for prompt, continuation in tqdm(list(zip(prompts, continuations)), desc="replay", unit="prompt"):
+        if not continuation:
+            continue
+        sequence = torch.cat([prompt, torch.tensor([continuation])], dim=1)
+        hidden = sequence_hidden_states(loaded.model, sequence, drafters.values())
+        for name, drafter in drafters.items():
+            start = time.perf_counter()
+            accepted[name] += replay_greedy(drafter, sequence, prompt.shape[1], hidden)
+            seconds[name] += time.perf_counter() - start
+    rows = [{"head": name, "tau": sum(a) / len(a), "rounds": len(a), "tokens": sum(a),
+             "acceptance": per_position_acceptance(a, args.chain), "draft_ms_per_round": 1000 * seconds[name] / len(a)}
+            for name, a in accepted.items()]
+    (work / "bench-80.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1) + "\n")
+    table = markdown(rows, args)
+    (work / "bench-80.md").write_text(table + "\n")
+    print(table)
+    return 0
+
+
+def markdown(rows: list[dict], args) -> str:
+    lines = [f"{args.prompts} MT-bench first turns x {args.max_new_tokens} tokens, float32, a chain of {args.chain} "
+             f"drafts, greedy rounds replayed on the target's own continuations ({rows[0]['tokens']} tokens).", "",
+             "| head | tau | acceptance per position | rounds | drafting ms per round |",
+             "| --- | ---: | --- | ---: | ---: |"]
+    for r in rows:
+        acc = ", ".join(f"{a:.2f}" for a in r["acceptance"])
+        lines.append(f"| {r['head']} | {r['tau']:.2f} | {acc} | {r['rounds']} | {r['draft_ms_per_round']:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

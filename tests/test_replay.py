@@ -1,0 +1,89 @@
+"""Replayed greedy rounds (inference/replay.py) against the engine's own: the same accepted
+lengths, round for round, for trained heads of three drafter families and for prompt lookup."""
+import pytest
+import torch
+
+from drafthead.heads.registry import build_head, make_config
+from drafthead.inference.drafter import DrafterBase
+from drafthead.inference.drafters.parallel import DFlashDrafter
+from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+from drafthead.inference.generate import GenerationConfig, speculative_generate
+from drafthead.inference.replay import replay_greedy, sequence_hidden_states
+from drafthead.inference.tree import DraftTree
+from tests.test_head_drafters import KINDS, make_drafter, self_generated_batch, train_head
+from tests.tiny import repetitive_prompt, tiny_causal_lm
+
+NEW_TOKENS = 30
+
+
+def engine_and_replay(target, new_drafter, prompt):
+    result = speculative_generate(target, new_drafter(), prompt, GenerationConfig(max_new_tokens=NEW_TOKENS))
+    sequence = torch.cat([prompt, result.new_tokens], dim=1)
+    drafter = new_drafter()
+    replayed = replay_greedy(drafter, sequence, prompt.shape[1], sequence_hidden_states(target, sequence, [drafter]))
+    return result.accepted_lengths, replayed
+
+
+def trained_drafter_factory(kind: str, target):
+    if kind == "dflash":  # mask token 95: the tiny models' pad token 2 has a zero embedding row
+        head = build_head(make_config(kind, target, None, name="tiny", block_size=4, mask_token_id=95), target)
+        head = train_head(head, self_generated_batch(target))
+        return lambda: DFlashDrafter(head)
+    head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target,
+                      token_counts=torch.ones(96, dtype=torch.long))
+    head = train_head(head, self_generated_batch(target))
+    return lambda: make_drafter(head)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle", "medusa1", "dflash"])
+def test_replay_matches_the_engine_round_for_round_with_trained_heads(kind):
+    target = tiny_causal_lm("llama", layers=4)
+    new_drafter = trained_drafter_factory(kind, target)
+    seen = []
+    for seed in (100, 101, 7):  # two prompts the head memorised, one it did not
+        engine, replayed = engine_and_replay(target, new_drafter, repetitive_prompt(96, seed=seed)[:, :8])
+        assert replayed == engine, (kind, seed)
+        assert sum(replayed) == NEW_TOKENS
+        seen += replayed
+    assert max(seen) > 1  # the comparison saw accepted drafts, not only plain rounds
+
+
+def test_replay_matches_the_engine_with_prompt_lookup():
+    target = tiny_causal_lm("qwen2", layers=2)
+    engine, replayed = engine_and_replay(target, lambda: PromptLookupDrafter(num_draft=6), repetitive_prompt(96, 24, seed=3))
+    assert replayed == engine
+    assert max(replayed) > 1
+
+
+class ChainOf(DrafterBase):
+    """Drafts `k` tokens of `truth` after its history, each shifted by `offset` (0: always right)."""
+
+    def __init__(self, truth: torch.Tensor, k: int, offset: int = 0):
+        super().__init__()
+        self.truth, self.k, self.offset = truth, k, offset
+
+    def propose(self) -> DraftTree:
+        n = self.history.shape[1]
+        chain = (self.truth[0, n: n + self.k] + self.offset) % 96
+        tokens = torch.cat([self.history[0, -1:], chain])[None]
+        return DraftTree(tokens, torch.arange(-1, chain.numel()))
+
+
+def test_replay_of_always_right_and_always_wrong_chains():
+    sequence = torch.randint(3, 96, (1, 8 + 23), generator=torch.Generator().manual_seed(0))
+    # 23 new tokens: rounds of 3 drafts + the target's token, the last round what is left
+    assert replay_greedy(ChainOf(sequence, 3), sequence, 8) == [4, 4, 4, 4, 4, 3]
+    assert replay_greedy(ChainOf(sequence, 3, offset=1), sequence, 8) == [1] * 23
+
+
+def test_replay_refuses_bad_input():
+    target = tiny_causal_lm("llama", layers=2)
+    head = build_head(make_config("eagle3", target, None, name="tiny", **KINDS["eagle3"]), target,
+                      token_counts=torch.ones(96, dtype=torch.long)).eval()
+    sequence = repetitive_prompt(96, seed=1)
+    with pytest.raises(ValueError, match="reads target features"):
+        replay_greedy(make_drafter(head), sequence, 4)
+    with pytest.raises(ValueError, match=r"must be \[1, T\]"):
+        replay_greedy(PromptLookupDrafter(num_draft=4), sequence.repeat(2, 1), 4)
+    with pytest.raises(ValueError, match="no continuation"):
+        replay_greedy(PromptLookupDrafter(num_draft=4), sequence, sequence.shape[1])
