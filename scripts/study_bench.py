@@ -6,15 +6,16 @@ scripts/study_same_budget.py trains each kind and benches it at batch 1 on a few
 of every prompt at 256 tokens would cost about 30 minutes a kind here, nearly all of it target
 forwards, which are the same for every head: greedy speculative output is the target's greedy
 output. So this script decodes each prompt plainly once (our engine, batched, float32: the
-output a batch-1 run gives, README "Batched decoding"), runs the target once over each prompt +
+output a batch-1 run gives, README "Batches"), runs the target once over each prompt +
 continuation for its features, and replays every head's rounds on it (inference/replay.py): the
 accepted lengths the engine's rounds would give, without their target forwards.
 
 `--shipped` adds the shipped EAGLE-3 head drafting the same chain (no tree, no lookup nodes):
 the 2.2-hour reference the 7-minute heads stand against.
 
-Writes WORK/greedy-<N>x<T>.json (the continuations, reused by later runs), WORK/bench-80.json
-and WORK/bench-80.md (the table: tau, acceptance per chain position, drafting ms per round).
+Writes WORK/greedy-<N>x<T>.json (the continuations, reused by later runs), WORK/bench-80.json,
+WORK/bench-80.md (the table: tau, acceptance per chain position, drafting ms per round) and, with
+the study's WORK/study.json, WORK/bench-80.png (tau against training minutes per kind).
 """
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def greedy_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, 
     config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer))
     out = []
     for start in range(0, len(prompts), batch_size):
-        result = generate_batch(loaded.model, RootOnlyDrafter(), prompts[start: start + batch_size], config)
+        result = generate_batch(loaded.model, RootOnlyDrafter(), [p[0] for p in prompts[start: start + batch_size]], config)
         out += [row.new_tokens[0].tolist() for row in result.rows]
         print(f"[greedy] {len(out)}/{len(prompts)} prompts", flush=True)
     path.write_text(json.dumps({"settings": key, "continuations": out}) + "\n")
@@ -115,7 +116,37 @@ def main(argv=None) -> int:
     table = markdown(rows, args)
     (work / "bench-80.md").write_text(table + "\n")
     print(table)
+    if (work / "study.json").is_file():
+        plot(json.loads((work / "study.json").read_text()), rows, work / "bench-80.png", args)
     return 0
+
+
+def plot(study: list[dict], rows: list[dict], path: Path, args) -> None:
+    """Held-out tau_est against training minutes per kind (study.json), each kind's replayed tau
+    over all prompts as a star at the end of its run, and the shipped head's as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tau = {r["head"]: r["tau"] for r in rows}
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in study:
+        if r["kind"] not in tau:
+            continue
+        xs, ys = zip(*r["eval_curve"]) if r["eval_curve"] else ([], [])
+        (line,) = ax.plot(xs, ys, marker="o", label=f"{r['kind']}: held-out tau_est; star: {tau[r['kind']]:.2f}")
+        ax.scatter([r["train_minutes"]], [tau[r["kind"]]], marker="*", s=160, color=line.get_color())
+    if SHIPPED in tau:
+        ax.axhline(tau[SHIPPED], linestyle="--", color="gray", label=f"{SHIPPED}: {tau[SHIPPED]:.2f}")
+    ax.set_xlabel("training minutes (2 CPU threads)")
+    ax.set_ylabel("tau")
+    ax.set_title(f"tau per CPU-minute; stars: {args.prompts} MT-bench prompts x {args.max_new_tokens}, "
+                 f"chain of {args.chain} (replayed)", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def markdown(rows: list[dict], args) -> str:

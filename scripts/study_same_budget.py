@@ -90,9 +90,10 @@ def pilot_s_step(name: str, preset: str, head: list[str], args) -> float:
 def study_kind(kind: str, args) -> dict:
     preset, head = KINDS[kind]
     work = Path(args.work)
-    fixed = [h for h in head if not h.startswith("head.ttt_ramp")]
-    s_step = pilot_s_step(kind, preset, fixed, args)  # the whole unroll
-    if len(fixed) < len(head):
+    # the pilot times the whole unroll: a ramp's shallow steps would leave it mismeasured
+    fixed = ["head.ttt_ramp=0" if h.startswith("head.ttt_ramp=") else h for h in head]
+    s_step = pilot_s_step(kind, preset, fixed, args)
+    if any(h.startswith("head.ttt_ramp=") and float(h.split("=", 1)[1]) > 0 for h in head):
         # progressive TTT: depth d (1..3) takes RAMP / 3 of the steps, the whole unroll the rest; a
         # depth-1 pilot and linear interpolation price the ramp, so the budget buys its extra steps
         s_one = pilot_s_step(f"{kind}-depth1", preset, [h for h in fixed if not h.startswith("head.ttt_steps")]
