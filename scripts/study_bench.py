@@ -38,6 +38,18 @@ def per_position_acceptance(accepted_lengths: list[int], chain: int) -> list[flo
     return [sum(1 for a in accepted_lengths if a > k) / len(accepted_lengths) for k in range(1, chain + 1)]
 
 
+def kept_hidden_states(target, sequence: torch.Tensor, drafters) -> list | None:
+    """The target's hidden states over `sequence` that any of `drafters` reads, the rest None: the
+    features of every prompt stay in memory for every head (a few layers, not all L + 1)."""
+    from drafthead.inference.replay import sequence_hidden_states
+
+    hidden = sequence_hidden_states(target, sequence, drafters)
+    if hidden is None:
+        return None
+    wanted = {i % len(hidden) for d in drafters for i in d.feature_layers} | {len(hidden) - 1}
+    return [h if i in wanted else None for i, h in enumerate(hidden)]
+
+
 def greedy_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, path: Path) -> list[list[int]]:
     """Each prompt's greedy continuation by our engine with no drafting, `batch_size` prompts at a
     time; cached in `path`, which records the settings it was made with."""
@@ -76,7 +88,7 @@ def main(argv=None) -> int:
 
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.prompts import encode_chat, load_prompts
-    from drafthead.inference.replay import replay_greedy, sequence_hidden_states
+    from drafthead.inference.replay import replay_greedy
     from drafthead.targets import load_target
 
     work = Path(args.work)
@@ -86,36 +98,34 @@ def main(argv=None) -> int:
             raise SystemExit(f"{path}: no trained head with its chain drafting.json (run scripts/study_same_budget.py)")
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
     drafters = {}
+    if args.shipped:
+        drafters[SHIPPED], _ = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer,
+                                          total_tokens=args.chain, depth=args.chain, top_k=1, lookup_nodes=0,
+                                          lookup_streak=0)
     for kind, path in heads.items():
         drafter, target = load_heads(path, loaded.model, loaded.tokenizer)
         if target is not loaded.model:  # Medusa-2 adapts the target: its greedy output is another model's
             raise SystemExit(f"{kind}: its head changes the target (LoRA); replay it against its own target")
         drafters[kind] = drafter
-    if args.shipped:
-        drafters[SHIPPED], _ = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer,
-                                          total_tokens=args.chain, depth=args.chain, top_k=1, lookup_nodes=0,
-                                          lookup_streak=0)
     prompts = [encode_chat(loaded.tokenizer, prompt) for prompt in load_prompts("mt-bench", args.prompts)]
     continuations = greedy_continuations(loaded, prompts, args.max_new_tokens, args.batch_size,
                                          work / f"greedy-{args.prompts}x{args.max_new_tokens}.json")
-    accepted = {name: [] for name in drafters}
-    seconds = {name: 0.0 for name in drafters}
-    for prompt, continuation in tqdm(list(zip(prompts, continuations)), desc="replay", unit="prompt"):
-        if not continuation:
-            continue
-        sequence = torch.cat([prompt, torch.tensor([continuation])], dim=1)
-        hidden = sequence_hidden_states(loaded.model, sequence, drafters.values())
-        for name, drafter in drafters.items():
-            start = time.perf_counter()
-            accepted[name] += replay_greedy(drafter, sequence, prompt.shape[1], hidden)
-            seconds[name] += time.perf_counter() - start
-    rows = [{"head": name, "tau": sum(a) / len(a), "rounds": len(a), "tokens": sum(a),
-             "acceptance": per_position_acceptance(a, args.chain), "draft_ms_per_round": 1000 * seconds[name] / len(a)}
-            for name, a in accepted.items()]
-    (work / "bench-80.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1) + "\n")
-    table = markdown(rows, args)
-    (work / "bench-80.md").write_text(table + "\n")
-    print(table)
+    sequences = [torch.cat([p, torch.tensor([c])], dim=1) for p, c in zip(prompts, continuations) if c]
+    starts = [p.shape[1] for p, c in zip(prompts, continuations) if c]
+    features = [kept_hidden_states(loaded.model, s, drafters.values()) for s in tqdm(sequences, desc="features")]
+    rows = []
+    for name, drafter in drafters.items():  # one head at a time, the table rewritten after each
+        accepted = []
+        start = time.perf_counter()
+        for sequence, prompt_len, hidden in tqdm(list(zip(sequences, starts, features)), desc=name, unit="prompt"):
+            accepted += replay_greedy(drafter, sequence, prompt_len, hidden)
+        rows.append({"head": name, "tau": sum(accepted) / len(accepted), "rounds": len(accepted), "tokens": sum(accepted),
+                     "acceptance": per_position_acceptance(accepted, args.chain),
+                     "draft_ms_per_round": 1000 * (time.perf_counter() - start) / len(accepted)})
+        (work / "bench-80.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1) + "\n")
+        table = markdown(rows, args)
+        (work / "bench-80.md").write_text(table + "\n")
+        print(table, flush=True)
     if (work / "study.json").is_file():
         plot(json.loads((work / "study.json").read_text()), rows, work / "bench-80.png", args)
     return 0

@@ -34,7 +34,8 @@ def add_parser(subparsers) -> None:
     source_options(q)
 
     q = sub.add_parser("regenerate", help="re-answer every user turn with the target itself (resumable)")
-    # auto: where bf16 is emulated (no AVX512-BF16/AMX) a float32 target answered 2.8x faster here
+    # auto: where bf16 is emulated (no AVX512-BF16/AMX) a float32 target answered 2.3x faster
+    # (docs/cpu-measurements.md "Training throughput")
     add_target_options(q, dtype="auto")
     source_options(q)
     q.add_argument("--out", required=True, help="output JSONL (existing ids are skipped)")
