@@ -30,14 +30,6 @@ import torch
 SHIPPED = "shipped EAGLE-3 (2.2 h)"
 
 
-def per_position_acceptance(accepted_lengths: list[int], chain: int) -> list[float]:
-    """Share of rounds whose chain accepted at least k drafts, for k = 1..chain. An accepted length
-    counts the target's own token too (1: no draft accepted), so position k holds when length > k."""
-    if not accepted_lengths:
-        return [0.0] * chain
-    return [sum(1 for a in accepted_lengths if a > k) / len(accepted_lengths) for k in range(1, chain + 1)]
-
-
 def kept_hidden_states(target, sequence: torch.Tensor, drafters) -> list | None:
     """The target's hidden states over `sequence` that any of `drafters` reads, the rest None: the
     features of every prompt stay in memory for every head (a few layers, not all L + 1)."""
@@ -87,6 +79,7 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     from drafthead.drafters import default_head_path, load_heads
+    from drafthead.inference.bench import per_position_acceptance, tau_of
     from drafthead.inference.prompts import encode_chat, load_prompts
     from drafthead.inference.replay import replay_greedy
     from drafthead.targets import load_target
@@ -119,7 +112,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         for sequence, prompt_len, hidden in tqdm(list(zip(sequences, starts, features)), desc=name, unit="prompt"):
             accepted += replay_greedy(drafter, sequence, prompt_len, hidden)
-        rows.append({"head": name, "tau": sum(accepted) / len(accepted), "rounds": len(accepted), "tokens": sum(accepted),
+        rows.append({"head": name, "tau": tau_of(accepted), "rounds": len(accepted), "tokens": sum(accepted),
                      "acceptance": per_position_acceptance(accepted, args.chain),
                      "draft_ms_per_round": 1000 * (time.perf_counter() - start) / len(accepted)})
         (work / "bench-80.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1) + "\n")
