@@ -95,9 +95,25 @@ def test_policy_learns_gains_and_turns_drafting_off_under_steep_cost():
     assert policy.plan(1) > 1
 
 
+class InjectedCosts(SpeculationPolicy):
+    """The policy fed known costs instead of the engine's measured seconds, so what it decides
+    depends on the rule and not on the machine's speed: drafting costs `draft_per_row` seconds a
+    row, everything outside verify and drafting 1 ms."""
+
+    def __init__(self, *args, draft_per_row: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draft_per_row = draft_per_row
+
+    def observe(self, sizes, paths, fixed_seconds, draft_seconds, planned=0):
+        injected = None if draft_seconds is None else self.draft_per_row * len(sizes)
+        super().observe(sizes, paths, 0.001, injected, planned)
+
+
 def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
     """Rows cut to the policy's node count, some rounds plain, some probing: every row is still
-    its own plain greedy output, for a head, a draft model and a merged drafter."""
+    its own plain greedy output, for a head, a draft model and a merged drafter. Costs are injected:
+    on STEEP, drafting costs as much as verifying 16 more tokens, so at batch 6 plain decoding wins
+    once the first probe has been seen, whatever the machine."""
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
                       token_counts=torch.arange(96)).eval()
@@ -107,9 +123,11 @@ def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
         for drafter in (EagleDrafter(head, total_tokens=10, depth=4, top_k=3), DraftModelDrafter(target, num_draft=4),
                         MergedDrafter([EagleDrafter(head, total_tokens=6, depth=3, top_k=2), PromptLookupDrafter(num_draft=4)])):
             for batch, fresh in ((1, True), (6, True), (6, False)):
-                policy = SpeculationPolicy(curve, probe_every=3)
+                cost = 0.0005 if curve is FLAT else 0.05  # seconds a row: cheap on FLAT, dear on STEEP
+                policy = InjectedCosts(curve, probe_every=3, draft_per_row=cost)
                 if not fresh:  # estimates from an earlier run: plain first, the first drafting round mid-sequence
-                    policy = SpeculationPolicy(curve, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7)
+                    policy = InjectedCosts(curve, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7,
+                                           draft_per_row=cost)
                 ids, mask = left_padded(prompts[:batch])
                 config = GenerationConfig(max_new_tokens=30, policy=policy)
                 out = speculative_generate(target, drafter, ids, config, attention_mask=mask)

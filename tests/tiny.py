@@ -3,12 +3,28 @@ from __future__ import annotations
 
 import torch
 from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 FAMILIES = {
@@ -16,6 +32,30 @@ FAMILIES = {
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     # a small window so that tests cross it: the tree mask must apply it
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
+    # q/k norms; head_dim is its own field (default 128), so it is set to hidden / heads
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+    "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # attention sinks, alternating sliding/full layers, MoE; no sdpa in transformers: eager
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM,
+                {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                 "layer_types": None, "attn": "eager"}),
+    # embedding scale, alternating local/global layers with two RoPE bases, final soft-capping
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM,
+               {"head_dim": 8, "sliding_window": 8, "layer_types": "alternate", "final_logit_softcapping": 30.0,
+                "query_pre_attn_scalar": 8}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, {}),  # fused qkv_proj and gate_up_proj
+    # MLA attention (low-rank q and kv, split rope/nope dims) and a routed MoE after a dense layer
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM,
+                    {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                     "v_head_dim": 8, "head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16,
+                     "n_shared_experts": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # MoE on every layer, chunked attention, NoPE layers, q/k norm
+    "llama4": (Llama4TextConfig, Llama4ForCausalLM,
+               {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 64,
+                "attention_chunk_size": 8, "layer_types": None}),
 }
 
 
@@ -29,6 +69,11 @@ def tiny_causal_lm(family: str = "llama", vocab: int = 96, seed: int = 0, layers
     )
     kwargs.update(extra)
     kwargs.update(overrides)
+    attn = kwargs.pop("attn", attn)
+    if kwargs.get("layer_types", ...) is None:  # the family's own pattern, recomputed for `layers`
+        del kwargs["layer_types"]
+    elif kwargs.get("layer_types") == "alternate":  # sliding, full, sliding, ...: tests cross both kinds
+        kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     config = config_cls(**kwargs)
     config._attn_implementation = attn
     torch.manual_seed(seed)
