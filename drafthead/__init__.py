@@ -16,9 +16,9 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_target": "drafthead.targets",
-    "LoadedTarget": "drafthead.targets",
-    "eos_token_ids": "drafthead.targets",
+    "load_target": "drafthead.inference.targets",
+    "LoadedTarget": "drafthead.inference.targets",
+    "eos_token_ids": "drafthead.inference.targets",
     "build_drafter": "drafthead.drafters",
     "speculative_generate": "drafthead.inference.generate",
     "GenerationConfig": "drafthead.inference.generate",

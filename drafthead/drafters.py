@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from .inference.sampling import SamplingConfig
-from .targets import LoadedTarget, load_target
+from .inference.targets import LoadedTarget, load_target
 
 PROPOSERS = ("prompt-lookup", "draft-model", "heads")
 
@@ -116,7 +116,7 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
     from .heads.formats import detect_layout, layout_kind
     from .heads.formats.common import ConventionNeeded
     from .heads.io import CONFIG_NAME, read_json
-    from .inference.drafters.heads import load_head_drafter
+    from .inference.drafters.load import load_head_drafter
 
     layout = detect_layout(head)
     if layout == "ours":

@@ -37,9 +37,14 @@ class HeadFormatError(ValueError):
 
 
 def drafthead_version() -> str:
-    from drafthead import __version__  # one home for the version: drafthead/__init__.py
+    """The installed package's version (one home: drafthead/__init__.py, which pyproject.toml
+    reads); read from the package metadata, so heads/ imports nothing above it."""
+    import importlib.metadata
 
-    return __version__
+    try:
+        return importlib.metadata.version("drafthead")
+    except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+        return "unknown"
 
 
 # ----------------------------------------------------------------------------- atomic writes
@@ -251,19 +256,6 @@ class DraftHeadBase(nn.Module):
         }
         write_json(path / CONFIG_NAME, meta)  # last: the directory is complete once this exists
         return path
-
-    @classmethod
-    def from_pretrained(cls, path, target_model: nn.Module, tokenizer=None, target_name: str | None = None):
-        """Load a head saved by `save_pretrained` onto `target_model` (identity checked).
-
-        Returns the head; for medusa2 use `heads.registry.load_head`, which also returns the
-        adapted target."""
-        from .registry import load_head  # registry imports the head classes
-
-        head, _ = load_head(path, target_model, tokenizer, target_name=target_name)
-        if not isinstance(head, cls):
-            raise HeadFormatError(f"{path} holds a {type(head).__name__}, not a {cls.__name__}")
-        return head
 
 
 # ----------------------------------------------------------------------------- label alignment

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--round-weights", default=None, choices=("bfloat16",),
-                   help="the target's weights rounded to bf16 values (drafthead/targets.py round_to_bfloat16)")
+                   help="the target's weights rounded to bf16 values (inference/targets.py round_to_bfloat16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=256, help="cached tokens before the round")
     p.add_argument("--nodes", default="1,8,17,32")

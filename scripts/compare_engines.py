@@ -42,7 +42,7 @@ def parse_args(argv=None):
                    help="llama.cpp's GGUF type (default: --dtype); each engine can run its own fastest")
     p.add_argument("--round-weights", default=None, choices=("bfloat16",),
                    help="ours and transformers run the target's weights rounded to bf16 values in --dtype: the "
-                        "weights llama.cpp's bf16 GGUF holds (drafthead/targets.py round_to_bfloat16)")
+                        "weights llama.cpp's bf16 GGUF holds (inference/targets.py round_to_bfloat16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="hf,ours,llama.cpp,vllm")
     p.add_argument("--out", default="out/engines")
@@ -208,7 +208,7 @@ def main() -> int:
     from drafthead.inference.generate import GenerationConfig, speculative_generate
     from drafthead.inference.prompts import encode_chat, load_prompts
     from drafthead.inference.sampling import SamplingConfig
-    from drafthead.targets import eos_token_ids, load_target
+    from drafthead.inference.targets import eos_token_ids, load_target
 
     engines = args.engines.split(",")
     out = Path(args.out)

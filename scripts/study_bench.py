@@ -47,7 +47,7 @@ def greedy_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, 
     time; cached in `path`, which records the settings it was made with."""
     from drafthead.inference.batch_bench import RootOnlyDrafter
     from drafthead.inference.generate import GenerationConfig, generate_batch
-    from drafthead.targets import eos_token_ids
+    from drafthead.inference.targets import eos_token_ids
 
     key = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(loaded.model.dtype)}
     if path.is_file():
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     from drafthead.inference.bench import per_position_acceptance, tau_of
     from drafthead.inference.prompts import encode_chat, load_prompts
     from drafthead.inference.replay import replay_greedy
-    from drafthead.targets import load_target
+    from drafthead.inference.targets import load_target
 
     work = Path(args.work)
     heads = {kind: work / kind / "final" for kind in args.kinds.split(",") if kind}

@@ -28,10 +28,10 @@ def launch(name: str, processes: int, overrides: list[str], out: Path) -> Path:
     env = dict(os.environ, WANDB_MODE="disabled", ACCELERATE_USE_CPU="1")
     args = ["--config", overrides[0], *overrides[1:], f"output_dir={run_dir}"]
     if processes == 1:
-        cmd = [sys.executable, "-m", "drafthead.train", *args, "threads=2"]
+        cmd = [sys.executable, "-m", "drafthead", "train", *args, "threads=2"]
     else:
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "drafthead.train", *args, "threads=1"]
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "drafthead", "train", *args, "threads=1"]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, env=env, check=True)
     return run_dir

@@ -23,7 +23,7 @@ from drafthead.inference.bench import (
 from drafthead.inference.prompts import Prompt
 from drafthead.inference.report import format_table, plot_report, render_markdown
 from drafthead.inference.sampling import SamplingConfig
-from drafthead.targets import eos_token_ids, load_target
+from drafthead.inference.targets import eos_token_ids, load_target
 
 # -- pure metrics ------------------------------------------------------------------------------
 

@@ -95,7 +95,7 @@ def two_process_runs(tiny_run_inputs):
 
 
 def test_ddp_and_fsdp_end_with_the_weights_of_one_process(two_process_runs, tiny_run_inputs):
-    from drafthead.targets import load_target
+    from drafthead.inference.targets import load_target
 
     tmp, target, chats = tiny_run_inputs
     threads = torch.get_num_threads()
@@ -133,10 +133,10 @@ def test_fsdp_rank_killed_after_a_checkpoint_resumes_bit_equal(two_process_runs,
     tmp, target, chats = tiny_run_inputs
     run = tmp / "killed-fsdp"
     overrides = [f"{k}={v}" for k, v in dict(KILLED_RUN, target=target, **{"data.path": chats}, output_dir=run, threads=1).items()]
-    cmd = LAUNCH + ["-m", "drafthead.train", "--config", str(REPO / "configs" / "tiny-eagle3.yaml"), *overrides]
+    cmd = LAUNCH + ["-m", "drafthead", "train", "--config", str(REPO / "configs" / "tiny-eagle3.yaml"), *overrides]
 
     def a_rank(proc):  # one of the two training processes under the launcher
-        ranks = [p for p in descendants(proc.pid) if b"drafthead.train" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        ranks = [p for p in descendants(proc.pid) if b"drafthead\x00train" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(ranks) >= 2, ranks
         return ranks[-1]
 
@@ -167,7 +167,7 @@ def test_sigkill_mid_run_resumes_bit_equal(tmp_path, tiny_run_inputs, precision)
         settings["mixed_precision"] = precision
     run = tmp_path / "killed"
     overrides = [f"{k}={v}" for k, v in dict(settings, target=target, **{"data.path": chats}, output_dir=run, threads=1).items()]
-    cmd = [sys.executable, "-m", "drafthead.train", "--config", str(REPO / "configs" / "tiny-eagle3.yaml"), *overrides]
+    cmd = [sys.executable, "-m", "drafthead", "train", "--config", str(REPO / "configs" / "tiny-eagle3.yaml"), *overrides]
     killed = run_until_checkpoint(cmd, run, env_for(tmp_path), 3, lambda proc: proc.pid)
     assert killed.returncode == -signal.SIGKILL
 

@@ -141,7 +141,7 @@ def test_best_static_tree_prefers_likely_paths():
 def test_drafting_json_sets_defaults_and_rejects_unknown_keys(tmp_path):
     import json
 
-    from drafthead.inference.drafters.heads import load_head_drafter
+    from drafthead.inference.drafters.load import load_head_drafter
     from drafthead.inference.drafters.merged import MergedDrafter
 
     target = tiny_causal_lm("llama", layers=4)

@@ -10,7 +10,7 @@ from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.generate import GenerationConfig, speculative_generate
 from drafthead.inference.prompts import encode_chat, load_prompts
-from drafthead.targets import eos_token_ids, load_target
+from drafthead.inference.targets import eos_token_ids, load_target
 
 pytestmark = pytest.mark.slow
 

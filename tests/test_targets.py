@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from drafthead.targets import (
+from drafthead.inference.targets import (
     CACHE_MARKER,
     LoadedTarget,
     TargetError,

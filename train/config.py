@@ -9,6 +9,8 @@ options have one home.
 """
 from __future__ import annotations
 
+import importlib.resources
+
 import dataclasses
 import types
 import typing
@@ -18,12 +20,13 @@ from typing import Any
 
 import yaml
 
-from ..targets import DTYPES
+from ..inference.targets import DTYPES
 
 DTYPE_NAMES = tuple(DTYPES)
 
-# Presets live in the repository's configs/ folder (one home for run settings).
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs"
+# Presets live in the repository's configs/ folder (one home for run settings), installed as the
+# data package drafthead.configs (pyproject.toml), so a preset name works from any folder.
+PRESET_DIR = Path(str(importlib.resources.files("drafthead.configs")))
 
 SCHEDULES = ("cosine", "linear", "constant")
 MIXED_PRECISION = ("no", "bf16", "fp16", "auto")  # auto: bf16 where the hardware runs it natively (train/trainer.py)
@@ -103,7 +106,7 @@ class LoraConfig:
 
 @dataclass
 class TrainConfig:
-    target: str = "smollm2-135m"  # built-in name or local folder (drafthead.targets.load_target)
+    target: str = "smollm2-135m"  # built-in name or local folder (drafthead.inference.targets.load_target)
     target_dtype: str = "float32"  # dtype the target is loaded in; auto: bfloat16 where native, else float32
     head: dict = field(default_factory=lambda: {"kind": "medusa1"})  # {kind, ...} -> heads/config.py
     data: DataConfig = field(default_factory=DataConfig)

@@ -33,7 +33,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..heads.batch import FeatureBatch
-from ..targets import resolve_dtype
+from ..inference.targets import resolve_dtype
 from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"

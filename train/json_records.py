@@ -1,17 +1,16 @@
 """JSON arrays and JSON lines read incrementally, record by record (docs/models-and-data.md
 "Data formats and streaming"): memory stays at about one record, a file cut mid-record (the
 ShareGPT package file) keeps every complete record before the cut, and the cut is noted in the
-caller's SourceReport (train/sources.py).
+caller's SourceReport (train/source_report.py).
 """
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, TextIO
+from typing import Any, Iterator, TextIO
 
-if TYPE_CHECKING:
-    from .sources import SourceReport
+from .source_report import SourceReport
 
 _SEPARATOR = re.compile(r"[\s,]*")
 _CHUNK = 1 << 20  # characters the JSON decoders read at a time

@@ -175,7 +175,7 @@ def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenize
 
 def run_training(config: TrainConfig, *, resume: bool = False, say: Callable[[str], None] = print) -> TrainResult:
     """Load the target named by the config on this process's device, build, train."""
-    from ..targets import load_target
+    from ..inference.targets import load_target
 
     accelerator = make_accelerator(config)
     loaded = load_target(config.target, dtype=config.target_dtype, device=accelerator.device, threads=config.threads)

@@ -129,7 +129,7 @@ def resolve_device(device: str | None) -> str:
 
 
 def load_target_from_args(args):
-    from ..targets import load_target
+    from ..inference.targets import load_target
 
     resolve_dtype_arg(args)
     return load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), threads=args.threads,
@@ -139,7 +139,7 @@ def load_target_from_args(args):
 def resolve_dtype_arg(args) -> str:
     """--dtype auto becomes the dtype it stands for on this device (in place), so every later
     message and report names the dtype that ran."""
-    from ..targets import resolve_dtype
+    from ..inference.targets import resolve_dtype
 
     args.dtype = str(resolve_dtype(args.dtype, resolve_device(args.device))).removeprefix("torch.")
     return args.dtype

@@ -44,7 +44,7 @@ def run(args) -> int:
     from ..inference.bench import BenchSettings, run_bench
     from ..inference.prompts import load_prompts
     from ..inference.report import format_table, plot_report, render_markdown
-    from ..targets import eos_token_ids
+    from ..inference.targets import eos_token_ids
 
     prompts = load_prompts(args.dataset, args.limit)  # before the model: bad input fails fast
     sampling = sampling_from_args(args)

@@ -134,7 +134,7 @@ def _regenerate(args) -> int:
 def _capture(args) -> int:
     from tqdm.auto import tqdm
 
-    from ..targets import load_target
+    from ..inference.targets import load_target
     from ..train.config import load_config
     from ..train.run import capture_from_config
 

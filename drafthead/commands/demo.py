@@ -36,7 +36,7 @@ def run(args) -> int:
     from ..inference.bench import BenchSettings, run_bench
     from ..inference.prompts import Prompt
     from ..inference.sampling import SamplingConfig
-    from ..targets import eos_token_ids
+    from ..inference.targets import eos_token_ids
 
     note(f"loading {args.target} ({resolve_dtype_arg(args)}, {args.threads} threads); the first run dequantizes it (~20 s)")
     loaded = load_target_from_args(args)

@@ -31,7 +31,7 @@ def run(args) -> int:
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     target_model = None
     if args.target is not None:
-        from ..targets import load_target
+        from ..inference.targets import load_target
 
         target_model = load_target(args.target).model
     out = export_head(args.head_dir, args.out, args.format, dtype=dtype, target_model=target_model)

@@ -62,7 +62,7 @@ def run(args) -> int:
 
     from ..inference.generate import GenerationConfig, speculative_generate
     from ..inference.prompts import Prompt, PromptError, encode_chat
-    from ..targets import eos_token_ids
+    from ..inference.targets import eos_token_ids
 
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")

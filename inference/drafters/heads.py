@@ -14,14 +14,9 @@ from typing import Sequence
 
 import torch
 
-from ...heads.formats import detect_layout, import_head
-from ...heads.registry import load_head
 from ..cache import crop
-from ..cost import best_node_count, measure_verify_cost, sync_device
+from ..cost import best_node_count, sync_device
 from ..drafter import RoundStats, TargetFeatures
-from ..target_linears import dispatch_linears
-from .merged import MergedDrafter
-from .prompt_lookup import PromptLookupDrafter
 from ..tree import DraftTree, best_first, select_top_nodes, tree_from_choices
 
 
@@ -364,40 +359,3 @@ def drafting_defaults(path: Path, family: str) -> dict:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
     check_drafting_keys(settings, family, str(file))
     return settings
-
-
-def load_head_drafter(path, target_model, tokenizer, target_name: str | None = None, **options):
-    """Load a head folder for `target_model` and wrap it in the matching drafter.
-
-    Options override the folder's `drafting.json`. lookup_nodes > 0 merges that many
-    prompt-lookup nodes into every tree (MergedDrafter): n-gram continuations catch the text a
-    model repeats, where a head is least sure; lookup_streak > lookup_nodes lets a continuation
-    that was wholly accepted come back that long next round (PromptLookupDrafter.streak_draft).
-    Returns (drafter, target): a Medusa-2 head carries a LoRA adapter merged into the target,
-    and that adapted target is the one whose output the speculative path reproduces.
-    """
-    if detect_layout(path) == "ours":
-        head, target = load_head(Path(path), target_model, tokenizer, target_name=target_name)
-    else:  # a published layout (vLLM, speculators, upstream EAGLE/Medusa...), read exactly or refused
-        head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
-    head.eval()
-    dispatch_linears(head)  # draft steps multiply a few rows by every head weight (inference/target_linears.py)
-    family = {"medusa1": "medusa", "medusa2": "medusa", "hydra": "hydra", "peagle": "peagle", "dflash": "dflash"}.get(head.kind, "eagle")
-    given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
-    check_drafting_keys(given, family, f"{head.kind} drafter options")
-    settings = {**drafting_defaults(Path(path), family), **given}
-    lookup_nodes = settings.pop("lookup_nodes", 0)
-    lookup_streak = settings.pop("lookup_streak", None)
-    if family == "eagle" and settings.get("total_tokens") == "auto":
-        # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
-        settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
-    from .parallel import DFlashDrafter, ParallelDrafter  # parallel.py builds on EagleDrafter, defined here
-
-    drafters = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter, "peagle": ParallelDrafter,
-                "dflash": DFlashDrafter}
-    drafter = drafters[family](head, **settings)
-    if lookup_nodes > 0:
-        lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes, streak_draft=lookup_streak)
-        # the lookup drafter caps its own tree (lookup_nodes, or lookup_streak on a streak)
-        drafter = MergedDrafter([drafter, lookup], extra_nodes=None)
-    return drafter, target

@@ -100,7 +100,7 @@ def setup(consumer: str) -> None:
 @functools.lru_cache(maxsize=1)
 def smollm2():
     """SmolLM2-135M in float32, loaded once for the whole run (every check reads the same target)."""
-    from drafthead.targets import load_target
+    from drafthead.inference.targets import load_target
 
     return load_target("smollm2-135m")
 

@@ -21,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from .heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
-from .heads.io import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
+from ..heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
+from ..heads.io import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
