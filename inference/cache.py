@@ -63,10 +63,6 @@ def cache_kwargs(model, cache) -> dict:
 _CACHE_ARG: dict[type, str] = {}
 
 
-def cache_length(cache: Cache) -> int:
-    return int(cache.get_seq_length())
-
-
 def _layers(cache: Cache):
     layers = getattr(cache, "layers", None)
     if layers is None:

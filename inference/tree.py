@@ -194,15 +194,6 @@ def retrieve_indices(parents: torch.Tensor) -> torch.Tensor:
     return out.to(parents.device)
 
 
-def path_to(parents: torch.Tensor, node: int) -> list[int]:
-    """Node indices from the root to `node`, inclusive."""
-    p = parents.tolist()
-    path = [node]
-    while p[path[-1]] >= 0:
-        path.append(p[path[-1]])
-    return path[::-1]
-
-
 def reindex_parents(parents: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """Parents of the sub-tree made of nodes `keep` (closed under ancestors, parents first), renumbered."""
     new_index = torch.full_like(parents, -1)
