@@ -1,4 +1,4 @@
-"""`drafthead train --plan TARGET_CONFIG`: per-rank memory of a run for targets this machine
+"""`drafthead train --plan TARGET_CONFIG`: per-rank memory of a run for targets the machine at hand
 cannot hold, with the target and the head built on the meta device (shapes, no weights).
 
 Per rank, for N ranks (docs/scaling.md has the model and what was run versus only planned):

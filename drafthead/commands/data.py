@@ -34,7 +34,7 @@ def add_parser(subparsers) -> None:
     source_options(q)
 
     q = sub.add_parser("regenerate", help="re-answer every user turn with the target itself (resumable)")
-    # auto: where bf16 is emulated (no AVX512-BF16/AMX) a float32 target answered 2.3x faster
+    # auto: float32 where bf16 is emulated (no AVX512-BF16/AMX), which answers faster there
     # (docs/cpu-measurements.md "Training throughput")
     add_target_options(q, dtype="auto")
     source_options(q)
