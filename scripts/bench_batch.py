@@ -4,7 +4,7 @@ head's fixed tree and the load policy (`--num-draft auto`), in one run, batch by
     .venv/bin/python scripts/bench_batch.py --batch-sizes 1,2,4,8,16 --limit 16 --max-new-tokens 128 \
         --dtype bfloat16 --out out/batch
 
-writes out/batch/batch.json, batch.md (the table) and batch.png (the plot README shows).
+writes out/batch/batch.json, batch.md (the table) and batch.png (the plot docs/results.md shows).
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ scripts/study_same_budget.py trains each kind and benches it at batch 1 on a few
 of every prompt at 256 tokens would cost about 30 minutes a kind here, nearly all of it target
 forwards, which are the same for every head: greedy speculative output is the target's greedy
 output. So this script decodes each prompt plainly once (our engine, batched, float32: the
-output a batch-1 run gives, README "Batches"), runs the target once over each prompt +
+output a batch-1 run gives, docs/cli.md "Batches"), runs the target once over each prompt +
 continuation for its features, and replays every head's rounds on it (inference/replay.py): the
 accepted lengths the engine's rounds would give, without their target forwards.
 

@@ -1,4 +1,4 @@
-"""Head kinds at the same training budget: tau per CPU-minute (README "Head types at the same budget").
+"""Head kinds at the same training budget: tau per CPU-minute (docs/results.md, head kinds at the same budget).
 
     .venv/bin/python scripts/study_same_budget.py --work runs/study --minutes 7 \
         --kinds eagle3,eagle31,peagle,dflash,medusa1 --prompts 8 --max-new-tokens 128

@@ -8,7 +8,7 @@
 #      and a lower peak lr (CONTINUE_STEPS=0 skips it)
 #   6. save the final head in bf16 with its drafting settings (`--ship`: into heads/pretrained)
 #
-#   scripts/train_eagle3_smollm2.sh --quick    # ~30 min here, regeneration included (README "Training")
+#   scripts/train_eagle3_smollm2.sh --quick    # ~30 min on 2 cores, regeneration included (docs/training.md)
 #   scripts/train_eagle3_smollm2.sh --ship     # the shipped head (~2.2 h): see heads/pretrained/README.md
 #   CONVS=600 EXTRA=600 STEPS=150 scripts/train_eagle3_smollm2.sh   # any other size
 # Regeneration resumes (answered ids are skipped); capture and training restart from disk.
@@ -68,7 +68,7 @@ if (( CONTINUE_STEPS > 0 )); then
 fi
 
 phase export "$BIN/drafthead" export "$FINAL" --format ours --dtype bfloat16 --out "$WORK/head-bf16"
-# drafter settings measured best for this head on this machine (bench sweep, README "Results")
+# drafter settings measured best for this head (bench sweep, heads/pretrained/README.md)
 cp configs/drafting/smollm2-135m-eagle3.json "$WORK/head-bf16/drafting.json"
 echo "head: $WORK/head-bf16   wall time: $((SECONDS - START)) s"
 if [[ "$MODE" == "--ship" ]]; then
