@@ -468,7 +468,7 @@ def _settings_record(target, settings: BenchSettings, num_prompts: int) -> dict:
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         # our CPU kernel for the target's linears (inference/panel_kernel.py), or why it is off
-        "panel_kernel": "available" if panel_kernel.available() else panel_kernel.why_unavailable(),
+        "panel_kernel": "available" if panel_kernel.enabled() else panel_kernel.why_unavailable(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if param.device.type == "cuda":

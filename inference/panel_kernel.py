@@ -5,8 +5,9 @@ The kernel (inference/csrc/panel_linear.cpp) stores a weight [N, K] as column pa
 read as bf16, half the bytes of fp32. docs/cpu-measurements.md "Panel linears" has why and what it
 measured. It is compiled on first use with torch's C++ extension builder (a C++ compiler and
 ninja; ~30 s once, cached under ~/.cache/torch_extensions) and only on x86-64 CPUs with AVX2 and
-FMA. Where it cannot be built or loaded, `available()` says why and the engine keeps the other
-kernels (inference/target_linears.py); nothing else changes. DRAFTHEAD_PANEL_KERNEL=0 turns it off.
+FMA. Where it cannot be built or loaded, `why_unavailable()` says why and the engine keeps the other
+kernels (inference/target_linears.py); nothing else changes. DRAFTHEAD_PANEL_KERNEL=0 keeps the
+engine off it (`enabled()`); `load()` still builds it, so its own tests run with the switch off too.
 """
 from __future__ import annotations
 
@@ -46,15 +47,12 @@ def _ensure_ninja_on_path() -> None:
 
 
 def load() -> bool:
-    """Build (first time) and load the kernel; False when it is unavailable (`why()` says why)."""
+    """Build (first time) and load the kernel; False when this CPU or toolchain cannot
+    (`why_unavailable()` says why). The switch plays no part here: see `enabled()`."""
     with _lock:
         if "ok" in _state:
             return bool(_state["ok"])
-        why = None
-        if os.environ.get(ENV_SWITCH, "1") == "0":
-            why = f"{ENV_SWITCH}=0"
-        else:
-            why = _cpu_supports()
+        why = _cpu_supports()
         if why is None:
             try:
                 from torch.utils.cpp_extension import load as build
@@ -69,11 +67,19 @@ def load() -> bool:
         return why is None
 
 
-def available() -> bool:
-    return load()
+def switched_off() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") == "0"
+
+
+def enabled() -> bool:
+    """Whether the engine may dispatch to the kernel: not switched off, and it loads."""
+    return not switched_off() and load()
 
 
 def why_unavailable() -> str:
+    """Why `enabled()` is False ('' when it is True)."""
+    if switched_off():
+        return f"{ENV_SWITCH}=0"
     load()
     return str(_state["why"])
 

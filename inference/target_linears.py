@@ -233,7 +233,7 @@ def fits_in_memory(extra_bytes: int, total_bytes: int | None, share: float = MEM
 
 def _panel_layer(module: nn.Linear):
     weight = module.weight
-    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not panel_kernel.available():
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16) or not panel_kernel.enabled():
         return None
     return panel_kernel.PanelLinear(module)
 

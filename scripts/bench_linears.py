@@ -37,7 +37,7 @@ def kernels_for(weights: list[torch.Tensor]) -> dict[str, list]:
     packed = [pack_linear(layer, rows_hint=16) for layer in linears]
     if all(p is not None for p in packed):
         found["oneDNN packed"] = packed
-    if panel_kernel.available():
+    if panel_kernel.enabled():
         found["panels fp32"] = [panel_kernel.PanelLinear(layer) for layer in linears]
         rounded = []
         for layer in linears:

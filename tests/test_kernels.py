@@ -27,7 +27,8 @@ def force(monkeypatch):
     timings say."""
     def _force(kernel: str) -> None:
         if kernel == "panel":
-            assert panel_kernel.available(), panel_kernel.why_unavailable()
+            assert panel_kernel.load(), panel_kernel.why_unavailable()
+            monkeypatch.setenv(panel_kernel.ENV_SWITCH, "1")  # forced on, even in a run with the switch off
         monkeypatch.setattr(target_linears, "calibrate", lambda layers: (kernel,) * len(ROW_BUCKETS))
     return _force
 
@@ -78,7 +79,7 @@ def test_packed_float32_linear_is_close_and_autograd_falls_back_to_the_plain_ker
 
 
 def test_a_panel_linear_under_autograd_runs_f_linear():
-    assert panel_kernel.available(), panel_kernel.why_unavailable()
+    assert panel_kernel.load(), panel_kernel.why_unavailable()
     torch.manual_seed(2)
     linear = nn.Linear(40, 24)
     panel = panel_kernel.PanelLinear(linear)

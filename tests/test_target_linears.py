@@ -64,7 +64,8 @@ def _everywhere(monkeypatch, kernel: str) -> None:
     """Every layer takes `kernel` at every measured row count, whatever this CPU's timings say, so
     the tests exercise that path on tiny shapes too."""
     if kernel == "panel":
-        assert panel_kernel.available(), panel_kernel.why_unavailable()
+        assert panel_kernel.load(), panel_kernel.why_unavailable()
+        monkeypatch.setenv(panel_kernel.ENV_SWITCH, "1")  # forced on, even in a run with the switch off
     monkeypatch.setattr(target_linears, "calibrate", lambda layers: (kernel,) * len(ROW_BUCKETS))
 
 
@@ -157,7 +158,7 @@ def test_packed_copies_follow_an_in_place_weight_change(packed_everywhere):
 
 
 def test_panels_are_the_weight_column_blocks_k_major_and_zero_padded():
-    assert panel_kernel.available(), panel_kernel.why_unavailable()
+    assert panel_kernel.load(), panel_kernel.why_unavailable()
     w = torch.randn(37, 5)
     panels = panel_kernel.pack(w)
     assert panels.shape == (3, 5, 16)  # ceil(37 / 16) panels
@@ -173,7 +174,7 @@ def test_panels_are_the_weight_column_blocks_k_major_and_zero_padded():
 @pytest.mark.parametrize("out_features,in_features,bias", [(37, 29, True), (16, 8, False), (5, 3, True), (96, 130, False)])
 def test_panel_linear_equals_a_float64_matmul(out_features, in_features, bias, weight_dtype, x_dtype):
     """Rows 1..13 and 40 cross the 6-row tiles; N = 37 and 5 leave partial panels."""
-    assert panel_kernel.available(), panel_kernel.why_unavailable()
+    assert panel_kernel.load(), panel_kernel.why_unavailable()
     g = torch.Generator().manual_seed(out_features * in_features)
     w = torch.randn(out_features, in_features, generator=g).to(weight_dtype)
     b = torch.randn(out_features, generator=g) if bias else None
@@ -191,7 +192,7 @@ def test_panel_linear_equals_a_float64_matmul(out_features, in_features, bias, w
 
 
 def test_panel_linear_refuses_mismatched_shapes():
-    assert panel_kernel.available(), panel_kernel.why_unavailable()
+    assert panel_kernel.load(), panel_kernel.why_unavailable()
     panels = panel_kernel.pack(torch.randn(20, 8))
     with pytest.raises(RuntimeError, match="features"):
         panel_kernel.panel_linear(torch.randn(3, 9), panels, None, 20)
