@@ -117,13 +117,13 @@ OUR_SIDE = ("ours speculative", "transformers generate()")
 
 
 def _external(engines, args, loaded, prompts, settings, report) -> dict:
-    """The same prompts through llama.cpp / vLLM (scripts/compare_engines.py, which a source checkout
+    """The same prompts through llama.cpp / vLLM (scripts/interop/compare_engines.py, which a source checkout
     has): tokens/s with prefill, as ours are counted, beside our own plain and speculative."""
     import importlib.util
 
     from ..inference.prompts import encode_chat
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "compare_engines.py"
+    script = Path(__file__).resolve().parents[2] / "scripts" / "interop" / "compare_engines.py"
     if not script.is_file():
         raise ValueError(f"--compare {' / '.join(engines)} needs a drafthead source checkout ({script} is missing)")
     spec = importlib.util.spec_from_file_location("compare_engines", script)

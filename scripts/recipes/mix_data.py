@@ -3,8 +3,8 @@
 EAGLE-3 learns the target's own distribution at every position (soft targets from the target's
 LM head), so original answers still teach it; they add diversity at no generation cost.
 
-    python scripts/mix_data.py REGEN.jsonl OUT.jsonl --extra 1300 --skip 1500
-    python scripts/mix_data.py REGEN.jsonl OUT2.jsonl --extra 1300 --skip 1500 --answers REGEN_EXTRA.jsonl
+    python scripts/recipes/mix_data.py REGEN.jsonl OUT.jsonl --extra 1300 --skip 1500
+    python scripts/recipes/mix_data.py REGEN.jsonl OUT2.jsonl --extra 1300 --skip 1500 --answers REGEN_EXTRA.jsonl
 
 `--answers` swaps in the target's own answers to the mixed-in prompts (`data regenerate` run on
 the first mix's extras, ids kept). Order and count stay those of the first mix, so a run with the

@@ -1,6 +1,6 @@
 """The target's round forward by engine setting and node count, timed in one process.
 
-    .venv/bin/python scripts/bench_round_forward.py --target smollm2-135m --dtype float32 \
+    .venv/bin/python scripts/studies/bench_round_forward.py --target smollm2-135m --dtype float32 \
         --context 256 --nodes 1,8,17,32 --repeats 15 --out out/round-forward.json
 
 One verification round as the engine runs it (forward_trees over a chain of N nodes after

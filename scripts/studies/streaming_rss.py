@@ -15,7 +15,7 @@ and on a --small-mb file of the same records, for comparison:
   list:     `read_conversations`, every normalised row as Python objects (what the non-streaming
             path held before it wrote through `datasets`)
 
-    python scripts/streaming_rss.py --gb 1.5 --samples 3000 --small-mb 40
+    python scripts/studies/streaming_rss.py --gb 1.5 --samples 3000 --small-mb 40
 
 The file goes to --dir (default /tmp) and is deleted at the end unless --keep.
 """

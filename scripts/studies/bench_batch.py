@@ -1,7 +1,7 @@
 """Tokens/s against batch size: plain batched generate(), our engine with no drafting, the shipped
 head's fixed tree and the load policy (`--num-draft auto`), in one run, batch by batch interleaved.
 
-    .venv/bin/python scripts/bench_batch.py --batch-sizes 1,2,4,8,16 --limit 16 --max-new-tokens 128 \
+    .venv/bin/python scripts/studies/bench_batch.py --batch-sizes 1,2,4,8,16 --limit 16 --max-new-tokens 128 \
         --dtype bfloat16 --out out/batch
 
 writes out/batch/batch.json, batch.md (the table) and batch.png (the plot docs/results.md shows).

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Reproducible recipe for the EAGLE-3 head of smollm2-135m on a 2-core CPU:
 #   1. self-distillation: the target re-answers ShareGPT first turns (its own distribution)
-#   2. mix in original ShareGPT first turns (scripts/mix_data.py)
+#   2. mix in original ShareGPT first turns (scripts/recipes/mix_data.py)
 #   3. capture the target's features once (low/mid/high layers + final state) to disk
 #   4. train EAGLE-3 on them (training-time test), bf16 autocast, 2 threads
 #   5. continue training from that head (`init_from`, same seed so the same eval split) with a fresh warmup
 #      and a lower peak lr (CONTINUE_STEPS=0 skips it)
 #   6. save the final head in bf16 with its drafting settings (`--ship`: into heads/pretrained)
 #
-#   scripts/train_eagle3_smollm2.sh --quick    # ~30 min on 2 cores, regeneration included (docs/training.md)
-#   scripts/train_eagle3_smollm2.sh --ship     # the shipped head (~2.2 h): see heads/pretrained/README.md
-#   CONVS=600 EXTRA=600 STEPS=150 scripts/train_eagle3_smollm2.sh   # any other size
+#   scripts/recipes/train_eagle3_smollm2.sh --quick    # ~30 min on 2 cores, regeneration included (docs/training.md)
+#   scripts/recipes/train_eagle3_smollm2.sh --ship     # the shipped head (~2.2 h): see heads/pretrained/README.md
+#   CONVS=600 EXTRA=600 STEPS=150 scripts/recipes/train_eagle3_smollm2.sh   # any other size
 # Regeneration resumes (answered ids are skipped); capture and training restart from disk.
 # Each phase's wall time is printed and appended to $WORK/times.txt.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 MODE=${1:-}
 if [[ "$MODE" == "--quick" ]]; then
     # sized to fit 30 minutes on 2 cores: ~7 min regeneration, ~6 min capture, ~15 min training
@@ -46,7 +46,7 @@ phase regenerate "$BIN/drafthead" data regenerate --target smollm2-135m --dtype 
     --source sharegpt --limit "$CONVS" --max-turns 1 --max-prompt-tokens 384 --max-new-tokens "$MAX_NEW" \
     --batch-size 48 --temperature 0 --out "$DATA"
 
-phase mix "$BIN/python" scripts/mix_data.py "$DATA" "$WORK/mix.jsonl" --extra "$EXTRA" --skip "${EXTRA_SKIP:-1500}"
+phase mix "$BIN/python" scripts/recipes/mix_data.py "$DATA" "$WORK/mix.jsonl" --extra "$EXTRA" --skip "${EXTRA_SKIP:-1500}"
 
 OVERRIDES=(data.source=json "data.path=$WORK/mix.jsonl" data.limit=null "data.max_length=$MAX_LEN" data.eval_size=48
            "features.path=$WORK/features" "threads=$THREADS")

@@ -1,6 +1,6 @@
 """Training tokens/s on this machine for 1 and 2 processes, and where a step's time goes.
 
-    .venv/bin/python scripts/train_throughput.py --out out/train-throughput --steps 8 --log-every 2 \
+    .venv/bin/python scripts/studies/train_throughput.py --out out/train-throughput --steps 8 --log-every 2 \
         --max-length 256 --precision auto --target-dtype auto grad_accum=1
 
 Runs the same short EAGLE-3 run (SmolLM2 target, ShareGPT, online features) as one process with
@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PHASES = ("data", "target", "head", "backward", "optimizer")
 
 

@@ -1,6 +1,6 @@
 """Our engine beside the engines a CPU user would pick instead, on the same prompts in one run.
 
-    .venv/bin/python scripts/compare_engines.py --prompts 80 --max-new-tokens 128 --out out/engines
+    .venv/bin/python scripts/interop/compare_engines.py --prompts 80 --max-new-tokens 128 --out out/engines
 
 Batch 1, greedy, the first turns of MT-bench rendered with the target's chat template (token ids
 as inference/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and thread count for all:
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 INTEROP = ROOT / "scripts" / "interop"
 VLLM_PY = ROOT / ".venv-interop" / "vllm" / "bin" / "python"
 

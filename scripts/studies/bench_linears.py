@@ -1,6 +1,6 @@
 """The CPU kernels our engine picks from for a linear layer, timed by row count on this machine.
 
-    .venv/bin/python scripts/bench_linears.py --rows 1,4,16,32 --threads 2
+    .venv/bin/python scripts/studies/bench_linears.py --rows 1,4,16,32 --threads 2
 
 For each SmolLM2-135M shape (576 -> 1536, 1536 -> 576, 576 -> 576 and the LM head 576 -> 49152):
 F.linear (MKL in fp32), the oneDNN-packed weight (inference/kernels.py), and our panel kernel

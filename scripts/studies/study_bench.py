@@ -1,8 +1,8 @@
 """The same-budget study's heads on all 80 MT-bench first turns x 256 tokens: chain tau, replayed.
 
-    .venv/bin/python scripts/study_bench.py --work runs/study --kinds eagle3,eagle31,peagle,dflash,medusa1 --shipped
+    .venv/bin/python scripts/studies/study_bench.py --work runs/study --kinds eagle3,eagle31,peagle,dflash,medusa1 --shipped
 
-scripts/study_same_budget.py trains each kind and benches it at batch 1 on a few prompts. A bench
+scripts/studies/study_same_budget.py trains each kind and benches it at batch 1 on a few prompts. A bench
 of every prompt at 256 tokens would cost about 30 minutes a kind here, nearly all of it target
 forwards, which are the same for every head: greedy speculative output is the target's greedy
 output. So this script decodes each prompt plainly once (our engine, batched, float32: the
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     heads = {kind: work / kind / "final" for kind in args.kinds.split(",") if kind}
     for kind, path in heads.items():
         if not (path / "drafting.json").is_file():
-            raise SystemExit(f"{path}: no trained head with its chain drafting.json (run scripts/study_same_budget.py)")
+            raise SystemExit(f"{path}: no trained head with its chain drafting.json (run scripts/studies/study_same_budget.py)")
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
     drafters = {}
     if args.shipped:

@@ -1,10 +1,10 @@
 """Head kinds at the same training budget: tau per CPU-minute (docs/results.md, head kinds at the same budget).
 
-    .venv/bin/python scripts/study_same_budget.py --work runs/study --minutes 7 \
+    .venv/bin/python scripts/studies/study_same_budget.py --work runs/study --minutes 7 \
         --kinds eagle3,eagle31,peagle,dflash,medusa1 --prompts 8 --max-new-tokens 128
 
 Needs, under --work, the captured features of one mixed chat file (`features/`, `mix.jsonl`: what
-scripts/train_eagle3_smollm2.sh's regenerate / mix / capture phases write; every kind reads the
+scripts/recipes/train_eagle3_smollm2.sh's regenerate / mix / capture phases write; every kind reads the
 EAGLE-3 capture, which holds layers 2, 15, 27 and the final state). For each kind:
 
   1. pilot: a few steps to measure seconds per optimizer step on this machine;
@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = ROOT / ".venv" / "bin"
 
 RAMP = 0.5
