@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import HeadConfig, config_from_dict
+from .outdir import umask
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -54,9 +55,7 @@ def cache_root() -> Path:
 
 def _umask_mode() -> int:
     """The mode a plainly created file gets (0o666 less the umask); mkstemp would give 0o600."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+    return 0o666 & ~umask()
 
 
 def atomic_write(path: Path, write) -> None:

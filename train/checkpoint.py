@@ -7,6 +7,7 @@
         rng.pt                  python / numpy / torch / cuda RNG states of every process (list by rank)
         scaler.pt               fp16 grad scaler state (only with mixed_precision=fp16)
         trainer_state.json      step, data position (epoch, batch index, sampler seed), world size
+        run_config.json         the run config that wrote it (what `--resume` compares against)
     output_dir/checkpoints/latest  name of the newest complete checkpoint
 
 A checkpoint is written into a temp folder and renamed into place, then `latest` is replaced
@@ -31,6 +32,7 @@ CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
+RUN_CONFIG_FILE = "run_config.json"
 
 
 @dataclass
@@ -81,6 +83,7 @@ def save_checkpoint(
     *,
     scaler_state: dict | None = None,
     keep: int = 2,
+    config: dict | None = None,
 ) -> Path:
     """Write one checkpoint atomically; keep the newest `keep`. Returns its folder."""
     root = checkpoint_root(output_dir)
@@ -96,6 +99,8 @@ def save_checkpoint(
     torch.save(rng_states, tmp / "rng.pt")
     if scaler_state is not None:
         torch.save(scaler_state, tmp / "scaler.pt")
+    if config is not None:
+        (tmp / RUN_CONFIG_FILE).write_text(json.dumps(config, indent=1))
     (tmp / STATE_FILE).write_text(json.dumps(state.to_dict(), indent=1))
     if final.exists():  # same step written again (a resumed run re-reaching it): replace
         shutil.rmtree(final)
@@ -150,3 +155,17 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         rng_states=load("rng.pt"),
         scaler_state=load("scaler.pt") if (path / "scaler.pt").exists() else None,
     )
+
+
+def saved_run_config(path: str | Path, fallback: str | Path | None = None) -> dict | None:
+    """The run config that wrote the checkpoint at `path` (its RUN_CONFIG_FILE), else the YAML at
+    `fallback` (the run's config.yaml, for checkpoints older than RUN_CONFIG_FILE), else None.
+    Reads no tensors: cheap enough to check a resume before the target loads."""
+    import yaml
+
+    own = Path(path) / RUN_CONFIG_FILE
+    if own.exists():
+        return json.loads(own.read_text())
+    if fallback is not None and Path(fallback).exists():
+        return yaml.safe_load(Path(fallback).read_text()) or None
+    return None

@@ -340,3 +340,53 @@ def head_config_dict(config: TrainConfig) -> dict:
     except ValueError as e:
         raise ConfigError(f"head: {e}") from None
     return {k: v for k, v in config.head.items() if k != "kind"}
+
+
+# ----------------------------------------------------------------------------------------------
+# What a resume may change
+# ----------------------------------------------------------------------------------------------
+
+# Fields a `--resume` may change: how the run is watched, saved and how long it goes. Every other
+# field (data, features, batch, optimizer and schedule, target, head, LoRA, seed, init_from)
+# decides what the checkpoint's weights and optimizer state mean, so a change is refused
+# (docs/reliability.md "Resume"). A longer or shorter run stretches the LR schedule to the new end.
+RESUME_MAY_CHANGE = ("max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches",
+                     "log_every", "report_to", "wandb_project", "run_name", "threads", "output_dir")
+
+
+def flatten(data: dict, prefix: str = "") -> dict:
+    """{'data': {'path': p}} -> {'data.path': p}; the head section is flattened too."""
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def resume_changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
+    """(refused, applied): the fields that differ between the config a checkpoint was written
+    with (`saved`) and this run's (`now`), as 'key: old -> new' lines, split by RESUME_MAY_CHANGE
+    (a field's top-level name decides). A field missing on one side counts as changed."""
+    a, b = flatten(saved), flatten(now)
+    refused, applied = [], []
+    for key in sorted(set(a) | set(b), key=lambda k: (k.split(".")[0], k)):
+        old, new = a.get(key, "<unset>"), b.get(key, "<unset>")
+        if old != new:
+            (applied if key.split(".")[0] in RESUME_MAY_CHANGE else refused).append(f"{key}: {old!r} -> {new!r}")
+    return refused, applied
+
+
+def check_resume(saved: dict | None, config: TrainConfig, where: str) -> list[str]:
+    """The applied changes of a resume from the checkpoint at `where`, whose config is `saved`
+    (None: unknown, nothing to compare); a change of meaning raises ConfigError with the diff."""
+    if saved is None:
+        return []
+    refused, applied = resume_changes(saved, config.to_dict())
+    if refused:
+        raise ConfigError(
+            f"--resume: {where} was written with another config; these fields change what the run means: "
+            + "; ".join(refused) + ". Resume with the saved values, or start a new phase from a saved head: "
+            "init_from=HEAD_DIR output_dir=NEW_DIR")
+    return applied

@@ -16,7 +16,7 @@ import argparse
 import json
 import os
 
-from . import (_positive_int, add_device_option, add_target_options, load_target_from_args, note, policy_from_args,
+from . import (_positive_int, add_device_option, add_overwrite_option, add_target_options, load_target_from_args, note, policy_from_args,
                resolve_device)
 
 
@@ -65,6 +65,7 @@ def add_parser(subparsers) -> None:
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
     q.add_argument("--chats", type=_positive_int, default=200)
     q.add_argument("--seed", type=int, default=0)
+    add_overwrite_option(q)
 
 
 def run(args) -> int:
@@ -157,9 +158,8 @@ def _capture(args) -> int:
 
 
 def _tiny(args) -> int:
-    from ..train.tiny import save_tiny_target, write_tiny_jsonl
+    from ..train.tiny import CHATS_FILE, save_tiny_target
 
-    folder = save_tiny_target(args.out, seed=args.seed)
-    chats = write_tiny_jsonl(folder / "chats.jsonl", args.chats, seed=args.seed)
-    print(f"tiny target in {folder}, {args.chats} chats in {chats}")
+    folder = save_tiny_target(args.out, seed=args.seed, chats=args.chats, overwrite=args.overwrite)
+    print(f"tiny target in {folder}, {args.chats} chats in {folder / CHATS_FILE}")
     return 0

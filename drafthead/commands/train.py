@@ -8,11 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import add_overwrite_option, parse_with_overrides
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="a YAML run config or a preset name (configs/NAME.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. lr=3e-4 data.limit=2000 head.num_heads=3")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in output_dir; its config must agree, except logging, "
+                             "eval and checkpoint cadence, max_steps/epochs and wandb (docs/reliability.md)")
+    add_overwrite_option(parser)
     parser.add_argument("--plan", default=None, metavar="CONFIG_JSON",
                         help="do not train: print per-rank memory under DDP and FSDP for this target config.json "
                              "(e.g. configs/targets/llama-3.1-8b.json), built on the meta device")
@@ -37,7 +42,7 @@ def run(args) -> int:
         print(plan_table(config, args.plan, tuple(int(r) for r in args.ranks.split(","))))
         return 0
     try:
-        result = run_training(config, resume=args.resume)
+        result = run_training(config, resume=args.resume, overwrite=args.overwrite)
     except NonFiniteLossError as e:
         print(f"drafthead train: {e}", file=sys.stderr)
         return 1
@@ -56,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m drafthead.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_with_overrides(parser, argv)
     try:
         return run(args)
     except EXPECTED_ERRORS as e:

@@ -1,0 +1,219 @@
+"""Bad inputs and faults a user can cause, through the CLI's main in-process: each gets one line
+and exit code 2 (or a refusal to overwrite), and nothing already on disk changes. The table of
+cases is docs/reliability.md; each row names its test here.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from drafthead import cli
+from drafthead.heads import build_head, make_config
+from drafthead.heads.outdir import fresh_folder
+from drafthead.train.checkpoint import RUN_CONFIG_FILE, latest_checkpoint
+from drafthead.train.config import check_resume, resume_changes
+from drafthead.train.trainer import Trainer, TrainData
+from test_trainer import DummyHead, config, random_samples
+from tests.tiny import tiny_causal_lm
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def tree_hash(path: Path) -> str:
+    """Every file's relative path and bytes under `path` (or the file itself), hashed: equal hashes
+    mean nothing on disk changed."""
+    path = Path(path)
+    digest = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*"))
+    for p in files:
+        digest.update(str(p.relative_to(path.parent)).encode())
+        if p.is_file():
+            digest.update(p.read_bytes())
+    return digest.hexdigest()
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    code = cli.main([str(a) for a in argv])
+    return code, capsys.readouterr().err
+
+
+def assert_refused(code: int, err: str, *fragments: str) -> str:
+    """Exit 2, one `drafthead: error:` line holding every fragment, no traceback."""
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert lines and lines[-1].startswith("drafthead: error: "), err
+    assert "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[-1], lines[-1]
+    return lines[-1]
+
+
+def unchanged(*paths):
+    """Context: hash `paths` before and after the block and assert every one is the same."""
+    class Guard:
+        def __enter__(self):
+            self.before = [tree_hash(p) for p in paths]
+
+        def __exit__(self, *exc):
+            if exc[0] is None:
+                assert [tree_hash(p) for p in paths] == self.before, "something on disk changed"
+
+    return Guard()
+
+
+def medusa_head_dir(folder: Path) -> Path:
+    """A saved medusa1 head on a tiny target (no target needed to export it)."""
+    target = tiny_causal_lm("llama", vocab=64, layers=2, hidden=32)
+    head = build_head(make_config("medusa1", target, None, name="tiny", num_heads=2), target)
+    return head.save_pretrained(folder)
+
+
+def trained_run(tmp_path, **kw) -> tuple[Path, Path]:
+    """A DummyHead run stopped after 2 steps with a checkpoint (tests/test_trainer.py's config),
+    and a YAML of its config for the CLI. Returns (output_dir, yaml path)."""
+    cfg = config(tmp_path, max_steps=4, checkpoint_every=2, eval_every=0, **kw)
+    Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False, stop_after_steps=2)
+    saved = tmp_path / "run.yaml"
+    saved.write_text(yaml.safe_dump(cfg.to_dict()))
+    return Path(cfg.output_dir), saved
+
+
+# ---------------------------------------------------------------------------------------------- no silent overwrite
+
+
+def test_fresh_folder_appears_whole_or_not_at_all(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        with fresh_folder(out) as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            raise KeyboardInterrupt
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # no temp folder left either
+    out.mkdir()
+    (out / "stale.bin").write_bytes(b"old")
+    with pytest.raises(ValueError, match="--overwrite"):
+        with fresh_folder(out):
+            pass
+    with fresh_folder(out, overwrite=True) as tmp:
+        (tmp / "new.bin").write_bytes(b"new")
+    assert sorted(p.name for p in out.iterdir()) == ["new.bin"]  # the stale file went with the old folder
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_train_refuses_a_finished_run_without_checkpoints(tmp_path, capsys):
+    """Issue 28 case 1: output_dir holds final/ and logs but no checkpoint (checkpoint_every=0)."""
+    cfg = config(tmp_path, max_steps=2, checkpoint_every=0, eval_every=0)
+    Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False)
+    out = Path(cfg.output_dir)
+    assert (out / "final").is_dir() and latest_checkpoint(out) is None
+    saved = tmp_path / "run.yaml"
+    saved.write_text(yaml.safe_dump(cfg.to_dict()))
+    with unchanged(out):
+        for extra in ([], ["--resume"]):
+            assert_refused(*run_cli(capsys, "train", "--config", saved, *extra), "no checkpoint to resume", "--overwrite")
+
+
+def test_train_overwrite_replaces_the_old_run(tmp_path):
+    cfg = config(tmp_path, max_steps=2, checkpoint_every=0, eval_every=0, log_every=1)
+    Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False)
+    (Path(cfg.output_dir) / "stale.txt").write_text("old")
+    Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False, overwrite=True)
+    out = Path(cfg.output_dir)
+    assert not (out / "stale.txt").exists()
+    starts = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r.get("event") == "start" for r in starts) == 1  # one run's log, not two
+
+
+def test_export_refuses_a_non_empty_folder_and_overwrite_leaves_no_stale_file(tmp_path, capsys):
+    """Issue 28 cases 4 and 7: an export over an earlier one, whose stale files would be read."""
+    head = medusa_head_dir(tmp_path / "head")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"an earlier export")
+    with unchanged(out, head):
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", out), str(out), "--overwrite")
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", head), "source folder itself")
+    code, err = run_cli(capsys, "export", head, "--format", "medusa", "--out", out, "--overwrite")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "medusa_lm_head.pt"]
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_import_refuses_an_existing_head_and_its_own_source(tmp_path, capsys):
+    """Issue 28 cases 5 and 6; refused before the target loads (--target names no model)."""
+    head = medusa_head_dir(tmp_path / "head")
+    src = tmp_path / "upstream"
+    assert run_cli(capsys, "export", head, "--format", "medusa", "--out", src)[0] == 0
+    with unchanged(src, head):
+        assert_refused(*run_cli(capsys, "import", src, "--out", head, "--target", "nothing"), str(head), "--overwrite")
+        assert_refused(*run_cli(capsys, "import", src, "--out", src, "--target", "nothing"), "source folder itself")
+
+
+def test_tiny_target_refuses_a_non_empty_folder_and_ctrl_c_leaves_nothing(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "tiny"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with unchanged(out):
+        assert_refused(*run_cli(capsys, "data", "tiny-target", "--out", out), "--overwrite")
+
+    import drafthead.train.tiny as tiny
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tiny, "write_tiny_jsonl", interrupted)  # Ctrl-C while the chats are written
+    fresh = tmp_path / "fresh"
+    code, err = run_cli(capsys, "data", "tiny-target", "--out", fresh, "--chats", "3")
+    assert code == 130 and "interrupted" in err
+    assert not fresh.exists()
+    with unchanged(out):
+        assert run_cli(capsys, "data", "tiny-target", "--out", out, "--overwrite")[0] == 130
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny"]  # no temp folder left
+
+
+# ---------------------------------------------------------------------------------------------- resume checks
+
+
+def test_resume_changes_rule():
+    saved = {"lr": 0.001, "log_every": 10, "data": {"path": "a.jsonl", "limit": None}, "head": {"kind": "medusa1"}}
+    now = {"lr": 0.1, "log_every": 1, "data": {"path": "b.jsonl", "limit": None}, "head": {"kind": "medusa1"}}
+    refused, applied = resume_changes(saved, now)
+    assert refused == ["data.path: 'a.jsonl' -> 'b.jsonl'", "lr: 0.001 -> 0.1"]
+    assert applied == ["log_every: 10 -> 1"]
+    assert resume_changes(saved, saved) == ([], [])
+
+
+@pytest.mark.parametrize("override,field", [("lr=0.1", "lr: 0.03 -> 0.1"), ("batch_size=2", "batch_size: 4 -> 2"),
+                                            ("data.path=other.jsonl", "data.path: None -> 'other.jsonl'")])
+def test_resume_refuses_a_change_of_meaning(tmp_path, capsys, override, field):
+    """Issue 28 cases 2 and 3; the override comes after --resume (argparse order)."""
+    out, saved = trained_run(tmp_path)
+    with unchanged(out):
+        line = assert_refused(*run_cli(capsys, "train", "--config", saved, "--resume", override), field, "init_from")
+    assert "unrecognized" not in line
+
+
+def test_resume_applies_and_logs_allowed_changes(tmp_path):
+    out, saved = trained_run(tmp_path)
+    cfg = config(tmp_path, max_steps=6, checkpoint_every=2, eval_every=0, log_every=1)
+    result = Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False, resume=True)
+    assert result.state.step == 6  # the new max_steps ran
+    assert yaml.safe_load((out / "config.yaml").read_text())["max_steps"] == 6  # the saved config says what ran
+    events = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e.get("event") == "resume"]
+    assert resumed and "max_steps: 4 -> 6" in resumed[-1]["changed_settings"]
+    assert json.loads((latest_checkpoint(out) / RUN_CONFIG_FILE).read_text())["max_steps"] == 6
+    bad = config(tmp_path, max_steps=6, checkpoint_every=2, eval_every=0, log_every=1, lr=0.5)
+    with pytest.raises(ValueError, match="lr: 0.03 -> 0.5"):
+        check_resume(cfg.to_dict(), bad, "here")
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
+    out, saved = trained_run(tmp_path)
+    with unchanged(out):
+        assert_refused(*run_cli(capsys, "train", "--config", saved, "--resume", "--overwrite"), "pass one")
