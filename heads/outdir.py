@@ -1,7 +1,7 @@
 """Output folders that appear whole or not at all, and never replace a user's files silently.
 
-Every command that writes a folder (train's output_dir, export, import, data capture, the tiny
-target) goes through here (docs/reliability.md):
+Every command that writes an output (train's output_dir, export, import, data capture and
+regenerate, the tiny target) goes through here (docs/reliability.md):
 
     check_output(out, overwrite=args.overwrite)        # refuse a non-empty folder up front
     with fresh_folder(out, overwrite=...) as tmp:      # write into tmp, a sibling of out
@@ -54,6 +54,17 @@ def check_distinct(src: str | os.PathLike, out: str | os.PathLike, what: str = "
         raise OutputExistsError(f"{what} {out} is the source folder itself: write to another folder")
 
 
+def clear_output(path: str | os.PathLike) -> None:
+    """Delete the file or folder at `path` (nothing there: nothing to do). For the outputs that are
+    their own resumable work (a training run, a capture, a regeneration): they live under their
+    own name while being written, so `--overwrite` clears the old one when the command starts."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 @contextlib.contextmanager
 def fresh_folder(path: str | os.PathLike, *, overwrite: bool = False, what: str = "output") -> Iterator[Path]:
     """Yield an empty temp folder beside `path`; when the block ends normally, it becomes `path`.
@@ -89,10 +100,7 @@ def _swap_in(new: Path, path: Path) -> None:
     except BaseException:
         os.rename(old, path)  # put the user's folder back
         raise
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink()
+    clear_output(old)
 
 
 def umask() -> int:

@@ -217,3 +217,41 @@ def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
     out, saved = trained_run(tmp_path)
     with unchanged(out):
         assert_refused(*run_cli(capsys, "train", "--config", saved, "--resume", "--overwrite"), "pass one")
+
+
+# ---------------------------------------------------------------------------------------------- data commands
+
+
+def test_regenerate_refuses_a_file_it_did_not_write(tmp_path, capsys):
+    """--out pointed at the user's own data file: refused before the target loads."""
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 3)
+    with unchanged(chats):
+        assert_refused(*run_cli(capsys, "data", "regenerate", "--target", "nothing", "--source", "json", "--path", chats,
+                                "--out", chats), "not a `data regenerate` output", "--overwrite")
+
+
+def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, tiny_llama_dir):
+    """Issue 28: a target that answers nothing wrote 0 records and exited 0."""
+    import drafthead.train.regenerate as regenerate
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 2)
+    monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [("", True)] * len(prompts))
+    out = tmp_path / "regen.jsonl"
+    code, err = run_cli(capsys, "data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats,
+                        "--out", out, "--max-new-tokens", "2", "--batch-size", "2")
+    assert_refused(code, err, "no record written", "empty_answers=2")
+    assert not out.exists()
+
+
+def test_capture_refuses_a_folder_that_holds_no_capture(tmp_path, capsys):
+    cfg = config(tmp_path)
+    saved = tmp_path / "run.yaml"
+    saved.write_text(yaml.safe_dump(cfg.to_dict()))
+    out = tmp_path / "features"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with unchanged(out):
+        assert_refused(*run_cli(capsys, "data", "capture", "--config", saved, "--out", out), "holds no capture", "--overwrite")

@@ -37,6 +37,7 @@ from ..targets import resolve_dtype
 from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"
+CAPTURE_PLAN = "capture.json"  # the settings of a capture in progress (a rerun continues it)
 FORMAT_VERSION = 1
 
 
@@ -195,7 +196,7 @@ def capture_features(
         "batch_size": batch_size,
         "meta": meta or {},
     }
-    plan_file = out_dir / "capture.json"
+    plan_file = out_dir / CAPTURE_PLAN
     if plan_file.exists() and json.loads(plan_file.read_text()) != plan:
         raise ValueError(f"{out_dir} holds a capture with different settings ({plan_file}); use another --out")
     if share.is_main:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import shutil
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -27,7 +26,7 @@ from torch import nn
 
 from ..heads.batch import FeatureBatch
 from ..heads.io import shifted_labels
-from ..heads.outdir import OVERWRITE_FLAG, OutputExistsError, fresh_folder, is_empty
+from ..heads.outdir import OVERWRITE_FLAG, OutputExistsError, clear_output, fresh_folder, is_empty
 from .checkpoint import (
     Checkpoint,
     TrainState,
@@ -466,8 +465,8 @@ class Trainer:
         check_output_dir(out, existing, resume=resume, overwrite=overwrite)
         if overwrite:
             acc.wait_for_everyone()  # every process has checked before the folder goes
-            if acc.is_main_process and out.exists():
-                shutil.rmtree(out)
+            if acc.is_main_process:
+                clear_output(out)
             acc.wait_for_everyone()
             return None, []
         if not resume or existing is None:
