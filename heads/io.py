@@ -91,15 +91,23 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata_: d
 # ----------------------------------------------------------------------------- reading
 
 
+def not_utf8(path, e: UnicodeDecodeError) -> ValueError:
+    """The one-line error for a text file that is not UTF-8, naming the file and the byte."""
+    return ValueError(f"{path} is not UTF-8 text (it holds the byte 0x{e.object[e.start]:02x}): "
+                      "save it as UTF-8, or check that it is the file you meant")
+
+
 def read_json(path: Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise HeadFormatError(f"missing {path.name} in {path.parent}")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise HeadFormatError(f"{path} is not valid JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise HeadFormatError(str(not_utf8(path, e))) from e
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -110,6 +118,28 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise HeadFormatError(f"{path} is truncated or corrupt: {e}") from e
+
+
+def read_gguf(path: Path):
+    """A gguf.GGUFReader over the file at `path`, checked whole: a file cut inside its header
+    or its tensor data (or not GGUF at all) is one HeadFormatError saying so, instead of the
+    reader's struct / reshape errors."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    size = path.stat().st_size
+    advice = "copy or download it again"
+    try:
+        reader = GGUFReader(str(path))
+    # the reader meets a short file as whatever numpy or struct raises first (ValueError,
+    # IndexError, struct.error...): any failure to parse is reported the same way
+    except Exception as e:
+        raise HeadFormatError(f"{path} is truncated or not a GGUF file ({size} bytes; the reader says: "
+                              f"{' '.join(str(e).split())}): {advice}") from e
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise HeadFormatError(f"{path} is truncated: its tensors end at byte {end}, the file has {size}: {advice}")
+    return reader
 
 
 def read_head_dir(path) -> tuple[HeadConfig, dict, dict[str, torch.Tensor]]:
@@ -186,6 +216,9 @@ class DraftHeadBase(nn.Module):
     """
 
     config: HeadConfig
+    # True: the head builds its draft layers from the target's RoPE decoder layer or its config,
+    # so a target without one (GPT-2) cannot have it (heads/registry.py check_target_fits)
+    needs_rope_decoder = False
 
     @property
     def kind(self) -> str:

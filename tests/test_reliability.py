@@ -232,7 +232,7 @@ def test_regenerate_refuses_a_file_it_did_not_write(tmp_path, capsys):
                                 "--out", chats), "not a `data regenerate` output", "--overwrite")
 
 
-def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, tiny_llama_dir):
+def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
     """Issue 28: a target that answers nothing wrote 0 records and exited 0."""
     import drafthead.train.regenerate as regenerate
     from drafthead.train.tiny import write_tiny_jsonl
@@ -255,3 +255,174 @@ def test_capture_refuses_a_folder_that_holds_no_capture(tmp_path, capsys):
     (out / "notes.txt").write_text("mine")
     with unchanged(out):
         assert_refused(*run_cli(capsys, "data", "capture", "--config", saved, "--out", out), "holds no capture", "--overwrite")
+
+
+# ---------------------------------------------------------------------------------------------- one line per user error
+
+
+@pytest.fixture
+def target_copy(tmp_path, tiny_llama_dir):
+    """A copy of the tiny Llama target folder the test may damage."""
+    import shutil
+
+    return Path(shutil.copytree(tiny_llama_dir, tmp_path / "target"))
+
+
+@pytest.mark.parametrize("keep", [20, 0.5])
+def test_truncated_target_safetensors(target_copy, capsys, keep):
+    weights = target_copy / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    with unchanged(target_copy):
+        assert_refused(*run_cli(capsys, "generate", "--target", target_copy, "--prompt", "hi"),
+                       str(target_copy), "truncated or corrupt", "again")
+
+
+def tiny_gguf(path: Path) -> bytes:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("a", np.ones((64, 32), np.float32))
+    writer.add_tensor("b", np.ones((16,), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("where", ["header", "tensor data"])
+def test_truncated_gguf(tmp_path, capsys, isolated_cache, tiny_llama_dir, where):
+    """Issue 28: a .gguf cut in its header gave struct.error, one cut in its tensor data 'cannot reshape'."""
+    data = tiny_gguf(tmp_path / "whole.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:10] if where == "header" else data[:-100])
+    with unchanged(cut):
+        assert_refused(*run_cli(capsys, "generate", "--target", cut, "--prompt", "hi"), str(cut), "truncated")
+        assert_refused(*run_cli(capsys, "import", cut, "--target", tiny_llama_dir, "--out", tmp_path / "imported"),
+                       str(cut), "truncated")
+    assert not (tmp_path / "imported").exists()
+    assert not list(isolated_cache.rglob("*.safetensors"))  # nothing cached from it
+
+
+def test_gpt2_target_with_an_eagle3_config_names_the_kinds_that_fit(tmp_path, capsys, isolated_cache):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from drafthead.train.tiny import tiny_tokenizer, write_tiny_jsonl
+
+    tok = tiny_tokenizer()
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=128,
+                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(gpt2)
+    tok.save_pretrained(gpt2)
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
+    with unchanged(tmp_path):
+        code, err = run_cli(capsys, "train", "--config", "tiny-eagle3", f"target={gpt2}", f"data.path={chats}",
+                            f"output_dir={tmp_path / 'run'}", "max_steps=1")
+        assert_refused(code, err, "eagle3", "GPT2LMHeadModel", "medusa1", "hydra")
+    assert "dflash" not in err and "eagle1" not in err.splitlines()[-1].split("one of:")[-1]
+
+
+def test_unparseable_yaml_config(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lr: [1, 2\nbatch_size: {\n")
+    with unchanged(bad):
+        line = assert_refused(*run_cli(capsys, "train", "--config", bad), str(bad), "not valid YAML", "line 2")
+    assert "^" not in line
+
+
+def test_non_utf8_files_are_named(tmp_path, capsys, tiny_llama_dir):
+    data = tmp_path / "chats.jsonl"
+    data.write_bytes(b'{"id": "a", "messages": [{"role": "user", "content": "\xff\xfe"}]}\n')
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_bytes(b"lr: 0.1 # \xff\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_bytes(b'{"prompt": "\xff"}\n')
+    head = medusa_head_dir(tmp_path / "head")
+    (head / "config.json").write_bytes(bytes(range(128, 256)))
+    with unchanged(tmp_path):
+        assert_refused(*run_cli(capsys, "data", "inspect", "--source", "json", "--path", data), str(data), "not UTF-8")
+        assert_refused(*run_cli(capsys, "train", "--config", yaml_file), str(yaml_file), "not UTF-8")
+        assert_refused(*run_cli(capsys, "bench", "--target", tiny_llama_dir, "--dataset", prompts), str(prompts), "not UTF-8")
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", tmp_path / "x"),
+                       str(head / "config.json"), "not UTF-8")
+
+
+def test_random_bytes_target_config_json(target_copy, capsys):
+    (target_copy / "config.json").write_bytes(bytes(range(256)) * 2)
+    with unchanged(target_copy):
+        assert_refused(*run_cli(capsys, "generate", "--target", target_copy, "--prompt", "hi"), "config.json")
+
+
+def test_missing_tokenizer_message_is_whole(target_copy, capsys):
+    """Issue 28: the message was cut off at 'from one of:'."""
+    for p in list(target_copy.iterdir()):
+        if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
+            p.unlink()
+    with unchanged(target_copy):
+        line = assert_refused(*run_cli(capsys, "generate", "--target", target_copy, "--prompt", "hi"),
+                              str(target_copy), "no tokenizer", "save_pretrained")
+    assert not line.rstrip().endswith(":")
+
+
+def refuse_writes_under(monkeypatch, folder: Path):
+    """Make creating anything under `folder` fail as a read-only folder does (tests run as root,
+    which chmod cannot stop): os.mkdir and os.open for writing raise PermissionError."""
+    import errno
+    import os
+
+    real_mkdir, real_open = os.mkdir, os.open
+    inside = lambda p: str(Path(p).absolute()).startswith(str(folder))  # noqa: E731
+
+    def mkdir(path, *args, **kwargs):
+        if inside(path):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    def open_(path, flags, *args, **kwargs):
+        if inside(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", open_)
+
+
+def test_read_only_output_folder(tmp_path, capsys, monkeypatch):
+    head = medusa_head_dir(tmp_path / "head")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    refuse_writes_under(monkeypatch, locked)
+    with unchanged(tmp_path):
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", locked / "out"),
+                       str(locked), "Permission denied", "permissions")
+
+
+def test_read_only_checkpoint_folder(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
+    run_dir = tmp_path / "run"
+    refuse_writes_under(monkeypatch, run_dir / "checkpoints")
+    code, err = run_cli(capsys, "train", "--config", "tiny-medusa1", f"target={tiny_llama_dir}", f"data.path={chats}",
+                        f"output_dir={run_dir}", "max_steps=1", "checkpoint_every=1", "eval_every=0", "data.eval_size=1")
+    assert_refused(code, err, str(run_dir / "checkpoints"), "Permission denied")
+    assert not (run_dir / "final").exists()
+
+
+def test_traceback_on_request(tmp_path, capsys, monkeypatch):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lr: [1\n")
+    monkeypatch.setenv("DRAFTHEAD_TRACEBACK", "1")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        cli.main(["train", "--config", str(bad)])
+
+
+def test_words_after_options(capsys):
+    """Overrides may follow options; an unknown option or a word that is no override is still an error."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["train", "--config", "tiny-medusa1", "--resume", "--bogus"])
+    assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+    assert_refused(*run_cli(capsys, "train", "--config", "tiny-medusa1", "--resume", "oops"), "'oops' is not key=value")

@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from ..heads.io import not_utf8
 from ..targets import DTYPES
 
 DTYPE_NAMES = tuple(DTYPES)
@@ -282,7 +283,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
-    return key.split("."), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.split("."), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
+                          "quote it") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -320,11 +325,25 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     return preset
 
 
+def read_yaml(path: Path) -> Any:
+    """A YAML file's value; a file that does not parse or is not UTF-8 is a ConfigError naming
+    the file and the place (yaml's own message spans several lines)."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path} is not valid YAML{where}: {problem}; fix the file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(not_utf8(path, e))) from None
+
+
 def load_config(name_or_path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     data: dict = {}
     if name_or_path is not None:
         path = resolve_config_path(name_or_path)
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     return TrainConfig.from_dict(apply_overrides(data, list(overrides)))
