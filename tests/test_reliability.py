@@ -426,3 +426,46 @@ def test_words_after_options(capsys):
         cli.main(["train", "--config", "tiny-medusa1", "--resume", "--bogus"])
     assert stop.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
     assert_refused(*run_cli(capsys, "train", "--config", "tiny-medusa1", "--resume", "oops"), "'oops' is not key=value")
+
+
+@pytest.mark.parametrize("damaged", ["trainable.safetensors", "optimizer.pt"])
+def test_damaged_checkpoint_on_resume(tmp_path, capsys, damaged):
+    out, saved = trained_run(tmp_path)
+    broken = latest_checkpoint(out) / damaged
+    broken.write_bytes(broken.read_bytes()[:100])
+    with unchanged(out):
+        with pytest.raises(ValueError, match=r"step-00000002 is truncated or corrupt.*delete it"):
+            cfg = config(tmp_path, max_steps=4, checkpoint_every=2, eval_every=0)
+            Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False, resume=True)
+
+
+def test_python_m_drafthead_train_reports_the_same_way(tmp_path, capsys):
+    from drafthead.commands.train import main as train_main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("lr: [1\n")
+    assert train_main(["--config", str(bad)]) == 2
+    assert capsys.readouterr().err.startswith("drafthead train: error: ")
+
+
+def test_damaged_captured_shard_and_index(tmp_path):
+    from safetensors.torch import save_file
+
+    from drafthead.train.features import FORMAT_VERSION, INDEX_FILE, CapturedFeatures
+
+    folder = tmp_path / "features"
+    folder.mkdir()
+    shard = folder / "shard-00000.safetensors"
+    save_file({"offsets": torch.tensor([0, 4]), "input_ids": torch.arange(4), "loss_mask": torch.ones(4, dtype=torch.bool),
+               "hidden.1": torch.zeros(4, 8)}, str(shard))
+    index = {"version": FORMAT_VERSION, "layers": [1], "hidden_size": 8, "shards": [{"file": shard.name, "num_samples": 1}]}
+    (folder / INDEX_FILE).write_text(json.dumps(index))
+    assert CapturedFeatures(folder)[0]["input_ids"].tolist() == [0, 1, 2, 3]  # whole, it reads
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with unchanged(folder):
+        with pytest.raises(ValueError, match="shard-00000.safetensors is truncated or corrupt.*rerun"):
+            CapturedFeatures(folder)[0]
+    (folder / INDEX_FILE).write_bytes(b"\xff" + json.dumps(index).encode())
+    with unchanged(folder):
+        with pytest.raises(ValueError, match=f"{INDEX_FILE} is not UTF-8"):
+            CapturedFeatures(folder)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import asdict, dataclass
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 CHECKPOINT_DIR = "checkpoints"
@@ -143,7 +145,19 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """The checkpoint at `path`; a file in it that is cut short or damaged (a disk fault: writes
+    are atomic) is a ValueError naming the checkpoint and the way on."""
     path = Path(path)
+    try:
+        return _load_checkpoint(path, map_location)
+    # torch.load meets a damaged file as an unpickling, EOF or zip error (RuntimeError), safetensors
+    # as a SafetensorError, the JSON state as a ValueError
+    except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError) as e:
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({' '.join(str(e).split())[:200]}): delete it to "
+                         f"resume from the one before (checkpoints/{LATEST} names the newest), or start anew") from e
+
+
+def _load_checkpoint(path: Path, map_location) -> Checkpoint:
     # weights_only=False: these are our own files, and numpy's RNG state is not a tensor
     load = lambda name: torch.load(path / name, map_location=map_location, weights_only=False)  # noqa: E731
     return Checkpoint(

@@ -56,14 +56,10 @@ def run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m drafthead.train` / `accelerate launch -m drafthead.train`: errors as in the CLI."""
-    from ..cli import EXPECTED_ERRORS, one_line
+    from ..cli import run_reporting
 
     parser = argparse.ArgumentParser(prog="python -m drafthead.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parse_with_overrides(parser, argv)
-    try:
-        return run(args)
-    except EXPECTED_ERRORS as e:
-        print(f"drafthead train: error: {one_line(e)}", file=sys.stderr)
-        return 2
+    return run_reporting(lambda: run(args), "drafthead train")
