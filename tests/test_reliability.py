@@ -180,11 +180,13 @@ def test_tiny_target_refuses_a_non_empty_folder_and_ctrl_c_leaves_nothing(tmp_pa
 
 
 def test_resume_changes_rule():
-    saved = {"lr": 0.001, "log_every": 10, "data": {"path": "a.jsonl", "limit": None}, "head": {"kind": "medusa1"}}
-    now = {"lr": 0.1, "log_every": 1, "data": {"path": "b.jsonl", "limit": None}, "head": {"kind": "medusa1"}}
+    saved = {"lr": 0.001, "log_every": 10, "data": {"path": "a.jsonl", "limit": None, "num_proc": None},
+             "head": {"kind": "medusa1", "num_heads": 3}}
+    now = {"lr": 0.1, "log_every": 1, "data": {"path": "b.jsonl", "limit": None, "num_proc": 4},
+           "head": {"kind": "medusa1"}}
     refused, applied = resume_changes(saved, now)
-    assert refused == ["data.path: 'a.jsonl' -> 'b.jsonl'", "lr: 0.001 -> 0.1"]
-    assert applied == ["log_every: 10 -> 1"]
+    assert refused == ["data.path: 'a.jsonl' -> 'b.jsonl'", "head.num_heads: 3 -> '<unset>'", "lr: 0.001 -> 0.1"]
+    assert applied == ["data.num_proc: None -> 4", "log_every: 10 -> 1"]
     assert resume_changes(saved, saved) == ([], [])
 
 
@@ -211,6 +213,8 @@ def test_resume_applies_and_logs_allowed_changes(tmp_path):
     bad = config(tmp_path, max_steps=6, checkpoint_every=2, eval_every=0, log_every=1, lr=0.5)
     with pytest.raises(ValueError, match="lr: 0.03 -> 0.5"):
         check_resume(cfg.to_dict(), bad, "here")
+    older = {k: v for k, v in cfg.to_dict().items() if k != "shard_target"}  # a field added later, at its default
+    assert check_resume(older, cfg, "here") == []
 
 
 def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):

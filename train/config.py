@@ -370,7 +370,8 @@ def head_config_dict(config: TrainConfig) -> dict:
 # decides what the checkpoint's weights and optimizer state mean, so a change is refused
 # (docs/reliability.md "Resume"). A longer or shorter run stretches the LR schedule to the new end.
 RESUME_MAY_CHANGE = ("max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches",
-                     "log_every", "report_to", "wandb_project", "run_name", "threads", "output_dir")
+                     "log_every", "report_to", "wandb_project", "run_name", "threads", "output_dir",
+                     "data.num_proc")  # processes for the chat-template map: the same samples either way
 
 
 def flatten(data: dict, prefix: str = "") -> dict:
@@ -384,16 +385,23 @@ def flatten(data: dict, prefix: str = "") -> dict:
     return flat
 
 
+def may_change(key: str) -> bool:
+    """Whether a resume may change the flattened field `key` (it or a section above it is in
+    RESUME_MAY_CHANGE)."""
+    parts = key.split(".")
+    return any(".".join(parts[:n]) in RESUME_MAY_CHANGE for n in range(1, len(parts) + 1))
+
+
 def resume_changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
     """(refused, applied): the fields that differ between the config a checkpoint was written
-    with (`saved`) and this run's (`now`), as 'key: old -> new' lines, split by RESUME_MAY_CHANGE
-    (a field's top-level name decides). A field missing on one side counts as changed."""
+    with (`saved`) and this run's (`now`), as 'key: old -> new' lines, split by `may_change`.
+    A field missing on one side counts as changed."""
     a, b = flatten(saved), flatten(now)
     refused, applied = [], []
-    for key in sorted(set(a) | set(b), key=lambda k: (k.split(".")[0], k)):
+    for key in sorted(set(a) | set(b)):
         old, new = a.get(key, "<unset>"), b.get(key, "<unset>")
         if old != new:
-            (applied if key.split(".")[0] in RESUME_MAY_CHANGE else refused).append(f"{key}: {old!r} -> {new!r}")
+            (applied if may_change(key) else refused).append(f"{key}: {old!r} -> {new!r}")
     return refused, applied
 
 
@@ -402,10 +410,22 @@ def check_resume(saved: dict | None, config: TrainConfig, where: str) -> list[st
     (None: unknown, nothing to compare); a change of meaning raises ConfigError with the diff."""
     if saved is None:
         return []
-    refused, applied = resume_changes(saved, config.to_dict())
+    # a field the saved config lacks (written by an older drafthead) had its default then
+    refused, applied = resume_changes(_with_defaults(saved, TrainConfig().to_dict()), config.to_dict())
     if refused:
         raise ConfigError(
             f"--resume: {where} was written with another config; these fields change what the run means: "
             + "; ".join(refused) + ". Resume with the saved values, or start a new phase from a saved head: "
             "init_from=HEAD_DIR output_dir=NEW_DIR")
     return applied
+
+
+def _with_defaults(data: dict, defaults: dict) -> dict:
+    """`data` with every key of `defaults` it lacks filled in, section by section."""
+    out = dict(data)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict) and key != "head":  # head: its kind's own fields
+            out[key] = _with_defaults(out[key], value)
+    return out
