@@ -103,11 +103,14 @@ def read_json(path: Path) -> dict:
         raise HeadFormatError(f"missing {path.name} in {path.parent}")
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            data = json.load(f)
     except json.JSONDecodeError as e:
         raise HeadFormatError(f"{path} is not valid JSON: {e}") from e
     except UnicodeDecodeError as e:
         raise HeadFormatError(str(not_utf8(path, e))) from e
+    if not isinstance(data, dict):
+        raise HeadFormatError(f"{path} holds a JSON {type(data).__name__}, not an object: check that it is the file you meant")
+    return data
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:

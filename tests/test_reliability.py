@@ -354,6 +354,14 @@ def test_non_utf8_files_are_named(tmp_path, capsys, tiny_llama_dir):
                        str(head / "config.json"), "not UTF-8")
 
 
+def test_head_config_json_that_is_not_an_object(tmp_path, capsys):
+    head = medusa_head_dir(tmp_path / "head")
+    (head / "config.json").write_text("[1, 2]")
+    with unchanged(tmp_path):
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", tmp_path / "x"),
+                       str(head / "config.json"), "not an object")
+
+
 def test_random_bytes_target_config_json(target_copy, capsys):
     (target_copy / "config.json").write_bytes(bytes(range(256)) * 2)
     with unchanged(target_copy):
