@@ -61,10 +61,11 @@ def _rotary_or_none(model: nn.Module) -> nn.Module | None:
 
 
 def has_rope_decoder(model: nn.Module) -> bool:
-    """Whether the target's decoder has the RoPE module (`rotary_emb`) and decoder layers
-    (`.model.layers`) an EAGLE draft layer is built from (GPT-2's learned positions: no)."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    return _rotary_or_none(model) is not None and bool(getattr(dec, "layers", None))
+    """Whether the target has a RoPE decoder (a `rotary_emb` beside its `layers`), what EAGLE
+    and DFlash draft layers are built from (GPT-2's learned positions: no). Looked for through
+    `get_decoder()` and `.model`: some families' get_decoder() returns the model itself."""
+    candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None, getattr(model, "model", None)]
+    return any(getattr(dec, "rotary_emb", None) is not None and bool(getattr(dec, "layers", None)) for dec in candidates)
 
 
 def target_rotary(model: nn.Module) -> nn.Module:

@@ -250,6 +250,24 @@ def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, 
     assert not out.exists()
 
 
+def test_regenerate_overwrite_and_continue(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
+    """--overwrite replaces a file regenerate did not write; a rerun continues its own file."""
+    import drafthead.train.regenerate as regenerate
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 2)
+    out = tmp_path / "regen.jsonl"
+    out.write_text('{"some": "user data"}\n')
+    monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [("fine", True)] * len(prompts))
+    argv = ["data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats, "--out", out,
+            "--max-new-tokens", "2", "--batch-size", "2"]
+    assert run_cli(capsys, *argv, "--overwrite")[0] == 0
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["id"] for r in records] == ["tiny-0", "tiny-1"] and all("generation" in r for r in records)
+    with unchanged(out):  # its own output: continued, with nothing left to do
+        assert run_cli(capsys, *argv)[0] == 0
+
+
 def test_capture_refuses_a_folder_that_holds_no_capture(tmp_path, capsys):
     cfg = config(tmp_path)
     saved = tmp_path / "run.yaml"
