@@ -279,6 +279,26 @@ def test_capture_refuses_a_folder_that_holds_no_capture(tmp_path, capsys):
         assert_refused(*run_cli(capsys, "data", "capture", "--config", saved, "--out", out), "holds no capture", "--overwrite")
 
 
+def test_capture_overwrite_clears_the_old_folder_first(tmp_path, capsys, monkeypatch, tiny_llama_dir):
+    import drafthead.train.run as run
+
+    cfg = config(tmp_path, target=str(tiny_llama_dir))
+    saved = tmp_path / "run.yaml"
+    saved.write_text(yaml.safe_dump(cfg.to_dict()))
+    out = tmp_path / "features"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    seen = []
+
+    def capture(config, model, tokenizer, out_dir, **kw):  # what the real capture finds on entry
+        seen.append(sorted(p.name for p in Path(out_dir).iterdir()) if Path(out_dir).exists() else [])
+        return Path(out_dir) / "index.json"
+
+    monkeypatch.setattr(run, "capture_from_config", capture)
+    assert run_cli(capsys, "data", "capture", "--config", saved, "--out", out, "--overwrite")[0] == 0
+    assert seen == [[]] and not (out / "notes.txt").exists()
+
+
 # ---------------------------------------------------------------------------------------------- one line per user error
 
 
