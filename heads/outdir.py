@@ -11,6 +11,10 @@ A folder is "empty" when it does not exist or holds nothing. Anything else is th
 refused unless they pass --overwrite; then the old folder is swapped out only after the new one is
 complete, so stale files never mix with new ones and an interruption (Ctrl-C, a crash, a full
 disk) leaves the old folder as it was and no half-written one under the asked-for name.
+
+Outputs that are resumable in place (a training run, a capture, a regeneration) are written
+under their own name, so a rerun finds them: `check_output(..., own=...)` lets the command
+continue its own work, and under --overwrite `clear_output` deletes the old one first.
 """
 from __future__ import annotations
 
@@ -40,9 +44,9 @@ def is_empty(path: str | os.PathLike) -> bool:
 
 def check_output(path: str | os.PathLike, *, overwrite: bool, what: str = "output", own: Callable[[Path], bool] | None = None,
                  hint: str = "") -> None:
-    """Raise OutputExistsError when `path` holds something and `overwrite` is off. own(path): the
-    command's own resumable work (a capture's shards, a regeneration's records), which it may
-    continue; `hint` says how, after the refusal."""
+    """Raise OutputExistsError when `path` holds something and `overwrite` is off. own(path): True
+    for the command's own resumable work (a capture's shards, a regeneration's records), which it
+    may continue. hint: words after "is not empty" saying why it cannot be continued."""
     if overwrite or is_empty(path) or (own is not None and own(Path(path))):
         return
     raise OutputExistsError(f"{what} {path} is not empty{hint}: pass {OVERWRITE_FLAG} to replace it, or choose another path")
