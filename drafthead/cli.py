@@ -6,6 +6,7 @@ without a traceback; set DRAFTHEAD_TRACEBACK=1 to see it anyway.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
@@ -14,8 +15,17 @@ import sys
 COMMANDS = ("generate", "bench", "demo", "export", "import", "train", "data")
 
 # What counts as an expected error: our error classes derive from ValueError (TargetError,
-# PromptError, DrafterError, PromptTooLong, config errors...), plus missing files and features.
-EXPECTED_ERRORS = (ValueError, FileNotFoundError, NotImplementedError)
+# PromptError, DrafterError, PromptTooLong, config errors, OutputExistsError...), plus what the
+# file system refuses (missing files, permissions, a full disk: OSError) and missing features.
+EXPECTED_ERRORS = (ValueError, OSError, NotImplementedError)
+
+# errno -> what to do about it, after the file and the system's words
+OS_ERROR_HINTS = {
+    errno.EACCES: "check its permissions, or write somewhere else",
+    errno.EPERM: "check its permissions, or write somewhere else",
+    errno.EROFS: "the file system is read-only: write somewhere else",
+    errno.ENOSPC: "the disk is full: free space or write somewhere else",
+}
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:
@@ -37,26 +47,40 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .commands import parse_with_overrides
+
     parser, modules = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_with_overrides(parser, argv)
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    return run_reporting(lambda: modules[args.command].run(args), "drafthead")
+
+
+def run_reporting(run, prog: str) -> int:
+    """run() -> exit code, with an expected error as one line `PROG: error: ...` and code 2
+    (DRAFTHEAD_TRACEBACK=1: raised with its traceback), and Ctrl-C as code 130."""
     try:
-        return int(modules[args.command].run(args) or 0)
+        return int(run() or 0)
     except EXPECTED_ERRORS as e:
         if os.environ.get("DRAFTHEAD_TRACEBACK"):
             raise
-        print(f"drafthead: error: {one_line(e)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("drafthead: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 
 def one_line(e: BaseException) -> str:
-    """The message on one line (argparse-style output has no room for multi-line text)."""
-    return " ".join(str(e).split()) or type(e).__name__
+    """The message on one line (argparse-style output has no room for multi-line text); an
+    OSError names its file, then what to do (OS_ERROR_HINTS)."""
+    if isinstance(e, OSError) and e.filename is not None and e.strerror:
+        hint = OS_ERROR_HINTS.get(e.errno)
+        text = f"{e.filename}: {e.strerror}" + (f"; {hint}" if hint else "")
+    else:
+        text = str(e)
+    return " ".join(text.split()) or type(e).__name__
 
 
 if __name__ == "__main__":

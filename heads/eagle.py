@@ -55,9 +55,21 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _rotary_or_none(model: nn.Module) -> nn.Module | None:
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    return getattr(dec, "rotary_emb", None)
+
+
+def has_rope_decoder(model: nn.Module) -> bool:
+    """Whether the target has a RoPE decoder (a `rotary_emb` beside its `layers`), what EAGLE
+    and DFlash draft layers are built from (GPT-2's learned positions: no). Looked for through
+    `get_decoder()` and `.model`: some families' get_decoder() returns the model itself."""
+    candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None, getattr(model, "model", None)]
+    return any(getattr(dec, "rotary_emb", None) is not None and bool(getattr(dec, "layers", None)) for dec in candidates)
+
+
 def target_rotary(model: nn.Module) -> nn.Module:
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    rot = getattr(dec, "rotary_emb", None)
+    rot = _rotary_or_none(model)
     if rot is None:
         raise TypeError(f"{type(model).__name__} has no `rotary_emb`; EAGLE heads need a RoPE decoder")
     return rot
@@ -123,6 +135,8 @@ def window_mask(mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> 
 
 class DecoderHeadBase(DraftHeadBase):
     """Shared by EAGLE-1/3: target references, RoPE, cache handling."""
+
+    needs_rope_decoder = True  # its draft layer is a copy of the target's kind (has_rope_decoder)
 
     def _init_decoder_common(self, target_model: nn.Module) -> None:
         self.refs = FrozenRefs()

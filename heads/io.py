@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import HeadConfig, config_from_dict
+from .outdir import umask
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -59,9 +60,7 @@ def cache_root() -> Path:
 
 def _umask_mode() -> int:
     """The mode a plainly created file gets (0o666 less the umask); mkstemp would give 0o600."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
+    return 0o666 & ~umask()
 
 
 def atomic_write(path: Path, write) -> None:
@@ -97,15 +96,26 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata_: d
 # ----------------------------------------------------------------------------- reading
 
 
+def not_utf8(path, e: UnicodeDecodeError) -> ValueError:
+    """The one-line error for a text file that is not UTF-8, naming the file and the byte."""
+    return ValueError(f"{path} is not UTF-8 text (it holds the byte 0x{e.object[e.start]:02x}): "
+                      "save it as UTF-8, or check that it is the file you meant")
+
+
 def read_json(path: Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise HeadFormatError(f"missing {path.name} in {path.parent}")
     try:
-        with open(path) as f:
-            return json.load(f)
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
     except json.JSONDecodeError as e:
         raise HeadFormatError(f"{path} is not valid JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise HeadFormatError(str(not_utf8(path, e))) from e
+    if not isinstance(data, dict):
+        raise HeadFormatError(f"{path} holds a JSON {type(data).__name__}, not an object: check that it is the file you meant")
+    return data
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -116,6 +126,28 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
         raise HeadFormatError(f"{path} is truncated or corrupt: {e}") from e
+
+
+def read_gguf(path: Path):
+    """A gguf.GGUFReader over the file at `path`, checked whole: a file cut inside its header
+    or its tensor data (or not GGUF at all) is one HeadFormatError saying so, instead of the
+    reader's struct / reshape errors."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    size = path.stat().st_size
+    advice = "copy or download it again"
+    try:
+        reader = GGUFReader(str(path))
+    # the reader meets a short file as whatever numpy or struct raises first (ValueError,
+    # IndexError, struct.error...): any failure to parse is reported the same way
+    except Exception as e:
+        raise HeadFormatError(f"{path} is truncated or not a GGUF file ({size} bytes; the reader says: "
+                              f"{' '.join(str(e).split())}): {advice}") from e
+    end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    if end > size:
+        raise HeadFormatError(f"{path} is truncated: its tensors end at byte {end}, the file has {size}: {advice}")
+    return reader
 
 
 def read_head_dir(path) -> tuple[HeadConfig, dict, dict[str, torch.Tensor]]:
@@ -192,6 +224,9 @@ class DraftHeadBase(nn.Module):
     """
 
     config: HeadConfig
+    # True: the head builds its draft layers from the target's RoPE decoder layer or its config,
+    # so a target without one (GPT-2) cannot have it (heads/registry.py check_target_fits)
+    needs_rope_decoder = False
 
     @property
     def kind(self) -> str:

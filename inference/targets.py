@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 
 from ..heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
 from ..heads.io import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
+from ..heads.io import read_gguf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -192,15 +194,22 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = 
     return DTYPES[dtype]
 
 
+# A tokenizer is saved as one of these (fast tokenizers' JSON, sentencepiece, GPT-2 style BPE)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
 def _load_folder(folder: Path, dtype: torch.dtype):
     from transformers import AutoTokenizer
 
     if not (folder / "config.json").is_file():
         raise TargetError(f"{folder} is not a Hugging Face model folder (no config.json)")
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise TargetError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the model's "
+                          "tokenizer into it (tokenizer.save_pretrained)")
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
-        raise TargetError(f"cannot load a tokenizer from {folder}: {_first_line(e)}") from e
+        raise TargetError(f"cannot load a tokenizer from {folder}: {' '.join(str(e).split())}") from e
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -231,6 +240,9 @@ def _load_model(folder: Path, dtype: torch.dtype):
                 raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
         except OSError as e:
             raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
+        except SafetensorError as e:
+            raise TargetError(f"{folder}: a weights file is truncated or corrupt ({_first_line(e)}): save or copy the "
+                              "model again") from e
     return model
 
 
@@ -273,6 +285,7 @@ def _gguf_folder(path: Path) -> Path:
     dest = target_cache_dir(f"gguf-{path.stem}-{key}")
     if _read_marker(dest) is not None:
         return dest
+    read_gguf(path)  # a truncated file is named as such before transformers reads it
     return build_cached(dest, lambda tmp: _dequantize_into(path, tmp, path.stem))
 
 

@@ -7,6 +7,7 @@
         rng.pt                  python / numpy / torch / cuda RNG states of every process (list by rank)
         scaler.pt               fp16 grad scaler state (only with mixed_precision=fp16)
         trainer_state.json      step, data position (epoch, batch index, sampler seed), world size
+        run_config.json         the run config that wrote it (what `--resume` compares against)
     output_dir/checkpoints/latest  name of the newest complete checkpoint
 
 A checkpoint is written into a temp folder and renamed into place, then `latest` is replaced
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 from dataclasses import asdict, dataclass
@@ -25,12 +27,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
+RUN_CONFIG_FILE = "run_config.json"
 
 
 @dataclass
@@ -81,6 +85,7 @@ def save_checkpoint(
     *,
     scaler_state: dict | None = None,
     keep: int = 2,
+    config: dict | None = None,
 ) -> Path:
     """Write one checkpoint atomically; keep the newest `keep`. Returns its folder."""
     root = checkpoint_root(output_dir)
@@ -96,6 +101,8 @@ def save_checkpoint(
     torch.save(rng_states, tmp / "rng.pt")
     if scaler_state is not None:
         torch.save(scaler_state, tmp / "scaler.pt")
+    if config is not None:
+        (tmp / RUN_CONFIG_FILE).write_text(json.dumps(config, indent=1))
     (tmp / STATE_FILE).write_text(json.dumps(state.to_dict(), indent=1))
     if final.exists():  # same step written again (a resumed run re-reaching it): replace
         shutil.rmtree(final)
@@ -138,7 +145,19 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """The checkpoint at `path`; a file in it that is cut short or damaged (a disk fault: writes
+    are atomic) is a ValueError naming the checkpoint and the way on."""
     path = Path(path)
+    try:
+        return _load_checkpoint(path, map_location)
+    # torch.load meets a damaged file as an unpickling, EOF or zip error (RuntimeError), safetensors
+    # as a SafetensorError, the JSON state as a ValueError
+    except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError) as e:
+        raise ValueError(f"checkpoint {path} is truncated or corrupt ({' '.join(str(e).split())[:200]}): delete it to "
+                         f"resume from the one before (checkpoints/{LATEST} names the newest), or start anew") from e
+
+
+def _load_checkpoint(path: Path, map_location) -> Checkpoint:
     # weights_only=False: these are our own files, and numpy's RNG state is not a tensor
     load = lambda name: torch.load(path / name, map_location=map_location, weights_only=False)  # noqa: E731
     return Checkpoint(
@@ -150,3 +169,17 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         rng_states=load("rng.pt"),
         scaler_state=load("scaler.pt") if (path / "scaler.pt").exists() else None,
     )
+
+
+def saved_run_config(path: str | Path, fallback: str | Path | None = None) -> dict | None:
+    """The run config that wrote the checkpoint at `path` (its RUN_CONFIG_FILE), else the YAML at
+    `fallback` (the run's config.yaml, for checkpoints older than RUN_CONFIG_FILE), else None.
+    Reads no tensors: cheap enough to check a resume before the target loads."""
+    import yaml
+
+    own = Path(path) / RUN_CONFIG_FILE
+    if own.exists():
+        return json.loads(own.read_text())
+    if fallback is not None and Path(fallback).exists():
+        return yaml.safe_load(Path(fallback).read_text()) or None
+    return None

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from ..heads.io import not_utf8
 from ..inference.targets import DTYPES
 
 DTYPE_NAMES = tuple(DTYPES)
@@ -285,7 +286,11 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
-    return key.split("."), yaml.safe_load(raw) if raw.strip() else None
+    try:
+        return key.split("."), yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
+                          "quote it") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -323,11 +328,25 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     return preset
 
 
+def read_yaml(path: Path) -> Any:
+    """A YAML file's value; a file that does not parse or is not UTF-8 is a ConfigError naming
+    the file and the place (yaml's own message spans several lines)."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path} is not valid YAML{where}: {problem}; fix the file") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(not_utf8(path, e))) from None
+
+
 def load_config(name_or_path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     data: dict = {}
     if name_or_path is not None:
         path = resolve_config_path(name_or_path)
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     return TrainConfig.from_dict(apply_overrides(data, list(overrides)))
@@ -343,3 +362,73 @@ def head_config_dict(config: TrainConfig) -> dict:
     except ValueError as e:
         raise ConfigError(f"head: {e}") from None
     return {k: v for k, v in config.head.items() if k != "kind"}
+
+
+# ----------------------------------------------------------------------------------------------
+# What a resume may change
+# ----------------------------------------------------------------------------------------------
+
+# Fields a `--resume` may change: how the run is watched, saved and how long it goes. Every other
+# field (data, features, batch, optimizer and schedule, target, head, LoRA, seed, init_from)
+# decides what the checkpoint's weights and optimizer state mean, so a change is refused
+# (docs/reliability.md "Resume"). A longer or shorter run stretches the LR schedule to the new end.
+RESUME_MAY_CHANGE = ("max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches",
+                     "log_every", "report_to", "wandb_project", "run_name", "threads", "output_dir",
+                     "data.num_proc")  # processes for the chat-template map: the same samples either way
+
+
+def flatten(data: dict, prefix: str = "") -> dict:
+    """{'data': {'path': p}} -> {'data.path': p}; the head section is flattened too."""
+    flat = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def may_change(key: str) -> bool:
+    """Whether a resume may change the flattened field `key` (it or a section above it is in
+    RESUME_MAY_CHANGE)."""
+    parts = key.split(".")
+    return any(".".join(parts[:n]) in RESUME_MAY_CHANGE for n in range(1, len(parts) + 1))
+
+
+def resume_changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
+    """(refused, applied): the fields that differ between the config a checkpoint was written
+    with (`saved`) and this run's (`now`), as 'key: old -> new' lines, split by `may_change`.
+    A field missing on one side counts as changed."""
+    a, b = flatten(saved), flatten(now)
+    refused, applied = [], []
+    for key in sorted(set(a) | set(b)):
+        old, new = a.get(key, "<unset>"), b.get(key, "<unset>")
+        if old != new:
+            (applied if may_change(key) else refused).append(f"{key}: {old!r} -> {new!r}")
+    return refused, applied
+
+
+def check_resume(saved: dict | None, config: TrainConfig, where: str) -> list[str]:
+    """The applied changes of a resume from the checkpoint at `where`, whose config is `saved`
+    (None: unknown, nothing to compare); a change of meaning raises ConfigError with the diff."""
+    if saved is None:
+        return []
+    # a field the saved config lacks (written by an older drafthead) had its default then
+    refused, applied = resume_changes(_with_defaults(saved, TrainConfig().to_dict()), config.to_dict())
+    if refused:
+        raise ConfigError(
+            f"--resume: {where} was written with another config; these fields change what the run means: "
+            + "; ".join(refused) + ". Resume with the saved values, or start a new phase from a saved head: "
+            "init_from=HEAD_DIR output_dir=NEW_DIR")
+    return applied
+
+
+def _with_defaults(data: dict, defaults: dict) -> dict:
+    """`data` with every key of `defaults` it lacks filled in, section by section."""
+    out = dict(data)
+    for key, value in defaults.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(out[key], dict) and key != "head":  # head: its kind's own fields
+            out[key] = _with_defaults(out[key], value)
+    return out

@@ -29,14 +29,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..heads.batch import FeatureBatch
+from ..heads.io import read_json
 from ..inference.targets import resolve_dtype
 from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"
+CAPTURE_PLAN = "capture.json"  # the settings of a capture in progress (a rerun continues it)
 FORMAT_VERSION = 1
 
 
@@ -195,7 +197,7 @@ def capture_features(
         "batch_size": batch_size,
         "meta": meta or {},
     }
-    plan_file = out_dir / "capture.json"
+    plan_file = out_dir / CAPTURE_PLAN
     if plan_file.exists() and json.loads(plan_file.read_text()) != plan:
         raise ValueError(f"{out_dir} holds a capture with different settings ({plan_file}); use another --out")
     if share.is_main:
@@ -268,7 +270,7 @@ class CapturedFeatures(torch.utils.data.Dataset):
         index_file = self.dir / INDEX_FILE
         if not index_file.exists():
             raise FileNotFoundError(f"no captured features at {self.dir} (missing {INDEX_FILE}); run `drafthead data capture`")
-        self.index = json.loads(index_file.read_text())
+        self.index = read_json(index_file)  # bad JSON or bytes: one line naming the file
         if self.index.get("version") != FORMAT_VERSION:
             raise ValueError(f"{index_file}: format version {self.index.get('version')}, expected {FORMAT_VERSION}")
         self.layers: tuple[int, ...] = tuple(self.index["layers"])
@@ -293,7 +295,12 @@ class CapturedFeatures(torch.utils.data.Dataset):
 
     def _shard(self, k: int):
         if k not in self._handles:
-            self._handles[k] = safe_open(str(self.dir / self.index["shards"][k]["file"]), "pt")
+            path = self.dir / self.index["shards"][k]["file"]
+            try:
+                self._handles[k] = safe_open(str(path), "pt")
+            except SafetensorError as e:  # cut short or damaged after it was renamed into place
+                raise ValueError(f"captured shard {path} is truncated or corrupt ({e}): delete it and rerun "
+                                 "`drafthead data capture` with the same settings, which writes the missing shards") from e
             self._offsets[k] = self._handles[k].get_tensor("offsets")
         return self._handles[k], self._offsets[k]
 

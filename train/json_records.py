@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
+from ..heads.io import not_utf8
 from .source_report import SourceReport
 
 _SEPARATOR = re.compile(r"[\s,]*")
@@ -98,6 +99,13 @@ def iter_jsonl(f: TextIO, report: SourceReport, name: str = "") -> Iterator[Any]
 
 def iter_records(path: Path, report: SourceReport) -> Iterator[Any]:
     """Records of a JSON array or JSONL file, read incrementally (a JSON array is told by its "[")."""
+    try:
+        yield from _iter_records(path, report)
+    except UnicodeDecodeError as e:
+        raise not_utf8(path, e) from None
+
+
+def _iter_records(path: Path, report: SourceReport) -> Iterator[Any]:
     # utf-8-sig: a byte-order mark is skipped; newline="": lines split on \n, \r\n or \r, untranslated
     with open(path, encoding="utf-8-sig", newline="") as f:
         head = ""

@@ -36,6 +36,9 @@ from .chat_format import render, stop_token_ids
 from .workshare import WorkShare, write_atomically
 
 
+RECORD_START = b'{"id": '  # json.dumps of a record whose first key is its id (is_regenerated)
+
+
 @dataclass
 class RegenerateReport:
     already_done: int = 0  # ids found in the output file
@@ -91,6 +94,17 @@ def done_ids(path: Path, *, repair: bool = True) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(good_end)
     return {id_ for id_, _ in records}
+
+
+def is_regenerated(path: Path) -> bool:
+    """Whether the file at `path` is `regenerate`'s own output (so a rerun may continue it): its
+    first whole record has a `generation` block, or, torn by a kill before any line ended, it
+    starts the way every record does."""
+    data = path.read_bytes() if path.is_file() else b""
+    records, _ = _records(data)
+    if records:
+        return "generation" in json.loads(records[0][1])
+    return data.lstrip().startswith(RECORD_START)
 
 
 def part_path(out_path: Path, rank: int, world: int) -> Path:
@@ -266,7 +280,7 @@ def regenerate(
                 if not any(m["role"] == "assistant" for m in messages):
                     report.skipped_no_answer += 1
                     continue
-                f.write(json.dumps({"id": str(conv["id"]), "messages": messages, "generation": generation}, ensure_ascii=False) + "\n")
+                f.write(json.dumps({"id": str(conv["id"]), "messages": messages, "generation": generation}, ensure_ascii=False) + "\n")  # starts with RECORD_START
                 report.written += 1
             f.flush()
             os.fsync(f.fileno())

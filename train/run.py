@@ -12,10 +12,11 @@ import torch
 import yaml
 
 from .chat_format import FormatReport, tokenize_conversations
-from .config import ConfigError, TrainConfig, head_config_dict
+from .config import ConfigError, TrainConfig, check_resume, head_config_dict
 from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, required_layers
 from .sources import SourceReport, load_conversations
-from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, make_accelerator, split_indices, wrap_lora
+from .checkpoint import latest_checkpoint, saved_run_config
+from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices, wrap_lora
 
 
 @dataclass
@@ -173,15 +174,22 @@ def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenize
     return Trainer(config, head, train_data, accelerator=accelerator, layers=layers, frozen_target=target_model)
 
 
-def run_training(config: TrainConfig, *, resume: bool = False, say: Callable[[str], None] = print) -> TrainResult:
-    """Load the target named by the config on this process's device, build, train."""
+def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
+                 say: Callable[[str], None] = print) -> TrainResult:
+    """Load the target named by the config on this process's device, build, train (resume and
+    overwrite: Trainer.fit). The output_dir is checked before the target loads, so a refusal is quick."""
     from ..inference.targets import load_target
 
+    out = Path(config.output_dir)
+    existing = latest_checkpoint(out)
+    check_output_dir(out, existing, resume=resume, overwrite=overwrite)
+    if resume and existing is not None:  # Trainer.fit checks again; here it costs no target load
+        check_resume(saved_run_config(existing, out / CONFIG_FILE), config, str(existing))
     accelerator = make_accelerator(config)
     loaded = load_target(config.target, dtype=config.target_dtype, device=accelerator.device, threads=config.threads)
     main_say = say if accelerator.is_main_process else (lambda message: None)
     trainer = build_trainer(config, loaded.model, loaded.tokenizer, target_name=loaded.name, accelerator=accelerator, say=main_say)
-    return trainer.fit(resume=resume)
+    return trainer.fit(resume=resume, overwrite=overwrite)
 
 
 def capture_from_config(

@@ -9,6 +9,8 @@ import json
 import random
 from pathlib import Path
 
+from ..heads.outdir import check_output, fresh_folder
+
 # ChatML like SmolLM2's, without its default system prompt.
 TINY_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -90,11 +92,21 @@ def tiny_target(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int
     return LlamaForCausalLM(config).eval()
 
 
-def save_tiny_target(out_dir: str | Path, *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2, seed: int = 0) -> Path:
-    """Save a tiny random target + tokenizer as a Hugging Face folder that `from_pretrained` loads."""
+CHATS_FILE = "chats.jsonl"
+
+
+def save_tiny_target(out_dir: str | Path, *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+                     chats: int = 0, overwrite: bool = False) -> Path:
+    """Save a tiny random target + tokenizer as a Hugging Face folder that `from_pretrained` loads,
+    with `chats` synthetic chats in CHATS_FILE (none: 0). The folder appears whole or not at all,
+    and a non-empty one is replaced only with `overwrite` (heads/outdir.py)."""
     out_dir = Path(out_dir)
+    check_output(out_dir, overwrite=overwrite, what="tiny target folder")
     tokenizer = tiny_tokenizer(vocab_size)
     model = tiny_target(tokenizer, hidden_size, num_layers, seed)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    with fresh_folder(out_dir, overwrite=overwrite, what="tiny target folder") as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if chats:
+            write_tiny_jsonl(tmp / CHATS_FILE, chats, seed=seed)
     return out_dir

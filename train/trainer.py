@@ -26,7 +26,9 @@ from torch import nn
 
 from ..heads.batch import FeatureBatch
 from ..heads.io import shifted_labels
+from ..heads.outdir import OVERWRITE_FLAG, OutputExistsError, clear_output, fresh_folder, is_empty
 from .checkpoint import (
+    Checkpoint,
     TrainState,
     capture_rng_state,
     checkpoint_name,
@@ -35,8 +37,9 @@ from .checkpoint import (
     load_checkpoint,
     restore_rng_state,
     save_checkpoint,
+    saved_run_config,
 )
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig, check_resume
 from .evaluate import WEIGHT_KEY, MetricMean, summarize
 from .features import collate
 from . import sharding
@@ -303,9 +306,12 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def fit(self, *, resume: bool = False, stop_after_steps: int | None = None, progress: bool = True) -> TrainResult:
+    def fit(self, *, resume: bool = False, overwrite: bool = False, stop_after_steps: int | None = None,
+            progress: bool = True) -> TrainResult:
         """Train to the configured length. resume: continue from the newest checkpoint in
-        output_dir (a fresh start if there is none). stop_after_steps: return after that many
+        output_dir (a fresh start if there is none), whose config must agree with this one
+        (train/config.py check_resume). overwrite: delete what output_dir holds first; without it
+        a non-empty output_dir is refused unless resumed. stop_after_steps: return after that many
         steps of this call without the final save (what an interruption leaves behind)."""
         from accelerate.utils import DistributedType, set_seed
 
@@ -324,10 +330,7 @@ class Trainer:
         if self.fsdp and acc.mixed_precision == "fp16":
             raise NotImplementedError("fp16 under FSDP needs a sharded grad scaler: use mixed_precision: bf16 or no")
 
-        existing = latest_checkpoint(out)
-        if existing is not None and not resume:
-            raise ValueError(f"{out} already has checkpoints ({existing.name}): pass --resume to continue, or use another output_dir")
-        ckpt = load_checkpoint(existing) if (resume and existing is not None) else None
+        ckpt, changes = self._start_point(out, resume=resume, overwrite=overwrite)
 
         set_seed(cfg.seed + rank)  # fresh start; a resume overwrites every RNG below
         model, optimizer, held = self._prepare()
@@ -362,7 +365,8 @@ class Trainer:
             cfg.save(out / CONFIG_FILE)
         log.event(
             "resume" if ckpt is not None else "start",
-            f"{'resuming from ' + str(ckpt.path) if ckpt is not None else 'training'}: world size {world} "
+            f"{'resuming from ' + str(ckpt.path) if ckpt is not None else 'training'}"
+            + (f" with changed settings ({'; '.join(changes)})" if changes else "") + f": world size {world} "
             f"({acc.distributed_type}), device {acc.device}, {n_train} train samples, {bpe} batches/epoch/process, "
             f"{total} steps; {state.parallelism}: this rank holds "
             + ", ".join(f"{mine:,} of {whole:,} {part} parameters" for part, (mine, whole) in held.items()),
@@ -370,7 +374,7 @@ class Trainer:
             mixed_precision=acc.mixed_precision,
             **{f"{part}_params_local": mine for part, (mine, _) in held.items()},
             train_samples=n_train, eval_samples=len(self.data.eval) if self.data.eval is not None else 0,
-            batches_per_epoch=bpe, total_steps=total, step=state.step,
+            batches_per_epoch=bpe, total_steps=total, step=state.step, changed_settings=changes,
         )
 
         last_ckpt = ckpt.path if ckpt is not None else None
@@ -445,12 +449,30 @@ class Trainer:
                     weights = sharding.gathered_weights(self.module)
                     head_state = {k[len("head."):]: v for k, v in weights.items() if k.startswith("head.")}
                 if acc.is_main_process:
-                    self.head.save_pretrained(final_dir, adapter_model=self.target, state=head_state)
+                    with fresh_folder(final_dir, overwrite=True) as tmp:  # whole or not at all
+                        self.head.save_pretrained(tmp, adapter_model=self.target, state=head_state)
                     log.event("end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir), **{f"eval_{k}": v for k, v in eval_metrics.items()})
                 acc.wait_for_everyone()
         finally:
             log.close()
         return TrainResult(state=state, final_dir=final_dir, last_checkpoint=last_ckpt, eval_metrics=eval_metrics, train_metrics=train_metrics)
+
+    def _start_point(self, out: Path, *, resume: bool, overwrite: bool) -> tuple[Checkpoint | None, list[str]]:
+        """(the checkpoint to continue from or None, the settings a resume changes), after
+        checking output_dir (check_output_dir) and clearing it for `overwrite` (main process)."""
+        acc = self.accelerator
+        existing = latest_checkpoint(out)
+        check_output_dir(out, existing, resume=resume, overwrite=overwrite)
+        if overwrite:
+            acc.wait_for_everyone()  # every process has checked before the folder goes
+            if acc.is_main_process:
+                clear_output(out)
+            acc.wait_for_everyone()
+            return None, []
+        if not resume or existing is None:
+            return None, []
+        changes = check_resume(saved_run_config(existing, out / CONFIG_FILE), self.config, str(existing))
+        return load_checkpoint(existing), changes
 
     def _save_checkpoint(self, state: TrainState, optimizer, log: RunLog) -> Path:
         """Every process contributes its RNG state; the main process writes. Returns the folder."""
@@ -467,6 +489,7 @@ class Trainer:
             path = save_checkpoint(
                 cfg.output_dir, state, weights, optimizer_state, self.scheduler.state_dict(), rng_states,
                 scaler_state=acc.scaler.state_dict() if acc.scaler is not None else None, keep=cfg.keep_checkpoints,
+                config=cfg.to_dict(),
             )
             log.event("checkpoint", step=state.step, path=str(path))
         acc.wait_for_everyone()
@@ -539,6 +562,23 @@ class Trainer:
         finally:
             self.module.train(was_training)
         return summarize(reduce_means(acc, mean))
+
+
+def check_output_dir(out: Path, existing: Path | None, *, resume: bool, overwrite: bool) -> None:
+    """Refuse an output_dir that holds something this run would mix with or replace: checkpoints
+    without `resume`, or another run's files (a finished head, logs) with no checkpoint to resume.
+    existing: output_dir's newest checkpoint (latest_checkpoint) or None."""
+    if resume and overwrite:
+        raise ConfigError("--resume continues the run in output_dir, --overwrite replaces it: pass one of them")
+    if overwrite or (resume and existing is not None):
+        return
+    if existing is not None:
+        raise OutputExistsError(f"{out} already has checkpoints ({existing.name}): pass --resume to continue, "
+                                f"{OVERWRITE_FLAG} to replace the run, or use another output_dir")
+    if not is_empty(out):
+        held = ", ".join(sorted(p.name for p in out.iterdir())[:4])
+        raise OutputExistsError(f"output_dir {out} holds another run's files ({held}) and no checkpoint to resume: "
+                                f"pass {OVERWRITE_FLAG} to replace it, or use another output_dir")
 
 
 def is_stream(train) -> bool:

@@ -60,6 +60,27 @@ def add_target_options(parser: argparse.ArgumentParser, *, dtype: str = "float32
     g.add_argument("--threads", type=_positive_int, default=threads, help="torch CPU threads")
 
 
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """parser.parse_args, where KEY=VALUE overrides may also come after options (`train --config c
+    --resume lr=1e-4`): argparse fills a positional list once, so words it leaves over that look
+    like overrides join `args.overrides`; anything else is still an error."""
+    args, extra = parser.parse_known_args(argv)
+    stray = [word for word in extra if word.startswith("-") or "=" not in word]
+    if extra and (stray or not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = list(args.overrides or []) + extra
+    return args
+
+
+def add_overwrite_option(parser) -> None:
+    from ..heads.outdir import OVERWRITE_FLAG
+
+    parser.add_argument(OVERWRITE_FLAG, action="store_true",
+                        help="replace a non-empty output: the new one is written beside it and swapped in whole "
+                             "(docs/reliability.md)")
+
+
 def add_device_option(parser) -> None:
     parser.add_argument("--device", type=_device, default=None, help="cpu | cuda | cuda:N (default: cuda when available)")
 

@@ -153,6 +153,7 @@ def _run_batched(args, model, tokenizer, factory, example, prompts, settings) ->
 
 
 def write_text(path: str, text: str) -> None:
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    """A report file, whole or not at all (a temp file renamed in: Ctrl-C leaves the old one)."""
+    from ..heads.io import atomic_write
+
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

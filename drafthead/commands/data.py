@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from pathlib import Path
 
-from . import (_positive_int, add_device_option, add_target_options, load_target_from_args, note, policy_from_args,
+from . import (_positive_int, add_device_option, add_overwrite_option, add_target_options, load_target_from_args, note, policy_from_args,
                resolve_device)
 
 
@@ -38,7 +39,8 @@ def add_parser(subparsers) -> None:
     # (docs/cpu-measurements.md "Training throughput")
     add_target_options(q, dtype="auto")
     source_options(q)
-    q.add_argument("--out", required=True, help="output JSONL (existing ids are skipped)")
+    q.add_argument("--out", required=True, help="output JSONL (a rerun skips the ids it holds)")
+    add_overwrite_option(q)
     q.add_argument("--max-new-tokens", type=_positive_int, default=512)
     q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     q.add_argument("--top-p", type=float, default=1.0)
@@ -57,7 +59,9 @@ def add_parser(subparsers) -> None:
     q = sub.add_parser("capture", help="write the target features a run config needs to shards")
     q.add_argument("--config", required=True, help="run config (target, head, data) or preset name")
     q.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    q.add_argument("--out", default=None, help="shard folder (default: the config's features.path)")
+    q.add_argument("--out", default=None, help="shard folder (default: the config's features.path; a rerun keeps its "
+                                                 "complete shards)")
+    add_overwrite_option(q)
     q.add_argument("--batch-size", type=_positive_int, default=None, help="default: the config's batch_size")
     add_device_option(q)  # the target's dtype and threads come from the config
 
@@ -65,6 +69,7 @@ def add_parser(subparsers) -> None:
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
     q.add_argument("--chats", type=_positive_int, default=200)
     q.add_argument("--seed", type=int, default=0)
+    add_overwrite_option(q)
 
 
 def run(args) -> int:
@@ -100,12 +105,28 @@ def _rank_device(device: str | None, share) -> str:
     return device
 
 
+def _clear_for_overwrite(paths, share) -> None:
+    """--overwrite of a resumable output: the main process deletes the old one before any process
+    writes (heads/outdir.py clear_output)."""
+    from ..heads.outdir import clear_output
+
+    if share.is_main:
+        for path in paths:
+            clear_output(path)
+    share.barrier()
+
+
 def _regenerate(args) -> int:
-    from ..train.regenerate import regenerate
+    from ..heads.outdir import check_output, clear_output, is_empty
+    from ..train.regenerate import is_regenerated, part_files, regenerate
     from ..train.sources import load_conversations
 
     share = _work_share()
     say = _main_note(share)
+    out = Path(args.out)
+    check_output(out, overwrite=args.overwrite, what="output", own=is_regenerated,
+                 hint=" and is not a `data regenerate` output to continue")
+    _clear_for_overwrite([out, *part_files(out)] if args.overwrite else [], share)
     ds, source_report = load_conversations(args.source, args.path, args.limit)
     say(source_report.summary())
     args.device = _rank_device(args.device, share)
@@ -126,6 +147,11 @@ def _regenerate(args) -> int:
         top_p=args.top_p, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns,
         seed=args.seed, target_name=loaded.name, drafter=drafter, policy=policy, share=share,
     )
+    if report.already_done + report.written == 0:
+        if share.is_main and is_empty(out):
+            clear_output(out)  # the file opened for appending, with nothing in it
+        raise ValueError(f"{out}: no record written ({report.summary()}): the target answered no turn; "
+                         "check the target, its chat template and --max-new-tokens")
     if share.is_main:
         print(f"{args.out}: {report.summary()}")
     return 0
@@ -134,15 +160,20 @@ def _regenerate(args) -> int:
 def _capture(args) -> int:
     from tqdm.auto import tqdm
 
+    from ..heads.outdir import check_output
     from ..inference.targets import load_target
     from ..train.config import load_config
+    from ..train.features import CAPTURE_PLAN
     from ..train.run import capture_from_config
 
     config = load_config(args.config, args.overrides)
     out = args.out or config.features.path
     if not out:
         raise ValueError("pass --out DIR or set features.path in the config")
+    check_output(out, overwrite=args.overwrite, what="capture folder", own=lambda p: (p / CAPTURE_PLAN).exists(),
+                 hint=" and holds no capture to continue")
     share = _work_share()
+    _clear_for_overwrite([Path(out)] if args.overwrite else [], share)
     loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share), threads=config.threads)
     bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
     try:
@@ -157,9 +188,8 @@ def _capture(args) -> int:
 
 
 def _tiny(args) -> int:
-    from ..train.tiny import save_tiny_target, write_tiny_jsonl
+    from ..train.tiny import CHATS_FILE, save_tiny_target
 
-    folder = save_tiny_target(args.out, seed=args.seed)
-    chats = write_tiny_jsonl(folder / "chats.jsonl", args.chats, seed=args.seed)
-    print(f"tiny target in {folder}, {args.chats} chats in {chats}")
+    folder = save_tiny_target(args.out, seed=args.seed, chats=args.chats, overwrite=args.overwrite)
+    print(f"tiny target in {folder}, {args.chats} chats in {folder / CHATS_FILE}")
     return 0

@@ -2,7 +2,7 @@
 engine loads (the work is `heads.formats.export_head`; docs/formats.md lists the layouts)."""
 from __future__ import annotations
 
-from . import note
+from . import add_overwrite_option, note
 
 DTYPES = ("keep", "float32", "bfloat16", "float16")
 
@@ -13,7 +13,8 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("export", help="write a trained head for vLLM, SGLang, llama.cpp, speculators, EAGLE, Medusa")
     p.add_argument("head_dir", metavar="HEAD_DIR", help="a head folder written by `drafthead train`")
     p.add_argument("--format", choices=EXPORT_FORMATS, required=True, help="target layout (docs/formats.md)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; a non-empty one needs --overwrite)")
+    add_overwrite_option(p)
     p.add_argument("--dtype", choices=DTYPES, default="keep", help="cast the weights (default: keep the saved dtype)")
     p.add_argument(
         "--target",
@@ -27,13 +28,16 @@ def run(args) -> int:
     import torch
 
     from ..heads.formats import export_head
+    from ..heads.outdir import check_distinct, check_output
 
+    check_distinct(args.head_dir, args.out)  # before the target loads: a refusal costs nothing
+    check_output(args.out, overwrite=args.overwrite, what="export folder")
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     target_model = None
     if args.target is not None:
         from ..inference.targets import load_target
 
         target_model = load_target(args.target).model
-    out = export_head(args.head_dir, args.out, args.format, dtype=dtype, target_model=target_model)
+    out = export_head(args.head_dir, args.out, args.format, dtype=dtype, target_model=target_model, overwrite=args.overwrite)
     note(f"wrote {args.format} layout to {out}")
     return 0

@@ -1,6 +1,6 @@
 """`drafthead train --config configs/x.yaml [key=value ...] [--resume]`.
 
-Also the body of `accelerate launch -m drafthead.train ...` (train/__main__.py): the same
+Also what `accelerate launch -m drafthead train ...` runs (drafthead/__main__.py): the same
 arguments, one process per device, each loading the target on its own device.
 """
 from __future__ import annotations
@@ -8,11 +8,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import add_overwrite_option
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="a YAML run config or a preset name (configs/NAME.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. lr=3e-4 data.limit=2000 head.num_heads=3")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output_dir")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest checkpoint in output_dir; its config must agree, except logging, "
+                             "eval and checkpoint cadence, max_steps/epochs and wandb (docs/reliability.md)")
+    add_overwrite_option(parser)
     parser.add_argument("--plan", default=None, metavar="CONFIG_JSON",
                         help="do not train: print per-rank memory under DDP and FSDP for this target config.json "
                              "(e.g. configs/targets/llama-3.1-8b.json), built on the meta device")
@@ -37,7 +42,7 @@ def run(args) -> int:
         print(plan_table(config, args.plan, tuple(int(r) for r in args.ranks.split(","))))
         return 0
     try:
-        result = run_training(config, resume=args.resume)
+        result = run_training(config, resume=args.resume, overwrite=args.overwrite)
     except NonFiniteLossError as e:
         print(f"drafthead train: {e}", file=sys.stderr)
         return 1
@@ -47,18 +52,3 @@ def run(args) -> int:
         if PartialState().is_main_process:
             print(f"head saved to {result.final_dir}")
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m drafthead.train` / `accelerate launch -m drafthead.train`: errors as in the CLI."""
-    from ..cli import EXPECTED_ERRORS, one_line
-
-    parser = argparse.ArgumentParser(prog="python -m drafthead.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except EXPECTED_ERRORS as e:
-        print(f"drafthead train: error: {one_line(e)}", file=sys.stderr)
-        return 2

@@ -28,6 +28,7 @@ from ..config import config_from_dict
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
+from ..outdir import check_distinct, check_output, fresh_folder
 from . import dflash, eagle1, eagle3, gguf_eagle3, medusa, speculators
 from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
     read_weights
@@ -57,19 +58,28 @@ _FORMAT_KINDS = {
 
 
 def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None,
-                target_model: nn.Module | None = None) -> Path:
+                target_model: nn.Module | None = None, overwrite: bool = False) -> Path:
     """Write `head_dir` (our format) to `out_dir` in layout `fmt` (EXPORT_FORMATS).
 
     dtype: cast floating tensors (e.g. torch.bfloat16). target_model: needed where the layout stores
     a copy of a target tensor (upstream EAGLE's embed_tokens, speculators' embed_tokens, a shared
-    Medusa LM head); it must be the head's own target.
+    Medusa LM head); it must be the head's own target. A non-empty `out_dir` is refused unless
+    `overwrite`; the folder is written beside it and renamed in whole (heads/outdir.py), so no
+    file of an earlier export is left to be read instead of the new ones.
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"unknown export format {fmt!r} (known: {', '.join(EXPORT_FORMATS)})")
     head_dir, out_dir = Path(head_dir), Path(out_dir)
-    if out_dir.resolve() == head_dir.resolve():
-        raise ValueError("export output directory must differ from the head directory")
+    check_distinct(head_dir, out_dir)
+    check_output(out_dir, overwrite=overwrite, what="export folder")
     config, meta, state = read_head_dir(head_dir)
+    with fresh_folder(out_dir, overwrite=overwrite, what="export folder") as tmp:
+        _write_export(head_dir, tmp, fmt, config, meta, state, dtype, target_model)
+    return out_dir
+
+
+def _write_export(head_dir: Path, out_dir: Path, fmt: str, config, meta: dict, state: dict, dtype, target_model) -> None:
+    """export_head's body: the layout `fmt` written into the (new, empty) folder `out_dir`."""
     if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
 
@@ -79,7 +89,7 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
             shutil.copytree(head_dir / ADAPTER_DIR, out_dir / ADAPTER_DIR, dirs_exist_ok=True)
         write_safetensors(out_dir / WEIGHTS_NAME, state, {"format": "pt"})
         write_json(out_dir / CONFIG_NAME, {**meta, "dtype": dtype_name(state)})
-        return out_dir
+        return
 
     kinds = _FORMAT_KINDS[fmt]
     if config.kind == "medusa2":
@@ -127,7 +137,6 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
     else:
         write_safetensors(out_dir / WEIGHTS_NAME, tensors, {"format": "pt"})
     write_json(out_dir / CONFIG_NAME, cfg)  # last: the folder is complete once this exists
-    return out_dir
 
 
 def _atomic_torch_save(path: Path, tensors: dict) -> None:
@@ -301,11 +310,18 @@ def _check_target_copies(copies: dict, target_model: nn.Module, src, own_rows: d
 
 
 def import_to_folder(src_dir, out_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None,
-                     convention: str | None = None, dtype: torch.dtype | None = None) -> tuple[Path, list[str]]:
+                     convention: str | None = None, dtype: torch.dtype | None = None,
+                     overwrite: bool = False) -> tuple[Path, list[str]]:
     """`drafthead import`: a foreign layout -> one of our head folders. The weights are saved in
-    `dtype`, by default the dtype they were stored in (so a bf16 checkpoint stays bit-exact)."""
+    `dtype`, by default the dtype they were stored in (so a bf16 checkpoint stays bit-exact).
+    `out_dir` may not be `src_dir`, and a non-empty one is refused unless `overwrite`; it appears
+    whole or not at all (heads/outdir.py)."""
+    check_distinct(src_dir, out_dir)
+    check_output(out_dir, overwrite=overwrite, what="import folder")
     head, notes, foreign = _import(src_dir, target_model, tokenizer, target_name, convention)
     if dtype is None and foreign is not None:
         floats = {v.dtype for v in foreign.state.values() if v.is_floating_point()}
         dtype = floats.pop() if len(floats) == 1 else None
-    return head.save_pretrained(out_dir, dtype=dtype), notes
+    with fresh_folder(out_dir, overwrite=overwrite, what="import folder") as tmp:
+        head.save_pretrained(tmp, dtype=dtype)
+    return Path(out_dir), notes

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io import HeadFormatError
+from ..io import HeadFormatError, read_gguf
 from .common import ForeignHead
 
 # GGUF tensor -> our EAGLE-3 key (before the q/k un-permute)
@@ -56,12 +56,7 @@ def _tensor(t) -> torch.Tensor:
 
 
 def read(src: Path) -> ForeignHead:
-    from gguf import GGUFReader
-
-    try:
-        reader = GGUFReader(str(src))
-    except Exception as e:  # truncated / not a GGUF file
-        raise HeadFormatError(f"{src} is not a readable GGUF file: {e}") from e
+    reader = read_gguf(src)
     meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.")}
     arch = meta.get("general.architecture")
     if arch != "eagle3":
