@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -489,13 +491,12 @@ def test_damaged_checkpoint_on_resume(tmp_path, capsys, damaged):
             Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False, resume=True)
 
 
-def test_python_m_drafthead_train_reports_the_same_way(tmp_path, capsys):
-    from drafthead.commands.train import main as train_main
-
+def test_python_m_drafthead_train_reports_the_same_way(tmp_path):
+    """`python -m drafthead train` (what `accelerate launch -m drafthead train` runs): one line, exit 2."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("lr: [1\n")
-    assert train_main(["--config", str(bad)]) == 2
-    assert capsys.readouterr().err.startswith("drafthead train: error: ")
+    out = subprocess.run([sys.executable, "-m", "drafthead", "train", "--config", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.startswith("drafthead: error: ") and len(out.stderr.splitlines()) == 1
 
 
 def test_damaged_captured_shard_and_index(tmp_path):
