@@ -138,7 +138,20 @@ def build_trainer(
         pad_token_id=pad_token_id(tokenizer),
     )
     return Trainer(config, head, data, accelerator=accelerator, target=target, layers=layers,
-                   frozen_target=target_model if featurize is not None else None)
+                   frozen_target=target_model if featurize is not None else None,
+                   replay=build_replay(config, target_model, tokenizer, data.eval))
+
+
+def build_replay(config: TrainConfig, target_model, tokenizer, eval_samples):
+    """The replayed-acceptance eval (train/replay_eval.py) when `replay.sequences` > 0, else None."""
+    if not config.replay.sequences:
+        return None
+    if not eval_samples:
+        raise ConfigError("replay.sequences > 0 needs held-out samples: set data.eval_fraction (or data.eval_size) above 0")
+    from ..heads.identity import eos_token_ids
+    from .replay_eval import ReplayEval
+
+    return ReplayEval(target_model, eval_samples, config.replay, eos_token_ids(target_model, tokenizer))
 
 
 def new_or_saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name, say, token_counts: Callable[[], torch.Tensor]):
@@ -170,7 +183,8 @@ def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenize
     head = new_or_saved_head(config, hcfg, target_model, tokenizer, target_name, say, lambda: stream.token_counts(hcfg.vocab_size))
     train_data = TrainData(train=stream, eval=eval_samples or None, featurize=OnlineFeaturizer(target_model, layers),
                            pad_token_id=pad_token_id(tokenizer))
-    return Trainer(config, head, train_data, accelerator=accelerator, layers=layers, frozen_target=target_model)
+    return Trainer(config, head, train_data, accelerator=accelerator, layers=layers, frozen_target=target_model,
+                   replay=build_replay(config, target_model, tokenizer, train_data.eval))
 
 
 def run_training(config: TrainConfig, *, resume: bool = False, say: Callable[[str], None] = print) -> TrainResult:
