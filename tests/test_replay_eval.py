@@ -68,6 +68,21 @@ def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it
     assert best["metric"] == "replay_tau" and best["value"] == max(r["replay_tau"] for r in evals)
 
 
+def test_a_chain_deeper_than_the_head_drafts_fails_before_training(tmp_path, isolated_cache):
+    from drafthead.train.config import ConfigError
+    from drafthead.train.run import build_trainer
+    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+
+    tok = tiny_tokenizer()
+    cfg = TrainConfig.from_dict(dict(
+        target="tiny", head={"kind": "medusa1", "num_heads": 2}, report_to="none", output_dir=str(tmp_path / "run"),
+        data={"source": "json", "path": str(write_tiny_jsonl(tmp_path / "chats.jsonl", 20)), "max_length": 64,
+              "eval_fraction": 0.1}, replay={"sequences": 2, "chain": 3}, max_steps=2,
+    ))
+    with pytest.raises(ConfigError, match="replay: tree depth 3 exceeds the 2 Medusa heads"):
+        build_trainer(cfg, tiny_target(tok), tok)
+
+
 class ScriptedReplay:
     """Stands in for ReplayEval: replay_tau from a script, one value per eval, and a copy of the
     head's weights at each call."""
