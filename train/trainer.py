@@ -26,6 +26,7 @@ from torch import nn
 
 from ..heads.batch import FeatureBatch
 from ..heads.io import shifted_labels
+from .best import BEST_DIR, best_so_far, improves, write_record
 from .checkpoint import (
     TrainState,
     capture_rng_state,
@@ -36,7 +37,6 @@ from .checkpoint import (
     restore_rng_state,
     save_checkpoint,
 )
-from .best import BEST_DIR, best_so_far, improves, write_record
 from .config import TrainConfig
 from .evaluate import WEIGHT_KEY, MetricMean, summarize
 from .features import collate
