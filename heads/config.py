@@ -154,7 +154,7 @@ class Eagle1Config(_HeadConfig):
     """
 
     KINDS: ClassVar[tuple[str, ...]] = ("eagle1",)
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("feature_weight", "ce_weight", "ce_to_target_dist")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("feature_weight", "ce_weight", "ce_to_target_dist", "loss", "lk_eta")
 
     kind: str = "eagle1"
     feature_weight: float = 1.0  # SmoothL1 on the next feature
@@ -162,6 +162,9 @@ class Eagle1Config(_HeadConfig):
     # False: CE against the next data token input_ids[t+2]; True: soft CE against the target's own
     # distribution at t+1 (softmax of lm_head(feature_{t+1})).
     ce_to_target_dist: bool = False
+    # the token term's objective, as Eagle3Config.loss; LK losses need ce_to_target_dist
+    loss: str = "ce"
+    lk_eta: float = 3.0
     input_layernorm: bool = False
     fc_bias: bool = False  # upstream EAGLE trains fc with a bias (its default); vLLM's layout has none
     # The draft layer's own RoPE (transformers `rope_parameters`: rope_type, rope_theta, scaling
@@ -174,6 +177,9 @@ class Eagle1Config(_HeadConfig):
         self._check_kind()
         if self.feature_weight < 0 or self.ce_weight < 0 or self.feature_weight + self.ce_weight == 0:
             raise ValueError("EAGLE-1 loss weights must be >= 0 and not both 0")
+        check_loss(self.loss, self.lk_eta)
+        if self.loss != "ce" and not self.ce_to_target_dist:
+            raise ValueError(f"loss {self.loss} trains toward the target's distribution: set ce_to_target_dist: true")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

@@ -164,3 +164,29 @@ def test_eagle3_trains_its_acceptance_up_under_lk():
     last = head.compute_loss(batch)[1]
     for i in range(2):
         assert last[f"alpha_{i}"] > first[f"alpha_{i}"] + 0.1, (first, last)
+
+
+def test_eagle1_token_term_under_lk_equals_the_position_loop():
+    """EAGLE-1 with the target's distribution as its token target: loss_ce is the mean over labelled
+    (b, t) of -log sum_x min(p, q), p = softmax(lm_head(f_{t+1})), q from the head at t."""
+    target = make_target()
+    batch = make_batch(target)
+    with pytest.raises(ValueError, match="set ce_to_target_dist: true"):
+        make_config("eagle1", target, None, loss="lk_alpha")
+    head = build_head(make_config("eagle1", target, None, ce_to_target_dist=True, loss="lk_alpha"), target)
+    _, metrics = head.compute_loss(batch)
+    f, W = batch.hidden_states[LAYERS], target.lm_head.weight
+    B, T = batch.input_ids.shape
+    terms, alphas = [], []
+    with torch.no_grad():
+        for b in range(B):
+            nxt = torch.cat([batch.input_ids[b, 1:], torch.zeros(1, dtype=torch.long)])
+            h, _ = head.step(f[b : b + 1], nxt[None], torch.arange(T)[None])
+            for t in range(T - 2):
+                if batch.loss_mask[b, t + 2] and batch.attention_mask[b, t + 2]:
+                    p = torch.softmax(f[b, t + 1] @ W.T, -1).double().tolist()
+                    logits = (h[0, t] @ W.T).double().tolist()
+                    terms.append(slow_objective(logits, p, "lk_alpha", 0.0))
+                    alphas.append(slow_alpha(logits, p))
+    assert metrics["loss_ce"] == pytest.approx(sum(terms) / len(terms), rel=1e-4)
+    assert metrics["alpha_0"] == pytest.approx(sum(alphas) / len(alphas), rel=1e-4)
