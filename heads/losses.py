@@ -56,8 +56,9 @@ def distill_loss(logits: torch.Tensor, p: torch.Tensor, loss: str = "ce", lk_eta
     log_q = torch.log_softmax(logits, dim=-1)  # [N, V]
     ce = -(p * log_q).sum(-1)  # [N]
     if loss == "ce":
-        with torch.no_grad():
-            return ce, acceptance_rate(p, log_q.exp())
+        with torch.no_grad():  # one [N, V] temporary, overwritten in place: alpha is only a metric here
+            q = log_q.exp()
+            return ce, torch.minimum(q, p, out=q).sum(-1)
     alpha = acceptance_rate(p, log_q.exp())  # [N], differentiable
     if loss == "lk_alpha":
         return -torch.log(alpha.clamp_min(_LOG_FLOOR)), alpha.detach()
