@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from .identity import TargetIdentity
+from .losses import check_loss
 
 KINDS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle", "dflash")
 
@@ -153,7 +154,7 @@ class Eagle1Config(_HeadConfig):
     """
 
     KINDS: ClassVar[tuple[str, ...]] = ("eagle1",)
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("feature_weight", "ce_weight", "ce_to_target_dist")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("feature_weight", "ce_weight", "ce_to_target_dist", "loss", "lk_eta")
 
     kind: str = "eagle1"
     feature_weight: float = 1.0  # SmoothL1 on the next feature
@@ -161,6 +162,9 @@ class Eagle1Config(_HeadConfig):
     # False: CE against the next data token input_ids[t+2]; True: soft CE against the target's own
     # distribution at t+1 (softmax of lm_head(feature_{t+1})).
     ce_to_target_dist: bool = False
+    # the token term's objective, as Eagle3Config.loss; LK losses need ce_to_target_dist
+    loss: str = "ce"
+    lk_eta: float = 3.0
     input_layernorm: bool = False
     fc_bias: bool = False  # upstream EAGLE trains fc with a bias (its default); vLLM's layout has none
     # The draft layer's own RoPE (transformers `rope_parameters`: rope_type, rope_theta, scaling
@@ -173,6 +177,9 @@ class Eagle1Config(_HeadConfig):
         self._check_kind()
         if self.feature_weight < 0 or self.ce_weight < 0 or self.feature_weight + self.ce_weight == 0:
             raise ValueError("EAGLE-1 loss weights must be >= 0 and not both 0")
+        check_loss(self.loss, self.lk_eta)
+        if self.loss != "ce" and not self.ce_to_target_dist:
+            raise ValueError(f"loss {self.loss} trains toward the target's distribution: set ce_to_target_dist: true")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -194,7 +201,7 @@ class Eagle3Config(_HeadConfig):
     training-time test (unroll `ttt_steps` steps on its own hidden states, loss sum decay**i CE_i)."""
 
     KINDS: ClassVar[tuple[str, ...]] = ("eagle3",)
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp", "entropy_ramp", "entropy_start")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp", "entropy_ramp", "entropy_start", "loss", "lk_eta")
 
     kind: str = "eagle3"
     aux_layers: tuple[int, ...] | None = None  # None: default_eagle3_layers(L), filled in when target is set
@@ -209,6 +216,11 @@ class Eagle3Config(_HeadConfig):
     # positions is trained on, growing from `entropy_start` to all of them; 0: every position always
     entropy_ramp: float = 0.0
     entropy_start: float = 0.5
+    # each step's objective (heads/losses.py): ce (soft cross-entropy, KL's gradient), lk_alpha
+    # (-log of the acceptance rate) or lk_lambda (KL blended into 1 - acceptance rate by
+    # exp(-lk_eta * acceptance rate)), LK losses, arXiv 2602.23881 (docs/training.md)
+    loss: str = "ce"
+    lk_eta: float = 3.0
     # True: the fused feature is normed (hidden_norm) *before* it becomes the residual; False (ours,
     # SpecForge's, vLLM's research layout): the residual is the un-normed feature (docs/formats.md)
     norm_before_residual: bool = False
@@ -238,6 +250,7 @@ class Eagle3Config(_HeadConfig):
             raise ValueError(f"entropy_start must be in (0, 1], got {self.entropy_start}")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
+        check_loss(self.loss, self.lk_eta)
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.norm_before_fc and self.fc_norm:
@@ -290,7 +303,7 @@ class PEagleConfig(Eagle3Config):
     unused."""
 
     KINDS: ClassVar[tuple[str, ...]] = ("peagle",)
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("cod_ratio", "cod_min_ratio")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("cod_ratio", "cod_min_ratio", "loss", "lk_eta")
 
     kind: str = "peagle"
     parallel_depth: int = 4
@@ -333,7 +346,7 @@ class DFlashConfig(_HeadConfig):
     engines read it from the checkpoint, so pick one the text never uses."""
 
     KINDS: ClassVar[tuple[str, ...]] = ("dflash",)
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("num_anchors", "loss_decay_gamma")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("num_anchors", "loss_decay_gamma", "loss", "lk_eta")
 
     kind: str = "dflash"
     aux_layers: tuple[int, ...] | None = None  # output_hidden_states indices; None: default_dflash_layers(L)
@@ -342,6 +355,10 @@ class DFlashConfig(_HeadConfig):
     mask_token_id: int | None = None
     num_anchors: int = 64  # blocks trained per sequence (the reference trainers: 512 on GPUs)
     loss_decay_gamma: float | None = 4.0  # speculators' default; SpecForge's is None (uniform)
+    # as Eagle3Config.loss, over the target's whole vocabulary; lk_lambda's weight is one per batch,
+    # over every block position together (EAGLE-3 weighs each unroll step on its own)
+    loss: str = "ce"
+    lk_eta: float = 3.0
     # the draft layers' own shape and RoPE (rope_type, rope_theta, ...); None: the target's. Set by
     # imports of published drafts that chose their own (the hidden size is always the target's).
     intermediate_size: int | None = None
@@ -360,6 +377,7 @@ class DFlashConfig(_HeadConfig):
             raise ValueError(f"num_layers and num_anchors must be >= 1, got {self.num_layers}, {self.num_anchors}")
         if self.loss_decay_gamma is not None and not self.loss_decay_gamma > 0:
             raise ValueError(f"loss_decay_gamma must be > 0 or None, got {self.loss_decay_gamma}")
+        check_loss(self.loss, self.lk_eta)
         if self.mask_token_id is None:
             raise ValueError("DFlash needs mask_token_id: a target token id the text never uses (its embedding "
                              "fills the mask positions)")

@@ -21,7 +21,8 @@ engines load (vLLM's and SGLang's `DFlashDraftModel`; docs/formats.md "Parallel 
 Training (`compute_loss`): `num_anchors` random anchors a per sequence, each a block at a..a+S-1
 that sees the context keys at positions < a and its own block (`block_attention_mask`), all in
 one forward. Position k of the block is scored against the target's distribution for token a + k
-(softmax of the LM head on the final normed state at a + k - 1), weighted exp(-(k - 1) / gamma).
+(softmax of the LM head on the final normed state at a + k - 1), weighted exp(-(k - 1) / gamma),
+under soft CE or an LK loss (`loss`, heads/losses.py).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from .batch import FeatureBatch
 from .config import DFlashConfig
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs
+from .losses import distill_loss
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, each [B, kv_heads, n, head_dim]
 
@@ -275,7 +277,7 @@ class DFlashHead(DraftHeadBase):
         with torch.no_grad():  # the target's distribution for token label, from the state before it
             hL = batch.hidden_states[L]
             p = torch.softmax(self.refs.lm_logits(hL[b, label[b, a, k] - 1].float()), dim=-1)
-        ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)  # [N]
+        ce, alpha = distill_loss(logits, p, cfg.loss, cfg.lk_eta)  # [N], [N]: the objective per element
         w = torch.tensor(decay_weights(S, cfg.loss_decay_gamma), device=ce.device)[k]
         loss = (w * ce).sum() / w.sum() if ce.numel() else logits.sum() * 0.0
         hits = logits.argmax(-1) == p.argmax(-1)
@@ -285,6 +287,7 @@ class DFlashHead(DraftHeadBase):
             n = int(at.sum())
             metrics[f"loss_{i}"] = ce[at].mean().item() if n else 0.0
             metrics[f"acc_{i}"] = hits[at].float().mean().item() if n else 0.0
+            metrics[f"alpha_{i}"] = alpha[at].mean().item() if n else 0.0
             if i == 0:
                 metrics["num_labels"] = float(n)
         return loss, metrics

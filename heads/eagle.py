@@ -41,6 +41,7 @@ from .batch import FeatureBatch
 from .config import Eagle1Config
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs, shift_left, shifted_labels
+from .losses import distill_loss
 
 # ----------------------------------------------------------------------------- shared plumbing
 
@@ -231,8 +232,10 @@ class Eagle1Head(DecoderHeadBase):
         """feature_weight * SmoothL1(h_t, f_{t+1}) + ce_weight * CE(lm_head(h_t), x_{t+2}) on
         positions t whose label t+2 is loss-masked (see `shifted_labels`); with
         `ce_to_target_dist` the CE target is softmax(lm_head(f_{t+1})), the target's own
-        distribution for x_{t+2}. metrics: loss_feature, loss_ce, acc_0 (top-1 vs the data token,
-        or vs the target's argmax in soft mode), num_labels."""
+        distribution for x_{t+2}, and `config.loss` may replace that soft CE by an LK loss
+        (heads/losses.py). metrics: loss_feature, loss_ce (the token term), acc_0 (top-1 vs the
+        data token, or vs the target's argmax in soft mode), alpha_0 (soft mode: the acceptance
+        rate), num_labels."""
         L = self.config.final_layer
         if L not in batch.hidden_states:
             raise KeyError(f"EAGLE-1 needs hidden_states[{L}]; batch has {sorted(batch.hidden_states)}")
@@ -253,11 +256,14 @@ class Eagle1Head(DecoderHeadBase):
         if self.config.ce_to_target_dist:
             with torch.no_grad():
                 p = torch.softmax(self.refs.lm_logits(f_next).float(), dim=-1)
-            ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+            each, alpha = distill_loss(logits, p, self.config.loss, self.config.lk_eta)  # [N], [N]
+            ce = each.mean()
             ref = p.argmax(-1)
+            extra = {"alpha_0": alpha.mean().item()}
         else:
             ref = labels[valid]
             ce = F.cross_entropy(logits, ref)
+            extra = {}
         loss = self.config.feature_weight * feat + self.config.ce_weight * ce
         acc = (logits.argmax(-1) == ref).float().mean().item()
         return loss, {
@@ -266,4 +272,5 @@ class Eagle1Head(DecoderHeadBase):
             "loss_ce": ce.item(),
             "acc_0": acc,
             "num_labels": float(n),
+            **extra,
         }

@@ -16,7 +16,8 @@ follows vLLM's/SpecForge's EAGLE-3 layer so exported weights load there unchange
 
 built from the target family's attention / MLP / RMSNorm classes (Llama, Qwen2, Mistral...).
 No feature loss: the target is the target model's distribution at t+1 (softmax of its LM head on
-the final normed state), restricted to the draft vocab and renormalised, under soft CE.
+the final normed state), restricted to the draft vocab and renormalised, under soft CE or an LK
+loss (`loss`, heads/losses.py).
 
 Training-time test (EAGLE-3 sec. 3.2): unroll `ttt_steps` steps; step i feeds its own output
 hidden state h^(i-1) as the next step's g and the token one position further right, so step i at
@@ -41,6 +42,7 @@ from .config import Eagle3Config
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
 from .eagle import DecoderHeadBase, cache_kwarg, decoder_layers
 from .io import shift_left, shifted_labels
+from .losses import distill_loss
 
 
 def ttt_depth(steps: int, ramp: float, progress: float) -> int:
@@ -232,10 +234,12 @@ class Eagle3Head(DecoderHeadBase):
             return torch.softmax(nn.functional.linear(hL.to(w.device, w.dtype), w).float(), dim=-1).to(hL.device)
 
     def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Training-time test loss sum_i ttt_decay**i * softCE_i (module docstring).
+        """Training-time test loss sum_i ttt_decay**i * L_i (module docstring), L_i the mean of
+        `config.loss` (soft CE by default; heads/losses.py) over step i's positions.
 
         metrics: loss_i and acc_i per unroll step (top-1 draft token == argmax of the target
-        distribution restricted to the draft vocab, on loss-masked positions), num_labels.
+        distribution restricted to the draft vocab, on loss-masked positions), alpha_i (the mean
+        acceptance rate sum_x min(p, q) against that distribution), num_labels.
         """
         cfg = self.config
         ids = batch.input_ids
@@ -251,16 +255,17 @@ class Eagle3Head(DecoderHeadBase):
             p = target_p[b_idx, t_idx + 1 + i]  # [N, Vd], the target's distribution for token t+2+i
             n = p.shape[0]
             if n:
-                ce_each = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)  # [N]
+                each, alpha = distill_loss(logits, p, cfg.loss, cfg.lk_eta)  # [N], [N]
                 if self.training and cfg.entropy_ramp > 0:
                     entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # [N], of the target's distribution
-                    ce_each = ce_each[entropy_curriculum(entropy, cfg.entropy_ramp, self.train_progress, cfg.entropy_start)]
-                ce = ce_each.mean()
+                    each = each[entropy_curriculum(entropy, cfg.entropy_ramp, self.train_progress, cfg.entropy_start)]
+                step_loss = each.mean()
                 acc = (logits.argmax(-1) == p.argmax(-1)).float().mean().item()
+                metrics[f"alpha_{i}"] = alpha.mean().item()
             else:
-                ce, acc = logits.sum() * 0.0, 0.0
-            total = total + cfg.ttt_decay**i * ce
-            metrics[f"loss_{i}"] = ce.item()
+                step_loss, acc = logits.sum() * 0.0, 0.0
+            total = total + cfg.ttt_decay**i * step_loss
+            metrics[f"loss_{i}"] = step_loss.item()
             metrics[f"acc_{i}"] = acc
             if i == 0:
                 metrics["num_labels"] = float(n)

@@ -14,9 +14,9 @@ At inference that is an ordinary causal forward over [catch-up pairs, mask x (K 
 
 Training (`compute_loss`): depth 0 is EAGLE-3's step 0 over every column. Depth d >= 1 keeps a
 random subset of the columns kept at depth d - 1, `max(cod_ratio**d, cod_min_ratio)` of all
-columns (`cod_columns`), so deep depths cost a fraction of a full unroll. Loss: soft CE against
-the target's distribution (restricted to the draft vocab) summed over every kept element and
-divided by their number, as the reference trainers do (docs/formats.md "Parallel drafters").
+columns (`cod_columns`), so deep depths cost a fraction of a full unroll. Loss: soft CE (or an LK
+loss, `loss`: heads/losses.py) against the target's distribution (restricted to the draft vocab)
+summed over every kept element and divided by their number, as the reference trainers do (docs/formats.md "Parallel drafters").
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from .batch import FeatureBatch
 from .config import PEagleConfig
 from .eagle3 import Eagle3Head
 from .io import shift_left, shifted_labels
+from .losses import distill_loss
 
 
 def cod_columns(T: int, depths: int, ratio: float, min_ratio: float, generator: torch.Generator | None = None,
@@ -140,10 +141,12 @@ class PEagleHead(Eagle3Head):
             logits = self.logits(hidden[b_idx, j_idx]).float()  # [N, Vd]
             p = target_p[b_idx, t_idx + 1 + d]  # the target's distribution for token t + 2 + d
             n = p.shape[0]
-            ce_sum = -(p * torch.log_softmax(logits, dim=-1)).sum()
+            each, alpha = distill_loss(logits, p, cfg.loss, cfg.lk_eta)  # [N], [N]
+            ce_sum = each.sum()
             total_ce, total_n = total_ce + ce_sum, total_n + n
             metrics[f"loss_{d}"] = ce_sum.item() / n if n else 0.0
             metrics[f"acc_{d}"] = (logits.argmax(-1) == p.argmax(-1)).float().mean().item() if n else 0.0
+            metrics[f"alpha_{d}"] = alpha.mean().item() if n else 0.0
             metrics[f"elements_{d}"] = float(n)
             if d == 0:
                 metrics["num_labels"] = float(n)

@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 
 from .acceptance import greedy_accept
+from .batch_bench import RootOnlyDrafter
 from .drafter import RoundStats
+from .generate import GenerationConfig, generate_batch
 from .tree import node_depths
 from .verify import select_features
 
@@ -34,6 +36,33 @@ def sequence_hidden_states(target, sequence: torch.Tensor, drafters) -> tuple[to
         return None
     with torch.inference_mode():
         return target(input_ids=sequence, output_hidden_states=True).hidden_states
+
+
+def greedy_continuations(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_ids=(),
+                         batch_size: int = 16, on_batch=None, engine_linears: bool = True) -> list[list[int]]:
+    """Each prompt's ([1, P] ids) plain greedy continuation by our engine, up to `max_new_tokens`
+    or an EOS (kept), `batch_size` prompts a batch: the text every replay of that prompt is of.
+    on_batch(done): called after each batch with the number of prompts done. engine_linears: as
+    GenerationConfig's (False: no CPU kernel to build, for a few short continuations)."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=tuple(eos_token_ids),
+                              engine_linears=engine_linears)
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        result = generate_batch(target, RootOnlyDrafter(), [p[0] for p in prompts[start: start + batch_size]], config)
+        out += [row.new_tokens[0].tolist() for row in result.rows]
+        if on_batch is not None:
+            on_batch(len(out))
+    return out
+
+
+def kept_hidden_states(target, sequence: torch.Tensor, drafters) -> list | None:
+    """`sequence_hidden_states` with only the layers some drafter reads (and the final one) kept,
+    the rest None: features held for many sequences cost a few layers each, not all L + 1."""
+    hidden = sequence_hidden_states(target, sequence, drafters)
+    if hidden is None:
+        return None
+    wanted = {i % len(hidden) for d in drafters for i in d.feature_layers} | {len(hidden) - 1}
+    return [h if i in wanted else None for i, h in enumerate(hidden)]
 
 
 def replay_greedy(drafter, sequence: torch.Tensor, prompt_len: int, hidden_states=None) -> list[int]:

@@ -14,6 +14,7 @@ from drafthead.inference.drafters.parallel import DFlashDrafter
 from tests.test_head_drafters import assert_drafts_match_recomputation, assert_greedy_equals_plain
 from tests.test_sampling_exactness import VOCAB, assert_static_tree_sampling_exact
 from tests.tiny import FAMILIES, repetitive_prompt, tiny_causal_lm
+from tests.test_peagle import element_loss
 
 
 MASK = 95  # not 2, the tiny models' pad token: its embedding row is zero (test_a_zero_mask_embedding_is_refused)
@@ -77,12 +78,12 @@ def slow_loss(head, batch, anchors, ok):
                     continue
                 p = torch.softmax(batch.hidden_states[cfg.final_layer][b, a + k - 1] @ lm.T, dim=-1)
                 w = 1.0 if cfg.loss_decay_gamma is None else math.exp(-(k - 1) / cfg.loss_decay_gamma)
-                total = total - w * (p * torch.log_softmax(logits[k - 1], dim=-1)).sum()
+                total = total + w * element_loss(torch.log_softmax(logits[k - 1], dim=-1), p, cfg.loss)
                 weight += w
     return total / weight
 
 
-@pytest.mark.parametrize("extra", [{"num_layers": 1}, {"num_layers": 2, "loss_decay_gamma": None}])
+@pytest.mark.parametrize("extra", [{"num_layers": 1}, {"num_layers": 2, "loss_decay_gamma": None}, {"loss": "lk_alpha"}])
 def test_loss_equals_the_block_by_block_twin(extra):
     target = tiny_causal_lm("llama", layers=3)
     head = dflash(target, block=4, num_anchors=5, **extra)

@@ -50,6 +50,13 @@ def _batch(target, B=3, T=14, seed=0):
     return FeatureBatch(ids, torch.ones_like(ids), loss_mask, {i: h for i, h in enumerate(hs)})
 
 
+def element_loss(log_q, p, loss):
+    """One element's soft CE, or -log sum_x min(p, q) (LK^alpha, heads/losses.py)."""
+    if loss == "lk_alpha":
+        return -torch.log(torch.minimum(p, log_q.exp()).sum())
+    return -(p * log_q).sum()
+
+
 def slow_loss(head, batch, seed):
     """The loss element by element: each kept (row b, column t, depth d) is drafted from scratch
     the way inference drafts it (the pairs 0..t and d mask positions, one causal forward) and scored
@@ -71,12 +78,12 @@ def slow_loss(head, batch, seed):
                 logits = head.parallel_draft(fused[b : b + 1, : t + 1], ids[b : b + 1, 1 : t + 2],
                                              torch.arange(t + 1)[None], head.new_cache())
                 log_q = torch.log_softmax(logits[0, d].float(), dim=-1)
-                total = total - (target_p[b, t + 1 + d] * log_q).sum()
+                total = total + element_loss(log_q, target_p[b, t + 1 + d], cfg.loss)
                 n += 1
     return total / n
 
 
-@pytest.mark.parametrize("extra", [{}, {"fc_norm": True, "norm_output": True}])
+@pytest.mark.parametrize("extra", [{}, {"fc_norm": True, "norm_output": True}, {"loss": "lk_alpha"}])
 def test_loss_equals_the_element_by_element_twin(extra):
     target = tiny_causal_lm("llama", layers=3)
     head = peagle(target, depth=4, cod_ratio=0.6, cod_min_ratio=0.3, **extra)

@@ -12,6 +12,7 @@ from drafthead.train.config import (
     DataConfig,
     FeaturesConfig,
     LoraConfig,
+    ReplayConfig,
     TrainConfig,
     apply_overrides,
     head_config_dict,
@@ -19,7 +20,7 @@ from drafthead.train.config import (
 )
 
 SMOLLM2_PRESETS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle", "dflash")
-SECTIONS = {"data": DataConfig, "features": FeaturesConfig, "lora": LoraConfig}
+SECTIONS = {"data": DataConfig, "features": FeaturesConfig, "lora": LoraConfig, "replay": ReplayConfig}
 
 
 def names(cls):
@@ -75,6 +76,19 @@ def test_smollm2_presets_mirror_the_dataclasses(name):
     # docs/cpu-measurements.md: capture once, bf16 where native (medusa2's target trains: online)
     assert cfg.mixed_precision == "auto" and cfg.target_dtype == "auto"
     assert cfg.features.mode == ("online" if name == "medusa2" else "captured")
+
+
+def test_replay_and_keep_best_are_checked():
+    for bad, pattern in [(["replay.sequences=-1"], "replay.sequences must be >= 0"),
+                         (["replay.chain=0"], "replay.chain must be >= 1"),
+                         (["keep_best=acc_0"], "keep_best must be one of none, tau_est, replay_tau"),
+                         (["keep_best=replay_tau"], "needs replay.sequences > 0"),
+                         (["replay.sequences=4", "head.kind=medusa2"], "not supported for medusa2")]:
+        with pytest.raises(ConfigError, match=pattern):
+            load_config(None, bad)
+    cfg = load_config("eagle3", ["keep_best=replay_tau"])
+    assert cfg.replay.sequences == 8 and cfg.replay.chain == 3  # the presets replay a few prompts at each eval
+    assert load_config("tiny-eagle3").replay.sequences == 0  # tiny runs stay cheap unless a test turns it on
 
 
 def test_tiny_presets_load():

@@ -34,6 +34,7 @@ MIXED_PRECISION = ("no", "bf16", "fp16", "auto")  # auto: bf16 where the hardwar
 REPORT_TO = ("none", "wandb")
 PARALLELISM = ("ddp", "fsdp")  # train/sharding.py
 FEATURE_MODES = ("online", "captured")
+KEEP_BEST = ("none", "tau_est", "replay_tau")  # eval metrics a best head may be kept by
 
 
 class ConfigError(ValueError):
@@ -106,6 +107,24 @@ class LoraConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """At each eval, the head drafts for held-out prompts' greedy target continuations under the
+    engine's own acceptance rule (train/replay_eval.py, docs/training.md "Replayed acceptance")."""
+
+    sequences: int = 0  # held-out prompts replayed; 0: off
+    max_new_tokens: int = 64  # target greedy tokens per prompt, decoded once per run
+    chain: int = 3  # replay_tau: a chain of this many top-1 drafts a round
+    tree: bool = True  # also replay_tree_tau: the head's default drafting tree
+
+    def __post_init__(self) -> None:
+        if self.sequences < 0:
+            raise ConfigError(f"replay.sequences must be >= 0; got {self.sequences}")
+        for name in ("max_new_tokens", "chain"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"replay.{name} must be >= 1; got {getattr(self, name)}")
+
+
+@dataclass
 class TrainConfig:
     target: str = "smollm2-135m"  # built-in name or local folder (drafthead.inference.targets.load_target)
     target_dtype: str = "float32"  # dtype the target is loaded in; auto: bfloat16 where native, else float32
@@ -113,6 +132,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)  # used only when head.kind == medusa2
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     init_from: str | None = None  # a saved head folder to continue training from (same target and architecture)
 
     batch_size: int = 4  # per process
@@ -134,6 +154,8 @@ class TrainConfig:
 
     checkpoint_every: int = 200  # optimizer steps (and at the end); 0: never
     keep_checkpoints: int = 2
+    # none, or the eval metric whose highest value keeps its head in output_dir/best (train/best.py)
+    keep_best: str = "none"
     eval_every: int = 200  # optimizer steps; 0: only at the end
     eval_batches: int | None = None  # cap per evaluation
     log_every: int = 10
@@ -150,6 +172,9 @@ class TrainConfig:
         _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         _choice("report_to", self.report_to, REPORT_TO)
         _choice("parallelism", self.parallelism, PARALLELISM)
+        _choice("keep_best", self.keep_best, KEEP_BEST)
+        if self.keep_best == "replay_tau" and self.replay.sequences == 0:
+            raise ConfigError("keep_best: replay_tau needs replay.sequences > 0 (the held-out prompts it is measured on)")
         if not isinstance(self.head, dict) or "kind" not in self.head:
             raise ConfigError("head must be a mapping with a 'kind' (medusa1, medusa2, hydra, eagle1, eagle3, eagle31, peagle, dflash)")
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):
@@ -161,6 +186,9 @@ class TrainConfig:
             raise ConfigError(f"max_steps must be >= 1; got {self.max_steps}")
         if len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers; got {self.betas}")
+        if self.replay.sequences and self.joint_lora:
+            raise ConfigError("replay is not supported for medusa2: its target changes every step, so the greedy "
+                              "continuations replayed on would too; use replay.sequences=0")
         if self.data.streaming and self.features.mode == "captured":
             raise ConfigError("data.streaming reads samples lazily while training; captured features are already on disk: "
                               "use features.mode=online, or data.streaming=false")

@@ -139,7 +139,26 @@ def build_trainer(
         pad_token_id=pad_token_id(tokenizer),
     )
     return Trainer(config, head, data, accelerator=accelerator, target=target, layers=layers,
-                   frozen_target=target_model if featurize is not None else None)
+                   frozen_target=target_model if featurize is not None else None,
+                   replay=build_replay(config, target_model, tokenizer, data.eval, head))
+
+
+def build_replay(config: TrainConfig, target_model, tokenizer, eval_samples, head):
+    """The replayed-acceptance eval (train/replay_eval.py) when `replay.sequences` > 0, else None.
+    Its drafters are built around `head` once now, so settings the head cannot draft fail here."""
+    if not config.replay.sequences:
+        return None
+    if not eval_samples:
+        raise ConfigError("replay.sequences > 0 needs held-out samples: set data.eval_fraction (or data.eval_size) above 0")
+    from ..heads.identity import eos_token_ids
+    from .replay_eval import ReplayEval
+
+    replay = ReplayEval(target_model, eval_samples, config.replay, eos_token_ids(target_model, tokenizer))
+    try:
+        replay.drafters(head)
+    except ValueError as e:
+        raise ConfigError(f"replay: {e}; set replay.chain to a depth this head drafts") from None
+    return replay
 
 
 def new_or_saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name, say, token_counts: Callable[[], torch.Tensor]):
@@ -171,7 +190,8 @@ def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenize
     head = new_or_saved_head(config, hcfg, target_model, tokenizer, target_name, say, lambda: stream.token_counts(hcfg.vocab_size))
     train_data = TrainData(train=stream, eval=eval_samples or None, featurize=OnlineFeaturizer(target_model, layers),
                            pad_token_id=pad_token_id(tokenizer))
-    return Trainer(config, head, train_data, accelerator=accelerator, layers=layers, frozen_target=target_model)
+    return Trainer(config, head, train_data, accelerator=accelerator, layers=layers, frozen_target=target_model,
+                   replay=build_replay(config, target_model, tokenizer, train_data.eval, head))
 
 
 def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,

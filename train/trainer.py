@@ -27,6 +27,7 @@ from torch import nn
 from ..heads.batch import FeatureBatch
 from ..heads.io import shifted_labels
 from ..heads.outdir import OVERWRITE_FLAG, OutputExistsError, clear_output, fresh_folder, is_empty
+from .best import BEST_DIR, best_so_far, improves, write_record
 from .checkpoint import (
     Checkpoint,
     TrainState,
@@ -233,11 +234,14 @@ def make_accelerator(config: TrainConfig):
 
 class Trainer:
     def __init__(self, config: TrainConfig, head: nn.Module, data: TrainData, *, accelerator=None, target: nn.Module | None = None,
-                 layers: tuple[int, ...] = (), frozen_target: nn.Module | None = None):
+                 layers: tuple[int, ...] = (), frozen_target: nn.Module | None = None,
+                 replay: Callable[[nn.Module], dict[str, float]] | None = None):
         """head: a fresh (or to-be-resumed) head. target: the LoRA-wrapped target for medusa2
         (trained jointly; `layers` are the hidden states the head reads); None otherwise.
-        frozen_target: the target behind `data.featurize`, sharded with the head under FSDP."""
+        frozen_target: the target behind `data.featurize`, sharded with the head under FSDP.
+        replay: head -> replay_* metrics, run by the main process at each eval (train/replay_eval.py)."""
         self.config = config
+        self.replay = replay
         self.accelerator = accelerator or make_accelerator(config)
         self.data = data
         self.head = head
@@ -329,6 +333,8 @@ class Trainer:
             raise NotImplementedError("medusa2 (LoRA on the target) under FSDP is not supported: use parallelism: ddp")
         if self.fsdp and acc.mixed_precision == "fp16":
             raise NotImplementedError("fp16 under FSDP needs a sharded grad scaler: use mixed_precision: bf16 or no")
+        if self.fsdp and (self.replay is not None or cfg.keep_best != "none"):
+            raise NotImplementedError("replay and keep_best need the whole head on one process: use parallelism: ddp")
 
         ckpt, changes = self._start_point(out, resume=resume, overwrite=overwrite)
 
@@ -382,7 +388,8 @@ class Trainer:
         clock = PhaseClock()  # where a step's time goes, reported with every log line
         eval_metrics: dict[str, float] = {}
         train_metrics: dict[str, float] = {}
-        bar_eval: dict[str, float] = {}  # the last eval's acc_0 / tau_est, kept on the progress bar
+        bar_eval: dict[str, float] = {}  # the last eval's acc_0 / tau_est / replay_tau, kept on the progress bar
+        best = best_so_far(out, cfg.keep_best) if ckpt is not None else None  # a fresh run starts its own
         params = [p for p in self.module.parameters() if p.requires_grad]
         read = EpochReader(self.data.train, cfg.batch_size, world, rank, state.sampler_seed)
         steps_this_call = 0
@@ -434,10 +441,15 @@ class Trainer:
                     window, window_tokens, window_start, window_steps = MetricMean(), 0, time.perf_counter(), 0
                 if self.data.eval is not None and len(self.data.eval) and ((cfg.eval_every and state.step % cfg.eval_every == 0) or done):
                     eval_metrics = self.evaluate()
+                    if self.replay is not None and acc.is_main_process:
+                        eval_metrics.update(self.replay(self.head))
                     log.metrics(state.step, "eval", eval_metrics)
-                    bar_eval = {f"eval_{k}": eval_metrics[k] for k in ("acc_0", "tau_est") if k in eval_metrics}
+                    bar_eval = {f"eval_{k}": eval_metrics[k] for k in ("acc_0", "tau_est", "replay_tau") if k in eval_metrics}
                     log.progress(state.step, **bar_eval)
-                    log.write(f"step {state.step}: eval " + ", ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items() if k.startswith(("acc_", "tau", "loss"))))
+                    log.write(f"step {state.step}: eval " + ", ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items() if k.startswith(("acc_", "tau", "loss", "replay_"))))
+                    if cfg.keep_best != "none" and improves(eval_metrics.get(cfg.keep_best), best):
+                        best = eval_metrics[cfg.keep_best]
+                        self._save_best(state.step, best, log)
                 if cfg.checkpoint_every and (state.step % cfg.checkpoint_every == 0 or done):
                     last_ckpt = self._save_checkpoint(state, optimizer, log)
 
@@ -473,6 +485,15 @@ class Trainer:
             return None, []
         changes = check_resume(saved_run_config(existing, out / CONFIG_FILE), self.config, str(existing))
         return load_checkpoint(existing), changes
+    def _save_best(self, step: int, value: float, log: RunLog) -> None:
+        """The head as it is now in output_dir/best, with the eval that put it there (train/best.py)."""
+        if not self.accelerator.is_main_process:
+            return
+        folder = Path(self.config.output_dir) / BEST_DIR
+        self.head.save_pretrained(folder, adapter_model=self.target)
+        write_record(folder, step, self.config.keep_best, value)
+        log.event("best", f"step {step}: {self.config.keep_best}={value:.4g}, the best so far: head saved to {folder}",
+                  step=step, metric=self.config.keep_best, value=value, path=str(folder))
 
     def _save_checkpoint(self, state: TrainState, optimizer, log: RunLog) -> Path:
         """Every process contributes its RNG state; the main process writes. Returns the folder."""

@@ -14,6 +14,26 @@ from .parallel import DFlashDrafter, ParallelDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 
+def drafter_family(kind: str) -> str:
+    """The drafter family (a key of _DRAFTING_KEYS) that drafts with a head of `kind`."""
+    return {"medusa1": "medusa", "medusa2": "medusa", "hydra": "hydra", "peagle": "peagle", "dflash": "dflash"}.get(kind, "eagle")
+
+
+def head_drafter(head, **settings):
+    """`head` in its family's drafter, built with `settings` (that drafter's options). The head is
+    used as it is: no eval(), no linear dispatch, so a head still training can be replayed."""
+    drafters = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter, "peagle": ParallelDrafter,
+                "dflash": DFlashDrafter}
+    return drafters[drafter_family(head.kind)](head, **settings)
+
+
+def chain_settings(kind: str, k: int) -> dict:
+    """Drafter settings for a chain of k top-1 drafts, in the terms of `kind`'s drafter family."""
+    if drafter_family(kind) == "eagle":
+        return {"total_tokens": k, "depth": k, "top_k": 1}
+    return {"choices": [[0] * d for d in range(1, k + 1)]}
+
+
 def load_head_drafter(path, target_model, tokenizer, target_name: str | None = None, **options):
     """Load a head folder for `target_model` and wrap it in the matching drafter.
 
@@ -30,7 +50,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
         head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
     dispatch_linears(head)  # draft steps multiply a few rows by every head weight (inference/target_linears.py)
-    family = {"medusa1": "medusa", "medusa2": "medusa", "hydra": "hydra", "peagle": "peagle", "dflash": "dflash"}.get(head.kind, "eagle")
+    family = drafter_family(head.kind)
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     check_drafting_keys(given, family, f"{head.kind} drafter options")
     settings = {**drafting_defaults(Path(path), family), **given}
@@ -39,9 +59,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     if family == "eagle" and settings.get("total_tokens") == "auto":
         # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
         settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
-    drafters = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter, "peagle": ParallelDrafter,
-                "dflash": DFlashDrafter}
-    drafter = drafters[family](head, **settings)
+    drafter = head_drafter(head, **settings)
     if lookup_nodes > 0:
         lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes, streak_draft=lookup_streak)
         # the lookup drafter caps its own tree (lookup_nodes, or lookup_streak on a streak)

@@ -30,23 +30,10 @@ import torch
 SHIPPED = "shipped EAGLE-3 (2.2 h)"
 
 
-def kept_hidden_states(target, sequence: torch.Tensor, drafters) -> list | None:
-    """The target's hidden states over `sequence` that any of `drafters` reads, the rest None: the
-    features of every prompt stay in memory for every head (a few layers, not all L + 1)."""
-    from drafthead.inference.replay import sequence_hidden_states
-
-    hidden = sequence_hidden_states(target, sequence, drafters)
-    if hidden is None:
-        return None
-    wanted = {i % len(hidden) for d in drafters for i in d.feature_layers} | {len(hidden) - 1}
-    return [h if i in wanted else None for i, h in enumerate(hidden)]
-
-
-def greedy_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, path: Path) -> list[list[int]]:
-    """Each prompt's greedy continuation by our engine with no drafting, `batch_size` prompts at a
-    time; cached in `path`, which records the settings it was made with."""
-    from drafthead.inference.batch_bench import RootOnlyDrafter
-    from drafthead.inference.generate import GenerationConfig, generate_batch
+def cached_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, path: Path) -> list[list[int]]:
+    """Each prompt's greedy continuation by our engine with no drafting (inference/replay.py
+    greedy_continuations); cached in `path`, which records the settings it was made with."""
+    from drafthead.inference.replay import greedy_continuations
     from drafthead.inference.targets import eos_token_ids
 
     key = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(loaded.model.dtype)}
@@ -54,12 +41,8 @@ def greedy_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, 
         cached = json.loads(path.read_text())
         if cached["settings"] == key:
             return cached["continuations"]
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer))
-    out = []
-    for start in range(0, len(prompts), batch_size):
-        result = generate_batch(loaded.model, RootOnlyDrafter(), [p[0] for p in prompts[start: start + batch_size]], config)
-        out += [row.new_tokens[0].tolist() for row in result.rows]
-        print(f"[greedy] {len(out)}/{len(prompts)} prompts", flush=True)
+    out = greedy_continuations(loaded.model, prompts, max_new_tokens, eos_token_ids(loaded.model, loaded.tokenizer),
+                               batch_size, on_batch=lambda done: print(f"[greedy] {done}/{len(prompts)} prompts", flush=True))
     path.write_text(json.dumps({"settings": key, "continuations": out}) + "\n")
     return out
 
@@ -81,7 +64,7 @@ def main(argv=None) -> int:
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.bench import per_position_acceptance, tau_of
     from drafthead.inference.prompts import encode_chat, load_prompts
-    from drafthead.inference.replay import replay_greedy
+    from drafthead.inference.replay import kept_hidden_states, replay_greedy
     from drafthead.inference.targets import load_target
 
     work = Path(args.work)
@@ -101,7 +84,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"{kind}: its head changes the target (LoRA); replay it against its own target")
         drafters[kind] = drafter
     prompts = [encode_chat(loaded.tokenizer, prompt) for prompt in load_prompts("mt-bench", args.prompts)]
-    continuations = greedy_continuations(loaded, prompts, args.max_new_tokens, args.batch_size,
+    continuations = cached_continuations(loaded, prompts, args.max_new_tokens, args.batch_size,
                                          work / f"greedy-{args.prompts}x{args.max_new_tokens}.json")
     sequences = [torch.cat([p, torch.tensor([c])], dim=1) for p, c in zip(prompts, continuations) if c]
     starts = [p.shape[1] for p, c in zip(prompts, continuations) if c]

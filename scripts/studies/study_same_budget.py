@@ -70,13 +70,6 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def chain_drafting(kind: str, k: int) -> dict:
-    """drafting.json for a chain of k top-1 drafts, in each drafter family's own terms."""
-    if kind.startswith("eagle"):
-        return {"total_tokens": k, "depth": k, "top_k": 1}
-    return {"choices": [[0] * d for d in range(1, k + 1)]}
-
-
 def pilot_s_step(name: str, preset: str, head: list[str], args) -> float:
     """Seconds per optimizer step of `preset` with `head` overrides, from 4 steps on this machine."""
     work = Path(args.work)
@@ -108,7 +101,9 @@ def study_kind(kind: str, args) -> dict:
     rows = metrics(out)
     evals = [r for r in rows if r.get("split") == "eval"]
     final = out / "final"
-    (final / "drafting.json").write_text(json.dumps(chain_drafting(kind, args.chain)) + "\n")
+    from drafthead.inference.drafters.load import chain_settings
+
+    (final / "drafting.json").write_text(json.dumps(chain_settings(kind, args.chain)) + "\n")
     bench = work / f"{kind}-bench.json"
     run([BIN / "drafthead", "bench", "--head", final, "--dtype", "float32", "--threads", args.threads,
          "--limit", args.prompts, "--max-new-tokens", args.max_new_tokens, "--lookup-nodes", 0,

@@ -1,0 +1,69 @@
+"""Distillation objectives of a draft distribution q against the target's p, per position.
+
+    alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q)
+
+is the chance that speculative sampling accepts a token drawn from q (Leviathan et al. 2023,
+sec. 3), so it is the acceptance rate the draft is trained for (docs/training.md "LK losses").
+LK losses (Samarin et al. 2026, arXiv 2602.23881) train on it directly:
+
+    ce         soft cross-entropy -sum_x p log q = KL(p || q) + H(p): KL's gradient (the default)
+    lk_alpha   LK^alpha = -log alpha: the acceptance rate itself, with a 1 / alpha boost to the
+               gradient, so a draft far from the target (alpha ~ 0) still learns
+    lk_lambda  LK^lambda = lambda KL(p || q) + (1 - lambda) (1 - alpha), lambda = exp(-eta * mean
+               alpha): mostly KL while the draft is far from the target, mostly the acceptance rate
+               once it is close; the mean is over the positions of one call (one draft depth) and
+               is detached, so lambda weighs the terms without being trained itself
+
+With a reduced draft vocabulary p is the target's distribution restricted to the draft tokens
+and renormalised (heads/eagle3.py `_target_distribution`), the same p for every objective: that
+renormalised p is at least the target's probability on every draft token, so q = p is still a
+draft that reaches the highest acceptance a draft over those tokens can (the target's mass on
+them), and alpha here overstates the engine's by at most the mass outside them.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOSSES = ("ce", "lk_alpha", "lk_lambda")
+_LOG_FLOOR = 1e-12  # -log alpha is clamped here: alpha = 0 exactly has no gradient to give anyway
+
+
+def check_loss(loss: str, lk_eta: float) -> None:
+    """Raise ValueError for an unknown objective or a negative eta (head configs call it)."""
+    if loss not in LOSSES:
+        raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+    if not (lk_eta >= 0 and math.isfinite(lk_eta)):
+        raise ValueError(f"lk_eta must be a finite number >= 0, got {lk_eta}")
+
+
+def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[N]: sum_x min(p, q) for distributions p, q [N, V]."""
+    return torch.minimum(p, q).sum(-1)
+
+
+def lk_lambda(alpha: torch.Tensor, eta: float) -> float:
+    """LK^lambda's KL weight exp(-eta * mean alpha) over the positions alpha [N] (1 when N = 0)."""
+    return math.exp(-eta * float(alpha.detach().mean())) if alpha.numel() else 1.0
+
+
+def distill_loss(logits: torch.Tensor, p: torch.Tensor, loss: str = "ce", lk_eta: float = 3.0):
+    """Per-position losses [N] of draft logits [N, V] against target distributions p [N, V]
+    under objective `loss` (module docstring), and alpha [N], each position's acceptance rate
+    (detached; a metric). The caller reduces (mean, decay weights, curricula)."""
+    logits = logits.float()
+    log_q = torch.log_softmax(logits, dim=-1)  # [N, V]
+    ce = -(p * log_q).sum(-1)  # [N]
+    if loss == "ce":
+        with torch.no_grad():  # one [N, V] temporary, overwritten in place: alpha is only a metric here
+            q = log_q.exp()
+            return ce, torch.minimum(q, p, out=q).sum(-1)
+    alpha = acceptance_rate(p, log_q.exp())  # [N], differentiable
+    if loss == "lk_alpha":
+        return -torch.log(alpha.clamp_min(_LOG_FLOOR)), alpha.detach()
+    if loss == "lk_lambda":
+        lam = lk_lambda(alpha, lk_eta)
+        kl = ce - torch.special.entr(p).sum(-1)  # KL(p || q) = CE - H(p); entr(x) = -x log x, 0 at x = 0
+        return lam * kl + (1.0 - lam) * (1.0 - alpha), alpha.detach()
+    raise ValueError(f"unknown loss {loss!r} (known: {', '.join(LOSSES)})")

@@ -1,0 +1,83 @@
+"""Replayed acceptance at eval time: the tau an engine would measure, not a product of accuracies.
+
+`tau_est` (train/evaluate.py) multiplies per-depth top-1 accuracies as if they were independent.
+At each eval this replays the head the way the engine drafts and verifies (inference/replay.py):
+the first `replay.sequences` held-out prompts are greedy-decoded by the target once per run (up to
+`replay.max_new_tokens` tokens), and every eval drafts for those continuations with the head's
+own drafter and keeps what the engine's greedy acceptance rule keeps. Reported, beside tau_est:
+
+    replay_tau         tokens per round (the target's own included) with a chain of `replay.chain`
+                       top-1 drafts
+    replay_acc_i       share of those rounds that accepted draft i (0-based) and every one before it
+    replay_tree_tau    tokens per round with the head's default drafting tree (`replay.tree`)
+    replay_rounds      rounds the chain figures are over
+
+The prompt of a held-out sample is its text before the first assistant (loss-masked) token.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..inference.bench import per_position_acceptance, tau_of
+from ..inference.drafters.load import chain_settings, head_drafter
+from ..inference.replay import greedy_continuations, kept_hidden_states, replay_greedy
+from .config import ReplayConfig
+
+
+def prompt_of(sample: dict) -> torch.Tensor | None:
+    """[1, P]: a sample's tokens before its first loss-masked token; None when it has no such
+    token or starts with one (nothing to condition on)."""
+    labelled = torch.as_tensor(sample["loss_mask"], dtype=torch.bool).nonzero()
+    if labelled.numel() == 0 or int(labelled[0]) == 0:
+        return None
+    return torch.as_tensor(sample["input_ids"], dtype=torch.long)[: int(labelled[0])][None]
+
+
+class ReplayEval:
+    """Called with the head at each eval; returns the replay_* metrics (module docstring). The
+    target's continuations and hidden states are made at the first call and kept for the run."""
+
+    def __init__(self, target: nn.Module, eval_samples, config: ReplayConfig, eos_token_ids=()) -> None:
+        self.target, self.samples, self.config, self.eos_token_ids = target, eval_samples, config, tuple(eos_token_ids)
+        self._held_out: list[tuple[torch.Tensor, int, list | None]] | None = None  # (sequence [1, T], prompt_len, hidden)
+
+    def drafters(self, head: nn.Module) -> dict[str, object]:
+        """{metric prefix: drafter} for the chain and, with replay.tree, the default tree."""
+        drafters = {"replay": head_drafter(head, **chain_settings(head.kind, self.config.chain))}
+        if self.config.tree:
+            drafters["replay_tree"] = head_drafter(head)
+        return drafters
+
+    def held_out(self, drafters) -> list[tuple[torch.Tensor, int, list | None]]:
+        if self._held_out is None:
+            device = next(self.target.parameters()).device
+            prompts = [p.to(device) for p in (prompt_of(self.samples[i]) for i in range(len(self.samples))) if p is not None]
+            prompts = prompts[: self.config.sequences]
+            if not prompts:
+                raise ValueError("replay: no held-out sample has a prompt before its first assistant token")
+            continuations = greedy_continuations(self.target, prompts, self.config.max_new_tokens, self.eos_token_ids,
+                                                 engine_linears=False)  # no CPU kernel build inside a training run
+            sequences = [(torch.cat([p, torch.tensor([c], device=device)], dim=1), p.shape[1])
+                         for p, c in zip(prompts, continuations) if c]
+            self._held_out = [(s, n, kept_hidden_states(self.target, s, drafters)) for s, n in sequences]
+        return self._held_out
+
+    @torch.no_grad()
+    def __call__(self, head: nn.Module) -> dict[str, float]:
+        was_training = head.training
+        head.eval()
+        try:
+            drafters = self.drafters(head)
+            held_out = self.held_out(drafters.values())
+            out: dict[str, float] = {}
+            for prefix, drafter in drafters.items():
+                accepted = [a for s, n, hidden in held_out for a in replay_greedy(drafter, s, n, hidden)]
+                out[f"{prefix}_tau"] = tau_of(accepted)
+                if prefix == "replay":
+                    out["replay_rounds"] = float(len(accepted))
+                    for i, share in enumerate(per_position_acceptance(accepted, self.config.chain)):
+                        out[f"replay_acc_{i}"] = share
+        finally:
+            head.train(was_training)
+        return out
