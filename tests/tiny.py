@@ -46,9 +46,11 @@ FAMILIES = {
                {"head_dim": 8, "sliding_window": 8, "layer_types": "alternate", "final_logit_softcapping": 30.0,
                 "query_pre_attn_scalar": 8}),
     "phi3": (Phi3Config, Phi3ForCausalLM, {}),  # fused qkv_proj and gate_up_proj
-    # MLA attention (low-rank q and kv, split rope/nope dims) and a routed MoE after a dense layer
+    # MLA attention (low-rank q and kv, split rope/nope dims) and a routed MoE after a dense layer.
+    # MLA has one K/V per query head (DeepSeek-V3: 128 and 128): transformers expands the latent to
+    # every head, then repeats it heads / kv_heads times more whenever a mask is given
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM,
-                    {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                    {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
                      "v_head_dim": 8, "head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
                      "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16,
                      "n_shared_experts": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
