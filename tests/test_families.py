@@ -80,3 +80,98 @@ def test_greedy_equals_plain_greedy_in_every_family(family_target, family):
         result = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static),
                                       attention_mask=mask)
         assert [row.new_tokens[0].tolist() for row in result.rows] == references, (family, type(drafter).__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# Features: the hidden states heads train on
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_features_of_every_family_online_and_captured(family_target, family, tmp_path):
+    """The indices EAGLE-3 and Medusa read exist and hold what they mean: each is the target's
+    own hidden state, index L is the LM head's input (logits = lm_head(h_L), soft-capped where
+    the family caps, Gemma-3), in the target's dtype and on its device; captured shards hold the
+    online values."""
+    from drafthead.heads.registry import make_config
+    from drafthead.train.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate, required_layers
+
+    model = family_target(family).model
+    L = model.config.num_hidden_layers
+    layers = sorted({*required_layers(make_config("eagle3", model), L), *required_layers(make_config("medusa1", model), L)})
+    assert layers[-1] == L and len(layers) >= 2
+    g = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(3, model.config.vocab_size, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.bool)}
+               for n in (13, 5, 9)]
+    batch = collate(samples)
+    online = OnlineFeaturizer(model, layers)(batch).hidden_states
+    with torch.no_grad():
+        full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, output_hidden_states=True)
+        logits = model.lm_head(online[L])
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    real = batch.attention_mask.bool()
+    for layer in layers:
+        assert online[layer].dtype == model.dtype and online[layer].device == model.device
+        torch.testing.assert_close(online[layer][real], full.hidden_states[layer][real], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[real], full.logits[real], atol=1e-4, rtol=1e-4)
+
+    captured = CapturedFeatures(capture_features(model, samples, layers, tmp_path / "features", batch_size=3).parent)
+    for b, sample in enumerate(samples):
+        n = len(sample["input_ids"])
+        for layer in layers:  # same batch, same order: the same floats
+            assert torch.equal(captured[b]["hidden_states"][layer], online[layer][b, :n]), (b, layer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Medusa-1, Medusa-2 and Hydra: trained through `drafthead train`'s builder, then decoding
+# ---------------------------------------------------------------------------------------------
+
+HEAD_KINDS = ("medusa1", "medusa2", "hydra")
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    return write_tiny_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", 16)
+
+
+@pytest.mark.parametrize("kind", HEAD_KINDS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_medusa_and_hydra_heads_train_and_decode_exactly(tiny_target_dir, family_target, chats, family, kind, tmp_path):
+    """Three steps with online features give finite losses; the saved head, loaded back as a user
+    would (`load_head_drafter`), decodes its target's (for Medusa-2 the adapted target's) plain
+    greedy output at B=1 and for ragged rows. Medusa-2 adapts the target in place, so it gets
+    its own copy of the folder's target."""
+    import json
+    import math
+
+    from drafthead.inference.drafters.heads import load_head_drafter
+    from drafthead.train.config import TrainConfig
+    from drafthead.train.run import build_trainer
+
+    folder = tiny_target_dir(family, layers=LAYERS)
+    loaded = load_target(folder) if kind == "medusa2" else family_target(family)
+    config = TrainConfig.from_dict(dict(
+        target=str(folder), head={"kind": kind, "num_heads": 2}, report_to="none", output_dir=str(tmp_path / "run"),
+        data={"source": "json", "path": str(chats), "max_length": 48, "eval_fraction": 0.0},
+        batch_size=4, max_steps=3, log_every=1, lr=1e-2, warmup_steps=1, checkpoint_every=100, eval_every=100,
+    ))
+    result = build_trainer(config, loaded.model, loaded.tokenizer, target_name=family).fit(progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if r.get("split") == "train"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+
+    fresh = load_target(folder) if kind == "medusa2" else loaded  # the trained run left LoRA layers in its copy
+    drafter, target = load_head_drafter(result.final_dir, fresh.model, fresh.tokenizer, target_name=family,
+                                        choices=[(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    vocab = target.config.vocab_size
+    prompt = repetitive_prompt(vocab, length=14, seed=len(family))
+    result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16))
+    assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 16), (family, kind)
+    prompts = ragged_prompts(vocab, seed=len(family))
+    ids, mask = left_padded(prompts)
+    batched = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=16), attention_mask=mask)
+    assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 16) for p in prompts]
