@@ -175,3 +175,32 @@ def test_medusa_and_hydra_heads_train_and_decode_exactly(tiny_target_dir, family
     ids, mask = left_padded(prompts)
     batched = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=16), attention_mask=mask)
     assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 16) for p in prompts]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling: the emitted law is the target's, at tree depth 2
+# ---------------------------------------------------------------------------------------------
+
+# an MoE family and a sliding-window family (window 4: the new tokens' queries at positions 10-12
+# cannot see the prompt's first tokens, in the tree as in the reference)
+SAMPLED_FAMILIES = {"qwen3_moe": {}, "gemma3": {"sliding_window": 4}}
+
+
+@pytest.mark.parametrize("family", sorted(SAMPLED_FAMILIES))
+def test_tree_sampling_is_exact_at_depth_two(family):
+    """Prompt lookup's tree (the prompt's "3 4" was followed by "5 6" and by "7 6": two branches of
+    depth 3) in 50 rows of one batch: three new tokens, so a depth-2 path can be accepted whole,
+    and their joint law must be the target's, enumerated from plain forwards
+    (tests/test_sampling_exactness.py). Lookup drafts cost nothing, so the samples pay only for
+    the target's forwards. tiny_causal_lm's sharp logits are kept: with them a tree mask that
+    ignores Gemma's window moves the law far enough for this test to fail (checked)."""
+    from drafthead.inference.sampling import SamplingConfig
+    from tests.stats import chi_square_pvalue
+    from tests.test_sampling_exactness import ALPHA, RUNS, VOCAB, exact_first_three, sampled_first
+
+    sampling = SamplingConfig(temperature=0.8)
+    target = tiny_causal_lm(family, vocab=VOCAB, seed=3, layers=LAYERS, **SAMPLED_FAMILIES[family])
+    prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])
+    counts, deep = sampled_first(target, PromptLookupDrafter(num_draft=3), prompt, sampling, 3, copies=50)
+    assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
+    assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
