@@ -40,12 +40,19 @@ def check_tree_mask_support(config) -> None:
         )
 
 
+def _text_config(config):
+    """The decoder's config: a multimodal target (Gemma-3, Qwen2.5-VL) nests its language model's
+    layer types and windows in `text_config`; a plain causal LM's is itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _layer_types(config) -> list[str] | None:
-    types = getattr(config, "layer_types", None)
+    types = getattr(_text_config(config), "layer_types", None)
     return list(types) if types else None
 
 
 def _sliding_window(config) -> int | None:
+    config = _text_config(config)
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return getattr(config, "sliding_window", None) or None
@@ -56,7 +63,7 @@ def _sliding_window(config) -> int | None:
 _LOCAL_RULES = {
     "full_attention": lambda config: {},
     "sliding_attention": lambda config: {"sliding_window": _sliding_window(config)},
-    "chunked_attention": lambda config: {"chunk_size": getattr(config, "attention_chunk_size", None)},
+    "chunked_attention": lambda config: {"chunk_size": getattr(_text_config(config), "attention_chunk_size", None)},
 }
 
 
