@@ -55,6 +55,27 @@ def test_every_family_loads_with_an_attention_that_takes_tree_masks(tiny_target_
     assert len(said) == (family in NO_SDPA), said  # one log line when, and only when, sdpa is replaced
 
 
+def test_mask_rules_per_layer_type_and_refusals():
+    """The pure rule from a config to the tree masks its layers need (inference/verify.py)."""
+    from types import SimpleNamespace
+
+    from drafthead.inference.verify import TreeMaskUnsupported, mask_rules
+
+    def config(**kw):
+        return SimpleNamespace(_attn_implementation="sdpa", model_type="x", **kw)
+
+    assert mask_rules(config(sliding_window=8)) == {"all": {"sliding_window": 8}}  # Mistral: every layer
+    assert mask_rules(config(sliding_window=8, use_sliding_window=False)) == {"all": {"sliding_window": None}}
+    chunked = config(layer_types=["chunked_attention"] * 3 + ["full_attention"], attention_chunk_size=8)
+    assert mask_rules(chunked) == {"chunked_attention": {"chunk_size": 8}, "full_attention": {}}  # Llama 4
+    nested = tiny_causal_lm("gemma3_vlm", layers=2).config  # the rules live in text_config
+    assert mask_rules(nested) == {"sliding_attention": {"sliding_window": 8}, "full_attention": {}}
+    with pytest.raises(TreeMaskUnsupported, match="layer types linear_attention cannot verify a tree"):
+        check_tree_mask_support(config(layer_types=["linear_attention", "full_attention"]))
+    with pytest.raises(TreeMaskUnsupported, match="flash_attention_2"):
+        check_tree_mask_support(SimpleNamespace(_attn_implementation="flash_attention_2", model_type="x"))
+
+
 def ragged_prompts(vocab: int, seed: int) -> list[torch.Tensor]:
     return [repetitive_prompt(vocab, length=n, seed=seed + n)[0, :n] for n in RAGGED]
 
