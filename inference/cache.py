@@ -111,13 +111,13 @@ def keep_paths(cache: Cache, lengths: list[int], past_len: int, paths: list[list
     for layer in _layers(cache):
         if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
             continue
-        b, h, _, d = layer.keys.shape
-        device = layer.keys.device
-        src_index = torch.tensor(src, device=device)[:, None, :, None].expand(b, h, width, d)
-        dst_index = torch.tensor(dst, device=device)[:, None, :, None].expand(b, h, width, d)
-        # gathered before any write, so a destination that overlaps a source is safe
-        layer.keys.scatter_(2, dst_index, layer.keys.gather(2, src_index))
-        layer.values.scatter_(2, dst_index, layer.values.gather(2, src_index))
+        src_t = torch.tensor(src, device=layer.keys.device)[:, None, :, None]  # [B, 1, width, 1]
+        dst_t = torch.tensor(dst, device=layer.keys.device)[:, None, :, None]
+        # keys and values may differ in width: MLA caches its latent and its rope key (docs/families.md)
+        for t in (layer.keys, layer.values):
+            shape = (t.shape[0], t.shape[1], width, t.shape[3])
+            # gathered before any write, so a destination that overlaps a source is safe
+            t.scatter_(2, dst_t.expand(shape), t.gather(2, src_t.expand(shape)))
         _cut(layer, end)
     return end
 

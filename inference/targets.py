@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -25,6 +26,8 @@ from safetensors import SafetensorError
 from ..heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
 from ..heads.io import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
 from ..heads.io import read_gguf
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -225,25 +228,38 @@ def _load_folder(folder: Path, dtype: torch.dtype):
 
 
 def _load_model(folder: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    # The decode loop passes 4-D additive float masks for trees (docs/trees.md): sdpa and eager
-    # take them, flash attention does not. sdpa first; eager for families without sdpa support.
-    for attn in ("sdpa", "eager"):
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dtype, attn_implementation=attn, local_files_only=True
-            )
-            break
-        except ValueError as e:
-            if attn == "eager" or "sdpa" not in str(e).lower():
-                raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
-        except OSError as e:
-            raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
-        except SafetensorError as e:
-            raise TargetError(f"{folder}: a weights file is truncated or corrupt ({_first_line(e)}): save or copy the "
-                              "model again") from e
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        attn, reason = attention_for(config, _supports_sdpa(AutoModelForCausalLM, config))
+        if reason is not None:
+            logger.warning("%s: %s; using %s attention", folder.name, reason, attn)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
+    except SafetensorError as e:
+        raise TargetError(f"{folder}: a weights file is truncated or corrupt ({_first_line(e)}): save or copy the "
+                          "model again") from e
     return model
+
+
+def attention_for(config, supports_sdpa: bool) -> tuple[str, str | None]:
+    """The attention implementation a target runs under our tree masks, and why it is not sdpa
+    (None when it is). The decode loop passes 4-D additive float masks (docs/trees.md): sdpa and
+    eager take them, flash and flex attention do not, so a folder's own choice is never used.
+    Eager where transformers has no sdpa path for the family (gpt-oss: its attention sinks;
+    Gemma-2: its soft-capped attention logits); docs/families.md."""
+    if not supports_sdpa:
+        return "eager", f"{config.model_type} has no sdpa attention in transformers"
+    return "sdpa", None
+
+
+def _supports_sdpa(auto_class, config) -> bool:
+    """Whether the class `auto_class` builds for `config` has an sdpa path; True when the class is
+    unknown (from_pretrained then names the problem itself)."""
+    model_class = auto_class._model_mapping.get(type(config), None) if hasattr(auto_class, "_model_mapping") else None
+    return bool(getattr(model_class, "_supports_sdpa", True))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -93,6 +93,7 @@ def tree_attention_mask(
     dtype: torch.dtype,
     batch: int = 1,
     sliding_window: int | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Additive 4-D mask [B, 1, N, past_len + N] for one tree shared by the batch, after `past_len`
     cached positions that every row holds in full (see `batch_tree_mask`)."""
@@ -100,7 +101,7 @@ def tree_attention_mask(
     ancestors = ancestor_mask(parents)[None].expand(batch, n, n)
     depths = node_depths(parents)[None].expand(batch, n)
     lengths = torch.full((batch,), past_len, dtype=torch.long, device=parents.device)
-    return batch_tree_mask(ancestors, depths, lengths, past_len, dtype, sliding_window)
+    return batch_tree_mask(ancestors, depths, lengths, past_len, dtype, sliding_window, chunk_size=chunk_size)
 
 
 def batch_tree_mask(
@@ -111,6 +112,7 @@ def batch_tree_mask(
     dtype: torch.dtype,
     sliding_window: int | None = None,
     kv_length: int | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Additive 4-D mask [B, 1, N, past_len + N]: 0 where a node may attend, dtype-min elsewhere.
     With `kv_length` (a static cache's slot count) it is [B, 1, N, kv_length], the slots after the
@@ -120,7 +122,9 @@ def batch_tree_mask(
     prefix_lengths: [B], row b's committed tokens, held in cache slots [0, prefix_lengths[b]) of
     the `past_len` cached ones (slots past a row's own length are stale, docs/trees.md "Batches").
     Each node sees its row's prefix, its ancestors and itself. With `sliding_window` w, a query at
-    absolute position t sees keys at positions > t - w (the usual local-attention rule). The
+    absolute position t sees keys at positions > t - w (the usual local-attention rule). With
+    `chunk_size` c (Llama 4's chunked layers) it sees only keys in its own chunk: k // c == t // c.
+    Positions count from each row's first real token, as slots do (docs/families.md). The
     minimum is finite, so a row that sees nothing stays finite instead of NaN.
     """
     batch, n, _ = ancestors.shape
@@ -128,10 +132,13 @@ def batch_tree_mask(
     slots = torch.arange(past_len, device=device)
     prefix = (slots[None, :] < prefix_lengths[:, None])[:, None, :].expand(batch, n, past_len)  # [B, N, past]
     allowed = torch.cat([prefix, ancestors], dim=2)  # [B, N, past + N]
-    if sliding_window is not None:
-        q_pos = prefix_lengths[:, None] + depths  # [B, N]
-        k_pos = torch.cat([slots[None, :].expand(batch, past_len), q_pos], dim=1)  # [B, past + N]
-        allowed = allowed & (k_pos[:, None, :] > (q_pos[:, :, None] - sliding_window))
+    if sliding_window is not None or chunk_size is not None:
+        q_pos = (prefix_lengths[:, None] + depths)[:, :, None]  # [B, N, 1]
+        k_pos = torch.cat([slots[None, :].expand(batch, past_len), q_pos[:, :, 0]], dim=1)[:, None, :]  # [B, 1, past + N]
+        if sliding_window is not None:
+            allowed = allowed & (k_pos > q_pos - sliding_window)
+        if chunk_size is not None:
+            allowed = allowed & (k_pos // chunk_size == q_pos // chunk_size)
     width = past_len + n if kv_length is None else kv_length
     if width < past_len + n:
         raise ValueError(f"kv_length {kv_length} cannot hold {past_len} cached slots and {n} tree nodes")

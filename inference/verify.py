@@ -22,7 +22,8 @@ _MASK_ATTN = ("sdpa", "eager")
 
 
 def check_tree_mask_support(config) -> None:
-    """Raise TreeMaskUnsupported for attention kernels that ignore custom 4-D masks."""
+    """Raise TreeMaskUnsupported for attention kernels that ignore custom 4-D masks, and for layer
+    kinds whose state a tree cannot branch (recurrent or sparse-indexed layers)."""
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in _MASK_ATTN:
         raise TreeMaskUnsupported(
@@ -31,17 +32,49 @@ def check_tree_mask_support(config) -> None:
         )
     if getattr(config, "is_encoder_decoder", False):
         raise TreeMaskUnsupported(f"{config.model_type}: encoder-decoder targets are not supported")
+    unknown = sorted(set(_layer_types(config) or ()) - set(_LOCAL_RULES))
+    if unknown:
+        raise TreeMaskUnsupported(
+            f"{config.model_type}: layer types {', '.join(unknown)} cannot verify a tree (the engine masks "
+            f"{', '.join(_LOCAL_RULES)} layers only; docs/families.md)"
+        )
+
+
+def _text_config(config):
+    """The decoder's config: a multimodal target (Gemma-3, Qwen2.5-VL) nests its language model's
+    layer types and windows in `text_config`; a plain causal LM's is itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _layer_types(config) -> list[str] | None:
-    types = getattr(config, "layer_types", None)
+    types = getattr(_text_config(config), "layer_types", None)
     return list(types) if types else None
 
 
 def _sliding_window(config) -> int | None:
+    config = _text_config(config)
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return getattr(config, "sliding_window", None) or None
+
+
+# layer type -> the local-attention keywords of `batch_tree_mask` that layer type needs, read off
+# the config (None where the config sets no window or chunk: the layer then attends in full)
+_LOCAL_RULES = {
+    "full_attention": lambda config: {},
+    "sliding_attention": lambda config: {"sliding_window": _sliding_window(config)},
+    "chunked_attention": lambda config: {"chunk_size": getattr(_text_config(config), "attention_chunk_size", None)},
+}
+
+
+def mask_rules(config) -> dict[str, dict]:
+    """{layer type: batch_tree_mask keywords} for each layer type the target has; one entry,
+    keyed "all", for a target without per-layer types (a configured window then holds in every
+    layer, Mistral-style). A pure rule on the config (docs/families.md)."""
+    types = _layer_types(config)
+    if types is None:
+        return {"all": {"sliding_window": _sliding_window(config)}}
+    return {kind: _LOCAL_RULES[kind](config) for kind in dict.fromkeys(types)}
 
 
 def attention_masks(config, parents: torch.Tensor, past_len: int, dtype: torch.dtype, batch: int):
@@ -55,28 +88,22 @@ def attention_masks(config, parents: torch.Tensor, past_len: int, dtype: torch.d
 def batch_attention_masks(config, ancestors: torch.Tensor, depths: torch.Tensor, prefix_lengths: torch.Tensor,
                           past_len: int, dtype: torch.dtype, kv_length: int | None = None):
     """The tree mask in the form the target's family takes: one [B, 1, N, past+N] tensor (or
-    [B, 1, N, kv_length] for a static cache), or a {layer type: mask} dict where full and
-    sliding-window layers are mixed (Gemma-3, Qwen2 with `layer_types`). Masks are our own, so
-    sliding windows are applied here, not by transformers."""
-    window = _sliding_window(config)
-    types = _layer_types(config)
+    [B, 1, N, kv_length] for a static cache) where every layer attends alike, or a {layer type:
+    mask} dict where layer types differ (Gemma-3 and gpt-oss: sliding and full; Llama 4: chunked
+    and full). Masks are our own, so windows and chunks are applied here, not by transformers."""
+    built: dict[tuple, torch.Tensor] = {}
 
-    def mask(w):
-        return batch_tree_mask(ancestors, depths, prefix_lengths, past_len, dtype, sliding_window=w, kv_length=kv_length)
+    def mask(rule: dict) -> torch.Tensor:
+        key = tuple(sorted((k, v) for k, v in rule.items() if v is not None))
+        if key not in built:  # layer types with the same rule share one tensor
+            built[key] = batch_tree_mask(ancestors, depths, prefix_lengths, past_len, dtype, kv_length=kv_length,
+                                         **dict(key))
+        return built[key]
 
-    full = mask(None)
-    if types is None:
-        # no per-layer types: a configured window applies to every layer (Mistral-style)
-        return full if window is None else mask(window)
-    kinds = set(types)
-    sliding = None
-    if "sliding_attention" in kinds and window is not None:
-        sliding = mask(window)
-    if kinds <= {"full_attention"} or sliding is None:
-        return full
-    if kinds == {"sliding_attention"}:
-        return sliding
-    return {"full_attention": full, "sliding_attention": sliding}
+    masks = {kind: mask(rule) for kind, rule in mask_rules(config).items()}
+    if len(built) == 1:
+        return next(iter(masks.values()))
+    return masks
 
 
 @dataclass

@@ -72,6 +72,53 @@ def test_sliding_window_mask_hides_far_prefix():
     assert mask0[0, :10].nonzero().flatten().tolist() == [7, 8, 9]  # root at 10 sees 7, 8, 9
 
 
+def test_chunked_mask_hides_other_chunks():
+    # past 6, chunks of 8: node 0 at position 6 and nodes 1, 2 at 7 are in chunk 0; nodes 3-5 at 8
+    # and node 6 at 9 start chunk 1, so they see neither the prefix nor nodes 0-2
+    mask = tree_attention_mask(PARENTS, 6, torch.float32, chunk_size=8)[0, 0] == 0
+    assert mask[1].tolist() == [True] * 6 + [True, True, False, False, False, False, False]
+    assert mask[6].tolist() == [False] * 6 + [False, False, False, True, False, False, True]
+    assert mask[4].tolist() == [False] * 6 + [False, False, False, False, True, False, False]
+
+
+def slow_batch_tree_mask(parents_per_row, prefix_lengths, past_len, window, chunk):
+    """One row, one query, one key at a time: row b's node i may see slot s < prefix_lengths[b]
+    and its own ancestors, each only within the window and its own chunk."""
+    n = max(len(p) for p in parents_per_row)
+    allowed = torch.zeros(len(parents_per_row), n, past_len + n, dtype=torch.bool)
+    for b, parents in enumerate(parents_per_row):
+        def depth(i):
+            return 0 if parents[i] < 0 else 1 + depth(parents[i])
+
+        def local(q, k):
+            return (window is None or k > q - window) and (chunk is None or k // chunk == q // chunk)
+
+        for i in range(len(parents)):
+            q = prefix_lengths[b] + depth(i)
+            for s in range(prefix_lengths[b]):
+                allowed[b, i, s] = local(q, s)
+            j = i
+            while j >= 0:
+                allowed[b, i, past_len + j] = local(q, prefix_lengths[b] + depth(j))
+                j = parents[j]
+    return allowed
+
+
+@pytest.mark.parametrize("window, chunk", [(None, None), (3, None), (None, 4), (5, 4)])
+def test_batch_tree_mask_matches_slow_twin(window, chunk):
+    from drafthead.inference.tree import batch_tree_mask, pad_trees
+
+    trees = [DraftTree(torch.zeros(1, k, dtype=torch.long), random_tree(k, seed)) for seed, k in enumerate((9, 4, 7))]
+    batch = pad_trees(trees)
+    lengths = [5, 11, 8]
+    mask = batch_tree_mask(batch.ancestors, batch.depths, torch.tensor(lengths), 11, torch.float32,
+                           sliding_window=window, chunk_size=chunk)
+    want = slow_batch_tree_mask([t.parents.tolist() for t in trees], lengths, 11, window, chunk)
+    n = [t.num_nodes for t in trees]
+    for b in range(3):  # padded query rows are not compared: their logits are never read
+        assert torch.equal((mask[b, 0, : n[b]] == 0), want[b, : n[b]]), b
+
+
 def test_position_ids_are_prefix_plus_depth():
     assert tree_position_ids(PARENTS, 5).tolist() == [[5, 6, 6, 7, 7, 7, 8]]
 

@@ -46,9 +46,11 @@ FAMILIES = {
                {"head_dim": 8, "sliding_window": 8, "layer_types": "alternate", "final_logit_softcapping": 30.0,
                 "query_pre_attn_scalar": 8}),
     "phi3": (Phi3Config, Phi3ForCausalLM, {}),  # fused qkv_proj and gate_up_proj
-    # MLA attention (low-rank q and kv, split rope/nope dims) and a routed MoE after a dense layer
+    # MLA attention (low-rank q and kv, split rope/nope dims) and a routed MoE after a dense layer.
+    # MLA has one K/V per query head (DeepSeek-V3: 128 and 128): transformers expands the latent to
+    # every head, then repeats it heads / kv_heads times more whenever a mask is given
     "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM,
-                    {"q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+                    {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
                      "v_head_dim": 8, "head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
                      "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16,
                      "n_shared_experts": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
@@ -61,6 +63,8 @@ FAMILIES = {
 
 def tiny_causal_lm(family: str = "llama", vocab: int = 96, seed: int = 0, layers: int = 2, hidden: int = 32,
                    dtype=torch.float32, attn: str = "sdpa", **overrides):
+    if family in MULTIMODAL:
+        return MULTIMODAL[family](vocab=vocab, seed=seed, layers=layers, hidden=hidden, **overrides)
     config_cls, model_cls, extra = FAMILIES[family]
     kwargs = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
@@ -97,3 +101,35 @@ def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
     out = model.generate(prompt, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                          eos_token_id=None, pad_token_id=2)
     return out[0, prompt.shape[1]:].tolist()
+
+
+def tiny_gemma3_vlm(vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int = 32, **ids):
+    """A Gemma-3-style multimodal target (Gemma3ForConditionalGeneration): a one-layer SigLIP
+    vision tower and projector around the gemma3 text model of FAMILIES (alternating sliding and
+    full layers, soft-capping), whose config nests in `text_config`. The image tokens take the
+    top three ids of the vocabulary; text prompts never use them."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, **ids}
+    text = Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, head_dim=8, sliding_window=8,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
+        final_logit_softcapping=30.0, query_pre_attn_scalar=8, **ids,
+    )
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab - 1,
+                          boi_token_index=vocab - 3, eoi_token_index=vocab - 2, **ids)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)  # sharper random logits, as tiny_causal_lm
+    model.requires_grad_(False)
+    return model
+
+
+# multimodal targets, built by their own functions; tiny_causal_lm and the saved-folder fixtures
+# (tests/conftest.py) take their names like a family's
+MULTIMODAL = {"gemma3_vlm": tiny_gemma3_vlm}
