@@ -18,7 +18,7 @@ from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.generate import GenerationConfig, speculative_generate
 from drafthead.inference.verify import check_tree_mask_support
-from drafthead.targets import load_target
+from drafthead.inference.targets import load_target
 from tests.test_batch import left_padded
 from tests.tiny import FAMILIES, MULTIMODAL, plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -46,7 +46,7 @@ def family_target(tiny_target_dir):
 
 @pytest.mark.parametrize("family", TARGETS)
 def test_every_family_loads_with_an_attention_that_takes_tree_masks(tiny_target_dir, family, caplog):
-    with caplog.at_level(logging.WARNING, logger="drafthead.targets"):
+    with caplog.at_level(logging.WARNING, logger="drafthead.inference.targets"):
         model = load_target(tiny_target_dir(family, layers=LAYERS)).model
     want = "eager" if family in NO_SDPA else "sdpa"
     assert model.config._attn_implementation == want
