@@ -174,7 +174,7 @@ def test_medusa_and_hydra_heads_train_and_decode_exactly(tiny_target_dir, family
     import json
     import math
 
-    from drafthead.inference.drafters.heads import load_head_drafter
+    from drafthead.inference.drafters.load import load_head_drafter
     from drafthead.train.config import TrainConfig
     from drafthead.train.run import build_trainer
 
