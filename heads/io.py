@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import HeadConfig, config_from_dict
+from .config import HeadConfig, config_from_dict, with_draft_layer
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -124,7 +124,7 @@ def read_head_dir(path) -> tuple[HeadConfig, dict, dict[str, torch.Tensor]]:
         raise HeadFormatError(f"{path / CONFIG_NAME} is not a drafthead head config (format={meta.get('format')!r}); "
                               "engine layouts are read with heads.export.import_head")
     try:
-        config = config_from_dict(meta["config"])
+        config = config_from_dict(with_draft_layer(meta["config"]))
     except ValueError as e:
         raise HeadFormatError(f"{path / CONFIG_NAME}: {e}") from e
     if config.target is None:

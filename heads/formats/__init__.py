@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import config_from_dict
+from ..config import config_from_dict, with_draft_layer
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
 from . import dflash, eagle1, eagle3, gguf_eagle3, medusa, speculators
 from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
-    read_weights
+    read_weights, served_layer_refusal
 
 EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa", "dflash")
 CONVENTIONS = ("vllm", "sglang", "eagle")
@@ -51,6 +51,9 @@ _FORMAT_KINDS = {
     "medusa": ("medusa1",),
     "dflash": ("dflash",),
 }
+# The consumer each export format is for, as refusals name it.
+ENGINES = {"vllm": "vLLM", "speculators": "speculators", "sglang": "SGLang", "llama.cpp": "llama.cpp",
+           "eagle": "upstream EAGLE", "medusa": "upstream Medusa", "dflash": "vLLM's, SGLang's and z-lab's DFlash"}
 
 
 # ----------------------------------------------------------------------------- export
@@ -88,6 +91,10 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
         fits = [f for f, ks in _FORMAT_KINDS.items() if config.kind in ks]
         raise ValueError(f"--format {fmt} carries {' / '.join(kinds)} heads, not {config.kind} "
                          f"(a {config.kind} head exports as: {', '.join(fits) or 'ours only'})")
+    if config.kind not in ("medusa1", "hydra"):  # Medusa heads embed no token: nothing to serve differently
+        refusal = served_layer_refusal(config, ENGINES[fmt])
+        if refusal is not None:
+            raise ValueError(refusal)
     if target_model is not None:
         diffs = identity_diff(config.target, identify_target(target_model))
         if diffs:
@@ -241,7 +248,7 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     foreign = read_foreign(src, convention)
     name = target_name or str(getattr(target_model.config, "_name_or_path", "") or "target")
     if foreign.config is not None:
-        config = config_from_dict(foreign.config)
+        config = config_from_dict(with_draft_layer(foreign.config))
         check_compatible(config.target, identify_target(target_model, tokenizer, target_name or config.target.name))
     else:
         overrides = dict(foreign.overrides)
