@@ -143,6 +143,8 @@ class HydraConfig(MedusaConfig):
 
 
 DRAFT_LAYER_CHOICES = ("llama", "target")
+# EAGLE config fields that size the Llama draft layer apart from the target (None: the target's)
+DRAFT_SIZE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
 
 
 def _check_draft_layer(draft_layer: str) -> None:
@@ -196,6 +198,12 @@ class Eagle1Config(_HeadConfig):
     # "target" = the target family's own layer class, which heads saved before that default kept
     # (their export refuses wherever no engine serves that family's layer).
     draft_layer: str = "llama"
+    # the Llama draft layer's own sizes; None: the target's (heads/eagle.py llama_layer_config).
+    # Set by imports of published heads whose producer chose its own (SpecForge's MoE configs).
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
     target: TargetIdentity | None = None
 
     def __post_init__(self) -> None:
@@ -253,6 +261,10 @@ class Eagle3Config(_HeadConfig):
     sliding_window: int | None = None
     rope_parameters: dict | None = None  # as Eagle1Config.rope_parameters
     draft_layer: str = "llama"  # as Eagle1Config.draft_layer
+    intermediate_size: int | None = None  # these four: as Eagle1Config's
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
     target: TargetIdentity | None = None
 
     def __post_init__(self) -> None:

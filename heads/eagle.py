@@ -41,7 +41,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecode
     LlamaRotaryEmbedding
 
 from .batch import FeatureBatch
-from .config import Eagle1Config
+from .config import DRAFT_SIZE_FIELDS, Eagle1Config
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs, shift_left, shifted_labels
 
@@ -82,21 +82,23 @@ def full_attention_rope(cfg) -> dict:
     return {k: v for k, v in rope.items() if k not in _ROPE_DROP}
 
 
-def llama_layer_config(cfg, rope_parameters: dict | None = None) -> LlamaConfig:
+def llama_layer_config(cfg, rope_parameters: dict | None = None, sizes: dict | None = None) -> LlamaConfig:
     """The Llama decoder layer the engines serve as an EAGLE draft layer, sized from the target's
     (text) config `cfg`, whatever its family (docs/formats.md "The draft layer per target family"):
     its hidden size, heads, KV heads, head_dim (hidden / heads when it states none), dense MLP width
     (`intermediate_size`; 3 * hidden for a target stating none), RMSNorm epsilon and full-attention
-    RoPE; SiLU and no attention bias, no q/k norm, no MoE, no sliding window."""
-    heads = cfg.num_attention_heads
+    RoPE; SiLU and no attention bias, no q/k norm, no MoE, no sliding window. sizes: the draft's
+    own values of DRAFT_SIZE_FIELDS where not None."""
+    own = {k: v for k, v in (sizes or {}).items() if v is not None}
+    heads = own.get("num_attention_heads", cfg.num_attention_heads)
     return LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
-        intermediate_size=getattr(cfg, "intermediate_size", None) or 3 * cfg.hidden_size,
+        intermediate_size=own.get("intermediate_size", getattr(cfg, "intermediate_size", None) or 3 * cfg.hidden_size),
         num_hidden_layers=1,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        num_key_value_heads=own.get("num_key_value_heads", getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=own.get("head_dim", getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
         hidden_act="silu",
         rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
         max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
@@ -111,9 +113,12 @@ def llama_layer_config(cfg, rope_parameters: dict | None = None) -> LlamaConfig:
     )
 
 
-def family_layer_config(cfg, rope_parameters: dict | None = None):
+def family_layer_config(cfg, rope_parameters: dict | None = None, sizes: dict | None = None):
     """The target's own (text) config with one layer: the draft layer of heads saved with
-    `draft_layer="target"` (before the engines' Llama layer became the default)."""
+    `draft_layer="target"` (before the engines' Llama layer became the default); `sizes` must be
+    unset (those heads always took the target's)."""
+    if any(v is not None for v in (sizes or {}).values()):
+        raise ValueError(f"a head with its target family's layer takes the target's sizes, not {sizes}")
     cfg = copy.deepcopy(cfg)
     cfg.num_hidden_layers = 1
     if rope_parameters is not None:
@@ -125,16 +130,17 @@ def family_layer_config(cfg, rope_parameters: dict | None = None):
     return cfg
 
 
-def draft_layer_config(model: nn.Module, rope_parameters: dict | None = None, draft_layer: str = "llama"):
+def draft_layer_config(model: nn.Module, rope_parameters: dict | None = None, draft_layer: str = "llama",
+                       sizes: dict | None = None):
     """The HF config the draft decoder layer is built from: `llama_layer_config` (draft_layer
     "llama") or `family_layer_config` ("target"). rope_parameters: the draft's own RoPE
-    (transformers v5 `rope_parameters`), else the target's."""
+    (transformers v5 `rope_parameters`), else the target's; sizes: as llama_layer_config's."""
     if rope_parameters is not None:
         if "rope_theta" not in rope_parameters:
             raise ValueError(f"rope_parameters needs rope_theta, got {rope_parameters}")
         rope_parameters = {"rope_type": "default", **rope_parameters}
     build = DRAFT_LAYERS[draft_layer]
-    cfg = build(text_config(model), rope_parameters)
+    cfg = build(text_config(model), rope_parameters, sizes)
     cfg.architectures = [type(model).__name__]  # the target's family, for export (the verifier's name)
     if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
         # flash/flex kernels take no arbitrary additive 4-D mask, and tree drafting needs one
@@ -209,7 +215,8 @@ class DecoderHeadBase(DraftHeadBase):
 
     def _init_decoder_common(self, target_model: nn.Module) -> None:
         self.refs = FrozenRefs()
-        self._layer_cfg = draft_layer_config(target_model, self.config.rope_parameters, self.config.draft_layer)
+        sizes = {name: getattr(self.config, name) for name in DRAFT_SIZE_FIELDS}
+        self._layer_cfg = draft_layer_config(target_model, self.config.rope_parameters, self.config.draft_layer, sizes)
         self._parts = draft_layer_parts(target_model, self.config.draft_layer)
         # RoPE tables stay float32 and unregistered: `head.to(bfloat16)` would otherwise round
         # inv_freq. Moved to the input's device on first use.

@@ -250,3 +250,74 @@ def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_
             export_head(folder, tmp_path / fmt, fmt)
         message = str(refused.value)
         assert "\n" not in message and message.startswith(f"{ENGINES[fmt]} serves a Llama draft layer") and "qwen3" in message
+
+
+# ----------------------------------------------------------------------------- imports
+
+
+def strip_provenance(out) -> dict:
+    """Make an export look like its producer's own: no `drafthead` block. Returns the config."""
+    cfg = json.loads((out / CONFIG_NAME).read_text())
+    del cfg["drafthead"]
+    (out / CONFIG_NAME).write_text(json.dumps(cfg))
+    return cfg
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_speculators_eagle3_of_a_qwen3_or_gpt_oss_verifier_imports(family, tmp_path):
+    """speculators' layout for these verifiers: a Llama transformer_layer_config sized from the
+    verifier (its head_dim field included), the verifier's architecture named."""
+    from drafthead.heads.formats import import_head
+    from tests.test_export import outputs
+
+    head = head_of(family, "eagle3").eval()
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", tmp_path / "s", "speculators", target_model=target_of(family))
+    cfg = strip_provenance(out)
+    assert cfg["speculators_config"]["verifier"]["architectures"] == [type(target_of(family)).__name__]
+    assert cfg["transformer_layer_config"]["model_type"] == "llama" and cfg["transformer_layer_config"]["head_dim"] == 8
+    back = import_head(out, target_of(family))
+    assert back.config.draft_layer == "llama" and back.config.feature_layers == (1, 2, 3)
+    assert torch.equal(outputs(back, target_of(family)), outputs(head, target_of(family)))
+
+
+def test_a_producers_own_draft_width_is_kept_on_import(tmp_path):
+    """SpecForge's MoE configs pick their own MLP width (12288 for Qwen3-30B-A3B, whose config says
+    6144): the import keeps the checkpoint's, and exports it again."""
+    from drafthead.heads.formats import import_head
+    from tests.test_export import outputs
+
+    target = target_of("qwen3_moe")
+    config = make_config("eagle3", target, None, name="tiny-qwen3_moe", **KINDS["eagle3"], intermediate_size=48)
+    head = build_head(config, target, token_counts=torch.arange(V)).eval()
+    assert head.midlayer.mlp.up_proj.weight.shape == (48, 32)
+    head.save_pretrained(tmp_path / "head")
+    out = export_head(tmp_path / "head", tmp_path / "v", "vllm")
+    assert strip_provenance(out)["intermediate_size"] == 48
+    back = import_head(out, target, convention="vllm")
+    assert back.config.intermediate_size == 48
+    assert torch.equal(outputs(back, target), outputs(head, target))
+
+
+def test_specforge_to_hf_without_ids_reads_the_engines_default_capture_points(tmp_path):
+    """SpecForge's `to_hf` writes no eagle_config unless its draft config had one: the engines then
+    capture the inputs of layers [2, L//2, L-3], our default, and the import says so."""
+    import shutil
+
+    from drafthead.heads.config import default_eagle3_layers
+    from drafthead.heads.formats import import_to_folder
+    from drafthead.heads.registry import load_head
+    from transformers import AutoModelForCausalLM
+
+    from tests.interop import target_as_producer_saw
+
+    folder = shutil.copytree(ROOT / "specforge-hf", tmp_path / "hf")
+    cfg = json.loads((folder / CONFIG_NAME).read_text())
+    del cfg["eagle_config"]
+    (folder / CONFIG_NAME).write_text(json.dumps(cfg))
+    fixture_target = target_as_producer_saw(AutoModelForCausalLM.from_pretrained(ROOT / "target", dtype=torch.float32), folder)
+    out, notes = import_to_folder(folder, tmp_path / "ours", fixture_target)
+    assert any("names no eagle_aux_hidden_state_layer_ids: read with the engines' default capture points" in n
+               for n in notes), notes
+    head, _ = load_head(out, fixture_target, None)
+    assert head.config.feature_layers == default_eagle3_layers(fixture_target.config.num_hidden_layers)

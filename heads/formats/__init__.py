@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import config_from_dict, with_draft_layer
+from ..config import DRAFT_SIZE_FIELDS, config_from_dict, with_draft_layer
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
@@ -253,6 +253,8 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     else:
         overrides = dict(foreign.overrides)
         _drop_target_rope(overrides, target_model)
+        if foreign.kind in ("eagle1", *EAGLE3_KINDS):
+            overrides.update(_own_sizes(foreign.layer_fields, target_model))
         config = make_config(foreign.kind, target_model, tokenizer, name, **overrides)
     head = _new_module(config, target_model)
     diffs = layer_field_diffs(foreign.layer_fields, getattr(head, "_layer_cfg", None))
@@ -286,6 +288,18 @@ def _drop_target_rope(overrides: dict, target_model: nn.Module) -> None:
     own = dict(getattr(text_config(target_model), "rope_parameters", None) or {})
     if {"rope_type": "default", **own} == {"rope_type": "default", **rope}:
         del overrides["rope_parameters"]
+
+
+def _own_sizes(stated: dict, target_model: nn.Module) -> dict:
+    """The draft layer sizes a checkpoint states apart from those our Llama layer takes from the
+    target (DRAFT_SIZE_FIELDS): a producer's own choice, kept (docs/formats.md "The draft layer
+    per target family")."""
+    from ..eagle import llama_layer_config
+    from ..identity import text_config
+
+    built = llama_layer_config(text_config(target_model))
+    return {name: int(stated[name]) for name in DRAFT_SIZE_FIELDS
+            if stated.get(name) is not None and int(stated[name]) != getattr(built, name)}
 
 
 def _check_target_copies(copies: dict, target_model: nn.Module, src, own_rows: dict | None = None) -> None:
