@@ -1,6 +1,7 @@
 """Every head kind on every target family (tests/tiny.py FAMILIES): it trains with finite loss,
 drafts exactly, and each export format that carries it writes the tensors its consumer's loader
-maps, no more, no fewer, or refuses in one line naming the consumer and why.
+maps, no more, no fewer, or refuses in one line naming the consumer and why. Gemma's embedding
+scale included: heads embed with the raw table, as every consumer's drafter does.
 
 The draft layer is Llama's, sized from the target, whatever the family (docs/formats.md "The draft
 layer per target family"). Key sets are those of the checkpoints the producers' own code wrote
@@ -22,7 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from drafthead.heads.formats import _FORMAT_KINDS, ENGINES, export_head
-from drafthead.heads.formats.common import SCALED_EMBEDDING_TYPES, read_weights
+from drafthead.heads.formats.common import read_weights
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter
@@ -189,11 +190,10 @@ def consumer_layer_shapes(kind: str, fmt: str, cfg: dict) -> tuple[str, dict[str
 
 
 def expected_refusal(target, fmt: str) -> str | None:
-    """What the export to `fmt` must refuse for, from the target's own config: its embedding
-    scale (Gemma; every consumer embeds with the raw table), or upstream EAGLE's fixed RoPE."""
-    if target.config.model_type.startswith(SCALED_EMBEDDING_TYPES):
-        return "scales its input embeddings"
+    """What the export to `fmt` must refuse for, from the target's own config: upstream EAGLE's
+    fixed RoPE (base 10000, whatever the config says)."""
     rope = target.config.rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma 3: one RoPE per layer type
     if fmt == "eagle" and (rope.get("rope_type") != "default" or rope.get("rope_theta") != 10000.0):
         return "RoPE with base 10000"
     return None
@@ -321,3 +321,14 @@ def test_specforge_to_hf_without_ids_reads_the_engines_default_capture_points(tm
                for n in notes), notes
     head, _ = load_head(out, fixture_target, None)
     assert head.config.feature_layers == default_eagle3_layers(fixture_target.config.num_hidden_layers)
+
+
+def test_heads_embed_with_the_raw_table_as_the_engines_do():
+    """Gemma's embedding module scales the table by sqrt(hidden); the engines' drafters look rows
+    up in the table alone, and so do our heads (their exports then draft the same)."""
+    target = target_of("gemma3")
+    ids = torch.tensor([[3, 17, 95]])
+    head = head_of("gemma3", "eagle3")
+    table = target.get_input_embeddings().weight[ids]
+    assert torch.equal(head.refs.embed_tokens(ids, torch.float32), table)
+    assert not torch.allclose(target.get_input_embeddings()(ids), table)  # the module does scale

@@ -199,19 +199,11 @@ def drop_zero_extra(head_state: dict, state: dict, key: str, where, why: str) ->
 # writer handles): a head saved with draft_layer "target" for one of them exports as a Llama layer.
 LLAMA_LIKE_FAMILIES = ("llama", "mistral", "qwen2")
 
-# Target families whose embedding module scales the table (Gemma: by sqrt(hidden)): our heads read
-# that scaled embedding, the engines' drafters the raw table, so an export would draft differently.
-SCALED_EMBEDDING_TYPES = ("gemma",)
-
-
 def served_layer_refusal(config, engine: str) -> str | None:
     """Why `engine` would not run this head's draft layer as trained, in one line; None when it
     would. Engines serve a Llama draft layer whatever the target (docs/formats.md "The draft layer
     per target family")."""
     family = config.target.model_type
-    if family.startswith(SCALED_EMBEDDING_TYPES):
-        return (f"{engine} feeds the draft the raw embedding table, but a {family} target scales its input embeddings "
-                "and this head was trained on the scaled ones, so it would draft differently there")
     if getattr(config, "draft_layer", "llama") == "target" and family not in LLAMA_LIKE_FAMILIES:
         return (f"{engine} serves a Llama draft layer, but this head keeps its {family} target's own layer "
                 "(saved with draft_layer=target), whose extra or fused tensors it would drop or miss: "
