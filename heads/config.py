@@ -143,8 +143,9 @@ class HydraConfig(MedusaConfig):
 
 
 DRAFT_LAYER_CHOICES = ("llama", "target")
-# EAGLE config fields that size the Llama draft layer apart from the target (None: the target's)
-DRAFT_SIZE_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
+# EAGLE config fields in which the Llama draft layer may differ from what it takes from the target
+# (None: the target's sizes, SiLU)
+DRAFT_OWN_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act")
 
 
 def _check_draft_layer(draft_layer: str) -> None:
@@ -198,12 +199,14 @@ class Eagle1Config(_HeadConfig):
     # "target" = the target family's own layer class, which heads saved before that default kept
     # (their export refuses wherever no engine serves that family's layer).
     draft_layer: str = "llama"
-    # the Llama draft layer's own sizes; None: the target's (heads/eagle.py llama_layer_config).
-    # Set by imports of published heads whose producer chose its own (SpecForge's MoE configs).
+    # the Llama draft layer's own sizes and activation; None: the target's sizes, SiLU (heads/eagle.py
+    # llama_layer_config). Set by imports of published heads whose producer chose its own
+    # (SpecForge's MoE configs' widths; speculators' Gemma heads take the verifier's GELU).
     intermediate_size: int | None = None
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    hidden_act: str | None = None
     target: TargetIdentity | None = None
 
     def __post_init__(self) -> None:
@@ -261,10 +264,11 @@ class Eagle3Config(_HeadConfig):
     sliding_window: int | None = None
     rope_parameters: dict | None = None  # as Eagle1Config.rope_parameters
     draft_layer: str = "llama"  # as Eagle1Config.draft_layer
-    intermediate_size: int | None = None  # these four: as Eagle1Config's
+    intermediate_size: int | None = None  # these five: as Eagle1Config's
     num_attention_heads: int | None = None
     num_key_value_heads: int | None = None
     head_dim: int | None = None
+    hidden_act: str | None = None
     target: TargetIdentity | None = None
 
     def __post_init__(self) -> None:

@@ -41,7 +41,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecode
     LlamaRotaryEmbedding
 
 from .batch import FeatureBatch
-from .config import DRAFT_SIZE_FIELDS, Eagle1Config
+from .config import DRAFT_OWN_FIELDS, Eagle1Config
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs, shift_left, shifted_labels
 
@@ -88,7 +88,7 @@ def llama_layer_config(cfg, rope_parameters: dict | None = None, sizes: dict | N
     its hidden size, heads, KV heads, head_dim (hidden / heads when it states none), dense MLP width
     (`intermediate_size`; 3 * hidden for a target stating none), RMSNorm epsilon and full-attention
     RoPE; SiLU and no attention bias, no q/k norm, no MoE, no sliding window. sizes: the draft's
-    own values of DRAFT_SIZE_FIELDS where not None."""
+    own values of DRAFT_OWN_FIELDS (sizes, activation) where not None."""
     own = {k: v for k, v in (sizes or {}).items() if v is not None}
     heads = own.get("num_attention_heads", cfg.num_attention_heads)
     return LlamaConfig(
@@ -99,7 +99,7 @@ def llama_layer_config(cfg, rope_parameters: dict | None = None, sizes: dict | N
         num_attention_heads=heads,
         num_key_value_heads=own.get("num_key_value_heads", getattr(cfg, "num_key_value_heads", None) or heads),
         head_dim=own.get("head_dim", getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
-        hidden_act="silu",
+        hidden_act=own.get("hidden_act", "silu"),
         rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
         max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
         initializer_range=getattr(cfg, "initializer_range", 0.02),
@@ -215,7 +215,7 @@ class DecoderHeadBase(DraftHeadBase):
 
     def _init_decoder_common(self, target_model: nn.Module) -> None:
         self.refs = FrozenRefs()
-        sizes = {name: getattr(self.config, name) for name in DRAFT_SIZE_FIELDS}
+        sizes = {name: getattr(self.config, name) for name in DRAFT_OWN_FIELDS}
         self._layer_cfg = draft_layer_config(target_model, self.config.rope_parameters, self.config.draft_layer, sizes)
         self._parts = draft_layer_parts(target_model, self.config.draft_layer)
         # RoPE tables stay float32 and unregistered: `head.to(bfloat16)` would otherwise round

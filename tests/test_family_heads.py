@@ -281,21 +281,26 @@ def test_speculators_eagle3_of_a_qwen3_or_gpt_oss_verifier_imports(family, tmp_p
     assert torch.equal(outputs(back, target_of(family)), outputs(head, target_of(family)))
 
 
-def test_a_producers_own_draft_width_is_kept_on_import(tmp_path):
-    """SpecForge's MoE configs pick their own MLP width (12288 for Qwen3-30B-A3B, whose config says
-    6144): the import keeps the checkpoint's, and exports it again."""
+@pytest.mark.parametrize("family,fmt,own", [
+    # SpecForge's MoE configs pick their own MLP width (12288 for Qwen3-30B-A3B, whose config says 6144)
+    ("qwen3_moe", "vllm", {"intermediate_size": 48}),
+    # speculators' trainer gives the draft its verifier's activation (Gemma 3: GELU-tanh)
+    ("gemma3", "speculators", {"hidden_act": "gelu_pytorch_tanh"}),
+])
+def test_a_producers_own_draft_layer_fields_are_kept_on_import(family, fmt, own, tmp_path):
     from drafthead.heads.formats import import_head
     from tests.test_export import outputs
 
-    target = target_of("qwen3_moe")
-    config = make_config("eagle3", target, None, name="tiny-qwen3_moe", **KINDS["eagle3"], intermediate_size=48)
+    target = target_of(family)
+    config = make_config("eagle3", target, None, name=f"tiny-{family}", **KINDS["eagle3"], **own)
     head = build_head(config, target, token_counts=torch.arange(V)).eval()
-    assert head.midlayer.mlp.up_proj.weight.shape == (48, 32)
     head.save_pretrained(tmp_path / "head")
-    out = export_head(tmp_path / "head", tmp_path / "v", "vllm")
-    assert strip_provenance(out)["intermediate_size"] == 48
-    back = import_head(out, target, convention="vllm")
-    assert back.config.intermediate_size == 48
+    out = export_head(tmp_path / "head", tmp_path / fmt, fmt, target_model=target)
+    cfg = strip_provenance(out)
+    stated = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+    assert {k: stated[k] for k in own} == own
+    back = import_head(out, target, convention="vllm" if fmt == "vllm" else None)
+    assert {k: getattr(back.config, k) for k in own} == own
     assert torch.equal(outputs(back, target), outputs(head, target))
 
 

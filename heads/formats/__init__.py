@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import DRAFT_SIZE_FIELDS, config_from_dict, with_draft_layer
+from ..config import DRAFT_OWN_FIELDS, config_from_dict, with_draft_layer
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
@@ -254,7 +254,7 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
         overrides = dict(foreign.overrides)
         _drop_target_rope(overrides, target_model)
         if foreign.kind in ("eagle1", *EAGLE3_KINDS):
-            overrides.update(_own_sizes(foreign.layer_fields, target_model))
+            overrides.update(_own_layer_fields(foreign.layer_fields, target_model))
         config = make_config(foreign.kind, target_model, tokenizer, name, **overrides)
     head = _new_module(config, target_model)
     diffs = layer_field_diffs(foreign.layer_fields, getattr(head, "_layer_cfg", None))
@@ -290,16 +290,16 @@ def _drop_target_rope(overrides: dict, target_model: nn.Module) -> None:
         del overrides["rope_parameters"]
 
 
-def _own_sizes(stated: dict, target_model: nn.Module) -> dict:
-    """The draft layer sizes a checkpoint states apart from those our Llama layer takes from the
-    target (DRAFT_SIZE_FIELDS): a producer's own choice, kept (docs/formats.md "The draft layer
-    per target family")."""
+def _own_layer_fields(stated: dict, target_model: nn.Module) -> dict:
+    """The draft layer fields a checkpoint states apart from those our Llama layer takes from the
+    target (DRAFT_OWN_FIELDS: sizes, activation): a producer's own choice, kept (docs/formats.md
+    "The draft layer per target family")."""
     from ..eagle import llama_layer_config
     from ..identity import text_config
 
     built = llama_layer_config(text_config(target_model))
-    return {name: int(stated[name]) for name in DRAFT_SIZE_FIELDS
-            if stated.get(name) is not None and int(stated[name]) != getattr(built, name)}
+    return {name: stated[name] for name in DRAFT_OWN_FIELDS
+            if stated.get(name) is not None and stated[name] != getattr(built, name)}
 
 
 def _check_target_copies(copies: dict, target_model: nn.Module, src, own_rows: dict | None = None) -> None:
