@@ -298,6 +298,11 @@ def _own_layer_fields(stated: dict, target_model: nn.Module) -> dict:
     from ..identity import text_config
 
     built = llama_layer_config(text_config(target_model))
+    stated = dict(stated)
+    if stated.get("head_dim") is None and stated.get("hidden_size") and stated.get("num_attention_heads"):
+        # a Llama config without head_dim means hidden / heads to every consumer (LlamaConfig's
+        # default), e.g. SpecForge's DeepSeek-V3 config: 56 heads of 128, the MLA target's are 64
+        stated["head_dim"] = int(stated["hidden_size"]) // int(stated["num_attention_heads"])
     return {name: stated[name] for name in DRAFT_OWN_FIELDS
             if stated.get(name) is not None and stated[name] != getattr(built, name)}
 
