@@ -231,8 +231,9 @@ def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kin
 
 def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_path):
     """A Qwen3 head saved before `draft_layer` existed (its config has no such key) holds Qwen3's
-    own layer with q/k norms: it loads as that layer, drafts exactly, and every engine export
-    refuses in one line naming the engine."""
+    own layer with q/k norms: it loads as that layer and drafts exactly; speculators serves it
+    (its Qwen3 EAGLE-3 layer) and it imports back, on a Qwen3 target only; every other engine
+    export refuses in one line naming the engine."""
     from drafthead.heads.registry import load_head
 
     target = target_of("qwen3")
@@ -245,11 +246,25 @@ def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_
     assert head.config.draft_layer == "target" and "midlayer.self_attn.q_norm.weight" in head.state_dict()
     assert_greedy_equals_plain(target, lambda num_nodes=8: EagleDrafter(head, total_tokens=num_nodes, depth=3, top_k=2),
                                max_new_tokens=12, trees=(None,))
+    from drafthead.heads.formats import import_head
+    from drafthead.heads.io import HeadFormatError
+    from tests.test_export import outputs
+
     for fmt in export_formats("eagle3"):
+        if fmt == "speculators":
+            continue
         with pytest.raises(ValueError) as refused:
             export_head(folder, tmp_path / fmt, fmt)
         message = str(refused.value)
         assert "\n" not in message and message.startswith(f"{ENGINES[fmt]} serves a Llama draft layer") and "qwen3" in message
+    out = export_head(folder, tmp_path / "speculators", "speculators", target_model=target)
+    cfg, shapes = written(out)
+    assert cfg["transformer_layer_config"]["model_type"] == "qwen3" and "layers.0.self_attn.q_norm.weight" in shapes
+    strip_provenance(out)
+    back = import_head(out, target)
+    assert back.config.draft_layer == "target" and torch.equal(outputs(back, target), outputs(head, target))
+    with pytest.raises(HeadFormatError, match="the checkpoint's draft layer is qwen3's"):
+        import_head(out, target_of("llama"))
 
 
 # ----------------------------------------------------------------------------- imports

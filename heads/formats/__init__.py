@@ -92,7 +92,7 @@ def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None
         raise ValueError(f"--format {fmt} carries {' / '.join(kinds)} heads, not {config.kind} "
                          f"(a {config.kind} head exports as: {', '.join(fits) or 'ours only'})")
     if config.kind not in ("medusa1", "hydra"):  # Medusa heads embed no token: nothing to serve differently
-        refusal = served_layer_refusal(config, ENGINES[fmt])
+        refusal = served_layer_refusal(config, ENGINES[fmt], fmt)
         if refusal is not None:
             raise ValueError(refusal)
     if target_model is not None:
@@ -253,9 +253,14 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     else:
         overrides = dict(foreign.overrides)
         _drop_target_rope(overrides, target_model)
-        if foreign.kind in ("eagle1", *EAGLE3_KINDS):
+        if foreign.kind in ("eagle1", *EAGLE3_KINDS) and overrides.get("draft_layer", "llama") == "llama":
             overrides.update(_own_layer_fields(foreign.layer_fields, target_model))
         config = make_config(foreign.kind, target_model, tokenizer, name, **overrides)
+    family_layer = foreign.layer_fields.get("model_type", "llama")
+    if family_layer != "llama" and getattr(config, "draft_layer", None) == "target" \
+            and family_layer != config.target.model_type:  # a family's own layer (Llama-labelled ones: Qwen2, Mistral)
+        raise HeadFormatError(f"{src}: the checkpoint's draft layer is {family_layer}'s, which drafthead builds only "
+                              f"on a {family_layer} target, not on this {config.target.model_type} one")
     head = _new_module(config, target_model)
     diffs = layer_field_diffs(foreign.layer_fields, getattr(head, "_layer_cfg", None))
     if diffs:
