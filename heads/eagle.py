@@ -10,8 +10,10 @@ state f_t and the embedding of the *next* token x_{t+1}:
 lm_head and embed are the target's own (frozen references, not saved). h_t is a predicted
 feature, so deeper draft steps feed it back as the next step's feature.
 
-The decoder layer is the target family's own class (`type(target.model.layers[0])` built from the
-target config with num_hidden_layers = 1) with its input_layernorm replaced by Identity, as in
+The decoder layer is a Llama decoder layer sized from the target, whatever its family: the layer
+every engine serves (`llama_layer_config`; docs/formats.md "The draft layer per target family"),
+or, for heads saved with `draft_layer="target"`, the target family's own class built from its
+config with num_hidden_layers = 1. Its input_layernorm is replaced by Identity, as in
 EAGLE's cnets.py (`if self.index != 0`) and vLLM's llama_eagle.py (`disable_input_layernorm`):
 the fc output is not re-normalised. `Eagle1Config.input_layernorm=True` keeps it.
 
