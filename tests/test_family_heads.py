@@ -322,6 +322,9 @@ def test_a_producers_own_draft_layer_fields_are_kept_on_import(family, fmt, own,
     back = import_head(out, target, convention={"speculators": None}.get(fmt, fmt))
     assert {k: getattr(back.config, k) for k in own} == own
     assert torch.equal(outputs(back, target), outputs(head, target))
+    if "hidden_act" in own:  # vLLM's and SGLang's Llama MLP refuse anything but SiLU at load
+        with pytest.raises(ValueError, match="^vLLM's Llama draft MLP runs SiLU only"):
+            export_head(tmp_path / "head", tmp_path / "vllm", "vllm")
 
 
 def test_specforge_to_hf_without_ids_reads_the_engines_default_capture_points(tmp_path):

@@ -210,6 +210,10 @@ def served_layer_refusal(config, engine: str, fmt: str = "") -> str | None:
     would. Engines serve a Llama draft layer whatever the target (docs/formats.md "The draft layer
     per target family")."""
     family = config.target.model_type
+    act = getattr(config, "hidden_act", None)
+    if act not in (None, "silu") and fmt != "speculators":
+        return (f"{engine}'s Llama draft MLP runs SiLU only and refuses {act} at load; this head's layer uses it "
+                "(its producer copied the target's): export it with --format speculators")
     if getattr(config, "draft_layer", "llama") == "target" and family not in LLAMA_LIKE_FAMILIES \
             and family not in FAMILY_LAYER_FORMATS.get(fmt, ()):
         return (f"{engine} serves a Llama draft layer, but this head keeps its {family} target's own layer "
