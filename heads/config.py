@@ -143,6 +143,33 @@ class HydraConfig(MedusaConfig):
     kind: str = "hydra"
 
 
+DRAFT_LAYER_CHOICES = ("llama", "target")
+# EAGLE config fields in which the Llama draft layer may differ from what it takes from the target
+# (None: the target's sizes, SiLU)
+DRAFT_OWN_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act")
+
+
+def _check_draft_layer(draft_layer: str) -> None:
+    if draft_layer not in DRAFT_LAYER_CHOICES:
+        raise ValueError(f"draft_layer must be one of {DRAFT_LAYER_CHOICES}, got {draft_layer!r}")
+
+
+def saved_draft_layer(config: dict) -> str | None:
+    """The draft layer a saved EAGLE head's config dict implies when it predates the `draft_layer`
+    field: those heads were built from their target family's own layer, which is the engines' Llama
+    layer exactly for Llama targets. None: not an EAGLE head, or the field is there."""
+    cls = CONFIG_CLASSES.get(config.get("kind"))
+    if cls is None or "draft_layer" in config or "draft_layer" not in {f.name for f in dataclasses.fields(cls)}:
+        return None
+    return "llama" if (config.get("target") or {}).get("model_type", "llama") == "llama" else "target"
+
+
+def with_draft_layer(config: dict) -> dict:
+    """A saved config dict with `draft_layer` filled in for heads saved before the field."""
+    legacy = saved_draft_layer(config)
+    return config if legacy is None else {**config, "draft_layer": legacy}
+
+
 @dataclass
 class Eagle1Config(_HeadConfig):
     """EAGLE-1 (Li et al. 2024): fc(cat(embed(token_{t+1}), feature_t)) -> one decoder layer.
@@ -171,10 +198,24 @@ class Eagle1Config(_HeadConfig):
     # fields); None = the target's. Imported heads keep their producer's: upstream EAGLE-1 always
     # ran RoPE with base 10000, whatever the target's (docs/formats.md).
     rope_parameters: dict | None = None
+    # The draft decoder layer: "llama" = a Llama layer sized from the target, whatever its family,
+    # the layer every engine serves (docs/formats.md "The draft layer per target family");
+    # "target" = the target family's own layer class, which heads saved before that default kept
+    # (their export refuses wherever no engine serves that family's layer).
+    draft_layer: str = "llama"
+    # the Llama draft layer's own sizes and activation; None: the target's sizes, SiLU (heads/eagle.py
+    # llama_layer_config). Set by imports of published heads whose producer chose its own
+    # (SpecForge's MoE configs' widths; speculators' Gemma heads take the verifier's GELU).
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str | None = None
     target: TargetIdentity | None = None
 
     def __post_init__(self) -> None:
         self._check_kind()
+        _check_draft_layer(self.draft_layer)
         if self.feature_weight < 0 or self.ce_weight < 0 or self.feature_weight + self.ce_weight == 0:
             raise ValueError("EAGLE-1 loss weights must be >= 0 and not both 0")
         check_loss(self.loss, self.lk_eta)
@@ -234,10 +275,17 @@ class Eagle3Config(_HeadConfig):
     # whole prefix. speculators' trainer makes such heads (window 2048).
     sliding_window: int | None = None
     rope_parameters: dict | None = None  # as Eagle1Config.rope_parameters
+    draft_layer: str = "llama"  # as Eagle1Config.draft_layer
+    intermediate_size: int | None = None  # these five: as Eagle1Config's
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str | None = None
     target: TargetIdentity | None = None
 
     def __post_init__(self) -> None:
         self._check_kind()
+        _check_draft_layer(self.draft_layer)
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
         if not self.ttt_decay > 0:

@@ -37,6 +37,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from .batch import FeatureBatch
 from .config import DFlashConfig
+from .eagle import full_attention_rope
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs
 from .losses import distill_loss
@@ -52,11 +53,7 @@ def dflash_layer_config(target_model: nn.Module, config: DFlashConfig) -> Qwen3C
     def own(name, default):
         return getattr(config, name) or default
     heads = own("num_attention_heads", cfg.num_attention_heads)
-    rope = dict(config.rope_parameters or getattr(cfg, "rope_parameters", None) or {})
-    if "full_attention" in rope:  # per-layer-type RoPE (Gemma 3): the draft attends like a global layer
-        rope = dict(rope["full_attention"])
-    rope.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
-    rope.setdefault("rope_type", "default")
+    rope = {"rope_type": "default", **config.rope_parameters} if config.rope_parameters else full_attention_rope(cfg)
     return Qwen3Config(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,

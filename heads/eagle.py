@@ -10,8 +10,10 @@ state f_t and the embedding of the *next* token x_{t+1}:
 lm_head and embed are the target's own (frozen references, not saved). h_t is a predicted
 feature, so deeper draft steps feed it back as the next step's feature.
 
-The decoder layer is the target family's own class (`type(target.model.layers[0])` built from the
-target config with num_hidden_layers = 1) with its input_layernorm replaced by Identity, as in
+The decoder layer is a Llama decoder layer sized from the target, whatever its family: the layer
+every engine serves (`llama_layer_config`; docs/formats.md "The draft layer per target family"),
+or, for heads saved with `draft_layer="target"`, the target family's own class built from its
+config with num_hidden_layers = 1. Its input_layernorm is replaced by Identity, as in
 EAGLE's cnets.py (`if self.index != 0`) and vLLM's llama_eagle.py (`disable_input_layernorm`):
 the fc output is not re-normalised. `Eagle1Config.input_layernorm=True` keeps it.
 
@@ -31,14 +33,17 @@ from __future__ import annotations
 
 import copy
 import inspect
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, \
+    LlamaRotaryEmbedding
 
 from .batch import FeatureBatch
-from .config import Eagle1Config
+from .config import DRAFT_OWN_FIELDS, Eagle1Config
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs, shift_left, shifted_labels
 from .losses import distill_loss
@@ -76,24 +81,110 @@ def target_rotary(model: nn.Module) -> nn.Module:
     return rot
 
 
-def draft_layer_config(model: nn.Module, rope_parameters: dict | None = None):
-    """The target's (text) config with one layer: what the draft decoder layer is built from.
-    rope_parameters: the draft's own RoPE (transformers v5 `rope_parameters`), else the target's."""
-    cfg = copy.deepcopy(text_config(model))
+# RoPE fields a Llama draft layer cannot run: it rotates the whole head with one table
+_ROPE_DROP = ("partial_rotary_factor", "mrope_section", "mrope_interleaved", "type")
+
+
+def full_attention_rope(cfg) -> dict:
+    """The target's RoPE as one transformers-v5 `rope_parameters` dict: that of its full-attention
+    layers when the target keeps one per layer type (Gemma 3's local and global bases), since the
+    draft attends over the whole committed prefix like a global layer."""
+    rope = dict(getattr(cfg, "rope_parameters", None) or {})
+    if "rope_theta" not in rope:
+        rope = dict(rope.get("full_attention") or next(iter(rope.values()), None) or {})
+    rope.setdefault("rope_theta", getattr(cfg, "rope_theta", None) or 10000.0)
+    rope.setdefault("rope_type", "default")
+    return {k: v for k, v in rope.items() if k not in _ROPE_DROP}
+
+
+def llama_layer_config(cfg, rope_parameters: dict | None = None, sizes: dict | None = None) -> LlamaConfig:
+    """The Llama decoder layer the engines serve as an EAGLE draft layer, sized from the target's
+    (text) config `cfg`, whatever its family (docs/formats.md "The draft layer per target family"):
+    its hidden size, heads, KV heads, head_dim (hidden / heads when it states none), dense MLP width
+    (`intermediate_size`; 3 * hidden for a target stating none), RMSNorm epsilon and full-attention
+    RoPE; SiLU and no attention bias, no q/k norm, no MoE, no sliding window. sizes: the draft's
+    own values of DRAFT_OWN_FIELDS (sizes, activation) where not None."""
+    own = {k: v for k, v in (sizes or {}).items() if v is not None}
+    heads = own.get("num_attention_heads", cfg.num_attention_heads)
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=own.get("intermediate_size", getattr(cfg, "intermediate_size", None) or 3 * cfg.hidden_size),
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=own.get("num_key_value_heads", getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=own.get("head_dim", getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
+        hidden_act=own.get("hidden_act", "silu"),
+        rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+        max_position_embeddings=getattr(cfg, "max_position_embeddings", 4096),
+        initializer_range=getattr(cfg, "initializer_range", 0.02),
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        rope_parameters=dict(rope_parameters or full_attention_rope(cfg)),
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        eos_token_id=getattr(cfg, "eos_token_id", None),
+        pad_token_id=getattr(cfg, "pad_token_id", None),
+    )
+
+
+def family_layer_config(cfg, rope_parameters: dict | None = None, sizes: dict | None = None):
+    """The target's own (text) config with one layer: the draft layer of heads saved with
+    `draft_layer="target"` (before the engines' Llama layer became the default); `sizes` must be
+    unset (those heads always took the target's)."""
+    if any(v is not None for v in (sizes or {}).values()):
+        raise ValueError(f"a head with its target family's layer takes the target's sizes, not {sizes}")
+    cfg = copy.deepcopy(cfg)
     cfg.num_hidden_layers = 1
     if rope_parameters is not None:
-        if "rope_theta" not in rope_parameters:
-            raise ValueError(f"rope_parameters needs rope_theta, got {rope_parameters}")
-        cfg.rope_parameters = {"rope_type": "default", **rope_parameters}
-    cfg.architectures = [type(model).__name__]  # the family, for export (models built from a config lack it)
-    if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
-        # flash/flex kernels take no arbitrary additive 4-D mask, and tree drafting needs one
-        cfg._attn_implementation = "sdpa"
+        cfg.rope_parameters = dict(rope_parameters)
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types:
         # the draft attends over the whole committed prefix: prefer a full-attention layer type
         cfg.layer_types = ["full_attention" if "full_attention" in layer_types else layer_types[0]]
     return cfg
+
+
+def draft_layer_config(model: nn.Module, rope_parameters: dict | None = None, draft_layer: str = "llama",
+                       sizes: dict | None = None):
+    """The HF config the draft decoder layer is built from: `llama_layer_config` (draft_layer
+    "llama") or `family_layer_config` ("target"). rope_parameters: the draft's own RoPE
+    (transformers v5 `rope_parameters`), else the target's; sizes: as llama_layer_config's."""
+    if rope_parameters is not None:
+        if "rope_theta" not in rope_parameters:
+            raise ValueError(f"rope_parameters needs rope_theta, got {rope_parameters}")
+        rope_parameters = {"rope_type": "default", **rope_parameters}
+    build = DRAFT_LAYERS[draft_layer]
+    cfg = build(text_config(model), rope_parameters, sizes)
+    cfg.architectures = [type(model).__name__]  # the target's family, for export (the verifier's name)
+    if getattr(cfg, "_attn_implementation", None) not in ("eager", "sdpa"):
+        # flash/flex kernels take no arbitrary additive 4-D mask, and tree drafting needs one
+        cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+# draft_layer -> the config builder; Eagle1Config.draft_layer documents the choice
+DRAFT_LAYERS = {"llama": llama_layer_config, "target": family_layer_config}
+
+
+@dataclass(frozen=True)
+class DraftLayerParts:
+    """The module classes a draft decoder layer is made of."""
+
+    layer: type
+    attention: type
+    mlp: type
+    norm: type
+    rotary: type
+
+
+def draft_layer_parts(model: nn.Module, draft_layer: str) -> DraftLayerParts:
+    """Llama's classes, or (draft_layer "target") those of the target's first decoder layer."""
+    if draft_layer == "llama":
+        return DraftLayerParts(LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding)
+    family = decoder_layers(model)[0]
+    return DraftLayerParts(type(family), type(family.self_attn), type(family.mlp), type(family.input_layernorm),
+                           type(target_rotary(model)))
 
 
 def cache_kwarg(fn) -> str:
@@ -141,11 +232,13 @@ class DecoderHeadBase(DraftHeadBase):
 
     def _init_decoder_common(self, target_model: nn.Module) -> None:
         self.refs = FrozenRefs()
-        self._layer_cfg = draft_layer_config(target_model, self.config.rope_parameters)
+        sizes = {name: getattr(self.config, name) for name in DRAFT_OWN_FIELDS}
+        self._layer_cfg = draft_layer_config(target_model, self.config.rope_parameters, self.config.draft_layer, sizes)
+        self._parts = draft_layer_parts(target_model, self.config.draft_layer)
         # RoPE tables stay float32 and unregistered: `head.to(bfloat16)` would otherwise round
         # inv_freq. Moved to the input's device on first use.
         # object.__setattr__: keep it out of nn.Module's registry (no state_dict entry, no cast).
-        object.__setattr__(self, "_rotary", type(target_rotary(target_model))(config=self._layer_cfg))
+        object.__setattr__(self, "_rotary", self._parts.rotary(config=self._layer_cfg))
 
     def layer_config(self) -> dict:
         return self._layer_cfg.to_dict()
@@ -156,7 +249,7 @@ class DecoderHeadBase(DraftHeadBase):
         return DynamicCache()
 
     def _position_embeddings(self, x: torch.Tensor, position_ids: torch.Tensor):
-        if self._rotary.inv_freq.device != x.device:
+        if next(self._rotary.buffers()).device != x.device:
             self._rotary.to(x.device)
         return self._rotary(x, position_ids)
 
@@ -193,7 +286,7 @@ class Eagle1Head(DecoderHeadBase):
         self._init_decoder_common(target_model)
         H = config.hidden_size
         self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)  # input: cat(embed(x_{t+1}), f_t), embed first (EAGLE, vLLM)
-        layer = type(decoder_layers(target_model)[0])(self._layer_cfg, layer_idx=0)
+        layer = self._parts.layer(self._layer_cfg, layer_idx=0)
         if not config.input_layernorm:
             layer.input_layernorm = nn.Identity()
         self.layers = nn.ModuleList([layer])  # key prefix `layers.0.` as in EAGLE/vLLM checkpoints

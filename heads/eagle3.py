@@ -14,7 +14,8 @@ follows vLLM's/SpecForge's EAGLE-3 layer so exported weights load there unchange
     h = residual + self_attn(a)                                      q/k/v_proj take 2H inputs
     h = h + mlp(post_attention_layernorm(h))
 
-built from the target family's attention / MLP / RMSNorm classes (Llama, Qwen2, Mistral...).
+built from Llama's attention / MLP / RMSNorm classes sized from the target, whatever its family:
+the layer every engine serves (docs/formats.md "The draft layer per target family").
 No feature loss: the target is the target model's distribution at t+1 (softmax of its LM head on
 the final normed state), restricted to the draft vocab and renormalised, under soft CE or an LK
 loss (`loss`, heads/losses.py).
@@ -40,7 +41,7 @@ from torch import nn
 from .batch import FeatureBatch
 from .config import Eagle3Config
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
-from .eagle import DecoderHeadBase, cache_kwarg, decoder_layers
+from .eagle import DecoderHeadBase, cache_kwarg
 from .io import shift_left, shifted_labels
 from .losses import distill_loss
 
@@ -82,26 +83,26 @@ def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None) -> to
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """EAGLE-3's midlayer from the target family's attention, MLP and norm classes."""
+    """EAGLE-3's midlayer from a draft layer's attention, MLP and norm classes (heads/eagle.py
+    `draft_layer_parts`: Llama's unless the head keeps its target family's)."""
 
-    def __init__(self, cfg, family_layer: nn.Module, norm_before_residual: bool = False) -> None:
+    def __init__(self, cfg, parts, norm_before_residual: bool = False) -> None:
         super().__init__()
         self.norm_before_residual = norm_before_residual
         H = cfg.hidden_size
         eps = getattr(cfg, "rms_norm_eps", 1e-6)
-        self.self_attn = type(family_layer.self_attn)(cfg, 0)
+        self.self_attn = parts.attention(cfg, 0)
         for name in ("q_proj", "k_proj", "v_proj"):
             old = getattr(self.self_attn, name, None)
             if not isinstance(old, nn.Linear):
-                raise TypeError(f"{type(family_layer.self_attn).__name__} has no Linear {name}; "
+                raise TypeError(f"{parts.attention.__name__} has no Linear {name}; "
                                 "EAGLE-3 needs separate q/k/v projections")
             setattr(self.self_attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
-        self.mlp = type(family_layer.mlp)(cfg)
-        norm_cls = type(family_layer.input_layernorm)
-        self.input_layernorm = norm_cls(H, eps=eps)  # on the token embedding
-        self.hidden_norm = norm_cls(H, eps=eps)  # on the fused feature / previous hidden
-        self.post_attention_layernorm = norm_cls(H, eps=eps)
-        self._cache_kw = cache_kwarg(type(self.self_attn).forward)
+        self.mlp = parts.mlp(cfg)
+        self.input_layernorm = parts.norm(H, eps=eps)  # on the token embedding
+        self.hidden_norm = parts.norm(H, eps=eps)  # on the fused feature / previous hidden
+        self.post_attention_layernorm = parts.norm(H, eps=eps)
+        self._cache_kw = cache_kwarg(parts.attention.forward)
 
     def forward(self, embeds, hidden, attention_mask, position_ids, position_embeddings, cache=None):
         normed = self.hidden_norm(hidden)
@@ -125,14 +126,13 @@ class Eagle3Head(DecoderHeadBase):
         self.train_progress = 1.0  # share of the training run done (the trainer sets it; ttt_depth)
         self._init_decoder_common(target_model)
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
-        family = decoder_layers(target_model)[0]
         n_feat = len(config.feature_layers)
-        norm_cls, eps = type(family.input_layernorm), getattr(self._layer_cfg, "rms_norm_eps", 1e-6)
+        norm_cls, eps = self._parts.norm, getattr(self._layer_cfg, "rms_norm_eps", 1e-6)
         # optional norms on fc's input (module docstring): None when off, so the keys are absent
         self.input_norm = norm_cls(n_feat * H, eps=eps) if config.norm_before_fc else None
         self.fc_norm = nn.ModuleList(norm_cls(H, eps=eps) for _ in range(n_feat)) if config.fc_norm else None
         self.fc = nn.Linear(n_feat * H, H, bias=False)
-        self.midlayer = Eagle3DecoderLayer(self._layer_cfg, family, config.norm_before_residual)
+        self.midlayer = Eagle3DecoderLayer(self._layer_cfg, self._parts, config.norm_before_residual)
         self.norm = norm_cls(H, eps=eps)
         self.lm_head = nn.Linear(H, Vd, bias=False)
         # Placeholder mapping (target ids 0..Vd-1); `init_from_target` or a loaded state replaces it.

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import HeadConfig, config_from_dict
+from .config import HeadConfig, config_from_dict, with_draft_layer
 from .outdir import umask
 
 CONFIG_NAME = "config.json"
@@ -161,7 +161,7 @@ def read_head_dir(path) -> tuple[HeadConfig, dict, dict[str, torch.Tensor]]:
         raise HeadFormatError(f"{path / CONFIG_NAME} is not a drafthead head config (format={meta.get('format')!r}); "
                               "engine layouts are read with heads.export.import_head")
     try:
-        config = config_from_dict(meta["config"])
+        config = config_from_dict(with_draft_layer(meta["config"]))
     except ValueError as e:
         raise HeadFormatError(f"{path / CONFIG_NAME}: {e}") from e
     if config.target is None:
@@ -201,10 +201,13 @@ class FrozenRefs:
         self.lm_head: nn.Linear | None = None
 
     def embed_tokens(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of the target's raw embedding table [.., H]. A lookup in the weight, not a call of
+        the module: Gemma's module also scales by sqrt(H), which every engine's drafter leaves out
+        (it embeds with the table alone; docs/formats.md "The draft layer per target family")."""
         if self.embed is None:
             raise RuntimeError("head is not bound to a target: call head.bind_target(model)")
         with torch.no_grad():  # frozen: no gradient into the target's embedding
-            return self.embed(ids).to(dtype)
+            return nn.functional.embedding(ids, self.embed.weight).to(dtype)
 
     def lm_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Target LM head applied to h [.., H] -> [.., V], differentiable w.r.t. h only."""

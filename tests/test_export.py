@@ -36,7 +36,7 @@ def saved_head(kind, target, path, **kw):
 
 
 def outputs(head, target):
-    ids = torch.randint(3, V, (1, 6), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states
         if hasattr(head, "draft_logits"):
@@ -113,8 +113,9 @@ def test_foreign_eagle3_needs_its_id_convention(tmp_path):
 
 
 def test_eagle3_qwen2_gets_zero_o_proj_bias_and_round_trips(tmp_path):
+    """A head that keeps Qwen2's own layer (q/k/v biases, none on o_proj) exports as Llama's."""
     target = make_target("qwen2")
-    head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40)
+    head = saved_head("eagle3", target, tmp_path / "h", draft_vocab_size=40, draft_layer="target")
     out = export_head(tmp_path / "h", tmp_path / "v", "vllm")
     cfg, shapes, _ = read(out)
     assert cfg["attention_bias"] is True  # Llama's flag: bias on q/k/v *and* o_proj
@@ -257,8 +258,8 @@ def test_eagle1_engine_layout(family, tmp_path):
     head = saved_head("eagle1", target, tmp_path / "h")
     out = export_head(tmp_path / "h", tmp_path / "v", "vllm")
     cfg, shapes, _ = read(out)
-    assert cfg["num_hidden_layers"] == 1 and cfg["model_type"] == family
-    assert cfg["architectures"] == [type(target).__name__]  # the engines add the Eagle prefix
+    assert cfg["num_hidden_layers"] == 1 and cfg["model_type"] == "llama"  # the engines' layer, whatever the family
+    assert cfg["architectures"] == ["LlamaForCausalLM"]  # vLLM adds the Eagle prefix
     assert shapes["fc.weight"] == (H, 2 * H) and "fc.bias" not in shapes
     assert all(k == "fc.weight" or k.startswith("layers.0.") for k in shapes)
     assert not any("input_layernorm" in k for k in shapes)  # dropped, as vLLM/SGLang expect
@@ -266,7 +267,7 @@ def test_eagle1_engine_layout(family, tmp_path):
     assert torch.equal(outputs(import_head(out, target), target), outputs(head, target))
     sg = export_head(tmp_path / "h", tmp_path / "s", "sglang")
     cfg, shapes, _ = read(sg)
-    assert cfg["architectures"] == [type(target).__name__ + "Eagle"]  # SGLang adds no suffix itself
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle"]  # SGLang adds no suffix itself
     assert torch.equal(load_file(str(sg / WEIGHTS_NAME))["fc.bias"], torch.zeros(H))  # its fc always has one
     assert torch.equal(outputs(import_head(sg, target), target), outputs(head, target))
     saved_head("eagle1", target, tmp_path / "h2", input_layernorm=True)
@@ -275,6 +276,19 @@ def test_eagle1_engine_layout(family, tmp_path):
     saved_head("eagle1", target, tmp_path / "h3", fc_bias=True)  # random, non-zero bias
     with pytest.raises(ValueError, match="drops one silently"):
         export_head(tmp_path / "h3", tmp_path / "v3", "vllm")
+
+
+def test_eagle1_family_layer_exports_where_an_engine_serves_it(tmp_path):
+    """A head that keeps Qwen2's own layer: SGLang's Qwen2ForCausalLMEagle serves it, vLLM's EAGLE-1
+    drafters have no Qwen2 layer, so that export refuses in one line."""
+    target = make_target("qwen2")
+    head = saved_head("eagle1", target, tmp_path / "h", draft_layer="target")
+    with pytest.raises(ValueError, match="vllm's EAGLE-1 drafters are llama layers; this head keeps its qwen2"):
+        export_head(tmp_path / "h", tmp_path / "v", "vllm")
+    sg = export_head(tmp_path / "h", tmp_path / "s", "sglang")
+    cfg, shapes, _ = read(sg)
+    assert cfg["architectures"] == ["Qwen2ForCausalLMEagle"] and "layers.0.self_attn.q_proj.bias" in shapes
+    assert torch.equal(outputs(import_head(sg, target), target), outputs(head, target))
 
 
 def test_eagle1_upstream_layout(tmp_path):

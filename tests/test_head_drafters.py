@@ -116,20 +116,23 @@ def assert_drafts_match_recomputation(target, drafter, slow, prompt, rounds: int
         assert fast == slow_chain
 
 
-def assert_greedy_equals_plain(target, drafter_of) -> None:
-    """Greedy decoding with `drafter_of(**options)` equals plain greedy: at batch 1 with the default
-    tree and a 7-node static tree, and at batch 3 (left-padded, a one-token prompt among them)."""
+def assert_greedy_equals_plain(target, drafter_of, max_new_tokens: int = 30, trees=(None, 7)) -> None:
+    """Greedy decoding with `drafter_of(**options)` equals plain greedy: at batch 1 with each of
+    `trees` (None: the drafter's default tree, n: an n-node static tree), and at batch 3
+    (left-padded, a one-token prompt among them) for 2/3 of `max_new_tokens`."""
     from tests.test_batch import left_padded, prompts_of
 
     prompt = repetitive_prompt(96, seed=8)
-    for drafter in (drafter_of(), drafter_of(num_nodes=7)):
-        result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=30))
-        assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 30)
+    for nodes in trees:
+        drafter = drafter_of() if nodes is None else drafter_of(num_nodes=nodes)
+        result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=max_new_tokens))
+        assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, max_new_tokens)
     prompts = prompts_of((1, 6, 13), seed=2)
     ids, mask = left_padded(prompts)
-    batched = speculative_generate(target, drafter_of(num_nodes=5), ids, GenerationConfig(max_new_tokens=20),
+    n = max_new_tokens * 2 // 3
+    batched = speculative_generate(target, drafter_of(num_nodes=5), ids, GenerationConfig(max_new_tokens=n),
                                    attention_mask=mask)
-    assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 20) for p in prompts]
+    assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], n) for p in prompts]
 
 
 def test_best_static_tree_prefers_likely_paths():

@@ -24,14 +24,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import config_from_dict
+from ..config import DRAFT_OWN_FIELDS, config_from_dict, with_draft_layer
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
 from ..outdir import check_distinct, check_output, fresh_folder
 from . import dflash, eagle1, eagle3, gguf_eagle3, medusa, speculators
 from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
-    read_weights
+    read_weights, served_layer_refusal
 
 EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa", "dflash")
 CONVENTIONS = ("vllm", "sglang", "eagle")
@@ -52,6 +52,9 @@ _FORMAT_KINDS = {
     "medusa": ("medusa1",),
     "dflash": ("dflash",),
 }
+# The consumer each export format is for, as refusals name it.
+ENGINES = {"vllm": "vLLM", "speculators": "speculators", "sglang": "SGLang", "llama.cpp": "llama.cpp",
+           "eagle": "upstream EAGLE", "medusa": "upstream Medusa", "dflash": "vLLM's, SGLang's and z-lab's DFlash"}
 
 
 # ----------------------------------------------------------------------------- export
@@ -98,6 +101,10 @@ def _write_export(head_dir: Path, out_dir: Path, fmt: str, config, meta: dict, s
         fits = [f for f, ks in _FORMAT_KINDS.items() if config.kind in ks]
         raise ValueError(f"--format {fmt} carries {' / '.join(kinds)} heads, not {config.kind} "
                          f"(a {config.kind} head exports as: {', '.join(fits) or 'ours only'})")
+    if config.kind not in ("medusa1", "hydra"):  # Medusa heads embed no token: nothing to serve differently
+        refusal = served_layer_refusal(config, ENGINES[fmt], fmt)
+        if refusal is not None:
+            raise ValueError(refusal)
     if target_model is not None:
         diffs = identity_diff(config.target, identify_target(target_model))
         if diffs:
@@ -250,12 +257,19 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     foreign = read_foreign(src, convention)
     name = target_name or str(getattr(target_model.config, "_name_or_path", "") or "target")
     if foreign.config is not None:
-        config = config_from_dict(foreign.config)
+        config = config_from_dict(with_draft_layer(foreign.config))
         check_compatible(config.target, identify_target(target_model, tokenizer, target_name or config.target.name))
     else:
         overrides = dict(foreign.overrides)
         _drop_target_rope(overrides, target_model)
+        if foreign.kind in ("eagle1", *EAGLE3_KINDS) and overrides.get("draft_layer", "llama") == "llama":
+            overrides.update(_own_layer_fields(foreign.layer_fields, target_model))
         config = make_config(foreign.kind, target_model, tokenizer, name, **overrides)
+    family_layer = foreign.layer_fields.get("model_type", "llama")
+    if family_layer != "llama" and getattr(config, "draft_layer", None) == "target" \
+            and family_layer != config.target.model_type:  # a family's own layer (Llama-labelled ones: Qwen2, Mistral)
+        raise HeadFormatError(f"{src}: the checkpoint's draft layer is {family_layer}'s, which drafthead builds only "
+                              f"on a {family_layer} target, not on this {config.target.model_type} one")
     head = _new_module(config, target_model)
     diffs = layer_field_diffs(foreign.layer_fields, getattr(head, "_layer_cfg", None))
     if diffs:
@@ -288,6 +302,23 @@ def _drop_target_rope(overrides: dict, target_model: nn.Module) -> None:
     own = dict(getattr(text_config(target_model), "rope_parameters", None) or {})
     if {"rope_type": "default", **own} == {"rope_type": "default", **rope}:
         del overrides["rope_parameters"]
+
+
+def _own_layer_fields(stated: dict, target_model: nn.Module) -> dict:
+    """The draft layer fields a checkpoint states apart from those our Llama layer takes from the
+    target (DRAFT_OWN_FIELDS: sizes, activation): a producer's own choice, kept (docs/formats.md
+    "The draft layer per target family")."""
+    from ..eagle import llama_layer_config
+    from ..identity import text_config
+
+    built = llama_layer_config(text_config(target_model))
+    stated = dict(stated)
+    if stated.get("head_dim") is None and stated.get("hidden_size") and stated.get("num_attention_heads"):
+        # a Llama config without head_dim means hidden / heads to every consumer (LlamaConfig's
+        # default), e.g. SpecForge's DeepSeek-V3 config: 56 heads of 128, the MLA target's are 64
+        stated["head_dim"] = int(stated["hidden_size"]) // int(stated["num_attention_heads"])
+    return {name: stated[name] for name in DRAFT_OWN_FIELDS
+            if stated.get(name) is not None and stated[name] != getattr(built, name)}
 
 
 def _check_target_copies(copies: dict, target_model: nn.Module, src, own_rows: dict | None = None) -> None:

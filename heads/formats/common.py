@@ -193,3 +193,30 @@ def drop_zero_extra(head_state: dict, state: dict, key: str, where, why: str) ->
         if bool(state[key].abs().max() > 0):
             raise HeadFormatError(f"{where}: non-zero {key}, but {why}")
         del state[key]
+
+
+# Target families whose own decoder layer is Llama's up to attention biases (which each layout's
+# writer handles): a head saved with draft_layer "target" for one of them exports as a Llama layer.
+LLAMA_LIKE_FAMILIES = ("llama", "mistral", "qwen2")
+
+# Family draft layers a consumer serves under that family's own type, per export format (beyond
+# LLAMA_LIKE_FAMILIES): speculators builds a Qwen3 EAGLE-3 first layer (q/k norms) when its
+# transformer_layer_config says model_type qwen3 (speculators 0.9 models/eagle3/model_definitions.py).
+FAMILY_LAYER_FORMATS = {"speculators": ("qwen3",)}
+
+
+def served_layer_refusal(config, engine: str, fmt: str = "") -> str | None:
+    """Why `engine` would not run this head's draft layer as trained, in one line; None when it
+    would. Engines serve a Llama draft layer whatever the target (docs/formats.md "The draft layer
+    per target family")."""
+    family = config.target.model_type
+    act = getattr(config, "hidden_act", None)
+    if act not in (None, "silu") and fmt != "speculators":
+        return (f"{engine}'s Llama draft MLP runs SiLU only and refuses {act} at load; this head's layer uses it "
+                "(its producer copied the target's): export it with --format speculators")
+    if getattr(config, "draft_layer", "llama") == "target" and family not in LLAMA_LIKE_FAMILIES \
+            and family not in FAMILY_LAYER_FORMATS.get(fmt, ()):
+        return (f"{engine} serves a Llama draft layer, but this head keeps its {family} target's own layer "
+                "(saved with draft_layer=target), whose extra or fused tensors it would drop or miss: "
+                "retrain it with draft_layer=llama")
+    return None

@@ -32,15 +32,7 @@ def is_layout(cfg: dict) -> bool:
     return ARCH in (cfg.get("architectures") or [])
 
 
-# target families whose embedding module scales the table (Gemma: by sqrt(hidden)): our block reads
-# that scaled embedding, the engines the raw table, so the export would change the draft's input
-SCALED_EMBEDDING_TYPES = ("gemma",)
-
-
 def to_engine(config, meta: dict, state: dict) -> tuple[dict, dict]:
-    if config.target.model_type.startswith(SCALED_EMBEDDING_TYPES):
-        raise ValueError(f"a {config.target.model_type} target scales its input embeddings, which the DFlash readers "
-                         "do not do for the block: this head would draft differently there, so it is not exported")
     lc = layer_config(meta)
     cfg = {k: lc[k] for k in QWEN3_FIELDS if lc.get(k) is not None}
     cfg.update(rope_fields(lc))

@@ -18,6 +18,14 @@ import torch
 from ..io import HeadFormatError
 from .common import ForeignHead, layer_config, need_convention, rope_fields, rope_parameters_of
 
+# draft-layer family -> the architecture the config names, per format (docs/formats.md "The draft
+# layer per target family"): vLLM prefixes "Eagle" itself (EagleLlamaForCausalLM), SGLang loads the
+# named class as is (LlamaForCausalLMEagle, Qwen2ForCausalLMEagle), upstream EAGLE is Llama's
+SERVED = {
+    "vllm": {"llama": "LlamaForCausalLM"},
+    "sglang": {"llama": "LlamaForCausalLMEagle", "qwen2": "Qwen2ForCausalLMEagle"},
+    "eagle": {"llama": "LlamaForCausalLM"},
+}
 UPSTREAM_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 _DROP = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype",
          "output_hidden_states", "use_cache", "rope_parameters")
@@ -42,10 +50,13 @@ def to_engine(fmt: str, config, meta: dict, state: dict, target_embed: torch.Ten
         raise ValueError("EAGLE-1 checkpoints have no input_layernorm on layer 0; this head keeps one "
                          "(Eagle1Config.input_layernorm=True) and would run differently there")
     cfg, tensors = _base_config(meta), dict(state)
+    family = cfg.get("model_type", "llama")
+    if family not in SERVED[fmt]:
+        raise ValueError(f"{fmt}'s EAGLE-1 drafters are {', '.join(SERVED[fmt])} layers; this head keeps its "
+                         f"{family} target's own layer (draft_layer=target): retrain it with draft_layer=llama")
+    cfg["architectures"] = [SERVED[fmt][family]]
     if fmt == "sglang":
-        # SGLang loads the architecture the config names (it adds no Eagle suffix, vLLM adds a prefix
-        # itself), and its fc always has a bias, random unless the file holds one: write a zero one
-        cfg["architectures"] = [a + "Eagle" for a in cfg.get("architectures") or ["LlamaForCausalLM"]]
+        # SGLang's fc always has a bias, random unless the file holds one: write a zero one
         tensors.setdefault("fc.bias", torch.zeros(config.hidden_size, dtype=tensors["fc.weight"].dtype))
         return cfg, tensors
     if fmt != "eagle":
@@ -58,8 +69,6 @@ def to_engine(fmt: str, config, meta: dict, state: dict, target_embed: torch.Ten
     if rope.get("rope_type", "default") != "default" or float(rope.get("rope_theta", 10000.0)) != 10000.0:
         raise ValueError(f"upstream EAGLE runs RoPE with base 10000 whatever its config says; this head uses "
                          f"{rope} and would draft differently there (rope_theta)")
-    if cfg.get("model_type") != "llama":
-        raise ValueError(f"upstream EAGLE's draft layer is Llama's; this head's family is {cfg.get('model_type')}")
     if target_embed is None:
         raise ValueError("upstream EAGLE stores the target's embed_tokens in the checkpoint: pass the target")
     tensors["embed_tokens.weight"] = target_embed.detach().to("cpu")  # exact; upstream casts the draft to the base's dtype

@@ -104,8 +104,7 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
         overrides["norm_before_fc"] = bool(nested_fc)
     notes = []
     if ids is None:
-        raise HeadFormatError(f"{src}: config.json names no {IDS_KEY}; each engine then picks its own default "
-                              "layers, so the features this head was trained on are unknown")
+        return _default_capture_points(src, cfg, state, overrides, convention)
     convention = need_convention(convention, ("vllm", "sglang"), f"{src} is an EAGLE-3 research checkpoint, whose "
                                  "aux-layer ids vLLM-side producers (vLLM, speculators, llama.cpp) and SGLang-side "
                                  "producers (SGLang, SpecForge) number differently")
@@ -116,6 +115,24 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
     overrides["aux_layers"] = ids_to_ours(ids, convention)
     notes.append(f"aux-layer ids {list(ids)} read in {convention}'s convention -> output_hidden_states "
                  f"{list(overrides['aux_layers'])}")
+    return _foreign(src, cfg, state, overrides, notes)
+
+
+def _default_capture_points(src, cfg: dict, state: dict, overrides: dict, convention: str | None) -> ForeignHead:
+    """A checkpoint naming no aux-layer ids (SpecForge's `to_hf` writes none unless its draft config
+    had them): vLLM, SGLang and SpecForge all capture the same points then, the inputs of target
+    layers [2, L//2, L-3], which are our default aux_layers (heads/config.py default_eagle3_layers),
+    whatever the producer's numbering."""
+    if "norm_output" in cfg and convention != "vllm":
+        raise HeadFormatError(f"{src}: names no aux-layer ids and sets norm_output={cfg['norm_output']!r}, which "
+                              "SpecForge and SGLang read differently: say the producer with convention= / --convention")
+    overrides["aux_layers"] = None  # filled in from the target: default_eagle3_layers(L)
+    notes = [f"config.json names no {IDS_KEY}: read with the engines' default capture points, the inputs of "
+             "target layers [2, L//2, L-3]"]
+    return _foreign(src, cfg, state, overrides, notes)
+
+
+def _foreign(src, cfg: dict, state: dict, overrides: dict, notes: list[str]) -> ForeignHead:
     target_hidden = cfg.get("target_hidden_size")
     if target_hidden is not None and int(target_hidden) != int(cfg.get("hidden_size", target_hidden)):
         raise HeadFormatError(f"{src}: target_hidden_size {target_hidden} != hidden_size {cfg.get('hidden_size')}: "

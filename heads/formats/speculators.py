@@ -23,7 +23,8 @@ import torch
 
 from ..io import HeadFormatError
 from .eagle3 import check_engine_layers
-from .common import ForeignHead, layer_config, llama_layer_fields, refuse_unknown, rope_parameters_of
+from .common import FAMILY_LAYER_FORMATS, ForeignHead, layer_config, llama_layer_fields, refuse_unknown, \
+    rope_parameters_of
 
 MODEL_TYPES = {"eagle3": "eagle3", "eagle31": "eagle3", "peagle": "peagle"}  # our kind -> theirs
 # theirs -> its architecture; each of their types is read into our kind of the same name
@@ -33,6 +34,7 @@ IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 # Boolean layer flags, their default when absent (speculators' own config class) and our field
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 _PREFIX_OURS, _PREFIX_THEIRS = "midlayer.", "layers.0."
+LAYER_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # transformer_layer_config's
 
 
 def is_layout(cfg: dict) -> bool:
@@ -68,8 +70,13 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
         speculative_tokens = config.parallel_depth
     lc = layer_config(meta)
     layer = llama_layer_fields(lc)
-    layer.update({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+    # the layer type speculators builds: Llama's, or a family's own it serves (FAMILY_LAYER_FORMATS)
+    family = config.target.model_type if config.draft_layer == "target" else "llama"
+    family = family if family in FAMILY_LAYER_FORMATS["speculators"] else "llama"
+    layer.update({"architectures": [LAYER_ARCHITECTURES[family]], "model_type": family, "num_hidden_layers": 1,
                   "vocab_size": config.vocab_size, "attention_bias": False, "tie_word_embeddings": False})
+    if family != "llama":  # Qwen3's layer reads its attention type from layer_types
+        layer["layer_types"] = ["full_attention"]
     if config.sliding_window is not None:
         layer.update({"layer_types": ["sliding_attention"], "sliding_window": config.sliding_window,
                       "use_sliding_window": True})
@@ -112,9 +119,15 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
     ids = cfg.get(IDS_KEY)
     if ids is None:
         raise HeadFormatError(f"{src}: speculators config names no {IDS_KEY}")
+    family = layer.get("model_type", "llama")
+    if family not in ("llama", *FAMILY_LAYER_FORMATS["speculators"]):
+        raise HeadFormatError(f"{src}: transformer_layer_config model_type {family!r}: speculators builds llama or "
+                              f"{', '.join(FAMILY_LAYER_FORMATS['speculators'])} draft layers")
     overrides = {"aux_layers": tuple(int(i) for i in ids),
                  "draft_vocab_size": int(cfg.get("draft_vocab_size", layer.get("vocab_size"))),
                  **{flag: bool(cfg.get(flag, False)) for flag in FLAGS}}
+    if family != "llama":
+        overrides["draft_layer"] = "target"  # the target family's own layer (checked against the target on import)
     rope = rope_parameters_of(layer)
     if rope is not None:
         overrides["rope_parameters"] = rope

@@ -170,7 +170,56 @@ def check_speculators(args) -> list[Row]:
                     compare(ours, theirs), note=f"{last_json(log).get('note', '')}"))
     rows += fixture_imports("speculators", ("speculators-eagle3", "speculators-eagle3-nbr", "speculators-eagle3-train",
                                             "speculators-eagle3-window"))
+    rows += [speculators_family_row(py, family, layer) for family, layer in SPECULATORS_FAMILIES]
     return rows
+
+
+# the per-family rows (tiny targets of tests/tiny.py), with the draft layer: the engines' Llama
+# layer, or (qwen3, "target") a head that keeps Qwen3's own layer, which speculators serves too
+SPECULATORS_FAMILIES = (("qwen3", "llama"), ("qwen3_moe", "llama"), ("gpt_oss", "llama"), ("qwen3", "target"))
+
+
+def family_head(family: str, out: Path, draft_layer: str = "llama"):
+    """A seeded EAGLE-3 head on a saved tiny `family` target (4 layers, hidden 32): (target dir,
+    head dir, target model)."""
+    from drafthead.heads.registry import build_head, make_config
+    from tests.tiny import tiny_causal_lm
+
+    model = tiny_causal_lm(family, layers=4, attn="eager" if family == "gpt_oss" else "sdpa")
+    target_dir = out / "target"
+    model.save_pretrained(target_dir)
+    config = make_config("eagle3", model, None, name=str(target_dir), aux_layers=(1, 2, 3), draft_vocab_size=64,
+                         draft_layer=draft_layer)
+    head = build_head(config, model, token_counts=torch.arange(model.config.vocab_size), dtype=torch.float32)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return target_dir, head.eval().save_pretrained(out / "head"), model
+
+
+def speculators_family_row(py, family: str, draft_layer: str = "llama") -> Row:
+    """speculators' loader on our EAGLE-3 export for a tiny `family` target: tensors it maps
+    (missing / unexpected, from its own model's state dict), and its forward against ours."""
+    from drafthead.heads.formats import export_head, import_head
+
+    out = OUT / "families" / f"{family}-{draft_layer}"
+    target_dir, head_dir, model = family_head(family, out, draft_layer)
+    exp = export_head(head_dir, out / "speculators", "speculators", target_model=model)
+    head = import_head(head_dir, model)
+    ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = model(ids, output_hidden_states=True).hidden_states
+    save_file({"input_ids": ids, "features3": torch.cat([hs[i] for i in head.feature_layers], -1).contiguous()},
+              str(out / "inputs.safetensors"))
+    log = out / "check.log"
+    sh([py, SCRIPTS / "check_speculators.py", "--head", exp, "--inputs", out / "inputs.safetensors",
+        "--out", out / "theirs", "--target", target_dir], log)
+    keys = json.loads((out / "theirs.json").read_text()).get("keys", {})
+    missing, unexpected = keys.get("missing_in_file", ["?"]), keys.get("unexpected_in_file", ["?"])
+    diff = compare(our_outputs(head, load_file(str(out / "inputs.safetensors"))), load_file(str(out / "theirs.safetensors")))
+    return Row("speculators", "export", f"{family} tiny target, EAGLE-3 head ({draft_layer} draft layer)",
+               not missing and not unexpected, diff,
+               note=f"missing {len(missing)} {missing[:3]}, unexpected {len(unexpected)} {unexpected[:3]}")
 
 
 def fixture_imports(consumer: str, names, convention: str | None = None, producer: str | None = None) -> list[Row]:
