@@ -41,9 +41,6 @@ KINDS = {
     "peagle": {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": V - 1, "aux_layers": (1, 2, 3)},
     "dflash": {"block_size": 4, "mask_token_id": V - 1, "num_anchors": 4},
 }
-# families whose tiny target our engine does not yet verify exactly (the target side of issue 26,
-# tests/test_dflash.py fails the same way): strict, so a fix turns these into failures to remove
-ENGINE_NOT_EXACT = {"deepseek_v3": "MLA verification under tree masks", "llama4": "Llama 4 verification"}
 CAPTURED_FAMILIES = ("qwen3_moe", "gpt_oss", "gemma3")  # online features train every family
 
 
@@ -120,13 +117,8 @@ def test_qwen3_moe_eagle3_loss_is_finite_over_seeds(seed):
 # ----------------------------------------------------------------------------- exactness
 
 
-def _family_params():
-    return [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=ENGINE_NOT_EXACT[f])) if f in ENGINE_NOT_EXACT
-            else f for f in sorted(FAMILIES)]
-
-
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3", "eagle31"])
-@pytest.mark.parametrize("family", _family_params())
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_equals_plain_at_batch_1_and_ragged_3(family, kind):
     head = head_of(family, kind).eval()
     assert_greedy_equals_plain(target_of(family),

@@ -512,8 +512,10 @@ class Trainer:
         acc = self.accelerator
         existing = latest_checkpoint(out)
         check_output_dir(out, existing, resume=resume, overwrite=overwrite)
+        # every process has checked before the main one writes (or clears) anything: a slower
+        # rank would otherwise find the main one's new metrics.jsonl and refuse the folder
+        acc.wait_for_everyone()
         if overwrite:
-            acc.wait_for_everyone()  # every process has checked before the folder goes
             if acc.is_main_process:
                 clear_output(out)
             acc.wait_for_everyone()
