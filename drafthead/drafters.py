@@ -101,11 +101,6 @@ def make_drafter_factory(proposer: str, target, tokenizer, **kw) -> tuple[Callab
     return (lambda: build_drafter(proposer, target, tokenizer, **kw)), target
 
 
-# The drafter option that sets the number of draft nodes per round, by head kind.
-_HEAD_NODE_BUDGET = {"medusa1": "num_nodes", "medusa2": "num_nodes", "hydra": "num_nodes", "peagle": "num_nodes",
-                     "dflash": "num_nodes", "eagle1": "total_tokens", "eagle3": "total_tokens", "eagle31": "total_tokens"}
-
-
 def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_name: str | None = None, **options):
     """(drafter, target) for a trained head folder; `num_draft` sets the draft nodes per round."""
     if head is None:
@@ -115,7 +110,9 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
         raise FileNotFoundError(f"no head folder at {head}")
     from .heads.formats import detect_layout, layout_kind
     from .heads.formats.common import ConventionNeeded
+    from .heads.config import KINDS, drafter_family
     from .heads.io import CONFIG_NAME, read_json
+    from .inference.drafters.heads import draft_size_option
     from .inference.drafters.load import load_head_drafter
 
     layout = detect_layout(head)
@@ -124,11 +121,12 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
     else:
         kind = layout_kind(head, layout)
     if num_draft is not None:
-        if kind not in _HEAD_NODE_BUDGET:
+        if kind not in KINDS:
             raise DrafterError(f"{head}: unknown head kind {kind!r}")
-        if num_draft == "auto" and not kind.startswith("eagle"):
+        family = drafter_family(kind)
+        if num_draft == "auto" and family != "eagle":
             raise DrafterError(f"num_draft 'auto' sizes EAGLE trees; {kind} heads take a number of nodes")
-        options[_HEAD_NODE_BUDGET[kind]] = num_draft
+        options[draft_size_option(family)] = num_draft
     if layout == "ours":
         return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)
     try:

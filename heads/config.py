@@ -19,9 +19,6 @@ from typing import ClassVar
 from .identity import TargetIdentity
 from .losses import check_loss
 
-KINDS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle", "dflash")
-
-
 def _from_dict(cls, d: dict):
     d = dict(d)
     known = {f.name for f in dataclasses.fields(cls)}
@@ -39,7 +36,6 @@ def _from_dict(cls, d: dict):
 class _HeadConfig:
     """Shared behaviour. Subclasses are dataclasses with `kind` and `target` fields."""
 
-    KINDS: ClassVar[tuple[str, ...]] = ()
     # fields that shape only the training loss, not the weights: a run may change them when it
     # continues from a saved head (TrainConfig.init_from)
     LOSS_FIELDS: ClassVar[tuple[str, ...]] = ()
@@ -69,8 +65,9 @@ class _HeadConfig:
         return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if k not in skip and mine[k] != theirs[k]]
 
     def _check_kind(self) -> None:
-        if self.kind not in self.KINDS:
-            raise ValueError(f"{type(self).__name__}.kind must be one of {self.KINDS}, got {self.kind!r}")
+        mine = [kind for kind, (cls, _) in KINDS.items() if cls is type(self)]
+        if self.kind not in mine:
+            raise ValueError(f"{type(self).__name__}.kind must be one of {tuple(mine)}, got {self.kind!r}")
 
     def _need_target(self) -> TargetIdentity:
         if self.target is None:
@@ -106,7 +103,6 @@ class MedusaConfig(_HeadConfig):
     the adapter is saved in `HEAD_DIR/adapter/` and merged into the target on load.
     """
 
-    KINDS: ClassVar[tuple[str, ...]] = ("medusa1", "medusa2")
     LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("loss_decay",)
 
     kind: str = "medusa1"
@@ -138,7 +134,6 @@ class HydraConfig(MedusaConfig):
     reads the embeddings of the tokens between the target's state and the one it predicts, the
     pending token and the k tokens drafted before it (heads/hydra.py). No engine serves them."""
 
-    KINDS: ClassVar[tuple[str, ...]] = ("hydra",)
 
     kind: str = "hydra"
 
@@ -180,7 +175,6 @@ class Eagle1Config(_HeadConfig):
     (Identity) unless `input_layernorm` is True.
     """
 
-    KINDS: ClassVar[tuple[str, ...]] = ("eagle1",)
     LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("feature_weight", "ce_weight", "ce_to_target_dist", "loss", "lk_eta")
 
     kind: str = "eagle1"
@@ -241,7 +235,6 @@ class Eagle3Config(_HeadConfig):
     cat(norm(embed), norm(hidden)) -> norm -> lm_head over a reduced draft vocabulary, trained with
     training-time test (unroll `ttt_steps` steps on its own hidden states, loss sum decay**i CE_i)."""
 
-    KINDS: ClassVar[tuple[str, ...]] = ("eagle3",)
     LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp", "entropy_ramp", "entropy_start", "loss", "lk_eta")
 
     kind: str = "eagle3"
@@ -331,7 +324,6 @@ class Eagle31Config(Eagle3Config):
     keeps deeper draft steps from drifting. Same head module and checkpoint layout as EAGLE-3 plus
     `fc_norm.{i}.weight`; the engines read both flags from the config (docs/formats.md)."""
 
-    KINDS: ClassVar[tuple[str, ...]] = ("eagle31",)
 
     kind: str = "eagle31"
     fc_norm: bool = True
@@ -350,7 +342,6 @@ class PEagleConfig(Eagle3Config):
     export carries the learned mask embedding in: pick one the text never uses. `ttt_steps` is
     unused."""
 
-    KINDS: ClassVar[tuple[str, ...]] = ("peagle",)
     LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("cod_ratio", "cod_min_ratio", "loss", "lk_eta")
 
     kind: str = "peagle"
@@ -393,7 +384,6 @@ class DFlashConfig(_HeadConfig):
     `mask_token_id`: the target token whose (frozen) embedding fills the mask positions; the
     engines read it from the checkpoint, so pick one the text never uses."""
 
-    KINDS: ClassVar[tuple[str, ...]] = ("dflash",)
     LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("num_anchors", "loss_decay_gamma", "loss", "lk_eta")
 
     kind: str = "dflash"
@@ -455,16 +445,27 @@ class DFlashConfig(_HeadConfig):
     needs_last_hidden: ClassVar[bool] = False
 
 
-CONFIG_CLASSES: dict[str, type] = {
-    "medusa1": MedusaConfig,
-    "medusa2": MedusaConfig,
-    "hydra": HydraConfig,
-    "eagle1": Eagle1Config,
-    "eagle3": Eagle3Config,
-    "eagle31": Eagle31Config,
-    "peagle": PEagleConfig,
-    "dflash": DFlashConfig,
+# The head kinds: the one table the config, the registry (heads/registry.py: each kind's module),
+# the drafters (inference/drafters/load.py) and the CLI derive from. kind -> (its config class,
+# the drafter family that drafts with it: a key of inference/drafters/heads.py _DRAFTING_KEYS).
+KINDS: dict[str, tuple[type, str]] = {
+    "medusa1": (MedusaConfig, "medusa"),
+    "medusa2": (MedusaConfig, "medusa"),
+    "hydra": (HydraConfig, "hydra"),
+    "eagle1": (Eagle1Config, "eagle"),
+    "eagle3": (Eagle3Config, "eagle"),
+    "eagle31": (Eagle31Config, "eagle"),
+    "peagle": (PEagleConfig, "peagle"),
+    "dflash": (DFlashConfig, "dflash"),
 }
+CONFIG_CLASSES: dict[str, type] = {kind: cls for kind, (cls, _) in KINDS.items()}
+
+
+def drafter_family(kind: str) -> str:
+    """The drafter family that drafts with a head of `kind` (KINDS)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown head kind {kind!r} (known: {', '.join(KINDS)})")
+    return KINDS[kind][1]
 
 HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config | DFlashConfig  # HydraConfig is a MedusaConfig; Eagle31Config and PEagleConfig are Eagle3Configs
 

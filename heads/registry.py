@@ -1,4 +1,5 @@
-"""Build and load heads by kind. The only place that maps a kind to its module class."""
+"""Build and load heads by kind. The only place that maps a head config class (and so each kind of
+heads/config.py KINDS) to its module class."""
 from __future__ import annotations
 
 import warnings
@@ -7,7 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import CONFIG_CLASSES, HeadConfig
+from .config import (CONFIG_CLASSES, KINDS, DFlashConfig, Eagle1Config, Eagle3Config, Eagle31Config, HeadConfig,
+                     HydraConfig, MedusaConfig, PEagleConfig)
 from .eagle import Eagle1Head, has_rope_decoder
 from .dflash import DFlashHead
 from .eagle3 import Eagle3Head
@@ -17,16 +19,12 @@ from .hydra import HydraHead
 from .medusa import MedusaHead
 from .peagle import PEagleHead
 
-HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {
-    "medusa1": MedusaHead,
-    "medusa2": MedusaHead,
-    "hydra": HydraHead,
-    "eagle1": Eagle1Head,
-    "eagle3": Eagle3Head,
-    "eagle31": Eagle3Head,  # the EAGLE-3 head with fc_norm and norm_output on (heads/config.py)
-    "peagle": PEagleHead,
-    "dflash": DFlashHead,
+# config class -> module class; Eagle31Config is the EAGLE-3 head with fc_norm and norm_output on
+_MODULES: dict[type, type[DraftHeadBase]] = {
+    MedusaConfig: MedusaHead, HydraConfig: HydraHead, Eagle1Config: Eagle1Head, Eagle3Config: Eagle3Head,
+    Eagle31Config: Eagle3Head, PEagleConfig: PEagleHead, DFlashConfig: DFlashHead,
 }
+HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {kind: _MODULES[cls] for kind, (cls, _) in KINDS.items()}
 
 
 def make_config(kind: str, target_model: nn.Module, tokenizer=None, name: str | None = None, **overrides) -> HeadConfig:

@@ -341,6 +341,11 @@ _DRAFTING_KEYS = {
 }
 
 
+def draft_size_option(family: str) -> str:
+    """The drafter option that sets the draft nodes per round (`--num-draft`) for a family."""
+    return "total_tokens" if "total_tokens" in _DRAFTING_KEYS[family] else "num_nodes"
+
+
 def check_drafting_keys(keys, family: str, where: str) -> None:
     """Raise ValueError naming `where` for drafter settings the family's drafter does not take."""
     unknown = set(keys) - _DRAFTING_KEYS[family]

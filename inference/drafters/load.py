@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...heads.formats import detect_layout, import_head
+from ...heads.config import drafter_family
 from ...heads.registry import load_head
 from ..cost import measure_verify_cost
 from ..target_linears import dispatch_linears
@@ -12,11 +13,6 @@ from .heads import EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_key
 from .merged import MergedDrafter
 from .parallel import DFlashDrafter, ParallelDrafter
 from .prompt_lookup import PromptLookupDrafter
-
-
-def drafter_family(kind: str) -> str:
-    """The drafter family (a key of _DRAFTING_KEYS) that drafts with a head of `kind`."""
-    return {"medusa1": "medusa", "medusa2": "medusa", "hydra": "hydra", "peagle": "peagle", "dflash": "dflash"}.get(kind, "eagle")
 
 
 def head_drafter(head, **settings):
