@@ -253,7 +253,7 @@ def resolve_mixed_precision(setting: str, native_bf16: bool) -> str:
 
 
 def make_accelerator(config: TrainConfig):
-    """An Accelerator for this machine: CPU processes when there is no CUDA (docs/launching.md:
+    """An Accelerator for the machine at hand: CPU processes when there is no CUDA (docs/launching.md:
     without cpu=True each CPU process of `accelerate launch` would see DistributedType.NO)."""
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState

@@ -1,4 +1,4 @@
-"""The CPU kernels our engine picks from for a linear layer, timed by row count on this machine.
+"""The CPU kernels our engine picks from for a linear layer, timed by row count on the machine at hand.
 
     .venv/bin/python scripts/studies/bench_linears.py --rows 1,4,16,32 --threads 2
 
@@ -27,7 +27,7 @@ SHAPES = ((576, 1536), (1536, 576), (576, 576), (576, 49152))  # (in, out)
 
 
 def kernels_for(weights: list[torch.Tensor]) -> dict[str, list]:
-    """{kernel name: one callable x -> y per weight}; a kernel this machine lacks is left out."""
+    """{kernel name: one callable x -> y per weight}; a kernel the machine lacks is left out."""
     linears = []
     for w in weights:
         layer = nn.Linear(w.shape[1], w.shape[0], bias=False)

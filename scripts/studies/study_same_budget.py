@@ -7,7 +7,7 @@ Needs, under --work, the captured features of one mixed chat file (`features/`, 
 scripts/recipes/train_eagle3_smollm2.sh's regenerate / mix / capture phases write; every kind reads the
 EAGLE-3 capture, which holds layers 2, 15, 27 and the final state). For each kind:
 
-  1. pilot: a few steps to measure seconds per optimizer step on this machine;
+  1. pilot: a few steps to measure seconds per optimizer step on the machine at hand;
   2. train: as many steps as fit `--minutes` (warmup 10%, cosine), evaluating the held-out split 4
      times (per-depth accuracy, tau_est) and saving the final head;
   3. bench: MT-bench first turns, float32, a chain of `--chain` drafts (what the engines serve by
@@ -71,7 +71,7 @@ def metrics(out: Path) -> list[dict]:
 
 
 def pilot_s_step(name: str, preset: str, head: list[str], args) -> float:
-    """Seconds per optimizer step of `preset` with `head` overrides, from 4 steps on this machine."""
+    """Seconds per optimizer step of `preset` with `head` overrides, from 4 steps on the machine at hand."""
     work = Path(args.work)
     pilot = work / f"{name}-pilot"
     common = ["--config", preset, *train_overrides(work, pilot, args.threads), *head]

@@ -1,4 +1,4 @@
-"""Training tokens/s on this machine for 1 and 2 processes, and where a step's time goes.
+"""Training tokens/s on the machine at hand for 1 and 2 processes, and where a step's time goes.
 
     .venv/bin/python scripts/studies/train_throughput.py --out out/train-throughput --steps 8 --log-every 2 \
         --max-length 256 --precision auto --target-dtype auto grad_accum=1
