@@ -42,7 +42,7 @@ def build_drafter(
     *,
     head: str | Path | None = None,
     draft_model=None,
-    num_draft: int | None = None,
+    num_draft: int | str | None = None,  # draft nodes per round; "confidence": EagleDrafter's own rule
     **kw,
 ):
     """A fresh drafter for `target` (the model). Extra keywords go to the drafter's constructor
@@ -53,8 +53,8 @@ def build_drafter(
     Heads are loaded from `head`; the head loader may adapt the target in place (Medusa-2's merged
     LoRA): the adapted model is then the target whose output the decode reproduces.
     """
-    if num_draft == "auto" and proposer != "heads":
-        raise DrafterError(f"num_draft 'auto' sizes EAGLE head trees, not {proposer} drafts")
+    if num_draft == "confidence" and proposer != "heads":
+        raise DrafterError(f"num_draft 'confidence' sizes EAGLE head trees, not {proposer} drafts")
     if proposer == "prompt-lookup":
         from .inference.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -124,8 +124,8 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
         if kind not in KINDS:
             raise DrafterError(f"{head}: unknown head kind {kind!r}")
         family = drafter_family(kind)
-        if num_draft == "auto" and family != "eagle":
-            raise DrafterError(f"num_draft 'auto' sizes EAGLE trees; {kind} heads take a number of nodes")
+        if num_draft == "confidence" and family != "eagle":
+            raise DrafterError(f"num_draft 'confidence' sizes EAGLE trees; {kind} heads take a number of nodes")
         options[draft_size_option(family)] = num_draft
     if layout == "ours":
         return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)

@@ -1,5 +1,5 @@
 """Tree size from the measured verification cost: the choice rule against a brute-force twin,
-the cost curve, and EAGLE drafting with total_tokens="auto" staying exact."""
+the cost curve, and EAGLE drafting with total_tokens="confidence" staying exact."""
 import json
 import math
 import random
@@ -72,13 +72,13 @@ def test_measure_verify_cost_on_a_tiny_target_leaves_no_trace():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_auto_tree_size_is_exact_and_adapts(family):
+def test_confidence_tree_size_is_exact_and_adapts(family):
     target = tiny_causal_lm(family, layers=4)
     head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
                       token_counts=torch.ones(96, dtype=torch.long))
     # a cost that rises steeply after 6 nodes: the drafter must never keep many more
     curve = CostCurve((1, 6, 7, 60), (0.01, 0.011, 0.05, 0.5))
-    drafter = EagleDrafter(head, total_tokens="auto", depth=3, top_k=3, verify_cost=curve)
+    drafter = EagleDrafter(head, total_tokens="confidence", depth=3, top_k=3, verify_cost=curve)
     sizes = []
     propose = drafter.propose
     drafter.propose = lambda: sizes.append(propose()) or sizes[-1]
@@ -90,27 +90,27 @@ def test_auto_tree_size_is_exact_and_adapts(family):
     assert drafter.accepted_sum > 0 and drafter.predicted_sum > 0  # calibration is being tracked
 
 
-def test_auto_needs_a_cost_curve_and_is_only_for_eagle(tmp_path):
+def test_confidence_rule_needs_a_cost_curve_and_is_only_for_eagle(tmp_path):
     target = tiny_causal_lm("llama", layers=2)
     head = build_head(make_config("eagle1", target, None, name="tiny"), target)
     with pytest.raises(ValueError, match="verify_cost"):
-        EagleDrafter(head, total_tokens="auto")
+        EagleDrafter(head, total_tokens="confidence")
     with pytest.raises(ValueError, match="total_tokens"):
         EagleDrafter(head, total_tokens="many")
     folder = head.save_pretrained(tmp_path / "eagle")
-    (folder / "drafting.json").write_text(json.dumps({"total_tokens": "auto", "depth": 2, "top_k": 2, "lookup_nodes": 2}))
+    (folder / "drafting.json").write_text(json.dumps({"total_tokens": "confidence", "depth": 2, "top_k": 2, "lookup_nodes": 2}))
     drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
     assert isinstance(drafter, MergedDrafter)
     eagle = drafter.drafters[0]
-    assert eagle.auto and eagle.extra_nodes == 2 and eagle.verify_cost.nodes[0] == 1
+    assert eagle.confidence_rule and eagle.extra_nodes == 2 and eagle.verify_cost.nodes[0] == 1
 
     from drafthead.drafters import DrafterError, build_drafter
 
     medusa = build_head(make_config("medusa1", target, None, name="tiny"), target)
     medusa_folder = medusa.save_pretrained(tmp_path / "medusa")
-    with pytest.raises(DrafterError, match="auto"):
-        build_drafter("heads", target, None, head=medusa_folder, num_draft="auto", target_name="tiny")
-    with pytest.raises(DrafterError, match="auto"):
-        build_drafter("prompt-lookup", target, None, num_draft="auto")
+    with pytest.raises(DrafterError, match="confidence"):
+        build_drafter("heads", target, None, head=medusa_folder, num_draft="confidence", target_name="tiny")
+    with pytest.raises(DrafterError, match="confidence"):
+        build_drafter("prompt-lookup", target, None, num_draft="confidence")
     with pytest.raises(ValueError, match="depth"):
         load_head_drafter(medusa_folder, target, None, target_name="tiny", depth=3)

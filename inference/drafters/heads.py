@@ -184,16 +184,16 @@ class EagleDrafter(FeatureBuffer):
 
     def __init__(self, head, total_tokens: int | str = 24, depth: int = 5, top_k: int = 6,
                  verify_cost=None, extra_nodes: int = 0):
-        """total_tokens: draft nodes per round, or "auto": each round keeps the number of best
+        """total_tokens: draft nodes per round, or "confidence": each round keeps the number of best
         candidates that maximises expected tokens per second under `verify_cost` (a
         cost.CostCurve measured on the target), counting `extra_nodes` that other drafters add."""
-        self.auto = total_tokens == "auto"
-        if self.auto:
+        self.confidence_rule = total_tokens == "confidence"
+        if self.confidence_rule:
             if verify_cost is None:
-                raise ValueError('total_tokens="auto" needs the target\'s measured verify_cost')
+                raise ValueError('total_tokens="confidence" needs the target\'s measured verify_cost')
             total_tokens = top_k + (depth - 1) * top_k * top_k  # every candidate is eligible
         if not isinstance(total_tokens, int) or min(total_tokens, depth, top_k) < 1:
-            raise ValueError(f'total_tokens (an int or "auto"), depth and top_k must be >= 1; got '
+            raise ValueError(f'total_tokens (an int or "confidence"), depth and top_k must be >= 1; got '
                              f"{total_tokens!r}, {depth}, {top_k}")
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
@@ -207,7 +207,7 @@ class EagleDrafter(FeatureBuffer):
         self.draft_ids = draft_ids_of(head)
 
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} tree", "total_tokens": "auto" if self.auto else self.total_tokens,
+        return {"kind": f"{self.head.kind} tree", "total_tokens": "confidence" if self.confidence_rule else self.total_tokens,
                 "depth": self.depth, "top_k": self.top_k}
 
     def limit(self, nodes: int | None) -> None:
@@ -225,7 +225,7 @@ class EagleDrafter(FeatureBuffer):
 
     def commit(self, tokens, features: TargetFeatures | None, pending, stats: RoundStats) -> None:
         crop(self.cache, self.fed)  # drop the draft-tree nodes: only committed pairs stay
-        if self.auto and not stats.skipped:
+        if self.confidence_rule and not stats.skipped:
             self.predicted_sum = _DECAY * self.predicted_sum + self.predicted
             self.accepted_sum = _DECAY * self.accepted_sum + stats.accepted_on_path
         self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
@@ -305,7 +305,7 @@ class EagleDrafter(FeatureBuffer):
         # 3. rerank: keep the total_tokens best candidates (closed under ancestors)
         parents = torch.tensor([-1] + cand_parent)
         scores = torch.tensor([0.0] + cand_score)
-        budget = self._auto_budget(cand_score, started, device) if self.auto else self.total_tokens
+        budget = self._confidence_budget(cand_score, started, device) if self.confidence_rule else self.total_tokens
         if self.node_limit is not None:
             budget = min(budget, self.node_limit)
         # best first: a cut to the first n nodes keeps the n likeliest (the load policy's cut)
@@ -313,7 +313,7 @@ class EagleDrafter(FeatureBuffer):
         tree = DraftTree(torch.tensor([[int(root[0, 0])] + cand_tokens], device=device), parents.to(device))
         return tree.subtree(keep.to(device))
 
-    def _auto_budget(self, cand_score: list[float], started: float, device: torch.device) -> int:
+    def _confidence_budget(self, cand_score: list[float], started: float, device: torch.device) -> int:
         """Nodes to keep this round (module cost.py): candidates' path probabilities, scaled by how
         the draft's confidence has compared with acceptance so far, against the measured cost."""
         # the .tolist() reads above already waited for the draft steps; the explicit sync keeps the

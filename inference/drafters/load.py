@@ -52,7 +52,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     settings = {**drafting_defaults(Path(path), family), **given}
     lookup_nodes = settings.pop("lookup_nodes", 0)
     lookup_streak = settings.pop("lookup_streak", None)
-    if family == "eagle" and settings.get("total_tokens") == "auto":
+    if family == "eagle" and settings.get("total_tokens") == "confidence":
         # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
         settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
     drafter = head_drafter(head, **settings)

@@ -67,7 +67,7 @@ class ParallelDrafter(StaticTreeMixin, EagleDrafter):
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
         self._init_tree(choices, num_nodes, head.parallel_depth, f"the head's parallel_depth {head.parallel_depth}")
-        self.auto = False  # EagleDrafter.commit's auto-sizing bookkeeping is off
+        self.confidence_rule = False  # EagleDrafter.commit's confidence-rule bookkeeping is off
         self.draft_ids = draft_ids_of(head)
 
     def propose(self) -> DraftTree:
