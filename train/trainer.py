@@ -354,7 +354,7 @@ class Trainer:
         (train/config.py check_resume). overwrite: delete what output_dir holds first; without it
         a non-empty output_dir is refused unless resumed. stop_after_steps: return after that many
         steps of this call without the final save (what an interruption leaves behind)."""
-        from accelerate.utils import DistributedType, set_seed
+        from accelerate.utils import set_seed
 
         cfg, acc = self.config, self.accelerator
         out = Path(cfg.output_dir)
@@ -364,15 +364,7 @@ class Trainer:
         if bpe == 0:
             raise ValueError(f"{n_train} training samples do not fill one batch of {cfg.batch_size} on {world} process(es)")
         total = self.total_steps()
-        # accelerate's own FSDP launch (a GPU config) gets the same fully_shard path as parallelism: fsdp
-        self.fsdp = world > 1 and (cfg.parallelism == "fsdp" or acc.distributed_type == DistributedType.FSDP)
-        if self.fsdp and self.target is not None:
-            raise NotImplementedError("medusa2 (LoRA on the target) under FSDP is not supported: use parallelism: ddp")
-        if self.fsdp and acc.mixed_precision == "fp16":
-            raise NotImplementedError("fp16 under FSDP needs a sharded grad scaler: use mixed_precision: bf16 or no")
-        if self.fsdp and (self.replay is not None or cfg.keep_best != "none"):
-            raise NotImplementedError("replay and keep_best need the whole head on one process: use parallelism: ddp")
-
+        self._choose_parallelism(world)
         ckpt, changes = self._start_point(out, resume=resume, overwrite=overwrite)
 
         set_seed(cfg.seed + rank)  # fresh start; a resume overwrites every RNG below
@@ -382,30 +374,93 @@ class Trainer:
         )
         state = TrainState(sampler_seed=cfg.seed, world_size=world, parallelism="fsdp" if self.fsdp else "ddp")
         if ckpt is not None:
-            if ckpt.state.world_size != world:
-                raise ValueError(
-                    f"checkpoint {ckpt.path} was written by {ckpt.state.world_size} process(es), this run has {world}: "
-                    "the data order would differ; resume with the same number of processes"
-                )
-            if ckpt.state.parallelism != state.parallelism:
-                raise ValueError(f"checkpoint {ckpt.path} was written under {ckpt.state.parallelism}, this run is {state.parallelism}: "
-                                 "their optimizer states are keyed differently; resume with the same parallelism")
-            if self.fsdp:
-                sharding.load_gathered_state(self.module, optimizer, ckpt.weights, ckpt.optimizer_state)
-            else:
-                self.module.load_trainable_state({k: v.to(acc.device) for k, v in ckpt.weights.items()})
-                optimizer.load_state_dict(ckpt.optimizer_state)
-            self.scheduler.load_state_dict(ckpt.scheduler_state)
-            if ckpt.scaler_state is not None and acc.scaler is not None:
-                acc.scaler.load_state_dict(ckpt.scaler_state)
-            restore_rng_state(ckpt.rng_states[rank])
-            state = ckpt.state
+            state = self._restore(ckpt, optimizer, state)
 
         log = RunLog(out, is_main=acc.is_main_process, total_steps=total, initial_step=state.step, report_to=cfg.report_to,
                      project=cfg.wandb_project, run_name=cfg.run_name, config=cfg.to_dict(), progress=progress)
         if acc.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
             cfg.save(out / CONFIG_FILE)
+        self._announce(log, ckpt, changes, state, held, n_train=n_train, bpe=bpe, total=total)
+
+        last_ckpt = ckpt.path if ckpt is not None else None
+        window, window_tokens, window_start, window_steps = MetricMean(), 0, time.perf_counter(), 0
+        clock = PhaseClock()  # where a step's time goes, reported with every log line
+        eval_metrics: dict[str, float] = {}
+        train_metrics: dict[str, float] = {}
+        bar_eval: dict[str, float] = {}  # the last eval's acc_0 / tau_est / replay_tau, kept on the progress bar
+        best = best_so_far(out, cfg.keep_best) if ckpt is not None else None  # a fresh run starts its own
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        read = EpochReader(self.data.train, cfg.batch_size, world, rank, state.sampler_seed)
+        steps_this_call = 0
+        model.train()
+        final_dir = None
+        try:
+            while state.step < total and (stop_after_steps is None or steps_this_call < stop_after_steps):
+                if hasattr(self.head, "train_progress"):  # progressive TTT (heads/eagle3.py ttt_depth)
+                    self.head.train_progress = state.step / total
+                for m in range(cfg.grad_accum):
+                    window_tokens += self._micro_step(model, read, state, bpe, window, clock, last_ckpt, m)
+                grad_norm = self._optimizer_step(optimizer, params, state, clock, last_ckpt)
+                steps_this_call += 1
+                window_steps += 1
+                done = state.step == total
+
+                if state.step % cfg.log_every == 0 or done:
+                    train_metrics = self._log_train(log, state, window, window_tokens, time.perf_counter() - window_start,
+                                                    window_steps, grad_norm, clock, bar_eval)
+                    window, window_tokens, window_start, window_steps = MetricMean(), 0, time.perf_counter(), 0
+                if self.data.eval is not None and len(self.data.eval) and ((cfg.eval_every and state.step % cfg.eval_every == 0) or done):
+                    eval_metrics, bar_eval, best = self._eval(log, state.step, best)
+                if cfg.checkpoint_every and (state.step % cfg.checkpoint_every == 0 or done):
+                    last_ckpt = self._save_checkpoint(state, optimizer, log)
+            if state.step >= total:
+                final_dir = self._save_final(out, state, log, eval_metrics)
+        finally:
+            log.close()
+        return TrainResult(state=state, final_dir=final_dir, last_checkpoint=last_ckpt, eval_metrics=eval_metrics, train_metrics=train_metrics)
+
+    def _choose_parallelism(self, world: int) -> None:
+        """Sets self.fsdp and refuses what FSDP cannot run. accelerate's own FSDP launch (a GPU
+        config) gets the same fully_shard path as parallelism: fsdp."""
+        from accelerate.utils import DistributedType
+
+        cfg, acc = self.config, self.accelerator
+        self.fsdp = world > 1 and (cfg.parallelism == "fsdp" or acc.distributed_type == DistributedType.FSDP)
+        if self.fsdp and self.target is not None:
+            raise NotImplementedError("medusa2 (LoRA on the target) under FSDP is not supported: use parallelism: ddp")
+        if self.fsdp and acc.mixed_precision == "fp16":
+            raise NotImplementedError("fp16 under FSDP needs a sharded grad scaler: use mixed_precision: bf16 or no")
+        if self.fsdp and (self.replay is not None or cfg.keep_best != "none"):
+            raise NotImplementedError("replay and keep_best need the whole head on one process: use parallelism: ddp")
+
+    def _restore(self, ckpt: Checkpoint, optimizer, state: TrainState) -> TrainState:
+        """The head, optimizer, scheduler, grad scaler and this rank's RNG as `ckpt` left them;
+        returns its TrainState. Refuses a checkpoint of another world size or parallelism."""
+        acc = self.accelerator
+        if ckpt.state.world_size != state.world_size:
+            raise ValueError(
+                f"checkpoint {ckpt.path} was written by {ckpt.state.world_size} process(es), this run has {state.world_size}: "
+                "the data order would differ; resume with the same number of processes"
+            )
+        if ckpt.state.parallelism != state.parallelism:
+            raise ValueError(f"checkpoint {ckpt.path} was written under {ckpt.state.parallelism}, this run is {state.parallelism}: "
+                             "their optimizer states are keyed differently; resume with the same parallelism")
+        if self.fsdp:
+            sharding.load_gathered_state(self.module, optimizer, ckpt.weights, ckpt.optimizer_state)
+        else:
+            self.module.load_trainable_state({k: v.to(acc.device) for k, v in ckpt.weights.items()})
+            optimizer.load_state_dict(ckpt.optimizer_state)
+        self.scheduler.load_state_dict(ckpt.scheduler_state)
+        if ckpt.scaler_state is not None and acc.scaler is not None:
+            acc.scaler.load_state_dict(ckpt.scaler_state)
+        restore_rng_state(ckpt.rng_states[acc.process_index])
+        return ckpt.state
+
+    def _announce(self, log: RunLog, ckpt: Checkpoint | None, changes: list[str], state: TrainState, held: dict,
+                  *, n_train: int, bpe: int, total: int) -> None:
+        """The run's first event: start or resume, its size and what this rank holds."""
+        acc, world = self.accelerator, self.accelerator.num_processes
         log.event(
             "resume" if ckpt is not None else "start",
             f"{'resuming from ' + str(ckpt.path) if ckpt is not None else 'training'}"
@@ -420,91 +475,85 @@ class Trainer:
             batches_per_epoch=bpe, total_steps=total, step=state.step, changed_settings=changes,
         )
 
-        last_ckpt = ckpt.path if ckpt is not None else None
-        window, window_tokens, window_start, window_steps = MetricMean(), 0, time.perf_counter(), 0
-        clock = PhaseClock()  # where a step's time goes, reported with every log line
-        eval_metrics: dict[str, float] = {}
-        train_metrics: dict[str, float] = {}
-        bar_eval: dict[str, float] = {}  # the last eval's acc_0 / tau_est / replay_tau, kept on the progress bar
-        best = best_so_far(out, cfg.keep_best) if ckpt is not None else None  # a fresh run starts its own
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        read = EpochReader(self.data.train, cfg.batch_size, world, rank, state.sampler_seed)
-        steps_this_call = 0
-        model.train()
-        try:
-            while state.step < total and (stop_after_steps is None or steps_this_call < stop_after_steps):
-                if hasattr(self.head, "train_progress"):  # progressive TTT (heads/eagle3.py ttt_depth)
-                    self.head.train_progress = state.step / total
-                for m in range(cfg.grad_accum):
-                    epoch, index = divmod(state.micro_step, bpe)
-                    with clock("data"):  # a stream reads and tokenizes here
-                        samples = read(epoch, index)
-                    batch = self._batch(samples, clock)
-                    last_micro = m == cfg.grad_accum - 1
-                    with self._accumulating(model, not last_micro):
-                        with clock("head"), acc.autocast() if self.fsdp else contextlib.nullcontext():  # DDP's prepare wraps forward in it
-                            loss, metrics = model(batch)
-                        self._check_finite(loss, "loss", state.step + 1, last_ckpt, m)
-                        with clock("backward"):  # under DDP/FSDP this includes the gradient all-reduce
-                            acc.backward(loss / cfg.grad_accum)
-                    n_tokens = int(batch.attention_mask.sum())
-                    window.add(metrics, float(metrics.get(WEIGHT_KEY, batch.loss_mask.sum())))
-                    window_tokens += n_tokens
-                    state.micro_step += 1
-                    state.epoch, state.batch_index = divmod(state.micro_step, bpe)
-                with clock("optimizer"):
-                    max_norm = cfg.clip_norm if cfg.clip_norm else float("inf")
-                    grad_norm = sharding.clip_grad_norm(params, max_norm) if self.fsdp else acc.clip_grad_norm_(params, max_norm)
-                    if acc.mixed_precision != "fp16":  # fp16: the grad scaler skips overflowing steps itself
-                        self._check_finite(grad_norm, "gradient norm", state.step + 1, last_ckpt)
-                    optimizer.step()
-                    self.scheduler.step()
-                    optimizer.zero_grad(set_to_none=True)
-                state.step += 1
-                steps_this_call += 1
-                window_steps += 1
-                done = state.step == total
+    def _micro_step(self, model, read: EpochReader, state: TrainState, bpe: int, window: MetricMean, clock: PhaseClock,
+                    last_ckpt, m: int) -> int:
+        """Micro-batch m of grad_accum: forward and backward (gradients synchronised on the last);
+        adds its metrics to `window`; returns its token count."""
+        cfg, acc = self.config, self.accelerator
+        epoch, index = divmod(state.micro_step, bpe)
+        with clock("data"):  # a stream reads and tokenizes here
+            samples = read(epoch, index)
+        batch = self._batch(samples, clock)
+        last_micro = m == cfg.grad_accum - 1
+        with self._accumulating(model, not last_micro):
+            with clock("head"), acc.autocast() if self.fsdp else contextlib.nullcontext():  # DDP's prepare wraps forward in it
+                loss, metrics = model(batch)
+            self._check_finite(loss, "loss", state.step + 1, last_ckpt, m)
+            with clock("backward"):  # under DDP/FSDP this includes the gradient all-reduce
+                acc.backward(loss / cfg.grad_accum)
+        window.add(metrics, float(metrics.get(WEIGHT_KEY, batch.loss_mask.sum())))
+        state.micro_step += 1
+        state.epoch, state.batch_index = divmod(state.micro_step, bpe)
+        return int(batch.attention_mask.sum())
 
-                if state.step % cfg.log_every == 0 or done:
-                    tokens = int(acc.reduce(torch.tensor(window_tokens, device=acc.device), "sum"))
-                    state.tokens += tokens
-                    elapsed = time.perf_counter() - window_start
-                    train_metrics = summarize(reduce_means(acc, window))  # all processes' batches
-                    train_metrics.update(lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm), tokens_per_s=tokens / max(elapsed, 1e-9), epoch=state.epoch,
-                                         s_step=elapsed / window_steps, **clock.take(window_steps))
-                    log.metrics(state.step, "train", train_metrics)
-                    log.progress(state.step, loss=train_metrics.get("loss", float("nan")), acc_0=train_metrics.get("acc_0", float("nan")),
-                                 tok_s=round(train_metrics["tokens_per_s"]), **bar_eval)
-                    window, window_tokens, window_start, window_steps = MetricMean(), 0, time.perf_counter(), 0
-                if self.data.eval is not None and len(self.data.eval) and ((cfg.eval_every and state.step % cfg.eval_every == 0) or done):
-                    eval_metrics = self.evaluate()
-                    if self.replay is not None and acc.is_main_process:
-                        eval_metrics.update(self.replay(self.head))
-                    log.metrics(state.step, "eval", eval_metrics)
-                    bar_eval = {f"eval_{k}": eval_metrics[k] for k in ("acc_0", "tau_est", "replay_tau") if k in eval_metrics}
-                    log.progress(state.step, **bar_eval)
-                    log.write(f"step {state.step}: eval " + ", ".join(f"{k}={v:.4g}" for k, v in eval_metrics.items() if k.startswith(("acc_", "tau", "loss", "replay_"))))
-                    if cfg.keep_best != "none" and improves(eval_metrics.get(cfg.keep_best), best):
-                        best = eval_metrics[cfg.keep_best]
-                        self._save_best(state.step, best, log)
-                if cfg.checkpoint_every and (state.step % cfg.checkpoint_every == 0 or done):
-                    last_ckpt = self._save_checkpoint(state, optimizer, log)
+    def _optimizer_step(self, optimizer, params: list, state: TrainState, clock: PhaseClock, last_ckpt):
+        """Clip, step the optimizer and the schedule, count the step; returns the gradient norm."""
+        cfg, acc = self.config, self.accelerator
+        with clock("optimizer"):
+            max_norm = cfg.clip_norm if cfg.clip_norm else float("inf")
+            grad_norm = sharding.clip_grad_norm(params, max_norm) if self.fsdp else acc.clip_grad_norm_(params, max_norm)
+            if acc.mixed_precision != "fp16":  # fp16: the grad scaler skips overflowing steps itself
+                self._check_finite(grad_norm, "gradient norm", state.step + 1, last_ckpt)
+            optimizer.step()
+            self.scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        return grad_norm
 
-            final_dir = None
-            if state.step >= total:
-                final_dir = out / FINAL_DIR
-                head_state = None
-                if self.fsdp:  # gathered on every rank (a collective), written by the main one
-                    weights = sharding.gathered_weights(self.module)
-                    head_state = {k[len("head."):]: v for k, v in weights.items() if k.startswith("head.")}
-                if acc.is_main_process:
-                    with fresh_folder(final_dir, overwrite=True) as tmp:  # whole or not at all
-                        self.head.save_pretrained(tmp, adapter_model=self.target, state=head_state)
-                    log.event("end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir), **{f"eval_{k}": v for k, v in eval_metrics.items()})
-                acc.wait_for_everyone()
-        finally:
-            log.close()
-        return TrainResult(state=state, final_dir=final_dir, last_checkpoint=last_ckpt, eval_metrics=eval_metrics, train_metrics=train_metrics)
+    def _log_train(self, log: RunLog, state: TrainState, window: MetricMean, window_tokens: int, elapsed: float,
+                   window_steps: int, grad_norm, clock: PhaseClock, bar_eval: dict) -> dict[str, float]:
+        """The training metrics of the steps since the last log line, over all processes."""
+        acc = self.accelerator
+        tokens = int(acc.reduce(torch.tensor(window_tokens, device=acc.device), "sum"))
+        state.tokens += tokens
+        metrics = summarize(reduce_means(acc, window))  # all processes' batches
+        metrics.update(lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm), tokens_per_s=tokens / max(elapsed, 1e-9),
+                       epoch=state.epoch, s_step=elapsed / window_steps, **clock.take(window_steps))
+        log.metrics(state.step, "train", metrics)
+        log.progress(state.step, loss=metrics.get("loss", float("nan")), acc_0=metrics.get("acc_0", float("nan")),
+                     tok_s=round(metrics["tokens_per_s"]), **bar_eval)
+        return metrics
+
+    def _eval(self, log: RunLog, step: int, best: float | None) -> tuple[dict[str, float], dict[str, float], float | None]:
+        """Held-out metrics (and the replayed ones), logged; the head saved as the best when it
+        improves `keep_best`. Returns (metrics, their progress-bar share, the best value)."""
+        cfg = self.config
+        metrics = self.evaluate()
+        if self.replay is not None and self.accelerator.is_main_process:
+            metrics.update(self.replay(self.head))
+        log.metrics(step, "eval", metrics)
+        bar = {f"eval_{k}": metrics[k] for k in ("acc_0", "tau_est", "replay_tau") if k in metrics}
+        log.progress(step, **bar)
+        log.write(f"step {step}: eval " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.startswith(("acc_", "tau", "loss", "replay_"))))
+        if cfg.keep_best != "none" and improves(metrics.get(cfg.keep_best), best):
+            best = metrics[cfg.keep_best]
+            self._save_best(step, best, log)
+        return metrics, bar, best
+
+    def _save_final(self, out: Path, state: TrainState, log: RunLog, eval_metrics: dict) -> Path:
+        """The trained head in output_dir/final, whole or not at all (written by the main process)."""
+        acc = self.accelerator
+        final_dir = out / FINAL_DIR
+        head_state = None
+        if self.fsdp:  # gathered on every rank (a collective), written by the main one
+            weights = sharding.gathered_weights(self.module)
+            head_state = {k[len("head."):]: v for k, v in weights.items() if k.startswith("head.")}
+        if acc.is_main_process:
+            with fresh_folder(final_dir, overwrite=True) as tmp:
+                self.head.save_pretrained(tmp, adapter_model=self.target, state=head_state)
+            log.event("end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir), **{f"eval_{k}": v for k, v in eval_metrics.items()})
+        acc.wait_for_everyone()
+        return final_dir
 
     def _start_point(self, out: Path, *, resume: bool, overwrite: bool) -> tuple[Checkpoint | None, list[str]]:
         """(the checkpoint to continue from or None, the settings a resume changes), after
