@@ -187,6 +187,25 @@ class _Row:
     finish: str | None = None
 
 
+@dataclass
+class _Decoding:
+    """What every round of one generation reads: the target and settings, the output hooks and
+    the engine's pieces (one home instead of a dozen parameters on each step)."""
+
+    target: object
+    config: GenerationConfig
+    want_hidden: bool  # the verifier returns hidden states for the drafters' features
+    generator: torch.Generator | None
+    rules: StopRules
+    decode: object  # token ids -> text for stop strings, or None
+    on_tokens: object
+    streamer: object
+    clock: _Clock
+    max_len: int | None  # the context limit
+    device: torch.device
+    static: StaticDecoding | None
+
+
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """Each row's own prompt [P_b]: the tokens where attention_mask is 1 (left or right padding)."""
     if input_ids.dim() != 2:
@@ -261,38 +280,17 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
             cache = new_cache()
         else:
             cache = static.cache(len(prompts), static_capacity(longest, config.max_new_tokens))
-        # prefill every prompt but its last token, right-padded: row b's K/V land in slots
-        # [0, P_b - 1) and a causal mask never lets them see the padding after them
+        rows = _prefill(target, prompts, drafters, cache, want_hidden, vocab if track_seen else None)
         slots = longest - 1
-        hidden = None
-        if slots > 0:
-            padded = torch.zeros(len(prompts), slots, dtype=torch.long, device=device)
-            for b, p in enumerate(prompts):
-                padded[b, : p.numel() - 1] = p[:-1]
-            out = target(
-                input_ids=padded, **cache_kwargs(target, cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
-            )
-            hidden = out.hidden_states
-        rows = []
-        for b, (p, d) in enumerate(zip(prompts, drafters)):
-            n = p.numel() - 1
-            features = None
-            if hidden is not None and n > 0:
-                # an index tensor, not a slice: copies, so that no view keeps the prefill's L + 1
-                # hidden states of the whole padded batch alive while the rows decode
-                positions = torch.arange(n, device=device)
-                features = select_features(hidden, d.feature_layers, d.needs_last_hidden, positions, row=b)
-            d.begin(p[None, :-1], features, p[-1:])
-            rows.append(_Row(d, p.numel(), n, seen_mask(p[None], vocab) if track_seen else None, int(p[-1])))
-        hidden = out = None  # [B, P, H] x (L + 1): freed before decoding
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         prefill_seconds = time.perf_counter() - start
 
         clock = _Clock(device, config.profile)
         try:
-            num_forwards = _decode(target, config, list(rows), cache, slots, want_hidden, generator, rules, decode,
-                                   on_tokens, streamer, clock, max_len, device, static)
+            run = _Decoding(target, config, want_hidden, generator, rules, decode, on_tokens, streamer, clock, max_len,
+                            device, static)
+            num_forwards = _decode(run, list(rows), cache, slots)
         finally:
             if config.policy is not None:  # the policy's node limit is for its own rounds only
                 for d in drafters:
@@ -317,9 +315,40 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
     )
 
 
-def _decode(target, config, active, cache, slots, want_hidden, generator, rules, decode, on_tokens, streamer,
-            clock, max_len, device, static: StaticDecoding | None) -> int:
+def _prefill(target, prompts: list[torch.Tensor], drafters: list, cache, want_hidden: bool,
+             seen_vocab: int | None) -> list[_Row]:
+    """Every prompt but its last token through the target at once, right-padded to the longest:
+    row b's K/V land in cache slots [0, P_b - 1) and a causal mask never lets them see the padding
+    after them. Each drafter begins on its prompt's features; returns the rows, ready to decode.
+    seen_vocab: track the tokens each row has seen (a repetition penalty), over this vocabulary."""
+    device = prompts[0].device
+    slots = max(p.numel() for p in prompts) - 1
+    hidden = None
+    if slots > 0:
+        padded = torch.zeros(len(prompts), slots, dtype=torch.long, device=device)
+        for b, p in enumerate(prompts):
+            padded[b, : p.numel() - 1] = p[:-1]
+        out = target(
+            input_ids=padded, **cache_kwargs(target, cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
+        )
+        hidden = out.hidden_states
+    rows = []
+    for b, (p, d) in enumerate(zip(prompts, drafters)):
+        n = p.numel() - 1
+        features = None
+        if hidden is not None and n > 0:
+            # an index tensor, not a slice: copies, so that no view keeps the prefill's L + 1
+            # hidden states of the whole padded batch ([B, P, H] x (L + 1)) alive while rows decode
+            positions = torch.arange(n, device=device)
+            features = select_features(hidden, d.feature_layers, d.needs_last_hidden, positions, row=b)
+        d.begin(p[None, :-1], features, p[-1:])
+        rows.append(_Row(d, p.numel(), n, seen_mask(p[None], seen_vocab) if seen_vocab is not None else None, int(p[-1])))
+    return rows
+
+
+def _decode(run: _Decoding, active: list[_Row], cache, slots: int) -> int:
     """The rounds, until every row has finished; returns the number of verification forwards."""
+    config, max_len, device, static, clock = run.config, run.max_len, run.device, run.static, run.clock
     num_forwards = 0
     while active:
         # A path of depth d emits d + 1 tokens: stay within max_new_tokens and the context.
@@ -360,14 +389,14 @@ def _decode(target, config, active, cache, slots, want_hidden, generator, rules,
         trees = [tree for tree, _ in drafts]
         batch = pad_trees(trees)
         lengths = torch.tensor([row.length for row in active], device=device)
-        verification = forward_trees(target, cache, batch, lengths, slots, want_hidden,
+        verification = forward_trees(run.target, cache, batch, lengths, slots, run.want_hidden,
                                      forward=None if static is None else static.forward)
         num_forwards += 1
         clock.lap("verify")
         verify_end = time.perf_counter()
 
         results = [
-            accept_tree(tree, verification.logits[b : b + 1, : tree.num_nodes], config.sampling, row.seen, generator,
+            accept_tree(tree, verification.logits[b : b + 1, : tree.num_nodes], config.sampling, row.seen, run.generator,
                         config.typical)
             for b, (row, tree) in enumerate(zip(active, trees))
         ]
@@ -377,7 +406,7 @@ def _decode(target, config, active, cache, slots, want_hidden, generator, rules,
         clock.lap("cache")
 
         for b, (row, (tree, kept_nodes), result) in enumerate(zip(active, drafts, results)):
-            _advance(row, b, tree, kept_nodes, result, verification, rules, decode, on_tokens, streamer, not drafting)
+            _advance(run, row, b, tree, kept_nodes, result, verification, not drafting)
         if policy is not None:
             policy.observe([t.num_nodes for t in trees], [r.path for r in results],
                            fixed_seconds=time.perf_counter() - verify_end,
@@ -405,14 +434,14 @@ def _leave(cache, active: list[_Row], limits: list[int], slots: int):
     return active, [limits[i] for i in keep], slots
 
 
-def _advance(row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance, verification, rules, decode,
-             on_tokens, streamer, skipped: bool) -> None:
+def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance, verification,
+             skipped: bool) -> None:
     """Emit row b's accepted tokens, apply the stop rules and move its drafter on."""
     path_tokens = tree.tokens[0, result.path].tolist()
     round_tokens = path_tokens[1:] + [result.next_token]
     before = len(row.emitted)
     row.emitted.extend(round_tokens)
-    stop = first_stop(row.emitted, before, rules, decode)
+    stop = first_stop(row.emitted, before, run.rules, run.decode)
     if stop is not None:
         del row.emitted[stop[0]:]
         row.finish = stop[1]
@@ -424,10 +453,10 @@ def _advance(row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance,
     device = tree.tokens.device
     if row.seen is not None:
         row.seen[0, torch.tensor(round_tokens, device=device)] = True
-    if on_tokens is not None and kept:
-        on_tokens(kept)
-    if streamer is not None and kept:
-        streamer.put(torch.tensor(kept))
+    if run.on_tokens is not None and kept:
+        run.on_tokens(kept)
+    if run.streamer is not None and kept:
+        run.streamer.put(torch.tensor(kept))
     if stop is not None:
         return
     path_index = torch.tensor(result.path, device=device)
