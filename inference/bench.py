@@ -283,103 +283,104 @@ def run_bench(
         # Both sides stop at the context limit: give HF the same budget the engine would reach.
         return settings.max_new_tokens if ctx is None else min(settings.max_new_tokens, ctx - ids.shape[1])
 
-    def gen_config(n: int, seed: int | None) -> GenerationConfig:
-        return GenerationConfig(
-            max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, profile=settings.profile,
-            policy=settings.policy, **settings.engine,
-        )
-
     sampled = not settings.sampling.greedy
     if settings.warmup_tokens > 0:  # first calls pay for allocations and lazy inits
-        ids, n = encoded[0], min(settings.warmup_tokens, budget(encoded[0]))
-        scratch = PeakMemory(device)
-        _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), settings.seed, scratch)
-        _spec_generate(target, drafter_factory(), ids, gen_config(n, settings.seed), tokenizer, scratch)
-        if settings.compare_hf_prompt_lookup:
-            lookup = hf_generation_config(
-                settings.sampling, n, eos, pad, prompt_lookup_num_tokens=settings.hf_prompt_lookup_num_tokens
-            )
-            _hf_generate(target, ids, lookup, settings.seed, scratch)
+        ids = encoded[0]
+        n = min(settings.warmup_tokens, budget(ids))
+        _bench_prompt(target, tokenizer, drafter_factory, ids, n, settings.seed, settings, eos, pad, _MemoryPeaks(device))
 
     from tqdm.auto import tqdm
 
     records = []
-    peak = defaultdict(float)
+    peaks = _MemoryPeaks(device)
     bar = tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", disable=not settings.progress)
     for i, (prompt, ids) in enumerate(bar):
-        n = budget(ids)
-        seed = settings.seed + i if sampled else None
-        mem_plain, mem_spec, mem_hf = PeakMemory(device), PeakMemory(device), PeakMemory(device)
-        plain_tokens, plain_s = _hf_generate(
-            target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain
-        )
-        result, spec_s = _spec_generate(target, drafter_factory(), ids, gen_config(n, seed), tokenizer, mem_spec)
-        spec_tokens = result.new_tokens[0].tolist()
-        diff = first_difference(spec_tokens, plain_tokens)
-        record = {
-            "id": prompt.id,
-            "category": prompt.category,
-            "prompt_tokens": ids.shape[1],
-            "plain_new_tokens": len(plain_tokens),
-            "new_tokens": len(spec_tokens),
-            "plain_seconds": plain_s,
-            "seconds": spec_s,
-            "plain_tokens_per_s": len(plain_tokens) / plain_s,
-            "tokens_per_s": len(spec_tokens) / spec_s,
-            "tau": result.tau,
-            "rounds": result.num_rounds,
-            "identical": diff is None,
-            "first_difference": diff,
-            "divergence": None if diff is None else divergence_detail(target, tokenizer, ids, plain_tokens, spec_tokens, diff),
-            "finish_reason": result.finish_reason,
-            "accepted_lengths": list(result.accepted_lengths),
-            "drafted": list(result.drafted),
-            "timings": dict(result.timings, prefill=result.prefill_seconds),
-            "plain_repetition": repetition_fraction([plain_tokens], settings.repetition_ngram),
-            "repetition": repetition_fraction([spec_tokens], settings.repetition_ngram),
-        }
-        peak["plain"] = max(peak["plain"], mem_plain.rss_mb)
-        peak["speculative"] = max(peak["speculative"], mem_spec.rss_mb)
-        if device.type == "cuda":
-            peak["plain_cuda"] = max(peak["plain_cuda"], mem_plain.cuda_mb)
-            peak["speculative_cuda"] = max(peak["speculative_cuda"], mem_spec.cuda_mb)
-        if settings.compare_hf_prompt_lookup:
-            lookup = hf_generation_config(
-                settings.sampling, n, eos, pad, prompt_lookup_num_tokens=settings.hf_prompt_lookup_num_tokens
-            )
-            hf_tokens, hf_s = _hf_generate(target, ids, lookup, seed, mem_hf)
-            record.update(
-                hf_prompt_lookup_new_tokens=len(hf_tokens),
-                hf_prompt_lookup_seconds=hf_s,
-                hf_prompt_lookup_tokens_per_s=len(hf_tokens) / hf_s,
-                hf_prompt_lookup_identical=hf_tokens == plain_tokens,
-            )
-        if settings.keep_text:
-            record["output"] = tokenizer.decode(spec_tokens, skip_special_tokens=True)
-            record["plain_output"] = tokenizer.decode(plain_tokens, skip_special_tokens=True)
-        record["_tokens"] = (plain_tokens, spec_tokens)
-        records.append(record)
+        record = _bench_prompt(target, tokenizer, drafter_factory, ids, budget(ids), settings.seed + i if sampled else None,
+                               settings, eos, pad, peaks)
+        records.append({"id": prompt.id, "category": prompt.category, **record})
         running = summarize(records, settings)
         bar.set_postfix(tau=f"{running['tau']:.2f}", speedup=f"{running['speedup']:.2f}x")
     bar.close()
 
     report = summarize(records, settings)
-    report["peak_rss_mb"] = {
-        "plain": round(peak["plain"], 1),
-        "speculative": round(peak["speculative"], 1),
-        "ratio": peak["speculative"] / peak["plain"] if peak["plain"] else None,
-    }
-    if device.type == "cuda":
-        report["peak_cuda_mb"] = {
-            "plain": round(peak["plain_cuda"], 1),
-            "speculative": round(peak["speculative_cuda"], 1),
-            "ratio": peak["speculative_cuda"] / peak["plain_cuda"] if peak["plain_cuda"] else None,
-        }
+    report.update(peaks.report())
     report["settings"] = _settings_record(target, settings, len(prompts))
     for record in records:
         del record["_tokens"]
     report["prompts"] = records
     return report
+
+
+class _MemoryPeaks:
+    """The highest memory seen while plain and speculative calls ran (process RSS; CUDA too)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.peak = device, defaultdict(float)
+
+    def add(self, plain: PeakMemory, speculative: PeakMemory) -> None:
+        self.peak["plain"] = max(self.peak["plain"], plain.rss_mb)
+        self.peak["speculative"] = max(self.peak["speculative"], speculative.rss_mb)
+        if self.device.type == "cuda":
+            self.peak["plain_cuda"] = max(self.peak["plain_cuda"], plain.cuda_mb)
+            self.peak["speculative_cuda"] = max(self.peak["speculative_cuda"], speculative.cuda_mb)
+
+    def report(self) -> dict:
+        """{"peak_rss_mb": {plain, speculative, ratio}} and, on CUDA, "peak_cuda_mb" alike."""
+        kinds = [("peak_rss_mb", "")] + ([("peak_cuda_mb", "_cuda")] if self.device.type == "cuda" else [])
+        out = {}
+        for key, suffix in kinds:
+            plain, spec = self.peak["plain" + suffix], self.peak["speculative" + suffix]
+            out[key] = {"plain": round(plain, 1), "speculative": round(spec, 1), "ratio": spec / plain if plain else None}
+        return out
+
+
+def _bench_prompt(target, tokenizer, drafter_factory, ids: torch.Tensor, n: int, seed: int | None, settings: BenchSettings,
+                  eos: tuple, pad: int, peaks: _MemoryPeaks) -> dict:
+    """One prompt, `n` new tokens: plain `generate()`, ours with a fresh drafter and (optionally)
+    transformers' prompt lookup, in that order; its record (with `_tokens` for the summary)."""
+    device = ids.device
+    mem_plain, mem_spec, mem_hf = PeakMemory(device), PeakMemory(device), PeakMemory(device)
+    plain_tokens, plain_s = _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain)
+    config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed,
+                              profile=settings.profile, policy=settings.policy, **settings.engine)
+    result, spec_s = _spec_generate(target, drafter_factory(), ids, config, tokenizer, mem_spec)
+    spec_tokens = result.new_tokens[0].tolist()
+    diff = first_difference(spec_tokens, plain_tokens)
+    record = {
+        "prompt_tokens": ids.shape[1],
+        "plain_new_tokens": len(plain_tokens),
+        "new_tokens": len(spec_tokens),
+        "plain_seconds": plain_s,
+        "seconds": spec_s,
+        "plain_tokens_per_s": len(plain_tokens) / plain_s,
+        "tokens_per_s": len(spec_tokens) / spec_s,
+        "tau": result.tau,
+        "rounds": result.num_rounds,
+        "identical": diff is None,
+        "first_difference": diff,
+        "divergence": None if diff is None else divergence_detail(target, tokenizer, ids, plain_tokens, spec_tokens, diff),
+        "finish_reason": result.finish_reason,
+        "accepted_lengths": list(result.accepted_lengths),
+        "drafted": list(result.drafted),
+        "timings": dict(result.timings, prefill=result.prefill_seconds),
+        "plain_repetition": repetition_fraction([plain_tokens], settings.repetition_ngram),
+        "repetition": repetition_fraction([spec_tokens], settings.repetition_ngram),
+    }
+    peaks.add(mem_plain, mem_spec)
+    if settings.compare_hf_prompt_lookup:
+        lookup = hf_generation_config(settings.sampling, n, eos, pad, prompt_lookup_num_tokens=settings.hf_prompt_lookup_num_tokens)
+        hf_tokens, hf_s = _hf_generate(target, ids, lookup, seed, mem_hf)
+        record.update(
+            hf_prompt_lookup_new_tokens=len(hf_tokens),
+            hf_prompt_lookup_seconds=hf_s,
+            hf_prompt_lookup_tokens_per_s=len(hf_tokens) / hf_s,
+            hf_prompt_lookup_identical=hf_tokens == plain_tokens,
+        )
+    if settings.keep_text:
+        record["output"] = tokenizer.decode(spec_tokens, skip_special_tokens=True)
+        record["plain_output"] = tokenizer.decode(plain_tokens, skip_special_tokens=True)
+    record["_tokens"] = (plain_tokens, spec_tokens)
+    return record
 
 
 def summarize(records: list[dict], settings: BenchSettings) -> dict:
