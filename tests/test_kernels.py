@@ -6,9 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.inference import panel_kernel, target_linears
+from drafthead.inference import panel_kernel
 from drafthead.inference.kernels import pack_linear
-from drafthead.inference.target_linears import ROW_BUCKETS, RowDispatchLinear, dispatch_linears
+from drafthead.inference.target_linears import RowDispatchLinear, dispatch_linears
+from tests.test_target_linears import force_kernel
 
 PACKING = torch.backends.mkldnn.is_available()  # where oneDNN is missing, nothing is packed
 # oneDNN packs bf16 weights only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT
@@ -25,12 +26,7 @@ def _mlp(dtype):
 def force(monkeypatch):
     """force(kernel): every layer takes `kernel` at every measured row count, whatever this CPU's
     timings say."""
-    def _force(kernel: str) -> None:
-        if kernel == "panel":
-            assert panel_kernel.load(), panel_kernel.why_unavailable()
-            monkeypatch.setenv(panel_kernel.ENV_SWITCH, "1")  # forced on, even in a run with the switch off
-        monkeypatch.setattr(target_linears, "calibrate", lambda layers: (kernel,) * len(ROW_BUCKETS))
-    return _force
+    return lambda kernel: force_kernel(monkeypatch, kernel)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

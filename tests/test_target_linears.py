@@ -60,7 +60,7 @@ def test_packed_copies_are_made_only_where_they_fit():
     assert fits_in_memory(32 * gib, None)  # memory unknown: pack
 
 
-def _everywhere(monkeypatch, kernel: str) -> None:
+def force_kernel(monkeypatch, kernel: str) -> None:
     """Every layer takes `kernel` at every measured row count, whatever this CPU's timings say, so
     the tests exercise that path on tiny shapes too."""
     if kernel == "panel":
@@ -71,7 +71,7 @@ def _everywhere(monkeypatch, kernel: str) -> None:
 
 @pytest.fixture
 def packed_everywhere(monkeypatch):
-    _everywhere(monkeypatch, "packed")
+    force_kernel(monkeypatch, "packed")
 
 
 def _linear_types(model) -> set[type]:
@@ -109,7 +109,7 @@ KERNELS = ["panel", "panel-bf16"] + (["packed"] if PACKING else [])
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_with_each_kernel_for_the_target_linears_equals_plain_greedy(family, kernel, monkeypatch):
-    _everywhere(monkeypatch, kernel.removesuffix("-bf16"))
+    force_kernel(monkeypatch, kernel.removesuffix("-bf16"))
     target = tiny_causal_lm(family, layers=3)
     if kernel == "panel-bf16":
         _round_to_bfloat16(target)
@@ -129,7 +129,7 @@ def test_greedy_with_each_kernel_for_the_target_linears_equals_plain_greedy(fami
 
 
 def test_panels_hold_bf16_only_where_every_weight_value_is_a_bf16_value(monkeypatch):
-    _everywhere(monkeypatch, "panel")
+    force_kernel(monkeypatch, "panel")
     target = tiny_causal_lm("llama")
     with engine_linears(target):
         assert {m.kernels["panel"].panels.dtype for m in target.modules() if isinstance(m, RowDispatchLinear)} == {torch.float32}
