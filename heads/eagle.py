@@ -61,24 +61,25 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _rotary_or_none(model: nn.Module) -> nn.Module | None:
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
-    return getattr(dec, "rotary_emb", None)
+def _rope_decoder(model: nn.Module) -> nn.Module | None:
+    """The target's RoPE decoder (a `rotary_emb` beside its `layers`), looked for through
+    `get_decoder()` and `.model` (some families' get_decoder() returns the model itself); None
+    for a target without one (GPT-2's learned positions)."""
+    candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None, getattr(model, "model", None)]
+    return next((dec for dec in candidates if getattr(dec, "rotary_emb", None) is not None
+                 and bool(getattr(dec, "layers", None))), None)
 
 
 def has_rope_decoder(model: nn.Module) -> bool:
-    """Whether the target has a RoPE decoder (a `rotary_emb` beside its `layers`), what EAGLE
-    and DFlash draft layers are built from (GPT-2's learned positions: no). Looked for through
-    `get_decoder()` and `.model`: some families' get_decoder() returns the model itself."""
-    candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None, getattr(model, "model", None)]
-    return any(getattr(dec, "rotary_emb", None) is not None and bool(getattr(dec, "layers", None)) for dec in candidates)
+    """Whether the target has what EAGLE and DFlash draft layers are built from (_rope_decoder)."""
+    return _rope_decoder(model) is not None
 
 
 def target_rotary(model: nn.Module) -> nn.Module:
-    rot = _rotary_or_none(model)
-    if rot is None:
+    dec = _rope_decoder(model)
+    if dec is None:
         raise TypeError(f"{type(model).__name__} has no `rotary_emb`; EAGLE heads need a RoPE decoder")
-    return rot
+    return dec.rotary_emb
 
 
 # RoPE fields a Llama draft layer cannot run: it rotates the whole head with one table
