@@ -54,21 +54,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return run_reporting(lambda: modules[args.command].run(args), "drafthead")
+    return run_reporting(lambda: modules[args.command].run(args))
 
 
-def run_reporting(run, prog: str) -> int:
-    """run() -> exit code, with an expected error as one line `PROG: error: ...` and code 2
+def run_reporting(run) -> int:
+    """run() -> exit code, with an expected error as one line `drafthead: error: ...` and code 2
     (DRAFTHEAD_TRACEBACK=1: raised with its traceback), and Ctrl-C as code 130."""
     try:
         return int(run() or 0)
     except EXPECTED_ERRORS as e:
         if os.environ.get("DRAFTHEAD_TRACEBACK"):
             raise
-        print(f"{prog}: error: {one_line(e)}", file=sys.stderr)
+        print(f"drafthead: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        print("drafthead: interrupted", file=sys.stderr)
         return 130
 
 
