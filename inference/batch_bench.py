@@ -24,21 +24,9 @@ import torch
 
 from .bench import BenchSettings, PeakMemory, _settings_record, hf_generation_config
 from .cost import sync_device
-from .drafter import DrafterBase
+from .drafter import RootOnlyDrafter
 from .generate import GenerationConfig, generate_batch
 from .prompts import Prompt, encode_chat
-from .tree import DraftTree
-
-
-class RootOnlyDrafter(DrafterBase):
-    """Drafts nothing: every tree is its root, so the engine decodes plainly (one token a forward)."""
-
-    def describe(self) -> dict:
-        return {"kind": "none (plain decoding in our engine)"}
-
-    def propose(self) -> DraftTree:
-        root = self.history[:, -1:]
-        return DraftTree(root, torch.tensor([-1], device=root.device))
 
 
 def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@ import torch
 from . import panel_kernel
 from .machine import cpu_model
 from .cost import sync_device
+from .drafter import RootOnlyDrafter
 from .generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
 from .prompts import Prompt, encode_chat
 from .sampling import SamplingConfig
@@ -50,6 +51,9 @@ class BenchSettings:
     info: dict = field(default_factory=dict)  # recorded verbatim under report["settings"]
     policy: object = None  # a SpeculationPolicy (`--num-draft auto`), shared by every prompt's run
     engine: dict = field(default_factory=dict)  # GenerationConfig's engine fields (static_cache, compile)
+    # what verifies the trees when it is not the torch target (a LlamaCppTarget): then both sides
+    # decode on it, plain being our engine with no drafting (the backend's own greedy decoding)
+    verifier: object = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -340,10 +344,16 @@ def _bench_prompt(target, tokenizer, drafter_factory, ids: torch.Tensor, n: int,
     transformers' prompt lookup, in that order; its record (with `_tokens` for the summary)."""
     device = ids.device
     mem_plain, mem_spec, mem_hf = PeakMemory(device), PeakMemory(device), PeakMemory(device)
-    plain_tokens, plain_s = _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain)
     config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed,
                               profile=settings.profile, policy=settings.policy, **settings.engine)
-    result, spec_s = _spec_generate(target, drafter_factory(), ids, config, tokenizer, mem_spec)
+    verifier = settings.verifier
+    if verifier is None:
+        plain_tokens, plain_s = _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain)
+    else:
+        plain_config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed)
+        plain, plain_s = _spec_generate(verifier, RootOnlyDrafter(), ids, plain_config, tokenizer, mem_plain)
+        plain_tokens = plain.new_tokens[0].tolist()
+    result, spec_s = _spec_generate(verifier or target, drafter_factory(), ids, config, tokenizer, mem_spec)
     spec_tokens = result.new_tokens[0].tolist()
     diff = first_difference(spec_tokens, plain_tokens)
     record = {
@@ -358,7 +368,9 @@ def _bench_prompt(target, tokenizer, drafter_factory, ids: torch.Tensor, n: int,
         "rounds": result.num_rounds,
         "identical": diff is None,
         "first_difference": diff,
-        "divergence": None if diff is None else divergence_detail(target, tokenizer, ids, plain_tokens, spec_tokens, diff),
+        # (the torch target's logits: a llama.cpp verifier's own are not at hand)
+        "divergence": None if diff is None or verifier is not None else divergence_detail(
+            target, tokenizer, ids, plain_tokens, spec_tokens, diff),
         "finish_reason": result.finish_reason,
         "accepted_lengths": list(result.accepted_lengths),
         "drafted": list(result.drafted),

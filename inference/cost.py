@@ -83,12 +83,15 @@ def sync_device(device: torch.device) -> None:
 @torch.inference_mode()
 def measure_verify_cost(
     target, node_counts: Sequence[int] = DEFAULT_NODE_COUNTS, context: int = 128, repeats: int = 5,
-    want_hidden: bool = True, linears: bool = True,
+    want_hidden: bool = True, linears: bool = True, feature_layers: Sequence[int] = (),
 ) -> CostCurve:
     """Time the target's tree forward at each node count after `context` cached tokens (median of
     `repeats`, one untimed warm-up each). want_hidden: also return hidden states, as drafters that
     read target features make the verifier do; linears: with the engine's linears
-    (GenerationConfig.engine_linears), as the engine's rounds run them."""
+    (GenerationConfig.engine_linears), as the engine's rounds run them. A llama.cpp target times
+    its own forward, returning `feature_layers` (the layers it extracts cost time too)."""
+    if hasattr(target, "measure_cost"):
+        return target.measure_cost(node_counts, context, repeats, feature_layers if want_hidden else ())
     with engine_linears(target, linears):
         return _measure(target, node_counts, context, repeats, want_hidden)
 

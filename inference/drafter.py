@@ -112,3 +112,14 @@ class DrafterBase:
 
     def propose(self) -> DraftTree:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class RootOnlyDrafter(DrafterBase):
+    """Drafts nothing: every tree is its root, so the engine decodes plainly (one token a forward)."""
+
+    def describe(self) -> dict:
+        return {"kind": "none (plain decoding in our engine)"}
+
+    def propose(self) -> DraftTree:
+        root = self.history[:, -1:]
+        return DraftTree(root, torch.tensor([-1], device=root.device))

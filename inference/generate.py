@@ -23,15 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
-from .cache import cache_capacity, cache_kwargs, keep_paths, new_cache, select_rows
-from .compiled import StaticDecoding, static_capacity
 from .drafter import RoundStats, fork_drafter
 from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from .stopping import StopRules, first_stop
-from .target_linears import engine_linears
-from .tree import DraftTree, ancestor_mask, node_depths, pad_trees
-from .verify import check_tree_mask_support, forward_trees, select_features
+from .torch_target import target_backend
+from .tree import DraftTree, ancestor_mask, node_depths
+from .verify import select_features
 
 
 class PromptTooLong(ValueError):
@@ -192,7 +190,7 @@ class _Decoding:
     """What every round of one generation reads: the target and settings, the output hooks and
     the engine's pieces (one home instead of a dozen parameters on each step)."""
 
-    target: object
+    backend: object  # the target's forward and cache (torch_target.py, llamacpp/target.py)
     config: GenerationConfig
     want_hidden: bool  # the verifier returns hidden states for the drafters' features
     generator: torch.Generator | None
@@ -203,7 +201,6 @@ class _Decoding:
     clock: _Clock
     max_len: int | None  # the context limit
     device: torch.device
-    static: StaticDecoding | None
 
 
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -255,7 +252,7 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
         raise ValueError("no prompts")
     if any(p.numel() == 0 for p in prompts):
         raise ValueError("empty prompt: nothing to condition on")
-    check_tree_mask_support(target.config)
+    backend = target_backend(target, config.static_cache, config.compile)
     max_len = context_limit(target.config, config.max_length)
     longest = max(p.numel() for p in prompts)
     if max_len is not None and longest >= max_len:
@@ -271,26 +268,18 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
     track_seen = config.sampling.repetition_penalty != 1.0
     drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
 
-    static = None
-    if config.static_cache or config.compile:
-        static = StaticDecoding.of(target, config.compile)
-    with torch.inference_mode(), engine_linears(target, config.engine_linears):
+    with torch.inference_mode(), backend.engine_context(config.engine_linears):
         start = time.perf_counter()
-        if static is None:
-            cache = new_cache()
-        else:
-            cache = static.cache(len(prompts), static_capacity(longest, config.max_new_tokens))
-        rows = _prefill(target, prompts, drafters, cache, want_hidden, vocab if track_seen else None)
-        slots = longest - 1
+        rows = _prefill(backend, prompts, drafters, config.max_new_tokens, vocab if track_seen else None)
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         prefill_seconds = time.perf_counter() - start
 
         clock = _Clock(device, config.profile)
         try:
-            run = _Decoding(target, config, want_hidden, generator, rules, decode, on_tokens, streamer, clock, max_len,
-                            device, static)
-            num_forwards = _decode(run, list(rows), cache, slots)
+            run = _Decoding(backend, config, want_hidden, generator, rules, decode, on_tokens, streamer, clock, max_len,
+                            device)
+            num_forwards = _decode(run, list(rows))
         finally:
             if config.policy is not None:  # the policy's node limit is for its own rounds only
                 for d in drafters:
@@ -315,23 +304,14 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
     )
 
 
-def _prefill(target, prompts: list[torch.Tensor], drafters: list, cache, want_hidden: bool,
+def _prefill(backend, prompts: list[torch.Tensor], drafters: list, max_new_tokens: int,
              seen_vocab: int | None) -> list[_Row]:
-    """Every prompt but its last token through the target at once, right-padded to the longest:
-    row b's K/V land in cache slots [0, P_b - 1) and a causal mask never lets them see the padding
-    after them. Each drafter begins on its prompt's features; returns the rows, ready to decode.
+    """Every prompt but its last token through the target at once (the backend's `start`); each
+    drafter begins on its prompt's features. Returns the rows, ready to decode.
     seen_vocab: track the tokens each row has seen (a repetition penalty), over this vocabulary."""
     device = prompts[0].device
-    slots = max(p.numel() for p in prompts) - 1
-    hidden = None
-    if slots > 0:
-        padded = torch.zeros(len(prompts), slots, dtype=torch.long, device=device)
-        for b, p in enumerate(prompts):
-            padded[b, : p.numel() - 1] = p[:-1]
-        out = target(
-            input_ids=padded, **cache_kwargs(target, cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
-        )
-        hidden = out.hidden_states
+    features_of = drafters[0]
+    hidden = backend.start(prompts, features_of.feature_layers, features_of.needs_last_hidden, max_new_tokens)
     rows = []
     for b, (p, d) in enumerate(zip(prompts, drafters)):
         n = p.numel() - 1
@@ -346,9 +326,9 @@ def _prefill(target, prompts: list[torch.Tensor], drafters: list, cache, want_hi
     return rows
 
 
-def _decode(run: _Decoding, active: list[_Row], cache, slots: int) -> int:
+def _decode(run: _Decoding, active: list[_Row]) -> int:
     """The rounds, until every row has finished; returns the number of verification forwards."""
-    config, max_len, device, static, clock = run.config, run.max_len, run.device, run.static, run.clock
+    config, max_len, device, backend, clock = run.config, run.max_len, run.device, run.backend, run.clock
     num_forwards = 0
     while active:
         # A path of depth d emits d + 1 tokens: stay within max_new_tokens and the context.
@@ -360,7 +340,7 @@ def _decode(run: _Decoding, active: list[_Row], cache, slots: int) -> int:
                     row.finish = "context"
                 max_depth = min(max_depth, max_len - row.length - 2)
             limits.append(max_depth)
-        active, limits, slots = _leave(cache, active, limits, slots)
+        active, limits = _leave(backend, active, limits)
         if not active:
             break
         policy = config.policy
@@ -378,19 +358,13 @@ def _decode(run: _Decoding, active: list[_Row], cache, slots: int) -> int:
         if policy is not None and drafting:
             keep = policy.cut([tree for tree, _ in drafts])
             drafts = [(cut_tree(tree, keep), kept_nodes) for tree, kept_nodes in drafts]
-        if static is not None:
-            # a static cache has room for one tree of capacity - slots nodes (TREE_ROOM at the
-            # least): a bigger tree keeps its first nodes, as the policy's cut does
-            room = cache_capacity(cache) - slots
-            drafts = [(cut_tree(tree, room), kept_nodes) for tree, kept_nodes in drafts]
+        drafts = [(backend.fit(tree, len(active)), kept_nodes) for tree, kept_nodes in drafts]
         draft_seconds = time.perf_counter() - round_start
         clock.lap("draft")
 
         trees = [tree for tree, _ in drafts]
-        batch = pad_trees(trees)
-        lengths = torch.tensor([row.length for row in active], device=device)
-        verification = forward_trees(run.target, cache, batch, lengths, slots, run.want_hidden,
-                                     forward=None if static is None else static.forward)
+        lengths = [row.length for row in active]
+        verification = backend.verify(trees, lengths, run.want_hidden)
         num_forwards += 1
         clock.lap("verify")
         verify_end = time.perf_counter()
@@ -402,7 +376,7 @@ def _decode(run: _Decoding, active: list[_Row], cache, slots: int) -> int:
         ]
         clock.lap("accept")
 
-        slots = keep_paths(cache, [row.length for row in active], slots, [r.path for r in results])
+        backend.keep([r.path for r in results], lengths)
         clock.lap("cache")
 
         for b, (row, (tree, kept_nodes), result) in enumerate(zip(active, drafts, results)):
@@ -422,16 +396,15 @@ def _limit(drafter, nodes: int | None) -> None:
         limit(nodes)
 
 
-def _leave(cache, active: list[_Row], limits: list[int], slots: int):
-    """Drop finished rows from the batch and their K/V from the cache (cut to the longest row left)."""
+def _leave(backend, active: list[_Row], limits: list[int]):
+    """Drop finished rows from the batch and their K/V from the cache."""
     keep = [i for i, row in enumerate(active) if row.finish is None]
     if len(keep) == len(active):
-        return active, limits, slots
+        return active, limits
     active = [active[i] for i in keep]
     if active:
-        slots = max(row.length for row in active)
-        select_rows(cache, keep, slots)
-    return active, [limits[i] for i in keep], slots
+        backend.select_rows(keep, [row.length for row in active])
+    return active, [limits[i] for i in keep]
 
 
 def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance, verification,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .acceptance import greedy_accept
-from .batch_bench import RootOnlyDrafter
+from .drafter import RootOnlyDrafter
 from .drafter import RoundStats
 from .generate import GenerationConfig, generate_batch
 from .tree import node_depths

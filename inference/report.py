@@ -10,9 +10,10 @@ from pathlib import Path
 def method_rows(report: dict) -> list[dict]:
     """One row per decoding method: plain generate, HF prompt lookup (when compared), ours."""
     settings = report.get("settings", {})
+    llama = settings.get("backend") == "llama.cpp"
     rows = [
         {
-            "method": "plain generate()",
+            "method": "plain (llama.cpp backend)" if llama else "plain generate()",
             "tokens_per_s": report["baseline_tokens_per_s"],
             "speedup": 1.0,
             "tau": None,
@@ -32,7 +33,7 @@ def method_rows(report: dict) -> list[dict]:
     proposer = settings.get("proposer", "speculative")
     rows.append(
         {
-            "method": f"drafthead: {proposer}",
+            "method": f"drafthead: {proposer}" + (" (llama.cpp backend)" if llama else ""),
             "tokens_per_s": report["tokens_per_s"],
             "speedup": report["speedup"],
             "tau": report["tau"],

@@ -115,6 +115,35 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile (inductor) the target's round forward, with a static cache (the first "
                         "generation compiles: minutes on a small CPU; docs/trees.md \"Static cache\")")
+    g.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
+                   help="the target's forward: torch (transformers), or llama.cpp's through libllama on a GGUF "
+                        "of the target (`make llamacpp` builds it; docs/llamacpp-backend.md). Drafters stay in torch")
+    g.add_argument("--gguf-type", choices=("f32", "bf16", "q8_0", "q4_0"), default=None,
+                   help="llama.cpp backend: the GGUF's weight type (default: the one --dtype holds, f32 or bf16); "
+                        "quantized types are a different model from the torch target, decoded exactly")
+
+
+def verifier_from_args(args, loaded):
+    """What verifies the trees: the torch target itself, or (--backend llama.cpp) a LlamaCppTarget
+    on a GGUF of it that llama.cpp's converter makes once (inference/llamacpp/convert.py)."""
+    if getattr(args, "backend", "torch") != "llama.cpp":
+        return loaded.model
+    from ..inference.llamacpp.convert import DTYPE_GGUF, target_gguf
+    from ..inference.llamacpp.target import LlamaCppTarget
+
+    if next(loaded.model.parameters()).device.type != "cpu":
+        raise ValueError("--backend llama.cpp runs on the CPU: drop --device")
+    gguf_type = args.gguf_type or DTYPE_GGUF[args.dtype]
+    note(f"llama.cpp backend: the target as a {gguf_type} GGUF (made once by llama.cpp's converter)")
+    path = target_gguf(loaded.path, gguf_type)
+    return LlamaCppTarget(path, loaded.model.config, threads=args.threads or torch_threads(),
+                          feature_dtype=next(loaded.model.parameters()).dtype)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def engine_options(args) -> dict:
@@ -245,7 +274,7 @@ def drafter_factory_from_args(args, loaded, sampling, proposer: str, head: str |
     return make_drafter_factory(proposer, loaded.model, loaded.tokenizer, **kw)
 
 
-POLICY_TOKEN_COUNTS = (1, 4, 8, 16, 32, 64, 128, 256, 512)  # what a batch of 16 rows x 32 nodes reaches
+POLICY_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # what a batch of 16 rows x 32 nodes reaches
 
 
 def policy_from_args(args, model, drafter):
@@ -261,7 +290,8 @@ def policy_from_args(args, model, drafter):
     counts = [n for n in POLICY_TOKEN_COUNTS if context + n <= limit] or [1, 2]
     note("--num-draft auto: timing the target's forward at " + ", ".join(map(str, counts)) + " tokens")
     want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-    return SpeculationPolicy(measure_verify_cost(model, counts, context=context, want_hidden=want_hidden))
+    return SpeculationPolicy(measure_verify_cost(model, counts, context=context, want_hidden=want_hidden,
+                                                 feature_layers=drafter.feature_layers))
 
 
 def note(message: str) -> None:

@@ -15,6 +15,7 @@ from . import (
     load_target_from_args,
     note,
     policy_from_args,
+    verifier_from_args,
     sampling_from_args,
 )
 
@@ -57,6 +58,7 @@ def run(args) -> int:
     proposer, head, message = choose_proposer(args, loaded.name)
     note(message)
     factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
+    verifier = verifier_from_args(args, loaded)
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
@@ -67,6 +69,7 @@ def run(args) -> int:
         warmup_tokens=args.warmup_tokens,
         progress=not args.no_progress,
         engine=engine_options(args),
+        verifier=None if verifier is model else verifier,
         info={
             "target": loaded.name,
             "target_path": str(loaded.path),
@@ -80,6 +83,8 @@ def run(args) -> int:
             "head": head,
             "draft_model": args.draft_model,
             "num_draft": args.num_draft,
+            "backend": args.backend,
+            "gguf": None if verifier is model else str(verifier.path),
             "dataset": args.dataset,
             "limit": args.limit,
             **engine_options(args),
@@ -91,7 +96,7 @@ def run(args) -> int:
     if args.batch_size is not None:
         return _run_batched(args, model, loaded.tokenizer, factory, example, prompts, settings)
     if args.num_draft == "auto":
-        settings.policy = policy_from_args(args, model, example)
+        settings.policy = policy_from_args(args, verifier, example)
     report = run_bench(model, loaded.tokenizer, factory, prompts, settings)
     if external:
         report["engines"] = _external(external, args, loaded, prompts, settings, report)

@@ -14,6 +14,7 @@ from . import (
     note,
     engine_options,
     policy_from_args,
+    verifier_from_args,
     sampling_from_args,
     typical_from_args,
 )
@@ -72,6 +73,7 @@ def run(args) -> int:
     note(message)
     factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
     drafter, tokenizer = factory(), loaded.tokenizer
+    verifier = verifier_from_args(args, loaded)
     input_ids = encode_chat(tokenizer, Prompt(text=args.prompt)).to(next(model.parameters()).device)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -80,14 +82,14 @@ def run(args) -> int:
         stop_strings=tuple(args.stop),
         seed=args.seed,
         typical=typical_from_args(args),
-        policy=policy_from_args(args, model, drafter),
+        policy=policy_from_args(args, verifier, drafter),
         **engine_options(args),
     )
     if config.lossy:
         note("LOSSY: typical acceptance is on; the output is not distributed as the target's")
     printer = TextPrinter(tokenizer)
     start = time.perf_counter()
-    result = speculative_generate(model, drafter, input_ids, config, tokenizer=tokenizer, on_tokens=printer)
+    result = speculative_generate(verifier, drafter, input_ids, config, tokenizer=tokenizer, on_tokens=printer)
     seconds = time.perf_counter() - start
     printer.finish()
     n = result.new_tokens.shape[1]

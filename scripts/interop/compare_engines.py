@@ -200,7 +200,7 @@ def main() -> int:
 
     from drafthead.commands import POLICY_TOKEN_COUNTS
     from drafthead.drafters import default_head_path, load_heads
-    from drafthead.inference.batch_bench import RootOnlyDrafter
+    from drafthead.inference.drafter import RootOnlyDrafter
     from drafthead.inference.cost import measure_verify_cost
     from drafthead.inference.drafter import fork_drafter
     from drafthead.inference.policy import SpeculationPolicy

@@ -1,0 +1,271 @@
+"""The target's forward in llama.cpp: one `llama_decode` verifies every row's whole tree
+(docs/llamacpp-backend.md).
+
+Sequences of one unified KV cache (sequences.py):
+
+    row b (its committed text)     sequence b
+    row b's tree leaves            sequences first_leaf(b) + k, rebuilt each round
+    keep(path)                     the accepted nodes join sequence b (seq_cp from the leaf below
+                                   the deepest accepted node); every leaf sequence is removed,
+                                   which frees the cells of the rejected nodes
+
+Heads and drafters stay in torch: logits [B, N, V] and the drafters' feature layers (the inputs
+of the target's layers, HF `hidden_states[i]` = llama.cpp's layer input i) come back as tensors.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..tree import DraftTree
+from ..policy import cut_tree
+from . import lib as _lib
+from .sequences import depths_of, leaf_sets, nodes_within
+
+MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: every row and every leaf of every tree
+BATCH_TOKENS = 512  # tokens per llama_decode call (prefill is cut into such chunks)
+
+
+class LlamaCppError(RuntimeError):
+    """libllama refused a model, a context or a batch."""
+
+
+class LlamaCppTarget:
+    """A GGUF target in llama.cpp, for `speculative_generate` in place of a transformers model.
+
+    `config` is the target's transformers config (context limit, vocabulary, layer count); the
+    drafter still runs on the torch model the head was loaded with. `feature_dtype`: the dtype
+    features come back in (the drafter's).
+    """
+
+    def __init__(self, gguf: str | Path, config, *, threads: int = 2, feature_dtype: torch.dtype = torch.float32):
+        self.lib = _lib.load()
+        self.path = Path(gguf)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no GGUF file")
+        self.config = config
+        self.feature_dtype = feature_dtype
+        self.model = self.lib.dh_load_model(str(self.path).encode())
+        if not self.model:
+            raise LlamaCppError(f"{self.path}: llama.cpp cannot load this GGUF (DRAFTHEAD_LLAMA_VERBOSE=1 says why)")
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_layers = self.lib.llama_model_n_layer(self.model)
+        self.hidden_size = self.lib.llama_model_n_embd(self.model)
+        self.vocab_size = self.lib.llama_vocab_n_tokens(self.lib.llama_model_get_vocab(self.model))
+        if (self.num_layers, self.hidden_size) != (text.num_hidden_layers, text.hidden_size):
+            raise LlamaCppError(f"{self.path}: {self.num_layers} layers of width {self.hidden_size}, but the target's "
+                                f"config has {text.num_hidden_layers} of {text.hidden_size}: another model's GGUF")
+        self.ctx = None
+        self.context = 0  # KV cells of the current context, shared by every row and tree
+        self.threads = threads
+        self._features: tuple[int, ...] = ()
+        self._rows: list[int] = []  # sequence id of each active row, in batch order
+        self._leaves: dict[int, tuple[int, list[list[int]], list[int]]] = {}
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self.lib.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # -- the engine's side (inference/generate.py) ------------------------------------------------
+
+    def engine_context(self, enabled: bool):
+        return contextlib.nullcontext()
+
+    def start(self, prompts: list[torch.Tensor], feature_layers: tuple[int, ...], need_last: bool,
+              max_new_tokens: int = 0):
+        """Empty the cache and run every prompt but its last token, row b as sequence b.
+        Returns {hidden-state index: [B, P - 1, H]} for the drafters (padded rows), or None."""
+        if len(prompts) > MAX_SEQUENCES // 2:
+            raise ValueError(f"the llama.cpp backend takes at most {MAX_SEQUENCES // 2} rows, got {len(prompts)}")
+        if need_last:
+            raise NotImplementedError("the llama.cpp backend returns layer inputs, not the final normed "
+                                      "state: drafters that need it (EAGLE-1, Medusa, Hydra) run on the torch target")
+        self._ensure_context(sum(p.numel() for p in prompts) + len(prompts) * (max_new_tokens + 1) + BATCH_TOKENS)
+        self.lib.llama_memory_clear(self.memory, True)
+        wanted = tuple(sorted(set(feature_layers)))
+        if any(layer >= self.num_layers for layer in wanted):
+            raise NotImplementedError(f"features {wanted}: llama.cpp returns the inputs of layers 0..{self.num_layers - 1}")
+        for layer in set(self._features) | set(wanted):
+            self.lib.dh_set_layer_inp(self.ctx, layer, layer in wanted)
+        self._features = wanted
+        self._rows = list(range(len(prompts)))
+        longest = max(p.numel() for p in prompts) - 1
+        hidden = {i: torch.zeros(len(prompts), longest, self.hidden_size, dtype=self.feature_dtype)
+                  for i in self._features} if self._features else None
+        tokens, where = [], []
+        for b, p in enumerate(prompts):
+            ids = p[:-1].tolist()
+            tokens += [(t, pos, [b]) for pos, t in enumerate(ids)]
+            where += [(b, pos) for pos in range(len(ids))]
+        for start in range(0, len(tokens), BATCH_TOKENS):
+            chunk = tokens[start:start + BATCH_TOKENS]
+            self._decode(chunk, outputs=False)
+            if hidden is not None:
+                rows = torch.tensor([b for b, _ in where[start:start + len(chunk)]])
+                cols = torch.tensor([c for _, c in where[start:start + len(chunk)]])
+                for i, h in self._layer_inputs(len(chunk)).items():
+                    hidden[i][rows, cols] = h
+        return hidden
+
+    def fit(self, tree: DraftTree, rows: int) -> DraftTree:
+        """The tree cut to the leaves a row may use this round (each leaf is a sequence)."""
+        allowance = (MAX_SEQUENCES - len(self._rows)) // max(1, rows)
+        return cut_tree(tree, nodes_within(tree.parents.tolist(), allowance))
+
+    def verify(self, trees: list[DraftTree], lengths: list[int], want_hidden: bool):
+        """Every active row's tree in one forward (in chunks of whole rows beyond BATCH_TOKENS);
+        returns logits [B, N, V] float32 and {hidden index: [B, N, H]} (N: the largest tree)."""
+        from ..verify import Verification
+
+        width = max(t.num_nodes for t in trees)
+        logits = torch.zeros(len(trees), width, self.vocab_size)
+        hidden = ({i: torch.zeros(len(trees), width, self.hidden_size, dtype=self.feature_dtype)
+                   for i in self._features} if want_hidden and self._features else None)
+        next_leaf = len(self._rows) and max(self._rows) + 1
+        self._leaves = {}
+        pending: list[tuple[int, int, int]] = []  # (row b, node, ...) for the chunk being built
+        chunk: list[tuple[int, int, list[int]]] = []
+        for b, (tree, length) in enumerate(zip(trees, lengths)):
+            parents = tree.parents.tolist()
+            sets = leaf_sets(parents)
+            depth = depths_of(parents)
+            n_leaves = len(sets[0])
+            seqs = list(range(next_leaf, next_leaf + n_leaves))
+            if next_leaf + n_leaves > MAX_SEQUENCES:
+                raise LlamaCppError(f"{n_leaves} leaves do not fit the {MAX_SEQUENCES} sequences (use fit())")
+            next_leaf += n_leaves
+            row_seq = self._rows[b]
+            for s in seqs:
+                self.lib.llama_memory_seq_cp(self.memory, row_seq, s, -1, -1)
+            self._leaves[b] = (length, [[seqs[k] for k in node] for node in sets], seqs)
+            nodes = [(int(t), length + depth[i], [seqs[k] for k in sets[i]])
+                     for i, t in enumerate(tree.tokens[0].tolist())]
+            if chunk and len(chunk) + len(nodes) > BATCH_TOKENS:
+                self._verify_chunk(chunk, pending, logits, hidden)
+                chunk, pending = [], []
+            pending += [(b, i) for i in range(len(nodes))]
+            chunk += nodes
+        self._verify_chunk(chunk, pending, logits, hidden)
+        return Verification(logits, hidden)
+
+    def _verify_chunk(self, chunk, where, logits, hidden) -> None:
+        out = self._decode(chunk, outputs=True)
+        rows = torch.tensor([b for b, _ in where])
+        cols = torch.tensor([i for _, i in where])
+        logits[rows, cols] = out
+        if hidden is not None:
+            for i, h in self._layer_inputs(len(chunk)).items():
+                hidden[i][rows, cols] = h
+
+    def keep(self, paths: list[list[int]], lengths: list[int]) -> None:
+        """Row b keeps its accepted nodes `paths[b]` (root first) after its committed text."""
+        for b, path in enumerate(paths):
+            length, node_seqs, seqs = self._leaves[b]
+            leaf = node_seqs[path[-1]][0]  # its cells hold every node of the path
+            self.lib.llama_memory_seq_cp(self.memory, leaf, self._rows[b], length, length + len(path))
+            for s in seqs:
+                self.lib.llama_memory_seq_rm(self.memory, s, -1, -1)
+        self._leaves = {}
+
+    def select_rows(self, keep: list[int], lengths: list[int]) -> None:
+        """Only rows `keep` (indices into the active rows) stay; the others' cells are freed."""
+        for b, seq in enumerate(self._rows):
+            if b not in keep:
+                self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        self._rows = [self._rows[b] for b in keep]
+
+    def discard(self, length: int) -> None:
+        """Forget the last verified trees and every position from `length` on (row 0): what
+        timing a forward needs after each try."""
+        for _, _, seqs in self._leaves.values():
+            for s in seqs:
+                self.lib.llama_memory_seq_rm(self.memory, s, -1, -1)
+        self._leaves = {}
+        self.lib.llama_memory_seq_rm(self.memory, self._rows[0], length, -1)
+
+    def measure_cost(self, node_counts, context: int = 128, repeats: int = 5, feature_layers=()):
+        """The forward's seconds by node count (a chain after `context` cached tokens, median of
+        `repeats` after one warm-up), as a cost.CostCurve for the load policy."""
+        import statistics
+        import time
+
+        from ..cost import CostCurve
+        from ..tree import chain_parents
+
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, self.vocab_size, (context + 1,), generator=generator)
+        self.start([prompt], tuple(feature_layers), False, max(node_counts))
+        seconds = []
+        for n in node_counts:
+            tree = DraftTree(torch.randint(0, self.vocab_size, (1, n), generator=generator), chain_parents(n - 1))
+            times = []
+            for r in range(repeats + 1):
+                start = time.perf_counter()
+                self.verify([tree], [context], bool(feature_layers))
+                if r:
+                    times.append(time.perf_counter() - start)
+                self.discard(context)
+            seconds.append(statistics.median(times))
+        return CostCurve(tuple(node_counts), tuple(seconds))
+
+    # -- libllama ------------------------------------------------------------------------------
+
+    def _ensure_context(self, cells: int) -> None:
+        """A context of at least `cells` KV cells (in steps of 1024): the committed text of every
+        row, its new tokens and one round's trees. A bigger generation makes a new one."""
+        if cells <= self.context:
+            return
+        if self.ctx:
+            self.lib.llama_free(self.ctx)
+            self.ctx = None
+        size = -(-cells // 1024) * 1024
+        self.ctx = self.lib.dh_new_context(self.model, size, BATCH_TOKENS, MAX_SEQUENCES, self.threads, False)
+        if not self.ctx:
+            raise LlamaCppError(f"{self.path}: llama.cpp could not make a context of {size} cells")
+        self.context = size
+        self.memory = self.lib.llama_get_memory(self.ctx)
+        self._features = ()
+
+    def _decode(self, tokens: list[tuple[int, int, list[int]]], outputs: bool) -> torch.Tensor | None:
+        """One llama_decode of (token, position, sequence ids) entries; [n, V] logits if `outputs`."""
+        n = len(tokens)
+        token = (ctypes.c_int32 * n)(*[t for t, _, _ in tokens])
+        pos = (ctypes.c_int32 * n)(*[p for _, p, _ in tokens])
+        n_seq = (ctypes.c_int32 * n)(*[len(s) for _, _, s in tokens])
+        seq_arrays = [(ctypes.c_int32 * len(s))(*s) for _, _, s in tokens]
+        seq_id = (_lib.c_int32_p * n)(*[ctypes.cast(a, _lib.c_int32_p) for a in seq_arrays])
+        flags = (ctypes.c_int8 * n)(*([1 if outputs else 0] * n))
+        batch = _lib.LlamaBatch(n, ctypes.cast(token, _lib.c_int32_p), None, ctypes.cast(pos, _lib.c_int32_p),
+                                ctypes.cast(n_seq, _lib.c_int32_p), ctypes.cast(seq_id, ctypes.POINTER(_lib.c_int32_p)),
+                                ctypes.cast(flags, ctypes.POINTER(ctypes.c_int8)))
+        rc = self.lib.dh_decode(self.ctx, ctypes.byref(batch))
+        if rc != 0:
+            raise LlamaCppError(f"llama_decode returned {rc} for {n} tokens (1: no room in the KV cache of "
+                                f"{self.context}; < 0: the batch is invalid; DRAFTHEAD_LLAMA_VERBOSE=1 says more)")
+        if not outputs:
+            return None
+        ptr = self.lib.llama_get_logits(self.ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)).copy())
+
+    def _layer_inputs(self, n: int) -> dict[int, torch.Tensor]:
+        """{layer: [n, H]} the inputs of the feature layers for the last decode's n tokens."""
+        out = {}
+        for layer in self._features:
+            ptr = self.lib.dh_get_layer_inp(self.ctx, layer)
+            if not ptr:
+                raise LlamaCppError(f"llama.cpp returned no input for layer {layer}")
+            array = np.ctypeslib.as_array(ptr, shape=(n, self.hidden_size))
+            out[layer] = torch.from_numpy(array.copy()).to(self.feature_dtype)
+        return out

@@ -1,0 +1,82 @@
+"""The target's forward in torch: a transformers causal LM and its KV cache, behind the same
+five steps as the llama.cpp backend (inference/llamacpp/target.py), which is what the decode
+loop (inference/generate.py) calls:
+
+    start(prompts)          prefill every prompt but its last token; the drafters' features
+    fit(tree, rows)         the tree cut to what the cache has room for
+    verify(trees, lengths)  one forward over every row's tree -> Verification
+    keep(paths, lengths)    keep each row's accepted nodes, drop the rest
+    select_rows(keep, ...)  rows that finished leave the cache
+"""
+from __future__ import annotations
+
+import torch
+
+from .cache import cache_capacity, cache_kwargs, keep_paths, new_cache, select_rows
+from .compiled import StaticDecoding, static_capacity
+from .policy import cut_tree
+from .target_linears import engine_linears
+from .tree import DraftTree, pad_trees
+from .verify import Verification, check_tree_mask_support, forward_trees
+
+
+def target_backend(target, static_cache: bool = False, compile: str | None = None):
+    """The backend the decode loop drives: `target` itself when it is one (a LlamaCppTarget),
+    else a TorchTarget around the transformers model."""
+    if hasattr(target, "verify") and hasattr(target, "start"):
+        return target
+    return TorchTarget(target, StaticDecoding.of(target, compile) if static_cache or compile else None)
+
+
+class TorchTarget:
+    def __init__(self, model, static: StaticDecoding | None = None):
+        check_tree_mask_support(model.config)
+        self.model = model
+        self.config = model.config
+        self.static = static
+        self.cache = None
+        self.slots = 0  # cache slots per row (the longest row's committed length)
+        self.max_new_tokens = 0
+
+    def engine_context(self, enabled: bool):
+        return engine_linears(self.model, enabled)
+
+    def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0):
+        """Prefill every prompt but its last token at once, right-padded to the longest: row b's
+        K/V land in slots [0, P_b - 1) and a causal mask never lets them see the padding after them.
+        Returns the forward's hidden states (all L + 1, [B, P - 1, H]) or None."""
+        longest = max(p.numel() for p in prompts)
+        if self.static is None:
+            self.cache = new_cache()
+        else:
+            self.cache = self.static.cache(len(prompts), static_capacity(longest, max_new_tokens))
+        self.slots = longest - 1
+        if self.slots == 0:
+            return None
+        padded = torch.zeros(len(prompts), self.slots, dtype=torch.long, device=prompts[0].device)
+        for b, p in enumerate(prompts):
+            padded[b, : p.numel() - 1] = p[:-1]
+        want_hidden = bool(feature_layers) or need_last
+        out = self.model(input_ids=padded, **cache_kwargs(self.model, self.cache), use_cache=True,
+                         output_hidden_states=want_hidden, logits_to_keep=1)
+        return out.hidden_states
+
+    def fit(self, tree: DraftTree, rows: int) -> DraftTree:
+        """A static cache has room for one tree of capacity - slots nodes (TREE_ROOM at the least):
+        a bigger tree keeps its first nodes, as the policy's cut does."""
+        if self.static is None:
+            return tree
+        return cut_tree(tree, cache_capacity(self.cache) - self.slots)
+
+    def verify(self, trees: list[DraftTree], lengths: list[int], want_hidden: bool) -> Verification:
+        prefix = torch.tensor(lengths, device=trees[0].tokens.device)
+        return forward_trees(self.model, self.cache, pad_trees(trees), prefix, self.slots, want_hidden,
+                             forward=None if self.static is None else self.static.forward)
+
+    def keep(self, paths: list[list[int]], lengths: list[int]) -> None:
+        self.slots = keep_paths(self.cache, lengths, self.slots, paths)
+
+    def select_rows(self, keep: list[int], lengths: list[int]) -> None:
+        """Rows `keep` stay, whose committed lengths are `lengths`; the cache is cut to the longest."""
+        self.slots = max(lengths)
+        select_rows(self.cache, keep, self.slots)

@@ -1,0 +1,130 @@
+"""The llama.cpp backend (inference/llamacpp/) on SmolLM2-135M as an f32 GGUF made by llama.cpp's
+own converter: the tree mask through sequences, the features, exact greedy speculation at batch
+1 and ragged batch 3, and the sampled law at depth 2.
+
+These need libllama (`make llamacpp`), so they are the `llamacpp` marker's suite, run by
+`make test-llamacpp` (docs/testing.md); `make test` runs the backend's pure rules
+(tests/test_llamacpp_sequences.py).
+"""
+from collections import Counter
+
+import pytest
+import torch
+
+from drafthead.inference.drafter import RootOnlyDrafter
+from drafthead.inference.generate import GenerationConfig, generate_batch, speculative_generate
+from drafthead.inference.sampling import SamplingConfig, logits_to_probs
+from drafthead.inference.tree import DraftTree, chain_parents, node_depths
+from tests.stats import chi_square_pvalue
+
+pytestmark = pytest.mark.llamacpp
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from drafthead.drafters import default_head_path, load_heads
+    from drafthead.inference.llamacpp.convert import target_gguf
+    from drafthead.inference.llamacpp.target import LlamaCppTarget
+    from drafthead.inference.prompts import encode_chat, load_prompts
+    from drafthead.inference.targets import load_target
+
+    loaded = load_target("smollm2-135m", dtype="float32")
+    backend = LlamaCppTarget(target_gguf(loaded.path, "f32"), loaded.model.config, threads=2)
+    drafter, _ = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)
+    prompts = [encode_chat(loaded.tokenizer, p)[0] for p in load_prompts("mt-bench", 3)]
+    return loaded, backend, drafter, prompts
+
+
+def test_a_tree_forward_gives_each_node_the_logits_of_its_own_path(smollm2):
+    """Every node of a branching tree (verified in one llama_decode through the sequences) has the
+    logits that a plain chain forward of its root-to-node path gives: the mask is the tree's."""
+    loaded, backend, _, prompts = smollm2
+    prompt = prompts[0]
+    parents = torch.tensor([-1, 0, 0, 1, 1, 2, 3, 5, 5])
+    tokens = torch.randint(0, 40000, (1, 9), generator=torch.Generator().manual_seed(0))
+    length = prompt.numel() - 1
+    backend.start([prompt], (), False, 16)
+    tree = backend.verify([DraftTree(tokens, parents)], [length], False).logits[0]
+    backend.discard(length)
+    depths = node_depths(parents).tolist()
+    for node in range(9):
+        path, i = [], node
+        while i >= 0:
+            path.insert(0, i)
+            i = int(parents[i])
+        chain = backend.verify([DraftTree(tokens[:, path], chain_parents(len(path) - 1))], [length], False).logits[0]
+        backend.discard(length)
+        assert len(path) == depths[node] + 1
+        # forwards of 9 and of len(path) tokens round differently (by ~1e-2 here); a wrong mask
+        # moves logits by whole units
+        torch.testing.assert_close(tree[node], chain[-1], atol=5e-2, rtol=0)
+        assert int(tree[node].argmax()) == int(chain[-1].argmax())
+
+
+def test_features_are_the_targets_layer_inputs(smollm2):
+    """The layer inputs llama.cpp returns are transformers' hidden_states[i] of the same tokens."""
+    loaded, backend, _, prompts = smollm2
+    prompt = prompts[1]
+    hidden = backend.start([prompt], (2, 15, 27), False, 4)
+    with torch.inference_mode():
+        ref = loaded.model(prompt[None, :-1], output_hidden_states=True).hidden_states
+    for layer in (2, 15, 27):
+        # two engines in fp32 round apart elementwise; the whole state agrees to ~1e-4
+        error = (hidden[layer][0] - ref[layer][0]).norm() / ref[layer][0].norm()
+        assert error < 1e-3, (layer, float(error))
+
+
+@pytest.mark.parametrize("drafter_name", ["eagle3-head", "prompt-lookup"])
+def test_greedy_speculation_equals_the_backends_plain_decoding(smollm2, drafter_name):
+    from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+
+    loaded, backend, head, prompts = smollm2
+    drafter = head if drafter_name == "eagle3-head" else PromptLookupDrafter(num_draft=4)
+    config = GenerationConfig(max_new_tokens=40, eos_token_ids=(loaded.tokenizer.eos_token_id,))
+    plain = [speculative_generate(backend, RootOnlyDrafter(), p[None], config).new_tokens[0].tolist() for p in prompts]
+    for p, expected in zip(prompts, plain):
+        result = speculative_generate(backend, drafter, p[None], config)
+        assert result.new_tokens[0].tolist() == expected
+    batch = generate_batch(backend, drafter, prompts, config)  # ragged: three prompt lengths
+    assert len({p.numel() for p in prompts}) == 3
+    assert [r.new_tokens[0].tolist() for r in batch.rows] == plain
+    assert batch.num_forwards < sum(len(t) for t in plain)  # it did speculate
+
+
+def test_sampled_tokens_follow_the_targets_law_at_depth_two(smollm2):
+    """Three sampled tokens (top-3 at each step: 27 outcomes) through the backend, ten rows a
+    batch with prompt lookup's trees (the text repeats, so drafts of two tokens are accepted
+    whole): their joint law is the target's, enumerated from the backend's own plain forwards."""
+    from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+
+    loaded, backend, _, _ = smollm2
+    head = PromptLookupDrafter(num_draft=3)
+    sampling = SamplingConfig(temperature=1.0, top_k=3)
+    text = "one two three four. one two three four. one two three four. one two"
+    prompt = torch.tensor(loaded.tokenizer(text)["input_ids"])
+
+    def probs(seq: list[int]) -> torch.Tensor:
+        backend.start([torch.tensor(seq)], (), False, 1)
+        logits = backend.verify([DraftTree(torch.tensor([seq[-1:]]), torch.tensor([-1]))], [len(seq) - 1], False)
+        return logits_to_probs(logits.logits[0, 0], sampling)
+
+    start = prompt.tolist()
+    exact = {}
+    p1 = probs(start)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = probs(start + [a])
+        for b in p2.nonzero().flatten().tolist():
+            p3 = probs(start + [a, b])
+            for c in p3.nonzero().flatten().tolist():
+                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    runs, copies = 1500, 10
+    counts, deep = Counter(), 0
+    ids = prompt[None].repeat(copies, 1)
+    for run in range(runs // copies):
+        out = speculative_generate(backend, head, ids, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run),
+                                   attention_mask=torch.ones_like(ids))
+        for row in out.rows:
+            counts[tuple(row.new_tokens[0].tolist())] += 1
+            deep += row.accepted_lengths[0] == 3
+    assert deep > 0  # some first rounds accepted a depth-2 path whole
+    assert chi_square_pvalue(counts, exact, runs) > 1e-3
