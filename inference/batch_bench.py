@@ -71,15 +71,19 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
     encoded = [encode_chat(tokenizer, p).to(device) for p in prompts]
     eos = tuple(settings.eos_token_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
+    verifier = settings.verifier  # a llama.cpp backend: plain is then our engine on it, not generate()
+    engine_plain = engine_plain and verifier is None
 
     def ours(ids, mask, drafter, n, seed, policy):
         config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, policy=policy,
                                   **settings.engine)
         prompts_b = [row[m.bool()] for row, m in zip(ids, mask)]
         with torch.inference_mode():
-            return generate_batch(target, drafter, prompts_b, config, tokenizer=tokenizer)
+            return generate_batch(verifier or target, drafter, prompts_b, config, tokenizer=tokenizer)
 
     def plain(ids, mask, n, seed):
+        if verifier is not None:
+            return [r.new_tokens[0].tolist() for r in ours(ids, mask, RootOnlyDrafter(), n, seed, None).rows]
         if seed is not None:
             torch.manual_seed(seed)
         config = hf_generation_config(settings.sampling, n, eos, pad)
@@ -166,8 +170,9 @@ def _method_summary(records: list[dict], rate: float, baseline: float, forwards:
 
 def format_batch_table(report: dict) -> str:
     """Terminal summary of a batch report."""
+    plain = "plain (llama.cpp)" if report["settings"].get("backend") == "llama.cpp" else "plain generate()"
     lines = [f"batch {report['batch_size']}, {report['num_prompts']} prompts:",
-             f"  plain generate()     {report['baseline_tokens_per_s']:8.1f} tokens/s"]
+             f"  {plain:<20} {report['baseline_tokens_per_s']:8.1f} tokens/s"]
     if report.get("engine_plain_tokens_per_s"):
         lines.append(f"  ours, no drafting    {report['engine_plain_tokens_per_s']:8.1f} tokens/s")
     for name, m in report["methods"].items():

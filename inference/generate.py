@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
-from .drafter import RoundStats, fork_drafter
+from .drafter import RoundStats, TargetFeatures, fork_drafter
 from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from .stopping import StopRules, first_stop
@@ -183,6 +183,9 @@ class _Row:
     accepted_lengths: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     finish: str | None = None
+    # plain rounds' (tokens [1, 1], features, pending [1]) not yet given to the drafter: it takes
+    # them in one commit when it next drafts (_catch_up), so plain rounds cost no drafter work
+    deferred: list = field(default_factory=list)
 
 
 @dataclass
@@ -351,6 +354,8 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
             cap = None if policy is None else policy.draft_limit(len(active), planned)
             for row in active:
                 _limit(row.drafter, cap - 1 if cap is not None else None)
+            for row in active:
+                _catch_up(row)
             drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
         else:  # plain decoding this round: each tree is its root
             drafts = [(DraftTree(torch.tensor([[row.pending]], device=device), torch.tensor([-1], device=device)), None)
@@ -436,6 +441,9 @@ def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, res
     drafter = row.drafter
     round_features = select_features(verification.hidden_states, drafter.feature_layers, drafter.needs_last_hidden,
                                      path_index, row=b)
+    if skipped:  # a plain round: the drafter catches up when it next drafts
+        row.deferred.append((tree.tokens[:, path_index], round_features, torch.tensor([result.next_token], device=device)))
+        return
     depth_of = node_depths(tree.parents)
     depths = depth_of[result.path].tolist()
     drafter.commit(
@@ -448,3 +456,22 @@ def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, res
                    path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path],
                    skipped=skipped),
     )
+
+
+def _catch_up(row: _Row) -> None:
+    """Give the drafter the plain rounds it skipped as one commit: their roots as the accepted
+    tokens, their features, the last pending token (what a round accepting them all would give)."""
+    if not row.deferred:
+        return
+    tokens = torch.cat([t for t, _, _ in row.deferred], dim=1)  # [1, k]
+    parts = [f for _, f, _ in row.deferred]
+    features = None
+    if parts[0] is not None:
+        features = TargetFeatures(
+            parts[0].layers,
+            tuple(torch.cat(layer, dim=1) for layer in zip(*(f.hidden_states for f in parts))),
+            None if parts[0].last is None else torch.cat([f.last for f in parts], dim=1),
+        )
+    pending = row.deferred[-1][2]
+    row.deferred.clear()
+    row.drafter.commit(tokens, features, pending, RoundStats(num_drafted=0, num_accepted=0, depth=0, path=[0], skipped=True))

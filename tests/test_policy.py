@@ -198,3 +198,36 @@ def test_probe_trees_are_capped_where_verifying_them_would_cost_many_plain_round
     assert flat.probe_size(16, 60) == 60 and flat.probe_size(1, 1) == 1
     trees = [DraftTree(torch.arange(40)[None], torch.tensor([-1] + list(range(39)))) for _ in range(4)]
     assert steep.cut(trees) == steep.probe_size(4, 40) < 40  # a probe's cut is capped too
+
+
+def test_a_drafter_skipped_by_plain_rounds_catches_up_before_it_drafts():
+    """Plain rounds hand the drafter nothing (generate.py `_catch_up`); when it next drafts it has
+    taken them all at once: its history is the committed text, pending token last, and it holds
+    a feature for every committed position it has not fed to its head yet."""
+    target = tiny_causal_lm("llama", layers=4)
+    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
+                      token_counts=torch.arange(96)).eval()
+    seen = []
+
+    class Watched(EagleDrafter):
+        def propose(self):
+            buffered = sum(part[0].shape[1] for part in self.unfed)
+            seen.append((len(policy.decisions), self.history[0].tolist(), self.fed, buffered))
+            return super().propose()
+
+    prompt = prompts_of((9,), seed=2)[0]
+    for batch in (1, 3):
+        seen.clear()
+        policy = InjectedCosts(STEEP, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7,
+                               draft_per_row=0.05)  # plain first, drafting again from round 7
+        ids = prompt[None].repeat(batch, 1)
+        out = speculative_generate(target, Watched(head, total_tokens=6, depth=3, top_k=2), ids,
+                                   GenerationConfig(max_new_tokens=30, policy=policy),
+                                   attention_mask=torch.ones_like(ids))
+        row = out if batch == 1 else out.rows[0]
+        text = prompt.tolist() + row.new_tokens[0].tolist()
+        assert policy.decisions[0] == 1 and seen  # plain rounds first, then a drafting one
+        for round_, history, fed, buffered in seen:
+            committed = len(prompt) + sum(row.accepted_lengths[:round_])  # the pending token included
+            assert history == text[:committed]
+            assert fed + buffered == committed - 1  # every committed position but the pending one

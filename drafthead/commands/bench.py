@@ -122,32 +122,61 @@ OUR_SIDE = ("ours speculative", "transformers generate()")
 
 
 def _external(engines, args, loaded, prompts, settings, report) -> dict:
-    """The same prompts through llama.cpp / vLLM (scripts/interop/compare_engines.py, which a source checkout
-    has): tokens/s with prefill, as ours are counted, beside our own plain and speculative."""
-    import importlib.util
-
+    """The same prompts through llama.cpp's own tools (inference/llamacpp/tools.py, built by
+    `make llamacpp`) and vLLM (scripts/interop/compare_engines.py, in a source checkout): tokens/s
+    with prefill, as ours are counted, beside our own plain and speculative."""
     from ..inference.prompts import encode_chat
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "interop" / "compare_engines.py"
-    if not script.is_file():
-        raise ValueError(f"--compare {' / '.join(engines)} needs a drafthead source checkout ({script} is missing)")
-    spec = importlib.util.spec_from_file_location("compare_engines", script)
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
     encoded = [encode_chat(loaded.tokenizer, p) for p in prompts]
-    rows, skipped = compare.external_engines(
-        engines, Path(loaded.path), [ids[0].tolist() for ids in encoded],
-        [loaded.tokenizer.decode(ids[0]) for ids in encoded], list(settings.eos_token_ids), settings.max_new_tokens,
-        args.dtype, args.threads or 2, Path(args.out).parent / "engines" if args.out else Path("out/engines"))
+    texts = [loaded.tokenizer.decode(ids[0]) for ids in encoded]
+    rows, skipped = {}, {}
+    if "llama.cpp" in engines:
+        rows.update(_llamacpp_rows(args, loaded, texts, settings, skipped))
+    if "vllm" in engines:
+        more, why = _vllm_rows(args, loaded, encoded, settings)
+        rows.update(more)
+        skipped.update(why)
     speeds = {name: sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs) for name, rs in rows.items()}
     speeds = dict(zip(OUR_SIDE, (report["tokens_per_s"], report["baseline_tokens_per_s"]))) | speeds
     return {"tokens_per_s": speeds, "skipped": skipped, "rows": rows}
 
 
+def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
+    from ..inference.llamacpp import lib, tools
+    from ..inference.llamacpp.convert import DTYPE_GGUF
+
+    if lib.why_unavailable() is not None:
+        skipped["llama.cpp"] = lib.why_unavailable()
+        return {}
+    head = settings.info.get("head")
+    eagle3 = None
+    if head and (Path(head) / "config.json").is_file():
+        kind = json.loads((Path(head) / "config.json").read_text()).get("config", {}).get("kind")
+        eagle3 = Path(head) if kind == "eagle3" else None
+    return tools.compare_rows(Path(loaded.path), args.gguf_type or DTYPE_GGUF[args.dtype], texts,
+                              settings.max_new_tokens, args.threads or 2, eagle3_head=eagle3,
+                              progress=settings.progress)
+
+
+def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "interop" / "compare_engines.py"
+    if not script.is_file():
+        return {}, {"vllm": f"needs a drafthead source checkout ({script} is missing)"}
+    spec = importlib.util.spec_from_file_location("compare_engines", script)
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    return compare.external_engines(
+        ["vllm"], Path(loaded.path), [ids[0].tolist() for ids in encoded], [], list(settings.eos_token_ids),
+        settings.max_new_tokens, args.dtype, args.threads or 2,
+        Path(args.out).parent / "engines" if args.out else Path("out/engines"))
+
+
 def _run_batched(args, model, tokenizer, factory, example, prompts, settings) -> int:
     from ..inference.batch_bench import format_batch_table, run_batch_bench
 
-    policy = policy_from_args(args, model, example)
+    policy = policy_from_args(args, settings.verifier or model, example)
     name = "policy" if policy is not None else "speculative"
     report = run_batch_bench(model, tokenizer, {name: (factory, policy)}, prompts, settings, args.batch_size)
     if args.out:

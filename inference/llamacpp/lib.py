@@ -55,8 +55,8 @@ _SIGNATURES = {
     # shim.c
     "dh_init": ([ctypes.c_bool], None),
     "dh_load_model": ([ctypes.c_char_p], ctypes.c_void_p),
-    "dh_new_context": ([ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_bool],
-                       ctypes.c_void_p),
+    "dh_new_context": ([ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_bool,
+                        ctypes.c_int], ctypes.c_void_p),
     "dh_decode": ([ctypes.c_void_p, ctypes.POINTER(LlamaBatch)], ctypes.c_int32),
     "dh_quantize": ([ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int], ctypes.c_uint),
     "dh_set_layer_inp": ([ctypes.c_void_p, ctypes.c_uint, ctypes.c_bool], None),

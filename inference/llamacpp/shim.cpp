@@ -29,7 +29,7 @@ struct llama_model * dh_load_model(const char * path) {
 // One context for the whole generation: every row and every tree leaf is a sequence of one
 // unified KV cache (kv_unified), so the cells of a shared prefix serve all of them.
 struct llama_context * dh_new_context(struct llama_model * model, unsigned n_ctx, unsigned n_batch,
-                                      unsigned n_seq_max, int n_threads, bool embeddings) {
+                                      unsigned n_seq_max, int n_threads, bool embeddings, int flash_attn) {
     struct llama_context_params p = llama_context_default_params();
     p.n_ctx = n_ctx;
     p.n_batch = n_batch;
@@ -40,7 +40,7 @@ struct llama_context * dh_new_context(struct llama_model * model, unsigned n_ctx
     p.embeddings = embeddings;
     p.kv_unified = true;
     p.no_perf = true;
-    p.flash_attn_type = LLAMA_FLASH_ATTN_TYPE_DISABLED;
+    p.flash_attn_type = (enum llama_flash_attn_type) flash_attn;  // -1 auto, 0 off, 1 on
     return llama_init_from_model(model, p);
 }
 

@@ -28,6 +28,7 @@ from .sequences import depths_of, leaf_sets, nodes_within
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: every row and every leaf of every tree
 BATCH_TOKENS = 512  # tokens per llama_decode call (prefill is cut into such chunks)
+FLASH_ATTENTION = -1  # llama.cpp's default (auto: on where the backend has it), as its own tools run
 
 
 class LlamaCppError(RuntimeError):
@@ -231,7 +232,8 @@ class LlamaCppTarget:
             self.lib.llama_free(self.ctx)
             self.ctx = None
         size = -(-cells // 1024) * 1024
-        self.ctx = self.lib.dh_new_context(self.model, size, BATCH_TOKENS, MAX_SEQUENCES, self.threads, False)
+        self.ctx = self.lib.dh_new_context(self.model, size, BATCH_TOKENS, MAX_SEQUENCES, self.threads, False,
+                                           FLASH_ATTENTION)
         if not self.ctx:
             raise LlamaCppError(f"{self.path}: llama.cpp could not make a context of {size} cells")
         self.context = size
