@@ -240,9 +240,14 @@ def table(rows: list[dict]) -> str:
         loader = r.get("loader", {})
         loads = "-" if not loader else ("yes" if loader["loaded"] else "NO")
         note = r.get("error") or loader.get("error") or ""
-        if loader.get("loaded"):
-            note = f"{loader.get('tensors_in_file', '?')} tensors read; n_embd {loader.get('n_embd')}, " \
-                   f"vocab {loader.get('n_vocab')}; target layers {r['gguf_meta'].get('target_layers')}"
+        if loader.get("loaded"):  # the draft's geometry as the GGUF tells llama.cpp
+            m = r["gguf_meta"]
+            rope = f"RoPE base {m['rope.freq_base']:.0f}" if "rope.freq_base" in m else "RoPE base default"
+            if m.get("rope.scaling.type"):
+                rope += f" ({m['rope.scaling.type']} x{m.get('rope.scaling.factor', 1):g})"
+            note = f"{loader.get('tensors_in_file', '?')} tensors read; hidden {loader.get('n_embd')}, heads " \
+                   f"{m.get('attention.head_count')}/{m.get('attention.head_count_kv')} x " \
+                   f"{m.get('attention.key_length')}, {rope}; target layers {m.get('target_layers')}"
         dropped = ", ".join(r.get("dropped", [])) or "none"
         added = ", ".join(r.get("added", [])) or "none"
         lines.append(f"| {r['family']} | written | {len(r['exported'])} | {n_gguf} | {dropped} | {added} | {loads} | "
