@@ -403,6 +403,27 @@ def check_llamacpp(args) -> list[Row]:
                         True, compare(our_outputs(head, load_file(str(FIX / "inputs.safetensors"))), ref)))
     except Exception as e:
         rows.append(Row("llama.cpp", "import", "fixture GGUF", False, note=str(e)[-300:]))
+    return rows + llamacpp_family_rows()
+
+
+def llamacpp_family_rows() -> list[Row]:
+    """Our EAGLE-3 export on every tiny target family through llama.cpp's converter and libllama
+    (check_llamacpp_families.py, on the libllama `make llamacpp` builds): one row per family."""
+    out = OUT / "llamacpp_families.json"
+    out.unlink(missing_ok=True)
+    try:  # exit 1 when a family fails: its rows say which
+        sh([sys.executable, SCRIPTS / "check_llamacpp_families.py", "--out", out], OUT / "llamacpp_families.log")
+    except RuntimeError as e:
+        if not out.exists():
+            return [Row("llama.cpp", "export", "EAGLE-3 head per tiny target family", False, note=str(e)[-300:])]
+    rows = []
+    for r in json.loads(out.read_text())["families"]:
+        loader = r.get("loader", {})
+        note = r.get("refusal") or r.get("error") or loader.get("error") or \
+            f"{len(r['exported'])} tensors exported, {len(r['gguf'])} in the GGUF " \
+            f"(dropped {r['dropped']}, added {r['added']})"
+        rows.append(Row("llama.cpp", "export", f"{r['family']} tiny target, EAGLE-3 head, converter + libllama",
+                        r["status"] == "loads", note=note))
     return rows
 
 
