@@ -4,7 +4,8 @@
 Sequences of one unified KV cache (sequences.py):
 
     row b (its committed text)     sequence b
-    row b's tree leaves            sequences first_leaf(b) + k, rebuilt each round
+    row b's tree leaves            sequences first_leaf(b) + k, rebuilt each round (a chain,
+                                   plain decoding included, runs on sequence b itself)
     keep(path)                     the accepted nodes join sequence b (seq_cp from the leaf below
                                    the deepest accepted node); every leaf sequence is removed,
                                    which frees the cells of the rejected nodes
@@ -28,7 +29,7 @@ from .sequences import depths_of, leaf_sets, nodes_within
 
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: every row and every leaf of every tree
 BATCH_TOKENS = 512  # tokens per llama_decode call (prefill is cut into such chunks)
-FLASH_ATTENTION = -1  # llama.cpp's default (auto: on where the backend has it), as its own tools run
+FLASH_ATTENTION = 0  # off: llama.cpp's CPU flash attention rounds a one-token and a several-token forward apart, in f32 too
 
 
 class LlamaCppError(RuntimeError):
@@ -143,13 +144,16 @@ class LlamaCppTarget:
             sets = leaf_sets(parents)
             depth = depths_of(parents)
             n_leaves = len(sets[0])
-            seqs = list(range(next_leaf, next_leaf + n_leaves))
-            if next_leaf + n_leaves > MAX_SEQUENCES:
-                raise LlamaCppError(f"{n_leaves} leaves do not fit the {MAX_SEQUENCES} sequences (use fit())")
-            next_leaf += n_leaves
             row_seq = self._rows[b]
-            for s in seqs:
-                self.lib.llama_memory_seq_cp(self.memory, row_seq, s, -1, -1)
+            if n_leaves == 1:  # a chain (plain decoding too) extends the row's own sequence
+                seqs = [row_seq]
+            else:
+                seqs = list(range(next_leaf, next_leaf + n_leaves))
+                if next_leaf + n_leaves > MAX_SEQUENCES:
+                    raise LlamaCppError(f"{n_leaves} leaves do not fit the {MAX_SEQUENCES} sequences (use fit())")
+                next_leaf += n_leaves
+                for s in seqs:
+                    self.lib.llama_memory_seq_cp(self.memory, row_seq, s, -1, -1)
             self._leaves[b] = (length, [[seqs[k] for k in node] for node in sets], seqs)
             nodes = [(int(t), length + depth[i], [seqs[k] for k in sets[i]])
                      for i, t in enumerate(tree.tokens[0].tolist())]
@@ -174,6 +178,9 @@ class LlamaCppTarget:
         """Row b keeps its accepted nodes `paths[b]` (root first) after its committed text."""
         for b, path in enumerate(paths):
             length, node_seqs, seqs = self._leaves[b]
+            if seqs == [self._rows[b]]:  # a chain: drop the rejected tail of the row's own sequence
+                self.lib.llama_memory_seq_rm(self.memory, seqs[0], length + len(path), -1)
+                continue
             leaf = node_seqs[path[-1]][0]  # its cells hold every node of the path
             self.lib.llama_memory_seq_cp(self.memory, leaf, self._rows[b], length, length + len(path))
             for s in seqs:
@@ -192,7 +199,8 @@ class LlamaCppTarget:
         timing a forward needs after each try."""
         for _, _, seqs in self._leaves.values():
             for s in seqs:
-                self.lib.llama_memory_seq_rm(self.memory, s, -1, -1)
+                if s not in self._rows:
+                    self.lib.llama_memory_seq_rm(self.memory, s, -1, -1)
         self._leaves = {}
         self.lib.llama_memory_seq_rm(self.memory, self._rows[0], length, -1)
 
