@@ -108,18 +108,12 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
     head = Path(head)
     if not head.is_dir():
         raise FileNotFoundError(f"no head folder at {head}")
-    from .heads.formats import detect_layout, layout_kind
     from .heads.formats.common import ConventionNeeded
     from .heads.config import KINDS, drafter_family
-    from .heads.io import CONFIG_NAME, read_json
     from .inference.drafters.heads import draft_size_option
     from .inference.drafters.load import load_head_drafter
 
-    layout = detect_layout(head)
-    if layout == "ours":
-        kind = read_json(head / CONFIG_NAME).get("config", {}).get("kind")
-    else:
-        kind = layout_kind(head, layout)
+    layout, kind = head_layout(head)
     if num_draft is not None:
         if kind not in KINDS:
             raise DrafterError(f"{head}: unknown head kind {kind!r}")
@@ -137,6 +131,17 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
     print(f"drafthead: {head} is a {layout} checkpoint, read exactly into a {kind} head "
           f"(`drafthead import` saves it as a drafthead head folder)", file=sys.stderr)
     return loaded
+
+
+def head_layout(head: Path) -> tuple[str, str | None]:
+    """(layout, head kind) of the head folder `head`, ours or a foreign one, from its files alone."""
+    from .heads.formats import detect_layout, layout_kind
+    from .heads.io import CONFIG_NAME, read_json
+
+    layout = detect_layout(head)
+    if layout == "ours":
+        return layout, read_json(Path(head) / CONFIG_NAME).get("config", {}).get("kind")
+    return layout, layout_kind(head, layout)
 
 
 def default_head_path(target_name: str) -> Path | None:

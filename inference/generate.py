@@ -354,7 +354,6 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
             cap = None if policy is None else policy.draft_limit(len(active), planned)
             for row in active:
                 _limit(row.drafter, cap - 1 if cap is not None else None)
-            for row in active:
                 _catch_up(row)
             drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
         else:  # plain decoding this round: each tree is its root

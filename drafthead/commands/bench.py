@@ -17,6 +17,7 @@ from . import (
     policy_from_args,
     verifier_from_args,
     sampling_from_args,
+    torch_threads,
 )
 
 
@@ -142,19 +143,18 @@ def _external(engines, args, loaded, prompts, settings, report) -> dict:
 
 
 def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
+    from ..drafters import head_layout
     from ..inference.llamacpp import lib, tools
     from ..inference.llamacpp.convert import DTYPE_GGUF
 
-    if lib.why_unavailable() is not None:
-        skipped["llama.cpp"] = lib.why_unavailable()
+    why = lib.why_unavailable()
+    if why is not None:
+        skipped["llama.cpp"] = why
         return {}
     head = settings.info.get("head")
-    eagle3 = None
-    if head and (Path(head) / "config.json").is_file():
-        kind = json.loads((Path(head) / "config.json").read_text()).get("config", {}).get("kind")
-        eagle3 = Path(head) if kind == "eagle3" else None
+    eagle3 = Path(head) if head and head_layout(Path(head)) == ("ours", "eagle3") else None
     return tools.compare_rows(Path(loaded.path), args.gguf_type or DTYPE_GGUF[args.dtype], texts,
-                              settings.max_new_tokens, args.threads or 2, eagle3_head=eagle3,
+                              settings.max_new_tokens, args.threads or torch_threads(), eagle3_head=eagle3,
                               progress=settings.progress)
 
 
@@ -167,9 +167,9 @@ def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
     spec = importlib.util.spec_from_file_location("compare_engines", script)
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
-    return compare.external_engines(
-        ["vllm"], Path(loaded.path), [ids[0].tolist() for ids in encoded], [], list(settings.eos_token_ids),
-        settings.max_new_tokens, args.dtype, args.threads or 2,
+    return compare.vllm_rows(
+        Path(loaded.path), [ids[0].tolist() for ids in encoded], list(settings.eos_token_ids),
+        settings.max_new_tokens, args.dtype, args.threads or torch_threads(),
         Path(args.out).parent / "engines" if args.out else Path("out/engines"))
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ...heads.io import cache_root
 from . import lib as _lib
 
 # GGUF type -> llama.h `enum llama_ftype` for the quantizer (None: the converter writes it)
@@ -24,8 +25,7 @@ class ConversionError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("DRAFTHEAD_CACHE") or Path.home() / ".cache" / "drafthead"
-    return Path(base) / "gguf"
+    return cache_root() / "gguf"
 
 
 def converter() -> Path:

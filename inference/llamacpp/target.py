@@ -22,8 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..tree import DraftTree
 from ..policy import cut_tree
+from ..tree import DraftTree
+from ..verify import Verification
 from . import lib as _lib
 from .sequences import depths_of, leaf_sets, nodes_within
 
@@ -112,13 +113,7 @@ class LlamaCppTarget:
             tokens += [(t, pos, [b]) for pos, t in enumerate(ids)]
             where += [(b, pos) for pos in range(len(ids))]
         for start in range(0, len(tokens), BATCH_TOKENS):
-            chunk = tokens[start:start + BATCH_TOKENS]
-            self._decode(chunk, outputs=False)
-            if hidden is not None:
-                rows = torch.tensor([b for b, _ in where[start:start + len(chunk)]])
-                cols = torch.tensor([c for _, c in where[start:start + len(chunk)]])
-                for i, h in self._layer_inputs(len(chunk)).items():
-                    hidden[i][rows, cols] = h
+            self._run_chunk(tokens[start:start + BATCH_TOKENS], where[start:start + BATCH_TOKENS], None, hidden)
         return hidden
 
     def fit(self, tree: DraftTree, rows: int) -> DraftTree:
@@ -129,16 +124,14 @@ class LlamaCppTarget:
     def verify(self, trees: list[DraftTree], lengths: list[int], want_hidden: bool):
         """Every active row's tree in one forward (in chunks of whole rows beyond BATCH_TOKENS);
         returns logits [B, N, V] float32 and {hidden index: [B, N, H]} (N: the largest tree)."""
-        from ..verify import Verification
-
         width = max(t.num_nodes for t in trees)
         logits = torch.zeros(len(trees), width, self.vocab_size)
         hidden = ({i: torch.zeros(len(trees), width, self.hidden_size, dtype=self.feature_dtype)
                    for i in self._features} if want_hidden and self._features else None)
         next_leaf = len(self._rows) and max(self._rows) + 1
         self._leaves = {}
-        pending: list[tuple[int, int, int]] = []  # (row b, node, ...) for the chunk being built
-        chunk: list[tuple[int, int, list[int]]] = []
+        where: list[tuple[int, int]] = []  # (row b, node) of each entry of the chunk being built
+        chunk: list[tuple[int, int, list[int]]] = []  # (token, position, sequence ids)
         for b, (tree, length) in enumerate(zip(trees, lengths)):
             parents = tree.parents.tolist()
             sets = leaf_sets(parents)
@@ -154,22 +147,25 @@ class LlamaCppTarget:
                 next_leaf += n_leaves
                 for s in seqs:
                     self.lib.llama_memory_seq_cp(self.memory, row_seq, s, -1, -1)
-            self._leaves[b] = (length, [[seqs[k] for k in node] for node in sets], seqs)
-            nodes = [(int(t), length + depth[i], [seqs[k] for k in sets[i]])
-                     for i, t in enumerate(tree.tokens[0].tolist())]
+            node_seqs = [[seqs[k] for k in node] for node in sets]
+            self._leaves[b] = (length, node_seqs, seqs)
+            nodes = [(int(t), length + depth[i], node_seqs[i]) for i, t in enumerate(tree.tokens[0].tolist())]
             if chunk and len(chunk) + len(nodes) > BATCH_TOKENS:
-                self._verify_chunk(chunk, pending, logits, hidden)
-                chunk, pending = [], []
-            pending += [(b, i) for i in range(len(nodes))]
+                self._run_chunk(chunk, where, logits, hidden)
+                chunk, where = [], []
+            where += [(b, i) for i in range(len(nodes))]
             chunk += nodes
-        self._verify_chunk(chunk, pending, logits, hidden)
+        self._run_chunk(chunk, where, logits, hidden)
         return Verification(logits, hidden)
 
-    def _verify_chunk(self, chunk, where, logits, hidden) -> None:
-        out = self._decode(chunk, outputs=True)
+    def _run_chunk(self, chunk, where, logits: torch.Tensor | None, hidden: dict | None) -> None:
+        """One llama_decode of `chunk`; entry j's logits (when `logits` is given) and feature
+        layers land at [row, column] = where[j] of those tensors."""
+        out = self._decode(chunk, outputs=logits is not None)
         rows = torch.tensor([b for b, _ in where])
         cols = torch.tensor([i for _, i in where])
-        logits[rows, cols] = out
+        if logits is not None:
+            logits[rows, cols] = out
         if hidden is not None:
             for i, h in self._layer_inputs(len(chunk)).items():
                 hidden[i][rows, cols] = h

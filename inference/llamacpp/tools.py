@@ -15,6 +15,11 @@ from . import lib as _lib
 from .convert import ConversionError, converter
 
 
+PLAIN_ROW = "llama.cpp plain"
+NGRAM_ROW = "llama.cpp n-gram (ngram-simple, n=3)"
+EAGLE3_ROW = "llama.cpp draft-eagle3 (our head, 4 drafts)"
+
+
 def tool(name: str) -> Path:
     path = _lib.library_dir().parent / "cmake" / "bin" / name
     if not path.is_file():
@@ -101,11 +106,11 @@ def compare_rows(target_folder: Path, gguf_type: str, texts: list[str], n: int, 
     from .convert import target_gguf
 
     gguf = target_gguf(target_folder, gguf_type)
-    runs = {"llama.cpp plain": lambda text: plain(gguf, text, n, threads),
-            "llama.cpp n-gram (ngram-simple, n=3)": lambda text: ngram(gguf, text, n, threads)}
+    runs = {PLAIN_ROW: lambda text: plain(gguf, text, n, threads),
+            NGRAM_ROW: lambda text: ngram(gguf, text, n, threads)}
     if eagle3_head is not None:
         draft = head_gguf(eagle3_head, target_folder, (work or gguf.parent) / f"head-{Path(eagle3_head).name}.gguf")
-        runs["llama.cpp draft-eagle3 (our head, 4 drafts)"] = lambda text: eagle3(gguf, draft, text, n, threads)
+        runs[EAGLE3_ROW] = lambda text: eagle3(gguf, draft, text, n, threads)
     rows: dict[str, list[dict]] = {name: [] for name in runs}
     for text in tqdm(texts, desc="llama.cpp", unit="prompt", disable=not progress):
         for name, run in runs.items():

@@ -77,8 +77,8 @@ def files_key(folder: Path, extra: str) -> str:
 
 
 def convert(src: Path, out: Path, outtype: str, target_dir: Path | None = None) -> dict:
-    # the llamacpp venv's python: this module is also imported by our own venv's scripts
-    # (scripts/interop/compare_engines.py), which lack the converter's dependencies (sentencepiece)
+    # the llamacpp venv's python, which has the converter's dependencies (sentencepiece), when
+    # this module is imported from another venv
     python = VENV_PY if VENV_PY.exists() else Path(sys.executable)
     cmd = [python, SRC / "convert_hf_to_gguf.py", src, "--outtype", outtype, "--outfile", out]
     if target_dir is not None:

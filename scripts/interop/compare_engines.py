@@ -9,7 +9,8 @@ as inference/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and t
     fixed tree, and ours with the load policy (`--num-draft auto`: each round's node count from
     the measured forward cost, down to plain decoding);
   - llama.cpp plain decoding (llama-completion) and with its own n-gram drafting
-    (llama-speculative-simple --spec-type ngram-simple), built by scripts/interop/setup_llamacpp.sh;
+    (llama-speculative-simple --spec-type ngram-simple), built by `make llamacpp`
+    (inference/llamacpp/tools.py);
   - vLLM's CPU build, plain, one request at a time, in its own venv (scripts/interop/setup_vllm.sh).
 The first four run prompt by prompt, interleaved; vLLM runs after them in a child process (it
 cannot share this process's torch). Tokens/s count prefill: ours and generate() are timed wall to
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -55,34 +55,22 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------
 
 
-def _ms(rx: str, text: str) -> float | None:
-    m = re.search(rx, text)
-    return float(m.group(1)) if m else None
+def llama_engine(target: Path, dtype: str):
+    """The target's GGUF in `dtype` (llama.cpp's converter, inference/llamacpp/convert.py), or a
+    string: why llama.cpp is skipped."""
+    from drafthead.inference.llamacpp import lib
+    from drafthead.inference.llamacpp.convert import DTYPE_GGUF, target_gguf
+
+    why = lib.why_unavailable()
+    return why if why is not None else target_gguf(target, DTYPE_GGUF[dtype])
 
 
-def _llama(llama, exe: str, model: Path, text: str, n: int, threads: int, extra: list[str], timers: dict) -> dict:
-    """Run one llama.cpp tool on one prompt; {name: number} read from its log by `timers` regexes."""
-    p = llama.run([llama.BIN / exe, "-m", model, "-p", text, "-n", str(n), *extra, *llama.common_args(threads, 4096)])
-    found = {name: _ms(rx, p.stderr) for name, rx in timers.items()}
-    if p.returncode or None in found.values():
-        raise RuntimeError(f"{exe} failed (rc {p.returncode}): {p.stderr[-800:]}")
-    return found
+def add_llama_rows(rows: dict, gguf: Path, text: str, n: int, threads: int) -> None:
+    """One prompt through llama.cpp's own tools, plain and with its n-gram drafting."""
+    from drafthead.inference.llamacpp import tools
 
-
-def llama_plain(llama, model: Path, text: str, n: int, threads: int) -> dict:
-    t = _llama(llama, "llama-completion", model, text, n, threads, ["-no-cnv", "--no-display-prompt"],
-               {"prompt_ms": r"prompt eval time =\s*([\d.]+) ms", "eval_ms": r"(?<!prompt )eval time =\s*([\d.]+) ms",
-                "runs": r"(?<!prompt )eval time =\s*[\d.]+ ms /\s*(\d+) runs"})
-    # the first new token comes out of the prompt pass, the rest from `runs` decode steps
-    return {"tokens": int(t["runs"]) + 1, "seconds": (t["prompt_ms"] + t["eval_ms"]) / 1000}
-
-
-def llama_ngram(llama, model: Path, text: str, n: int, threads: int) -> dict:
-    t = _llama(llama, "llama-speculative-simple", model, text, n, threads,
-               ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"],
-               {"encode_s": r"encoded\s+\d+ tokens in\s+([\d.]+) seconds",
-                "decode_s": r"decoded\s+\d+ tokens in\s+([\d.]+) seconds", "tokens": r"decoded\s+(\d+) tokens in"})
-    return {"tokens": int(t["tokens"]), "seconds": t["encode_s"] + t["decode_s"]}
+    for name, run in ((tools.PLAIN_ROW, tools.plain), (tools.NGRAM_ROW, tools.ngram)):
+        rows.setdefault(name, []).append(run(gguf, text, n, threads))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -131,26 +119,7 @@ def run_vllm(target: Path, prompts: list[list[int]], eos: list[int], args, work:
     return json.loads(spec.with_suffix(".out.json").read_text())
 
 
-GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}
-LLAMA_ROWS = ("llama.cpp plain", "llama.cpp n-gram (ngram-simple, n=3)")
 VLLM_ROW = "vLLM CPU plain"
-
-
-def llama_engine(target: Path, dtype: str):
-    """(check_llamacpp module, the target's GGUF in `dtype`), or a string: why llama.cpp is skipped."""
-    sys.path.insert(0, str(INTEROP))
-    import check_llamacpp as llama
-
-    if not (llama.BIN / "llama-completion").exists():
-        return "not built (make interop, or scripts/interop/setup_llamacpp.sh)"
-    return llama, llama.target_gguf(target, GGUF_TYPES[dtype])
-
-
-def add_llama_rows(rows: dict, engine, text: str, n: int, threads: int) -> None:
-    """One prompt through llama.cpp, plain and with its n-gram drafting."""
-    llama, gguf = engine
-    for name, run in zip(LLAMA_ROWS, (llama_plain, llama_ngram)):
-        rows.setdefault(name, []).append(run(llama, gguf, text, n, threads))
 
 
 def add_vllm_rows(rows: dict, skipped: dict, target: Path, prompts: list[list[int]], eos: list[int], args,
@@ -162,23 +131,14 @@ def add_vllm_rows(rows: dict, skipped: dict, target: Path, prompts: list[list[in
     rows[VLLM_ROW] = run_vllm(target, prompts, eos, args, work)
 
 
-def external_engines(engines: list[str], target: Path, prompts: list[list[int]], texts: list[str], eos: list[int],
-                     max_new_tokens: int, dtype: str, threads: int, work: Path) -> tuple[dict, dict]:
-    """`drafthead bench --compare llama.cpp|vllm`: the same prompts through those engines, one at a
-    time, greedy (llama.cpp takes the rendered text, vLLM the token ids). Returns ({engine: rows},
-    {engine: why it was skipped})."""
+def vllm_rows(target: Path, prompts: list[list[int]], eos: list[int], max_new_tokens: int, dtype: str,
+              threads: int, work: Path) -> tuple[dict, dict]:
+    """`drafthead bench --compare vllm`: the same prompts (token ids) through vLLM, one at a time,
+    greedy. Returns ({engine: rows}, {engine: why it was skipped})."""
     rows: dict[str, list[dict]] = {}
     skipped: dict[str, str] = {}
-    if "llama.cpp" in engines:
-        engine = llama_engine(target, dtype)
-        if isinstance(engine, str):
-            skipped["llama.cpp"] = engine
-        else:
-            for text in texts:
-                add_llama_rows(rows, engine, text, max_new_tokens, threads)
-    if "vllm" in engines:
-        args = argparse.Namespace(dtype=dtype, threads=threads, max_new_tokens=max_new_tokens)
-        add_vllm_rows(rows, skipped, target, prompts, eos, args, work)
+    args = argparse.Namespace(dtype=dtype, threads=threads, max_new_tokens=max_new_tokens)
+    add_vllm_rows(rows, skipped, target, prompts, eos, args, work)
     return rows, skipped
 
 
