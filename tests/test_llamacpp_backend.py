@@ -128,3 +128,16 @@ def test_sampled_tokens_follow_the_targets_law_at_depth_two(smollm2):
             deep += row.accepted_lengths[0] == 3
     assert deep > 0  # some first rounds accepted a depth-2 path whole
     assert chi_square_pvalue(counts, exact, runs) > 1e-3
+
+
+def test_the_widest_tree_fit_allows_still_verifies_after_rows_leave(smollm2):
+    """Leaf sequences start after every row the batch began with, so once rows have left, the
+    tree `fit` allows the one row left (a star of 300 leaves, cut to what fits) still verifies."""
+    _, backend, _, prompts = smollm2
+    backend.start(prompts, (), False, 8)
+    backend.select_rows([2], [prompts[2].numel() - 1])
+    star = DraftTree(torch.full((1, 301), 11), torch.tensor([-1] + [0] * 300))
+    tree = backend.fit(star, 1)
+    assert 1 < tree.num_nodes < star.num_nodes
+    logits = backend.verify([tree], [prompts[2].numel() - 1], False).logits
+    assert logits.shape == (1, tree.num_nodes, backend.vocab_size)

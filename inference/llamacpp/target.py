@@ -67,6 +67,7 @@ class LlamaCppTarget:
         self.threads = threads
         self._features: tuple[int, ...] = ()
         self._rows: list[int] = []  # sequence id of each active row, in batch order
+        self._first_leaf = 0
         self._leaves: dict[int, tuple[int, list[list[int]], list[int]]] = {}
 
     def close(self) -> None:
@@ -104,6 +105,7 @@ class LlamaCppTarget:
             self.lib.dh_set_layer_inp(self.ctx, layer, layer in wanted)
         self._features = wanted
         self._rows = list(range(len(prompts)))
+        self._first_leaf = len(prompts)  # leaf sequences follow every row's, even after rows leave
         longest = max(p.numel() for p in prompts) - 1
         hidden = {i: torch.zeros(len(prompts), longest, self.hidden_size, dtype=self.feature_dtype)
                   for i in self._features} if self._features else None
@@ -118,7 +120,7 @@ class LlamaCppTarget:
 
     def fit(self, tree: DraftTree, rows: int) -> DraftTree:
         """The tree cut to the leaves a row may use this round (each leaf is a sequence)."""
-        allowance = (MAX_SEQUENCES - len(self._rows)) // max(1, rows)
+        allowance = (MAX_SEQUENCES - self._first_leaf) // max(1, rows)
         return cut_tree(tree, nodes_within(tree.parents.tolist(), allowance))
 
     def verify(self, trees: list[DraftTree], lengths: list[int], want_hidden: bool):
@@ -128,7 +130,7 @@ class LlamaCppTarget:
         logits = torch.zeros(len(trees), width, self.vocab_size)
         hidden = ({i: torch.zeros(len(trees), width, self.hidden_size, dtype=self.feature_dtype)
                    for i in self._features} if want_hidden and self._features else None)
-        next_leaf = len(self._rows) and max(self._rows) + 1
+        next_leaf = self._first_leaf
         self._leaves = {}
         where: list[tuple[int, int]] = []  # (row b, node) of each entry of the chunk being built
         chunk: list[tuple[int, int, list[int]]] = []  # (token, position, sequence ids)
