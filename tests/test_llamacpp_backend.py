@@ -55,7 +55,7 @@ def test_a_tree_forward_gives_each_node_the_logits_of_its_own_path(smollm2):
         chain = backend.verify([DraftTree(tokens[:, path], chain_parents(len(path) - 1))], [length], False).logits[0]
         backend.discard(length)
         assert len(path) == depths[node] + 1
-        # forwards of 9 and of len(path) tokens round differently (by ~1e-2 here); a wrong mask
+        # forwards of 9 and of len(path) tokens round differently (by ~1e-2 on SmolLM2); a wrong mask
         # moves logits by whole units
         torch.testing.assert_close(tree[node], chain[-1], atol=5e-2, rtol=0)
         assert int(tree[node].argmax()) == int(chain[-1].argmax())
