@@ -99,9 +99,26 @@ def test_template_that_rewrites_history_is_refused(tok):
     bad.chat_template = "{{ messages[-1]['content'] }}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     with pytest.raises(ChatTemplateError, match="prefix"):
         format_conversation(bad, CONV, 100)
-    bad.chat_template = None
-    with pytest.raises(ChatTemplateError, match="no chat template"):
-        format_conversation(bad, CONV, 100)
+
+
+def test_without_a_template_the_plain_format_masks_answers_and_eos():
+    """A base model's tokenizer: turns separated by a blank line; each answer and the EOS after it
+    are labelled, the blank line before it is the generation prompt and is not."""
+    from drafthead.inference.prompts import encode_chat
+
+    plain = tiny_tokenizer()
+    plain.chat_template = None
+    f = format_conversation(plain, CONV, 1000)
+    eos = plain.eos_token
+    assert masked_runs(plain, f.input_ids, f.loss_mask) == [
+        "one two three four" + eos, "  leading spaces,\nnew line and ünïcode ✓ " + eos, "x" + eos]
+    assert plain.decode(f.input_ids).startswith("You answer in lists.\n\ncontinue: one two\n\none two")
+    assert stop_token_ids(plain) == [plain.eos_token_id]
+    # generation sees exactly the training prefix of the first answer: the prompt and its blank line
+    first = [{"role": "user", "content": "continue: one two"}, {"role": "assistant", "content": "one two three four"}]
+    g = format_conversation(plain, first, 1000)
+    prompt = encode_chat(plain, "continue: one two")[0].tolist()
+    assert g.input_ids[: len(prompt)] == prompt and not any(g.loss_mask[: len(prompt)]) and g.loss_mask[len(prompt)]
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,17 @@ raises). The text is then tokenized piece by piece, cut at the span boundaries, 
 straddles a boundary: SmolLM2's BPE would otherwise merge the header's "\n" with an answer's
 leading spaces into one token, half prompt and half label. Piecewise is also what generation
 sees: the prompt ends with the header's own tokens and the answer's tokens start fresh.
+
+A tokenizer without a chat template gets inference/prompts.py's plain format, the one generation
+uses for it.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 import datasets
+
+from ..inference.prompts import render_chat
 
 
 # Bump when the formatting or mask rules change. `.map` caches are keyed on the map function, and
@@ -33,21 +38,15 @@ class ChatTemplateError(ValueError):
     pass
 
 
-def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-
-
 def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
     """(full rendered text, [start, end) character span of each assistant turn incl. its end-of-turn text)."""
-    text = render(tokenizer, messages)
+    text = render_chat(tokenizer, messages)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prefix = render(tokenizer, messages[:i], add_generation_prompt=True)
-        upto = render(tokenizer, messages[: i + 1]).rstrip()
+        prefix = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+        upto = render_chat(tokenizer, messages[: i + 1]).rstrip()
         if not text.startswith(prefix) or not text.startswith(upto) or len(upto) <= len(prefix):
             raise ChatTemplateError(
                 f"the chat template does not render turn {i} as a prefix of the whole conversation; "
@@ -60,7 +59,7 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
 def end_of_turn_text(tokenizer) -> str:
     """What the template writes right after an assistant reply, e.g. '<|im_end|>' (whitespace stripped)."""
     probe = "d5a1e7"
-    text = render(tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": probe}])
+    text = render_chat(tokenizer, [{"role": "user", "content": "q"}, {"role": "assistant", "content": probe}])
     return text[text.rindex(probe) + len(probe) :].strip()
 
 

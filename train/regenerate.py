@@ -32,7 +32,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .chat_format import render, stop_token_ids
+from ..inference.prompts import render_chat
+from .chat_format import stop_token_ids
 from .workshare import WorkShare, write_atomically
 
 
@@ -256,7 +257,7 @@ def regenerate(
                 for i in range(len(batch)):
                     if not open_[i] or k >= len(users[i]):
                         continue
-                    prompt = render(tokenizer, history[i] + [{"role": "user", "content": users[i][k]}], add_generation_prompt=True)
+                    prompt = render_chat(tokenizer, history[i] + [{"role": "user", "content": users[i][k]}], add_generation_prompt=True)
                     if limit is not None and len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) + max_new_tokens > limit:
                         report.prompts_too_long += 1
                         open_[i] = False

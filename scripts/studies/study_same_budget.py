@@ -4,7 +4,7 @@
         --kinds eagle3,eagle31,peagle,dflash,medusa1 --prompts 8 --max-new-tokens 128
 
 Needs, under --work, the captured features of one mixed chat file (`features/`, `mix.jsonl`: what
-scripts/recipes/train_eagle3_smollm2.sh's regenerate / mix / capture phases write; every kind reads the
+scripts/recipes/train_eagle3.sh's regenerate / mix / capture phases write; every kind reads the
 EAGLE-3 capture, which holds layers 2, 15, 27 and the final state). For each kind:
 
   1. pilot: a few steps to measure seconds per optimizer step on the machine at hand;
