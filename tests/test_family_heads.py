@@ -30,7 +30,7 @@ from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.train.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate
 from tests.test_head_drafters import assert_greedy_equals_plain
 from tests.test_interop_fixtures import ROOT
-from tests.tiny import FAMILIES, tiny_causal_lm
+from tests.tiny import TARGETS, tiny_causal_lm
 
 V = 96
 KINDS = {
@@ -84,7 +84,7 @@ def train_losses(head, batch, steps: int = 3) -> list[float]:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TARGETS)
 def test_trains_with_finite_loss_on_online_features(family, kind):
     head = head_of(family, kind)
     batch = OnlineFeaturizer(target_of(family), head.config.train_hidden_layers)(collate(samples()))
@@ -118,7 +118,7 @@ def test_qwen3_moe_eagle3_loss_is_finite_over_seeds(seed):
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3", "eagle31"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TARGETS)
 def test_greedy_equals_plain_at_batch_1_and_ragged_3(family, kind):
     head = head_of(family, kind).eval()
     assert_greedy_equals_plain(target_of(family),
@@ -184,7 +184,7 @@ def consumer_layer_shapes(kind: str, fmt: str, cfg: dict) -> tuple[str, dict[str
 def expected_refusal(target, fmt: str) -> str | None:
     """What the export to `fmt` must refuse for, from the target's own config: upstream EAGLE's
     fixed RoPE (base 10000, whatever the config says)."""
-    rope = target.config.rope_parameters
+    rope = target.config.get_text_config().rope_parameters  # a multimodal target's is its language model's
     rope = rope.get("full_attention", rope)  # Gemma 3: one RoPE per layer type
     if fmt == "eagle" and (rope.get("rope_type") != "default" or rope.get("rope_theta") != 10000.0):
         return "RoPE with base 10000"
@@ -192,7 +192,7 @@ def expected_refusal(target, fmt: str) -> str | None:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TARGETS)
 def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kind, tmp_path):
     head = head_of(family, kind)
     head.save_pretrained(tmp_path / "head")
