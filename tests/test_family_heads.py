@@ -288,6 +288,35 @@ def test_speculators_eagle3_of_a_qwen3_or_gpt_oss_verifier_imports(family, tmp_p
     assert torch.equal(outputs(back, target_of(family)), outputs(head, target_of(family)))
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_exports_for_an_mrope_target_state_the_plain_rope_its_head_drafts_with(family, tmp_path):
+    """A head drafts with one position per token, prefix + depth (the target's mrope_section is
+    dropped from the draft layer's RoPE, heads/eagle.py `full_attention_rope`); for text that is
+    each of the target's three M-RoPE rows. The exports state no mrope_section: vLLM then runs the
+    draft with a plain RoPE over the first row of the target's positions, where with one it would
+    build M-RoPE for the draft and refuse P-EAGLE (docs/formats.md "M-RoPE targets"). speculators
+    writes its verifier's mrope_section into its Qwen3-VL drafts, which it trains on plain
+    positions: such a config imports and drafts as the plain one."""
+    from drafthead.heads.formats import import_head
+    from tests.test_export import outputs
+
+    target = target_of(family)
+    assert "mrope_section" in target.config.get_text_config().rope_parameters
+    for kind, fmt in (("eagle3", "vllm"), ("eagle3", "speculators"), ("peagle", "speculators")):
+        head_of(family, kind).save_pretrained(tmp_path / kind)
+        out = export_head(tmp_path / kind, tmp_path / f"{kind}-{fmt}", fmt, target_model=target)
+        assert "mrope" not in (out / CONFIG_NAME).read_text(), (kind, fmt)
+    # vLLM's registry maps Eagle3Qwen2_5vlForCausalLM and Eagle3Qwen3vlForCausalLM to this name's class
+    assert json.loads((tmp_path / "eagle3-vllm" / CONFIG_NAME).read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    cfg = strip_provenance(tmp_path / "eagle3-speculators")
+    assert cfg["speculators_config"]["verifier"]["architectures"] == [type(target).__name__]
+    layer = cfg["transformer_layer_config"]
+    layer["rope_parameters"] = {"rope_type": "default", "rope_theta": layer["rope_theta"], "mrope_section": [2, 1, 1]}
+    (tmp_path / "eagle3-speculators" / CONFIG_NAME).write_text(json.dumps(cfg))
+    head = head_of(family, "eagle3").eval()
+    assert torch.equal(outputs(import_head(tmp_path / "eagle3-speculators", target), target), outputs(head, target))
+
+
 @pytest.mark.parametrize("family,fmt,own", [
     # SpecForge's MoE configs pick their own MLP width (12288 for Qwen3-30B-A3B, whose config says 6144)
     ("qwen3_moe", "vllm", {"intermediate_size": 48}),
