@@ -83,12 +83,15 @@ def tiny_causal_lm(family: str = "llama", vocab: int = 96, seed: int = 0, layers
     config = config_cls(**kwargs)
     config._attn_implementation = attn
     torch.manual_seed(seed)
-    model = model_cls(config).to(dtype).eval()
-    # sharper random logits make greedy paths less degenerate
+    return frozen_and_sharpened(model_cls(config).to(dtype))
+
+
+def frozen_and_sharpened(model):
+    """Eval mode, no gradients, and sharper random logits (LM head x 4), which make greedy paths
+    less degenerate: how every tiny target of this module is finished."""
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
-    model.requires_grad_(False)
-    return model
+    return model.eval().requires_grad_(False)
 
 
 def repetitive_prompt(vocab: int, length: int = 12, seed: int = 0) -> torch.Tensor:
@@ -125,11 +128,7 @@ def tiny_gemma3_vlm(vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int
                           boi_token_index=vocab - 3, eoi_token_index=vocab - 2, **ids)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # sharper random logits, as tiny_causal_lm
-    model.requires_grad_(False)
-    return model
+    return frozen_and_sharpened(Gemma3ForConditionalGeneration(config))
 
 
 # mrope_section splits head_dim / 2 = 4 rotary frequencies into (time, height, width): every
@@ -168,11 +167,7 @@ def tiny_qwen_vl(generation: str = "qwen2_5_vl", vocab: int = 96, seed: int = 0,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = getattr(transformers, f"{prefix}ForConditionalGeneration")(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # sharper random logits, as tiny_causal_lm
-    model.requires_grad_(False)
-    return model
+    return frozen_and_sharpened(getattr(transformers, f"{prefix}ForConditionalGeneration")(config))
 
 
 # multimodal targets, built by their own functions; tiny_causal_lm and the saved-folder fixtures
