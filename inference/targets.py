@@ -228,20 +228,33 @@ def _load_folder(folder: Path, dtype: torch.dtype):
 
 
 def _load_model(folder: Path, dtype: torch.dtype):
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        attn, reason = attention_for(config, _supports_sdpa(AutoModelForCausalLM, config))
+        auto_class = model_auto_class(config)
+        attn, reason = attention_for(config, _supports_sdpa(auto_class, config))
         if reason is not None:
             logger.warning("%s: %s; using %s attention", folder.name, reason, attn)
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn, local_files_only=True)
+        model = auto_class.from_pretrained(folder, dtype=dtype, attn_implementation=attn, local_files_only=True)
     except (OSError, ValueError) as e:
         raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
     except SafetensorError as e:
         raise TargetError(f"{folder}: a weights file is truncated or corrupt ({_first_line(e)}): save or copy the "
                           "model again") from e
     return model
+
+
+def model_auto_class(config):
+    """The transformers auto class that builds a target for `config`: the causal-LM one, or for a
+    vision-language model it does not map (Qwen2.5-VL, Qwen3-VL) the image-text-to-text one, whose
+    class is the same language model with a vision tower beside it (docs/families.md "Multimodal
+    targets"). Gemma-3's multimodal config is in both; the causal-LM class is kept for it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def attention_for(config, supports_sdpa: bool) -> tuple[str, str | None]:

@@ -13,7 +13,7 @@ from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.parallel import DFlashDrafter
 from tests.test_head_drafters import assert_drafts_match_recomputation, assert_greedy_equals_plain
 from tests.test_sampling_exactness import VOCAB, assert_static_tree_sampling_exact
-from tests.tiny import FAMILIES, repetitive_prompt, tiny_causal_lm
+from tests.tiny import TARGETS, repetitive_prompt, tiny_causal_lm
 from tests.test_peagle import element_loss
 
 
@@ -139,7 +139,7 @@ def test_cached_drafting_equals_drafting_from_scratch_across_rounds():
     assert_drafts_match_recomputation(target, drafter, slow, repetitive_prompt(96, seed=4))
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TARGETS)
 def test_greedy_with_block_drafting_equals_plain_greedy(family):
     target = tiny_causal_lm(family, layers=4)
     head = dflash(target, block=4).eval()

@@ -36,7 +36,7 @@ def saved_head(kind, target, path, **kw):
 
 
 def outputs(head, target):
-    ids = torch.randint(3, target.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, target.config.get_text_config().vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states
         if hasattr(head, "draft_logits"):

@@ -20,14 +20,12 @@ from drafthead.inference.generate import GenerationConfig, speculative_generate
 from drafthead.inference.verify import check_tree_mask_support
 from drafthead.inference.targets import load_target
 from tests.test_batch import left_padded
-from tests.tiny import FAMILIES, MULTIMODAL, plain_greedy, repetitive_prompt, tiny_causal_lm
+from tests.tiny import MULTIMODAL, TARGETS, plain_greedy, repetitive_prompt, tiny_causal_lm
 
 LAYERS = 4
 NO_SDPA = {"gpt_oss"}  # families transformers runs in eager attention only
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
 MAX_NEW = 20
-# every family, and a Gemma-3-style multimodal target run on text (docs/families.md "Multimodal targets")
-TARGETS = sorted(FAMILIES) + sorted(MULTIMODAL)
 RAGGED = (3, 11, 19)  # prompt lengths of the B=3 batch: one inside a window, two past it
 
 

@@ -30,7 +30,7 @@ from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.train.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate
 from tests.test_head_drafters import assert_greedy_equals_plain
 from tests.test_interop_fixtures import ROOT
-from tests.tiny import FAMILIES, tiny_causal_lm
+from tests.tiny import TARGETS, tiny_causal_lm
 
 V = 96
 KINDS = {
@@ -84,7 +84,7 @@ def train_losses(head, batch, steps: int = 3) -> list[float]:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TARGETS)
 def test_trains_with_finite_loss_on_online_features(family, kind):
     head = head_of(family, kind)
     batch = OnlineFeaturizer(target_of(family), head.config.train_hidden_layers)(collate(samples()))
@@ -118,7 +118,7 @@ def test_qwen3_moe_eagle3_loss_is_finite_over_seeds(seed):
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3", "eagle31"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TARGETS)
 def test_greedy_equals_plain_at_batch_1_and_ragged_3(family, kind):
     head = head_of(family, kind).eval()
     assert_greedy_equals_plain(target_of(family),
@@ -184,7 +184,7 @@ def consumer_layer_shapes(kind: str, fmt: str, cfg: dict) -> tuple[str, dict[str
 def expected_refusal(target, fmt: str) -> str | None:
     """What the export to `fmt` must refuse for, from the target's own config: upstream EAGLE's
     fixed RoPE (base 10000, whatever the config says)."""
-    rope = target.config.rope_parameters
+    rope = target.config.get_text_config().rope_parameters  # a multimodal target's is its language model's
     rope = rope.get("full_attention", rope)  # Gemma 3: one RoPE per layer type
     if fmt == "eagle" and (rope.get("rope_type") != "default" or rope.get("rope_theta") != 10000.0):
         return "RoPE with base 10000"
@@ -192,7 +192,7 @@ def expected_refusal(target, fmt: str) -> str | None:
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TARGETS)
 def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kind, tmp_path):
     head = head_of(family, kind)
     head.save_pretrained(tmp_path / "head")
@@ -286,6 +286,35 @@ def test_speculators_eagle3_of_a_qwen3_or_gpt_oss_verifier_imports(family, tmp_p
     back = import_head(out, target_of(family))
     assert back.config.draft_layer == "llama" and back.config.feature_layers == (1, 2, 3)
     assert torch.equal(outputs(back, target_of(family)), outputs(head, target_of(family)))
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_exports_for_an_mrope_target_state_the_plain_rope_its_head_drafts_with(family, tmp_path):
+    """A head drafts with one position per token, prefix + depth (the target's mrope_section is
+    dropped from the draft layer's RoPE, heads/eagle.py `full_attention_rope`); for text that is
+    each of the target's three M-RoPE rows. The exports state no mrope_section: vLLM then runs the
+    draft with a plain RoPE over the first row of the target's positions, where with one it would
+    build M-RoPE for the draft and refuse P-EAGLE (docs/formats.md "M-RoPE targets"). speculators
+    writes its verifier's mrope_section into its Qwen3-VL drafts, which it trains on plain
+    positions: such a config imports and drafts as the plain one."""
+    from drafthead.heads.formats import import_head
+    from tests.test_export import outputs
+
+    target = target_of(family)
+    assert "mrope_section" in target.config.get_text_config().rope_parameters
+    for kind, fmt in (("eagle3", "vllm"), ("eagle3", "speculators"), ("peagle", "speculators")):
+        head_of(family, kind).save_pretrained(tmp_path / kind)
+        out = export_head(tmp_path / kind, tmp_path / f"{kind}-{fmt}", fmt, target_model=target)
+        assert "mrope" not in (out / CONFIG_NAME).read_text(), (kind, fmt)
+    # vLLM's registry maps Eagle3Qwen2_5vlForCausalLM and Eagle3Qwen3vlForCausalLM to this name's class
+    assert json.loads((tmp_path / "eagle3-vllm" / CONFIG_NAME).read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    cfg = strip_provenance(tmp_path / "eagle3-speculators")
+    assert cfg["speculators_config"]["verifier"]["architectures"] == [type(target).__name__]
+    layer = cfg["transformer_layer_config"]
+    layer["rope_parameters"] = {"rope_type": "default", "rope_theta": layer["rope_theta"], "mrope_section": [2, 1, 1]}
+    (tmp_path / "eagle3-speculators" / CONFIG_NAME).write_text(json.dumps(cfg))
+    head = head_of(family, "eagle3").eval()
+    assert torch.equal(outputs(import_head(tmp_path / "eagle3-speculators", target), target), outputs(head, target))
 
 
 @pytest.mark.parametrize("family,fmt,own", [

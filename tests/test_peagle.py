@@ -12,13 +12,13 @@ from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.parallel import ParallelDrafter
 from tests.test_head_drafters import assert_drafts_match_recomputation, assert_greedy_equals_plain
 from tests.test_sampling_exactness import assert_static_tree_sampling_exact
-from tests.tiny import FAMILIES, repetitive_prompt, tiny_causal_lm
+from tests.tiny import TARGETS, repetitive_prompt, tiny_causal_lm
 
 
 def peagle(target, depth=4, **extra):
     config = make_config("peagle", target, None, name="tiny", draft_vocab_size=64, parallel_depth=depth,
                          mask_token_id=2, **extra)
-    return build_head(config, target, token_counts=torch.arange(target.config.vocab_size))
+    return build_head(config, target, token_counts=torch.arange(target.config.get_text_config().vocab_size))
 
 
 def test_cod_columns_are_nested_shrinking_and_sorted():
@@ -123,7 +123,7 @@ def test_cached_drafting_equals_drafting_from_scratch_across_rounds():
     assert_drafts_match_recomputation(target, drafter, slow, repetitive_prompt(96, seed=4))
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TARGETS)
 def test_greedy_with_parallel_drafting_equals_plain_greedy(family):
     target = tiny_causal_lm(family, layers=4)
     head = peagle(target, depth=3).eval()

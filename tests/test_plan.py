@@ -12,10 +12,11 @@ from drafthead.train.run import head_config
 from tests.tiny import tiny_causal_lm
 
 
-@pytest.fixture(scope="module")
-def tiny_config_json(tmp_path_factory):
-    model = tiny_causal_lm("llama", layers=4)
-    path = tmp_path_factory.mktemp("plan") / "tiny-llama.json"
+# a causal LM, and a multimodal target whose decoder layers are its language model's
+@pytest.fixture(scope="module", params=["llama", "qwen2_5_vl"])
+def tiny_config_json(tmp_path_factory, request):
+    model = tiny_causal_lm(request.param, layers=4)
+    path = tmp_path_factory.mktemp("plan") / f"tiny-{request.param}.json"
     path.write_text(json.dumps(model.config.to_dict()))
     return model, path
 
@@ -29,7 +30,7 @@ def test_meta_build_counts_what_a_real_build_holds(tiny_config_json, kind):
                       dtype=torch.float32)
     assert shapes.head_trainable == sum(p.numel() for p in real.parameters() if p.requires_grad)
     assert shapes.target_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert shapes.largest_layer_bytes == sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    assert shapes.largest_layer_bytes == sum(p.numel() * 4 for p in model.get_decoder().layers[0].parameters()) > 0
     assert shapes.tokens == config.batch_size * config.data.max_length
 
 

@@ -1,6 +1,8 @@
 """Tiny random causal LMs of several families, built in-process (docs/style.md 10)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import (
     DeepseekV3Config,
@@ -81,12 +83,15 @@ def tiny_causal_lm(family: str = "llama", vocab: int = 96, seed: int = 0, layers
     config = config_cls(**kwargs)
     config._attn_implementation = attn
     torch.manual_seed(seed)
-    model = model_cls(config).to(dtype).eval()
-    # sharper random logits make greedy paths less degenerate
+    return frozen_and_sharpened(model_cls(config).to(dtype))
+
+
+def frozen_and_sharpened(model):
+    """Eval mode, no gradients, and sharper random logits (LM head x 4), which make greedy paths
+    less degenerate: how every tiny target of this module is finished."""
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
-    model.requires_grad_(False)
-    return model
+    return model.eval().requires_grad_(False)
 
 
 def repetitive_prompt(vocab: int, length: int = 12, seed: int = 0) -> torch.Tensor:
@@ -123,13 +128,55 @@ def tiny_gemma3_vlm(vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int
                           boi_token_index=vocab - 3, eoi_token_index=vocab - 2, **ids)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(4.0)  # sharper random logits, as tiny_causal_lm
-    model.requires_grad_(False)
-    return model
+    return frozen_and_sharpened(Gemma3ForConditionalGeneration(config))
+
+
+# mrope_section splits head_dim / 2 = 4 rotary frequencies into (time, height, width): every
+# section gets at least one (a low base keeps the slow height and width frequencies turning), so
+# a position wrong in any of the three moves the logits
+MROPE = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 1, 1]}
+
+
+def tiny_qwen_vl(generation: str = "qwen2_5_vl", vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int = 32,
+                 **ids):
+    """A Qwen-VL-style multimodal target with multimodal RoPE (M-RoPE: position ids [3, B, T], one
+    row per section): `qwen2_5_vl` (Qwen2_5_VLForConditionalGeneration, sections in contiguous
+    blocks) or `qwen3_vl` (Qwen3VLForConditionalGeneration, sections interleaved, q/k norms, a
+    deepstack that adds vision features to early decoder layers at image positions). A one-layer
+    vision tower projects to the text hidden size; the image, video and vision start/end tokens
+    take the top four ids of the vocabulary, which text prompts never use."""
+    import transformers
+
+    classes = {"qwen2_5_vl": ("Qwen2_5_VL", {"fullatt_block_indexes": [0]}, {}),
+               "qwen3_vl": ("Qwen3VL", {"deepstack_visual_indexes": [0], "num_position_embeddings": 16},
+                            {"head_dim": hidden // 4})}
+    prefix, vision_extra, text_extra = classes[generation]
+    ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, **ids}
+    text = getattr(transformers, f"{prefix}TextConfig")(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_parameters=dict(MROPE),
+        **text_extra, **ids,
+    )
+    vision = getattr(transformers, f"{prefix}VisionConfig")(
+        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=14, out_hidden_size=hidden,
+        **vision_extra,
+    )
+    config = getattr(transformers, f"{prefix}Config")(
+        text_config=text, vision_config=vision, image_token_id=vocab - 1, video_token_id=vocab - 2,
+        vision_start_token_id=vocab - 4, vision_end_token_id=vocab - 3, **ids,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return frozen_and_sharpened(getattr(transformers, f"{prefix}ForConditionalGeneration")(config))
 
 
 # multimodal targets, built by their own functions; tiny_causal_lm and the saved-folder fixtures
 # (tests/conftest.py) take their names like a family's
-MULTIMODAL = {"gemma3_vlm": tiny_gemma3_vlm}
+MULTIMODAL = {
+    "gemma3_vlm": tiny_gemma3_vlm,
+    "qwen2_5_vl": functools.partial(tiny_qwen_vl, "qwen2_5_vl"),
+    "qwen3_vl": functools.partial(tiny_qwen_vl, "qwen3_vl"),
+}
+
+# every target the family tests run: the causal-LM families, then the multimodal targets on text
+TARGETS = sorted(FAMILIES) + sorted(MULTIMODAL)

@@ -50,15 +50,17 @@ class RunShapes:
 def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     """Build the target from its config.json and this run's head on the meta device."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from ..heads.registry import _new_module
+    from ..inference.targets import model_auto_class
     from .run import head_config
+    from .sharding import decoder_layers
 
     hf_config = AutoConfig.from_pretrained(str(target_config))
     dtype = DTYPES.get(config.target_dtype, torch.bfloat16)  # auto: the GPUs planned for run bf16 natively
     with init_empty_weights():
-        target = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        target = model_auto_class(hf_config).from_config(hf_config, dtype=dtype)
     target.requires_grad_(False)
     name = Path(target_config).stem
     hcfg = head_config(config, target, None, name)
@@ -67,7 +69,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     # vocabulary's maps) computed for real; the head as built, not initialised from the target
     with init_empty_weights():
         head = _new_module(hcfg, target)
-    layers = target.model.layers if hasattr(target, "model") and hasattr(target.model, "layers") else []
+    layers = decoder_layers(target)  # a multimodal target's are its language model's
     layer_bytes = max((sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers), default=0)
     medusa = hcfg.kind.startswith("medusa")
     return RunShapes(
