@@ -37,7 +37,8 @@ records which parameters the trainer would have trained.
 
 --trainer-smoke WORKDIR: write the batch as a speculators data folder (save_to_disk rows,
 hidden_states/hs_{i}.safetensors, d2t/t2d .npy) and run `speculators train` on it on CPU from the
-first head's export (--from-pretrained) for three steps with eager attention and losses in
+first head's export (--from-pretrained) for --train-steps steps (AdamW at --lr, decaying
+linearly to 0, no warmup, one packed batch a step) with eager attention and losses in
 float32: as shipped, then with its two device calls patched (_PATCHED_CLI); PREFIX.json records how far
 each got (the exception, file and line where it stopped) and the metrics it logged.
 """
@@ -68,6 +69,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--decay", type=float, default=0.8, help="ttt_step_loss_decay (ours: ttt_decay)")
     ap.add_argument("--out", required=True, help="PREFIX: PREFIX.json (+ PREFIX.safetensors, their gradients)")
     ap.add_argument("--trainer-smoke", default=None, help="WORKDIR: also try `speculators train` on CPU")
+    ap.add_argument("--lr", type=float, default=1e-4, help="--trainer-smoke: AdamW learning rate (linear decay)")
+    ap.add_argument("--train-steps", type=int, default=3, help="--trainer-smoke: optimizer steps")
     return ap.parse_args()
 
 
@@ -242,9 +245,9 @@ def trainer_smoke(args, samples: list[dict], head: str) -> dict:
              "--from-pretrained", str(start), "--data-path", str(data), "--draft-vocab-size",
              str(cfg["draft_vocab_size"]), "--total-seq-len", "512", "--train-data-ratio", "0.75",
              "--hidden-states-dtype", "float32", "--num-workers", "0", "--draft-attn-impl", "eager",
-             "--loss-implementation", "eager", "--loss-fn", "kl_div", "--ttt-steps", "3",
-             "--ttt-step-loss-decay", str(args.decay), "--optimizer", "adamw", "--lr", "1e-4",
-             "--max-steps", "3", "--epochs", "3", "--on-missing", "raise", "--logger", "",
+             "--loss-implementation", "eager", "--loss-fn", "kl_div", "--ttt-steps", str(max(args.steps)),
+             "--ttt-step-loss-decay", str(args.decay), "--optimizer", "adamw", "--lr", str(args.lr),
+             "--max-steps", str(args.train_steps), "--epochs", str(args.train_steps), "--on-missing", "raise", "--logger", "",
              "--no-resume-from-checkpoint"]
     # plain tracebacks (typer's framed ones hide the file names) so the stopping frame can be read
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}

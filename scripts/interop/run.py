@@ -17,6 +17,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -180,6 +181,7 @@ def check_speculators(args) -> list[Row]:
 TRAINER_HEADS = {"ours": {}, "speculators-train": {"norm_before_residual": True, "norm_before_fc": True,
                                                    "norm_output": True}}
 TRAINER_STEPS, TRAINER_DECAY, TRAINER_DRAFT_VOCAB = (1, 2, 3), 0.8, 512
+TRAINER_LR, TRAINER_RUN_STEPS = 1e-4, 3  # the side-by-side runs: AdamW, linear decay to 0, no warmup
 
 
 def trainer_batch(folder: Path):
@@ -218,11 +220,12 @@ def trainer_head(flags: dict, samples, folder: Path):
     from drafthead.train.features import label_token_counts
 
     t = smollm2()
+    shutil.rmtree(folder, ignore_errors=True)  # a fresh head and export each run
     config = make_config("eagle3", t.model, t.tokenizer, "smollm2-135m", draft_vocab_size=TRAINER_DRAFT_VOCAB,
                          ttt_steps=max(TRAINER_STEPS), ttt_decay=TRAINER_DECAY, ttt_ramp=0.0, **flags)
     counts = label_token_counts(samples, t.model.config.vocab_size)
+    torch.manual_seed(0)  # the fresh init and the offsets below: the same head every run
     head = build_head(config, t.model, token_counts=counts, dtype=torch.float32)
-    torch.manual_seed(0)
     with torch.no_grad():  # off the fresh init (unit norms), so a swapped or skipped norm shows
         for p in head.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -251,7 +254,25 @@ def our_trainer_reference(head, batch) -> dict[str, torch.Tensor]:
     return out
 
 
-def speculators_trainer_rows(py, smoke: bool = False) -> list[Row]:
+def our_trainer_run(folder: Path, head_dir: Path) -> list[float]:
+    """`drafthead train` from `head_dir` on the first three chats (speculators' train split of the
+    four at --train-data-ratio 0.75), one batch a step, with the settings its run gets: the loss
+    logged at each step (before that step's update)."""
+    out = folder / "ours-run"
+    sh(DRAFTHEAD + ["train", "--config", "eagle3", "--overwrite", "data.source=regenerated",
+                    f"data.path={folder / 'regen.jsonl'}", "data.limit=3", "data.eval_fraction=0", "data.max_length=256",
+                    "features.mode=online", "target_dtype=float32", 'mixed_precision="no"',
+                    f"head.draft_vocab_size={TRAINER_DRAFT_VOCAB}", f"head.ttt_steps={max(TRAINER_STEPS)}",
+                    f"head.ttt_decay={TRAINER_DECAY}", "head.ttt_ramp=0", f"init_from={head_dir}", "batch_size=3",
+                    "grad_accum=1", f"lr={TRAINER_LR}", "betas=[0.9,0.999]", "weight_decay=0.01", "schedule=linear",
+                    "warmup_steps=0", "min_lr_ratio=0", f"max_steps={TRAINER_RUN_STEPS}", "clip_norm=1.0", "log_every=1",
+                    "eval_every=1000", "checkpoint_every=1000", "replay.sequences=0", "report_to=none", "threads=1",
+                    f"output_dir={out}"], folder / "ours-run.log", env={"OMP_NUM_THREADS": "1"})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r.get("split") == "train"]
+
+
+def speculators_trainer_rows(py, smoke: bool = True) -> list[Row]:
     """speculators' EAGLE-3 training loss and gradients (its own loader, data shift, packing and
     forward) against ours on the same batch and initial weights; one row per head and TTT depth.
     max_diff is the largest relative gradient difference over every draft parameter, with the
@@ -274,7 +295,7 @@ def speculators_trainer_rows(py, smoke: bool = False) -> list[Row]:
         save_file(our_trainer_reference(head, batch), str(folder / f"{name}_ours.safetensors"))
         cmd += ["--head", f"{name}={exp}", "--reference", f"{name}={folder / f'{name}_ours.safetensors'}"]
     if smoke:
-        cmd += ["--trainer-smoke", folder / "smoke"]
+        cmd += ["--trainer-smoke", folder / "smoke", "--lr", TRAINER_LR, "--train-steps", TRAINER_RUN_STEPS]
     sh(cmd, folder / "check.log", env={"OMP_NUM_THREADS": "1"})
     result = json.loads((folder / "theirs.json").read_text())
     rows = []
@@ -285,12 +306,28 @@ def speculators_trainer_rows(py, smoke: bool = False) -> list[Row]:
         runs = {(r["mask"], r["ttt_steps"]): r for r in res["runs"]}
         for k in TRAINER_STEPS:
             same, native = runs[("ours", k)], runs[("native", k)]
-            rows.append(Row("speculators", "trainer", f"{name} head, {k} TTT step(s), same batch and weights", True,
+            rows.append(Row("speculators", "trainer", f"{name} head, {k} TTT step(s), same batch and weights (max diff: relative gradient)", True,
                             max(same["max_rel_grad_diff"].values()),
                             note=f"loss theirs {same['loss']:.6f} / ours KL {same['ours_kl']:.6f} (CE "
                                  f"{same['ours_ce']:.6f}); their native mask: loss {native['loss']:.6f}, "
                                  f"grad diff {max(native['max_rel_grad_diff'].values()):.1e}"))
+    if smoke:
+        rows.append(trainer_smoke_row(result["trainer_smoke"], our_trainer_run(folder, folder / "ours" / "head")))
     return rows
+
+
+def trainer_smoke_row(smoke: dict, ours: list[float]) -> Row:
+    """`speculators train` on CPU: where it stops as shipped, and its losses with its device calls
+    patched, beside our trainer's on the same chats, initial weights and schedule."""
+    shipped, patched = smoke["as shipped"], smoke["device calls patched"]
+    stop = next((f.split("site-packages/")[-1] for f in reversed(shipped["last_frames"])
+                 if "site-packages/speculators/" in f), "-")
+    theirs = [round(m["loss"], 3) for m in patched["metrics"]]
+    note = (f"as shipped: {shipped['error'] or 'ran'} at {stop}; device calls patched: exit {patched['returncode']}, "
+            f"loss per step (KL, its mask, lm_head frozen) {theirs}; ours (CE, our mask, lm_head trained) "
+            f"{[round(x, 3) for x in ours]}")
+    return Row("speculators", "trainer", f"`speculators train` on CPU from our export, {TRAINER_RUN_STEPS} steps",
+               patched["returncode"] == 0 and len(theirs) == TRAINER_RUN_STEPS, note=note)
 
 
 # the per-family rows (tiny targets of tests/tiny.py), with the draft layer: the engines' Llama
