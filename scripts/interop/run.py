@@ -8,8 +8,11 @@ head on the tiny fixture target) is exported with `drafthead export`, loaded by 
 own loader, and the consumer's outputs are compared with ours on the same inputs, or, where the
 consumer only generates (vLLM, llama.cpp), its acceptance is compared with our engine's on the same
 prompts. Import direction: the consumer's own classes write a checkpoint (fixtures_<name>.py), we
-import it and compare with the consumer's own forward. Prints one table; writes
-out/interop/report.json and out/interop/report.md. docs/formats.md says what each layout is.
+import it and compare with the consumer's own forward. Training (speculators): its own EAGLE-3
+loss and gradients beside ours on one batch from the same initial weights, and its trainer on CPU
+(check_speculators_trainer.py; docs/training.md "Compared with speculators' trainer"). Prints one
+table; writes out/interop/report.json and out/interop/report.md. docs/formats.md says what each
+layout is.
 """
 from __future__ import annotations
 
