@@ -38,9 +38,10 @@ records which parameters the trainer would have trained.
 --trainer-smoke WORKDIR: write the batch as a speculators data folder (save_to_disk rows,
 hidden_states/hs_{i}.safetensors, d2t/t2d .npy) and run `speculators train` on it on CPU from the
 first head's export (--from-pretrained) for --train-steps steps (AdamW at --lr, decaying
-linearly to 0, no warmup, one packed batch a step) with eager attention and losses in
-float32: as shipped, then with its two device calls patched (_PATCHED_CLI); PREFIX.json records how far
-each got (the exception, file and line where it stopped) and the metrics it logged.
+linearly to 0, no warmup, one packed batch a step) with eager attention and losses in float32
+(its fused losses need Triton; its flex attention has no backward on CPU): as shipped, then
+with its two device calls patched (_PATCHED_CLI); PREFIX.json records how far each got (the
+exception, file and line where it stopped) and the metrics it logged.
 """
 from __future__ import annotations
 

@@ -309,11 +309,12 @@ def speculators_trainer_rows(py, smoke: bool = True) -> list[Row]:
         runs = {(r["mask"], r["ttt_steps"]): r for r in res["runs"]}
         for k in TRAINER_STEPS:
             same, native = runs[("ours", k)], runs[("native", k)]
-            rows.append(Row("speculators", "trainer", f"{name} head, {k} TTT step(s), same batch and weights (max diff: relative gradient)", True,
-                            max(same["max_rel_grad_diff"].values()),
+            what = f"{name} head, {k} TTT step(s), same batch and weights (max diff: relative gradient)"
+            unmatched = f"; tensors on one side only: {same['unmatched']}" if same["unmatched"] else ""
+            rows.append(Row("speculators", "trainer", what, not same["unmatched"], max(same["max_rel_grad_diff"].values()),
                             note=f"loss theirs {same['loss']:.6f} / ours KL {same['ours_kl']:.6f} (CE "
                                  f"{same['ours_ce']:.6f}); their native mask: loss {native['loss']:.6f}, "
-                                 f"grad diff {max(native['max_rel_grad_diff'].values()):.1e}"))
+                                 f"grad diff {max(native['max_rel_grad_diff'].values()):.1e}{unmatched}"))
     if smoke:
         rows.append(trainer_smoke_row(result["trainer_smoke"], our_trainer_run(folder, folder / "ours" / "head")))
     return rows
