@@ -297,6 +297,58 @@ def test_eagle3_loss_matches_slow_loop(kind):
     assert loss.item() > entropy_floor(head, batch)
 
 
+def speculators_kl_twin(head, batch, mask_read: int) -> torch.Tensor:
+    """speculators 0.9's EAGLE-3 training loss written out from its definition (docs/training.md
+    "Compared with speculators' trainer"): each sequence's real tokens shifted (column t: token
+    t + 1, feature t, the target's state at t + 1, the loss mask at t + mask_read; speculators'
+    own shift reads it at t + 1) and packed into one row of columns; step i pairs the logits at
+    column c with the target and mask at column c + i; its loss is sum KL(p || q) over the masked
+    columns / (their count + 1e-5), weighted decay**i. The logits are our unroll's, per sequence."""
+    W = head.refs.lm_head.weight[head.draft_target_ids]  # [Vd, H]
+    final = batch.hidden_states[LAYERS]
+    fused = head.fuse([batch.hidden_states[i] for i in head.feature_layers])
+    unrolled = list(head.ttt_unroll(fused, batch.input_ids, head.config.ttt_steps))
+    lengths = batch.attention_mask.sum(1).tolist()
+    cols = [(b, t) for b, n in enumerate(lengths) for t in range(n - 1)]  # the packed row
+    total = 0.0
+    for i in range(head.config.ttt_steps):
+        kls = []
+        for c in range(len(cols) - i):
+            b, t = cols[c]
+            b2, t2 = cols[c + i]
+            j = t2 + mask_read
+            if j >= lengths[b2] or not batch.loss_mask[b2, j]:
+                continue
+            assert b2 == b  # no counted column reads another sequence (the mask starts at 6)
+            p = torch.softmax(final[b2, t2 + 1] @ W.T, -1)
+            logq = torch.log_softmax(head.logits(unrolled[i][b, t]), -1)
+            kls.append((p * (p.log() - logq)).sum())
+        total = total + head.config.ttt_decay**i * torch.stack(kls).sum() / (len(kls) + 1e-5)
+    return total
+
+
+def test_eagle3_loss_is_speculators_kl_with_the_mask_read_one_token_later():
+    """Ours as KL (`lk_lambda` at eta 0) is speculators' loss when its mask is read at the predicted
+    token (t + 2), with the soft CE's gradient; read at the fed token (t + 1, speculators' own
+    shift) it counts other positions. scripts/interop/check_speculators_trainer.py checks the same
+    against speculators' own code on SmolLM2."""
+    target = make_target()
+    batch = make_batch(target)
+    head = new_head("eagle3", target, batch)
+    params = [p for p in head.parameters() if p.requires_grad]
+    ce, _ = head.compute_loss(batch)
+    ours_grads = torch.autograd.grad(ce, params)
+    head.config.loss, head.config.lk_eta = "lk_lambda", 0.0
+    ours_kl = head.compute_loss(batch)[0].item()
+    twin = speculators_kl_twin(head, batch, mask_read=2)
+    assert twin.item() == pytest.approx(ours_kl, rel=1e-5)
+    for g, h in zip(ours_grads, torch.autograd.grad(twin, params)):
+        assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
+    with torch.no_grad():
+        native = speculators_kl_twin(head, batch, mask_read=1).item()
+    assert abs(native - ours_kl) > 1e-3 * ours_kl
+
+
 # ----------------------------------------------------------------------------- learning
 
 

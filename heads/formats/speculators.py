@@ -47,6 +47,11 @@ def kind_of(cfg: dict) -> str:
     return model_type if model_type in ARCHITECTURES else "eagle3"
 
 
+def tensor_name(ours: str) -> str:
+    """A head tensor's name in the speculators layout: our `midlayer.*` is its `layers.0.*`."""
+    return _PREFIX_THEIRS + ours[len(_PREFIX_OURS):] if ours.startswith(_PREFIX_OURS) else ours
+
+
 def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor | None,
                    verifier: str | None = None) -> tuple[dict, dict]:
     """verifier: where speculators' loader finds the target (it reads the verifier's config and
@@ -56,7 +61,7 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
         raise ValueError("speculators' EAGLE-3 layer is Llama's without attention biases; this head's family has them")
     if target_embed is None:
         raise ValueError("the speculators format stores the target's embed_tokens: pass the target")
-    tensors = {(_PREFIX_THEIRS + k[len(_PREFIX_OURS):] if k.startswith(_PREFIX_OURS) else k): v for k, v in state.items()}
+    tensors = {tensor_name(k): v for k, v in state.items()}
     # the target's own values and dtype: engines use this copy instead of the target's embedding
     # unless the two are equal, so a rounded copy would change what the head sees
     tensors["embed_tokens.weight"] = target_embed.detach().to("cpu")

@@ -8,8 +8,11 @@ head on the tiny fixture target) is exported with `drafthead export`, loaded by 
 own loader, and the consumer's outputs are compared with ours on the same inputs, or, where the
 consumer only generates (vLLM, llama.cpp), its acceptance is compared with our engine's on the same
 prompts. Import direction: the consumer's own classes write a checkpoint (fixtures_<name>.py), we
-import it and compare with the consumer's own forward. Prints one table; writes
-out/interop/report.json and out/interop/report.md. docs/formats.md says what each layout is.
+import it and compare with the consumer's own forward. Training (speculators): its own EAGLE-3
+loss and gradients beside ours on one batch from the same initial weights, and its trainer on CPU
+(check_speculators_trainer.py; docs/training.md "Compared with speculators' trainer"). Prints one
+table; writes out/interop/report.json and out/interop/report.md. docs/formats.md says what each
+layout is.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -171,7 +175,163 @@ def check_speculators(args) -> list[Row]:
     rows += fixture_imports("speculators", ("speculators-eagle3", "speculators-eagle3-nbr", "speculators-eagle3-train",
                                             "speculators-eagle3-window"))
     rows += [speculators_family_row(py, family, layer) for family, layer in SPECULATORS_FAMILIES]
+    return rows + speculators_trainer_rows(py)
+
+
+# The parity with speculators' trainer (check_speculators_trainer.py): our EAGLE-3 head in two
+# layer variants, our default and the one `speculators train` builds for EAGLE-3, on one batch of
+# self-distilled SmolLM2 chats, unrolled 1..3 TTT steps under the same per-step decay.
+TRAINER_HEADS = {"ours": {}, "speculators-train": {"norm_before_residual": True, "norm_before_fc": True,
+                                                   "norm_output": True}}
+TRAINER_STEPS, TRAINER_DECAY, TRAINER_DRAFT_VOCAB = (1, 2, 3), 0.8, 512
+TRAINER_LR, TRAINER_RUN_STEPS = 1e-4, 3  # the side-by-side runs: AdamW, linear decay to 0, no warmup
+
+
+def trainer_batch(folder: Path):
+    """Four self-distilled SmolLM2 chats (`drafthead data regenerate`, greedy, 40 new tokens),
+    formatted and captured by our pipeline: (samples, FeatureBatch with the EAGLE-3 layers, the
+    last decoder layer's output before the final norm [B, T, H], which speculators' data holds,
+    the aux layers)."""
+    from drafthead.heads.config import default_eagle3_layers
+    from drafthead.train.chat_format import format_row
+    from drafthead.train.features import collate, target_features, token_sample
+
+    regen = folder / "regen.jsonl"
+    if not regen.exists():
+        sh(DRAFTHEAD + ["data", "regenerate", "--target", "smollm2-135m", "--source", "sharegpt", "--limit", 12,
+                        "--max-turns", 1, "--max-new-tokens", 40, "--max-prompt-tokens", 80, "--batch-size", 4,
+                        "--dtype", "float32", "--threads", 1, "--out", regen], folder / "regen.log")
+    t = smollm2()
+    rows = [json.loads(line) for line in regen.read_text().splitlines()][:4]
+    samples = [token_sample(format_row(t.tokenizer, row, 256)) for row in rows]
+    batch = collate(samples, t.tokenizer.pad_token_id or 0)
+    L = t.model.config.num_hidden_layers
+    pre_norm = {}
+    hook = t.model.model.norm.register_forward_pre_hook(lambda m, a: pre_norm.__setitem__("h", a[0].detach()))
+    aux = default_eagle3_layers(L)
+    try:
+        batch.hidden_states = target_features(t.model, batch.input_ids, batch.attention_mask, (*aux, L))
+    finally:
+        hook.remove()
+    return samples, batch, pre_norm["h"], aux
+
+
+def trainer_head(flags: dict, samples, folder: Path):
+    """A seeded EAGLE-3 head for SmolLM2 (draft vocab from the batch's assistant tokens), saved and
+    exported in the speculators layout: (head, export dir)."""
+    from drafthead.heads import build_head, make_config
+    from drafthead.train.features import label_token_counts
+
+    t = smollm2()
+    shutil.rmtree(folder, ignore_errors=True)  # a fresh head and export each run
+    config = make_config("eagle3", t.model, t.tokenizer, "smollm2-135m", draft_vocab_size=TRAINER_DRAFT_VOCAB,
+                         ttt_steps=max(TRAINER_STEPS), ttt_decay=TRAINER_DECAY, ttt_ramp=0.0, **flags)
+    counts = label_token_counts(samples, t.model.config.vocab_size)
+    torch.manual_seed(0)  # the fresh init and the offsets below: the same head every run
+    head = build_head(config, t.model, token_counts=counts, dtype=torch.float32)
+    with torch.no_grad():  # off the fresh init (unit norms), so a swapped or skipped norm shows
+        for p in head.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    head.save_pretrained(folder / "head")
+    return head, export(folder / "head", "speculators", folder / "speculators", "smollm2-135m")
+
+
+def our_trainer_reference(head, batch) -> dict[str, torch.Tensor]:
+    """Our loss for 1..3 TTT steps (the default soft CE, and KL(p || q) = loss lk_lambda at
+    lk_eta 0: speculators' kl_div) and the CE run's gradients under speculators' tensor names."""
+    from drafthead.heads.formats.speculators import tensor_name
+
+    head.train()
+    cfg, out = head.config, {}
+    for k in TRAINER_STEPS:
+        cfg.ttt_steps = k
+        cfg.loss, cfg.lk_eta = "lk_lambda", 0.0
+        out[f"k{k}/loss_kl"] = head.compute_loss(batch)[0].detach()
+        cfg.loss = "ce"
+        head.zero_grad(set_to_none=True)
+        loss, _ = head.compute_loss(batch)
+        loss.backward()
+        out[f"k{k}/loss_ce"] = loss.detach()
+        out.update({f"k{k}/grad/{tensor_name(n)}": p.grad.detach().clone()
+                    for n, p in head.named_parameters() if p.grad is not None})
+    return out
+
+
+def our_trainer_run(folder: Path, head_dir: Path) -> list[float]:
+    """`drafthead train` from `head_dir` on the first three chats (speculators' train split of the
+    four at --train-data-ratio 0.75), one batch a step, with the settings its run gets: the loss
+    logged at each step (before that step's update)."""
+    out = folder / "ours-run"
+    sh(DRAFTHEAD + ["train", "--config", "eagle3", "--overwrite", "data.source=regenerated",
+                    f"data.path={folder / 'regen.jsonl'}", "data.limit=3", "data.eval_fraction=0", "data.max_length=256",
+                    "features.mode=online", "target_dtype=float32", 'mixed_precision="no"',
+                    f"head.draft_vocab_size={TRAINER_DRAFT_VOCAB}", f"head.ttt_steps={max(TRAINER_STEPS)}",
+                    f"head.ttt_decay={TRAINER_DECAY}", "head.ttt_ramp=0", f"init_from={head_dir}", "batch_size=3",
+                    "grad_accum=1", f"lr={TRAINER_LR}", "betas=[0.9,0.999]", "weight_decay=0.01", "schedule=linear",
+                    "warmup_steps=0", "min_lr_ratio=0", f"max_steps={TRAINER_RUN_STEPS}", "clip_norm=1.0", "log_every=1",
+                    "eval_every=1000", "checkpoint_every=1000", "replay.sequences=0", "report_to=none", "threads=1",
+                    f"output_dir={out}"], folder / "ours-run.log", env={"OMP_NUM_THREADS": "1"})
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r.get("split") == "train"]
+
+
+def speculators_trainer_rows(py, smoke: bool = True) -> list[Row]:
+    """speculators' EAGLE-3 training loss and gradients (its own loader, data shift, packing and
+    forward) against ours on the same batch and initial weights; one row per head and TTT depth.
+    max_diff is the largest relative gradient difference over every draft parameter, with the
+    loss mask read as ours reads it; the note gives both losses and the native-mask figures."""
+    folder = OUT / "trainer"
+    folder.mkdir(parents=True, exist_ok=True)
+    samples, batch, pre_norm, aux = trainer_batch(folder)
+    flat = {}
+    for b, s in enumerate(samples):
+        n = len(s["input_ids"])
+        flat.update({f"{b}/input_ids": s["input_ids"], f"{b}/loss_mask": s["loss_mask"],
+                     f"{b}/hidden_states": torch.cat([batch.hidden_states[i][b, :n] for i in aux], -1),
+                     f"{b}/verifier_last_hidden_states": pre_norm[b, :n]})
+    save_file({k: v.contiguous() for k, v in flat.items()}, str(folder / "batch.safetensors"))
+    cmd = [py, SCRIPTS / "check_speculators_trainer.py", "--batch", folder / "batch.safetensors",
+           "--target", smollm2_dir(), "--out", folder / "theirs", "--decay", TRAINER_DECAY,
+           "--steps", *TRAINER_STEPS]
+    for name, flags in TRAINER_HEADS.items():
+        head, exp = trainer_head(flags, samples, folder / name)
+        save_file(our_trainer_reference(head, batch), str(folder / f"{name}_ours.safetensors"))
+        cmd += ["--head", f"{name}={exp}", "--reference", f"{name}={folder / f'{name}_ours.safetensors'}"]
+    if smoke:
+        cmd += ["--trainer-smoke", folder / "smoke", "--lr", TRAINER_LR, "--train-steps", TRAINER_RUN_STEPS]
+    sh(cmd, folder / "check.log", env={"OMP_NUM_THREADS": "1"})
+    result = json.loads((folder / "theirs.json").read_text())
+    rows = []
+    for name, res in result["heads"].items():
+        if "error" in res:
+            rows.append(Row("speculators", "trainer", f"{name} head, training loss", False, note=res["error"][:200]))
+            continue
+        runs = {(r["mask"], r["ttt_steps"]): r for r in res["runs"]}
+        for k in TRAINER_STEPS:
+            same, native = runs[("ours", k)], runs[("native", k)]
+            what = f"{name} head, {k} TTT step(s), same batch and weights (max diff: relative gradient)"
+            unmatched = f"; tensors on one side only: {same['unmatched']}" if same["unmatched"] else ""
+            rows.append(Row("speculators", "trainer", what, not same["unmatched"], max(same["max_rel_grad_diff"].values()),
+                            note=f"loss theirs {same['loss']:.6f} / ours KL {same['ours_kl']:.6f} (CE "
+                                 f"{same['ours_ce']:.6f}); their native mask: loss {native['loss']:.6f}, "
+                                 f"grad diff {max(native['max_rel_grad_diff'].values()):.1e}{unmatched}"))
+    if smoke:
+        rows.append(trainer_smoke_row(result["trainer_smoke"], our_trainer_run(folder, folder / "ours" / "head")))
     return rows
+
+
+def trainer_smoke_row(smoke: dict, ours: list[float]) -> Row:
+    """`speculators train` on CPU: where it stops as shipped, and its losses with its device calls
+    patched, beside our trainer's on the same chats, initial weights and schedule."""
+    shipped, patched = smoke["as shipped"], smoke["device calls patched"]
+    stop = next((f.split("site-packages/")[-1] for f in reversed(shipped["last_frames"])
+                 if "site-packages/speculators/" in f), "-")
+    theirs = [round(m["loss"], 3) for m in patched["metrics"]]
+    note = (f"as shipped: {shipped['error'] or 'ran'} at {stop}; device calls patched: exit {patched['returncode']}, "
+            f"loss per step (KL, its mask, lm_head frozen) {theirs}; ours (CE, our mask, lm_head trained) "
+            f"{[round(x, 3) for x in ours]}")
+    return Row("speculators", "trainer", f"`speculators train` on CPU from our export, {TRAINER_RUN_STEPS} steps",
+               patched["returncode"] == 0 and len(theirs) == TRAINER_RUN_STEPS, note=note)
 
 
 # the per-family rows (tiny targets of tests/tiny.py), with the draft layer: the engines' Llama
