@@ -11,6 +11,7 @@ import torch
 
 from drafthead.train.best import BEST_DIR, BEST_FILE, improves
 from drafthead.train.config import TrainConfig
+from drafthead.train.curves import EVAL_PLOT, eval_records, plot_eval_curves
 from drafthead.train.replay_eval import prompt_of
 from drafthead.train.trainer import Trainer, TrainData
 from tests.test_trainer import DummyHead, config, random_samples
@@ -66,6 +67,19 @@ def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it
     assert sum(accepted) / len(accepted) == pytest.approx(evals[-1]["replay_tau"])
     best = json.loads((tmp_path / "run" / BEST_DIR / BEST_FILE).read_text())
     assert best["metric"] == "replay_tau" and best["value"] == max(r["replay_tau"] for r in evals)
+    # the run ends with its eval curves drawn from those same lines
+    assert (tmp_path / "run" / EVAL_PLOT).stat().st_size > 0
+    assert [r["replay_tau"] for r in eval_records(tmp_path / "run" / "metrics.jsonl")] == [r["replay_tau"] for r in evals]
+
+
+def test_eval_records_keep_the_last_line_of_a_repeated_step_and_no_plot_without_evals(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": 2, "split": "eval", "tau_est": 1.1}, {"step": 2, "split": "train", "loss": 3.0},
+             {"event": "resume"}, {"step": 2, "split": "eval", "tau_est": 1.2}, {"step": 1, "split": "eval", "tau_est": 1.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert [(r["step"], r["tau_est"]) for r in eval_records(metrics)] == [(1, 1.0), (2, 1.2)]
+    metrics.write_text(json.dumps(lines[1]) + "\n")
+    assert plot_eval_curves(metrics, tmp_path / "eval.png") is None and not (tmp_path / "eval.png").exists()
 
 
 def test_a_chain_deeper_than_the_head_drafts_fails_before_training(tmp_path, isolated_cache):

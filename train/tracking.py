@@ -1,4 +1,5 @@
-"""Where a run reports: `output_dir/metrics.jsonl`, a tqdm bar, and wandb (offline by default).
+"""Where a run reports: `output_dir/metrics.jsonl`, a tqdm bar, wandb (offline by default), and
+at the end `output_dir/eval.png`, the eval curves (train/curves.py).
 
 Only the main process reports (docs/style.md 8); on other processes every method is a no-op.
 wandb runs offline unless the user set WANDB_MODE: nothing here reaches a server by default.
@@ -12,6 +13,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+from .curves import EVAL_PLOT, plot_eval_curves
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_id"
@@ -98,6 +101,10 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.finish()
         self._file.close()
+        try:  # a picture that cannot be drawn must not cost the run it describes
+            plot_eval_curves(self.dir / METRICS_FILE, self.dir / EVAL_PLOT)
+        except Exception as e:  # noqa: BLE001 - said on stderr, the run's files are already written
+            print(f"drafthead: eval curves not drawn ({type(e).__name__}: {e})", flush=True)
 
 
 class PhaseClock:
