@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .inference.sampling import SamplingConfig
-from .inference.targets import LoadedTarget, load_target
+from .inference.engine.sampling import SamplingConfig
+from .inference.engine.targets import LoadedTarget, load_target
 
 PROPOSERS = ("prompt-lookup", "draft-model", "heads")
 

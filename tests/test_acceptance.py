@@ -4,8 +4,8 @@ from collections import Counter
 import pytest
 import torch
 
-from drafthead.inference.acceptance import greedy_accept, speculative_sample_chain, tree_rejection_sample
-from drafthead.inference.tree import chain_parents
+from drafthead.inference.engine.acceptance import greedy_accept, speculative_sample_chain, tree_rejection_sample
+from drafthead.inference.engine.tree import chain_parents
 from tests.stats import chi_square_pvalue
 
 ALPHA = 1e-3  # significance of every chi-square test below: a correct rule fails 1 run in 1000
@@ -156,7 +156,7 @@ def test_chain_rule_first_token_is_exact():
 def test_typical_accept_known_answers():
     """Root 0 -> node 1 (token 2) -> node 2 (token 3); root -> node 3 (token 1). Thresholds:
     min(eps, delta * exp(-H)). A peaked row demands the likely token; a flat row accepts any."""
-    from drafthead.inference.acceptance import TypicalAcceptance, typical_accept
+    from drafthead.inference.engine.acceptance import TypicalAcceptance, typical_accept
 
     V = 4
     tokens = torch.tensor([0, 2, 3, 1])

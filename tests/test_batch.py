@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.cache import cache_capacity, cache_kwargs, keep_paths, new_cache
+from drafthead.inference.engine.cache import cache_capacity, cache_kwargs, keep_paths, new_cache
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
 from drafthead.inference.drafters.merged import MergedDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.sampling import SamplingConfig
-from drafthead.inference.tree import DraftTree, pad_trees
-from drafthead.inference.verify import forward_trees
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.sampling import SamplingConfig
+from drafthead.inference.engine.tree import DraftTree, pad_trees
+from drafthead.inference.engine.verify import forward_trees
 from tests.stats import chi_square_pvalue
 from tests.test_sampling_exactness import ALPHA, VOCAB, exact_first_three
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm

@@ -204,7 +204,7 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
     from transformers import PreTrainedTokenizerFast
 
     from drafthead.drafters import DrafterError, build_drafter, check_same_vocabulary
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
     from tests.tiny import tiny_causal_lm
 
     target = load_target(tiny_llama_dir)
@@ -244,7 +244,7 @@ def test_unknown_proposer_and_missing_arguments(tiny_llama_dir):
 def test_heads_proposer_end_to_end(capsys, tiny_llama_dir, tmp_path, kind):
     """An (untrained) head folder through --head: loads with identity checks, stays exact."""
     from drafthead.heads.registry import build_head, make_config
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
 
     target = load_target(tiny_llama_dir)
     head = build_head(make_config(kind, target.model, target.tokenizer, name=target.name), target.model)

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.cost import CostCurve, best_node_count, measure_verify_cost
+from drafthead.inference.engine.cost import CostCurve, best_node_count, measure_verify_cost
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.load import load_head_drafter
 from drafthead.inference.drafters.merged import MergedDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
 

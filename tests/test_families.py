@@ -16,9 +16,9 @@ import torch
 
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.verify import check_tree_mask_support
-from drafthead.inference.targets import load_target
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.verify import check_tree_mask_support
+from drafthead.inference.engine.targets import load_target
 from tests.test_batch import left_padded
 from tests.tiny import FAMILIES, MULTIMODAL, plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -46,7 +46,7 @@ def family_target(tiny_target_dir):
 
 @pytest.mark.parametrize("family", TARGETS)
 def test_every_family_loads_with_an_attention_that_takes_tree_masks(tiny_target_dir, family, caplog):
-    with caplog.at_level(logging.WARNING, logger="drafthead.inference.targets"):
+    with caplog.at_level(logging.WARNING, logger="drafthead.inference.engine.targets"):
         model = load_target(tiny_target_dir(family, layers=LAYERS)).model
     want = "eager" if family in NO_SDPA else "sdpa"
     assert model.config._attn_implementation == want
@@ -56,10 +56,10 @@ def test_every_family_loads_with_an_attention_that_takes_tree_masks(tiny_target_
 
 
 def test_mask_rules_per_layer_type_and_refusals():
-    """The pure rule from a config to the tree masks its layers need (inference/verify.py)."""
+    """The pure rule from a config to the tree masks its layers need (inference/engine/verify.py)."""
     from types import SimpleNamespace
 
-    from drafthead.inference.verify import TreeMaskUnsupported, mask_rules
+    from drafthead.inference.engine.verify import TreeMaskUnsupported, mask_rules
 
     def config(**kw):
         return SimpleNamespace(_attn_implementation="sdpa", model_type="x", **kw)
@@ -220,7 +220,7 @@ def test_tree_sampling_is_exact_at_depth_two(family):
     (tests/test_sampling_exactness.py). Lookup drafts cost nothing, so the samples pay only for
     the target's forwards. tiny_causal_lm's sharp logits are kept: with them a tree mask that
     ignores Gemma's window moves the law far enough for this test to fail (checked)."""
-    from drafthead.inference.sampling import SamplingConfig
+    from drafthead.inference.engine.sampling import SamplingConfig
     from tests.stats import chi_square_pvalue
     from tests.test_sampling_exactness import ALPHA, RUNS, VOCAB, exact_first_three, sampled_first
 

@@ -7,7 +7,7 @@ from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter, HydraDrafter, MedusaDrafter, best_static_tree
 from drafthead.inference.drafters.parallel import ParallelDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
 KINDS = {"medusa1": {}, "hydra": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64},
@@ -189,7 +189,7 @@ def test_eagle_tree_nodes_are_top_k_children_of_their_recomputed_parents():
     prompt = repetitive_prompt(96, seed=4)
     with torch.no_grad():
         out = target(prompt[:, :-1], output_hidden_states=True)
-    from drafthead.inference.drafter import TargetFeatures
+    from drafthead.inference.engine.drafter import TargetFeatures
     feats = TargetFeatures(drafter.feature_layers, tuple(out.hidden_states[i] for i in drafter.feature_layers))
     drafter.begin(prompt[:, :-1], feats, prompt[:, -1])
     with torch.inference_mode():

@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 import torch
 
-from drafthead.inference.drafter import RootOnlyDrafter
-from drafthead.inference.generate import GenerationConfig, generate_batch, speculative_generate
-from drafthead.inference.sampling import SamplingConfig, logits_to_probs
-from drafthead.inference.tree import DraftTree, chain_parents, node_depths
+from drafthead.inference.engine.drafter import RootOnlyDrafter
+from drafthead.inference.engine.generate import GenerationConfig, generate_batch, speculative_generate
+from drafthead.inference.engine.sampling import SamplingConfig, logits_to_probs
+from drafthead.inference.engine.tree import DraftTree, chain_parents, node_depths
 from tests.stats import chi_square_pvalue
 
 pytestmark = pytest.mark.llamacpp
@@ -25,8 +25,8 @@ def smollm2():
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.llamacpp.convert import target_gguf
     from drafthead.inference.llamacpp.target import LlamaCppTarget
-    from drafthead.inference.prompts import encode_chat, load_prompts
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.bench.prompts import encode_chat, load_prompts
+    from drafthead.inference.engine.targets import load_target
 
     loaded = load_target("smollm2-135m", dtype="float32")
     backend = LlamaCppTarget(target_gguf(loaded.path, "f32"), loaded.model.config, threads=2)

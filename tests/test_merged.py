@@ -6,8 +6,8 @@ from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.merged import MergedDrafter, merge_trees
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.tree import DraftTree
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.tree import DraftTree
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
 

@@ -1,17 +1,17 @@
-"""The load policy (inference/policy.py): the rule's choices on known costs and gains, what a cut
+"""The load policy (inference/engine/policy.py): the rule's choices on known costs and gains, what a cut
 tree would have accepted, and exactness when it cuts trees or decodes plainly."""
 import math
 
 import torch
 
-from drafthead.inference.cost import CostCurve
+from drafthead.inference.engine.cost import CostCurve
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.merged import MergedDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.policy import SpeculationPolicy, accepted_within, best_batch_node_count, cut_tree
-from drafthead.inference.tree import DraftTree
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.policy import SpeculationPolicy, accepted_within, best_batch_node_count, cut_tree
+from drafthead.inference.engine.tree import DraftTree
 from drafthead.heads.registry import build_head, make_config
 from tests.test_batch import left_padded, prompts_of
 from tests.tiny import plain_greedy, tiny_causal_lm
@@ -68,7 +68,7 @@ def test_eagle_drafter_limit_drafts_fewer_and_shallower_nodes():
     head.step = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
     with torch.no_grad():
         out = target(prompt[:, :-1], output_hidden_states=True)
-    from drafthead.inference.verify import select_features
+    from drafthead.inference.engine.verify import select_features
 
     features = select_features(out.hidden_states, drafter.feature_layers, False)
     drafter.begin(prompt[:, :-1], features, prompt[0, -1:])

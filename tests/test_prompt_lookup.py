@@ -1,7 +1,7 @@
 """Prompt lookup's rules: periodic continuations, longest n-gram first, streaks."""
 import torch
 
-from drafthead.inference.drafter import RoundStats
+from drafthead.inference.engine.drafter import RoundStats
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter, find_continuations, periodic_continuation
 
 

@@ -1,15 +1,15 @@
-"""Replayed greedy rounds (inference/replay.py) against the engine's own: the same accepted
+"""Replayed greedy rounds (inference/bench/replay.py) against the engine's own: the same accepted
 lengths, round for round, for trained heads of three drafter families and for prompt lookup."""
 import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.drafter import DrafterBase
+from drafthead.inference.engine.drafter import DrafterBase
 from drafthead.inference.drafters.parallel import DFlashDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.replay import replay_greedy, sequence_hidden_states
-from drafthead.inference.tree import DraftTree
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.bench.replay import replay_greedy, sequence_hidden_states
+from drafthead.inference.engine.tree import DraftTree
 from tests.test_head_drafters import KINDS, make_drafter, self_generated_batch, train_head
 from tests.tiny import repetitive_prompt, tiny_causal_lm
 

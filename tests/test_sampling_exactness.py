@@ -7,8 +7,8 @@ import torch
 
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.sampling import SamplingConfig, logits_to_probs
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.sampling import SamplingConfig, logits_to_probs
 from tests.stats import chi_square_pvalue
 from tests.tiny import tiny_causal_lm
 
@@ -63,7 +63,7 @@ def test_deterministic_lookup_tree_sampling_is_exact():
 def exact_first_three(target, prompt, sampling):
     """P(t1, t2, t3) enumerated from the target's processed distributions (VOCAB**3 outcomes); a
     repetition penalty sees the prompt and the tokens before each step, as generate() does."""
-    from drafthead.inference.sampling import seen_mask
+    from drafthead.inference.engine.sampling import seen_mask
 
     def probs(seqs):  # [n, L] -> [n, V], the distribution after each sequence
         return logits_to_probs(target(seqs).logits[:, -1], sampling, seen_mask(seqs, VOCAB))

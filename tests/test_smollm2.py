@@ -8,9 +8,9 @@ from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.prompts import encode_chat, load_prompts
-from drafthead.inference.targets import eos_token_ids, load_target
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.bench.prompts import encode_chat, load_prompts
+from drafthead.inference.engine.targets import eos_token_ids, load_target
 
 pytestmark = pytest.mark.slow
 

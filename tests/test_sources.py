@@ -172,7 +172,7 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
     answering with transformers' generate() (multi-turn, prompts of different lengths per batch);
     with the load policy too (`data regenerate --speculative`'s default), on a made-up cost curve
     under which some rounds draft and some decode plainly."""
-    from drafthead.inference.policy import SpeculationPolicy
+    from drafthead.inference.engine.policy import SpeculationPolicy
     from drafthead.heads.registry import build_head, make_config
     from drafthead.inference.drafters.heads import EagleDrafter
     from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter

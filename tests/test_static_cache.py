@@ -1,4 +1,4 @@
-"""The static KV cache and the compiled round forward (inference/compiled.py, docs/trees.md
+"""The static KV cache and the compiled round forward (inference/engine/compiled.py, docs/trees.md
 "Static cache"): the same tokens as plain greedy decoding, at batch 1 and with ragged rows, and
 a compiled graph reused across rounds and generations instead of recompiled. (The cache's
 per-node logits over rounds: tests/test_batch.py::test_ragged_cache_matches_recomputation.)"""
@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from drafthead.inference.compiled import CAPACITY_STEP, TREE_ROOM, StaticDecoding, static_capacity
-from drafthead.inference.drafter import DrafterBase
+from drafthead.inference.engine.compiled import CAPACITY_STEP, TREE_ROOM, StaticDecoding, static_capacity
+from drafthead.inference.engine.drafter import DrafterBase
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference import target_linears
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.target_linears import ROW_BUCKETS
-from drafthead.inference.tree import DraftTree
+from drafthead.inference.kernels import target_linears
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.kernels.target_linears import ROW_BUCKETS
+from drafthead.inference.engine.tree import DraftTree
 from tests.test_batch import batch_drafters, left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, tiny_causal_lm
 

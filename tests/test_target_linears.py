@@ -1,14 +1,14 @@
-"""The target's linears dispatched by row count inside the engine (inference/target_linears.py),
-and the panel kernel it can dispatch to (inference/panel_kernel.py)."""
+"""The target's linears dispatched by row count inside the engine (inference/kernels/target_linears.py),
+and the panel kernel it can dispatch to (inference/kernels/panel_kernel.py)."""
 import pytest
 import torch
 from torch import nn
 
-from drafthead.inference import panel_kernel, target_linears
+from drafthead.inference.kernels import panel_kernel, target_linears
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.target_linears import (ROW_BUCKETS, RowDispatchLinear, engine_linears, fastest, fits_in_memory,
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.kernels.target_linears import (ROW_BUCKETS, RowDispatchLinear, engine_linears, fastest, fits_in_memory,
                                                  kernel_for_rows)
 from tests.test_batch import left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm

@@ -152,7 +152,7 @@ def answer(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempera
     """Batched generation -> [(answer text, ended with a stop token)]: transformers `generate()` with
     left padding, or, given a drafter, our batched speculative decoding (the same answers under
     greedy, the same distribution under sampling; docs/trees.md "Batches"), with `policy` (a
-    SpeculationPolicy, inference/policy.py) choosing each round's draft nodes when given."""
+    SpeculationPolicy, inference/engine/policy.py) choosing each round's draft nodes when given."""
     if drafter is not None:
         return _answer_speculative(model, tokenizer, prompts, drafter, max_new_tokens=max_new_tokens,
                                    temperature=temperature, top_p=top_p, stop_ids=stop_ids, seed=seed, policy=policy)
@@ -176,8 +176,8 @@ def answer(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempera
 
 def _answer_speculative(model, tokenizer, prompts, drafter, *, max_new_tokens, temperature, top_p, stop_ids, seed,
                         policy=None):
-    from ..inference.generate import GenerationConfig, generate_batch
-    from ..inference.sampling import SamplingConfig
+    from ..inference.engine.generate import GenerationConfig, generate_batch
+    from ..inference.engine.sampling import SamplingConfig
 
     device = next(model.parameters()).device
     encoded = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"], device=device) for p in prompts]

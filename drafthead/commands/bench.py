@@ -43,10 +43,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..inference.bench import BenchSettings, run_bench
-    from ..inference.prompts import load_prompts
-    from ..inference.report import format_table, plot_report, render_markdown
-    from ..inference.targets import eos_token_ids
+    from ..inference.bench.run import BenchSettings, run_bench
+    from ..inference.bench.prompts import load_prompts
+    from ..inference.bench.report import format_table, plot_report, render_markdown
+    from ..inference.engine.targets import eos_token_ids
 
     prompts = load_prompts(args.dataset, args.limit)  # before the model: bad input fails fast
     sampling = sampling_from_args(args)
@@ -126,7 +126,7 @@ def _external(engines, args, loaded, prompts, settings, report) -> dict:
     """The same prompts through llama.cpp's own tools (inference/llamacpp/tools.py, built by
     `make llamacpp`) and vLLM (scripts/interop/compare_engines.py, in a source checkout): tokens/s
     with prefill, as ours are counted, beside our own plain and speculative."""
-    from ..inference.prompts import encode_chat
+    from ..inference.bench.prompts import encode_chat
 
     encoded = [encode_chat(loaded.tokenizer, p) for p in prompts]
     texts = [loaded.tokenizer.decode(ids[0]) for ids in encoded]
@@ -174,7 +174,7 @@ def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
 
 
 def _run_batched(args, model, tokenizer, factory, example, prompts, settings) -> int:
-    from ..inference.batch_bench import format_batch_table, run_batch_bench
+    from ..inference.bench.batch import format_batch_table, run_batch_bench
 
     policy = policy_from_args(args, settings.verifier or model, example)
     name = "policy" if policy is not None else "speculative"

@@ -161,7 +161,7 @@ def _capture(args) -> int:
     from tqdm.auto import tqdm
 
     from ..heads.outdir import check_output
-    from ..inference.targets import load_target
+    from ..inference.engine.targets import load_target
     from ..train.config import load_config
     from ..train.features import CAPTURE_PLAN
     from ..train.run import capture_from_config

@@ -10,11 +10,11 @@ from typing import Sequence
 
 import torch
 
-from ..cache import cache_kwargs, keep_path, new_cache
-from ..drafter import DrafterBase, RoundStats
-from ..sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
-from ..tree import DraftTree, chain_choices, tree_from_choices
-from ..verify import attention_masks
+from ..engine.cache import cache_kwargs, keep_path, new_cache
+from ..engine.drafter import DrafterBase, RoundStats
+from ..engine.sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
+from ..engine.tree import DraftTree, chain_choices, tree_from_choices
+from ..engine.verify import attention_masks
 
 
 def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:

@@ -14,10 +14,10 @@ from typing import Sequence
 
 import torch
 
-from ..cache import crop
-from ..cost import best_node_count, sync_device
-from ..drafter import RoundStats, TargetFeatures
-from ..tree import DraftTree, best_first, select_top_nodes, tree_from_choices
+from ..engine.cache import crop
+from ..engine.cost import best_node_count, sync_device
+from ..engine.drafter import RoundStats, TargetFeatures
+from ..engine.tree import DraftTree, best_first, select_top_nodes, tree_from_choices
 
 
 # ---------------------------------------------------------------------------------------------

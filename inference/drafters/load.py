@@ -7,8 +7,8 @@ from pathlib import Path
 from ...heads.formats import detect_layout, import_head
 from ...heads.config import drafter_family
 from ...heads.registry import load_head
-from ..cost import measure_verify_cost
-from ..target_linears import dispatch_linears
+from ..engine.cost import measure_verify_cost
+from ..kernels.target_linears import dispatch_linears
 from .heads import EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, drafting_defaults
 from .merged import MergedDrafter
 from .parallel import DFlashDrafter, ParallelDrafter
@@ -45,7 +45,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     else:  # a published layout (vLLM, speculators, upstream EAGLE/Medusa...), read exactly or refused
         head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
-    dispatch_linears(head)  # draft steps multiply a few rows by every head weight (inference/target_linears.py)
+    dispatch_linears(head)  # draft steps multiply a few rows by every head weight (inference/kernels/target_linears.py)
     family = drafter_family(head.kind)
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     check_drafting_keys(given, family, f"{head.kind} drafter options")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter import RoundStats, TargetFeatures, fork_drafter
-from ..tree import DraftTree, node_depths
+from ..engine.drafter import RoundStats, TargetFeatures, fork_drafter
+from ..engine.tree import DraftTree, node_depths
 
 
 def merge_trees(trees: list[DraftTree], budgets: list[int | None]) -> tuple[DraftTree, list[list[int]]]:
@@ -17,7 +17,7 @@ def merge_trees(trees: list[DraftTree], budgets: list[int | None]) -> tuple[Draf
 
     budgets[i]: at most that many nodes *new to the merged tree* come from tree i (None: all),
     taken shallowest first. An unbudgeted tree's nodes keep their own order (an EAGLE tree's is
-    best first, which the load policy's cut relies on: inference/policy.py). Trees follow one
+    best first, which the load policy's cut relies on: inference/engine/policy.py). Trees follow one
     another. Returns the merged tree and, per input tree, the merged index of each of its nodes
     (-1 where a node was left out by its budget).
     """

@@ -20,8 +20,8 @@ from typing import Sequence
 
 import torch
 
-from ..drafter import TargetFeatures
-from ..tree import DraftTree, chain_choices
+from ..engine.drafter import TargetFeatures
+from ..engine.tree import DraftTree, chain_choices
 from .heads import EagleDrafter, FeatureBuffer, draft_ids_of, static_tree_drafts, static_tree_shape
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter import DrafterBase
-from ..tree import DraftTree
+from ..engine.drafter import DrafterBase
+from ..engine.tree import DraftTree
 
 
 def periodic_continuation(history: list[int], start: int, num_draft: int) -> list[int]:

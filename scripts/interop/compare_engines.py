@@ -3,7 +3,7 @@
     .venv/bin/python scripts/interop/compare_engines.py --prompts 80 --max-new-tokens 128 --out out/engines
 
 Batch 1, greedy, the first turns of MT-bench rendered with the target's chat template (token ids
-as inference/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and thread count for all:
+as inference/bench/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and thread count for all:
   - transformers `generate()`;
   - ours with no drafting (the same engine, root-only trees), ours speculative with the shipped head's
     fixed tree, and ours with the load policy (`--num-draft auto`: each round's node count from
@@ -42,7 +42,7 @@ def parse_args(argv=None):
                    help="llama.cpp's GGUF type (default: --dtype); each engine can run its own fastest")
     p.add_argument("--round-weights", default=None, choices=("bfloat16",),
                    help="ours and transformers run the target's weights rounded to bf16 values in --dtype: the "
-                        "weights llama.cpp's bf16 GGUF holds (inference/targets.py round_to_bfloat16)")
+                        "weights llama.cpp's bf16 GGUF holds (inference/engine/targets.py round_to_bfloat16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="hf,ours,llama.cpp,vllm")
     p.add_argument("--out", default="out/engines")
@@ -160,15 +160,15 @@ def main() -> int:
 
     from drafthead.commands import POLICY_TOKEN_COUNTS
     from drafthead.drafters import default_head_path, load_heads
-    from drafthead.inference.drafter import RootOnlyDrafter
-    from drafthead.inference.cost import measure_verify_cost
-    from drafthead.inference.drafter import fork_drafter
-    from drafthead.inference.policy import SpeculationPolicy
-    from drafthead.inference.bench import hf_generation_config
-    from drafthead.inference.generate import GenerationConfig, speculative_generate
-    from drafthead.inference.prompts import encode_chat, load_prompts
-    from drafthead.inference.sampling import SamplingConfig
-    from drafthead.inference.targets import eos_token_ids, load_target
+    from drafthead.inference.engine.drafter import RootOnlyDrafter
+    from drafthead.inference.engine.cost import measure_verify_cost
+    from drafthead.inference.engine.drafter import fork_drafter
+    from drafthead.inference.engine.policy import SpeculationPolicy
+    from drafthead.inference.bench.run import hf_generation_config
+    from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+    from drafthead.inference.bench.prompts import encode_chat, load_prompts
+    from drafthead.inference.engine.sampling import SamplingConfig
+    from drafthead.inference.engine.targets import eos_token_ids, load_target
 
     engines = args.engines.split(",")
     out = Path(args.out)

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from .acceptance import greedy_accept
-from .drafter import RootOnlyDrafter
-from .drafter import RoundStats
-from .generate import GenerationConfig, generate_batch
-from .tree import node_depths
-from .verify import select_features
+from ..engine.acceptance import greedy_accept
+from ..engine.drafter import RootOnlyDrafter
+from ..engine.drafter import RoundStats
+from ..engine.generate import GenerationConfig, generate_batch
+from ..engine.tree import node_depths
+from ..engine.verify import select_features
 
 NO_TOKEN = -1  # the target's argmax past the end of the known continuation: matches no node
 

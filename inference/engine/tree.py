@@ -298,7 +298,7 @@ def select_top_nodes(parents: torch.Tensor, scores: torch.Tensor, total_tokens: 
 def best_first(parents: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """The nodes `keep` (containing 0, closed under ancestors) reordered best score first, root
     first and every node after its parent, so that any prefix of the order is itself a tree of
-    the best nodes: what the load policy's cut keeps (inference/policy.py). Ties go to shallower,
+    the best nodes: what the load policy's cut keeps (inference/engine/policy.py). Ties go to shallower,
     then earlier nodes; a node whose parent scores lower (a non-monotone drafter) waits for it."""
     p = parents.tolist()
     s = scores.tolist()

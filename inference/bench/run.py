@@ -26,13 +26,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import panel_kernel
-from .machine import cpu_model
-from .cost import sync_device
-from .drafter import RootOnlyDrafter
-from .generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
+from ..kernels import panel_kernel
+from ..kernels.machine import cpu_model
+from ..engine.cost import sync_device
+from ..engine.drafter import RootOnlyDrafter
+from ..engine.generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
 from .prompts import Prompt, encode_chat
-from .sampling import SamplingConfig
+from ..engine.sampling import SamplingConfig
 
 
 @dataclass
@@ -480,7 +480,7 @@ def _settings_record(target, settings: BenchSettings, num_prompts: int) -> dict:
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
-        # our CPU kernel for the target's linears (inference/panel_kernel.py), or why it is off
+        # our CPU kernel for the target's linears (inference/kernels/panel_kernel.py), or why it is off
         "panel_kernel": "available" if panel_kernel.enabled() else panel_kernel.why_unavailable(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

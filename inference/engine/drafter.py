@@ -13,7 +13,7 @@ verified tree. A drafter sees the same sequence:
 `features` are the target hidden states at `tokens` (only when the drafter asks for them through
 `feature_layers`), so heads such as Medusa/EAGLE never run the target themselves.
 
-Optional: `limit(nodes | None)`: the load policy (inference/policy.py) says how many draft nodes
+Optional: `limit(nodes | None)`: the load policy (inference/engine/policy.py) says how many draft nodes
 the next tree needs, so a drafter that can stop early (EAGLE) drafts less; None lifts the limit.
 """
 from __future__ import annotations

@@ -48,13 +48,13 @@ class GenerationConfig:
     # LOSSY, opt-in: Medusa's typical acceptance instead of the exact rule (sampling only)
     typical: TypicalAcceptance | None = None
     # speculation by load (`--num-draft auto`): cuts every row's tree to the node count that pays
-    # at this batch size, down to plain decoding (inference/policy.py); None: verify whole trees
+    # at this batch size, down to plain decoding (inference/engine/policy.py); None: verify whole trees
     policy: SpeculationPolicy | None = None
     # the target's linears on the faster CPU kernel per row count while we decode
-    # (inference/target_linears.py); generate() and training never see the swap
+    # (inference/kernels/target_linears.py); generate() and training never see the swap
     engine_linears: bool = True
     # a static KV cache (fixed slot count, K/V written in place), and with `compile` (a
-    # torch.compile backend: "inductor") the target's round forward compiled (inference/compiled.py);
+    # torch.compile backend: "inductor") the target's round forward compiled (inference/engine/compiled.py);
     # the first generation pays the compile
     static_cache: bool = False
     compile: str | None = None
