@@ -186,8 +186,8 @@ def test_typical_acceptance_is_opt_in_and_labelled_lossy():
         GenerationConfig(typical=TypicalAcceptance())
     target = tiny_causal_lm("llama")
     sampling = SamplingConfig(temperature=1.0)
-    exact = speculative_generate(target, PromptLookupDrafter(num_draft=4), repetitive_prompt(96),
+    exact = speculative_generate(target, PromptLookupDrafter(length=4), repetitive_prompt(96),
                                  GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0))
-    lossy = speculative_generate(target, PromptLookupDrafter(num_draft=4), repetitive_prompt(96),
+    lossy = speculative_generate(target, PromptLookupDrafter(length=4), repetitive_prompt(96),
                                  GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0, typical=TypicalAcceptance()))
     assert not exact.lossy and lossy.lossy and lossy.new_tokens.shape[1] == 12

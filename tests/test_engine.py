@@ -16,9 +16,9 @@ TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0
 def drafters(target, family):
     other = tiny_causal_lm(family, seed=7)
     return {
-        "prompt-lookup": PromptLookupDrafter(num_draft=6),
-        "prompt-lookup-chain": PromptLookupDrafter(num_draft=4, max_matches=1),
-        "prompt-lookup-streak": PromptLookupDrafter(num_draft=3, streak_draft=12),
+        "prompt-lookup": PromptLookupDrafter(length=6),
+        "prompt-lookup-chain": PromptLookupDrafter(length=4, max_matches=1),
+        "prompt-lookup-streak": PromptLookupDrafter(length=3, streak_draft=12),
         "draft-model-chain": DraftModelDrafter(other, num_draft=3),
         "draft-model-tree": DraftModelDrafter(other, choices=TREE),
         "draft-model-dynamic": DraftModelDrafter(other, num_draft=2, dynamic=True),

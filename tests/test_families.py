@@ -90,7 +90,7 @@ def test_greedy_equals_plain_greedy_in_every_family(family_target, family):
     vocab = target.config.get_text_config().vocab_size
     prompt = repetitive_prompt(vocab, length=14, seed=len(family))
     reference = plain_greedy(target, prompt, MAX_NEW)
-    for drafter, static in ((PromptLookupDrafter(num_draft=6), False), (DraftModelDrafter(target, choices=TREE), True)):
+    for drafter, static in ((PromptLookupDrafter(length=6), False), (DraftModelDrafter(target, choices=TREE), True)):
         result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static))
         assert result.new_tokens[0].tolist() == reference, (family, type(drafter).__name__)
     assert max(result.accepted_lengths) == 5  # the self-drafted tree was accepted to its full depth
@@ -99,7 +99,7 @@ def test_greedy_equals_plain_greedy_in_every_family(family_target, family):
     references = [plain_greedy(target, p[None], MAX_NEW) for p in prompts]
     ids, mask = left_padded(prompts)
     draft = tiny_causal_lm(family, vocab=vocab, seed=7, layers=2)
-    for drafter, static in ((PromptLookupDrafter(num_draft=6), True), (DraftModelDrafter(draft, choices=TREE), False)):
+    for drafter, static in ((PromptLookupDrafter(length=6), True), (DraftModelDrafter(draft, choices=TREE), False)):
         result = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static),
                                       attention_mask=mask)
         assert [row.new_tokens[0].tolist() for row in result.rows] == references, (family, type(drafter).__name__)
@@ -227,6 +227,6 @@ def test_tree_sampling_is_exact_at_depth_two(family):
     sampling = SamplingConfig(temperature=0.8)
     target = tiny_causal_lm(family, vocab=VOCAB, seed=3, layers=LAYERS, **SAMPLED_FAMILIES[family])
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])
-    counts, deep = sampled_first(target, PromptLookupDrafter(num_draft=3), prompt, sampling, 3, copies=50)
+    counts, deep = sampled_first(target, PromptLookupDrafter(length=3), prompt, sampling, 3, copies=50)
     assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA

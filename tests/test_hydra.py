@@ -90,7 +90,7 @@ def test_greedy_with_hydra_heads_equals_plain_greedy(family):
     target = tiny_causal_lm(family, layers=4)
     head = hydra(target).eval()
     prompt = repetitive_prompt(96, seed=6)
-    result = speculative_generate(target, HydraDrafter(head, num_nodes=8), prompt, GenerationConfig(max_new_tokens=30))
+    result = speculative_generate(target, HydraDrafter(head, num_draft=8), prompt, GenerationConfig(max_new_tokens=30))
     assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 30), family
     prompts = prompts_of((1, 7, 15), seed=4)
     ids, mask = left_padded(prompts)

@@ -25,7 +25,7 @@ def tiny_eagle_drafter():
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
                       token_counts=torch.arange(96)).eval()
-    return target, head, EagleDrafter(head, total_tokens=10, depth=4, top_k=3)
+    return target, head, EagleDrafter(head, num_draft=10, depth=4, top_k=3)
 
 
 def test_accepted_within_counts_the_surviving_prefix_of_the_path():
@@ -120,8 +120,8 @@ def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
     prompts = prompts_of((3, 9, 14, 20, 6, 11), seed=5)
     refs = [plain_greedy(target, p[None], 30) for p in prompts]
     for curve in (FLAT, STEEP):
-        for drafter in (EagleDrafter(head, total_tokens=10, depth=4, top_k=3), DraftModelDrafter(target, num_draft=4),
-                        MergedDrafter([EagleDrafter(head, total_tokens=6, depth=3, top_k=2), PromptLookupDrafter(num_draft=4)])):
+        for drafter in (EagleDrafter(head, num_draft=10, depth=4, top_k=3), DraftModelDrafter(target, num_draft=4),
+                        MergedDrafter([EagleDrafter(head, num_draft=6, depth=3, top_k=2), PromptLookupDrafter(length=4)])):
             for batch, fresh in ((1, True), (6, True), (6, False)):
                 cost = 0.0005 if curve is FLAT else 0.05  # seconds a row: cheap on FLAT, dear on STEEP
                 policy = InjectedCosts(curve, probe_every=3, draft_per_row=cost)
@@ -159,7 +159,7 @@ def test_probes_back_off_while_plain_decoding_keeps_winning():
     assert all(drafted[300:])
 
 
-def test_the_policys_node_limit_does_not_outlive_its_run():
+def test_the_policys_num_draft_limit_does_not_outlive_its_run():
     """A drafter used under the policy and then without it drafts its whole tree again."""
     target, head, drafter = tiny_eagle_drafter()
     prompt = prompts_of((10,))[0][None]
@@ -171,7 +171,7 @@ def test_the_policys_node_limit_does_not_outlive_its_run():
                                draft_seconds={0: 1e-4}, rounds=1, next_probe=10**9)
     speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, policy=policy))
     assert any(n is not None for n in set_to)  # the run did limit the drafter
-    assert drafter.node_limit is None
+    assert drafter.num_draft_limit is None
 
 
 def test_costly_probes_are_spaced_to_the_probe_budget():
@@ -221,7 +221,7 @@ def test_a_drafter_skipped_by_plain_rounds_catches_up_before_it_drafts():
         policy = InjectedCosts(STEEP, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7,
                                draft_per_row=0.05)  # plain first, drafting again from round 7
         ids = prompt[None].repeat(batch, 1)
-        out = speculative_generate(target, Watched(head, total_tokens=6, depth=3, top_k=2), ids,
+        out = speculative_generate(target, Watched(head, num_draft=6, depth=3, top_k=2), ids,
                                    GenerationConfig(max_new_tokens=30, policy=policy),
                                    attention_mask=torch.ones_like(ids))
         row = out if batch == 1 else out.rows[0]

@@ -50,7 +50,7 @@ def test_replay_matches_the_engine_round_for_round_with_trained_heads(kind):
 
 def test_replay_matches_the_engine_with_prompt_lookup():
     target = tiny_causal_lm("qwen2", layers=2)
-    engine, replayed = engine_and_replay(target, lambda: PromptLookupDrafter(num_draft=6), repetitive_prompt(96, 24, seed=3))
+    engine, replayed = engine_and_replay(target, lambda: PromptLookupDrafter(length=6), repetitive_prompt(96, 24, seed=3))
     assert replayed == engine
     assert max(replayed) > 1
 
@@ -84,6 +84,6 @@ def test_replay_refuses_bad_input():
     with pytest.raises(ValueError, match="reads target features"):
         replay_greedy(make_drafter(head), sequence, 4)
     with pytest.raises(ValueError, match=r"must be \[1, T\]"):
-        replay_greedy(PromptLookupDrafter(num_draft=4), sequence.repeat(2, 1), 4)
+        replay_greedy(PromptLookupDrafter(length=4), sequence.repeat(2, 1), 4)
     with pytest.raises(ValueError, match="no continuation"):
-        replay_greedy(PromptLookupDrafter(num_draft=4), sequence, sequence.shape[1])
+        replay_greedy(PromptLookupDrafter(length=4), sequence, sequence.shape[1])

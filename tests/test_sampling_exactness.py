@@ -56,7 +56,7 @@ def test_deterministic_lookup_tree_sampling_is_exact():
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])  # "3 4" was followed by 5 and by 7
-    counts, _ = sampled_first(target, PromptLookupDrafter(num_draft=3), prompt, sampling, 2, copies=1)
+    counts, _ = sampled_first(target, PromptLookupDrafter(length=3), prompt, sampling, 2, copies=1)
     assert chi_square_pvalue(counts, exact_first_two(target, prompt, sampling), RUNS) > ALPHA
 
 
@@ -128,6 +128,6 @@ def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
         target.lm_head.weight.mul_(lm_scale)
     head = build_head(make_config(kind, target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    counts, deep = sampled_first(target, EagleDrafter(head, total_tokens=6, depth=2, top_k=2), prompt, sampling, 3)
+    counts, deep = sampled_first(target, EagleDrafter(head, num_draft=6, depth=2, top_k=2), prompt, sampling, 3)
     assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA

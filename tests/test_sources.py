@@ -183,9 +183,9 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
     if proposer.startswith("eagle3"):
         head = build_head(make_config("eagle3", target, tok, name="tiny"), target).eval()
-        drafter = EagleDrafter(head, total_tokens=8, depth=3, top_k=3)
+        drafter = EagleDrafter(head, num_draft=8, depth=3, top_k=3)
     else:
-        drafter = PromptLookupDrafter(num_draft=4)
+        drafter = PromptLookupDrafter(length=4)
     convs = [{"id": str(i), "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "x"},
                                          {"role": "user", "content": "and then " * (i + 1)}]}
              for i, text in enumerate(["hi", "tell me a story about a cat", "the the the the"])]

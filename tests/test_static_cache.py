@@ -78,11 +78,11 @@ def test_compiled_rounds_equal_plain_greedy_and_reuse_their_graphs(kernel, monke
     target = tiny_causal_lm("llama", layers=2)
     prompts = prompts_of((6, 21), seed=3)
     config = GenerationConfig(max_new_tokens=24, compile="aot_eager")
-    first = speculative_generate(target, PromptLookupDrafter(num_draft=5), prompts[0][None], config)
+    first = speculative_generate(target, PromptLookupDrafter(length=5), prompts[0][None], config)
     assert first.new_tokens[0].tolist() == plain_greedy(target, prompts[0][None], 24)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 1
-    second = speculative_generate(target, PromptLookupDrafter(num_draft=5), prompts[1][None], config)
+    second = speculative_generate(target, PromptLookupDrafter(length=5), prompts[1][None], config)
     assert second.new_tokens[0].tolist() == plain_greedy(target, prompts[1][None], 24)
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
     assert StaticDecoding.of(target, "aot_eager").compiled

@@ -115,7 +115,7 @@ def test_greedy_with_each_kernel_for_the_target_linears_equals_plain_greedy(fami
         _round_to_bfloat16(target)
     prompt = repetitive_prompt(96, seed=5)
     reference = plain_greedy(target, prompt, 40)
-    for drafter in (DraftModelDrafter(tiny_causal_lm(family, seed=7), choices=TREE), PromptLookupDrafter(num_draft=6)):
+    for drafter in (DraftModelDrafter(tiny_causal_lm(family, seed=7), choices=TREE), PromptLookupDrafter(length=6)):
         result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=40))
         assert result.new_tokens[0].tolist() == reference, family
     layers = [m for m in target.modules() if isinstance(m, RowDispatchLinear)]  # none: the swap is over
@@ -144,11 +144,11 @@ def test_packed_copies_follow_an_in_place_weight_change(packed_everywhere):
     """load_state_dict writes into the same storage: a stale packed copy would decode the old model."""
     target = tiny_causal_lm("qwen2")
     prompt = repetitive_prompt(96, seed=2)
-    drafter = PromptLookupDrafter(num_draft=6)
+    drafter = PromptLookupDrafter(length=6)
     speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=8))  # packs the weights
     other = tiny_causal_lm("qwen2", seed=3)
     target.load_state_dict(other.state_dict())
-    result = speculative_generate(target, PromptLookupDrafter(num_draft=6), prompt, GenerationConfig(max_new_tokens=30))
+    result = speculative_generate(target, PromptLookupDrafter(length=6), prompt, GenerationConfig(max_new_tokens=30))
     assert result.new_tokens[0].tolist() == plain_greedy(other, prompt, 30)
 
 

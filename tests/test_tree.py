@@ -170,9 +170,9 @@ def test_subtree_renumbers_parents():
 def test_select_top_nodes_keeps_best_and_ancestors():
     # cumulative log-probs fall along paths
     scores = torch.tensor([0.0, -0.1, -2.0, -0.3, -0.2, -2.5, -0.4])
-    keep = select_top_nodes(PARENTS, scores, total_tokens=3)
+    keep = select_top_nodes(PARENTS, scores, num_draft=3)
     assert keep.tolist() == [0, 1, 3, 4]
-    keep = select_top_nodes(PARENTS, scores, total_tokens=10)
+    keep = select_top_nodes(PARENTS, scores, num_draft=10)
     assert keep.tolist() == list(range(7))
 
 

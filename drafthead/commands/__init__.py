@@ -96,7 +96,8 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
     g.add_argument("--num-draft", type=_positive_int_or_auto, default=None,
-                   help="draft tokens per round (proposer default), or 'auto': each round, the node count (down "
+                   help="draft nodes per round, num_draft (proposer default; prompt lookup: each continuation's "
+                        "length), or 'auto': each round, the node count (down "
                         "to plain decoding) that pays at the batch size, from the target's measured forward cost")
     g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
                    help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "

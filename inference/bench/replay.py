@@ -105,6 +105,6 @@ def replay_greedy(drafter, sequence: torch.Tensor, prompt_len: int, hidden_state
             depths = depth[path].tolist()
             drafter.commit(tree.tokens[:, path], None if hidden_states is None else features(kept),
                            torch.tensor([result.next_token], device=device),
-                           RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
+                           RoundStats(num_draft=tree.num_draft, num_accepted=len(result.path) - 1,
                                       depth=int(depth.max()), accepted_depths=depths[1:], path=list(result.path)))
             pos += len(result.path)

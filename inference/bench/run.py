@@ -283,14 +283,14 @@ def run_bench(
     eos = tuple(settings.eos_token_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
 
-    def budget(ids) -> int:
-        # Both sides stop at the context limit: give HF the same budget the engine would reach.
+    def new_token_limit(ids) -> int:
+        # Both sides stop at the context limit: give HF the same limit the engine would reach.
         return settings.max_new_tokens if ctx is None else min(settings.max_new_tokens, ctx - ids.shape[1])
 
     sampled = not settings.sampling.greedy
     if settings.warmup_tokens > 0:  # first calls pay for allocations and lazy inits
         ids = encoded[0]
-        n = min(settings.warmup_tokens, budget(ids))
+        n = min(settings.warmup_tokens, new_token_limit(ids))
         _bench_prompt(target, tokenizer, drafter_factory, ids, n, settings.seed, settings, eos, pad, _MemoryPeaks(device))
 
     from tqdm.auto import tqdm
@@ -299,7 +299,7 @@ def run_bench(
     peaks = _MemoryPeaks(device)
     bar = tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", disable=not settings.progress)
     for i, (prompt, ids) in enumerate(bar):
-        record = _bench_prompt(target, tokenizer, drafter_factory, ids, budget(ids), settings.seed + i if sampled else None,
+        record = _bench_prompt(target, tokenizer, drafter_factory, ids, new_token_limit(ids), settings.seed + i if sampled else None,
                                settings, eos, pad, peaks)
         records.append({"id": prompt.id, "category": prompt.category, **record})
         running = summarize(records, settings)

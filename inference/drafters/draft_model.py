@@ -79,7 +79,7 @@ class DraftModelDrafter(DrafterBase):
         keep_path(self.cache, before, slots)
         self.cached = before + len(slots)
         if self.dynamic:
-            if stats.num_accepted == stats.num_drafted and stats.num_drafted > 0:
+            if stats.num_accepted == stats.num_draft and stats.num_draft > 0:
                 self.num_draft = min(self.max_draft, self.num_draft + 1)
             else:
                 self.num_draft = max(1, self.num_draft - 1)

@@ -351,9 +351,9 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
         planned = 0 if policy is None else policy.plan(len(active))  # 0: whole trees, 1: plain
         drafting = planned != 1
         if drafting:
-            cap = None if policy is None else policy.draft_limit(len(active), planned)
+            num_nodes = None if policy is None else policy.draft_limit(len(active), planned)
             for row in active:
-                _limit(row.drafter, cap - 1 if cap is not None else None)
+                _limit(row.drafter, num_nodes - 1 if num_nodes is not None else None)
                 _catch_up(row)
             drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
         else:  # plain decoding this round: each tree is its root
@@ -393,11 +393,11 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
     return num_forwards
 
 
-def _limit(drafter, nodes: int | None) -> None:
-    """Pass the load policy's node limit to drafters that can stop early (EAGLE heads; optional)."""
+def _limit(drafter, num_draft: int | None) -> None:
+    """Pass the load policy's num_draft to drafters that can stop early (EAGLE heads; optional)."""
     limit = getattr(drafter, "limit", None)
     if limit is not None:
-        limit(nodes)
+        limit(num_draft)
 
 
 def _leave(backend, active: list[_Row], limits: list[int]):
@@ -449,7 +449,7 @@ def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, res
         tree.tokens[:, path_index],
         round_features,
         torch.tensor([result.next_token], device=device),
-        RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
+        RoundStats(num_draft=tree.num_draft, num_accepted=len(result.path) - 1,
                    depth=int(depth_of.max()), accepted_depths=depths[1:],
                    # in the drafter's own numbering, before limit_depth
                    path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path],
@@ -473,4 +473,4 @@ def _catch_up(row: _Row) -> None:
         )
     pending = row.deferred[-1][2]
     row.deferred.clear()
-    row.drafter.commit(tokens, features, pending, RoundStats(num_drafted=0, num_accepted=0, depth=0, path=[0], skipped=True))
+    row.drafter.commit(tokens, features, pending, RoundStats(num_draft=0, num_accepted=0, depth=0, path=[0], skipped=True))

@@ -119,9 +119,9 @@ class SpeculationPolicy:
     def probe_size(self, batch: int, largest: int) -> int:
         """Nodes per row a probe keeps (root included, at most `largest`): the most whose verify
         over the batch costs at most probe_ratio times a plain round's."""
-        budget = self.probe_ratio * self.verify_cost(batch)
+        allowed_seconds = self.probe_ratio * self.verify_cost(batch)
         n = 1
-        while n < largest and self.verify_cost(batch * (n + 1)) <= budget:
+        while n < largest and self.verify_cost(batch * (n + 1)) <= allowed_seconds:
             n += 1
         return max(2, n) if largest >= 2 else largest
 

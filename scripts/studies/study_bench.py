@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     drafters = {}
     if args.shipped:
         drafters[SHIPPED], _ = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer,
-                                          total_tokens=args.chain, depth=args.chain, top_k=1, lookup_nodes=0,
+                                          num_draft=args.chain, depth=args.chain, top_k=1, lookup_nodes=0,
                                           lookup_streak=0)
     for kind, path in heads.items():
         drafter, target = load_heads(path, loaded.model, loaded.tokenizer)
