@@ -22,7 +22,7 @@ import torch
 
 from drafthead.cli import main
 from drafthead.train.workshare import WorkShare
-from drafthead.train.regenerate import done_ids, merge_parts, part_files, part_path, regenerate
+from drafthead.train.regenerate import RegenerateSettings, done_ids, merge_parts, part_files, part_path, regenerate
 from drafthead.train.tiny import write_tiny_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -185,7 +185,7 @@ def test_regenerate_rerun_after_a_rank_died_gives_the_clean_answers(tmp_path, ta
     loaded = load_target(str(target), dtype="float32", device="cpu")
     model, tok = loaded.model, loaded.tokenizer
     convs = list(load_conversations("json", str(write_tiny_jsonl(tmp_path / "c.jsonl", 12)), use_cache=False)[0])
-    kw = dict(max_new_tokens=5, batch_size=2)
+    kw = dict(settings=RegenerateSettings(max_new_tokens=5, batch_size=2))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two threads of work on two cores
     try:

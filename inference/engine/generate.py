@@ -251,59 +251,74 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
                    streamer=None, on_tokens=None) -> BatchGenerationResult:
     """The decode loop over prompts [P_b] of any lengths; row 0 drafts with `drafter`, row b > 0
     with `fork_drafter(drafter)` (shared weights, its own state)."""
-    if not prompts:
-        raise ValueError("no prompts")
-    if any(p.numel() == 0 for p in prompts):
-        raise ValueError("empty prompt: nothing to condition on")
-    backend = target_backend(target, config.static_cache, config.compile)
     max_len = context_limit(target.config, config.max_length)
-    longest = max(p.numel() for p in prompts)
-    if max_len is not None and longest >= max_len:
-        raise PromptTooLong(f"prompt of {longest} tokens leaves no room in a context of {max_len}")
-    device = prompts[0].device
-    generator = None
-    if config.seed is not None:
-        generator = torch.Generator().manual_seed(config.seed)
-    rules = StopRules(tuple(config.eos_token_ids), tuple(config.stop_strings), config.max_new_tokens)
-    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-    want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-    vocab = target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config") else target.config.vocab_size
-    track_seen = config.sampling.repetition_penalty != 1.0
+    _check_prompts(prompts, max_len)
+    backend = target_backend(target, config.static_cache, config.compile)
     drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
 
     with torch.inference_mode(), backend.engine_context(config.engine_linears):
         start = time.perf_counter()
-        rows = _prefill(backend, prompts, drafters, config.max_new_tokens, vocab if track_seen else None)
+        rows = _prefill(backend, prompts, drafters, config.max_new_tokens, _seen_vocab(target, config))
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         prefill_seconds = time.perf_counter() - start
 
-        clock = _Clock(device, config.profile)
+        run = _decoding(backend, drafter, config, max_len, prompts[0].device, tokenizer, on_tokens, streamer)
         try:
-            run = _Decoding(backend, config, want_hidden, generator, rules, decode, on_tokens, streamer, clock, max_len,
-                            device)
             num_forwards = _decode(run, list(rows))
         finally:
-            if config.policy is not None:  # the policy's node limit is for its own rounds only
+            if config.policy is not None:  # the policy's num_draft is for its own rounds only
                 for d in drafters:
                     _limit(d, None)
         if streamer is not None:
             streamer.end()
+    return _batch_result(rows, run, num_forwards, prefill_seconds)
 
+
+def _check_prompts(prompts: list[torch.Tensor], max_len: int | None) -> None:
+    if not prompts:
+        raise ValueError("no prompts")
+    if any(p.numel() == 0 for p in prompts):
+        raise ValueError("empty prompt: nothing to condition on")
+    longest = max(p.numel() for p in prompts)
+    if max_len is not None and longest >= max_len:
+        raise PromptTooLong(f"prompt of {longest} tokens leaves no room in a context of {max_len}")
+
+
+def _seen_vocab(target, config: GenerationConfig) -> int | None:
+    """The vocabulary over which rows track the tokens they have seen, for a repetition penalty (None: none)."""
+    if config.sampling.repetition_penalty == 1.0:
+        return None
+    return target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config") else target.config.vocab_size
+
+
+def _decoding(backend, drafter, config: GenerationConfig, max_len: int | None, device: torch.device, tokenizer,
+              on_tokens, streamer) -> _Decoding:
+    """What every round reads; its clock starts now, when the rounds do."""
+    generator = None if config.seed is None else torch.Generator().manual_seed(config.seed)
+    rules = StopRules(tuple(config.eos_token_ids), tuple(config.stop_strings), config.max_new_tokens)
+    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
+    return _Decoding(backend, config, want_hidden, generator, rules, decode, on_tokens, streamer,
+                     _Clock(device, config.profile), max_len, device)
+
+
+def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_seconds: float) -> BatchGenerationResult:
+    lossy = run.config.lossy
     return BatchGenerationResult(
         rows=[
             GenerationResult(
-                new_tokens=torch.tensor([row.emitted], dtype=torch.long, device=device),
-                accepted_lengths=row.accepted_lengths, finish_reason=row.finish or "length", lossy=config.lossy,
+                new_tokens=torch.tensor([row.emitted], dtype=torch.long, device=run.device),
+                accepted_lengths=row.accepted_lengths, finish_reason=row.finish or "length", lossy=lossy,
                 drafted=row.drafted,
             )
             for row in rows
         ],
         num_forwards=num_forwards,
-        timings=dict(clock.totals),
+        timings=dict(run.clock.totals),
         prefill_seconds=prefill_seconds,
-        decode_seconds=sum(clock.totals.values()),
-        lossy=config.lossy,
+        decode_seconds=sum(run.clock.totals.values()),
+        lossy=lossy,
     )
 
 
