@@ -124,7 +124,7 @@ OUR_SIDE = ("ours speculative", "transformers generate()")
 
 def _external(engines, args, loaded, prompts, settings, report) -> dict:
     """The same prompts through llama.cpp's own tools (inference/llamacpp/tools.py, built by
-    `make llamacpp`) and vLLM (scripts/interop/compare_engines.py, in a source checkout): tokens/s
+    `make llamacpp`) and vLLM (inference/bench/compare_vllm.py, its venv from `make interop`): tokens/s
     with prefill, as ours are counted, beside our own plain and speculative."""
     from ..inference.bench.prompts import encode_chat
 
@@ -159,15 +159,9 @@ def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
 
 
 def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
-    import importlib.util
+    from ..inference.bench.compare_vllm import vllm_rows
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "interop" / "compare_engines.py"
-    if not script.is_file():
-        return {}, {"vllm": f"needs a drafthead source checkout ({script} is missing)"}
-    spec = importlib.util.spec_from_file_location("compare_engines", script)
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
-    return compare.vllm_rows(
+    return vllm_rows(
         Path(loaded.path), [ids[0].tolist() for ids in encoded], list(settings.eos_token_ids),
         settings.max_new_tokens, args.dtype, args.threads or torch_threads(),
         Path(args.out).parent / "engines" if args.out else Path("out/engines"))
