@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(MAKE) --no-print-directory kernel
 	touch $(STAMP)
 
-# The panel kernel (inference/csrc/panel_linear.cpp) is compiled here once, not inside the first
+# The panel kernel (inference/kernels/csrc/panel_linear.cpp) is compiled here once, not inside the first
 # generation or test that needs it; without a compiler or AVX2 it says why and the engine runs without it.
 kernel:
 	$(BIN)/python -c "from drafthead.inference import panel_kernel as k; print('panel kernel:', 'ready' if k.enabled() else 'unavailable: ' + k.why_unavailable())"

@@ -16,20 +16,20 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_target": "drafthead.inference.targets",
-    "LoadedTarget": "drafthead.inference.targets",
-    "eos_token_ids": "drafthead.inference.targets",
+    "load_target": "drafthead.inference.engine.targets",
+    "LoadedTarget": "drafthead.inference.engine.targets",
+    "eos_token_ids": "drafthead.inference.engine.targets",
     "build_drafter": "drafthead.drafters",
-    "speculative_generate": "drafthead.inference.generate",
-    "GenerationConfig": "drafthead.inference.generate",
-    "GenerationResult": "drafthead.inference.generate",
-    "BatchGenerationResult": "drafthead.inference.generate",
-    "SpeculationPolicy": "drafthead.inference.policy",
-    "measure_verify_cost": "drafthead.inference.cost",
-    "SamplingConfig": "drafthead.inference.sampling",
-    "TypicalAcceptance": "drafthead.inference.acceptance",
-    "load_prompts": "drafthead.inference.prompts",
-    "encode_chat": "drafthead.inference.prompts",
+    "speculative_generate": "drafthead.inference.engine.generate",
+    "GenerationConfig": "drafthead.inference.engine.generate",
+    "GenerationResult": "drafthead.inference.engine.generate",
+    "BatchGenerationResult": "drafthead.inference.engine.generate",
+    "SpeculationPolicy": "drafthead.inference.engine.policy",
+    "measure_verify_cost": "drafthead.inference.engine.cost",
+    "SamplingConfig": "drafthead.inference.engine.sampling",
+    "TypicalAcceptance": "drafthead.inference.engine.acceptance",
+    "load_prompts": "drafthead.inference.bench.prompts",
+    "encode_chat": "drafthead.inference.bench.prompts",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

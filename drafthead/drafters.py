@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from .inference.sampling import SamplingConfig
-from .inference.targets import LoadedTarget, load_target
+from .inference.engine.sampling import SamplingConfig
+from .inference.engine.targets import LoadedTarget, load_target
 
 PROPOSERS = ("prompt-lookup", "draft-model", "heads")
 
@@ -58,10 +58,11 @@ def build_drafter(
     if proposer == "prompt-lookup":
         from .inference.drafters.prompt_lookup import PromptLookupDrafter
 
-        # streak 32: measured ahead of no streak on MT-bench (docs/results.md)
-        defaults = {"num_draft": 10, "max_ngram": 3, "min_ngram": 1, "streak_draft": 32}
+        # streak 32: measured ahead of no streak on MT-bench (docs/results.md). Prompt lookup reads
+        # --num-draft as each continuation's `length`; its trie holds up to twice that (its num_draft)
+        defaults = {"length": 10, "max_ngram": 3, "min_ngram": 1, "streak_draft": 32}
         if num_draft is not None:
-            defaults["num_draft"] = num_draft
+            defaults["length"] = num_draft
         return PromptLookupDrafter(**{**defaults, **kw})
     if proposer == "draft-model":
         from .inference.drafters.draft_model import DraftModelDrafter
@@ -110,7 +111,6 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
         raise FileNotFoundError(f"no head folder at {head}")
     from .heads.formats.common import ConventionNeeded
     from .heads.config import KINDS, drafter_family
-    from .inference.drafters.heads import draft_size_option
     from .inference.drafters.load import load_head_drafter
 
     layout, kind = head_layout(head)
@@ -120,7 +120,7 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
         family = drafter_family(kind)
         if num_draft == "confidence" and family != "eagle":
             raise DrafterError(f"num_draft 'confidence' sizes EAGLE trees; {kind} heads take a number of nodes")
-        options[draft_size_option(family)] = num_draft
+        options["num_draft"] = num_draft
     if layout == "ours":
         return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)
     try:

@@ -25,7 +25,7 @@ Inference contract (what the EAGLE drafter calls):
     `hidden` that `step` returned for its parent. `cache` is a `DynamicCache` holding K/V of the
     pairs already run (layer_idx 0); crop it back to the committed length before committing.
   * `attention_mask`: additive [B, 1, T, past + T] (0 = attend, large negative = blocked), e.g.
-    `inference.tree.tree_attention_mask`; None = causal over the cache plus the new positions.
+    `inference.engine.tree.tree_attention_mask`; None = causal over the cache plus the new positions.
     The head was trained attending over the whole prefix: build its masks without the target's
     sliding window (Mistral), whatever the target's own verification mask uses.
 """

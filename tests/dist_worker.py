@@ -50,7 +50,7 @@ def equal_length_trainer(config, target_model, tokenizer):
 
 
 def main(out: str, target: str, chats: str) -> None:
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
     from drafthead.train.run import run_training
 
     out = Path(out)

@@ -4,8 +4,8 @@ from collections import Counter
 import pytest
 import torch
 
-from drafthead.inference.acceptance import greedy_accept, speculative_sample_chain, tree_rejection_sample
-from drafthead.inference.tree import chain_parents
+from drafthead.inference.engine.acceptance import greedy_accept, speculative_sample_chain, tree_rejection_sample
+from drafthead.inference.engine.tree import chain_parents
 from tests.stats import chi_square_pvalue
 
 ALPHA = 1e-3  # significance of every chi-square test below: a correct rule fails 1 run in 1000
@@ -156,7 +156,7 @@ def test_chain_rule_first_token_is_exact():
 def test_typical_accept_known_answers():
     """Root 0 -> node 1 (token 2) -> node 2 (token 3); root -> node 3 (token 1). Thresholds:
     min(eps, delta * exp(-H)). A peaked row demands the likely token; a flat row accepts any."""
-    from drafthead.inference.acceptance import TypicalAcceptance, typical_accept
+    from drafthead.inference.engine.acceptance import TypicalAcceptance, typical_accept
 
     V = 4
     tokens = torch.tensor([0, 2, 3, 1])
@@ -186,8 +186,8 @@ def test_typical_acceptance_is_opt_in_and_labelled_lossy():
         GenerationConfig(typical=TypicalAcceptance())
     target = tiny_causal_lm("llama")
     sampling = SamplingConfig(temperature=1.0)
-    exact = speculative_generate(target, PromptLookupDrafter(num_draft=4), repetitive_prompt(96),
+    exact = speculative_generate(target, PromptLookupDrafter(length=4), repetitive_prompt(96),
                                  GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0))
-    lossy = speculative_generate(target, PromptLookupDrafter(num_draft=4), repetitive_prompt(96),
+    lossy = speculative_generate(target, PromptLookupDrafter(length=4), repetitive_prompt(96),
                                  GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0, typical=TypicalAcceptance()))
     assert not exact.lossy and lossy.lossy and lossy.new_tokens.shape[1] == 12

@@ -7,15 +7,15 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.cache import cache_capacity, cache_kwargs, keep_paths, new_cache
+from drafthead.inference.engine.cache import cache_capacity, cache_kwargs, keep_paths, new_cache
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
 from drafthead.inference.drafters.merged import MergedDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.sampling import SamplingConfig
-from drafthead.inference.tree import DraftTree, pad_trees
-from drafthead.inference.verify import forward_trees
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.sampling import SamplingConfig
+from drafthead.inference.engine.tree import DraftTree, pad_trees
+from drafthead.inference.engine.verify import forward_trees
 from tests.stats import chi_square_pvalue
 from tests.test_sampling_exactness import ALPHA, VOCAB, exact_first_three
 from tests.tiny import FAMILIES, TARGETS, plain_greedy, repetitive_prompt, tiny_causal_lm
@@ -43,15 +43,15 @@ def batch_drafters(target, family):
                         token_counts=torch.arange(96)).eval()
     head_m = build_head(make_config("medusa1", target, None, name="tiny"), target).eval()
     return {
-        "prompt-lookup": PromptLookupDrafter(num_draft=6),
-        "prompt-lookup-streak": PromptLookupDrafter(num_draft=3, streak_draft=12),
+        "prompt-lookup": PromptLookupDrafter(length=6),
+        "prompt-lookup-streak": PromptLookupDrafter(length=3, streak_draft=12),
         "draft-model-tree": DraftModelDrafter(tiny_causal_lm(family, seed=7, layers=4),
                                               choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]),
         "self-chain": DraftModelDrafter(target, num_draft=4),
-        "eagle3": EagleDrafter(head_e, total_tokens=10, depth=4, top_k=3),
-        "medusa1": MedusaDrafter(head_m, num_nodes=8),
-        "eagle3+lookup": MergedDrafter([EagleDrafter(head_e, total_tokens=8, depth=3, top_k=3),
-                                        PromptLookupDrafter(num_draft=4)], extra_nodes=4),
+        "eagle3": EagleDrafter(head_e, num_draft=10, depth=4, top_k=3),
+        "medusa1": MedusaDrafter(head_m, num_draft=8),
+        "eagle3+lookup": MergedDrafter([EagleDrafter(head_e, num_draft=8, depth=3, top_k=3),
+                                        PromptLookupDrafter(length=4)], extra_nodes=4),
     }
 
 
@@ -78,8 +78,8 @@ def test_rows_finish_independently_as_they_would_alone():
     eos = free[1][6]  # row 1 emits this token early; the other rows may too, later or never
     config = GenerationConfig(max_new_tokens=40, eos_token_ids=(eos,), max_length=62)
     ids, mask = left_padded(prompts)
-    batched = speculative_generate(target, PromptLookupDrafter(num_draft=5), ids, config, attention_mask=mask)
-    alone = [speculative_generate(target, PromptLookupDrafter(num_draft=5), p[None], config) for p in prompts]
+    batched = speculative_generate(target, PromptLookupDrafter(length=5), ids, config, attention_mask=mask)
+    alone = [speculative_generate(target, PromptLookupDrafter(length=5), p[None], config) for p in prompts]
     assert [r.finish_reason for r in batched.rows] == [r.finish_reason for r in alone]
     assert [r.new_tokens.tolist() for r in batched.rows] == [r.new_tokens.tolist() for r in alone]
     reasons = {r.finish_reason for r in alone}
@@ -154,7 +154,7 @@ def test_batched_sampling_is_exact_per_row_at_depth_two(case):
         drafter = DraftModelDrafter(draft, num_draft=2, sampling=sampling, seed=0)
     else:
         head = build_head(make_config("eagle3", target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
-        drafter = EagleDrafter(head, total_tokens=6, depth=2, top_k=2)
+        drafter = EagleDrafter(head, num_draft=6, depth=2, top_k=2)
     prompts = [torch.tensor([3, 4, 5, 3, 4]), torch.tensor([6, 3])]
     ids, mask = left_padded(prompts * COPIES, pad=0)
     counts, deep = [Counter(), Counter()], 0
@@ -187,6 +187,6 @@ def test_batched_greedy_with_mixed_sliding_and_full_layers():
     prompts = prompts_of((2, 7, 12), seed=9)
     refs = [plain_greedy(target, p[None], 20) for p in prompts]
     ids, mask = left_padded(prompts)
-    for drafter in (PromptLookupDrafter(num_draft=5), DraftModelDrafter(target, num_draft=3)):
+    for drafter in (PromptLookupDrafter(length=5), DraftModelDrafter(target, num_draft=3)):
         result = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=20), attention_mask=mask)
         assert [row.new_tokens[0].tolist() for row in result.rows] == refs, type(drafter).__name__

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from drafthead.drafters import make_drafter_factory
-from drafthead.inference.bench import (
+from drafthead.inference.bench.run import (
     BenchSettings,
     acceptance_histogram,
     divergence_detail,
@@ -20,10 +20,10 @@ from drafthead.inference.bench import (
     speed_ceiling,
     tau_of,
 )
-from drafthead.inference.prompts import Prompt
-from drafthead.inference.report import format_table, plot_report, render_markdown
-from drafthead.inference.sampling import SamplingConfig
-from drafthead.inference.targets import eos_token_ids, load_target
+from drafthead.inference.bench.prompts import Prompt
+from drafthead.inference.bench.report import format_table, plot_report, render_markdown
+from drafthead.inference.engine.sampling import SamplingConfig
+from drafthead.inference.engine.targets import eos_token_ids, load_target
 
 # -- pure metrics ------------------------------------------------------------------------------
 
@@ -225,9 +225,9 @@ def test_the_run_accepted_drafts(greedy_report):
 def test_batch_bench_rows_are_identical_and_the_report_adds_up(tiny):
     """`bench --batch-size`: fixed tree and load policy on batches of 2 (one batch ragged: three
     prompts), fp32 greedy rows equal their batch-1 plain outputs; the totals match the records."""
-    from drafthead.inference.batch_bench import format_batch_table, run_batch_bench, until_eos
-    from drafthead.inference.cost import CostCurve
-    from drafthead.inference.policy import SpeculationPolicy
+    from drafthead.inference.bench.batch import format_batch_table, run_batch_bench, until_eos
+    from drafthead.inference.engine.cost import CostCurve
+    from drafthead.inference.engine.policy import SpeculationPolicy
 
     factory, _ = make_drafter_factory("prompt-lookup", tiny.model, tiny.tokenizer)
     policy = SpeculationPolicy(CostCurve((1, 8, 64), (0.01, 0.011, 0.05)), probe_every=4)

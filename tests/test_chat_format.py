@@ -104,7 +104,7 @@ def test_template_that_rewrites_history_is_refused(tok):
 def test_without_a_template_the_plain_format_masks_answers_and_eos():
     """A base model's tokenizer: turns separated by a blank line; each answer and the EOS after it
     are labelled, the blank line before it is the generation prompt and is not."""
-    from drafthead.inference.prompts import encode_chat
+    from drafthead.inference.bench.prompts import encode_chat
 
     plain = tiny_tokenizer()
     plain.chat_template = None

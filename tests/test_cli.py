@@ -204,7 +204,7 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
     from transformers import PreTrainedTokenizerFast
 
     from drafthead.drafters import DrafterError, build_drafter, check_same_vocabulary
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
     from tests.tiny import tiny_causal_lm
 
     target = load_target(tiny_llama_dir)
@@ -237,14 +237,14 @@ def test_unknown_proposer_and_missing_arguments(tiny_llama_dir):
         build_drafter("heads", None, None)
     assert default_head_path("no-such-target") is None
     lookup = build_drafter("prompt-lookup", None, None, num_draft=5, max_ngram=2)
-    assert (lookup.num_draft, lookup.max_ngram) == (5, 2)
+    assert (lookup.length, lookup.num_draft, lookup.max_ngram) == (5, 10, 2)  # --num-draft: each continuation's length
 
 
 @pytest.mark.parametrize("kind", ["medusa1", "eagle1"])
 def test_heads_proposer_end_to_end(capsys, tiny_llama_dir, tmp_path, kind):
     """An (untrained) head folder through --head: loads with identity checks, stays exact."""
     from drafthead.heads.registry import build_head, make_config
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
 
     target = load_target(tiny_llama_dir)
     head = build_head(make_config(kind, target.model, target.tokenizer, name=target.name), target.model)
@@ -259,6 +259,6 @@ def test_heads_proposer_end_to_end(capsys, tiny_llama_dir, tmp_path, kind):
     assert code == 0, err
     report = json.loads(out_json.read_text())
     assert report["settings"]["proposer"] == "heads" and report["identical_fraction"] == 1.0
-    assert max(report["prompts"][0]["drafted"]) <= 5  # --num-draft sets the head's node budget
+    assert max(report["prompts"][0]["drafted"]) <= 5  # --num-draft sets the head's num_draft
     described = report["settings"]["drafter"]  # the effective drafter settings are recorded
-    assert described["kind"].startswith(kind) and described.get("total_tokens", described.get("nodes")) == 5
+    assert described["kind"].startswith(kind) and described["num_draft"] == 5

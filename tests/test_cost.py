@@ -1,5 +1,5 @@
 """Tree size from the measured verification cost: the choice rule against a brute-force twin,
-the cost curve, and EAGLE drafting with total_tokens="confidence" staying exact."""
+the cost curve, and EAGLE drafting with num_draft="confidence" staying exact."""
 import json
 import math
 import random
@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.cost import CostCurve, best_node_count, measure_verify_cost
+from drafthead.inference.engine.cost import CostCurve, best_node_count, measure_verify_cost
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.load import load_head_drafter
 from drafthead.inference.drafters.merged import MergedDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
 
@@ -78,7 +78,7 @@ def test_confidence_tree_size_is_exact_and_adapts(family):
                       token_counts=torch.ones(96, dtype=torch.long))
     # a cost that rises steeply after 6 nodes: the drafter must never keep many more
     curve = CostCurve((1, 6, 7, 60), (0.01, 0.011, 0.05, 0.5))
-    drafter = EagleDrafter(head, total_tokens="confidence", depth=3, top_k=3, verify_cost=curve)
+    drafter = EagleDrafter(head, num_draft="confidence", depth=3, top_k=3, verify_cost=curve)
     sizes = []
     propose = drafter.propose
     drafter.propose = lambda: sizes.append(propose()) or sizes[-1]
@@ -94,11 +94,11 @@ def test_confidence_rule_needs_a_cost_curve_and_is_only_for_eagle(tmp_path):
     target = tiny_causal_lm("llama", layers=2)
     head = build_head(make_config("eagle1", target, None, name="tiny"), target)
     with pytest.raises(ValueError, match="verify_cost"):
-        EagleDrafter(head, total_tokens="confidence")
-    with pytest.raises(ValueError, match="total_tokens"):
-        EagleDrafter(head, total_tokens="many")
+        EagleDrafter(head, num_draft="confidence")
+    with pytest.raises(ValueError, match="num_draft"):
+        EagleDrafter(head, num_draft="many")
     folder = head.save_pretrained(tmp_path / "eagle")
-    (folder / "drafting.json").write_text(json.dumps({"total_tokens": "confidence", "depth": 2, "top_k": 2, "lookup_nodes": 2}))
+    (folder / "drafting.json").write_text(json.dumps({"num_draft": "confidence", "depth": 2, "top_k": 2, "lookup_nodes": 2}))
     drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
     assert isinstance(drafter, MergedDrafter)
     eagle = drafter.drafters[0]

@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from drafthead.inference.cache import cache_kwargs, keep_path, new_cache
+from drafthead.inference.engine.cache import cache_kwargs, keep_path, new_cache
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, PromptTooLong, speculative_generate
-from drafthead.inference.sampling import SamplingConfig
-from drafthead.inference.tree import DraftTree, tree_attention_mask, tree_position_ids
+from drafthead.inference.engine.generate import GenerationConfig, PromptTooLong, speculative_generate
+from drafthead.inference.engine.sampling import SamplingConfig
+from drafthead.inference.engine.tree import DraftTree, tree_attention_mask, tree_position_ids
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]
@@ -16,9 +16,9 @@ TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0
 def drafters(target, family):
     other = tiny_causal_lm(family, seed=7)
     return {
-        "prompt-lookup": PromptLookupDrafter(num_draft=6),
-        "prompt-lookup-chain": PromptLookupDrafter(num_draft=4, max_matches=1),
-        "prompt-lookup-streak": PromptLookupDrafter(num_draft=3, streak_draft=12),
+        "prompt-lookup": PromptLookupDrafter(length=6),
+        "prompt-lookup-chain": PromptLookupDrafter(length=4, max_matches=1),
+        "prompt-lookup-streak": PromptLookupDrafter(length=3, streak_draft=12),
         "draft-model-chain": DraftModelDrafter(other, num_draft=3),
         "draft-model-tree": DraftModelDrafter(other, choices=TREE),
         "draft-model-dynamic": DraftModelDrafter(other, num_draft=2, dynamic=True),
@@ -146,7 +146,7 @@ def test_tree_forward_and_keep_path_equal_recomputation(family):
         cache = new_cache()
         target(prefix, **cache_kwargs(target, cache), use_cache=True)
         past = prefix.shape[1]
-        from drafthead.inference.verify import attention_masks
+        from drafthead.inference.engine.verify import attention_masks
         mask = attention_masks(target.config, parents, past, torch.float32, 1)
         out = target(tokens, attention_mask=mask, position_ids=tree_position_ids(parents, past), **cache_kwargs(target, cache), use_cache=True)
         for node, path in {6: [0, 1, 3, 6], 4: [0, 1, 4], 5: [0, 2, 5]}.items():

@@ -393,7 +393,7 @@ def test_engine_exports_refuse_layers_the_engines_read_differently(aux, why, tmp
 
 
 def test_cli_export_and_import(tmp_path, capsys, tiny_target_dir):
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
 
     tiny_llama_dir = tiny_target_dir("llama", layers=L)
     loaded = load_target(tiny_llama_dir)
@@ -423,7 +423,7 @@ def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     """--head accepts a published layout: read exactly, said so, and greedy output stays the target's."""
     from drafthead import GenerationConfig, speculative_generate
     from drafthead.drafters import load_heads
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
     from tests.tiny import plain_greedy, repetitive_prompt
 
     loaded = load_target(tiny_target_dir("llama", layers=L))

@@ -16,9 +16,9 @@ import torch
 
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.verify import check_tree_mask_support
-from drafthead.inference.targets import load_target
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.verify import check_tree_mask_support
+from drafthead.inference.engine.targets import load_target
 from tests.test_batch import left_padded
 from tests.tiny import MULTIMODAL, TARGETS, plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -44,7 +44,7 @@ def family_target(tiny_target_dir):
 
 @pytest.mark.parametrize("family", TARGETS)
 def test_every_family_loads_with_an_attention_that_takes_tree_masks(tiny_target_dir, family, caplog):
-    with caplog.at_level(logging.WARNING, logger="drafthead.inference.targets"):
+    with caplog.at_level(logging.WARNING, logger="drafthead.inference.engine.targets"):
         model = load_target(tiny_target_dir(family, layers=LAYERS)).model
     want = "eager" if family in NO_SDPA else "sdpa"
     assert model.config._attn_implementation == want
@@ -54,10 +54,10 @@ def test_every_family_loads_with_an_attention_that_takes_tree_masks(tiny_target_
 
 
 def test_mask_rules_per_layer_type_and_refusals():
-    """The pure rule from a config to the tree masks its layers need (inference/verify.py)."""
+    """The pure rule from a config to the tree masks its layers need (inference/engine/verify.py)."""
     from types import SimpleNamespace
 
-    from drafthead.inference.verify import TreeMaskUnsupported, mask_rules
+    from drafthead.inference.engine.verify import TreeMaskUnsupported, mask_rules
 
     def config(**kw):
         return SimpleNamespace(_attn_implementation="sdpa", model_type="x", **kw)
@@ -88,7 +88,7 @@ def test_greedy_equals_plain_greedy_in_every_family(family_target, family):
     vocab = target.config.get_text_config().vocab_size
     prompt = repetitive_prompt(vocab, length=14, seed=len(family))
     reference = plain_greedy(target, prompt, MAX_NEW)
-    for drafter, static in ((PromptLookupDrafter(num_draft=6), False), (DraftModelDrafter(target, choices=TREE), True)):
+    for drafter, static in ((PromptLookupDrafter(length=6), False), (DraftModelDrafter(target, choices=TREE), True)):
         result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static))
         assert result.new_tokens[0].tolist() == reference, (family, type(drafter).__name__)
     assert max(result.accepted_lengths) == 5  # the self-drafted tree was accepted to its full depth
@@ -97,7 +97,7 @@ def test_greedy_equals_plain_greedy_in_every_family(family_target, family):
     references = [plain_greedy(target, p[None], MAX_NEW) for p in prompts]
     ids, mask = left_padded(prompts)
     draft = tiny_causal_lm(family, vocab=vocab, seed=7, layers=2)
-    for drafter, static in ((PromptLookupDrafter(num_draft=6), True), (DraftModelDrafter(draft, choices=TREE), False)):
+    for drafter, static in ((PromptLookupDrafter(length=6), True), (DraftModelDrafter(draft, choices=TREE), False)):
         result = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static),
                                       attention_mask=mask)
         assert [row.new_tokens[0].tolist() for row in result.rows] == references, (family, type(drafter).__name__)
@@ -218,13 +218,13 @@ def test_tree_sampling_is_exact_at_depth_two(family):
     (tests/test_sampling_exactness.py). Lookup drafts cost nothing, so the samples pay only for
     the target's forwards. tiny_causal_lm's sharp logits are kept: with them a tree mask that
     ignores Gemma's window moves the law far enough for this test to fail (checked)."""
-    from drafthead.inference.sampling import SamplingConfig
+    from drafthead.inference.engine.sampling import SamplingConfig
     from tests.stats import chi_square_pvalue
     from tests.test_sampling_exactness import ALPHA, RUNS, VOCAB, exact_first_three, sampled_first
 
     sampling = SamplingConfig(temperature=0.8)
     target = tiny_causal_lm(family, vocab=VOCAB, seed=3, layers=LAYERS, **SAMPLED_FAMILIES[family])
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])
-    counts, deep = sampled_first(target, PromptLookupDrafter(num_draft=3), prompt, sampling, 3, copies=50)
+    counts, deep = sampled_first(target, PromptLookupDrafter(length=3), prompt, sampling, 3, copies=50)
     assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA

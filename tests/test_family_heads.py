@@ -122,7 +122,7 @@ def test_qwen3_moe_eagle3_loss_is_finite_over_seeds(seed):
 def test_greedy_equals_plain_at_batch_1_and_ragged_3(family, kind):
     head = head_of(family, kind).eval()
     assert_greedy_equals_plain(target_of(family),
-                               lambda num_nodes=8: EagleDrafter(head, total_tokens=num_nodes, depth=3, top_k=2),
+                               lambda num_draft=8: EagleDrafter(head, num_draft=num_draft, depth=3, top_k=2),
                                max_new_tokens=12, trees=(None,))
 
 
@@ -236,7 +236,7 @@ def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_
     (folder / CONFIG_NAME).write_text(json.dumps(meta))
     head, _ = load_head(folder, target, None, target_name="tiny-qwen3")
     assert head.config.draft_layer == "target" and "midlayer.self_attn.q_norm.weight" in head.state_dict()
-    assert_greedy_equals_plain(target, lambda num_nodes=8: EagleDrafter(head, total_tokens=num_nodes, depth=3, top_k=2),
+    assert_greedy_equals_plain(target, lambda num_draft=8: EagleDrafter(head, num_draft=num_draft, depth=3, top_k=2),
                                max_new_tokens=12, trees=(None,))
     from drafthead.heads.formats import import_head
     from drafthead.heads.io import HeadFormatError

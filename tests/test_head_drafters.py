@@ -7,7 +7,7 @@ from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter, HydraDrafter, MedusaDrafter, best_static_tree
 from drafthead.inference.drafters.parallel import ParallelDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
 KINDS = {"medusa1": {}, "hydra": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64},
@@ -16,12 +16,12 @@ KINDS = {"medusa1": {}, "hydra": {}, "eagle1": {}, "eagle3": {"draft_vocab_size"
 
 def make_drafter(head):
     if head.kind == "peagle":
-        return ParallelDrafter(head, num_nodes=8)
+        return ParallelDrafter(head, num_draft=8)
     if head.kind == "hydra":
-        return HydraDrafter(head, num_nodes=12)
+        return HydraDrafter(head, num_draft=12)
     if head.kind.startswith("medusa"):
-        return MedusaDrafter(head, num_nodes=12)
-    return EagleDrafter(head, total_tokens=12, depth=4, top_k=3)
+        return MedusaDrafter(head, num_draft=12)
+    return EagleDrafter(head, num_draft=12, depth=4, top_k=3)
 
 
 def self_generated_batch(target, n=6, length=40):
@@ -92,7 +92,7 @@ def test_eagle_drafter_matches_recomputation_across_rounds(kind):
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target,
                       token_counts=torch.arange(96)).eval()
-    drafter = EagleDrafter(head, total_tokens=4, depth=4, top_k=1)  # top-1: a chain
+    drafter = EagleDrafter(head, num_draft=4, depth=4, top_k=1)  # top-1: a chain
     assert_drafts_match_recomputation(target, drafter, lambda history: slow_eagle_chain(head, target, history, 4),
                                       repetitive_prompt(96, seed=9))
 
@@ -124,13 +124,13 @@ def assert_greedy_equals_plain(target, drafter_of, max_new_tokens: int = 30, tre
 
     prompt = repetitive_prompt(96, seed=8)
     for nodes in trees:
-        drafter = drafter_of() if nodes is None else drafter_of(num_nodes=nodes)
+        drafter = drafter_of() if nodes is None else drafter_of(num_draft=nodes)
         result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=max_new_tokens))
         assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, max_new_tokens)
     prompts = prompts_of((1, 6, 13), seed=2)
     ids, mask = left_padded(prompts)
     n = max_new_tokens * 2 // 3
-    batched = speculative_generate(target, drafter_of(num_nodes=5), ids, GenerationConfig(max_new_tokens=n),
+    batched = speculative_generate(target, drafter_of(num_draft=5), ids, GenerationConfig(max_new_tokens=n),
                                    attention_mask=mask)
     assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], n) for p in prompts]
 
@@ -150,18 +150,36 @@ def test_drafting_json_sets_defaults_and_rejects_unknown_keys(tmp_path):
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config("eagle1", target, None, name="tiny"), target)
     folder = head.save_pretrained(tmp_path / "head")
-    (folder / "drafting.json").write_text(json.dumps({"total_tokens": 7, "depth": 2, "lookup_nodes": 3, "lookup_streak": 9}))
+    (folder / "drafting.json").write_text(json.dumps({"num_draft": 7, "depth": 2, "lookup_nodes": 3, "lookup_streak": 9}))
     drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
     assert isinstance(drafter, MergedDrafter)
-    assert drafter.drafters[0].total_tokens == 7 and drafter.drafters[0].depth == 2
+    assert drafter.drafters[0].num_draft == 7 and drafter.drafters[0].depth == 2
     lookup = drafter.drafters[1]
-    assert (lookup.num_draft, lookup.max_nodes, lookup.streak_draft) == (3, 3, 9)
+    assert (lookup.length, lookup.num_draft, lookup.streak_draft) == (3, 3, 9)
     drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", lookup_streak=0)
     assert drafter.drafters[1].streak_draft is None  # 0 turns streaks off
     drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", lookup_nodes=0, depth=3)
-    assert isinstance(drafter, EagleDrafter) and drafter.depth == 3 and drafter.total_tokens == 7
+    assert isinstance(drafter, EagleDrafter) and drafter.depth == 3 and drafter.num_draft == 7
     (folder / "drafting.json").write_text(json.dumps({"total_tokns": 7}))
     with pytest.raises(ValueError, match="total_tokns"):
+        load_head_drafter(folder, target, None, target_name="tiny")
+
+
+@pytest.mark.parametrize("kind, old", [("eagle1", "total_tokens"), ("medusa1", "num_nodes")])
+def test_drafting_json_reads_the_old_name_of_num_draft_with_a_warning(tmp_path, kind, old):
+    import json
+
+    from drafthead.inference.drafters.load import load_head_drafter
+
+    target = tiny_causal_lm("llama", layers=4)
+    head = build_head(make_config(kind, target, None, name="tiny"), target)
+    folder = head.save_pretrained(tmp_path / "head")
+    (folder / "drafting.json").write_text(json.dumps({old: 5}))
+    with pytest.warns(UserWarning, match=f"'{old}' is now 'num_draft'"):
+        drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
+    assert drafter.describe()["num_draft"] == 5
+    (folder / "drafting.json").write_text(json.dumps({old: 5, "num_draft": 6}))
+    with pytest.raises(ValueError, match="old name of 'num_draft'"):
         load_head_drafter(folder, target, None, target_name="tiny")
 
 
@@ -185,11 +203,11 @@ def test_eagle_tree_nodes_are_top_k_children_of_their_recomputed_parents():
     recomputed along its own path alone."""
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config("eagle1", target, None, name="tiny"), target).eval()
-    drafter = EagleDrafter(head, total_tokens=30, depth=3, top_k=3)
+    drafter = EagleDrafter(head, num_draft=30, depth=3, top_k=3)
     prompt = repetitive_prompt(96, seed=4)
     with torch.no_grad():
         out = target(prompt[:, :-1], output_hidden_states=True)
-    from drafthead.inference.drafter import TargetFeatures
+    from drafthead.inference.engine.drafter import TargetFeatures
     feats = TargetFeatures(drafter.feature_layers, tuple(out.hidden_states[i] for i in drafter.feature_layers))
     drafter.begin(prompt[:, :-1], feats, prompt[:, -1])
     with torch.inference_mode():

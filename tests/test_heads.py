@@ -20,7 +20,7 @@ from drafthead.heads import (
 from drafthead.heads.config import default_eagle3_layers
 from drafthead.heads.eagle3 import entropy_curriculum, ttt_attention_mask, ttt_depth
 from drafthead.heads.io import shifted_labels
-from drafthead.inference.tree import tree_attention_mask, tree_position_ids
+from drafthead.inference.engine.tree import tree_attention_mask, tree_position_ids
 from tests.tiny import tiny_causal_lm
 
 V, LAYERS, T = 128, 4, 20
@@ -543,7 +543,7 @@ def test_eagle_step_shapes_and_cache(kind):
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 def test_eagle_step_with_tree_mask_equals_each_branch(kind):
-    """One step over a tree of nodes with inference.tree's mask == each root-to-node path run
+    """One step over a tree of nodes with inference.engine.tree's mask == each root-to-node path run
     as a plain sequence: what the EAGLE-2 drafter relies on."""
     target = make_target()
     batch = make_batch(target)

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import HydraDrafter, MedusaDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.sampling import SamplingConfig
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.sampling import SamplingConfig
 from tests.stats import chi_square_pvalue
 from tests.test_batch import left_padded, prompts_of
 from tests.test_peagle import _batch
@@ -67,7 +67,7 @@ def test_each_node_is_drafted_from_its_own_path():
     prompt = repetitive_prompt(96, seed=1)
     with torch.no_grad():
         hs = target(prompt[:, :-1], output_hidden_states=True).hidden_states
-    from drafthead.inference.drafter import TargetFeatures
+    from drafthead.inference.engine.drafter import TargetFeatures
 
     drafter.begin(prompt[:, :-1], TargetFeatures((head.config.final_layer,), (hs[-1],), hs[-1]), prompt[0, -1:])
     tree = drafter.propose()
@@ -90,7 +90,7 @@ def test_greedy_with_hydra_heads_equals_plain_greedy(family):
     target = tiny_causal_lm(family, layers=4)
     head = hydra(target).eval()
     prompt = repetitive_prompt(96, seed=6)
-    result = speculative_generate(target, HydraDrafter(head, num_nodes=8), prompt, GenerationConfig(max_new_tokens=30))
+    result = speculative_generate(target, HydraDrafter(head, num_draft=8), prompt, GenerationConfig(max_new_tokens=30))
     assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 30), family
     prompts = prompts_of((1, 7, 15), seed=4)
     ids, mask = left_padded(prompts)

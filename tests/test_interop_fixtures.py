@@ -65,7 +65,7 @@ def test_dflash_checkpoint_drafts_and_decodes_as_its_producer(target):
     it drafts the package's own logits for the same block, and our engine's greedy output with it
     is the package's dflash_generate output, round for round."""
     from drafthead.inference.drafters.parallel import DFlashDrafter
-    from drafthead.inference.generate import GenerationConfig, speculative_generate
+    from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 
     folder = ROOT / "dflash"
     assert detect_layout(folder) == "dflash"

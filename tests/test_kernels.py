@@ -1,14 +1,14 @@
-"""Faster CPU linears for drafter heads: oneDNN-packed weights (inference/kernels.py), weight
-panels (inference/panel_kernel.py), and the per-row-count choice between them and F.linear
-(inference/target_linears.py `dispatch_linears`)."""
+"""Faster CPU linears for drafter heads: oneDNN-packed weights (inference/kernels/packed.py), weight
+panels (inference/kernels/panel_kernel.py), and the per-row-count choice between them and F.linear
+(inference/kernels/target_linears.py `dispatch_linears`)."""
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.inference import panel_kernel
-from drafthead.inference.kernels import pack_linear
-from drafthead.inference.target_linears import RowDispatchLinear, dispatch_linears
+from drafthead.inference.kernels import panel_kernel
+from drafthead.inference.kernels.packed import pack_linear
+from drafthead.inference.kernels.target_linears import RowDispatchLinear, dispatch_linears
 from tests.test_target_linears import force_kernel
 
 PACKING = torch.backends.mkldnn.is_available()  # where oneDNN is missing, nothing is packed

@@ -1,7 +1,8 @@
 """The layering rule (docs/style.md 13): the face (drafthead/*.py, drafthead/commands) imports the
 rest; `train` imports `inference` and `heads`; `inference` imports `heads`; `heads` imports only
-itself; and no module imports itself back through a circle. Checked on every import statement,
-lazy ones inside functions included."""
+itself; and no module imports itself back through a circle. Inside `inference`, each room (engine,
+drafters, kernels, bench, llamacpp) imports only the rooms below it (ROOMS). Checked on every
+import statement, lazy ones inside functions included."""
 import ast
 from pathlib import Path
 
@@ -12,6 +13,10 @@ ROOT = Path(__file__).resolve().parent.parent
 MAY_IMPORT = {"heads": {"heads"}, "inference": {"heads", "inference"}, "train": {"heads", "inference", "train"}}
 # where each installed subpackage lives in the checkout (pyproject.toml's package-dir)
 SOURCE = {"heads": ROOT / "heads", "inference": ROOT / "inference", "train": ROOT / "train"}
+# inference's rooms and the rooms each may import: the CPU kernels know no engine; the engine knows
+# no drafter, backend or benchmark (it meets drafters through engine/drafter.py's interface)
+ROOMS = {"kernels": {"kernels"}, "engine": {"engine", "kernels"}, "drafters": {"drafters", "engine", "kernels"},
+         "llamacpp": {"llamacpp", "engine", "kernels"}, "bench": {"bench", "engine", "kernels"}}
 
 
 def imported_names(path: Path, package: str) -> set[tuple[str, int]]:
@@ -60,19 +65,45 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-@pytest.mark.parametrize("layer", sorted(MAY_IMPORT))
-def test_layer_imports_only_what_it_may(layer):
-    files = sorted(SOURCE[layer].rglob("*.py"))
-    assert files, layer
+def forbidden_imports(prefix: str, forbidden) -> list[str]:
+    """'file:line imports name' for each import, in the modules whose dotted name starts with
+    `prefix`, of a drafthead name (split on dots) that `forbidden` says no to."""
     bad = []
     for name, path in module_files().items():
-        if not name.startswith(f"drafthead.{layer}"):
-            continue
-        for imp, line in imported_names(path, package_of(name, path)):
-            parts = imp.split(".")
-            if len(parts) == 1 or parts[1] not in MAY_IMPORT[layer]:
-                bad.append(f"{path.relative_to(ROOT)}:{line} imports {imp}")
-    assert not bad, "\n".join(sorted(bad))
+        if name.startswith(prefix):
+            bad += [f"{path.relative_to(ROOT)}:{line} imports {imp}"
+                    for imp, line in imported_names(path, package_of(name, path)) if forbidden(imp.split("."))]
+    return sorted(bad)
+
+
+@pytest.mark.parametrize("layer", sorted(MAY_IMPORT))
+def test_layer_imports_only_what_it_may(layer):
+    assert sorted(SOURCE[layer].rglob("*.py")), layer
+    bad = forbidden_imports(f"drafthead.{layer}", lambda parts: len(parts) == 1 or parts[1] not in MAY_IMPORT[layer])
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_inference_room_imports_only_the_rooms_below_it(room):
+    assert (SOURCE["inference"] / room / "__init__.py").exists(), room
+    bad = forbidden_imports(f"drafthead.inference.{room}.", lambda parts: parts[1:2] == ["inference"]
+                            and (len(parts) == 2 or parts[2] not in ROOMS[room]))
+    assert not bad, "\n".join(bad)
+
+
+def test_every_inference_module_lives_in_a_room():
+    loose = [n for n in module_files() if n.startswith("drafthead.inference.") and n.split(".")[2] not in ROOMS]
+    assert not loose, loose
+
+
+def test_every_package_folder_is_listed_in_pyproject():
+    # a package missing from pyproject's list is missing from the wheel (scripts/ci/check_wheel.sh)
+    tomllib = pytest.importorskip("tomllib")
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    roots = {"drafthead": ROOT / "drafthead", **{f"drafthead.{k}": v for k, v in SOURCE.items()}}
+    found = {".".join([dotted, *init.parent.relative_to(folder).parts])
+             for dotted, folder in roots.items() for init in folder.rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -11,10 +11,10 @@ from collections import Counter
 import pytest
 import torch
 
-from drafthead.inference.drafter import RootOnlyDrafter
-from drafthead.inference.generate import GenerationConfig, generate_batch, speculative_generate
-from drafthead.inference.sampling import SamplingConfig, logits_to_probs
-from drafthead.inference.tree import DraftTree, chain_parents, node_depths
+from drafthead.inference.engine.drafter import RootOnlyDrafter
+from drafthead.inference.engine.generate import GenerationConfig, generate_batch, speculative_generate
+from drafthead.inference.engine.sampling import SamplingConfig, logits_to_probs
+from drafthead.inference.engine.tree import DraftTree, chain_parents, node_depths
 from tests.stats import chi_square_pvalue
 
 pytestmark = pytest.mark.llamacpp
@@ -25,8 +25,8 @@ def smollm2():
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.llamacpp.convert import target_gguf
     from drafthead.inference.llamacpp.target import LlamaCppTarget
-    from drafthead.inference.prompts import encode_chat, load_prompts
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.bench.prompts import encode_chat, load_prompts
+    from drafthead.inference.engine.targets import load_target
 
     loaded = load_target("smollm2-135m", dtype="float32")
     backend = LlamaCppTarget(target_gguf(loaded.path, "f32"), loaded.model.config, threads=2)
@@ -79,7 +79,7 @@ def test_greedy_speculation_equals_the_backends_plain_decoding(smollm2, drafter_
     from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 
     loaded, backend, head, prompts = smollm2
-    drafter = head if drafter_name == "eagle3-head" else PromptLookupDrafter(num_draft=4)
+    drafter = head if drafter_name == "eagle3-head" else PromptLookupDrafter(length=4)
     config = GenerationConfig(max_new_tokens=40, eos_token_ids=(loaded.tokenizer.eos_token_id,))
     plain = [speculative_generate(backend, RootOnlyDrafter(), p[None], config).new_tokens[0].tolist() for p in prompts]
     for p, expected in zip(prompts, plain):
@@ -98,7 +98,7 @@ def test_sampled_tokens_follow_the_targets_law_at_depth_two(smollm2):
     from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 
     loaded, backend, _, _ = smollm2
-    head = PromptLookupDrafter(num_draft=3)
+    head = PromptLookupDrafter(length=3)
     sampling = SamplingConfig(temperature=1.0, top_k=3)
     text = "one two three four. one two three four. one two three four. one two"
     prompt = torch.tensor(loaded.tokenizer(text)["input_ids"])

@@ -5,7 +5,7 @@ import random
 import torch
 
 from drafthead.inference.llamacpp.sequences import leaf_sets, nodes_within, num_leaves, sequence_mask
-from drafthead.inference.tree import ancestor_mask
+from drafthead.inference.engine.tree import ancestor_mask
 
 
 def random_parents(n: int, rng: random.Random) -> list[int]:

@@ -6,8 +6,8 @@ from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.merged import MergedDrafter, merge_trees
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.tree import DraftTree
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.tree import DraftTree
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
 
@@ -29,14 +29,14 @@ def test_merged_head_and_lookup_and_draft_model_are_exact():
         prompt = repetitive_prompt(96, seed=prompt_seed)
         ref = plain_greedy(target, prompt, 40)
         for drafters in (
-            [EagleDrafter(head, total_tokens=8, depth=3, top_k=2), PromptLookupDrafter()],
-            [DraftModelDrafter(target, num_draft=2), PromptLookupDrafter(num_draft=6)],
+            [EagleDrafter(head, num_draft=8, depth=3, top_k=2), PromptLookupDrafter()],
+            [DraftModelDrafter(target, num_draft=2), PromptLookupDrafter(length=6)],
             [PromptLookupDrafter(), DraftModelDrafter(tiny_causal_lm("llama", seed=5), choices=[(0,), (1,), (0, 0)])],
         ):
             result = speculative_generate(target, MergedDrafter(drafters), prompt, GenerationConfig(max_new_tokens=40))
             assert result.new_tokens[0].tolist() == ref
         # uncapped: the lookup drafter caps itself, and grows its chain on a streak
-        streaky = MergedDrafter([EagleDrafter(head, total_tokens=6, depth=3, top_k=2),
-                                 PromptLookupDrafter(num_draft=3, max_nodes=3, streak_draft=10)], extra_nodes=None)
+        streaky = MergedDrafter([EagleDrafter(head, num_draft=6, depth=3, top_k=2),
+                                 PromptLookupDrafter(length=3, num_draft=3, streak_draft=10)], extra_nodes=None)
         result = speculative_generate(target, streaky, prompt, GenerationConfig(max_new_tokens=40))
         assert result.new_tokens[0].tolist() == ref

@@ -22,7 +22,7 @@ import torch
 
 from drafthead.cli import main
 from drafthead.train.workshare import WorkShare
-from drafthead.train.regenerate import done_ids, merge_parts, part_files, part_path, regenerate
+from drafthead.train.regenerate import RegenerateSettings, done_ids, merge_parts, part_files, part_path, regenerate
 from drafthead.train.tiny import write_tiny_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -179,13 +179,13 @@ def _run_ranks(models, tokenizer, convs, out, **kwargs) -> list:
 def test_regenerate_rerun_after_a_rank_died_gives_the_clean_answers(tmp_path, target):
     """Two ranks, rank 1 dies after its first batch; rerun as two ranks, or as one process: both
     keep every finished record and write the file a clean single process writes."""
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
     from drafthead.train.sources import load_conversations
 
     loaded = load_target(str(target), dtype="float32", device="cpu")
     model, tok = loaded.model, loaded.tokenizer
     convs = list(load_conversations("json", str(write_tiny_jsonl(tmp_path / "c.jsonl", 12)), use_cache=False)[0])
-    kw = dict(max_new_tokens=5, batch_size=2)
+    kw = dict(settings=RegenerateSettings(max_new_tokens=5, batch_size=2))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # two threads of work on two cores
     try:

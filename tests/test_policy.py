@@ -1,17 +1,17 @@
-"""The load policy (inference/policy.py): the rule's choices on known costs and gains, what a cut
+"""The load policy (inference/engine/policy.py): the rule's choices on known costs and gains, what a cut
 tree would have accepted, and exactness when it cuts trees or decodes plainly."""
 import math
 
 import torch
 
-from drafthead.inference.cost import CostCurve
+from drafthead.inference.engine.cost import CostCurve
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.merged import MergedDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.policy import SpeculationPolicy, accepted_within, best_batch_node_count, cut_tree
-from drafthead.inference.tree import DraftTree
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.policy import SpeculationPolicy, accepted_within, best_batch_node_count, cut_tree
+from drafthead.inference.engine.tree import DraftTree
 from drafthead.heads.registry import build_head, make_config
 from tests.test_batch import left_padded, prompts_of
 from tests.tiny import plain_greedy, tiny_causal_lm
@@ -25,7 +25,7 @@ def tiny_eagle_drafter():
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
                       token_counts=torch.arange(96)).eval()
-    return target, head, EagleDrafter(head, total_tokens=10, depth=4, top_k=3)
+    return target, head, EagleDrafter(head, num_draft=10, depth=4, top_k=3)
 
 
 def test_accepted_within_counts_the_surviving_prefix_of_the_path():
@@ -68,7 +68,7 @@ def test_eagle_drafter_limit_drafts_fewer_and_shallower_nodes():
     head.step = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
     with torch.no_grad():
         out = target(prompt[:, :-1], output_hidden_states=True)
-    from drafthead.inference.verify import select_features
+    from drafthead.inference.engine.verify import select_features
 
     features = select_features(out.hidden_states, drafter.feature_layers, False)
     drafter.begin(prompt[:, :-1], features, prompt[0, -1:])
@@ -120,8 +120,8 @@ def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
     prompts = prompts_of((3, 9, 14, 20, 6, 11), seed=5)
     refs = [plain_greedy(target, p[None], 30) for p in prompts]
     for curve in (FLAT, STEEP):
-        for drafter in (EagleDrafter(head, total_tokens=10, depth=4, top_k=3), DraftModelDrafter(target, num_draft=4),
-                        MergedDrafter([EagleDrafter(head, total_tokens=6, depth=3, top_k=2), PromptLookupDrafter(num_draft=4)])):
+        for drafter in (EagleDrafter(head, num_draft=10, depth=4, top_k=3), DraftModelDrafter(target, num_draft=4),
+                        MergedDrafter([EagleDrafter(head, num_draft=6, depth=3, top_k=2), PromptLookupDrafter(length=4)])):
             for batch, fresh in ((1, True), (6, True), (6, False)):
                 cost = 0.0005 if curve is FLAT else 0.05  # seconds a row: cheap on FLAT, dear on STEEP
                 policy = InjectedCosts(curve, probe_every=3, draft_per_row=cost)
@@ -159,7 +159,7 @@ def test_probes_back_off_while_plain_decoding_keeps_winning():
     assert all(drafted[300:])
 
 
-def test_the_policys_node_limit_does_not_outlive_its_run():
+def test_the_policys_num_draft_limit_does_not_outlive_its_run():
     """A drafter used under the policy and then without it drafts its whole tree again."""
     target, head, drafter = tiny_eagle_drafter()
     prompt = prompts_of((10,))[0][None]
@@ -171,7 +171,7 @@ def test_the_policys_node_limit_does_not_outlive_its_run():
                                draft_seconds={0: 1e-4}, rounds=1, next_probe=10**9)
     speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, policy=policy))
     assert any(n is not None for n in set_to)  # the run did limit the drafter
-    assert drafter.node_limit is None
+    assert drafter.num_draft_limit is None
 
 
 def test_costly_probes_are_spaced_to_the_probe_budget():
@@ -221,7 +221,7 @@ def test_a_drafter_skipped_by_plain_rounds_catches_up_before_it_drafts():
         policy = InjectedCosts(STEEP, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7,
                                draft_per_row=0.05)  # plain first, drafting again from round 7
         ids = prompt[None].repeat(batch, 1)
-        out = speculative_generate(target, Watched(head, total_tokens=6, depth=3, top_k=2), ids,
+        out = speculative_generate(target, Watched(head, num_draft=6, depth=3, top_k=2), ids,
                                    GenerationConfig(max_new_tokens=30, policy=policy),
                                    attention_mask=torch.ones_like(ids))
         row = out if batch == 1 else out.rows[0]

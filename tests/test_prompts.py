@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from drafthead.inference.prompts import Prompt, PromptError, encode_chat, load_prompts
+from drafthead.inference.bench.prompts import Prompt, PromptError, encode_chat, load_prompts
 
 
 def write_lines(path, lines):

@@ -1,15 +1,15 @@
-"""Replayed greedy rounds (inference/replay.py) against the engine's own: the same accepted
+"""Replayed greedy rounds (inference/bench/replay.py) against the engine's own: the same accepted
 lengths, round for round, for trained heads of three drafter families and for prompt lookup."""
 import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.drafter import DrafterBase
+from drafthead.inference.engine.drafter import DrafterBase
 from drafthead.inference.drafters.parallel import DFlashDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.replay import replay_greedy, sequence_hidden_states
-from drafthead.inference.tree import DraftTree
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.bench.replay import replay_greedy, sequence_hidden_states
+from drafthead.inference.engine.tree import DraftTree
 from tests.test_head_drafters import KINDS, make_drafter, self_generated_batch, train_head
 from tests.tiny import repetitive_prompt, tiny_causal_lm
 
@@ -50,7 +50,7 @@ def test_replay_matches_the_engine_round_for_round_with_trained_heads(kind):
 
 def test_replay_matches_the_engine_with_prompt_lookup():
     target = tiny_causal_lm("qwen2", layers=2)
-    engine, replayed = engine_and_replay(target, lambda: PromptLookupDrafter(num_draft=6), repetitive_prompt(96, 24, seed=3))
+    engine, replayed = engine_and_replay(target, lambda: PromptLookupDrafter(length=6), repetitive_prompt(96, 24, seed=3))
     assert replayed == engine
     assert max(replayed) > 1
 
@@ -84,6 +84,6 @@ def test_replay_refuses_bad_input():
     with pytest.raises(ValueError, match="reads target features"):
         replay_greedy(make_drafter(head), sequence, 4)
     with pytest.raises(ValueError, match=r"must be \[1, T\]"):
-        replay_greedy(PromptLookupDrafter(num_draft=4), sequence.repeat(2, 1), 4)
+        replay_greedy(PromptLookupDrafter(length=4), sequence.repeat(2, 1), 4)
     with pytest.raises(ValueError, match="no continuation"):
-        replay_greedy(PromptLookupDrafter(num_draft=4), sequence, sequence.shape[1])
+        replay_greedy(PromptLookupDrafter(length=4), sequence, sequence.shape[1])

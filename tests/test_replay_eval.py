@@ -33,7 +33,7 @@ def test_improves():
 def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it(tmp_path, isolated_cache):
     from drafthead.heads.registry import load_head
     from drafthead.inference.drafters.load import chain_settings, head_drafter
-    from drafthead.inference.replay import replay_greedy
+    from drafthead.inference.bench.replay import replay_greedy
     from drafthead.train.run import build_trainer
     from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 

@@ -9,7 +9,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from drafthead.inference.sampling import SamplingConfig, logits_to_probs, seen_mask
+from drafthead.inference.engine.sampling import SamplingConfig, logits_to_probs, seen_mask
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p,penalty", [(0.7, 0, 1.0, 1.0), (1.3, 5, 1.0, 1.0), (0.9, 0, 0.8, 1.0), (1.0, 8, 0.6, 1.2)])

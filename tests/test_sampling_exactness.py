@@ -7,8 +7,8 @@ import torch
 
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.sampling import SamplingConfig, logits_to_probs
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.sampling import SamplingConfig, logits_to_probs
 from tests.stats import chi_square_pvalue
 from tests.tiny import tiny_causal_lm
 
@@ -56,14 +56,14 @@ def test_deterministic_lookup_tree_sampling_is_exact():
     with torch.no_grad():
         target.lm_head.weight.mul_(0.25)
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])  # "3 4" was followed by 5 and by 7
-    counts, _ = sampled_first(target, PromptLookupDrafter(num_draft=3), prompt, sampling, 2, copies=1)
+    counts, _ = sampled_first(target, PromptLookupDrafter(length=3), prompt, sampling, 2, copies=1)
     assert chi_square_pvalue(counts, exact_first_two(target, prompt, sampling), RUNS) > ALPHA
 
 
 def exact_first_three(target, prompt, sampling):
     """P(t1, t2, t3) enumerated from the target's processed distributions (VOCAB**3 outcomes); a
     repetition penalty sees the prompt and the tokens before each step, as generate() does."""
-    from drafthead.inference.sampling import seen_mask
+    from drafthead.inference.engine.sampling import seen_mask
 
     def probs(seqs):  # [n, L] -> [n, V], the distribution after each sequence
         return logits_to_probs(target(seqs).logits[:, -1], sampling, seen_mask(seqs, VOCAB))
@@ -128,6 +128,6 @@ def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
         target.lm_head.weight.mul_(lm_scale)
     head = build_head(make_config(kind, target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    counts, deep = sampled_first(target, EagleDrafter(head, total_tokens=6, depth=2, top_k=2), prompt, sampling, 3)
+    counts, deep = sampled_first(target, EagleDrafter(head, num_draft=6, depth=2, top_k=2), prompt, sampling, 3)
     assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA

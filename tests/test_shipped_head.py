@@ -10,9 +10,9 @@ from drafthead.drafters import default_head_path
 from drafthead.heads.identity import HeadTargetMismatch, identify_target
 from drafthead.heads.io import HeadFormatError
 from drafthead.inference.drafters.load import load_head_drafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.prompts import encode_chat, load_prompts
-from drafthead.inference.targets import eos_token_ids, load_target
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.bench.prompts import encode_chat, load_prompts
+from drafthead.inference.engine.targets import eos_token_ids, load_target
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,9 @@ from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.prompts import encode_chat, load_prompts
-from drafthead.inference.targets import eos_token_ids, load_target
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.bench.prompts import encode_chat, load_prompts
+from drafthead.inference.engine.targets import eos_token_ids, load_target
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_untrained_eagle3_head_output_is_the_target_greedy_output(smollm2):
     config = make_config("eagle3", loaded.model, loaded.tokenizer, name="smollm2-135m", draft_vocab_size=2048)
     head = build_head(config, loaded.model, token_counts=torch.arange(49152).flip(0)).eval()
     ids, ref = encoded[0], refs[0]
-    result = speculative_generate(loaded.model, EagleDrafter(head, total_tokens=16, depth=4, top_k=4), ids,
+    result = speculative_generate(loaded.model, EagleDrafter(head, num_draft=16, depth=4, top_k=4), ids,
                                   GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_ids=eos))
     assert result.new_tokens[0].tolist() == ref
 

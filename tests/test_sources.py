@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from drafthead.train.regenerate import done_ids, regenerate
+from drafthead.train.regenerate import RegenerateSettings, done_ids, regenerate
 from drafthead.train.sources import EmptySourceError, load_conversations, normalize_record, read_conversations
 from drafthead.train.tiny import tiny_tokenizer
 
@@ -146,7 +146,7 @@ def test_regenerate_feeds_own_answers_and_resumes(tmp_path):
     ]
     out = tmp_path / "regen.jsonl"
     stub = StubTarget(tok)
-    report = regenerate(stub, tok, convs[:2], out, max_new_tokens=8, batch_size=2, progress=False)
+    report = regenerate(stub, tok, convs[:2], out, RegenerateSettings(max_new_tokens=8, batch_size=2), progress=False)
     assert report.written == 2 and report.turns_answered == 3 and report.answers_cut == 0
     records = [json.loads(x) for x in out.read_text().splitlines()]
     a = records[0]["messages"]
@@ -160,7 +160,7 @@ def test_regenerate_feeds_own_answers_and_resumes(tmp_path):
         f.write('{"id": "c", "messa')
     assert done_ids(out) == {"a", "b"} and out.read_text().endswith("\n")
     stub2 = StubTarget(tok)
-    report = regenerate(stub2, tok, convs, out, max_new_tokens=8, batch_size=2, progress=False)
+    report = regenerate(stub2, tok, convs, out, RegenerateSettings(max_new_tokens=8, batch_size=2), progress=False)
     assert report.already_done == 2 and report.written == 1 and stub2.calls == 1
     ds, _ = load_conversations("regenerated", str(out), use_cache=False)
     assert ds["id"] == ["a", "b", "c"]
@@ -172,7 +172,7 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
     answering with transformers' generate() (multi-turn, prompts of different lengths per batch);
     with the load policy too (`data regenerate --speculative`'s default), on a made-up cost curve
     under which some rounds draft and some decode plainly."""
-    from drafthead.inference.policy import SpeculationPolicy
+    from drafthead.inference.engine.policy import SpeculationPolicy
     from drafthead.heads.registry import build_head, make_config
     from drafthead.inference.drafters.heads import EagleDrafter
     from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
@@ -183,17 +183,17 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
     if proposer.startswith("eagle3"):
         head = build_head(make_config("eagle3", target, tok, name="tiny"), target).eval()
-        drafter = EagleDrafter(head, total_tokens=8, depth=3, top_k=3)
+        drafter = EagleDrafter(head, num_draft=8, depth=3, top_k=3)
     else:
-        drafter = PromptLookupDrafter(num_draft=4)
+        drafter = PromptLookupDrafter(length=4)
     convs = [{"id": str(i), "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "x"},
                                          {"role": "user", "content": "and then " * (i + 1)}]}
              for i, text in enumerate(["hi", "tell me a story about a cat", "the the the the"])]
     plain, spec = tmp_path / "plain.jsonl", tmp_path / "spec.jsonl"
-    regenerate(target, tok, convs, plain, max_new_tokens=12, batch_size=1, progress=False)
+    regenerate(target, tok, convs, plain, RegenerateSettings(max_new_tokens=12, batch_size=1), progress=False)
     policy = SpeculationPolicy(lambda tokens: 1.0 + 0.05 * tokens, probe_every=2) if proposer.endswith("policy") else None
-    report = regenerate(target, tok, convs, spec, max_new_tokens=12, batch_size=3, progress=False, drafter=drafter,
-                        policy=policy)
+    report = regenerate(target, tok, convs, spec, RegenerateSettings(max_new_tokens=12, batch_size=3), progress=False,
+                        drafter=drafter, policy=policy)
     assert report.written == 3 and report.turns_answered == 6
     assert spec.read_text() == plain.read_text()
     if policy is not None:

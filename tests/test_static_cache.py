@@ -1,4 +1,4 @@
-"""The static KV cache and the compiled round forward (inference/compiled.py, docs/trees.md
+"""The static KV cache and the compiled round forward (inference/engine/compiled.py, docs/trees.md
 "Static cache"): the same tokens as plain greedy decoding, at batch 1 and with ragged rows, and
 a compiled graph reused across rounds and generations instead of recompiled. (The cache's
 per-node logits over rounds: tests/test_batch.py::test_ragged_cache_matches_recomputation.)"""
@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from drafthead.inference.compiled import CAPACITY_STEP, TREE_ROOM, StaticDecoding, static_capacity
-from drafthead.inference.drafter import DrafterBase
+from drafthead.inference.engine.compiled import CAPACITY_STEP, TREE_ROOM, StaticDecoding, static_capacity
+from drafthead.inference.engine.drafter import DrafterBase
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference import target_linears
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.target_linears import ROW_BUCKETS
-from drafthead.inference.tree import DraftTree
+from drafthead.inference.kernels import target_linears
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.kernels.target_linears import ROW_BUCKETS
+from drafthead.inference.engine.tree import DraftTree
 from tests.test_batch import batch_drafters, left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, tiny_causal_lm
 
@@ -78,11 +78,11 @@ def test_compiled_rounds_equal_plain_greedy_and_reuse_their_graphs(kernel, monke
     target = tiny_causal_lm("llama", layers=2)
     prompts = prompts_of((6, 21), seed=3)
     config = GenerationConfig(max_new_tokens=24, compile="aot_eager")
-    first = speculative_generate(target, PromptLookupDrafter(num_draft=5), prompts[0][None], config)
+    first = speculative_generate(target, PromptLookupDrafter(length=5), prompts[0][None], config)
     assert first.new_tokens[0].tolist() == plain_greedy(target, prompts[0][None], 24)
     graphs = counters["stats"]["unique_graphs"]
     assert graphs >= 1
-    second = speculative_generate(target, PromptLookupDrafter(num_draft=5), prompts[1][None], config)
+    second = speculative_generate(target, PromptLookupDrafter(length=5), prompts[1][None], config)
     assert second.new_tokens[0].tolist() == plain_greedy(target, prompts[1][None], 24)
     assert counters["stats"]["unique_graphs"] == graphs  # no recompilation
     assert StaticDecoding.of(target, "aot_eager").compiled

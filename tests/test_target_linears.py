@@ -1,14 +1,14 @@
-"""The target's linears dispatched by row count inside the engine (inference/target_linears.py),
-and the panel kernel it can dispatch to (inference/panel_kernel.py)."""
+"""The target's linears dispatched by row count inside the engine (inference/kernels/target_linears.py),
+and the panel kernel it can dispatch to (inference/kernels/panel_kernel.py)."""
 import pytest
 import torch
 from torch import nn
 
-from drafthead.inference import panel_kernel, target_linears
+from drafthead.inference.kernels import panel_kernel, target_linears
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.generate import GenerationConfig, speculative_generate
-from drafthead.inference.target_linears import (ROW_BUCKETS, RowDispatchLinear, engine_linears, fastest, fits_in_memory,
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.kernels.target_linears import (ROW_BUCKETS, RowDispatchLinear, engine_linears, fastest, fits_in_memory,
                                                  kernel_for_rows)
 from tests.test_batch import left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
@@ -115,7 +115,7 @@ def test_greedy_with_each_kernel_for_the_target_linears_equals_plain_greedy(fami
         _round_to_bfloat16(target)
     prompt = repetitive_prompt(96, seed=5)
     reference = plain_greedy(target, prompt, 40)
-    for drafter in (DraftModelDrafter(tiny_causal_lm(family, seed=7), choices=TREE), PromptLookupDrafter(num_draft=6)):
+    for drafter in (DraftModelDrafter(tiny_causal_lm(family, seed=7), choices=TREE), PromptLookupDrafter(length=6)):
         result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=40))
         assert result.new_tokens[0].tolist() == reference, family
     layers = [m for m in target.modules() if isinstance(m, RowDispatchLinear)]  # none: the swap is over
@@ -144,11 +144,11 @@ def test_packed_copies_follow_an_in_place_weight_change(packed_everywhere):
     """load_state_dict writes into the same storage: a stale packed copy would decode the old model."""
     target = tiny_causal_lm("qwen2")
     prompt = repetitive_prompt(96, seed=2)
-    drafter = PromptLookupDrafter(num_draft=6)
+    drafter = PromptLookupDrafter(length=6)
     speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=8))  # packs the weights
     other = tiny_causal_lm("qwen2", seed=3)
     target.load_state_dict(other.state_dict())
-    result = speculative_generate(target, PromptLookupDrafter(num_draft=6), prompt, GenerationConfig(max_new_tokens=30))
+    result = speculative_generate(target, PromptLookupDrafter(length=6), prompt, GenerationConfig(max_new_tokens=30))
     assert result.new_tokens[0].tolist() == plain_greedy(other, prompt, 30)
 
 

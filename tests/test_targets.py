@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from drafthead.inference.targets import (
+from drafthead.inference.engine.targets import (
     CACHE_MARKER,
     LoadedTarget,
     TargetError,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from drafthead.inference.tree import (
+from drafthead.inference.engine.tree import (
     DraftTree,
     ancestor_mask,
     chain_parents,
@@ -106,7 +106,7 @@ def slow_batch_tree_mask(parents_per_row, prefix_lengths, past_len, window, chun
 
 @pytest.mark.parametrize("window, chunk", [(None, None), (3, None), (None, 4), (5, 4)])
 def test_batch_tree_mask_matches_slow_twin(window, chunk):
-    from drafthead.inference.tree import batch_tree_mask, pad_trees
+    from drafthead.inference.engine.tree import batch_tree_mask, pad_trees
 
     trees = [DraftTree(torch.zeros(1, k, dtype=torch.long), random_tree(k, seed)) for seed, k in enumerate((9, 4, 7))]
     batch = pad_trees(trees)
@@ -170,9 +170,9 @@ def test_subtree_renumbers_parents():
 def test_select_top_nodes_keeps_best_and_ancestors():
     # cumulative log-probs fall along paths
     scores = torch.tensor([0.0, -0.1, -2.0, -0.3, -0.2, -2.5, -0.4])
-    keep = select_top_nodes(PARENTS, scores, total_tokens=3)
+    keep = select_top_nodes(PARENTS, scores, num_draft=3)
     assert keep.tolist() == [0, 1, 3, 4]
-    keep = select_top_nodes(PARENTS, scores, total_tokens=10)
+    keep = select_top_nodes(PARENTS, scores, num_draft=10)
     assert keep.tolist() == list(range(7))
 
 

@@ -16,7 +16,7 @@ straddles a boundary: SmolLM2's BPE would otherwise merge the header's "\n" with
 leading spaces into one token, half prompt and half label. Piecewise is also what generation
 sees: the prompt ends with the header's own tokens and the answer's tokens start fresh.
 
-A tokenizer without a chat template gets inference/prompts.py's plain format, the one generation
+A tokenizer without a chat template gets inference/bench/prompts.py's plain format, the one generation
 uses for it.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import datasets
 
-from ..inference.prompts import render_chat
+from ..inference.bench.prompts import render_chat
 
 
 # Bump when the formatting or mask rules change. `.map` caches are keyed on the map function, and

@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from ..heads.io import not_utf8
-from ..inference.targets import DTYPES
+from ..inference.engine.targets import DTYPES
 
 DTYPE_NAMES = tuple(DTYPES)
 
@@ -126,7 +126,7 @@ class ReplayConfig:
 
 @dataclass
 class TrainConfig:
-    target: str = "smollm2-135m"  # built-in name or local folder (drafthead.inference.targets.load_target)
+    target: str = "smollm2-135m"  # built-in name or local folder (drafthead.inference.engine.targets.load_target)
     target_dtype: str = "float32"  # dtype the target is loaded in; auto: bfloat16 where native, else float32
     head: dict = field(default_factory=lambda: {"kind": "medusa1"})  # {kind, ...} -> heads/config.py
     data: DataConfig = field(default_factory=DataConfig)

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from ..heads.batch import FeatureBatch
 from ..heads.io import read_json
-from ..inference.targets import resolve_dtype
+from ..inference.engine.targets import resolve_dtype
 from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"

@@ -53,7 +53,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     from transformers import AutoConfig
 
     from ..heads.registry import _new_module
-    from ..inference.targets import model_auto_class
+    from ..inference.engine.targets import model_auto_class
     from .run import head_config
     from .sharding import decoder_layers
 

@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..inference.prompts import render_chat
+from ..inference.bench.prompts import render_chat
 from .chat_format import stop_token_ids
 from .workshare import WorkShare, write_atomically
 
@@ -147,21 +147,39 @@ def _split_turns(messages: list[dict]) -> tuple[list[dict], list[str]]:
     return system, users
 
 
+@dataclass(frozen=True)
+class RegenerateSettings:
+    """How every turn is answered, as each record's `generation` block states it (with the target)."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    batch_size: int = 8  # conversations answered together
+    max_prompt_tokens: int | None = None  # a longer prompt ends its conversation (None: the model's context)
+    max_turns: int | None = None  # user turns answered per conversation (None: all)
+    seed: int = 0
+    target_name: str | None = None  # recorded only
+
+    def generation(self) -> dict:
+        """The `generation` block of every record."""
+        return {"target": self.target_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_p": self.top_p}
+
+
 @torch.no_grad()
-def answer(model, tokenizer, prompts: list[str], *, max_new_tokens: int, temperature: float, top_p: float,
-           stop_ids: list[int], pad_id: int, drafter=None, policy=None, seed: int = 0) -> list[tuple[str, bool]]:
+def answer(model, tokenizer, prompts: list[str], settings: RegenerateSettings, *, stop_ids: list[int], pad_id: int,
+           drafter=None, policy=None, seed: int = 0) -> list[tuple[str, bool]]:
     """Batched generation -> [(answer text, ended with a stop token)]: transformers `generate()` with
     left padding, or, given a drafter, our batched speculative decoding (the same answers under
     greedy, the same distribution under sampling; docs/trees.md "Batches"), with `policy` (a
-    SpeculationPolicy, inference/policy.py) choosing each round's draft nodes when given."""
+    SpeculationPolicy, inference/engine/policy.py) choosing each round's draft nodes when given."""
     if drafter is not None:
-        return _answer_speculative(model, tokenizer, prompts, drafter, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_p=top_p, stop_ids=stop_ids, seed=seed, policy=policy)
+        return _answer_speculative(model, tokenizer, prompts, drafter, settings, stop_ids=stop_ids, seed=seed, policy=policy)
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
     device = next(model.parameters()).device
-    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids)
-    if temperature > 0:
-        kwargs.update(do_sample=True, temperature=temperature, top_p=top_p)
+    kwargs = dict(max_new_tokens=settings.max_new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids)
+    if settings.temperature > 0:
+        kwargs.update(do_sample=True, temperature=settings.temperature, top_p=settings.top_p)
     else:
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     out = model.generate(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device), **kwargs)
@@ -175,16 +193,16 @@ def answer(model, tokenizer, prompts: list[str], *, max_new_tokens: int, tempera
     return results
 
 
-def _answer_speculative(model, tokenizer, prompts, drafter, *, max_new_tokens, temperature, top_p, stop_ids, seed,
-                        policy=None):
-    from ..inference.generate import GenerationConfig, generate_batch
-    from ..inference.sampling import SamplingConfig
+def _answer_speculative(model, tokenizer, prompts, drafter, settings: RegenerateSettings, *, stop_ids, seed, policy=None):
+    from ..inference.engine.generate import GenerationConfig, generate_batch
+    from ..inference.engine.sampling import SamplingConfig
 
     device = next(model.parameters()).device
     encoded = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"], device=device) for p in prompts]
-    sampling = SamplingConfig(temperature=temperature, top_p=top_p) if temperature > 0 else SamplingConfig()
-    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids), seed=seed,
-                              policy=policy)
+    sampling = (SamplingConfig(temperature=settings.temperature, top_p=settings.top_p) if settings.temperature > 0
+                else SamplingConfig())
+    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids),
+                              seed=seed, policy=policy)
     result = generate_batch(model, drafter, encoded, config)
     results = []
     for row in result.rows:
@@ -196,24 +214,103 @@ def _answer_speculative(model, tokenizer, prompts, drafter, *, max_new_tokens, t
     return results
 
 
+@dataclass
+class _Answerer:
+    """Answers a batch of conversations turn by turn: the model, its drafter and what every turn
+    needs (stop ids, pad id, the prompt length limit), found once per run."""
+
+    model: object
+    tokenizer: object
+    settings: RegenerateSettings
+    drafter: object = None
+    policy: object = None
+
+    def __post_init__(self):
+        self.stop_ids = stop_token_ids(self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_ids[0]
+        self.limit = self.settings.max_prompt_tokens or getattr(self.model.config, "max_position_embeddings", None)
+
+    def conversations(self, batch: list[dict], report: RegenerateReport) -> list[list[dict]]:
+        """Each conversation's messages with the target's answers: its system message, then a user
+        turn and its answer per turn, up to the first turn that could not be answered."""
+        seed = self.settings.seed + zlib.crc32(str(batch[0]["id"]).encode())
+        torch.manual_seed(seed)  # seeded by the batch's first id: reruns of the same batch sample the same answers
+        turns = [_split_turns(c["messages"]) for c in batch]
+        history = [list(system) for system, _ in turns]
+        users = [u[: self.settings.max_turns] if self.settings.max_turns else u for _, u in turns]
+        open_ = [True] * len(batch)
+        for k in range(max(len(u) for u in users)):
+            active, prompts = self._prompts(history, users, k, open_, report)
+            if not active:
+                break
+            answers = answer(self.model, self.tokenizer, prompts, settings=self.settings, stop_ids=self.stop_ids,
+                             pad_id=self.pad_id, drafter=self.drafter, policy=self.policy, seed=seed + k)
+            for i, (text, ended) in zip(active, answers):
+                if not text:
+                    report.empty_answers += 1
+                    open_[i] = False
+                    continue
+                history[i] += [{"role": "user", "content": users[i][k]}, {"role": "assistant", "content": text}]
+                report.turns_answered += 1
+                report.answers_cut += not ended
+        return history
+
+    def _prompts(self, history, users, k: int, open_: list[bool], report: RegenerateReport) -> tuple[list[int], list[str]]:
+        """(rows, rendered prompts) of the conversations still open that have a turn k; a prompt too
+        long for the limit closes its conversation."""
+        active, prompts = [], []
+        for i in range(len(history)):
+            if not open_[i] or k >= len(users[i]):
+                continue
+            prompt = render_chat(self.tokenizer, history[i] + [{"role": "user", "content": users[i][k]}], add_generation_prompt=True)
+            if (self.limit is not None and len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                    + self.settings.max_new_tokens > self.limit):
+                report.prompts_too_long += 1
+                open_[i] = False
+                continue
+            active.append(i)
+            prompts.append(prompt)
+        return active, prompts
+
+
+def _done_so_far(paths: Sequence[Path], mine: Path) -> set[str]:
+    """The ids in the output and part files; a rank cuts only its own file's torn line."""
+    done: set[str] = set()
+    for path in dict.fromkeys(paths):
+        done |= done_ids(path, repair=path == mine)
+    return done
+
+
+def _batches_left(conversations: list[dict], done: set[str], batch_size: int) -> list[list[dict]]:
+    """The batches a clean run cuts from the whole input, less the finished conversations (module
+    docstring: a resumed run answers in the same batches)."""
+    batches = [conversations[b0 : b0 + batch_size] for b0 in range(0, len(conversations), batch_size)]
+    return [kept for kept in ([c for c in b if str(c["id"]) not in done] for b in batches) if kept]
+
+
+def _append_records(f, batch: list[dict], histories: list[list[dict]], generation: dict, report: RegenerateReport) -> None:
+    """One record per conversation with an answered turn, flushed to disk before the next batch."""
+    for conv, messages in zip(batch, histories):
+        if not any(m["role"] == "assistant" for m in messages):
+            report.skipped_no_answer += 1
+            continue
+        f.write(json.dumps({"id": str(conv["id"]), "messages": messages, "generation": generation}, ensure_ascii=False) + "\n")  # starts with RECORD_START
+        report.written += 1
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def regenerate(
     model,
     tokenizer,
     conversations: Iterable[dict],
     out_path: str | Path,
+    settings: RegenerateSettings = RegenerateSettings(),
     *,
-    max_new_tokens: int = 512,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
-    batch_size: int = 8,
-    max_prompt_tokens: int | None = None,
-    max_turns: int | None = None,
-    seed: int = 0,
-    target_name: str | None = None,
-    progress: bool = True,
     drafter=None,
     policy=None,
     share: WorkShare | None = None,
+    progress: bool = True,
 ) -> RegenerateReport:
     """Re-answer `conversations` ({id, messages}) with `model`; append records to `out_path`.
     drafter: answer with batched speculative decoding through it (None: transformers `generate()`);
@@ -226,18 +323,12 @@ def regenerate(
     conversations = list(conversations)
     leftovers = part_files(out_path)  # of a run that was killed
     mine = out_path if share.world == 1 else part_path(out_path, share.rank, share.world)
-    done: set[str] = set()
-    for path in dict.fromkeys([out_path, *leftovers, mine]):
-        done |= done_ids(path, repair=path == mine)  # a rank cuts only its own file's torn line
+    done = _done_so_far([out_path, *leftovers, mine], mine)
     report = RegenerateReport(already_done=len(done))
-    batches = [conversations[b0 : b0 + batch_size] for b0 in range(0, len(conversations), batch_size)]
-    todo = [kept for kept in ([c for c in b if str(c["id"]) not in done] for b in batches) if kept]
+    todo = _batches_left(conversations, done, settings.batch_size)
     share.barrier()  # all ranks have read the done ids before any rank writes more
     todo = share.mine(todo)
-    stop_ids = stop_token_ids(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_ids[0]
-    limit = max_prompt_tokens or getattr(model.config, "max_position_embeddings", None)
-    generation = {"target": target_name, "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p}
+    answerer = _Answerer(model, tokenizer, settings, drafter, policy)
 
     bar = None
     if progress and share.is_main:
@@ -246,45 +337,7 @@ def regenerate(
         bar = tqdm(total=sum(map(len, todo)), desc="regenerate", unit="conv", dynamic_ncols=True)
     with open(mine, "a", encoding="utf-8") as f:
         for batch in todo:
-            # seeded by the batch's first id: reruns of the same batch sample the same answers
-            torch.manual_seed(seed + zlib.crc32(str(batch[0]["id"]).encode()))
-            turns = [_split_turns(c["messages"]) for c in batch]
-            history = [list(system) for system, _ in turns]
-            users = [u[:max_turns] if max_turns else u for _, u in turns]
-            open_ = [True] * len(batch)
-            for k in range(max(len(u) for u in users)):
-                active, prompts = [], []
-                for i in range(len(batch)):
-                    if not open_[i] or k >= len(users[i]):
-                        continue
-                    prompt = render_chat(tokenizer, history[i] + [{"role": "user", "content": users[i][k]}], add_generation_prompt=True)
-                    if limit is not None and len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) + max_new_tokens > limit:
-                        report.prompts_too_long += 1
-                        open_[i] = False
-                        continue
-                    active.append(i)
-                    prompts.append(prompt)
-                if not active:
-                    break
-                answers = answer(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 top_p=top_p, stop_ids=stop_ids, pad_id=pad_id, drafter=drafter, policy=policy,
-                                 seed=seed + zlib.crc32(str(batch[0]["id"]).encode()) + k)
-                for i, (text, ended) in zip(active, answers):
-                    if not text:
-                        report.empty_answers += 1
-                        open_[i] = False
-                        continue
-                    history[i] += [{"role": "user", "content": users[i][k]}, {"role": "assistant", "content": text}]
-                    report.turns_answered += 1
-                    report.answers_cut += not ended
-            for conv, messages in zip(batch, history):
-                if not any(m["role"] == "assistant" for m in messages):
-                    report.skipped_no_answer += 1
-                    continue
-                f.write(json.dumps({"id": str(conv["id"]), "messages": messages, "generation": generation}, ensure_ascii=False) + "\n")  # starts with RECORD_START
-                report.written += 1
-            f.flush()
-            os.fsync(f.fileno())
+            _append_records(f, batch, answerer.conversations(batch, report), settings.generation(), report)
             if bar is not None:
                 bar.update(len(batch))
     if bar is not None:

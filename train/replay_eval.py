@@ -1,7 +1,7 @@
 """Replayed acceptance at eval time: the tau an engine would measure, not a product of accuracies.
 
 `tau_est` (train/evaluate.py) multiplies per-depth top-1 accuracies as if they were independent.
-At each eval this replays the head the way the engine drafts and verifies (inference/replay.py):
+At each eval this replays the head the way the engine drafts and verifies (inference/bench/replay.py):
 the first `replay.sequences` held-out prompts are greedy-decoded by the target once per run (up to
 `replay.max_new_tokens` tokens), and every eval drafts for those continuations with the head's
 own drafter and keeps what the engine's greedy acceptance rule keeps. Reported, beside tau_est:
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..inference.bench import per_position_acceptance, tau_of
+from ..inference.bench.run import per_position_acceptance, tau_of
 from ..inference.drafters.load import chain_settings, head_drafter
-from ..inference.replay import greedy_continuations, kept_hidden_states, replay_greedy
+from ..inference.bench.replay import greedy_continuations, kept_hidden_states, replay_greedy
 from .config import ReplayConfig
 
 

@@ -198,7 +198,7 @@ def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool =
                  say: Callable[[str], None] = print) -> TrainResult:
     """Load the target named by the config on this process's device, build, train (resume and
     overwrite: Trainer.fit). The output_dir is checked before the target loads, so a refusal is quick."""
-    from ..inference.targets import load_target
+    from ..inference.engine.targets import load_target
 
     out = Path(config.output_dir)
     existing = latest_checkpoint(out)

@@ -258,7 +258,7 @@ def make_accelerator(config: TrainConfig):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
 
-    from ..inference.targets import has_native_bf16
+    from ..inference.engine.targets import has_native_bf16
 
     precision = resolve_mixed_precision(config.mixed_precision, has_native_bf16())
     if AcceleratorState._shared_state and PartialState().num_processes == 1:

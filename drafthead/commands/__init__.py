@@ -96,7 +96,8 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
     g.add_argument("--num-draft", type=_positive_int_or_auto, default=None,
-                   help="draft tokens per round (proposer default), or 'auto': each round, the node count (down "
+                   help="draft nodes per round, num_draft (proposer default; prompt lookup: each continuation's "
+                        "length), or 'auto': each round, the node count (down "
                         "to plain decoding) that pays at the batch size, from the target's measured forward cost")
     g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
                    help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "
@@ -179,7 +180,7 @@ def resolve_device(device: str | None) -> str:
 
 
 def load_target_from_args(args):
-    from ..inference.targets import load_target
+    from ..inference.engine.targets import load_target
 
     resolve_dtype_arg(args)
     return load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), threads=args.threads,
@@ -189,14 +190,14 @@ def load_target_from_args(args):
 def resolve_dtype_arg(args) -> str:
     """--dtype auto becomes the dtype it stands for on this device (in place), so every later
     message and report names the dtype that ran."""
-    from ..inference.targets import resolve_dtype
+    from ..inference.engine.targets import resolve_dtype
 
     args.dtype = str(resolve_dtype(args.dtype, resolve_device(args.device))).removeprefix("torch.")
     return args.dtype
 
 
 def sampling_from_args(args):
-    from ..inference.sampling import SamplingConfig
+    from ..inference.engine.sampling import SamplingConfig
 
     return SamplingConfig(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty
@@ -214,7 +215,7 @@ def typical_from_args(args):
     value = getattr(args, "typical_acceptance", None)
     if value is None:
         return None
-    from ..inference.acceptance import TypicalAcceptance
+    from ..inference.engine.acceptance import TypicalAcceptance
 
     try:
         epsilon, delta = (float(x) for x in value.split(","))
@@ -278,12 +279,12 @@ POLICY_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # what a batch of
 
 
 def policy_from_args(args, model, drafter):
-    """`--num-draft auto`: the load policy (inference/policy.py), with the target's forward timed
+    """`--num-draft auto`: the load policy (inference/engine/policy.py), with the target's forward timed
     once at POLICY_TOKEN_COUNTS the way the verifier calls it; else None."""
     if args.num_draft != "auto":
         return None
-    from ..inference.cost import measure_verify_cost
-    from ..inference.policy import SpeculationPolicy
+    from ..inference.engine.cost import measure_verify_cost
+    from ..inference.engine.policy import SpeculationPolicy
 
     context = 128  # cached tokens behind the timed forward (measure_verify_cost's default)
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 10**9

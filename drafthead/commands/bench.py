@@ -43,10 +43,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..inference.bench import BenchSettings, run_bench
-    from ..inference.prompts import load_prompts
-    from ..inference.report import format_table, plot_report, render_markdown
-    from ..inference.targets import eos_token_ids
+    from ..inference.bench.run import BenchSettings, run_bench
+    from ..inference.bench.prompts import load_prompts
+    from ..inference.bench.report import format_table, plot_report, render_markdown
+    from ..inference.engine.targets import eos_token_ids
 
     prompts = load_prompts(args.dataset, args.limit)  # before the model: bad input fails fast
     sampling = sampling_from_args(args)
@@ -124,9 +124,9 @@ OUR_SIDE = ("ours speculative", "transformers generate()")
 
 def _external(engines, args, loaded, prompts, settings, report) -> dict:
     """The same prompts through llama.cpp's own tools (inference/llamacpp/tools.py, built by
-    `make llamacpp`) and vLLM (scripts/interop/compare_engines.py, in a source checkout): tokens/s
+    `make llamacpp`) and vLLM (inference/bench/compare_vllm.py, its venv from `make interop`): tokens/s
     with prefill, as ours are counted, beside our own plain and speculative."""
-    from ..inference.prompts import encode_chat
+    from ..inference.bench.prompts import encode_chat
 
     encoded = [encode_chat(loaded.tokenizer, p) for p in prompts]
     texts = [loaded.tokenizer.decode(ids[0]) for ids in encoded]
@@ -159,22 +159,16 @@ def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
 
 
 def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
-    import importlib.util
+    from ..inference.bench.compare_vllm import vllm_rows
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "interop" / "compare_engines.py"
-    if not script.is_file():
-        return {}, {"vllm": f"needs a drafthead source checkout ({script} is missing)"}
-    spec = importlib.util.spec_from_file_location("compare_engines", script)
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
-    return compare.vllm_rows(
+    return vllm_rows(
         Path(loaded.path), [ids[0].tolist() for ids in encoded], list(settings.eos_token_ids),
         settings.max_new_tokens, args.dtype, args.threads or torch_threads(),
         Path(args.out).parent / "engines" if args.out else Path("out/engines"))
 
 
 def _run_batched(args, model, tokenizer, factory, example, prompts, settings) -> int:
-    from ..inference.batch_bench import format_batch_table, run_batch_bench
+    from ..inference.bench.batch import format_batch_table, run_batch_bench
 
     policy = policy_from_args(args, settings.verifier or model, example)
     name = "policy" if policy is not None else "speculative"

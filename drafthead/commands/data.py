@@ -118,7 +118,7 @@ def _clear_for_overwrite(paths, share) -> None:
 
 def _regenerate(args) -> int:
     from ..heads.outdir import check_output, clear_output, is_empty
-    from ..train.regenerate import is_regenerated, part_files, regenerate
+    from ..train.regenerate import RegenerateSettings, is_regenerated, part_files, regenerate
     from ..train.sources import load_conversations
 
     share = _work_share()
@@ -142,11 +142,11 @@ def _regenerate(args) -> int:
         policy = policy_from_args(args, model, drafter)
         say(f"answering through speculative decoding with the head at {head}"
             + (", trees sized by the load policy" if policy is not None else ", whole trees"))
-    report = regenerate(
-        model, loaded.tokenizer, ds, args.out, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        top_p=args.top_p, batch_size=args.batch_size, max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns,
-        seed=args.seed, target_name=loaded.name, drafter=drafter, policy=policy, share=share,
+    settings = RegenerateSettings(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns, seed=args.seed, target_name=loaded.name,
     )
+    report = regenerate(model, loaded.tokenizer, ds, args.out, settings, drafter=drafter, policy=policy, share=share)
     if report.already_done + report.written == 0:
         if share.is_main and is_empty(out):
             clear_output(out)  # the file opened for appending, with nothing in it
@@ -161,7 +161,7 @@ def _capture(args) -> int:
     from tqdm.auto import tqdm
 
     from ..heads.outdir import check_output
-    from ..inference.targets import load_target
+    from ..inference.engine.targets import load_target
     from ..train.config import load_config
     from ..train.features import CAPTURE_PLAN
     from ..train.run import capture_from_config

@@ -33,10 +33,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..inference.bench import BenchSettings, run_bench
-    from ..inference.prompts import Prompt
-    from ..inference.sampling import SamplingConfig
-    from ..inference.targets import eos_token_ids
+    from ..inference.bench.run import BenchSettings, run_bench
+    from ..inference.bench.prompts import Prompt
+    from ..inference.engine.sampling import SamplingConfig
+    from ..inference.engine.targets import eos_token_ids
 
     note(f"loading {args.target} ({resolve_dtype_arg(args)}, {args.threads} threads); the first run dequantizes it (~20 s)")
     loaded = load_target_from_args(args)

@@ -35,7 +35,7 @@ def run(args) -> int:
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     target_model = None
     if args.target is not None:
-        from ..inference.targets import load_target
+        from ..inference.engine.targets import load_target
 
         target_model = load_target(args.target).model
     out = export_head(args.head_dir, args.out, args.format, dtype=dtype, target_model=target_model, overwrite=args.overwrite)

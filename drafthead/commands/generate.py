@@ -61,9 +61,9 @@ class TextPrinter:
 def run(args) -> int:
     import time
 
-    from ..inference.generate import GenerationConfig, speculative_generate
-    from ..inference.prompts import Prompt, PromptError, encode_chat
-    from ..inference.targets import eos_token_ids
+    from ..inference.engine.generate import GenerationConfig, speculative_generate
+    from ..inference.bench.prompts import Prompt, PromptError, encode_chat
+    from ..inference.engine.targets import eos_token_ids
 
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")

@@ -10,11 +10,11 @@ from typing import Sequence
 
 import torch
 
-from ..cache import cache_kwargs, keep_path, new_cache
-from ..drafter import DrafterBase, RoundStats
-from ..sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
-from ..tree import DraftTree, chain_choices, tree_from_choices
-from ..verify import attention_masks
+from ..engine.cache import cache_kwargs, keep_path, new_cache
+from ..engine.drafter import DrafterBase, RoundStats
+from ..engine.sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
+from ..engine.tree import DraftTree, chain_choices, tree_from_choices
+from ..engine.verify import attention_masks
 
 
 def sample_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
@@ -79,7 +79,7 @@ class DraftModelDrafter(DrafterBase):
         keep_path(self.cache, before, slots)
         self.cached = before + len(slots)
         if self.dynamic:
-            if stats.num_accepted == stats.num_drafted and stats.num_drafted > 0:
+            if stats.num_accepted == stats.num_draft and stats.num_draft > 0:
                 self.num_draft = min(self.max_draft, self.num_draft + 1)
             else:
                 self.num_draft = max(1, self.num_draft - 1)

@@ -9,15 +9,16 @@ import heapq
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from ..cache import crop
-from ..cost import best_node_count, sync_device
-from ..drafter import RoundStats, TargetFeatures
-from ..tree import DraftTree, best_first, select_top_nodes, tree_from_choices
+from ..engine.cache import crop
+from ..engine.cost import best_node_count, sync_device
+from ..engine.drafter import RoundStats, TargetFeatures
+from ..engine.tree import DraftTree, best_first, select_top_nodes, tree_from_choices
 
 
 # ---------------------------------------------------------------------------------------------
@@ -25,8 +26,8 @@ from ..tree import DraftTree, best_first, select_top_nodes, tree_from_choices
 # ---------------------------------------------------------------------------------------------
 
 
-def best_static_tree(rank_accuracy: torch.Tensor, num_nodes: int) -> list[tuple[int, ...]]:
-    """The `num_nodes` choices with the highest expected acceptance (Medusa's tree search).
+def best_static_tree(rank_accuracy: torch.Tensor, num_draft: int) -> list[tuple[int, ...]]:
+    """The `num_draft` choices with the highest expected acceptance (Medusa's tree search).
 
     rank_accuracy: [K, R], the chance that step k's rank-r candidate is the target's token. A
     node's value is the product along its path; best-first expansion keeps the tree closed under
@@ -37,7 +38,7 @@ def best_static_tree(rank_accuracy: torch.Tensor, num_nodes: int) -> list[tuple[
     heap = [(-acc[0][r], (r,)) for r in range(R)]
     heapq.heapify(heap)
     chosen: list[tuple[int, ...]] = []
-    while heap and len(chosen) < num_nodes:
+    while heap and len(chosen) < num_draft:
         neg, path = heapq.heappop(heap)
         chosen.append(path)
         depth = len(path)
@@ -54,12 +55,12 @@ def default_rank_accuracy(num_steps: int, ranks: int = 4) -> torch.Tensor:
     return top1[:, None] * rank[None, :]
 
 
-def static_tree_shape(choices: Sequence[Sequence[int]] | None, num_nodes: int, depth: int, what: str):
+def static_tree_shape(choices: Sequence[Sequence[int]] | None, num_draft: int, depth: int, what: str):
     """A StaticTree of per-depth candidates at most `depth` deep: `choices` (tree_from_choices), or
-    else the `num_nodes` best under the default prior of per-depth accuracies. `what` names the
+    else the `num_draft` best under the default prior of per-depth accuracies. `what` names the
     depth limit in the error (e.g. "the 4 Medusa heads")."""
     if choices is None:
-        choices = best_static_tree(default_rank_accuracy(depth), num_nodes)
+        choices = best_static_tree(default_rank_accuracy(depth), num_draft)
     shape = tree_from_choices(choices)
     if shape.depth > depth:
         raise ValueError(f"tree depth {shape.depth} exceeds {what}")
@@ -86,14 +87,14 @@ class MedusaDrafter:
     feature_layers: tuple[int, ...] = ()
     needs_last_hidden = True
 
-    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_nodes: int = 24):
+    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int = 24):
         self.head = head
-        self.shape = static_tree_shape(choices, num_nodes, head.num_heads, f"the {head.num_heads} Medusa heads")
+        self.shape = static_tree_shape(choices, num_draft, head.num_heads, f"the {head.num_heads} Medusa heads")
         self.last_hidden: torch.Tensor | None = None  # [B, H]
         self.pending: torch.Tensor | None = None
 
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} static tree", "nodes": int(self.shape.parents.shape[0]) - 1,
+        return {"kind": f"{self.head.kind} static tree", "num_draft": int(self.shape.parents.shape[0]) - 1,
                 "depth": self.shape.depth}
 
     def begin(self, tokens, features: TargetFeatures | None, pending) -> None:
@@ -176,30 +177,30 @@ class EagleDrafter(FeatureBuffer):
     The head's cache holds the pairs (target feature at t, token t+1) of committed positions.
     Each round: feed the pairs the cache lacks, then grow the tree `depth` times, each time
     expanding the `top_k` frontier nodes of best cumulative log-probability into their top-k
-    children (one head forward per depth, tree-masked), and finally keep the `total_tokens` best
+    children (one head forward per depth, tree-masked), and finally keep the `num_draft` best
     nodes. The draft tree nodes are cropped from the cache before the next round.
     """
 
     needs_last_hidden = False
 
-    def __init__(self, head, total_tokens: int | str = 24, depth: int = 5, top_k: int = 6,
+    def __init__(self, head, num_draft: int | str = 24, depth: int = 5, top_k: int = 6,
                  verify_cost=None, extra_nodes: int = 0):
-        """total_tokens: draft nodes per round, or "confidence": each round keeps the number of best
+        """num_draft: draft nodes per round, or "confidence": each round keeps the number of best
         candidates that maximises expected tokens per second under `verify_cost` (a
         cost.CostCurve measured on the target), counting `extra_nodes` that other drafters add."""
-        self.confidence_rule = total_tokens == "confidence"
+        self.confidence_rule = num_draft == "confidence"
         if self.confidence_rule:
             if verify_cost is None:
-                raise ValueError('total_tokens="confidence" needs the target\'s measured verify_cost')
-            total_tokens = top_k + (depth - 1) * top_k * top_k  # every candidate is eligible
-        if not isinstance(total_tokens, int) or min(total_tokens, depth, top_k) < 1:
-            raise ValueError(f'total_tokens (an int or "confidence"), depth and top_k must be >= 1; got '
-                             f"{total_tokens!r}, {depth}, {top_k}")
+                raise ValueError('num_draft="confidence" needs the target\'s measured verify_cost')
+            num_draft = top_k + (depth - 1) * top_k * top_k  # every candidate is eligible
+        if not isinstance(num_draft, int) or min(num_draft, depth, top_k) < 1:
+            raise ValueError(f'num_draft (an int or "confidence"), depth and top_k must be >= 1; got '
+                             f"{num_draft!r}, {depth}, {top_k}")
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
-        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+        self.num_draft, self.depth, self.top_k = num_draft, depth, top_k
         self.verify_cost, self.extra_nodes = verify_cost, extra_nodes
-        self.node_limit: int | None = None  # set by the load policy for the next round (`limit`)
+        self.num_draft_limit: int | None = None  # the load policy's num_draft for the next round (`limit`)
         # auto sizing: calibration of the draft's path probabilities against what was accepted,
         # as decayed sums over rounds (kept across sequences), and the time drafting takes
         self.predicted_sum, self.accepted_sum, self.predicted = 1.0, 1.0, 0.0
@@ -207,13 +208,13 @@ class EagleDrafter(FeatureBuffer):
         self.draft_ids = draft_ids_of(head)
 
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} tree", "total_tokens": "confidence" if self.confidence_rule else self.total_tokens,
+        return {"kind": f"{self.head.kind} tree", "num_draft": "confidence" if self.confidence_rule else self.num_draft,
                 "depth": self.depth, "top_k": self.top_k}
 
-    def limit(self, nodes: int | None) -> None:
-        """Draft at most `nodes` nodes next round (None: the configured tree). Best-first nodes lie
-        at most `nodes` deep, so fewer head steps run: the load policy's small trees cost less."""
-        self.node_limit = nodes
+    def limit(self, num_draft: int | None) -> None:
+        """Draft at most `num_draft` nodes next round (None: the configured tree). Best-first nodes
+        lie at most `num_draft` deep, so fewer head steps run: the load policy's small trees cost less."""
+        self.num_draft_limit = num_draft
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -279,7 +280,7 @@ class EagleDrafter(FeatureBuffer):
         cand_hidden = [hidden[0, -1]] * self.top_k  # the parent's output feeds its children
         frontier = list(range(self.top_k))  # candidate indices (node = index + 1)
         fed_nodes: list[int] = []  # tree nodes whose K/V the head cache holds, in feeding order
-        steps = self.depth if self.node_limit is None else max(1, min(self.depth, self.node_limit))
+        steps = self.depth if self.num_draft_limit is None else max(1, min(self.depth, self.num_draft_limit))
         for depth in range(1, steps):
             # feed the frontier nodes: they sit at position (L - 2) + depth
             nodes = [c + 1 for c in frontier]
@@ -302,19 +303,19 @@ class EagleDrafter(FeatureBuffer):
                     cand_hidden.append(h_out[0, f_row])
             base = len(cand_tokens) - len(frontier) * self.top_k
             frontier = [base + int(i) for i in best.indices]
-        # 3. rerank: keep the total_tokens best candidates (closed under ancestors)
+        # 3. rerank: keep the num_draft best candidates (closed under ancestors)
         parents = torch.tensor([-1] + cand_parent)
         scores = torch.tensor([0.0] + cand_score)
-        budget = self._confidence_budget(cand_score, started, device) if self.confidence_rule else self.total_tokens
-        if self.node_limit is not None:
-            budget = min(budget, self.node_limit)
+        num_draft = self._confidence_num_draft(cand_score, started, device) if self.confidence_rule else self.num_draft
+        if self.num_draft_limit is not None:
+            num_draft = min(num_draft, self.num_draft_limit)
         # best first: a cut to the first n nodes keeps the n likeliest (the load policy's cut)
-        keep = best_first(parents, scores, select_top_nodes(parents, scores, budget))
+        keep = best_first(parents, scores, select_top_nodes(parents, scores, num_draft))
         tree = DraftTree(torch.tensor([[int(root[0, 0])] + cand_tokens], device=device), parents.to(device))
         return tree.subtree(keep.to(device))
 
-    def _confidence_budget(self, cand_score: list[float], started: float, device: torch.device) -> int:
-        """Nodes to keep this round (module cost.py): candidates' path probabilities, scaled by how
+    def _confidence_num_draft(self, cand_score: list[float], started: float, device: torch.device) -> int:
+        """Draft nodes to keep this round (module cost.py): candidates' path probabilities, scaled by how
         the draft's confidence has compared with acceptance so far, against the measured cost."""
         # the .tolist() reads above already waited for the draft steps; the explicit sync keeps the
         # timing right on CUDA should they ever go (a no-op on CPU)
@@ -332,18 +333,17 @@ class EagleDrafter(FeatureBuffer):
 _DECAY = 0.98  # per round, for the calibration sums of auto tree sizing (~50 rounds of memory)
 
 DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter settings measured best for this head
+# num_draft: draft nodes per round (`--num-draft`); lookup_nodes: the merged prompt lookup's own
 _DRAFTING_KEYS = {
-    "medusa": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
-    "hydra": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
-    "eagle": {"total_tokens", "depth", "top_k", "lookup_nodes", "lookup_streak"},
-    "peagle": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
-    "dflash": {"choices", "num_nodes", "lookup_nodes", "lookup_streak"},
+    "medusa": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
+    "hydra": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
+    "eagle": {"num_draft", "depth", "top_k", "lookup_nodes", "lookup_streak"},
+    "peagle": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
+    "dflash": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
 }
-
-
-def draft_size_option(family: str) -> str:
-    """The drafter option that sets the draft nodes per round (`--num-draft`) for a family."""
-    return "total_tokens" if "total_tokens" in _DRAFTING_KEYS[family] else "num_nodes"
+# num_draft's key before the draft size had one name (EAGLE's total_tokens, the others' num_nodes):
+# drafting.json files that hold it are read with a warning (`renamed_drafting_keys`)
+_OLD_NUM_DRAFT_KEY = {"eagle": "total_tokens"}  # every other family: "num_nodes"
 
 
 def check_drafting_keys(keys, family: str, where: str) -> None:
@@ -362,5 +362,18 @@ def drafting_defaults(path: Path, family: str) -> dict:
         settings = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
+    settings = renamed_drafting_keys(settings, family, str(file))
     check_drafting_keys(settings, family, str(file))
+    return settings
+
+
+def renamed_drafting_keys(settings: dict, family: str, where: str) -> dict:
+    """`settings` with the family's old name for num_draft (_OLD_NUM_DRAFT_KEY) renamed, with a
+    warning naming `where`; the old key beside num_draft is an error."""
+    settings, old = dict(settings), _OLD_NUM_DRAFT_KEY.get(family, "num_nodes")
+    if old in settings:
+        if "num_draft" in settings:
+            raise ValueError(f"{where}: both {old!r} and 'num_draft'; {old!r} is the old name of 'num_draft'")
+        warnings.warn(f"{where}: {old!r} is now 'num_draft'; read as 'num_draft' (rename it to silence this)", stacklevel=3)
+        settings["num_draft"] = settings.pop(old)
     return settings

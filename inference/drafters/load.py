@@ -7,9 +7,9 @@ from pathlib import Path
 from ...heads.formats import detect_layout, import_head
 from ...heads.config import drafter_family
 from ...heads.registry import load_head
-from ..cost import measure_verify_cost
-from ..target_linears import dispatch_linears
-from .heads import EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, drafting_defaults
+from ..engine.cost import measure_verify_cost
+from ..kernels.target_linears import dispatch_linears
+from .heads import EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, drafting_defaults, renamed_drafting_keys
 from .merged import MergedDrafter
 from .parallel import DFlashDrafter, ParallelDrafter
 from .prompt_lookup import PromptLookupDrafter
@@ -26,7 +26,7 @@ def head_drafter(head, **settings):
 def chain_settings(kind: str, k: int) -> dict:
     """Drafter settings for a chain of k top-1 drafts, in the terms of `kind`'s drafter family."""
     if drafter_family(kind) == "eagle":
-        return {"total_tokens": k, "depth": k, "top_k": 1}
+        return {"num_draft": k, "depth": k, "top_k": 1}
     return {"choices": [[0] * d for d in range(1, k + 1)]}
 
 
@@ -45,19 +45,20 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     else:  # a published layout (vLLM, speculators, upstream EAGLE/Medusa...), read exactly or refused
         head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
-    dispatch_linears(head)  # draft steps multiply a few rows by every head weight (inference/target_linears.py)
+    dispatch_linears(head)  # draft steps multiply a few rows by every head weight (inference/kernels/target_linears.py)
     family = drafter_family(head.kind)
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
+    given = renamed_drafting_keys(given, family, f"{head.kind} drafter options")
     check_drafting_keys(given, family, f"{head.kind} drafter options")
     settings = {**drafting_defaults(Path(path), family), **given}
     lookup_nodes = settings.pop("lookup_nodes", 0)
     lookup_streak = settings.pop("lookup_streak", None)
-    if family == "eagle" and settings.get("total_tokens") == "confidence":
+    if family == "eagle" and settings.get("num_draft") == "confidence":
         # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
         settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
     drafter = head_drafter(head, **settings)
     if lookup_nodes > 0:
-        lookup = PromptLookupDrafter(num_draft=lookup_nodes, max_nodes=lookup_nodes, streak_draft=lookup_streak)
+        lookup = PromptLookupDrafter(length=lookup_nodes, num_draft=lookup_nodes, streak_draft=lookup_streak)
         # the lookup drafter caps its own tree (lookup_nodes, or lookup_streak on a streak)
         drafter = MergedDrafter([drafter, lookup], extra_nodes=None)
     return drafter, target

@@ -8,30 +8,30 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter import RoundStats, TargetFeatures, fork_drafter
-from ..tree import DraftTree, node_depths
+from ..engine.drafter import RoundStats, TargetFeatures, fork_drafter
+from ..engine.tree import DraftTree, node_depths
 
 
-def merge_trees(trees: list[DraftTree], budgets: list[int | None]) -> tuple[DraftTree, list[list[int]]]:
+def merge_trees(trees: list[DraftTree], extra_nodes: list[int | None]) -> tuple[DraftTree, list[list[int]]]:
     """Union of trees sharing a root token, as a trie in topological order.
 
-    budgets[i]: at most that many nodes *new to the merged tree* come from tree i (None: all),
+    extra_nodes[i]: at most that many nodes *new to the merged tree* come from tree i (None: all),
     taken shallowest first. An unbudgeted tree's nodes keep their own order (an EAGLE tree's is
-    best first, which the load policy's cut relies on: inference/policy.py). Trees follow one
+    best first, which the load policy's cut relies on: inference/engine/policy.py). Trees follow one
     another. Returns the merged tree and, per input tree, the merged index of each of its nodes
-    (-1 where a node was left out by its budget).
+    (-1 where a node was left out by its extra_nodes).
     """
     root = int(trees[0].tokens[0, 0])
     tokens, parents = [root], [-1]
     child: dict[tuple[int, int], int] = {}
     maps: list[list[int]] = []
-    for tree, budget in zip(trees, budgets):
+    for tree, extra in zip(trees, extra_nodes):
         if tree.draft_probs is not None:
             raise ValueError("sampled trees (with draft_probs) cannot be merged")
         if int(tree.tokens[0, 0]) != root:
             raise ValueError("trees to merge must share the root token")
         t, p = tree.tokens[0].tolist(), tree.parents.tolist()
-        if budget is None:
+        if extra is None:
             order = list(range(1, len(t)))  # topological: a node's parent is mapped before it
         else:
             depth = node_depths(tree.parents).tolist()
@@ -44,7 +44,7 @@ def merge_trees(trees: list[DraftTree], budgets: list[int | None]) -> tuple[Draf
                 continue
             key = (parent, t[i])
             if key not in child:
-                if budget is not None and added >= budget:
+                if extra is not None and added >= extra:
                     continue
                 child[key] = len(tokens)
                 tokens.append(t[i])
@@ -73,11 +73,11 @@ class MergedDrafter:
         self.needs_last_hidden = any(d.needs_last_hidden for d in drafters)
         self.maps: list[list[int]] = []
 
-    def limit(self, nodes: int | None) -> None:
-        """The load policy's node limit goes to the primary drafter (the later ones add few nodes)."""
+    def limit(self, num_draft: int | None) -> None:
+        """The load policy's num_draft goes to the primary drafter (the later ones add few nodes)."""
         limit = getattr(self.drafters[0], "limit", None)
         if limit is not None:
-            limit(nodes)
+            limit(num_draft)
 
     def fork(self) -> "MergedDrafter":
         return MergedDrafter([fork_drafter(d) for d in self.drafters], self.extra_nodes)
@@ -102,8 +102,8 @@ class MergedDrafter:
 
     def propose(self) -> DraftTree:
         trees = [d.propose() for d in self.drafters]
-        budgets = [None] + [self.extra_nodes] * (len(trees) - 1)
-        merged, self.maps = merge_trees(trees, budgets)
+        extra_nodes = [None] + [self.extra_nodes] * (len(trees) - 1)
+        merged, self.maps = merge_trees(trees, extra_nodes)
         return merged
 
     def commit(self, tokens, features, pending, stats: RoundStats) -> None:
@@ -118,5 +118,5 @@ class MergedDrafter:
                 if node not in back:
                     break
                 own_path.append(back[node])
-            own = RoundStats(stats.num_drafted, stats.num_accepted, stats.depth, stats.accepted_depths, own_path)
+            own = RoundStats(stats.num_draft, stats.num_accepted, stats.depth, stats.accepted_depths, own_path)
             d.commit(tokens, self._features_for(d, features), pending, own)

@@ -20,8 +20,8 @@ from typing import Sequence
 
 import torch
 
-from ..drafter import TargetFeatures
-from ..tree import DraftTree, chain_choices
+from ..engine.drafter import TargetFeatures
+from ..engine.tree import DraftTree, chain_choices
 from .heads import EagleDrafter, FeatureBuffer, draft_ids_of, static_tree_drafts, static_tree_shape
 
 
@@ -29,27 +29,27 @@ class StaticTreeMixin:
     """Shared by the parallel drafters: the static tree of per-depth candidates, and the load
     policy's node limit (`limit`)."""
 
-    def _init_tree(self, choices, num_nodes, depth: int, what: str) -> None:
-        if choices is None and num_nodes is None:
+    def _init_tree(self, choices, num_draft, depth: int, what: str) -> None:
+        if choices is None and num_draft is None:
             choices = chain_choices(depth)
-        self.shape = static_tree_shape(choices, num_nodes, depth, what)
-        self.node_limit: int | None = None
+        self.shape = static_tree_shape(choices, num_draft, depth, what)
+        self.num_draft_limit: int | None = None  # the load policy's num_draft for the next round
 
-    def limit(self, nodes: int | None) -> None:
-        """Draft at most `nodes` nodes next round (None: the whole static tree)."""
-        self.node_limit = nodes
+    def limit(self, num_draft: int | None) -> None:
+        """Draft at most `num_draft` nodes next round (None: the whole static tree)."""
+        self.num_draft_limit = num_draft
 
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} parallel", "nodes": int(self.shape.parents.shape[0]) - 1,
+        return {"kind": f"{self.head.kind} parallel", "num_draft": int(self.shape.parents.shape[0]) - 1,
                 "depth": self.shape.depth}
 
     def _tree(self, root: torch.Tensor, logits: torch.Tensor) -> DraftTree:
         """root [1, 1] and per-depth logits [1, K, V'] (V' draft ids, mapped by `_to_target`)."""
         drafts = self._to_target(static_tree_drafts(self.shape, logits))  # [1, N - 1]
         tree = DraftTree(torch.cat([root, drafts], dim=1), self.shape.parents.to(root.device))
-        if self.node_limit is not None and self.node_limit < tree.num_nodes - 1:
+        if self.num_draft_limit is not None and self.num_draft_limit < tree.num_draft:
             # nodes are ordered by depth, so the first ones are closed under their parents
-            tree = tree.subtree(torch.arange(self.node_limit + 1, device=root.device))
+            tree = tree.subtree(torch.arange(self.num_draft_limit + 1, device=root.device))
         return tree
 
 
@@ -60,13 +60,13 @@ def root_only(root: torch.Tensor) -> DraftTree:
 
 class ParallelDrafter(StaticTreeMixin, EagleDrafter):
     """P-EAGLE's drafter (module docstring). choices: per-depth rank paths (tree_from_choices),
-    at most `head.parallel_depth` deep; else num_nodes: the best static tree of that many nodes
+    at most `head.parallel_depth` deep; else num_draft: the best static tree of that many draft nodes
     under a prior of per-depth accuracies (Medusa's search); neither: the top-1 chain."""
 
-    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_nodes: int | None = None):
+    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int | None = None):
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
-        self._init_tree(choices, num_nodes, head.parallel_depth, f"the head's parallel_depth {head.parallel_depth}")
+        self._init_tree(choices, num_draft, head.parallel_depth, f"the head's parallel_depth {head.parallel_depth}")
         self.confidence_rule = False  # EagleDrafter.commit's confidence-rule bookkeeping is off
         self.draft_ids = draft_ids_of(head)
 
@@ -80,16 +80,16 @@ class ParallelDrafter(StaticTreeMixin, EagleDrafter):
 
 
 class DFlashDrafter(StaticTreeMixin, FeatureBuffer):
-    """DFlash's drafter (module docstring). choices / num_nodes as ParallelDrafter's, at most
+    """DFlash's drafter (module docstring). choices / num_draft as ParallelDrafter's, at most
     `block_size - 1` deep."""
 
     needs_last_hidden = False
 
-    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_nodes: int | None = None):
+    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int | None = None):
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
         depth = head.block_size - 1
-        self._init_tree(choices, num_nodes, depth, f"the {depth} tokens a block of {head.block_size} drafts")
+        self._init_tree(choices, num_draft, depth, f"the {depth} tokens a block of {head.block_size} drafts")
 
     @staticmethod
     def _to_target(ids: torch.Tensor) -> torch.Tensor:

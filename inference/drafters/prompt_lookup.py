@@ -9,39 +9,39 @@ Two additions for text that copies itself (small models loop; lists and code rep
     match is what followed it, the text after *that* is the same again (period = the distance
     from the match to the end);
   * streaks: after a round that accepted a whole continuation, the next round drafts a longer
-    one (`streak_draft`), since copying tends to go on; the first miss returns to `num_draft`.
+    one (`streak_draft`), since copying tends to go on; the first miss returns to `length`.
 """
 from __future__ import annotations
 
 import torch
 
-from ..drafter import DrafterBase
-from ..tree import DraftTree
+from ..engine.drafter import DrafterBase
+from ..engine.tree import DraftTree
 
 
-def periodic_continuation(history: list[int], start: int, num_draft: int) -> list[int]:
-    """Up to num_draft tokens that follow history[:start], extended past the end of `history`
+def periodic_continuation(history: list[int], start: int, length: int) -> list[int]:
+    """Up to `length` tokens that follow history[:start], extended past the end of `history`
     as a repetition of history[start:] (the text since the match repeats itself)."""
-    cont = history[start:start + num_draft]
+    cont = history[start:start + length]
     period = len(history) - start
-    while 0 < len(cont) < num_draft and period > 0:
+    while 0 < len(cont) < length and period > 0:
         cont.append(cont[len(cont) - period])
     return cont
 
 
-def find_continuations(history: list[int], max_ngram: int, min_ngram: int, num_draft: int, max_matches: int) -> list[list[int]]:
+def find_continuations(history: list[int], max_ngram: int, min_ngram: int, length: int, max_matches: int) -> list[list[int]]:
     """Continuations that followed earlier occurrences of the longest suffix n-gram of `history`
     (n from max_ngram down to min_ngram), most recent match first, at most `max_matches`, each
-    `num_draft` tokens long (see `periodic_continuation`)."""
-    length = len(history)
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = history[length - n:]
+    `length` tokens long (see `periodic_continuation`)."""
+    end = len(history)
+    for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
+        suffix = history[end - n:]
         found: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
-        # scan right to left: recent text predicts best; the suffix itself sits at length - n
-        for start in range(length - n - 1, -1, -1):
+        # scan right to left: recent text predicts best; the suffix itself sits at end - n
+        for start in range(end - n - 1, -1, -1):
             if history[start:start + n] == suffix:
-                cont = periodic_continuation(history, start + n, num_draft)
+                cont = periodic_continuation(history, start + n, length)
                 key = tuple(cont)
                 if cont and key not in seen:
                     seen.add(key)
@@ -53,16 +53,16 @@ def find_continuations(history: list[int], max_ngram: int, min_ngram: int, num_d
     return []
 
 
-def trie_tree(root: int, branches: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
-    """Merge token sequences into a trie under `root`, breadth-first, at most max_nodes drafts.
+def trie_tree(root: int, branches: list[list[int]], num_draft: int) -> tuple[list[int], list[int]]:
+    """Merge token sequences into a trie under `root`, breadth-first, at most num_draft drafts.
     Returns (tokens, parents) with node 0 = root, in topological (BFS) order."""
     tokens, parents = [root], [-1]
     child_of: dict[tuple[int, int], int] = {}
     frontier = [(0, b) for b in branches]  # (node the branch hangs under, remaining tokens)
-    while frontier and len(tokens) - 1 < max_nodes:
+    while frontier and len(tokens) - 1 < num_draft:
         next_frontier = []
         for node, rest in frontier:
-            if not rest or len(tokens) - 1 >= max_nodes:
+            if not rest or len(tokens) - 1 >= num_draft:
                 continue
             key = (node, rest[0])
             if key not in child_of:
@@ -75,24 +75,25 @@ def trie_tree(root: int, branches: list[list[int]], max_nodes: int) -> tuple[lis
 
 
 class PromptLookupDrafter(DrafterBase):
-    def __init__(self, num_draft: int = 10, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
-                 max_nodes: int | None = None, streak_draft: int | None = None):
-        """num_draft: continuation length; max_nodes: nodes of the merged trie (default 2x).
-        streak_draft: after a round that accepted `num_draft` or more of this drafter's tokens,
-        draft one continuation (the most recent match) this long (None or <= num_draft: off)."""
+    def __init__(self, length: int = 10, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
+                 num_draft: int | None = None, streak_draft: int | None = None):
+        """length: tokens per continuation; num_draft: draft nodes per round, the merged trie's size
+        (default 2 * length). streak_draft: after a round that accepted `length` or more of this
+        drafter's tokens, draft one continuation (the most recent match) this long (None or
+        <= length: off)."""
         super().__init__()
-        if num_draft < 1 or min_ngram < 1 or max_ngram < min_ngram:
-            raise ValueError("need num_draft >= 1 and 1 <= min_ngram <= max_ngram")
-        self.num_draft = num_draft
+        if length < 1 or min_ngram < 1 or max_ngram < min_ngram:
+            raise ValueError("need length >= 1 and 1 <= min_ngram <= max_ngram")
+        self.length = length
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.max_matches = max_matches
-        self.max_nodes = max_nodes or num_draft * 2
-        self.streak_draft = streak_draft if streak_draft and streak_draft > num_draft else None
+        self.num_draft = num_draft or length * 2
+        self.streak_draft = streak_draft if streak_draft and streak_draft > length else None
         self.on_streak = False
 
     def describe(self) -> dict:
-        return {"kind": "prompt-lookup", "num_draft": self.num_draft, "max_nodes": self.max_nodes,
+        return {"kind": "prompt-lookup", "length": self.length, "num_draft": self.num_draft,
                 "max_ngram": self.max_ngram, "min_ngram": self.min_ngram, "max_matches": self.max_matches,
                 "streak_draft": self.streak_draft}
 
@@ -102,14 +103,14 @@ class PromptLookupDrafter(DrafterBase):
 
     def commit(self, tokens, features, pending, stats) -> None:
         super().commit(tokens, features, pending, stats)
-        self.on_streak = self.streak_draft is not None and stats.accepted_on_path >= self.num_draft
+        self.on_streak = self.streak_draft is not None and stats.accepted_on_path >= self.length
 
     def propose(self) -> DraftTree:
         history = self.history[0].tolist()
         # on a streak: one continuation (the most recent match), streak_draft long
-        length, matches, cap = ((self.streak_draft, 1, self.streak_draft) if self.on_streak
-                                else (self.num_draft, self.max_matches, self.max_nodes))
+        length, matches, num_draft = ((self.streak_draft, 1, self.streak_draft) if self.on_streak
+                                      else (self.length, self.max_matches, self.num_draft))
         branches = find_continuations(history, self.max_ngram, self.min_ngram, length, matches)
-        tokens, parents = trie_tree(history[-1], branches, cap)
+        tokens, parents = trie_tree(history[-1], branches, num_draft)
         device = self.history.device
         return DraftTree(torch.tensor([tokens], device=device), torch.tensor(parents, device=device))

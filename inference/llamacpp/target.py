@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..policy import cut_tree
-from ..tree import DraftTree
-from ..verify import Verification
+from ..engine.policy import cut_tree
+from ..engine.tree import DraftTree
+from ..engine.verify import Verification
 from . import lib as _lib
 from .sequences import depths_of, leaf_sets, nodes_within
 
@@ -82,7 +82,7 @@ class LlamaCppTarget:
         with contextlib.suppress(Exception):
             self.close()
 
-    # -- the engine's side (inference/generate.py) ------------------------------------------------
+    # -- the engine's side (inference/engine/generate.py) -----------------------------------------
 
     def engine_context(self, enabled: bool):
         return contextlib.nullcontext()
@@ -208,8 +208,8 @@ class LlamaCppTarget:
         import statistics
         import time
 
-        from ..cost import CostCurve
-        from ..tree import chain_parents
+        from ..engine.cost import CostCurve
+        from ..engine.tree import chain_parents
 
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, self.vocab_size, (context + 1,), generator=generator)

@@ -10,7 +10,7 @@ Steps, all with llama.cpp's own tools (scripts/interop/setup_llamacpp.sh builds 
      config.json gets the top-level key from a nested `eagle_config` one when only that exists
      (reported under "config_patch"); the ids written to the GGUF are read back and checked;
   3. for each of the first N MT-bench first turns, rendered with the target tokenizer's chat template
-     exactly as inference/prompts.py `encode_chat` does, run greedy plain decoding (llama-completion)
+     exactly as inference/bench/prompts.py `encode_chat` does, run greedy plain decoding (llama-completion)
      and greedy speculative decoding with the EAGLE-3 draft, a chain of K (llama-speculative-simple
      --spec-type draft-eagle3 --spec-draft-n-max K --spec-draft-p-min 0), and compare the texts.
 
@@ -152,7 +152,7 @@ def load_prompts(n: int, target: Path) -> list[dict]:
                 continue
             q = json.loads(line)
             msgs = [{"role": "user", "content": q["turns"][0]}]
-            # inference/prompts.py encode_chat: template text, then tokenized without extra specials
+            # inference/bench/prompts.py encode_chat: template text, then tokenized without extra specials
             text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
             ids = tok(text, add_special_tokens=False).input_ids
             out.append({"id": q["question_id"], "category": q["category"], "text": text, "hf_ids": ids})

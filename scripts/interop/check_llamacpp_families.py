@@ -115,7 +115,7 @@ def build_head(family: str, work: Path):
     """(target dir, head dir, target model): the tiny target saved with its tokenizer, and a seeded
     random EAGLE-3 head on it saved in our format."""
     from drafthead.heads import build_head as build, make_config
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
     from tests.conftest import save_tiny_target
 
     target_dir = save_tiny_target(work / "target", family, layers=N_LAYERS)

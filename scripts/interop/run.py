@@ -104,7 +104,7 @@ def setup(consumer: str) -> None:
 @functools.lru_cache(maxsize=1)
 def smollm2():
     """SmolLM2-135M in float32, loaded once for the whole run (every check reads the same target)."""
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
 
     return load_target("smollm2-135m")
 
@@ -635,8 +635,8 @@ def check_dflash(args) -> list[Row]:
     untrained one) and generates with it on SmolLM2; its output and acceptance per verify are
     compared with our engine's chain drafting of the same head on the same prompts."""
     from drafthead.inference.drafters.parallel import DFlashDrafter
-    from drafthead.inference.generate import GenerationConfig, speculative_generate
-    from drafthead.inference.prompts import encode_chat, load_prompts
+    from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+    from drafthead.inference.bench.prompts import encode_chat, load_prompts
 
     rows, t = [], smollm2()
     head_dir = Path(args.dflash_head) if args.dflash_head else smollm2_untrained(

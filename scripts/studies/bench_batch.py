@@ -22,7 +22,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--round-weights", default=None, choices=("bfloat16",),
-                        help="the target's weights rounded to bf16 values (inference/targets.py round_to_bfloat16)")
+                        help="the target's weights rounded to bf16 values (inference/engine/targets.py round_to_bfloat16)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--identity", action="store_true", help="also compare every row with its batch-1 plain output")
     parser.add_argument("--methods", default="fixed tree,policy", help="which of: fixed tree, policy")
@@ -31,13 +31,13 @@ def main() -> int:
 
     from drafthead.commands import POLICY_TOKEN_COUNTS
     from drafthead.drafters import default_head_path, load_heads
-    from drafthead.inference.batch_bench import format_batch_table, run_batch_bench
-    from drafthead.inference.bench import BenchSettings
-    from drafthead.inference.cost import measure_verify_cost
-    from drafthead.inference.drafter import fork_drafter
-    from drafthead.inference.policy import SpeculationPolicy
-    from drafthead.inference.prompts import load_prompts
-    from drafthead.inference.targets import eos_token_ids, load_target
+    from drafthead.inference.bench.batch import format_batch_table, run_batch_bench
+    from drafthead.inference.bench.run import BenchSettings
+    from drafthead.inference.engine.cost import measure_verify_cost
+    from drafthead.inference.engine.drafter import fork_drafter
+    from drafthead.inference.engine.policy import SpeculationPolicy
+    from drafthead.inference.bench.prompts import load_prompts
+    from drafthead.inference.engine.targets import eos_token_ids, load_target
 
     loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads, round_weights=args.round_weights)
     drafter, model = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)

@@ -3,8 +3,8 @@
     .venv/bin/python scripts/studies/bench_linears.py --rows 1,4,16,32 --threads 2
 
 For each SmolLM2-135M shape (576 -> 1536, 1536 -> 576, 576 -> 576 and the LM head 576 -> 49152):
-F.linear (MKL in fp32), the oneDNN-packed weight (inference/kernels.py), and our panel kernel
-(inference/panel_kernel.py) with fp32 panels and with bf16 panels (a weight whose values are all
+F.linear (MKL in fp32), the oneDNN-packed weight (inference/kernels/packed.py), and our panel kernel
+(inference/kernels/panel_kernel.py) with fp32 panels and with bf16 panels (a weight whose values are all
 bf16). Each kernel runs over `--layers` distinct weights in turn (one for the LM head), so the
 weights stream from memory as in a forward rather than sitting in cache; best of `--repeats`
 passes, in microseconds per call, kernels interleaved. Prints a Markdown table
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drafthead.inference import panel_kernel
-from drafthead.inference.machine import cpu_model
-from drafthead.inference.kernels import pack_linear
+from drafthead.inference.kernels import panel_kernel
+from drafthead.inference.kernels.machine import cpu_model
+from drafthead.inference.kernels.packed import pack_linear
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576), (576, 49152))  # (in, out)
 

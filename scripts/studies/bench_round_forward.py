@@ -13,7 +13,7 @@ One verification round as the engine runs it (forward_trees over a chain of N no
     compiled-F.linear  the same with nn.Linear (inductor's own matmuls)
 
 `DRAFTHEAD_PANEL_KERNEL=0` in the environment leaves our panel kernel out of the dispatched
-linears (inference/panel_kernel.py), to time the engine without it.
+linears (inference/kernels/panel_kernel.py), to time the engine without it.
 
 Settings are interleaved repeat by repeat, so drift on a shared machine hits all alike; the
 median per (setting, N) is reported, with the compile seconds of the first calls. Prints a
@@ -31,11 +31,11 @@ from pathlib import Path
 import torch
 
 from drafthead import load_target
-from drafthead.inference.cache import cache_kwargs, crop, new_cache
-from drafthead.inference.compiled import StaticDecoding
-from drafthead.inference.target_linears import engine_linears
-from drafthead.inference.tree import DraftTree, chain_parents, pad_trees
-from drafthead.inference.verify import forward_trees
+from drafthead.inference.engine.cache import cache_kwargs, crop, new_cache
+from drafthead.inference.engine.compiled import StaticDecoding
+from drafthead.inference.kernels.target_linears import engine_linears
+from drafthead.inference.engine.tree import DraftTree, chain_parents, pad_trees
+from drafthead.inference.engine.verify import forward_trees
 
 SETTINGS = {  # name: (static cache, torch.compile backend, dispatched linears)
     "dynamic": (False, None, True),
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--round-weights", default=None, choices=("bfloat16",),
-                   help="the target's weights rounded to bf16 values (inference/targets.py round_to_bfloat16)")
+                   help="the target's weights rounded to bf16 values (inference/engine/targets.py round_to_bfloat16)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=256, help="cached tokens before the round")
     p.add_argument("--nodes", default="1,8,17,32")

@@ -23,7 +23,7 @@ def main(argv=None) -> int:
     from drafthead.drafters import default_head_path
     from drafthead.heads.identity import eos_token_ids
     from drafthead.heads.registry import load_head
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.engine.targets import load_target
     from drafthead.train.config import load_config
     from drafthead.train.replay_eval import ReplayEval
     from drafthead.train.run import token_samples

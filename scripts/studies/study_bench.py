@@ -7,7 +7,7 @@ of every prompt at 256 tokens would cost about 30 minutes a kind here, nearly al
 forwards, which are the same for every head: greedy speculative output is the target's greedy
 output. So this script decodes each prompt plainly once (our engine, batched, float32: the
 output a batch-1 run gives, docs/cli.md "Batches"), runs the target once over each prompt +
-continuation for its features, and replays every head's rounds on it (inference/replay.py): the
+continuation for its features, and replays every head's rounds on it (inference/bench/replay.py): the
 accepted lengths the engine's rounds would give, without their target forwards.
 
 `--shipped` adds the shipped EAGLE-3 head drafting the same chain (no tree, no lookup nodes):
@@ -31,10 +31,10 @@ SHIPPED = "shipped EAGLE-3 (2.2 h)"
 
 
 def cached_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, path: Path) -> list[list[int]]:
-    """Each prompt's greedy continuation by our engine with no drafting (inference/replay.py
+    """Each prompt's greedy continuation by our engine with no drafting (inference/bench/replay.py
     greedy_continuations); cached in `path`, which records the settings it was made with."""
-    from drafthead.inference.replay import greedy_continuations
-    from drafthead.inference.targets import eos_token_ids
+    from drafthead.inference.bench.replay import greedy_continuations
+    from drafthead.inference.engine.targets import eos_token_ids
 
     key = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(loaded.model.dtype)}
     if path.is_file():
@@ -62,10 +62,10 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     from drafthead.drafters import default_head_path, load_heads
-    from drafthead.inference.bench import per_position_acceptance, tau_of
-    from drafthead.inference.prompts import encode_chat, load_prompts
-    from drafthead.inference.replay import kept_hidden_states, replay_greedy
-    from drafthead.inference.targets import load_target
+    from drafthead.inference.bench.run import per_position_acceptance, tau_of
+    from drafthead.inference.bench.prompts import encode_chat, load_prompts
+    from drafthead.inference.bench.replay import kept_hidden_states, replay_greedy
+    from drafthead.inference.engine.targets import load_target
 
     work = Path(args.work)
     heads = {kind: work / kind / "final" for kind in args.kinds.split(",") if kind}
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     drafters = {}
     if args.shipped:
         drafters[SHIPPED], _ = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer,
-                                          total_tokens=args.chain, depth=args.chain, top_k=1, lookup_nodes=0,
+                                          num_draft=args.chain, depth=args.chain, top_k=1, lookup_nodes=0,
                                           lookup_streak=0)
     for kind, path in heads.items():
         drafter, target = load_heads(path, loaded.model, loaded.tokenizer)

@@ -5,8 +5,8 @@ target, and which CPU kernel does that fastest depends on the shape, the row cou
 the CPU. Three compete:
 
     plain    F.linear (MKL for fp32)
-    packed   a oneDNN-packed copy of the weight (inference/kernels.py)
-    panel    our own kernel over column panels of the weight (inference/panel_kernel.py), which
+    packed   a oneDNN-packed copy of the weight (inference/kernels/packed.py)
+    panel    our own kernel over column panels of the weight (inference/kernels/panel_kernel.py), which
              reads a weight whose values are all bf16 as bf16: half the bytes of fp32
 
 Measured on the 2-core dev machine's AMD EPYC (AVX2, no AVX-512; docs/cpu-measurements.md "Panel
@@ -31,7 +31,7 @@ training and saving see the unmodified model. The packed and panel copies are ke
 bf16 panels) and rebuilt when a weight changes; copies that win at no row count are dropped, and
 a target whose copies would take over a quarter of physical memory is left alone.
 
-Compiled forwards (inference/compiled.py): dynamo cannot trace an opaque packed weight, so a
+Compiled forwards (inference/engine/compiled.py): dynamo cannot trace an opaque packed weight, so a
 dispatching layer appears in a compiled graph as one custom op (`drafthead::row_dispatch_linear`)
 that makes the same choice at run time, and inductor fuses the elementwise work around it.
 
@@ -58,9 +58,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..heads.io import atomic_write, cache_root
+from ...heads.io import atomic_write, cache_root
 from . import panel_kernel
-from .kernels import pack_linear
+from .packed import pack_linear
 from .machine import cpu_model
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -26,13 +26,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import panel_kernel
-from .machine import cpu_model
-from .cost import sync_device
-from .drafter import RootOnlyDrafter
-from .generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
+from ..kernels import panel_kernel
+from ..kernels.machine import cpu_model
+from ..engine.cost import sync_device
+from ..engine.drafter import RootOnlyDrafter
+from ..engine.generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
 from .prompts import Prompt, encode_chat
-from .sampling import SamplingConfig
+from ..engine.sampling import SamplingConfig
 
 
 @dataclass
@@ -283,14 +283,14 @@ def run_bench(
     eos = tuple(settings.eos_token_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
 
-    def budget(ids) -> int:
-        # Both sides stop at the context limit: give HF the same budget the engine would reach.
+    def new_token_limit(ids) -> int:
+        # Both sides stop at the context limit: give HF the same limit the engine would reach.
         return settings.max_new_tokens if ctx is None else min(settings.max_new_tokens, ctx - ids.shape[1])
 
     sampled = not settings.sampling.greedy
     if settings.warmup_tokens > 0:  # first calls pay for allocations and lazy inits
         ids = encoded[0]
-        n = min(settings.warmup_tokens, budget(ids))
+        n = min(settings.warmup_tokens, new_token_limit(ids))
         _bench_prompt(target, tokenizer, drafter_factory, ids, n, settings.seed, settings, eos, pad, _MemoryPeaks(device))
 
     from tqdm.auto import tqdm
@@ -299,7 +299,7 @@ def run_bench(
     peaks = _MemoryPeaks(device)
     bar = tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", disable=not settings.progress)
     for i, (prompt, ids) in enumerate(bar):
-        record = _bench_prompt(target, tokenizer, drafter_factory, ids, budget(ids), settings.seed + i if sampled else None,
+        record = _bench_prompt(target, tokenizer, drafter_factory, ids, new_token_limit(ids), settings.seed + i if sampled else None,
                                settings, eos, pad, peaks)
         records.append({"id": prompt.id, "category": prompt.category, **record})
         running = summarize(records, settings)
@@ -480,7 +480,7 @@ def _settings_record(target, settings: BenchSettings, num_prompts: int) -> dict:
         "machine": platform.machine(),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
-        # our CPU kernel for the target's linears (inference/panel_kernel.py), or why it is off
+        # our CPU kernel for the target's linears (inference/kernels/panel_kernel.py), or why it is off
         "panel_kernel": "available" if panel_kernel.enabled() else panel_kernel.why_unavailable(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -1,12 +1,12 @@
 """Panel linears: our own CPU kernel for the target's linears at decode and verify row counts.
 
-The kernel (inference/csrc/panel_linear.cpp) stores a weight [N, K] as column panels
+The kernel (inference/kernels/csrc/panel_linear.cpp) stores a weight [N, K] as column panels
 [ceil(N/16), K, 16] and streams each panel once per call, in fp32 arithmetic; a bf16 weight is
 read as bf16, half the bytes of fp32. docs/cpu-measurements.md "Panel linears" has why and what it
 measured. It is compiled on first use with torch's C++ extension builder (a C++ compiler and
 ninja; ~30 s once, cached under ~/.cache/torch_extensions) and only on x86-64 CPUs with AVX2 and
 FMA. Where it cannot be built or loaded, `why_unavailable()` says why and the engine keeps the other
-kernels (inference/target_linears.py); nothing else changes. DRAFTHEAD_PANEL_KERNEL=0 keeps the
+kernels (inference/kernels/target_linears.py); nothing else changes. DRAFTHEAD_PANEL_KERNEL=0 keeps the
 engine off it (`enabled()`); `load()` still builds it, so its own tests run with the switch off too.
 """
 from __future__ import annotations

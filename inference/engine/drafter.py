@@ -13,7 +13,7 @@ verified tree. A drafter sees the same sequence:
 `features` are the target hidden states at `tokens` (only when the drafter asks for them through
 `feature_layers`), so heads such as Medusa/EAGLE never run the target themselves.
 
-Optional: `limit(nodes | None)`: the load policy (inference/policy.py) says how many draft nodes
+Optional: `limit(num_draft | None)`: the load policy (inference/engine/policy.py) says how many draft nodes
 the next tree needs, so a drafter that can stop early (EAGLE) drafts less; None lifts the limit.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class TargetFeatures:
 class RoundStats:
     """What one verification round did, for drafters that adapt (dynamic lookahead)."""
 
-    num_drafted: int  # draft nodes in the tree (root excluded)
+    num_draft: int  # draft nodes in the tree (root excluded): the round's num_draft
     num_accepted: int  # draft tokens accepted (the target's own token excluded)
     depth: int  # deepest node of the tree
     accepted_depths: list[int] = field(default_factory=list)  # depth of each accepted node

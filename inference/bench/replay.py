@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from .acceptance import greedy_accept
-from .drafter import RootOnlyDrafter
-from .drafter import RoundStats
-from .generate import GenerationConfig, generate_batch
-from .tree import node_depths
-from .verify import select_features
+from ..engine.acceptance import greedy_accept
+from ..engine.drafter import RootOnlyDrafter
+from ..engine.drafter import RoundStats
+from ..engine.generate import GenerationConfig, generate_batch
+from ..engine.tree import node_depths
+from ..engine.verify import select_features
 
 NO_TOKEN = -1  # the target's argmax past the end of the known continuation: matches no node
 
@@ -105,6 +105,6 @@ def replay_greedy(drafter, sequence: torch.Tensor, prompt_len: int, hidden_state
             depths = depth[path].tolist()
             drafter.commit(tree.tokens[:, path], None if hidden_states is None else features(kept),
                            torch.tensor([result.next_token], device=device),
-                           RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
+                           RoundStats(num_draft=tree.num_draft, num_accepted=len(result.path) - 1,
                                       depth=int(depth.max()), accepted_depths=depths[1:], path=list(result.path)))
             pos += len(result.path)

@@ -9,8 +9,8 @@ on the 2-core dev machine (AVX512-BF16), rows x in -> out:
     4 x 576 -> 1536   bfloat16  F.linear 102 us   packed  41 us   (output bit-identical)
     4 x 576 -> 8192   float32   F.linear 1996 us  packed 248 us   (output within 1e-5)
 
-On other CPUs the order changes (docs/cpu-measurements.md), so inference/target_linears.py
-measures this kernel against F.linear and our panel kernel (inference/panel_kernel.py) and keeps
+On other CPUs the order changes (docs/cpu-measurements.md), so inference/kernels/target_linears.py
+measures this kernel against F.linear and our panel kernel (inference/kernels/panel_kernel.py) and keeps
 the fastest per row count, for the target inside our engine's calls and for drafter heads.
 Packing is inference-only (a packed layer falls back to `F.linear` whenever autograd records),
 CPU-only, and checked on a probe input at pack time: a build or dtype where the packed kernel is

@@ -1,7 +1,7 @@
 """Speculation by load (`--num-draft auto`): how many draft nodes each row verifies this round,
 down to none (plain decoding), so that the batch emits the most tokens per second.
 
-A batch's trees are padded to one node count N (inference/tree.py `pad_trees`), so a round costs
+A batch's trees are padded to one node count N (inference/engine/tree.py `pad_trees`), so a round costs
 
     fixed + drafting + verify(B * N)        (B rows; drafting is skipped when N = 1)
 
@@ -13,7 +13,7 @@ picks one N for all rows, and every row keeps the first N - 1 nodes of its tree:
 G_b(n) is the expected number of draft tokens row b accepts when its tree is cut to its first n
 draft nodes. It is learned from the rounds themselves, for any drafter: a round's accepted path
 tells what a cut tree would have accepted (`accepted_within`), for every cut up to the tree's size.
-verify() is the target's measured forward cost at that many tokens (inference/cost.py). On a CPU
+verify() is the target's measured forward cost at that many tokens (inference/engine/cost.py). On a CPU
 verify rises with the token count from a few dozen tokens on, so a large batch gets small trees or
 none; where verify is flat (a GPU at small batch) the whole tree is kept.
 
@@ -119,9 +119,9 @@ class SpeculationPolicy:
     def probe_size(self, batch: int, largest: int) -> int:
         """Nodes per row a probe keeps (root included, at most `largest`): the most whose verify
         over the batch costs at most probe_ratio times a plain round's."""
-        budget = self.probe_ratio * self.verify_cost(batch)
+        allowed_seconds = self.probe_ratio * self.verify_cost(batch)
         n = 1
-        while n < largest and self.verify_cost(batch * (n + 1)) <= budget:
+        while n < largest and self.verify_cost(batch * (n + 1)) <= allowed_seconds:
             n += 1
         return max(2, n) if largest >= 2 else largest
 

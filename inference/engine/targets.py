@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError
 
-from ..heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
-from ..heads.io import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
-from ..heads.io import read_gguf
+from ...heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
+from ...heads.io import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
+from ...heads.io import read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def round_to_bfloat16(model: torch.nn.Module) -> torch.nn.Module:
     """Round every floating parameter to its nearest bf16 value, in place, keeping its
     dtype. A bf16 checkpoint loaded in fp32 is such a model already. Its fp32 forward is then
     exactly the bf16 weights' math in fp32, and our engine's panel kernel reads each weight as
-    bf16, half the bytes (inference/panel_kernel.py, docs/cpu-measurements.md "Panel linears").
+    bf16, half the bytes (inference/kernels/panel_kernel.py, docs/cpu-measurements.md "Panel linears").
     Buffers (rotary inverse frequencies) are left as computed."""
     for param in model.parameters():
         if param.is_floating_point():

@@ -48,13 +48,13 @@ class GenerationConfig:
     # LOSSY, opt-in: Medusa's typical acceptance instead of the exact rule (sampling only)
     typical: TypicalAcceptance | None = None
     # speculation by load (`--num-draft auto`): cuts every row's tree to the node count that pays
-    # at this batch size, down to plain decoding (inference/policy.py); None: verify whole trees
+    # at this batch size, down to plain decoding (inference/engine/policy.py); None: verify whole trees
     policy: SpeculationPolicy | None = None
     # the target's linears on the faster CPU kernel per row count while we decode
-    # (inference/target_linears.py); generate() and training never see the swap
+    # (inference/kernels/target_linears.py); generate() and training never see the swap
     engine_linears: bool = True
     # a static KV cache (fixed slot count, K/V written in place), and with `compile` (a
-    # torch.compile backend: "inductor") the target's round forward compiled (inference/compiled.py);
+    # torch.compile backend: "inductor") the target's round forward compiled (inference/engine/compiled.py);
     # the first generation pays the compile
     static_cache: bool = False
     compile: str | None = None
@@ -251,59 +251,74 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
                    streamer=None, on_tokens=None) -> BatchGenerationResult:
     """The decode loop over prompts [P_b] of any lengths; row 0 drafts with `drafter`, row b > 0
     with `fork_drafter(drafter)` (shared weights, its own state)."""
-    if not prompts:
-        raise ValueError("no prompts")
-    if any(p.numel() == 0 for p in prompts):
-        raise ValueError("empty prompt: nothing to condition on")
-    backend = target_backend(target, config.static_cache, config.compile)
     max_len = context_limit(target.config, config.max_length)
-    longest = max(p.numel() for p in prompts)
-    if max_len is not None and longest >= max_len:
-        raise PromptTooLong(f"prompt of {longest} tokens leaves no room in a context of {max_len}")
-    device = prompts[0].device
-    generator = None
-    if config.seed is not None:
-        generator = torch.Generator().manual_seed(config.seed)
-    rules = StopRules(tuple(config.eos_token_ids), tuple(config.stop_strings), config.max_new_tokens)
-    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-    want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-    vocab = target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config") else target.config.vocab_size
-    track_seen = config.sampling.repetition_penalty != 1.0
+    _check_prompts(prompts, max_len)
+    backend = target_backend(target, config.static_cache, config.compile)
     drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
 
     with torch.inference_mode(), backend.engine_context(config.engine_linears):
         start = time.perf_counter()
-        rows = _prefill(backend, prompts, drafters, config.max_new_tokens, vocab if track_seen else None)
+        rows = _prefill(backend, prompts, drafters, config.max_new_tokens, _seen_vocab(target, config))
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         prefill_seconds = time.perf_counter() - start
 
-        clock = _Clock(device, config.profile)
+        run = _decoding(backend, drafter, config, max_len, prompts[0].device, tokenizer, on_tokens, streamer)
         try:
-            run = _Decoding(backend, config, want_hidden, generator, rules, decode, on_tokens, streamer, clock, max_len,
-                            device)
             num_forwards = _decode(run, list(rows))
         finally:
-            if config.policy is not None:  # the policy's node limit is for its own rounds only
+            if config.policy is not None:  # the policy's num_draft is for its own rounds only
                 for d in drafters:
                     _limit(d, None)
         if streamer is not None:
             streamer.end()
+    return _batch_result(rows, run, num_forwards, prefill_seconds)
 
+
+def _check_prompts(prompts: list[torch.Tensor], max_len: int | None) -> None:
+    if not prompts:
+        raise ValueError("no prompts")
+    if any(p.numel() == 0 for p in prompts):
+        raise ValueError("empty prompt: nothing to condition on")
+    longest = max(p.numel() for p in prompts)
+    if max_len is not None and longest >= max_len:
+        raise PromptTooLong(f"prompt of {longest} tokens leaves no room in a context of {max_len}")
+
+
+def _seen_vocab(target, config: GenerationConfig) -> int | None:
+    """The vocabulary over which rows track the tokens they have seen, for a repetition penalty (None: none)."""
+    if config.sampling.repetition_penalty == 1.0:
+        return None
+    return target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config") else target.config.vocab_size
+
+
+def _decoding(backend, drafter, config: GenerationConfig, max_len: int | None, device: torch.device, tokenizer,
+              on_tokens, streamer) -> _Decoding:
+    """What every round reads; its clock starts now, when the rounds do."""
+    generator = None if config.seed is None else torch.Generator().manual_seed(config.seed)
+    rules = StopRules(tuple(config.eos_token_ids), tuple(config.stop_strings), config.max_new_tokens)
+    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
+    return _Decoding(backend, config, want_hidden, generator, rules, decode, on_tokens, streamer,
+                     _Clock(device, config.profile), max_len, device)
+
+
+def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_seconds: float) -> BatchGenerationResult:
+    lossy = run.config.lossy
     return BatchGenerationResult(
         rows=[
             GenerationResult(
-                new_tokens=torch.tensor([row.emitted], dtype=torch.long, device=device),
-                accepted_lengths=row.accepted_lengths, finish_reason=row.finish or "length", lossy=config.lossy,
+                new_tokens=torch.tensor([row.emitted], dtype=torch.long, device=run.device),
+                accepted_lengths=row.accepted_lengths, finish_reason=row.finish or "length", lossy=lossy,
                 drafted=row.drafted,
             )
             for row in rows
         ],
         num_forwards=num_forwards,
-        timings=dict(clock.totals),
+        timings=dict(run.clock.totals),
         prefill_seconds=prefill_seconds,
-        decode_seconds=sum(clock.totals.values()),
-        lossy=config.lossy,
+        decode_seconds=sum(run.clock.totals.values()),
+        lossy=lossy,
     )
 
 
@@ -351,9 +366,9 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
         planned = 0 if policy is None else policy.plan(len(active))  # 0: whole trees, 1: plain
         drafting = planned != 1
         if drafting:
-            cap = None if policy is None else policy.draft_limit(len(active), planned)
+            num_nodes = None if policy is None else policy.draft_limit(len(active), planned)
             for row in active:
-                _limit(row.drafter, cap - 1 if cap is not None else None)
+                _limit(row.drafter, num_nodes - 1 if num_nodes is not None else None)
                 _catch_up(row)
             drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
         else:  # plain decoding this round: each tree is its root
@@ -393,11 +408,11 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
     return num_forwards
 
 
-def _limit(drafter, nodes: int | None) -> None:
-    """Pass the load policy's node limit to drafters that can stop early (EAGLE heads; optional)."""
+def _limit(drafter, num_draft: int | None) -> None:
+    """Pass the load policy's num_draft to drafters that can stop early (EAGLE heads; optional)."""
     limit = getattr(drafter, "limit", None)
     if limit is not None:
-        limit(nodes)
+        limit(num_draft)
 
 
 def _leave(backend, active: list[_Row], limits: list[int]):
@@ -449,7 +464,7 @@ def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, res
         tree.tokens[:, path_index],
         round_features,
         torch.tensor([result.next_token], device=device),
-        RoundStats(num_drafted=tree.num_draft, num_accepted=len(result.path) - 1,
+        RoundStats(num_draft=tree.num_draft, num_accepted=len(result.path) - 1,
                    depth=int(depth_of.max()), accepted_depths=depths[1:],
                    # in the drafter's own numbering, before limit_depth
                    path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path],
@@ -473,4 +488,4 @@ def _catch_up(row: _Row) -> None:
         )
     pending = row.deferred[-1][2]
     row.deferred.clear()
-    row.drafter.commit(tokens, features, pending, RoundStats(num_drafted=0, num_accepted=0, depth=0, path=[0], skipped=True))
+    row.drafter.commit(tokens, features, pending, RoundStats(num_draft=0, num_accepted=0, depth=0, path=[0], skipped=True))

@@ -1,6 +1,6 @@
 """The target's forward in torch: a transformers causal LM and its KV cache, behind the same
 five steps as the llama.cpp backend (inference/llamacpp/target.py), which is what the decode
-loop (inference/generate.py) calls:
+loop (inference/engine/generate.py) calls:
 
     start(prompts)          prefill every prompt but its last token; the drafters' features
     fit(tree, rows)         the tree cut to what the cache has room for
@@ -15,7 +15,7 @@ import torch
 from .cache import cache_capacity, cache_kwargs, keep_paths, new_cache, select_rows
 from .compiled import StaticDecoding, static_capacity
 from .policy import cut_tree
-from .target_linears import engine_linears
+from ..kernels.target_linears import engine_linears
 from .tree import DraftTree, pad_trees
 from .verify import Verification, check_tree_mask_support, forward_trees
 

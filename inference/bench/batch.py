@@ -22,10 +22,10 @@ from typing import Callable, Sequence
 
 import torch
 
-from .bench import BenchSettings, PeakMemory, _settings_record, hf_generation_config
-from .cost import sync_device
-from .drafter import RootOnlyDrafter
-from .generate import GenerationConfig, generate_batch
+from .run import BenchSettings, PeakMemory, _settings_record, hf_generation_config
+from ..engine.cost import sync_device
+from ..engine.drafter import RootOnlyDrafter
+from ..engine.generate import GenerationConfig, generate_batch
 from .prompts import Prompt, encode_chat
 
 
