@@ -3,13 +3,15 @@
 Left panel, tokens per round against the step: `tau_est` (a product of per-depth top-1
 accuracies, train/evaluate.py) beside the replayed `replay_tau` and `replay_tree_tau`
 (train/replay_eval.py), so the gap between the estimate and what an engine measures is visible
-over the whole run. Right panel, per depth: top-1 accuracy `acc_i` against the replayed share of
-rounds accepting draft i, `replay_acc_i`. A resumed run appends to metrics.jsonl, so the picture
+over the whole run. Right panel, per depth at the last eval: the share of rounds keeping draft i
+as tau_est assumes it, prod_{j<=i} acc_j, against the replayed share `replay_acc_i`. A resumed run appends to metrics.jsonl, so the picture
 covers every sitting.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import operator
 import re
 from pathlib import Path
 
@@ -46,11 +48,15 @@ def plot_eval_curves(metrics_file: str | Path, path: str | Path) -> Path | None:
     taus.set(title="tokens per round", xlabel="step", ylabel="tau")
     taus.legend()
     last = records[-1]
-    for kind, style in (("acc", "--"), ("replay_acc", "-")):
-        found = sorted((int(m.group(2)), v) for k, v in last.items() if (m := _DEPTH.match(k)) and m.group(1) == kind)
-        if found:
-            depths.plot(*zip(*found), style, marker="o", label=f"{kind}_i at step {last['step']}")
-    depths.set(title="per draft depth (last eval)", xlabel="depth i", ylabel="share", ylim=(0, 1))
+    accs = sorted((int(m.group(2)), v) for k, v in last.items() if (m := _DEPTH.match(k)) and m.group(1) == "acc")
+    if accs:  # tau_est's assumption: draft i is kept with probability prod_{j<=i} acc_j
+        depths.plot([i for i, _ in accs], list(itertools.accumulate((v for _, v in accs), operator.mul)), "--",
+                    marker="o", label="prod of acc_j, j <= i (tau_est)")
+    replayed = sorted((int(m.group(2)), v) for k, v in last.items() if (m := _DEPTH.match(k)) and m.group(1) == "replay_acc")
+    if replayed:
+        depths.plot(*zip(*replayed), "-", marker="o", label="replay_acc_i")
+    depths.set(title=f"draft i kept, at step {last['step']}", xlabel="depth i", ylabel="share of rounds", ylim=(0, 1))
+    depths.xaxis.get_major_locator().set_params(integer=True)
     depths.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
