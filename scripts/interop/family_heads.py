@@ -28,12 +28,13 @@ SKIPPED_BY_NAME = frozenset({"t2d"})
 
 
 def family_head(family: str, work: Path, draft_layer: str = "llama", vocab_from=(), draft_vocab: int = DRAFT_VOCAB,
-                **target):
+                fit_steps: int = 0, **target):
     """(target dir, head dir, target model) under `work`: the tiny `family` target (N_LAYERS
     layers; `target` overrides tests/tiny.py's sizes) and the seeded head on it, in our format.
     draft_layer: the engines' Llama layer, or "target" for the family's own. vocab_from: prompts
     whose greedy continuations by the target pick the draft vocabulary, as training data would
-    (none: the highest ids)."""
+    (none: the highest ids); with fit_steps, the head then learns those continuations for that
+    many optimizer steps (`fit`), so that it accepts enough drafts for acceptance to compare."""
     from drafthead.heads import build_head, make_config
     from drafthead.inference.targets import load_target
     from tests.conftest import save_tiny_target
@@ -41,7 +42,12 @@ def family_head(family: str, work: Path, draft_layer: str = "llama", vocab_from=
     target_dir = save_tiny_target(work / "target", family, **{"layers": N_LAYERS, **target})
     loaded = load_target(target_dir)
     model = loaded.model
-    counts = greedy_counts(model, loaded.tokenizer, vocab_from) if vocab_from else torch.arange(model.config.vocab_size)
+    answers = [greedy_answer(model, loaded.tokenizer, p) for p in vocab_from]
+    counts = torch.zeros(model.config.vocab_size, dtype=torch.long)
+    for ids, start in answers:
+        counts += torch.bincount(ids[0, start:], minlength=len(counts))
+    if not answers:
+        counts = torch.arange(model.config.vocab_size)
     torch.manual_seed(0)
     config = make_config("eagle3", model, None, name=f"tiny-{family}", aux_layers=AUX_LAYERS,
                          draft_vocab_size=draft_vocab, draft_layer=draft_layer)
@@ -49,19 +55,40 @@ def family_head(family: str, work: Path, draft_layer: str = "llama", vocab_from=
     with torch.no_grad():
         for p in head.parameters():
             p.add_(0.05 * torch.randn_like(p))
+    if fit_steps:
+        fit(head, model, answers, fit_steps)
     return target_dir, head.eval().save_pretrained(work / "head"), model
 
 
-def greedy_counts(model, tokenizer, prompts, max_new_tokens: int = 32) -> torch.Tensor:
-    """[V] how often the target emits each token in greedy continuations of `prompts` (chat
-    template applied, as our bench and the engines' harnesses do)."""
+def greedy_answer(model, tokenizer, prompt, max_new_tokens: int = 32) -> tuple[torch.Tensor, int]:
+    """([1, T] prompt + the target's greedy continuation, where the continuation starts); the chat
+    template applied as our bench and the engines' harnesses apply it."""
     from drafthead.inference.prompts import encode_chat
 
-    counts = torch.zeros(model.config.vocab_size, dtype=torch.long)
-    for prompt in prompts:
-        ids = encode_chat(tokenizer, prompt)
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=model.config.pad_token_id)
-        counts += torch.bincount(out[0, ids.shape[1]:], minlength=len(counts))
-    return counts
+    ids = encode_chat(tokenizer, prompt)
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, pad_token_id=model.config.pad_token_id)
+    return out, ids.shape[1]
+
+
+def fit(head, model, answers, steps: int, lr: float = 3e-3) -> None:
+    """A few Adam steps of the head's own training loss (compute_loss, as the trainer calls it) on
+    the target's answers, one answer per step, labels on the answer only: a smoke fit, not a run
+    (`drafthead train` is the trainer)."""
+    from drafthead.heads.batch import FeatureBatch
+    from drafthead.train.features import required_layers, target_features
+
+    layers = required_layers(head.config, model.config.num_hidden_layers)
+    batches = []
+    for ids, start in answers:
+        mask = torch.ones_like(ids)
+        batches.append(FeatureBatch(ids, mask, torch.arange(ids.shape[1])[None] >= start,
+                                    target_features(model, ids, mask, layers)))
+    optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
+    head.train()
+    for step in range(steps):
+        loss, _ = head.compute_loss(batches[step % len(batches)])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
