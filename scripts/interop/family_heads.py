@@ -3,10 +3,10 @@ run.py's speculators, vLLM and SGLang rows and check_llamacpp_families.py. Our v
 
 The target is a tests/tiny.py family saved with the tiny tokenizer (tests/conftest.py
 `save_tiny_target`), so engines that tokenize prompts and our `drafthead bench` read the same
-folder; the head is random (aux layers 1, 2, 3; draft vocab 64 unless asked), nudged off its
-initial values so that a tensor dropped on the way could not pass for a zero or a copied one.
-Untrained: the rows check layouts, loaders and drafting maths, not acceptance levels; a draft
-vocabulary of the few tokens the target emits gives such a head some acceptance to compare.
+folder; the head is random (aux layers 1, 2, 3; draft vocab 64, a multiple of the 64 rows SGLang
+and vLLM pad an LM head to), nudged off its initial values so that a tensor dropped on the way
+could not pass for a zero or a copied one, and, when asked, fitted for a few steps to the target's
+own answers so that the engines' acceptance can be compared with ours above zero.
 """
 from __future__ import annotations
 
@@ -27,8 +27,7 @@ N_LAYERS = 4
 SKIPPED_BY_NAME = frozenset({"t2d"})
 
 
-def family_head(family: str, work: Path, draft_layer: str = "llama", vocab_from=(), draft_vocab: int = DRAFT_VOCAB,
-                fit_steps: int = 0, **target):
+def family_head(family: str, work: Path, draft_layer: str = "llama", vocab_from=(), fit_steps: int = 0, **target):
     """(target dir, head dir, target model) under `work`: the tiny `family` target (N_LAYERS
     layers; `target` overrides tests/tiny.py's sizes) and the seeded head on it, in our format.
     draft_layer: the engines' Llama layer, or "target" for the family's own. vocab_from: prompts
@@ -50,7 +49,7 @@ def family_head(family: str, work: Path, draft_layer: str = "llama", vocab_from=
         counts = torch.arange(model.config.vocab_size)
     torch.manual_seed(0)
     config = make_config("eagle3", model, None, name=f"tiny-{family}", aux_layers=AUX_LAYERS,
-                         draft_vocab_size=draft_vocab, draft_layer=draft_layer)
+                         draft_vocab_size=DRAFT_VOCAB, draft_layer=draft_layer)
     head = build_head(config, model, token_counts=counts, dtype=torch.float32)
     with torch.no_grad():
         for p in head.parameters():
