@@ -122,7 +122,7 @@ def export(head: Path, fmt: str, out: Path, target: str | Path | None = None) ->
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    return export_head(head, out, fmt, target_model=model)
+    return export_head(head, out, fmt, target_model=model, overwrite=True)  # a rerun replaces its exports
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
