@@ -8,10 +8,10 @@ Run with the vLLM venv (scripts/interop/setup_vllm.sh):
         --method eagle3 --num-spec-tokens 3 --prompts 8 --max-tokens 128 --dtype float32 \
         --out /tmp/interop/vllm_shipped
 
-With a head it first runs vLLM's draft class and weight loader alone, without an engine (the
-"load" phase, run_load: each export tensor through the draft model's own load_weights), so the
-tensor accounting holds even for a target family vLLM's CPU engine cannot run; --loader-only
-stops there. Then it runs vLLM offline, greedy (temperature 0), twice, each in its own child
+With an EAGLE-1 or EAGLE-3 head it first runs vLLM's draft class and weight loader alone,
+without an engine (the "load" phase, run_load: each export tensor through the draft model's own
+load_weights), so the tensor accounting holds even for a target family vLLM's CPU engine cannot
+run; --loader-only stops there. Then it runs vLLM offline, greedy (temperature 0), twice, each in its own child
 process (one vLLM engine at a time; Prometheus metrics are process-global): once plain, once with
 speculative_config = {model: HEAD, method: METHOD, num_speculative_tokens: K} (a chain of K
 drafts; vLLM 0.32 has no tree drafting: SpeculativeConfig has no token-tree option). It writes PREFIX.json and prints it as
@@ -440,6 +440,15 @@ def run_load(args) -> dict:
     return res
 
 
+def loader_counts(args) -> bool:
+    """Whether run_load's count means something for this head: EAGLE-1 and EAGLE-3 drafts load
+    through AutoWeightsLoader one tensor at a time; Medusa's loader reports nothing to it, and
+    P-EAGLE's refuses any call without its mask_hidden tensor."""
+    method, _ = detect_method(args.head, args.method)
+    parallel = read_json(Path(args.head) / "config.json").get("speculators_model_type") == "peagle"
+    return method in ("eagle", "eagle3") and not parallel
+
+
 def holds_slice(param, t) -> bool:
     """Whether `t` sits, unchanged, as rows [i, i + len(t)) of `param` for some i."""
     if param.dim() != t.dim() or param.shape[1:] != t.shape[1:] or (t.dim() and param.shape[0] < t.shape[0]):
@@ -644,7 +653,7 @@ def main(argv=None) -> int:
                 raise SystemExit(f"--reuse-plain {args.reuse_plain}: other prompts/max_tokens/dtype")
     else:
         plain = None if args.skip_plain or args.loader_only else spawn("plain", argv, prefix, args.timeout)
-    load = spawn("load", argv, prefix, args.timeout) if args.head else None
+    load = spawn("load", argv, prefix, args.timeout) if args.head and loader_counts(args) else None
     spec = spawn("spec", argv, prefix, args.timeout) if args.head and not args.loader_only else None
     res = summarize(args, prompts, plain, spec, load)
     Path(prefix + ".json").write_text(json.dumps(res, indent=1))
