@@ -7,7 +7,10 @@ here when missing). Export direction: the shipped SmolLM2 head (or, for EAGLE-1 
 head on the tiny fixture target) is exported with `drafthead export`, loaded by the consumer's
 own loader, and the consumer's outputs are compared with ours on the same inputs, or, where the
 consumer only generates (vLLM, llama.cpp), its acceptance is compared with our engine's on the same
-prompts. Import direction: the consumer's own classes write a checkpoint (fixtures_<name>.py), we
+prompts. Per target family (speculators, vLLM, SGLang, llama.cpp): one row per tiny target of
+tests/tiny.py, each with the EAGLE-3 head family_heads.py builds on it (FAMILY_ROWS; where an
+engine cannot run a family on the CPU, the row says which part ran and quotes the engine's error).
+Import direction: the consumer's own classes write a checkpoint (fixtures_<name>.py), we
 import it and compare with the consumer's own forward. Prints one table; writes
 out/interop/report.json and out/interop/report.md. docs/formats.md says what each layout is.
 """
