@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile
 # The panel kernel (inference/kernels/csrc/panel_linear.cpp) is compiled here once, not inside the first
 # generation or test that needs it; without a compiler or AVX2 it says why and the engine runs without it.
 kernel:
-	$(BIN)/python -c "from drafthead.inference import panel_kernel as k; print('panel kernel:', 'ready' if k.enabled() else 'unavailable: ' + k.why_unavailable())"
+	$(BIN)/python -c "from drafthead.inference.kernels import panel_kernel as k; print('panel kernel:', 'ready' if k.enabled() else 'unavailable: ' + k.why_unavailable())"
 
 demo: setup
 	$(BIN)/drafthead demo
