@@ -262,3 +262,18 @@ def test_heads_proposer_end_to_end(capsys, tiny_llama_dir, tmp_path, kind):
     assert max(report["prompts"][0]["drafted"]) <= 5  # --num-draft sets the head's num_draft
     described = report["settings"]["drafter"]  # the effective drafter settings are recorded
     assert described["kind"].startswith(kind) and described["num_draft"] == 5
+
+
+def test_a_head_that_adapts_the_target_is_refused_on_the_llama_cpp_backend():
+    """The backend's GGUF holds the target without Medusa-2's merged LoRA: decoding the adapted
+    target's drafts against it would not be the adapted target's output, so it is refused."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from drafthead.commands import verifier_from_args
+
+    loaded = SimpleNamespace(model=object())
+    args = Namespace(backend="llama.cpp")
+    with pytest.raises(ValueError, match="adapts the target"):
+        verifier_from_args(args, loaded, object())
+    assert verifier_from_args(Namespace(backend="torch"), loaded, loaded.model) is loaded.model

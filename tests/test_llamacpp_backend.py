@@ -141,3 +141,46 @@ def test_the_widest_tree_fit_allows_still_verifies_after_rows_leave(smollm2):
     assert 1 < tree.num_nodes < star.num_nodes
     logits = backend.verify([tree], [prompts[2].numel() - 1], False).logits
     assert logits.shape == (1, tree.num_nodes, backend.vocab_size)
+
+
+def test_the_final_normed_state_is_the_targets(smollm2):
+    """Asked for the final normed state (key -1), the backend returns llama.cpp's token
+    embeddings output: transformers' hidden_states[-1] of the same tokens, prefill and verify."""
+    loaded, backend, _, prompts = smollm2
+    prompt = prompts[1]
+    hidden = backend.start([prompt[:-4]], (2, 30), True, 8)
+    tree = DraftTree(prompt[None, -5:-1], chain_parents(3))
+    verified = backend.verify([tree], [prompt.numel() - 5], True).hidden_states
+    backend.discard(prompt.numel() - 5)
+    with torch.inference_mode():
+        ref = loaded.model(prompt[None, :-1], output_hidden_states=True).hidden_states[-1][0]
+    ours = torch.cat([hidden[-1][0], verified[-1][0]])
+    assert set(hidden) == {2, 30, -1} and ours.shape == ref.shape
+    assert torch.equal(hidden[30], hidden[-1])  # hidden state L (30 layers) is the same state
+    # fp32 engines round apart (~1e-3 per token after 30 layers); the un-normed residual or
+    # another token's state is off by whole units
+    assert (ours - ref).norm() / ref.norm() < 1e-3
+    assert ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).max() < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["medusa1", "hydra", "eagle1"])
+def test_heads_on_the_final_normed_state_decode_exactly(smollm2, kind):
+    """Medusa-1, Hydra and EAGLE-1 read the final normed state: on the backend (untrained heads,
+    so drafts are verified and mostly rejected) the greedy output is the backend's plain output,
+    at batch 1 and in the ragged batch of 3."""
+    from drafthead.heads.registry import build_head, make_config
+    from drafthead.inference.drafters.heads import EagleDrafter, HydraDrafter, MedusaDrafter
+
+    loaded, backend, _, prompts = smollm2
+    torch.manual_seed(0)
+    head = build_head(make_config(kind, loaded.model, None, name="tiny"), loaded.model).eval()
+    drafter = {"medusa1": MedusaDrafter, "hydra": HydraDrafter}.get(kind, EagleDrafter)(head, num_draft=6)
+    # Medusa and Hydra ask for it as the last state, EAGLE-1 as hidden state L
+    assert drafter.needs_last_hidden or drafter.feature_layers == (loaded.model.config.num_hidden_layers,)
+    config = GenerationConfig(max_new_tokens=16, eos_token_ids=(loaded.tokenizer.eos_token_id,))
+    plain = [speculative_generate(backend, RootOnlyDrafter(), p[None], config).new_tokens[0].tolist() for p in prompts]
+    single = speculative_generate(backend, drafter, prompts[0][None], config)
+    assert single.new_tokens[0].tolist() == plain[0]
+    assert sum(single.drafted) > 0  # its trees were verified, not skipped
+    batch = generate_batch(backend, drafter, prompts, config)
+    assert [r.new_tokens[0].tolist() for r in batch.rows] == plain

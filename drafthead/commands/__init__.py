@@ -124,14 +124,18 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
                         "quantized types are a different model from the torch target, decoded exactly")
 
 
-def verifier_from_args(args, loaded):
-    """What verifies the trees: the torch target itself, or (--backend llama.cpp) a LlamaCppTarget
-    on a GGUF of it that llama.cpp's converter makes once (inference/llamacpp/convert.py)."""
+def verifier_from_args(args, loaded, model):
+    """What verifies the trees: `model` (the loaded target, or the one a head adapted) itself, or
+    (--backend llama.cpp) a LlamaCppTarget on a GGUF of the target that llama.cpp's converter
+    makes once (inference/llamacpp/convert.py)."""
     if getattr(args, "backend", "torch") != "llama.cpp":
-        return loaded.model
+        return model
     from ..inference.llamacpp.convert import DTYPE_GGUF, target_gguf
     from ..inference.llamacpp.target import LlamaCppTarget
 
+    if model is not loaded.model:
+        raise ValueError("this head adapts the target (Medusa-2's LoRA), and the llama.cpp backend's GGUF holds "
+                         "the target without it: run it on --backend torch")
     if next(loaded.model.parameters()).device.type != "cpu":
         raise ValueError("--backend llama.cpp runs on the CPU: drop --device")
     gguf_type = args.gguf_type or DTYPE_GGUF[args.dtype]

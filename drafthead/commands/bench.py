@@ -59,7 +59,7 @@ def run(args) -> int:
     proposer, head, message = choose_proposer(args, loaded.name)
     note(message)
     factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
-    verifier = verifier_from_args(args, loaded)
+    verifier = verifier_from_args(args, loaded, model)
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,

@@ -73,7 +73,7 @@ def run(args) -> int:
     note(message)
     factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
     drafter, tokenizer = factory(), loaded.tokenizer
-    verifier = verifier_from_args(args, loaded)
+    verifier = verifier_from_args(args, loaded, model)
     input_ids = encode_chat(tokenizer, Prompt(text=args.prompt)).to(next(model.parameters()).device)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,

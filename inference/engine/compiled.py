@@ -20,6 +20,12 @@ import torch
 
 from .cache import _layers, crop, new_cache
 
+# `compile` modes beyond torch.compile's own backend names: "inductor-frozen" is inductor with
+# the weights frozen into the graph as constants (folded, pre-packed for the CPU's matmul
+# library) and the C++ wrapper, which calls the kernels from generated C++ with no Python between
+# them (docs/cpu-measurements.md "A whole-round compiled graph")
+MODES = {"inductor-frozen": ("inductor", {"freezing": True, "cpp_wrapper": True})}
+
 CAPACITY_STEP = 512
 TREE_ROOM = 128  # slots kept free after the longest committed text for one round's tree
 
@@ -40,7 +46,8 @@ class StaticDecoding:
     def __init__(self, target, backend: str | None):
         self.num_layers = target.config.get_text_config().num_hidden_layers
         self.compiled = backend is not None
-        self.forward = torch.compile(target, backend=backend, dynamic=True) if self.compiled else target
+        name, options = MODES.get(backend, (backend, None))
+        self.forward = torch.compile(target, backend=name, dynamic=True, options=options) if self.compiled else target
         self._caches: dict[tuple[int, int], object] = {}
 
     @classmethod

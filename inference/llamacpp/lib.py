@@ -76,6 +76,7 @@ _SIGNATURES = {
     "llama_memory_seq_pos_max": ([ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32),
     "llama_get_logits": ([ctypes.c_void_p], c_float_p),
     "llama_get_embeddings": ([ctypes.c_void_p], c_float_p),
+    "llama_set_embeddings": ([ctypes.c_void_p, ctypes.c_bool], None),
     "llama_set_n_threads": ([ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32], None),
 }
 

@@ -11,7 +11,9 @@ Sequences of one unified KV cache (sequences.py):
                                    which frees the cells of the rejected nodes
 
 Heads and drafters stay in torch: logits [B, N, V] and the drafters' feature layers (the inputs
-of the target's layers, HF `hidden_states[i]` = llama.cpp's layer input i) come back as tensors.
+of the target's layers, HF `hidden_states[i]` = llama.cpp's layer input i) come back as tensors,
+and so does the final normed state (HF `hidden_states[-1]`, key -1: llama.cpp's token embeddings
+output, the tensor its LM head multiplies) for the heads that read it.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from ..engine.verify import Verification
 from . import lib as _lib
 from .sequences import depths_of, leaf_sets, nodes_within
 
+LAST = -1  # the key of the final normed state among the returned hidden states (HF's hidden_states[-1])
 MAX_SEQUENCES = 256  # llama.cpp's LLAMA_MAX_SEQ: every row and every leaf of every tree
 BATCH_TOKENS = 512  # tokens per llama_decode call (prefill is cut into such chunks)
 FLASH_ATTENTION = 0  # off: llama.cpp's CPU flash attention rounds a one-token and a several-token forward apart, in f32 too
@@ -93,17 +96,19 @@ class LlamaCppTarget:
         Returns {hidden-state index: [B, P - 1, H]} for the drafters (padded rows), or None."""
         if len(prompts) > MAX_SEQUENCES // 2:
             raise ValueError(f"the llama.cpp backend takes at most {MAX_SEQUENCES // 2} rows, got {len(prompts)}")
-        if need_last:
-            raise NotImplementedError("the llama.cpp backend returns layer inputs, not the final normed "
-                                      "state: drafters that need it (EAGLE-1, Medusa, Hydra) run on the torch target")
         self._ensure_context(sum(p.numel() for p in prompts) + len(prompts) * (max_new_tokens + 1) + BATCH_TOKENS)
         self.lib.llama_memory_clear(self.memory, True)
         wanted = tuple(sorted(set(feature_layers)))
-        if any(layer >= self.num_layers for layer in wanted):
-            raise NotImplementedError(f"features {wanted}: llama.cpp returns the inputs of layers 0..{self.num_layers - 1}")
-        for layer in set(self._features) | set(wanted):
-            self.lib.dh_set_layer_inp(self.ctx, layer, layer in wanted)
-        self._features = wanted
+        if any(layer > self.num_layers for layer in wanted):
+            raise NotImplementedError(f"features {wanted}: llama.cpp returns hidden states 0..{self.num_layers} "
+                                      f"(the inputs of its layers and the final normed state)")
+        layer_inputs = {layer for layer in wanted if layer < self.num_layers}
+        for layer in {i for i in self._features if 0 <= i < self.num_layers} | layer_inputs:
+            self.lib.dh_set_layer_inp(self.ctx, layer, layer in layer_inputs)
+        self._features = wanted + ((LAST,) if need_last else ())
+        # the final normed state (hidden_states[L], also asked for as -1): llama.cpp's embeddings
+        # output; with it on, llama.cpp outputs every token of a batch (logits too), prefill included
+        self.lib.llama_set_embeddings(self.ctx, any(self._is_normed(i) for i in self._features))
         self._rows = list(range(len(prompts)))
         self._first_leaf = len(prompts)  # leaf sequences follow every row's, even after rows leave
         longest = max(p.numel() for p in prompts) - 1
@@ -267,11 +272,16 @@ class LlamaCppTarget:
         ptr = self.lib.llama_get_logits(self.ctx)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab_size)).copy())
 
+    def _is_normed(self, index: int) -> bool:
+        """Whether hidden-state `index` is the final normed state (L, or -1), not a layer input."""
+        return index in (LAST, self.num_layers)
+
     def _layer_inputs(self, n: int) -> dict[int, torch.Tensor]:
-        """{layer: [n, H]} the inputs of the feature layers for the last decode's n tokens."""
+        """{layer: [n, H]} the inputs of the feature layers for the last decode's n tokens, and
+        {LAST: [n, H]} the final normed state when asked for."""
         out = {}
         for layer in self._features:
-            ptr = self.lib.dh_get_layer_inp(self.ctx, layer)
+            ptr = self.lib.llama_get_embeddings(self.ctx) if self._is_normed(layer) else self.lib.dh_get_layer_inp(self.ctx, layer)
             if not ptr:
                 raise LlamaCppError(f"llama.cpp returned no input for layer {layer}")
             array = np.ctypeslib.as_array(ptr, shape=(n, self.hidden_size))

@@ -11,6 +11,10 @@ One verification round as the engine runs it (forward_trees over a chain of N no
     static             our static cache, eager
     compiled           static cache + torch.compile (inductor, dynamic shapes), linears dispatched
     compiled-F.linear  the same with nn.Linear (inductor's own matmuls)
+    frozen             static cache + inductor with frozen weights (constants folded into the
+                       graph, weights pre-packed for oneDNN) and the C++ wrapper (no Python
+                       between kernels), linears dispatched
+    frozen-F.linear    the same with nn.Linear: inductor packs and calls the matmuls itself
 
 `DRAFTHEAD_PANEL_KERNEL=0` in the environment leaves our panel kernel out of the dispatched
 linears (inference/kernels/panel_kernel.py), to time the engine without it.
@@ -43,6 +47,8 @@ SETTINGS = {  # name: (static cache, torch.compile backend, dispatched linears)
     "static": (True, None, True),
     "compiled": (True, "inductor", True),
     "compiled-F.linear": (True, "inductor", False),
+    "frozen": (True, "inductor-frozen", True),
+    "frozen-F.linear": (True, "inductor-frozen", False),
 }
 
 
