@@ -16,7 +16,8 @@ from .config import ConfigError, TrainConfig, check_resume, head_config_dict
 from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, required_layers
 from .sources import SourceReport, load_conversations
 from .checkpoint import latest_checkpoint, saved_run_config
-from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices, wrap_lora
+from .lora import wrap_lora
+from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices
 
 
 @dataclass

@@ -13,7 +13,6 @@ resumes exactly where the run stopped.
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -173,51 +172,6 @@ class JointLoss(HeadLoss):
         with torch.no_grad():
             for n, v in lora.items():
                 params[n].copy_(v)
-
-
-def wrap_lora(target: nn.Module, lora) -> nn.Module:
-    """The target with trainable LoRA adapters (peft) on `lora_targets`; base weights stay frozen."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
-    modules = lora_targets(target, lora.target_modules)
-    cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=modules, bias="none")
-    if cfg.lora_dropout and _peft_targets_expert_parameters(cfg, target):
-        # peft adapts fused experts through a parameter wrapper, which takes no dropout
-        logging.getLogger(__name__).warning("LoRA: %s's MoE experts are adapted as fused parameters, which take "
-                                            "no dropout: lora dropout 0", target.config.model_type)
-        cfg.lora_dropout = 0.0
-    return get_peft_model(target, cfg)
-
-
-def _peft_targets_expert_parameters(cfg, model: nn.Module) -> bool:
-    """Whether peft will turn some of `cfg`'s module names into fused MoE expert parameters. peft
-    maps the transformers 4 names of MoE layers (`gate_proj`, `up_proj`, `down_proj` of
-    Qwen2-MoE-like models such as DeepSeek-V3) onto transformers 5's fused 3-D expert tensors
-    before it injects (docs/families.md); run that mapping on a copy to see."""
-    import copy
-
-    try:
-        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
-    except ImportError:  # a peft without the mapping adapts modules only
-        return False
-    probe = copy.deepcopy(cfg)
-    convert_peft_config_for_transformers(probe, model, None)
-    return bool(getattr(probe, "target_parameters", None))
-
-
-def lora_targets(model: nn.Module, names) -> list[str]:
-    """Full names of the nn.Linear modules whose own name is one of `names`. LoRA adapts linears
-    only: MoE experts that transformers holds as one 3-D parameter per projection (Qwen3-MoE,
-    DeepSeek-V3) carry the same names (`experts.down_proj`), and peft would wrap them as
-    parameters, which refuses dropout; they stay frozen (docs/families.md)."""
-    wanted = set(names)
-    found = [name for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in wanted]
-    if not found:
-        linears = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
-        raise ValueError(f"lora.target_modules {sorted(wanted)} name no Linear of this target; its Linears: {', '.join(linears)}")
-    return found
 
 
 # ----------------------------------------------------------------------------------------------
