@@ -103,6 +103,55 @@ def test_greedy_equals_plain_greedy_in_every_family(family_target, family):
         assert [row.new_tokens[0].tolist() for row in result.rows] == references, (family, type(drafter).__name__)
 
 
+def test_llama4_temperature_is_exact_past_its_floor_scale():
+    """Llama 4's NoPE layers scale queries by a factor of the position that grows past
+    floor_scale - 1 (8191 released; 4 here, so every token is past it). Every node of a tree, in
+    rows of a ragged batch, gets the logits a plain forward of its own path gives
+    (inference/engine/temperature.py); greedy output is plain decoding's, B=1 and ragged B=3."""
+    from drafthead.inference.engine.cache import new_cache, cache_kwargs
+    from drafthead.inference.engine.tree import TreeBatch, ancestor_mask, node_depths
+    from drafthead.inference.engine.verify import forward_trees
+
+    # every layer NoPE and a strong scale: a wrong factor moves logits by far more than rounding
+    target = tiny_causal_lm("llama4", layers=4, floor_scale=4, attn_scale=4.0, no_rope_layers=[0, 0, 0, 0])
+    vocab = target.config.vocab_size
+    prompts = ragged_prompts(vocab, seed=3)
+    parents = torch.tensor([-1, 0, 0, 1, 2, 2, 4])  # node order is not depth order
+    tokens = torch.randint(3, vocab, (len(prompts), 7), generator=torch.Generator().manual_seed(0))
+    longest = max(p.numel() for p in prompts)
+    cache = new_cache()
+    padded = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        padded[b, : p.numel()] = p
+    with torch.inference_mode():
+        target(input_ids=padded, **cache_kwargs(target, cache), use_cache=True)
+        ancestors = ancestor_mask(parents)[None].expand(len(prompts), 7, 7)
+        depths = node_depths(parents)[None].expand(len(prompts), 7)
+        lengths = torch.tensor([p.numel() for p in prompts])
+        tree = forward_trees(target, cache, TreeBatch(tokens, ancestors, depths, [7] * len(prompts)), lengths,
+                             longest, want_hidden=False).logits
+        for b, p in enumerate(prompts):
+            for node in range(7):
+                path, i = [], node
+                while i >= 0:
+                    path.insert(0, i)
+                    i = int(parents[i])
+                plain = target(torch.cat([p, tokens[b, path]])[None]).logits[0, -1]
+                torch.testing.assert_close(tree[b, node], plain, atol=1e-4, rtol=1e-4)
+
+    prompt = repetitive_prompt(vocab, length=14, seed=3)
+    reference = plain_greedy(target, prompt, MAX_NEW)
+    for static in (False, True):
+        result = speculative_generate(target, DraftModelDrafter(target, choices=TREE), prompt,
+                                      GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static))
+        assert result.new_tokens[0].tolist() == reference, static
+    references = [plain_greedy(target, p[None], MAX_NEW) for p in prompts]
+    ids, mask = left_padded(prompts)
+    result = speculative_generate(target, DraftModelDrafter(target, choices=TREE), ids,
+                                  GenerationConfig(max_new_tokens=MAX_NEW), attention_mask=mask)
+    assert [row.new_tokens[0].tolist() for row in result.rows] == references
+
+
 # ---------------------------------------------------------------------------------------------
 # Features: the hidden states heads train on
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 
 from .cache import cache_capacity, cache_kwargs
 from .drafter import TargetFeatures
+from .temperature import true_position_temperature
 from .tree import TreeBatch, ancestor_mask, batch_tree_mask, node_depths
 
 
@@ -133,14 +134,16 @@ def forward_trees(target, cache, trees: TreeBatch, prefix_lengths: torch.Tensor,
     dtype = next(target.parameters()).dtype
     mask = batch_attention_masks(target.config, trees.ancestors, trees.depths, prefix_lengths, past_len, dtype,
                                  kv_length=cache_capacity(cache))
-    out = (target if forward is None else forward)(
-        input_ids=trees.tokens,
-        attention_mask=mask,
-        position_ids=prefix_lengths[:, None] + trees.depths,
-        **cache_kwargs(target, cache),
-        use_cache=True,
-        output_hidden_states=want_hidden,
-    )
+    position_ids = prefix_lengths[:, None] + trees.depths
+    with true_position_temperature(target, cache, position_ids):
+        out = (target if forward is None else forward)(
+            input_ids=trees.tokens,
+            attention_mask=mask,
+            position_ids=position_ids,
+            **cache_kwargs(target, cache),
+            use_cache=True,
+            output_hidden_states=want_hidden,
+        )
     return Verification(out.logits, out.hidden_states if want_hidden else None)
 
 
