@@ -485,6 +485,7 @@ def run_check_vllm(target: Path, head: Path, method: str, k: int, n_prompts: int
     that failed (the summary names it); raises when there is none."""
     from drafthead.inference.bench.prompts import mt_bench_path
 
+    Path(f"{prefix}.json").unlink(missing_ok=True)  # a failed run must not leave an earlier run's summary to read
     try:
         sh([PYTHONS["vllm"], SCRIPTS / "check_vllm.py", "--target", target, "--head", head, "--method", method,
             "--num-spec-tokens", k, "--prompts", n_prompts, "--max-tokens", n_tokens, "--dtype", "float32",
@@ -513,8 +514,9 @@ def check_vllm(args) -> list[Row]:
             ("untrained DFlash head", smollm2_untrained("dflash", OUT / "smollm2-dflash", block_size=k + 1,
                                                         mask_token_id=16), "dflash", "dflash", 2, 32))
     for label, head, fmt, method, n_prompts, n_tokens in runs:
-        exp = export(head, fmt, OUT / "exports" / f"vllm-{method}-{fmt}", "smollm2-135m")
-        prefix = OUT / f"vllm_{method}_{fmt}"
+        # the head's folder in the names: the shipped EAGLE-3 head and P-EAGLE share method and format
+        exp = export(head, fmt, OUT / "exports" / f"vllm-{method}-{fmt}-{Path(head).name}", "smollm2-135m")
+        prefix = OUT / f"vllm_{method}_{fmt}_{Path(head).name}"
         what = f"{label}, --format {fmt} (method {method}, chain {k})"
         try:
             res = run_check_vllm(tdir, exp, method, k, n_prompts, n_tokens, prefix)
