@@ -23,14 +23,16 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from ..heads.eagle import decoder_layers as find_decoder_layers
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated decoder blocks of a Hugging Face causal LM (`model.model.layers` for Llama,
-    Qwen, Mistral and Gemma families); [] when the model has no such list."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    layers = getattr(decoder, "layers", None)
-    return list(layers) if isinstance(layers, nn.ModuleList) else []
+    """The repeated decoder blocks of a Hugging Face causal LM (heads.eagle.decoder_layers, the
+    one place that finds them); [] when the model has no such list."""
+    try:
+        return list(find_decoder_layers(model))
+    except TypeError:
+        return []
 
 
 def shard_frozen_target(model: nn.Module) -> int:
