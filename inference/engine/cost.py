@@ -21,10 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .cache import crop, new_cache, cache_kwargs
-from .tree import chain_parents
-from ..kernels.target_linears import engine_linears
-from .verify import forward_tree
+from .tree import DraftTree, chain_parents
 
 DEFAULT_NODE_COUNTS = (1, 8, 16, 24, 32, 48, 64)
 
@@ -86,35 +83,32 @@ def measure_verify_cost(
     want_hidden: bool = True, linears: bool = True, feature_layers: Sequence[int] = (),
 ) -> CostCurve:
     """Time the target's tree forward at each node count after `context` cached tokens (median of
-    `repeats`, one untimed warm-up each). want_hidden: also return hidden states, as drafters that
-    read target features make the verifier do; linears: with the engine's linears
-    (GenerationConfig.engine_linears), as the engine's rounds run them. A llama.cpp target times
-    its own forward, returning `feature_layers` (the layers it extracts cost time too)."""
-    if hasattr(target, "measure_cost"):
-        return target.measure_cost(node_counts, context, repeats, feature_layers if want_hidden else ())
-    with engine_linears(target, linears):
-        return _measure(target, node_counts, context, repeats, want_hidden)
+    `repeats`, one untimed warm-up each), through the backend the decode loop drives (a
+    transformers model's TorchTarget, or a LlamaCppTarget). want_hidden: also return hidden
+    states, as drafters that read target features make the verifier do (a llama.cpp target
+    extracts `feature_layers`, which cost time too); linears: with the engine's linears
+    (GenerationConfig.engine_linears), as the engine's rounds run them."""
+    from .torch_target import target_backend
 
-
-def _measure(target, node_counts, context, repeats, want_hidden) -> CostCurve:
-    param = next(target.parameters())
-    vocab = target.get_input_embeddings().num_embeddings
+    backend = target_backend(target)
+    device = backend.device
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (1, context), generator=generator).to(param.device)
-    cache = new_cache()
-    target(input_ids=prompt, **cache_kwargs(target, cache), use_cache=True)
+    prompt = torch.randint(0, backend.vocab_size, (context + 1,), generator=generator).to(device)
     seconds = []
-    for n in node_counts:
-        tokens = torch.randint(0, vocab, (1, n), generator=generator).to(param.device)
-        parents = chain_parents(n - 1, device=param.device)  # the shape of the tree does not change the cost
-        times = []
-        for r in range(repeats + 1):
-            sync_device(param.device)
-            start = time.perf_counter()
-            forward_tree(target, cache, tokens, parents, context, want_hidden)
-            sync_device(param.device)
-            if r:  # the first call warms up kernels and allocations for this shape
-                times.append(time.perf_counter() - start)
-            crop(cache, context)
-        seconds.append(statistics.median(times))
+    with torch.inference_mode(), backend.engine_context(linears):
+        backend.start([prompt], tuple(feature_layers) if want_hidden else (), False, max(node_counts))
+        for n in node_counts:
+            # a chain: the shape of the tree does not change the cost
+            tree = DraftTree(torch.randint(0, backend.vocab_size, (1, n), generator=generator).to(device),
+                             chain_parents(n - 1, device=device))
+            times = []
+            for r in range(repeats + 1):
+                sync_device(device)
+                start = time.perf_counter()
+                backend.verify([tree], [context], want_hidden)
+                sync_device(device)
+                if r:  # the first call warms up kernels and allocations for this shape
+                    times.append(time.perf_counter() - start)
+                backend.discard(context)
+            seconds.append(statistics.median(times))
     return CostCurve(tuple(node_counts), tuple(seconds))

@@ -7,12 +7,14 @@ loop (inference/engine/generate.py) calls:
     verify(trees, lengths)  one forward over every row's tree -> Verification
     keep(paths, lengths)    keep each row's accepted nodes, drop the rest
     select_rows(keep, ...)  rows that finished leave the cache
+    discard(length)         forget the last trees and every position from `length` on (row 0):
+                            what timing a forward needs after each try (cost.py)
 """
 from __future__ import annotations
 
 import torch
 
-from .cache import cache_capacity, cache_kwargs, keep_paths, new_cache, select_rows
+from .cache import cache_capacity, cache_kwargs, crop, keep_paths, new_cache, select_rows
 from .compiled import StaticDecoding, static_capacity
 from .policy import cut_tree
 from ..kernels.target_linears import engine_linears
@@ -73,8 +75,19 @@ class TorchTarget:
         return forward_trees(self.model, self.cache, pad_trees(trees), prefix, self.slots, want_hidden,
                              forward=None if self.static is None else self.static.forward)
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_input_embeddings().num_embeddings
+
     def keep(self, paths: list[list[int]], lengths: list[int]) -> None:
         self.slots = keep_paths(self.cache, lengths, self.slots, paths)
+
+    def discard(self, length: int) -> None:
+        crop(self.cache, length)
 
     def select_rows(self, keep: list[int], lengths: list[int]) -> None:
         """Rows `keep` stay, whose committed lengths are `lengths`; the cache is cut to the longest."""

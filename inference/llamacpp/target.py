@@ -87,6 +87,8 @@ class LlamaCppTarget:
 
     # -- the engine's side (inference/engine/generate.py) -----------------------------------------
 
+    device = torch.device("cpu")
+
     def engine_context(self, enabled: bool):
         return contextlib.nullcontext()
 
@@ -206,31 +208,6 @@ class LlamaCppTarget:
                     self.lib.llama_memory_seq_rm(self.memory, s, -1, -1)
         self._leaves = {}
         self.lib.llama_memory_seq_rm(self.memory, self._rows[0], length, -1)
-
-    def measure_cost(self, node_counts, context: int = 128, repeats: int = 5, feature_layers=()):
-        """The forward's seconds by node count (a chain after `context` cached tokens, median of
-        `repeats` after one warm-up), as a cost.CostCurve for the load policy."""
-        import statistics
-        import time
-
-        from ..engine.cost import CostCurve
-        from ..engine.tree import chain_parents
-
-        generator = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, self.vocab_size, (context + 1,), generator=generator)
-        self.start([prompt], tuple(feature_layers), False, max(node_counts))
-        seconds = []
-        for n in node_counts:
-            tree = DraftTree(torch.randint(0, self.vocab_size, (1, n), generator=generator), chain_parents(n - 1))
-            times = []
-            for r in range(repeats + 1):
-                start = time.perf_counter()
-                self.verify([tree], [context], bool(feature_layers))
-                if r:
-                    times.append(time.perf_counter() - start)
-                self.discard(context)
-            seconds.append(statistics.median(times))
-        return CostCurve(tuple(node_counts), tuple(seconds))
 
     # -- libllama ------------------------------------------------------------------------------
 
