@@ -132,10 +132,7 @@ def test_llama4_temperature_is_exact_past_its_floor_scale():
                              longest, want_hidden=False).logits
         for b, p in enumerate(prompts):
             for node in range(7):
-                path, i = [], node
-                while i >= 0:
-                    path.insert(0, i)
-                    i = int(parents[i])
+                path = ancestors[b, node].nonzero().flatten()  # root to node: parents come first
                 plain = target(torch.cat([p, tokens[b, path]])[None]).logits[0, -1]
                 torch.testing.assert_close(tree[b, node], plain, atol=1e-4, rtol=1e-4)
 

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from .torch_target import target_backend
 from .tree import DraftTree, chain_parents
 
 DEFAULT_NODE_COUNTS = (1, 8, 16, 24, 32, 48, 64)
@@ -88,8 +89,6 @@ def measure_verify_cost(
     states, as drafters that read target features make the verifier do (a llama.cpp target
     extracts `feature_layers`, which cost time too); linears: with the engine's linears
     (GenerationConfig.engine_linears), as the engine's rounds run them."""
-    from .torch_target import target_backend
-
     backend = target_backend(target)
     device = backend.device
     generator = torch.Generator().manual_seed(0)

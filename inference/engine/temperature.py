@@ -15,17 +15,22 @@ below floor_scale - 1 both factors are exactly 1 and nothing is installed.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
 
+_NOPE: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
+
+
 def _nope_attentions(target) -> list:
-    """The attention modules whose queries transformers scales by s(p) (Llama 4's NoPE layers)."""
-    config = target.config.get_text_config()
-    if not getattr(config, "attn_temperature_tuning", False):
-        return []
-    # use_rope is the config's no_rope_layers entry, 0 or 1
-    return [m for m in target.modules() if hasattr(m, "floor_scale") and hasattr(m, "q_proj") and not m.use_rope]
+    """The attention modules whose queries transformers scales by s(p) (Llama 4's NoPE layers),
+    found once per target: the forwards past floor_scale - 1 each need them."""
+    if target not in _NOPE:
+        # use_rope is the config's no_rope_layers entry, 0 or 1
+        _NOPE[target] = [m for m in target.modules()
+                         if hasattr(m, "floor_scale") and hasattr(m, "q_proj") and not m.use_rope]
+    return _NOPE[target]
 
 
 def temperature(positions: torch.Tensor, floor_scale: int, attn_scale: float) -> torch.Tensor:
@@ -38,10 +43,12 @@ def true_position_temperature(target, cache, position_ids: torch.Tensor):
     """Within it, the target's NoPE queries carry s(position_ids) [B, N] instead of transformers'
     s(cache length + index); a no-op for other targets and below floor_scale - 1."""
     config = target.config.get_text_config()
-    floor_scale = getattr(config, "floor_scale", None)
+    if not getattr(config, "attn_temperature_tuning", False):  # every other family: nothing to do
+        yield
+        return
     n = position_ids.shape[-1]
     past = cache.get_seq_length() if cache is not None else 0
-    if floor_scale is None or max(int(position_ids.max()), past + n - 1) + 1 < floor_scale:
+    if max(int(position_ids.max()), past + n - 1) + 1 < config.floor_scale:
         yield
         return
     layers = _nope_attentions(target)
