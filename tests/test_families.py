@@ -19,6 +19,8 @@ from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.verify import check_tree_mask_support
 from drafthead.inference.engine.targets import load_target
+from drafthead.inference.engine.drafter import fork_drafter
+from tests.oracle import assert_accepts_and_stays_exact
 from tests.test_batch import left_padded
 from tests.tiny import MULTIMODAL, TARGETS, plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -244,7 +246,11 @@ def test_medusa_and_hydra_heads_train_and_decode_exactly(tiny_target_dir, family
     prompts = ragged_prompts(vocab, seed=len(family))
     ids, mask = left_padded(prompts)
     batched = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=16), attention_mask=mask)
-    assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 16) for p in prompts]
+    references = [plain_greedy(target, p[None], 16) for p in prompts]
+    assert [row.new_tokens[0].tolist() for row in batched.rows] == references
+    # the same drafter steered to be accepted (tests/oracle.py): cache moves, ragged rows
+    assert_accepts_and_stays_exact(target, lambda: fork_drafter(drafter), prompt, plain_greedy(target, prompt, 16),
+                                   prompts, references, ids, mask, 16, 16, lambda new: GenerationConfig(max_new_tokens=new))
 
 
 # ---------------------------------------------------------------------------------------------

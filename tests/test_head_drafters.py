@@ -8,6 +8,7 @@ from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter, HydraDrafter, MedusaDrafter, best_static_tree
 from drafthead.inference.drafters.parallel import ParallelDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from tests.oracle import assert_accepts_and_stays_exact
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
 KINDS = {"medusa1": {}, "hydra": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64},
@@ -132,7 +133,12 @@ def assert_greedy_equals_plain(target, drafter_of, max_new_tokens: int = 30, tre
     n = max_new_tokens * 2 // 3
     batched = speculative_generate(target, drafter_of(num_draft=5), ids, GenerationConfig(max_new_tokens=n),
                                    attention_mask=mask)
-    assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], n) for p in prompts]
+    references = [plain_greedy(target, p[None], n) for p in prompts]
+    assert [row.new_tokens[0].tolist() for row in batched.rows] == references
+    # the same drafters steered to be accepted (tests/oracle.py): cache moves, catch-up, ragged rows
+    assert_accepts_and_stays_exact(target, drafter_of, prompt, plain_greedy(target, prompt, max_new_tokens), prompts,
+                                   references, ids, mask, max_new_tokens, n,
+                                   lambda new: GenerationConfig(max_new_tokens=new))
 
 
 def test_best_static_tree_prefers_likely_paths():
