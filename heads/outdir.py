@@ -153,8 +153,9 @@ def output_lock(path: str | os.PathLike, *, enabled: bool = True) -> Iterator[No
             break
         os.close(fd)
     try:
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
+        with contextlib.suppress(OSError):  # the pid only informs a refused writer; a full disk has no room for it
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
         yield
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -257,7 +257,7 @@ def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool =
     output_dir is checked before the target loads, so a refusal is quick: what it holds, what
     --overwrite would delete (inputs: files the caller read besides the config's, such as the
     YAML), and that it can be written."""
-    from ..heads.outdir import check_replaceable, output_lock, probe_writable
+    from ..heads.outdir import check_replaceable, output_lock, probe_writable, reported_as
     from ..inference.engine.targets import load_target
 
     out = Path(config.output_dir)
@@ -276,7 +276,8 @@ def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool =
         main_say = say if accelerator.is_main_process else (lambda message: None)
         trainer = build_trainer(config, loaded.model, loaded.tokenizer, target_name=loaded.name, accelerator=accelerator,
                                 say=main_say)
-        return trainer.fit(resume=resume, overwrite=overwrite)
+        with reported_as(out):  # a log or config write on a full disk names no file of its own
+            return trainer.fit(resume=resume, overwrite=overwrite)
 
 
 def capture_from_config(
