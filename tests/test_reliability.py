@@ -690,7 +690,7 @@ def llama_head_dir(folder: Path, target_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = AutoModelForCausalLM.from_pretrained(target_dir)
-    head = build_head(make_config("medusa1", target, AutoTokenizer.from_pretrained(target_dir), name=str(target_dir),
+    head = build_head(make_config("medusa1", target, AutoTokenizer.from_pretrained(target_dir), name=target_dir.name,
                                   num_heads=2), target)
     return head.save_pretrained(folder)
 
