@@ -88,8 +88,29 @@ def identify_target(model: nn.Module, tokenizer=None, name: str | None = None) -
     )
 
 
-def identity_diff(expected: TargetIdentity, actual: TargetIdentity) -> list[str]:
-    """Fields (of `_MUST_MATCH`) that differ, as 'field: expected X, got Y'. A tokenizer_sha of
+WEIGHT_SAMPLES = 64  # values read from each tensor for weights_fingerprint
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """sha256 over every parameter's name, shape and WEIGHT_SAMPLES values spread over it, rounded
+    to bf16: two targets of the same shapes and tokenizer (a base model and its fine-tune) differ,
+    while the same weights loaded in fp32 or bf16 agree. Reads a few values per tensor, so it
+    costs nothing next to loading the model."""
+    import torch
+
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            flat = p.detach().reshape(-1)
+            step = max(1, flat.numel() // WEIGHT_SAMPLES)
+            values = flat[::step][:WEIGHT_SAMPLES].to("cpu", torch.bfloat16).view(torch.int16)
+            digest.update(f"{name}:{tuple(p.shape)}:".encode())
+            digest.update(values.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def identity_diff(expected: TargetIdentity, actual: TargetIdentity, expects: str = "head expects") -> list[str]:
+    """Fields (of `_MUST_MATCH`) that differ, as 'field: {expects} X, target has Y'. A tokenizer_sha of
     None on either side is "not recorded" and is not compared."""
     diffs = []
     for f in _MUST_MATCH:
@@ -97,7 +118,7 @@ def identity_diff(expected: TargetIdentity, actual: TargetIdentity) -> list[str]
         if f == "tokenizer_sha" and (a is None or b is None):
             continue
         if a != b:
-            diffs.append(f"{f}: head expects {a!r}, target has {b!r}")
+            diffs.append(f"{f}: {expects} {a!r}, target has {b!r}")
     return diffs
 
 

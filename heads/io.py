@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .config import HeadConfig, config_from_dict, with_draft_layer
-from .outdir import umask
+from .outdir import reported_as, umask
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -69,7 +69,8 @@ def atomic_write(path: Path, write) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        write(tmp)
+        with reported_as(path):
+            write(tmp)
         os.chmod(tmp, _umask_mode())  # after writing: a writer may recreate the file
         os.replace(tmp, path)
     except BaseException:

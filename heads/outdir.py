@@ -15,11 +15,20 @@ disk) leaves the old folder as it was and no half-written one under the asked-fo
 Outputs that are resumable in place (a training run, a capture, a regeneration) are written
 under their own name, so a rerun finds them: `check_output(..., own=...)` lets the command
 continue its own work, and under --overwrite `clear_output` deletes the old one first.
+
+Two processes never write one output: `output_lock(out)` (which `fresh_folder` takes itself) is
+held for the whole write, and a second command asking for the same output is refused. Under that
+lock, temp files and folders beside the output are leftovers of a killed run, and are removed.
+--overwrite never deletes what a command reads or what no drafthead command writes
+(`check_replaceable`: a model with its tokenizer, a data file, the command's own inputs).
 """
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -47,9 +56,152 @@ def check_output(path: str | os.PathLike, *, overwrite: bool, what: str = "outpu
     """Raise OutputExistsError when `path` holds something and `overwrite` is off. own(path): True
     for the command's own resumable work (a capture's shards, a regeneration's records), which it
     may continue. hint: words after "is not empty" saying why it cannot be continued."""
+    check_parents(path, what)
     if overwrite or is_empty(path) or (own is not None and own(Path(path))):
         return
     raise OutputExistsError(f"{what} {path} is not empty{hint}: pass {OVERWRITE_FLAG} to replace it, or choose another path")
+
+
+def check_parents(path: str | os.PathLike, what: str = "output") -> None:
+    """Refuse an output under a file (`--out notes.txt/sub`): mkdir would say only "File exists"."""
+    for parent in Path(path).absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutputExistsError(f"{what} {path}: {parent} is a file, not a folder: choose another path")
+            return
+
+
+# A model folder as a target is saved (save_pretrained): its config beside its tokenizer. Head
+# folders and exports hold no tokenizer, so a folder holding both is someone's model.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow", ".csv")  # training data files (train/sources.py reads them)
+
+
+def check_replaceable(path: str | os.PathLike, *, inputs=(), what: str = "output", own: Callable[[Path], bool] | None = None,
+                      own_files: tuple[str, ...] = ()) -> None:
+    """Refuse --overwrite of `path` when deleting it would lose what the command reads or what no
+    drafthead command writes: one of `inputs` (the source, the target, the data, the config; None
+    skipped) is `path` or lies inside it; or `path` holds a model with its tokenizer, or a data
+    file (DATA_SUFFIXES, except `own_files`), and own(path) does not claim the folder as this
+    command's earlier output."""
+    path = Path(path)
+    if is_empty(path):
+        return
+    here = path.resolve()
+    for name in inputs:
+        if name is None or not Path(name).exists():
+            continue  # a hub id or a built-in name: not on disk under `path`
+        src = Path(name).resolve()
+        if src == here or here in src.parents:
+            relation = "is" if src == here else "holds"
+            raise OutputExistsError(f"{what} {path} {relation} this command's input {name}: {OVERWRITE_FLAG} would "
+                                    "delete it; choose another path")
+    if not path.is_dir() or (own is not None and own(path)):
+        return
+    names = {p.name for p in path.iterdir()}
+    held = None
+    if "config.json" in names and names & set(TOKENIZER_FILES):
+        held = "a model (config.json with its tokenizer)"
+    else:
+        data = sorted(n for n in names if n.endswith(DATA_SUFFIXES) and n not in own_files)
+        if data:
+            held = f"data ({', '.join(data[:3])})"
+    if held:
+        raise OutputExistsError(f"{what} {path} holds {held} that no drafthead command wrote there: {OVERWRITE_FLAG} "
+                                "would delete it; choose another path")
+
+
+class OutputLockedError(OutputExistsError):
+    """Another process is writing the same output."""
+
+
+def lock_file(path: str | os.PathLike) -> Path:
+    """The lock of output `path`: a hidden file beside it (the output itself may not exist yet,
+    and is renamed or cleared while it is written)."""
+    path = Path(path).absolute()
+    return path.parent / f".{path.name}.lock"
+
+
+@contextlib.contextmanager
+def output_lock(path: str | os.PathLike, *, enabled: bool = True) -> Iterator[None]:
+    """Hold an exclusive lock on output `path` for the block; raise OutputLockedError at once when
+    another process holds it (flock: released by the kernel when a holder dies, so a killed run
+    never leaves a stale lock). enabled False: nothing (the processes of one launch other than
+    the main one, which holds the lock for all of them)."""
+    if not enabled:
+        yield
+        return
+    file = lock_file(path)
+    check_parents(file.parent, "output")
+    file.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT, 0o666 & ~umask())
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise OutputLockedError(f"{path} is being written by another drafthead process (pid {holder}): wait for it "
+                                    "to finish, or choose another path") from None
+        # the holder before us unlinks the file as it lets go: a lock on that unlinked file
+        # guards nothing, so lock the file that is there now
+        try:
+            same = os.fstat(fd).st_ino == os.stat(file).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        with contextlib.suppress(OSError):  # the pid only informs a refused writer; a full disk has no room for it
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(file)
+        os.close(fd)
+
+
+def remove_leftovers(path: str | os.PathLike) -> list[Path]:
+    """Delete the temp files and folders a killed write of output `path` left beside it
+    (`.{name}.*.tmp`, from fresh_folder and heads/io.py's atomic_write); call it holding
+    output_lock(path), which makes every such temp a leftover. Returns what was removed."""
+    path = Path(path).absolute()
+    if not path.parent.is_dir():
+        return []
+    gone = sorted(path.parent.glob(f".{glob_escape(path.name)}.*.tmp"))
+    for p in gone:
+        clear_output(p)
+    return gone
+
+
+def glob_escape(name: str) -> str:
+    """`name` matched literally by Path.glob ([, ], * and ? in a user's folder name)."""
+    import glob
+
+    return glob.escape(name)
+
+
+def probe_writable(folder: str | os.PathLike) -> None:
+    """Create `folder` (with its missing parents) and a file in it, then remove what was made: a
+    folder that cannot be written fails now, before the work, with the OSError naming it."""
+    folder = Path(folder).absolute()
+    made = []  # innermost first
+    p = folder
+    while not p.exists():
+        made.append(p)
+        p = p.parent
+    try:
+        for d in reversed(made):
+            os.mkdir(d)
+        fd, name = tempfile.mkstemp(prefix=".probe-", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+    finally:
+        for d in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
 
 
 def check_distinct(src: str | os.PathLike, out: str | os.PathLike, what: str = "--out") -> None:
@@ -80,15 +232,17 @@ def fresh_folder(path: str | os.PathLike, *, overwrite: bool = False, what: str 
     """
     path = Path(path)
     check_output(path, overwrite=overwrite, what=what)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    os.chmod(tmp, 0o777 & ~umask())  # mkdtemp gives 0o700; the folder should read like any other
-    try:
-        yield tmp
-        _swap_in(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with output_lock(path):
+        remove_leftovers(path)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        os.chmod(tmp, 0o777 & ~umask())  # mkdtemp gives 0o700; the folder should read like any other
+        try:
+            with reported_as(path):
+                yield tmp
+            _swap_in(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 def _swap_in(new: Path, path: Path) -> None:
@@ -105,6 +259,55 @@ def _swap_in(new: Path, path: Path) -> None:
         os.rename(old, path)  # put the user's folder back
         raise
     clear_output(old)
+
+
+# What writers say when the disk fills: safetensors "... (os error 28)", torch.save a short
+# write ("unexpected pos N vs M", "PytorchStreamWriter failed writing"), which names no cause
+_OS_ERROR_CODE = re.compile(r"os error (\d+)")
+_SHORT_WRITE = ("unexpected pos", "PytorchStreamWriter failed writing")
+# Below this much free space, a short write is taken for a full disk (a checkpoint or shard
+# needs far more than this; a disk with more free than this failed for another reason)
+FULL_DISK_BYTES = 16 << 20
+
+
+def write_failure(e: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The OSError, naming `path`, that a writer's error stands for; None when `e` is no write
+    failure. An OSError without a file name gets `path`; safetensors' and torch's errors carry
+    the system's error code in their text, or (torch) only say the write stopped short."""
+    if isinstance(e, OSError):
+        return e if e.filename is not None else OSError(e.errno, e.strerror or str(e), str(path))
+    text = str(e)
+    code = _OS_ERROR_CODE.search(text)
+    if code is not None:
+        number = int(code.group(1))
+        return OSError(number, os.strerror(number), str(path))
+    if any(s in text for s in _SHORT_WRITE):
+        if free_bytes(path) < FULL_DISK_BYTES:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return OSError(errno.EIO, f"the write stopped short ({' '.join(text.split())[:120]})", str(path))
+    return None
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes on the file system that holds `path` (or its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+@contextlib.contextmanager
+def reported_as(path: str | os.PathLike) -> Iterator[None]:
+    """Errors of the writes in the block as OSErrors naming `path` (write_failure), which the CLI
+    prints as one line with what to do (drafthead/cli.py OS_ERROR_HINTS: a full disk's hint)."""
+    try:
+        yield
+    except Exception as e:  # SafetensorError derives from Exception alone
+        writer = isinstance(e, (OSError, RuntimeError)) or type(e).__name__ == "SafetensorError"
+        failure = write_failure(e, path) if writer else None
+        if failure is None or failure is e:
+            raise
+        raise failure from e
 
 
 def umask() -> int:

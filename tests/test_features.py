@@ -102,7 +102,7 @@ def test_capture_resumes_and_refuses_other_settings(setup):
     capture_features(model, samples, LAYERS, out, batch_size=4, shard_samples=8, pad_token_id=tok.pad_token_id, progress=seen.append)
     assert first.stat().st_mtime_ns == stamp  # complete shards are kept
     assert sum(seen) == 20 and len(CapturedFeatures(out)) == 20
-    with pytest.raises(ValueError, match="different settings"):
+    with pytest.raises(ValueError, match=r"made otherwise \(layers: \[1, 2\] -> \[0, 2\]\)"):
         capture_features(model, samples, (0, 2), out, batch_size=4, shard_samples=8)
     with pytest.raises(FileNotFoundError, match="data capture"):
         CapturedFeatures(tmp / "nothing")

@@ -40,20 +40,51 @@ def tree_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
+@pytest.fixture(autouse=True)
+def no_progress_bars(monkeypatch):
+    """Progress bars (tqdm: datasets, safetensors shards, capture) draw on stderr; without them,
+    stderr holds only what the command says, so a refusal must be its only line."""
+    import datasets
+
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()  # datasets' bars ignore TQDM_DISABLE
+    yield
+    if not was_disabled:
+        datasets.enable_progress_bars()
+
+
 def run_cli(capsys, *argv) -> tuple[int, str]:
+    """cli.main(argv) -> (exit code, stderr of this call alone)."""
+    capsys.readouterr()
     code = cli.main([str(a) for a in argv])
     return code, capsys.readouterr().err
 
 
 def assert_refused(code: int, err: str, *fragments: str) -> str:
-    """Exit 2, one `drafthead: error:` line holding every fragment, no traceback."""
-    lines = err.strip().splitlines()
+    """Exit 2 and stderr exactly one `drafthead: error:` line holding every fragment (no note
+    before it, no traceback, no warning)."""
+    lines = err.splitlines()
     assert code == 2, err
-    assert lines and lines[-1].startswith("drafthead: error: "), err
-    assert "Traceback" not in err
+    assert len(lines) == 1 and lines[0].startswith("drafthead: error: "), err
     for fragment in fragments:
-        assert fragment in lines[-1], lines[-1]
-    return lines[-1]
+        assert fragment in lines[0], lines[0]
+    return lines[0]
+
+
+def assert_failed_late(code: int, err: str, *fragments: str) -> str:
+    """For a fault met mid-work (a disk that fills, a target that answers nothing), after the
+    command's progress notes: exit 2, and the last stderr line is the only error line, holding
+    every fragment; no traceback."""
+    lines = err.splitlines()
+    assert code == 2, err
+    assert lines and "drafthead: error: " in lines[-1], err
+    assert sum("error" in line.lower() for line in lines) == 1 and "Traceback" not in err, err
+    # a progress bar the fault cut short leaves no newline before the error
+    line = lines[-1][lines[-1].index("drafthead: error: "):]
+    for fragment in fragments:
+        assert fragment in line, line
+    return line
 
 
 def unchanged(*paths):
@@ -246,10 +277,11 @@ def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 2)
     monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [("", True)] * len(prompts))
     out = tmp_path / "regen.jsonl"
-    code, err = run_cli(capsys, "data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats,
-                        "--out", out, "--max-new-tokens", "2", "--batch-size", "2")
-    assert_refused(code, err, "no record written", "empty_answers=2")
-    assert not out.exists()
+    with unchanged(chats):
+        code, err = run_cli(capsys, "data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats,
+                            "--out", out, "--max-new-tokens", "2", "--batch-size", "2")
+    assert_failed_late(code, err, "no record written", "empty_answers=2")
+    assert sorted(p.name for p in tmp_path.iterdir() if p != isolated_cache) == ["chats.jsonl"]  # no output, temp or lock
 
 
 def test_regenerate_overwrite_and_continue(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
@@ -453,22 +485,28 @@ def test_read_only_output_folder(tmp_path, capsys, monkeypatch):
 
 
 def test_read_only_checkpoint_folder(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
+    """Refused at the start (output_dir is probed before the target loads), not at the first checkpoint."""
     from drafthead.train.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
     run_dir = tmp_path / "run"
     refuse_writes_under(monkeypatch, run_dir / "checkpoints")
-    code, err = run_cli(capsys, "train", "--config", "tiny-medusa1", f"target={tiny_llama_dir}", f"data.path={chats}",
-                        f"output_dir={run_dir}", "max_steps=1", "checkpoint_every=1", "eval_every=0", "data.eval_size=1")
-    assert_refused(code, err, str(run_dir / "checkpoints"), "Permission denied")
-    assert not (run_dir / "final").exists()
+    with unchanged(tmp_path):  # nothing made: no run folder, no lock file
+        assert_refused(*run_cli(capsys, *tiny_train(tiny_llama_dir, chats, run_dir, "max_steps=1", "checkpoint_every=1")),
+                       str(run_dir / "checkpoints"), "Permission denied")
+
+
+def tiny_train(target, chats, out, *overrides) -> list:
+    """argv of a tiny-medusa1 run of the target on the chats into `out` (seconds on a CPU)."""
+    return ["train", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}", f"output_dir={out}",
+            "eval_every=0", "data.eval_size=1", *overrides]
 
 
 def test_traceback_on_request(tmp_path, capsys, monkeypatch):
     bad = tmp_path / "bad.yaml"
     bad.write_text("lr: [1\n")
     monkeypatch.setenv("DRAFTHEAD_TRACEBACK", "1")
-    with pytest.raises(ValueError, match="not valid YAML"):
+    with unchanged(tmp_path), pytest.raises(ValueError, match="not valid YAML"):
         cli.main(["train", "--config", str(bad)])
 
 
@@ -480,43 +518,320 @@ def test_words_after_options(capsys):
     assert_refused(*run_cli(capsys, "train", "--config", "tiny-medusa1", "--resume", "oops"), "'oops' is not key=value")
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory, tiny_target_dir):
+    """A tiny-medusa1 run through the CLI stopped at step 2 of 4 with checkpoints at 1 and 2, and
+    a capture of its features: (target, chats, run folder, capture folder). Tests copy them."""
+    import datasets
+
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    was_disabled = datasets.utils.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
+    root = tmp_path_factory.mktemp("tiny-run")
+    target, chats = tiny_target_dir("llama"), write_tiny_jsonl(root / "chats.jsonl", 12)
+    assert cli.main(tiny_train(target, chats, root / "run", "max_steps=2", "checkpoint_every=1")) == 0
+    assert cli.main(["data", "capture", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}",
+                     "data.eval_size=1", "--out", str(root / "features")]) == 0
+    if not was_disabled:
+        datasets.enable_progress_bars()
+    return target, chats, root / "run", root / "features"
+
+
+def copied(path: Path, where: Path) -> Path:
+    import shutil
+
+    return Path(shutil.copytree(path, where / path.name) if path.is_dir() else shutil.copy(path, where / path.name))
+
+
 @pytest.mark.parametrize("damaged", ["trainable.safetensors", "optimizer.pt"])
-def test_damaged_checkpoint_on_resume(tmp_path, capsys, damaged):
-    out, saved = trained_run(tmp_path)
-    broken = latest_checkpoint(out) / damaged
+def test_damaged_checkpoint_on_resume(tmp_path, capsys, tiny_run, damaged):
+    target, chats, run, _ = tiny_run
+    run = copied(run, tmp_path)
+    broken = latest_checkpoint(run) / damaged
     broken.write_bytes(broken.read_bytes()[:100])
-    with unchanged(out):
-        with pytest.raises(ValueError, match=r"step-00000002 is truncated or corrupt.*delete it"):
-            cfg = config(tmp_path, max_steps=4, checkpoint_every=2, eval_every=0)
-            Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False, resume=True)
+    with unchanged(run, chats):
+        assert_refused(*run_cli(capsys, *tiny_train(target, chats, run, "max_steps=2", "checkpoint_every=1"), "--resume"),
+                       "step-00000002 is truncated or corrupt", "delete it")
 
 
 def test_python_m_drafthead_train_reports_the_same_way(tmp_path):
     """`python -m drafthead train` (what `accelerate launch -m drafthead train` runs): one line, exit 2."""
     bad = tmp_path / "bad.yaml"
     bad.write_text("lr: [1\n")
-    out = subprocess.run([sys.executable, "-m", "drafthead", "train", "--config", str(bad)], capture_output=True, text=True)
-    assert out.returncode == 2 and out.stderr.startswith("drafthead: error: ") and len(out.stderr.splitlines()) == 1
+    with unchanged(tmp_path):
+        out = subprocess.run([sys.executable, "-m", "drafthead", "train", "--config", str(bad)], capture_output=True, text=True)
+    assert_refused(out.returncode, out.stderr, str(bad), "not valid YAML")
 
 
-def test_damaged_captured_shard_and_index(tmp_path):
-    from safetensors.torch import save_file
+def test_damaged_captured_shard_and_index(tmp_path, capsys, tiny_run):
+    from drafthead.train.features import INDEX_FILE
 
-    from drafthead.train.features import FORMAT_VERSION, INDEX_FILE, CapturedFeatures
-
-    folder = tmp_path / "features"
-    folder.mkdir()
-    shard = folder / "shard-00000.safetensors"
-    save_file({"offsets": torch.tensor([0, 4]), "input_ids": torch.arange(4), "loss_mask": torch.ones(4, dtype=torch.bool),
-               "hidden.1": torch.zeros(4, 8)}, str(shard))
-    index = {"version": FORMAT_VERSION, "layers": [1], "hidden_size": 8, "shards": [{"file": shard.name, "num_samples": 1}]}
-    (folder / INDEX_FILE).write_text(json.dumps(index))
-    assert CapturedFeatures(folder)[0]["input_ids"].tolist() == [0, 1, 2, 3]  # whole, it reads
+    target, chats, _, features = tiny_run
+    features = copied(features, tmp_path)
+    argv = tiny_train(target, chats, tmp_path / "run", "max_steps=1", "features.mode=captured", f"features.path={features}")
+    shard = features / "shard-00000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-10])
-    with unchanged(folder):
-        with pytest.raises(ValueError, match="shard-00000.safetensors is truncated or corrupt.*rerun"):
-            CapturedFeatures(folder)[0]
-    (folder / INDEX_FILE).write_bytes(b"\xff" + json.dumps(index).encode())
-    with unchanged(folder):
-        with pytest.raises(ValueError, match=f"{INDEX_FILE} is not UTF-8"):
-            CapturedFeatures(folder)
+    with unchanged(features, chats):
+        assert_refused(*run_cli(capsys, *argv), str(shard), "truncated or corrupt", "rerun")
+    index = features / INDEX_FILE
+    index.write_bytes(b"\xff" + index.read_bytes())
+    with unchanged(features, chats):
+        assert_refused(*run_cli(capsys, *argv, "--overwrite"), str(index), "not UTF-8")
+
+
+# ---------------------------------------------------------------------------------------------- issue 38: silently wrong
+
+
+def test_stale_captured_features_are_refused(tmp_path, capsys, tiny_run, tiny_target_dir):
+    """Data edited after the capture, another target of the same shapes, another hidden size:
+    training on the capture and rerunning the capture are both refused."""
+    target, chats, _, features = tiny_run
+    features, chats = copied(features, tmp_path), copied(chats, tmp_path)
+    train = tiny_train(target, chats, tmp_path / "run", "max_steps=1", "features.mode=captured", f"features.path={features}")
+    other = tiny_target_dir("llama", seed=1)  # same shapes and tokenizer, other weights
+    wider = tiny_target_dir("llama", hidden=64)
+    with unchanged(features, chats):
+        assert_refused(*run_cli(capsys, *train[:3], f"target={other}", *train[4:]), "target's weights", "capture again")
+        assert_refused(*run_cli(capsys, *train[:3], f"target={wider}", *train[4:]), "hidden_size: captured from 32")
+    with chats.open("a") as f:
+        f.write(chats.read_text().splitlines()[0].replace('"id": "tiny-0"', '"id": "edited"') + "\n")
+    capture = ["data", "capture", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}", "data.eval_size=1",
+               "--out", features]
+    with unchanged(features, chats):
+        assert_refused(*run_cli(capsys, *train), f"content of {chats}", "--overwrite")
+        assert_refused(*run_cli(capsys, *capture), "made from other data", "--overwrite")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_second_writer_of_one_output_is_refused(tmp_path, capsys, tiny_llama_dir):
+    """Every writing command takes its output's lock; one held elsewhere refuses the command."""
+    from drafthead.heads.outdir import lock_file, output_lock
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 4)
+    head = medusa_head_dir(tmp_path / "head")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the other writer's")
+    commands = [
+        tiny_train(tiny_llama_dir, chats, out, "--overwrite"),
+        ["export", head, "--format", "medusa", "--out", out, "--overwrite"],
+        ["data", "tiny-target", "--out", out, "--overwrite"],
+        ["data", "capture", "--config", "tiny-medusa1", f"target={tiny_llama_dir}", f"data.path={chats}", "--out", out,
+         "--overwrite"],
+        ["data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats, "--out", out, "--overwrite"],
+    ]
+    with output_lock(out):
+        with unchanged(tmp_path):
+            for argv in commands:
+                assert_refused(*run_cli(capsys, *argv), str(out), "being written by another drafthead process",
+                               f"pid {__import__('os').getpid()}")
+    assert not lock_file(out).exists()  # let go, the lock leaves nothing behind
+
+
+def test_bench_refuses_to_replace_a_file(tmp_path, capsys):
+    """--out / --markdown / --plot: a non-empty file needs --overwrite, the --dataset file is never
+    replaced, and two outputs may not name one file; all before the target loads."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    report = tmp_path / "report.json"
+    report.write_text("{}")
+    bench = ["bench", "--target", "nothing", "--dataset", prompts]
+    with unchanged(tmp_path):
+        assert_refused(*run_cli(capsys, *bench, "--out", report), str(report), "--overwrite")
+        assert_refused(*run_cli(capsys, *bench, "--markdown", report), str(report), "--overwrite")
+        assert_refused(*run_cli(capsys, *bench, "--out", prompts, "--overwrite"), "is this command's input")
+        assert_refused(*run_cli(capsys, *bench, "--out", tmp_path / "a.md", "--markdown", tmp_path / "a.md"),
+                       "both name")
+
+
+def test_overwrite_never_deletes_a_model_data_or_the_inputs(tmp_path, capsys, target_copy):
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    chats = write_tiny_jsonl(data_dir / "chats.jsonl", 4)
+    other_data = tmp_path / "other"
+    other_data.mkdir()
+    write_tiny_jsonl(other_data / "mine.jsonl", 2)
+    head = medusa_head_dir(tmp_path / "head")
+    with unchanged(tmp_path):
+        assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, target_copy, "--overwrite")), "is this command's input")
+        assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, data_dir, "--overwrite")), "holds this command's input")
+        assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, other_data, "--overwrite")), "holds data (mine.jsonl)")
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", target_copy, "--overwrite"),
+                       "holds a model")
+        assert_refused(*run_cli(capsys, "data", "capture", "--config", "tiny-medusa1", f"target={target_copy}",
+                                f"data.path={chats}", "--out", data_dir, "--overwrite"), "holds this command's input")
+        assert_refused(*run_cli(capsys, "data", "tiny-target", "--out", target_copy, "--overwrite"), "holds a model")
+        assert_refused(*run_cli(capsys, "data", "regenerate", "--target", target_copy, "--source", "json", "--path", chats,
+                                "--out", chats, "--overwrite"), "is this command's input")
+    tiny = tmp_path / "tiny"
+    assert run_cli(capsys, "data", "tiny-target", "--out", tiny, "--chats", "2")[0] == 0
+    assert run_cli(capsys, "data", "tiny-target", "--out", tiny, "--chats", "2", "--overwrite")[0] == 0  # its own
+
+
+@pytest.mark.parametrize("argv,fragments", [
+    (["--stop", ""], ['--stop ""', "first token"]),
+    (["--lookup-nodes", "-1"], ["--lookup-nodes must be >= 0"]),
+    (["--lookup-streak", "-2"], ["--lookup-streak must be >= 0"]),
+    (["--temperature", "nan"], ["temperature must be a number >= 0, got nan"]),
+    (["--temperature", "inf"], ["temperature must be a number >= 0, got inf"]),
+    (["--repetition-penalty", "nan"], ["repetition_penalty"]),
+])
+def test_settings_are_checked_before_the_target_loads(tmp_path, capsys, argv, fragments):
+    with unchanged(tmp_path):
+        assert_refused(*run_cli(capsys, "generate", "--target", "nothing", "--prompt", "hi", *argv), *fragments)
+
+
+def llama_head_dir(folder: Path, target_dir: Path) -> Path:
+    """A saved medusa1 head for the tiny Llama target folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir)
+    head = build_head(make_config("medusa1", target, AutoTokenizer.from_pretrained(target_dir), name=target_dir.name,
+                                  num_heads=2), target)
+    return head.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("drafting,fragments", [
+    ({"lookup_nodes": -1}, ["lookup_nodes must be a whole number >= 0", "got -1"]),
+    ({"lookup_streak": "8"}, ["lookup_streak must be a whole number", "got '8'"]),
+    ({"num_draft": 0}, ["num_draft must be a whole number >= 1"]),
+    ([1, 2], ["holds a JSON list, not an object"]),
+])
+def test_bad_drafting_json_is_named(tmp_path, capsys, tiny_llama_dir, drafting, fragments):
+    head = llama_head_dir(tmp_path / "head", tiny_llama_dir)
+    (head / "drafting.json").write_text(json.dumps(drafting))
+    with unchanged(tmp_path):
+        assert_refused(*run_cli(capsys, "generate", "--target", tiny_llama_dir, "--head", head, "--prompt", "hi",
+                                "--max-new-tokens", "2"), str(head / "drafting.json"), *fragments)
+
+
+def test_keep_best_without_an_eval_split(tmp_path, capsys, tiny_llama_dir, isolated_cache):
+    """Too few rows for an eval split: keep_best is refused before training; without it the run
+    says at the start that it has no eval."""
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
+    run = tmp_path / "run"
+    no_eval = ["data.eval_fraction=0", "max_steps=1", "checkpoint_every=0"]
+    with unchanged(chats):
+        assert_refused(*run_cli(capsys, *tiny_train(tiny_llama_dir, chats, run, *no_eval, "keep_best=tau_est")),
+                       "keep_best=tau_est needs held-out samples", "leave none for eval", "keep_best=none")
+    assert not run.exists()
+    capsys.readouterr()
+    assert cli.main([str(a) for a in tiny_train(tiny_llama_dir, chats, run, *no_eval)]) == 0
+    assert "no eval: 8 samples with data.eval_fraction=0.0" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- issue 38: unclear
+
+
+def test_write_failure_rule():
+    """What the writers raise on a full disk (taken from a full tmpfs), as the OSError the CLI reports."""
+    import errno
+
+    from drafthead.heads.outdir import write_failure
+
+    safetensors = RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert (write_failure(safetensors, "f").errno, write_failure(safetensors, "f").filename) == (errno.ENOSPC, "f")
+    short = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")
+    assert write_failure(short, "/").errno in (errno.ENOSPC, errno.EIO)
+    assert write_failure(OSError(errno.ENOSPC, "No space left on device"), "out.jsonl").filename == "out.jsonl"
+    assert write_failure(RuntimeError("shape mismatch"), "f") is None
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A tmpfs of 1 MiB mounted at tmp_path/full, filled but for `free(n)` bytes (tests run as
+    root; a runner that may not mount skips, and test_write_failure_rule still runs)."""
+    folder = tmp_path / "full"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+
+    def free(n: int) -> Path:
+        filler = folder / "filler"
+        with open(filler, "wb") as f:
+            try:
+                f.write(b"\0" * (1 << 20))
+            except OSError:
+                pass
+        with open(filler, "r+b") as f:
+            f.truncate(max(0, filler.stat().st_size - n))
+        return folder
+
+    try:
+        yield free
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def assert_disk_full(code: int, err: str, where: Path) -> None:
+    line = assert_failed_late(code, err, "No space left on device", "the disk is full: free space or write somewhere else")
+    assert str(where) in line
+    assert not [p for p in where.rglob("*") if p.name.endswith((".tmp", ".lock")) or p.name.startswith(".tmp-")]
+
+
+def test_disk_full_while_writing(tmp_path, capsys, full_disk, tiny_llama_dir, monkeypatch, isolated_cache):
+    """Every writing command on a full disk: one line naming the file or folder with the way out,
+    no temp file left, the inputs unchanged."""
+    import drafthead.train.regenerate as regenerate
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
+    head = medusa_head_dir(tmp_path / "head")
+    disk = full_disk(0)
+    with unchanged(chats, head, tiny_llama_dir):
+        assert_disk_full(*run_cli(capsys, "data", "tiny-target", "--out", disk / "tiny"), disk)
+        assert_disk_full(*run_cli(capsys, "export", head, "--format", "medusa", "--out", disk / "export"), disk)
+        monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [("x" * 99, True)] * len(prompts))
+        assert_disk_full(*run_cli(capsys, "data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path",
+                                  chats, "--out", disk / "regen.jsonl", "--max-new-tokens", "2"), disk / "regen.jsonl")
+        disk = full_disk(4096)  # the capture's plan fits, its first shard does not
+        assert_disk_full(*run_cli(capsys, "data", "capture", "--config", "tiny-medusa1", f"target={tiny_llama_dir}",
+                                  f"data.path={chats}", "--out", disk / "features"), disk / "features")
+        disk = full_disk(16384)  # the run's config and log fit, its first checkpoint does not
+        assert_disk_full(*run_cli(capsys, *tiny_train(tiny_llama_dir, chats, disk / "run", "max_steps=1",
+                                                      "checkpoint_every=1")), disk / "run" / "checkpoints")
+    assert not (disk / "run" / "final").exists()
+
+
+def test_leftovers_of_killed_writes_are_removed(tmp_path, capsys, tiny_run):
+    """A killed checkpoint, export or capture shard write leaves temp files; the next run removes them."""
+    target, chats, run, features = tiny_run
+    run, features = copied(run, tmp_path), copied(features, tmp_path)
+    (run / "checkpoints" / ".tmp-step-00000003-999999").mkdir()
+    (run / "checkpoints" / ".tmp-step-00000003-999999" / "optimizer.pt").write_bytes(b"half")
+    assert run_cli(capsys, *tiny_train(target, chats, run, "max_steps=3", "checkpoint_every=1"), "--resume")[0] == 0
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    (tmp_path / ".export.a1b2c3.tmp").mkdir()
+    (tmp_path / ".export.a1b2c3.tmp" / "model.safetensors").write_bytes(b"half")
+    assert run_cli(capsys, "export", run / "final", "--format", "medusa", "--out", tmp_path / "export")[0] == 0
+    assert not list(tmp_path.glob(".export.*"))
+    (features / "shard-00000.tmp").write_bytes(b"half")
+    (features / ".index.json.x1y2.tmp").write_bytes(b"half")
+    with unchanged(features / "shard-00000.safetensors"):
+        assert run_cli(capsys, "data", "capture", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}",
+                       "data.eval_size=1", "--out", features)[0] == 0
+    assert not list(features.glob("*.tmp"))
+
+
+def test_paths_that_cannot_be_used(tmp_path, capsys, tiny_run):
+    """--out under a file; data.path a folder of JSONL files; export of a run folder."""
+    _, chats, run, _ = tiny_run
+    note = tmp_path / "afile"
+    note.write_text("mine")
+    folder = tmp_path / "jsonl"
+    folder.mkdir()
+    copied(chats, folder)
+    with unchanged(tmp_path, run):
+        assert_refused(*run_cli(capsys, "export", run / "final", "--format", "medusa", "--out", note / "sub"),
+                       f"{note} is a file, not a folder")
+        assert_refused(*run_cli(capsys, "data", "inspect", "--source", "file", "--path", folder),
+                       str(folder), "save_to_disk", "join them into one")
+        assert_refused(*run_cli(capsys, "export", run, "--format", "medusa", "--out", tmp_path / "x"),
+                       "a training run's folder", str(run / "final"))

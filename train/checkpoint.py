@@ -30,11 +30,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..heads.outdir import reported_as
+
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "trainable.safetensors"
 RUN_CONFIG_FILE = "run_config.json"
+TMP_PREFIX = ".tmp-"  # a checkpoint being written: checkpoints/.tmp-step-N-<pid>
 
 
 @dataclass
@@ -91,9 +94,26 @@ def save_checkpoint(
     root = checkpoint_root(output_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(state.step)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    try:
+        with reported_as(root):  # a full disk: one line naming the folder, not the writer's error
+            _write_files(tmp, weights, optimizer_state, scheduler_state, rng_states, scaler_state, config, state)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the disk it filled is freed again
+        raise
+    if final.exists():  # same step written again (a resumed run re-reaching it): replace
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    latest_tmp = root / f".{LATEST}.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, root / LATEST)
+    _prune(root, keep, final.name)
+    return final
+
+
+def _write_files(tmp: Path, weights, optimizer_state, scheduler_state, rng_states, scaler_state, config, state) -> None:
     # contiguous CPU copies: safetensors refuses shared or strided storage
     save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in weights.items()}, str(tmp / WEIGHTS_FILE))
     torch.save(optimizer_state, tmp / "optimizer.pt")
@@ -104,14 +124,19 @@ def save_checkpoint(
     if config is not None:
         (tmp / RUN_CONFIG_FILE).write_text(json.dumps(config, indent=1))
     (tmp / STATE_FILE).write_text(json.dumps(state.to_dict(), indent=1))
-    if final.exists():  # same step written again (a resumed run re-reaching it): replace
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    latest_tmp = root / f".{LATEST}.tmp"
-    latest_tmp.write_text(final.name)
-    os.replace(latest_tmp, root / LATEST)
-    _prune(root, keep, final.name)
-    return final
+
+
+def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Delete what killed checkpoint writes left in output_dir/checkpoints (`.tmp-step-*` folders,
+    the `latest` pointer's temp file). Call it on the main process holding the output_dir lock
+    (heads/outdir.py output_lock), under which no other writer is at work. Returns what went."""
+    root = checkpoint_root(output_dir)
+    if not root.is_dir():
+        return []
+    gone = sorted(p for p in root.iterdir() if p.name.startswith(TMP_PREFIX) or p.name == f".{LATEST}.tmp")
+    for p in gone:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return gone
 
 
 def _prune(root: Path, keep: int, newest: str) -> None:

@@ -34,12 +34,14 @@ from safetensors.torch import save_file
 
 from ..heads.batch import FeatureBatch
 from ..heads.io import read_json
+from ..heads.outdir import reported_as
 from ..inference.engine.targets import resolve_dtype
 from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"
 CAPTURE_PLAN = "capture.json"  # the settings of a capture in progress (a rerun continues it)
-FORMAT_VERSION = 1
+# 2: the meta records what the capture was made from (data content, target identity and weights)
+FORMAT_VERSION = 2
 
 
 def required_layers(head_config, num_hidden_layers: int) -> tuple[int, ...]:
@@ -198,9 +200,13 @@ def capture_features(
         "meta": meta or {},
     }
     plan_file = out_dir / CAPTURE_PLAN
-    if plan_file.exists() and json.loads(plan_file.read_text()) != plan:
-        raise ValueError(f"{out_dir} holds a capture with different settings ({plan_file}); use another --out")
+    if plan_file.exists():
+        changed = plan_changes(read_json(plan_file), plan)
+        if changed:
+            raise ValueError(f"{out_dir} holds a capture made otherwise ({'; '.join(changed)}): pass --overwrite to "
+                             "capture again from scratch, or use another --out")
     if share.is_main:
+        remove_partial_shards(out_dir)
         write_atomically(plan_file, json.dumps(plan, indent=1))
 
     bounds = [(k, start, min(n, start + shard_samples)) for k, start in enumerate(range(0, n, shard_samples))]
@@ -213,7 +219,12 @@ def capture_features(
         if k in mine:
             tensors = _capture_shard(model, samples, range(start, stop), layers, batch_size, store_dtype, pad_token_id, progress)
             tmp = path.with_suffix(".tmp")
-            save_file(tensors, str(tmp))
+            try:
+                with reported_as(path):
+                    save_file(tensors, str(tmp))
+            except BaseException:
+                tmp.unlink(missing_ok=True)  # free what the failed write took
+                raise
             os.replace(tmp, path)
         elif k in kept and share.is_main and progress is not None:
             progress(stop - start)
@@ -232,6 +243,28 @@ def capture_features(
         write_atomically(index_file, json.dumps(dict(plan, hidden_size=hidden_size, shards=shards), indent=1))
     share.barrier()  # no rank returns the index path before the index is there
     return index_file
+
+
+def plan_changes(saved: dict, plan: dict, prefix: str = "") -> list[str]:
+    """'key: saved -> now' for every field of a capture plan that differs (nested: meta.data_sha256)."""
+    changes = []
+    for key in sorted(set(saved) | set(plan)):
+        a, b = saved.get(key, "<unset>"), plan.get(key, "<unset>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            changes += plan_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            short = lambda v: f"{v[:12]}..." if isinstance(v, str) and len(v) == 64 else repr(v)  # noqa: E731  a sha256
+            changes.append(f"{prefix}{key}: {short(a)} -> {short(b)}")
+    return changes
+
+
+def remove_partial_shards(out_dir: Path) -> list[Path]:
+    """Delete the temp files killed writes left in a capture folder (`shard-*.tmp`, and atomic
+    writes' `.*.tmp`). Only the main rank calls it, before any rank writes a shard."""
+    gone = sorted(p for p in out_dir.glob("*.tmp") if p.is_file())
+    for p in gone:
+        p.unlink()
+    return gone
 
 
 def _capture_shard(model, samples, indices, layers, batch_size, store_dtype, pad_token_id, progress) -> dict[str, torch.Tensor]:
@@ -272,7 +305,8 @@ class CapturedFeatures(torch.utils.data.Dataset):
             raise FileNotFoundError(f"no captured features at {self.dir} (missing {INDEX_FILE}); run `drafthead data capture`")
         self.index = read_json(index_file)  # bad JSON or bytes: one line naming the file
         if self.index.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{index_file}: format version {self.index.get('version')}, expected {FORMAT_VERSION}")
+            raise ValueError(f"{index_file}: format version {self.index.get('version')}, expected {FORMAT_VERSION}: capture "
+                             "again (`drafthead data capture --overwrite`), which records what the features were made from")
         self.layers: tuple[int, ...] = tuple(self.index["layers"])
         self.hidden_size: int = self.index["hidden_size"]
         self._starts = []  # first global sample index of each shard
@@ -283,6 +317,8 @@ class CapturedFeatures(torch.utils.data.Dataset):
         self._len = total
         self._handles: dict[int, Any] = {}
         self._offsets: dict[int, torch.Tensor] = {}
+        for k in range(len(self.index["shards"])):  # a damaged shard fails now, not at its first batch
+            self._shard(k)
 
     def __len__(self) -> int:
         return self._len

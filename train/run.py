@@ -13,9 +13,10 @@ import yaml
 
 from .chat_format import FormatReport, tokenize_conversations
 from .config import ConfigError, TrainConfig, check_resume, head_config_dict
-from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, required_layers
+from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, plan_changes, required_layers
 from .sources import SourceReport, load_conversations
-from .checkpoint import latest_checkpoint, saved_run_config
+from .tracking import METRICS_FILE
+from .checkpoint import checkpoint_root, latest_checkpoint, saved_run_config
 from .lora import wrap_lora
 from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices
 
@@ -50,7 +51,9 @@ def token_samples(config: TrainConfig, tokenizer) -> Samples:
     return Samples(TokenDataset(tokenized), source_report, format_report)
 
 
-def build_samples(config: TrainConfig, tokenizer, layers: tuple[int, ...]) -> Samples:
+def build_samples(config: TrainConfig, tokenizer, layers: tuple[int, ...], target_model=None) -> Samples:
+    """The run's samples: tokenized conversations, or captured features checked against what
+    this run would capture (capture_meta; the target's part when `target_model` is given)."""
     if config.features.mode == "captured":
         captured = CapturedFeatures(config.features.path)
         missing = sorted(set(layers) - set(captured.layers))
@@ -59,14 +62,51 @@ def build_samples(config: TrainConfig, tokenizer, layers: tuple[int, ...]) -> Sa
                 f"captured features at {config.features.path} hold layers {list(captured.layers)}; "
                 f"this head needs {list(layers)} (missing {missing}): capture again for this head"
             )
-        made_from = captured.index.get("meta", {}).get("data")
-        if made_from is not None and made_from != config.to_dict()["data"]:
-            raise ConfigError(
-                f"captured features at {config.features.path} were made from data {made_from}, this run's data is "
-                f"{config.to_dict()['data']}: the train/eval split would not match; capture again or fix the data section"
-            )
+        changed = stale_capture(captured.index.get("meta", {}), config, target_model, tokenizer)
+        if changed:
+            raise ConfigError(f"captured features at {config.features.path} were made from other inputs than this run's "
+                              f"({'; '.join(changed)}): capture again (`drafthead data capture --overwrite`) or fix the config")
         return Samples(captured)
     return token_samples(config, tokenizer)
+
+
+def capture_meta(config: TrainConfig, target_model=None, tokenizer=None, target_name: str | None = None) -> dict:
+    """What a capture is made from, recorded in its plan and index: the data section and the data's
+    content hash, and (given the target) its identity with the tokenizer's fingerprint and a
+    fingerprint of its weights (heads/identity.py)."""
+    from ..heads.identity import identify_target, weights_fingerprint
+    from .sources import data_fingerprint
+
+    meta = {"data": config.to_dict()["data"], "data_sha256": data_fingerprint(config.data.source, config.data.path)}
+    if target_model is not None:
+        meta.update(target=target_name, target_identity=identify_target(target_model, tokenizer, target_name).to_dict(),
+                    target_weights_sha256=weights_fingerprint(target_model))
+    return meta
+
+
+def stale_capture(made_from: dict, config: TrainConfig, target_model=None, tokenizer=None) -> list[str]:
+    """How the inputs a capture was made from (its meta) differ from this config's (and this
+    target's, when given): 'what: then -> now' lines; [] when they agree. The target's name is
+    not compared (a path or a hub id for the same model)."""
+    from ..heads.identity import TargetIdentity, identity_diff
+
+    now = capture_meta(config, target_model, tokenizer)
+    changed = []
+    if made_from.get("data") != now["data"]:
+        changed += [f"{line} (the train/eval split would differ)" for line in plan_changes(made_from.get("data") or {}, now["data"], "data.")]
+    if made_from.get("data_sha256") != now["data_sha256"]:
+        changed.append(f"the content of {config.data.path or config.data.source} (it changed since the capture)")
+    if target_model is not None:
+        then = made_from.get("target_identity")
+        if then is None:
+            changed.append("the target (the capture does not record it)")
+        else:
+            changed += identity_diff(TargetIdentity.from_dict(then), TargetIdentity.from_dict(now["target_identity"]),
+                                     expects="captured from")
+            if made_from.get("target_weights_sha256") != now["target_weights_sha256"]:
+                changed.append(f"the target's weights (captured from {made_from.get('target')!r}, a different model "
+                               "than this run's target)")
+    return changed
 
 
 def saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name: str | None = None):
@@ -119,11 +159,12 @@ def build_trainer(
     if config.data.streaming:
         return _streaming_trainer(config, hcfg, layers, target_model, tokenizer, target_name, accelerator, say)
     with accelerator.main_process_first():  # the first process fills the data caches, the others read them
-        samples = build_samples(config, tokenizer, layers)
+        samples = build_samples(config, tokenizer, layers, target_model)
     for report in (samples.source_report, samples.format_report):
         if report is not None:
             say(report.summary())
     train_idx, eval_idx = split_indices(len(samples.dataset), config.data.eval_fraction, config.data.eval_size, config.seed)
+    check_eval_split(config, len(eval_idx), f"{len(samples.dataset)} samples", say)
 
     head = new_or_saved_head(config, hcfg, target_model, tokenizer, target_name, say,
                              lambda: samples.dataset.token_counts(hcfg.vocab_size, train_idx))
@@ -142,6 +183,19 @@ def build_trainer(
     return Trainer(config, head, data, accelerator=accelerator, target=target, layers=layers,
                    frozen_target=target_model if featurize is not None else None,
                    replay=build_replay(config, target_model, tokenizer, data.eval, head))
+
+
+def check_eval_split(config: TrainConfig, n_eval: int, samples: str, say: Callable[[str], None]) -> None:
+    """A run whose data leaves no eval split: refused when it keeps the best head (best/ would
+    never be written), else said at the start (no eval metric would appear)."""
+    if n_eval:
+        return
+    d = config.data
+    why = f"{samples} with data.eval_fraction={d.eval_fraction}, data.eval_size={d.eval_size} leave none for eval"
+    if config.keep_best != "none":
+        raise ConfigError(f"keep_best={config.keep_best} needs held-out samples, but {why}: raise data.eval_fraction "
+                          "or data.eval_size, add data, or set keep_best=none")
+    say(f"no eval: {why}; only training metrics are reported")
 
 
 def build_replay(config: TrainConfig, target_model, tokenizer, eval_samples, head):
@@ -187,6 +241,7 @@ def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenize
     stream = TokenStream(data.source, data.path, tokenizer, data.max_length, eval_size=data.eval_size,
                          shuffle_buffer=data.shuffle_buffer, limit=data.limit)
     eval_samples = stream.eval_samples()
+    check_eval_split(config, len(eval_samples), "the stream", say)
     say(f"streaming {stream.file} ({stream.format}): {len(eval_samples)} eval samples held out, the rest read lazily")
     head = new_or_saved_head(config, hcfg, target_model, tokenizer, target_name, say, lambda: stream.token_counts(hcfg.vocab_size))
     train_data = TrainData(train=stream, eval=eval_samples or None, featurize=OnlineFeaturizer(target_model, layers),
@@ -196,21 +251,33 @@ def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenize
 
 
 def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
-                 say: Callable[[str], None] = print) -> TrainResult:
+                 say: Callable[[str], None] = print, inputs: tuple = ()) -> TrainResult:
     """Load the target named by the config on this process's device, build, train (resume and
-    overwrite: Trainer.fit). The output_dir is checked before the target loads, so a refusal is quick."""
+    overwrite: Trainer.fit), holding output_dir's lock (heads/outdir.py output_lock) throughout.
+    output_dir is checked before the target loads, so a refusal is quick: what it holds, what
+    --overwrite would delete (inputs: files the caller read besides the config's, such as the
+    YAML), and that it can be written."""
+    from ..heads.outdir import check_replaceable, output_lock, probe_writable, reported_as
     from ..inference.engine.targets import load_target
 
     out = Path(config.output_dir)
-    existing = latest_checkpoint(out)
-    check_output_dir(out, existing, resume=resume, overwrite=overwrite)
-    if resume and existing is not None:  # Trainer.fit checks again; here it costs no target load
-        check_resume(saved_run_config(existing, out / CONFIG_FILE), config, str(existing))
     accelerator = make_accelerator(config)
-    loaded = load_target(config.target, dtype=config.target_dtype, device=accelerator.device, threads=config.threads)
-    main_say = say if accelerator.is_main_process else (lambda message: None)
-    trainer = build_trainer(config, loaded.model, loaded.tokenizer, target_name=loaded.name, accelerator=accelerator, say=main_say)
-    return trainer.fit(resume=resume, overwrite=overwrite)
+    with output_lock(out, enabled=accelerator.is_main_process):
+        existing = latest_checkpoint(out)
+        check_output_dir(out, existing, resume=resume, overwrite=overwrite)
+        if overwrite:
+            check_replaceable(out, what="output_dir", own_files=(METRICS_FILE,),
+                              inputs=[config.target, config.data.path, config.features.path, config.init_from, *inputs])
+        if resume and existing is not None:  # Trainer.fit checks again; here it costs no target load
+            check_resume(saved_run_config(existing, out / CONFIG_FILE), config, str(existing))
+        if accelerator.is_main_process:
+            probe_writable(checkpoint_root(out) if config.checkpoint_every else out)
+        loaded = load_target(config.target, dtype=config.target_dtype, device=accelerator.device, threads=config.threads)
+        main_say = say if accelerator.is_main_process else (lambda message: None)
+        trainer = build_trainer(config, loaded.model, loaded.tokenizer, target_name=loaded.name, accelerator=accelerator,
+                                say=main_say)
+        with reported_as(out):  # a log or config write on a full disk names no file of its own
+            return trainer.fit(resume=resume, overwrite=overwrite)
 
 
 def capture_from_config(
@@ -233,7 +300,7 @@ def capture_from_config(
     samples = token_samples(config, tokenizer)
     for report in (samples.source_report, samples.format_report):
         say(report.summary())
-    meta = {"target": target_name, "data": config.to_dict()["data"]}
+    meta = capture_meta(config, target_model, tokenizer, target_name)
     return capture_features(
         target_model, samples.dataset, layers, out_dir,
         batch_size=batch_size or config.batch_size, shard_samples=config.features.shard_samples,

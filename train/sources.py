@@ -104,8 +104,17 @@ def empty_source_error(file: Path | str, report: SourceReport) -> EmptySourceErr
 # Reading records
 # ----------------------------------------------------------------------------------------------
 
+# What datasets' save_to_disk leaves at a folder's top: a Dataset's, or a DatasetDict's
+SAVED_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
+
+
 def load_saved(folder: Path) -> datasets.Dataset:
     """A `save_to_disk` folder as one Dataset: a DatasetDict's `train` split (or its only one)."""
+    if not any((folder / name).exists() for name in SAVED_MARKERS):
+        files = sorted(p.name for p in folder.iterdir() if p.is_file())[:3]
+        raise ValueError(f"{folder} is a folder not written by datasets' save_to_disk (it has no {SAVED_MARKERS[0]}; "
+                         f"it holds {', '.join(files) or 'no file'}): data.path / --path takes one data file or such a "
+                         "folder; to train on several JSONL files, join them into one (cat *.jsonl > all.jsonl)")
     saved = datasets.load_from_disk(str(folder))
     if isinstance(saved, datasets.DatasetDict):
         if "train" in saved or len(saved) == 1:
@@ -240,6 +249,23 @@ def resolve_source(source: str, path: str | None = None) -> Path:
     if not path:
         raise ValueError(f"source {source!r} needs a path")
     return Path(path)
+
+
+def data_fingerprint(source: str, path: str | None = None) -> str:
+    """sha256 of what the (source, path) pair holds: the file's bytes, or every file of a
+    save_to_disk folder with its relative path. Captured features record it, and a run that reads
+    them checks it: an edit to the data after the capture would otherwise go unnoticed."""
+    file = resolve_source(source, path)
+    if not file.exists():
+        raise FileNotFoundError(f"source file {file} does not exist")
+    digest = hashlib.sha256()
+    for p in sorted(q for q in file.rglob("*") if q.is_file()) if file.is_dir() else [file]:
+        if file.is_dir():
+            digest.update(str(p.relative_to(file)).encode() + b"\0")
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def guess_format(path: Path) -> str | None:

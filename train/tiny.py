@@ -9,7 +9,7 @@ import json
 import random
 from pathlib import Path
 
-from ..heads.outdir import check_output, fresh_folder
+from ..heads.outdir import check_output, check_replaceable, fresh_folder
 
 # ChatML like SmolLM2's, without its default system prompt.
 TINY_CHAT_TEMPLATE = (
@@ -93,6 +93,7 @@ def tiny_target(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int
 
 
 CHATS_FILE = "chats.jsonl"
+TINY_FILE = "tiny-target.json"  # what made the folder: marks it as one `--overwrite` may replace
 
 
 def save_tiny_target(out_dir: str | Path, *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
@@ -102,6 +103,8 @@ def save_tiny_target(out_dir: str | Path, *, vocab_size: int = 320, hidden_size:
     and a non-empty one is replaced only with `overwrite` (heads/outdir.py)."""
     out_dir = Path(out_dir)
     check_output(out_dir, overwrite=overwrite, what="tiny target folder")
+    if overwrite:  # an earlier tiny target may be replaced; a real model or data may not
+        check_replaceable(out_dir, what="tiny target folder", own=lambda p: (p / TINY_FILE).exists())
     tokenizer = tiny_tokenizer(vocab_size)
     model = tiny_target(tokenizer, hidden_size, num_layers, seed)
     with fresh_folder(out_dir, overwrite=overwrite, what="tiny target folder") as tmp:
@@ -109,4 +112,6 @@ def save_tiny_target(out_dir: str | Path, *, vocab_size: int = 320, hidden_size:
         tokenizer.save_pretrained(tmp)
         if chats:
             write_tiny_jsonl(tmp / CHATS_FILE, chats, seed=seed)
+        settings = {"vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": num_layers, "seed": seed, "chats": chats}
+        (tmp / TINY_FILE).write_text(json.dumps(settings, indent=1) + "\n")
     return out_dir

@@ -36,6 +36,7 @@ from .checkpoint import (
     checkpoint_root,
     latest_checkpoint,
     load_checkpoint,
+    remove_partial_checkpoints,
     restore_rng_state,
     save_checkpoint,
     saved_run_config,
@@ -523,6 +524,8 @@ class Trainer:
                 clear_output(out)
             acc.wait_for_everyone()
             return None, []
+        if acc.is_main_process:  # what a killed checkpoint write left fills the disk until removed
+            remove_partial_checkpoints(out)
         if not resume or existing is None:
             return None, []
         changes = check_resume(saved_run_config(existing, out / CONFIG_FILE), self.config, str(existing))

@@ -124,6 +124,15 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
                         "quantized types are a different model from the torch target, decoded exactly")
 
 
+def check_drafting_args(args) -> None:
+    """Drafting options no drafter can take, refused before the target loads: a negative
+    lookup setting would otherwise run as if it were off."""
+    for option in ("lookup_nodes", "lookup_streak"):
+        value = getattr(args, option, None)
+        if value is not None and value < 0:
+            raise ValueError(f"--{option.replace('_', '-')} must be >= 0 (0: off), got {value}")
+
+
 def verifier_from_args(args, loaded, model):
     """What verifies the trees: `model` (the loaded target, or the one a head adapted) itself, or
     (--backend llama.cpp) a LlamaCppTarget on a GGUF of the target that llama.cpp's converter

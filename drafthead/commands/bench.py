@@ -6,7 +6,9 @@ import os
 from pathlib import Path
 
 from . import (
+    add_overwrite_option,
     add_proposer_options,
+    check_drafting_args,
     add_sampling_options,
     add_target_options,
     choose_proposer,
@@ -37,6 +39,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=int, default=None, metavar="B",
                    help="decode B prompts at a time, plain batched generate() vs ours batched (and ours with no "
                         "drafting); reports total tokens/s, per-row tau, identical share and peak RSS")
+    add_overwrite_option(p)
     add_target_options(p)
     add_proposer_options(p)
     add_sampling_options(p)
@@ -48,6 +51,8 @@ def run(args) -> int:
     from ..inference.bench.report import format_table, plot_report, render_markdown
     from ..inference.engine.targets import eos_token_ids
 
+    check_report_paths(args)
+    check_drafting_args(args)
     prompts = load_prompts(args.dataset, args.limit)  # before the model: bad input fails fast
     sampling = sampling_from_args(args)
     external = [e for e in args.compare if e in EXTERNAL_ENGINES]
@@ -57,8 +62,8 @@ def run(args) -> int:
         raise ValueError(f"--compare {' / '.join(external)} runs one prompt at a time; drop --batch-size")
     loaded = load_target_from_args(args)
     proposer, head, message = choose_proposer(args, loaded.name)
-    note(message)
     factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
+    note(message)  # once the drafter is built: a head that cannot draft is the only line
     verifier = verifier_from_args(args, loaded, model)
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
@@ -178,6 +183,25 @@ def _run_batched(args, model, tokenizer, factory, example, prompts, settings) ->
         note(f"report: {args.out}")
     print(format_batch_table(report))
     return 0
+
+
+def check_report_paths(args) -> None:
+    """--out, --markdown and --plot: refused when one holds a file (without --overwrite), is one
+    of the bench's inputs (the --dataset file, the head), or names the same file as another."""
+    from ..heads.outdir import check_output, check_replaceable
+
+    given = {option: path for option, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot))
+             if path is not None}
+    seen = {}
+    for option, path in given.items():
+        if Path(path).exists() and Path(path).is_dir():
+            raise ValueError(f"{option} {path} is a folder: name the file to write")
+        check_replaceable(path, inputs=[args.dataset, args.head, args.target], what=option)  # even with --overwrite
+        check_output(path, overwrite=args.overwrite, what=option)
+        key = Path(path).resolve()
+        if key in seen:
+            raise ValueError(f"{seen[key]} and {option} both name {path}: give each its own file")
+        seen[key] = option
 
 
 def write_text(path: str, text: str) -> None:

@@ -73,7 +73,26 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    return {"inspect": _inspect, "regenerate": _regenerate, "capture": _capture, "tiny-target": _tiny}[args.data_command](args)
+    if args.data_command == "regenerate":
+        return _regenerate_locked(args)
+    return {"inspect": _inspect, "capture": _capture, "tiny-target": _tiny}[args.data_command](args)
+
+
+def _regenerate_locked(args) -> int:
+    """`data regenerate` holding its output's lock, its --overwrite unable to delete its own
+    source, and a write error that names no file (a full disk) named as its --out."""
+    from ..heads.outdir import check_replaceable, output_lock, reported_as
+
+    if args.overwrite:
+        check_replaceable(args.out, inputs=[args.path, args.target, args.head], what="output")
+    with output_lock(args.out, enabled=launch_rank() == 0), reported_as(args.out):
+        return _regenerate(args)
+
+
+def launch_rank() -> int:
+    """This process's rank under `accelerate launch` / `torchrun` (they set RANK), 0 alone: the
+    main process takes an output's lock for every process of the launch."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def _inspect(args) -> int:
@@ -160,11 +179,12 @@ def _regenerate(args) -> int:
 def _capture(args) -> int:
     from tqdm.auto import tqdm
 
-    from ..heads.outdir import check_output
+    from ..heads.io import read_json
+    from ..heads.outdir import check_output, check_replaceable, output_lock
     from ..inference.engine.targets import load_target
     from ..train.config import load_config
     from ..train.features import CAPTURE_PLAN
-    from ..train.run import capture_from_config
+    from ..train.run import capture_from_config, stale_capture
 
     config = load_config(args.config, args.overrides)
     out = args.out or config.features.path
@@ -172,16 +192,25 @@ def _capture(args) -> int:
         raise ValueError("pass --out DIR or set features.path in the config")
     check_output(out, overwrite=args.overwrite, what="capture folder", own=lambda p: (p / CAPTURE_PLAN).exists(),
                  hint=" and holds no capture to continue")
+    if args.overwrite:
+        check_replaceable(out, inputs=[config.data.path, config.target, config.init_from, args.config], what="capture folder")
+    elif (Path(out) / CAPTURE_PLAN).exists():  # a rerun continues it: only if made from the same data
+        changed = stale_capture(read_json(Path(out) / CAPTURE_PLAN).get("meta", {}), config)
+        if changed:
+            raise ValueError(f"{out} holds a capture made from other data ({'; '.join(changed)}): pass --overwrite "
+                             "to capture again from scratch, or use another --out")
     share = _work_share()
-    _clear_for_overwrite([Path(out)] if args.overwrite else [], share)
-    loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share), threads=config.threads)
-    bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
-    try:
-        index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
-                                    batch_size=args.batch_size, progress=bar.update,
-                                    say=_main_note(share), share=share)
-    finally:
-        bar.close()
+    with output_lock(out, enabled=share.is_main):
+        _clear_for_overwrite([Path(out)] if args.overwrite else [], share)
+        loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share),
+                             threads=config.threads)
+        bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
+        try:
+            index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
+                                        batch_size=args.batch_size, progress=bar.update,
+                                        say=_main_note(share), share=share)
+        finally:
+            bar.close()
     if share.is_main:
         print(f"captured features: {index}; train with features.mode=captured features.path={out}")
     return 0

@@ -5,6 +5,7 @@ import textwrap
 
 from . import (
     add_proposer_options,
+    check_drafting_args,
     add_target_options,
     choose_proposer,
     drafter_factory_from_args,
@@ -38,11 +39,12 @@ def run(args) -> int:
     from ..inference.engine.sampling import SamplingConfig
     from ..inference.engine.targets import eos_token_ids
 
+    check_drafting_args(args)
     note(f"loading {args.target} ({resolve_dtype_arg(args)}, {args.threads} threads); the first run dequantizes it (~20 s)")
     loaded = load_target_from_args(args)
     proposer, head, message = choose_proposer(args, loaded.name)
-    note(message)
     factory, model = drafter_factory_from_args(args, loaded, SamplingConfig(), proposer, head)
+    note(message)  # once the drafter is built: a head that cannot draft is the only line
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         eos_token_ids=eos_token_ids(model, loaded.tokenizer),

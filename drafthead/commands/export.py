@@ -28,10 +28,13 @@ def run(args) -> int:
     import torch
 
     from ..heads.formats import export_head
-    from ..heads.outdir import check_distinct, check_output
+    from ..heads.outdir import check_distinct, check_output, check_replaceable
 
+    check_run_folder(args.head_dir)
     check_distinct(args.head_dir, args.out)  # before the target loads: a refusal costs nothing
     check_output(args.out, overwrite=args.overwrite, what="export folder")
+    if args.overwrite:
+        check_replaceable(args.out, inputs=[args.head_dir, args.target], what="export folder")
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     target_model = None
     if args.target is not None:
@@ -41,3 +44,19 @@ def run(args) -> int:
     out = export_head(args.head_dir, args.out, args.format, dtype=dtype, target_model=target_model, overwrite=args.overwrite)
     note(f"wrote {args.format} layout to {out}")
     return 0
+
+
+def check_run_folder(head_dir: str) -> None:
+    """A training run's output_dir given for its head: name the head folders inside it."""
+    from pathlib import Path
+
+    from ..heads.io import CONFIG_NAME
+    from ..train.best import BEST_DIR
+    from ..train.trainer import FINAL_DIR
+
+    folder = Path(head_dir)
+    if folder.is_dir() and not (folder / CONFIG_NAME).exists():
+        heads = [p for p in (folder / FINAL_DIR, folder / BEST_DIR) if (p / CONFIG_NAME).exists()]
+        if heads:
+            raise ValueError(f"{folder} is a training run's folder, not a head: export its head, "
+                             + " or ".join(str(p) for p in heads))

@@ -8,6 +8,7 @@ from . import (
     add_sampling_options,
     add_target_options,
     add_typical_option,
+    check_drafting_args,
     choose_proposer,
     drafter_factory_from_args,
     load_target_from_args,
@@ -63,15 +64,18 @@ def run(args) -> int:
 
     from ..inference.engine.generate import GenerationConfig, speculative_generate
     from ..inference.bench.prompts import Prompt, PromptError, encode_chat
+    from ..inference.engine.stopping import check_stop_strings
     from ..inference.engine.targets import eos_token_ids
 
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")
+    check_stop_strings(args.stop)
+    check_drafting_args(args)
     sampling = sampling_from_args(args)
     loaded = load_target_from_args(args)
     proposer, head, message = choose_proposer(args, loaded.name)
-    note(message)
     factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
+    note(message)  # once the drafter is built: a head that cannot draft is the only line
     drafter, tokenizer = factory(), loaded.tokenizer
     verifier = verifier_from_args(args, loaded, model)
     input_ids = encode_chat(tokenizer, Prompt(text=args.prompt)).to(next(model.parameters()).device)

@@ -27,10 +27,12 @@ def run(args) -> int:
     import torch
 
     from ..heads.formats import import_to_folder
-    from ..heads.outdir import check_distinct, check_output
+    from ..heads.outdir import check_distinct, check_output, check_replaceable
 
     check_distinct(args.src, args.out)  # before the target loads: a refusal costs nothing
     check_output(args.out, overwrite=args.overwrite, what="import folder")
+    if args.overwrite:
+        check_replaceable(args.out, inputs=[args.src, args.target], what="import folder")
     target = load_target_from_args(args)
     dtype = None if args.save_dtype == "keep" else getattr(torch, args.save_dtype)
     out, notes = import_to_folder(args.src, args.out, target.model, target.tokenizer, target_name=target.name,

@@ -42,7 +42,7 @@ def run(args) -> int:
         print(plan_table(config, args.plan, tuple(int(r) for r in args.ranks.split(","))))
         return 0
     try:
-        result = run_training(config, resume=args.resume, overwrite=args.overwrite)
+        result = run_training(config, resume=args.resume, overwrite=args.overwrite, inputs=(args.config,))
     except NonFiniteLossError as e:
         print(f"drafthead train: {e}", file=sys.stderr)
         return 1

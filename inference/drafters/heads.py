@@ -6,7 +6,6 @@ never run the target themselves.
 from __future__ import annotations
 
 import heapq
-import json
 import math
 import time
 import warnings
@@ -15,6 +14,7 @@ from typing import Sequence
 
 import torch
 
+from ...heads.io import read_json
 from ..engine.cache import crop
 from ..engine.cost import best_node_count, sync_device
 from ..engine.drafter import RoundStats, TargetFeatures
@@ -353,17 +353,38 @@ def check_drafting_keys(keys, family: str, where: str) -> None:
         raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_DRAFTING_KEYS[family])})")
 
 
+def check_drafting_values(settings: dict, where: str) -> None:
+    """Raise ValueError naming `where` (the file, or the options) for a drafter setting of the
+    wrong type or range: a negative lookup_nodes would otherwise run as if off."""
+    def whole(key, low):
+        value = settings.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+            raise ValueError(f"{where}: {key} must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, "
+                             f"got {value!r}")
+
+    for key in ("lookup_nodes", "lookup_streak"):
+        whole(key, 0)
+    for key in ("depth", "top_k"):
+        whole(key, 1)
+    if settings.get("num_draft") != "confidence":
+        whole("num_draft", 1)
+    choices = settings.get("choices")
+    if choices is not None and not (isinstance(choices, list) and all(
+            isinstance(path, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path)
+            for path in choices)):
+        raise ValueError(f"{where}: choices must be a list of paths, each a list of child indices >= 0, got {choices!r}")
+
+
 def drafting_defaults(path: Path, family: str) -> dict:
-    """Settings from `drafting.json` in a head folder ({} when absent); unknown keys are errors."""
+    """Settings from `drafting.json` in a head folder ({} when absent); unknown keys and bad
+    values are errors naming the file."""
     file = Path(path) / DRAFTING_FILE
     if not file.is_file():
         return {}
-    try:
-        settings = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    settings = read_json(file)  # not JSON, not UTF-8, or not an object: one line naming the file
     settings = renamed_drafting_keys(settings, family, str(file))
     check_drafting_keys(settings, family, str(file))
+    check_drafting_values(settings, str(file))
     return settings
 
 

@@ -9,7 +9,7 @@ from ...heads.config import drafter_family
 from ...heads.registry import load_head
 from ..engine.cost import measure_verify_cost
 from ..kernels.target_linears import dispatch_linears
-from .heads import EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, drafting_defaults, renamed_drafting_keys
+from .heads import EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, check_drafting_values, drafting_defaults, renamed_drafting_keys
 from .merged import MergedDrafter
 from .parallel import DFlashDrafter, ParallelDrafter
 from .prompt_lookup import PromptLookupDrafter
@@ -50,6 +50,7 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     given = renamed_drafting_keys(given, family, f"{head.kind} drafter options")
     check_drafting_keys(given, family, f"{head.kind} drafter options")
+    check_drafting_values(given, f"{head.kind} drafter options")
     settings = {**drafting_defaults(Path(path), family), **given}
     lookup_nodes = settings.pop("lookup_nodes", 0)
     lookup_streak = settings.pop("lookup_streak", None)

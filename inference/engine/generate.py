@@ -26,7 +26,7 @@ from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejec
 from .drafter import RoundStats, TargetFeatures, fork_drafter
 from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
-from .stopping import StopRules, first_stop
+from .stopping import StopRules, check_stop_strings, first_stop
 from .torch_target import target_backend
 from .tree import DraftTree, ancestor_mask, node_depths
 from .verify import select_features
@@ -62,6 +62,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_stop_strings(self.stop_strings)
         if self.typical is not None and self.sampling.greedy:
             raise ValueError("typical acceptance is a sampling rule (and lossy); greedy decoding is exact already")
 

@@ -5,6 +5,7 @@ top-k, top-p. Temperature 0 means greedy: the distribution is a point mass on th
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +19,14 @@ class SamplingConfig:
     repetition_penalty: float = 1.0  # 1: off
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # written so that nan fails each test (every comparison with nan is False)
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
+        if not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
 
     @property
