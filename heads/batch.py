@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .packing import row_positions
+
 
 @dataclass
 class FeatureBatch:
@@ -17,6 +19,14 @@ class FeatureBatch:
     loss_mask: torch.Tensor  # [B, T] bool, True where input_ids[t] is an assistant token (a label)
     # Target hidden states by `output_hidden_states` index (0 = embeddings, L = final normed): [B, T, H]
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)
+    # [B, T] long: each token's position in its own conversation when rows are packed (several
+    # conversations per row, heads/packing.py); None: one conversation per row, positions 0..T-1
+    position_ids: torch.Tensor | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[B, T] long: `position_ids`, or 0..T-1 in every row."""
+        return row_positions(self.position_ids, *self.input_ids.shape, device=self.input_ids.device)
 
     @property
     def labels_ok(self) -> torch.Tensor:
@@ -37,4 +47,5 @@ class FeatureBatch:
             self.attention_mask.to(device),
             self.loss_mask.to(device),
             {k: v.to(device) for k, v in self.hidden_states.items()},
+            self.position_ids.to(device) if self.position_ids is not None else None,
         )

@@ -41,6 +41,7 @@ from .eagle import full_attention_rope
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs
 from .losses import distill_loss
+from .packing import row_positions, same_segment_shift, segment_ids
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, each [B, kv_heads, n, head_dim]
 
@@ -81,23 +82,33 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def sample_anchors(label_ok: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None):
+def sample_anchors(label_ok: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
+                   position_ids: torch.Tensor | None = None):
     """Block anchors for training: (anchors [B, A] long, sorted; ok [B, A] bool).
 
     Position p can anchor a block when it has context before it (p >= 1) and the token after it is
-    a label (label_ok[p + 1]). Each row draws min(num_anchors, its count) of them without
-    replacement; A is the largest draw in the batch and shorter rows are padded with ok = False.
-    label_ok: [B, T] bool, loss mask & attention mask.
+    a label (label_ok[p + 1]). Each conversation draws min(num_anchors, its count) of them without
+    replacement; A is the largest draw of a row in the batch and shorter rows are padded with
+    ok = False. label_ok: [B, T] bool, loss mask & attention mask. position_ids [B, T]: packed rows
+    (heads/packing.py), where p counts from its conversation's start and p + 1 must lie in it.
     """
     B, T = label_ok.shape
+    positions = row_positions(position_ids, B, T, label_ok.device)
     valid = torch.zeros_like(label_ok, dtype=torch.bool)
     if T > 2:
-        valid[:, 1 : T - 1] = label_ok[:, 2:].bool()
+        valid[:, : T - 1] = label_ok[:, 1:].bool() & (positions[:, : T - 1] >= 1)
+    inside = same_segment_shift(position_ids, 1)
+    if inside is not None:
+        valid &= inside
+    segments = segment_ids(positions)
     picks = []
-    for row in valid:
-        where = row.nonzero().flatten()
-        order = torch.randperm(where.numel(), generator=generator)[:num_anchors].to(where.device)
-        picks.append(where[order].sort().values)
+    for row, seg in zip(valid, segments):
+        drawn = []
+        for s in seg[row].unique():  # each conversation draws its own anchors
+            where = (row & (seg == s)).nonzero().flatten()
+            order = torch.randperm(where.numel(), generator=generator)[:num_anchors].to(where.device)
+            drawn.append(where[order])
+        picks.append(torch.cat(drawn).sort().values if drawn else row.new_zeros(0, dtype=torch.long))
     A = max(1, max(p.numel() for p in picks))
     anchors = torch.zeros(B, A, dtype=torch.long, device=label_ok.device)
     ok = torch.zeros(B, A, dtype=torch.bool, device=label_ok.device)
@@ -106,15 +117,21 @@ def sample_anchors(label_ok: torch.Tensor, num_anchors: int, generator: torch.Ge
     return anchors, ok
 
 
-def block_attention_mask(T: int, anchors: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+def block_attention_mask(T: int, anchors: torch.Tensor, block_size: int, dtype: torch.dtype,
+                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Additive [B, 1, A * S, T + A * S] training mask: the keys are the T context positions, then
     the A blocks in order. A query of block j sees context positions < anchors[:, j] (the text
-    committed before its pending token) and every position of block j, none of other blocks."""
+    committed before its pending token; in the anchor's own conversation when rows are packed,
+    position_ids [B, T]) and every position of block j, none of other blocks."""
     B, A = anchors.shape
     S = block_size
     device = anchors.device
     block_of = torch.arange(A, device=device).repeat_interleave(S)  # [A * S]
-    sees_context = torch.arange(T, device=device)[None, None] < anchors.repeat_interleave(S, dim=1)[:, :, None]
+    query_anchor = anchors.repeat_interleave(S, dim=1)  # [B, A * S]
+    sees_context = torch.arange(T, device=device)[None, None] < query_anchor[:, :, None]
+    if position_ids is not None:
+        seg = segment_ids(position_ids.to(device))  # [B, T]
+        sees_context = sees_context & (seg[:, None, :] == seg.gather(1, query_anchor)[:, :, None])
     sees_block = (block_of[:, None] == block_of[None, :])[None].expand(B, -1, -1)
     allowed = torch.cat([sees_context, sees_block], dim=-1)  # [B, A * S, T + A * S]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
@@ -245,7 +262,7 @@ class DFlashHead(DraftHeadBase):
         return self.refs.lm_logits(self.block_hidden(tokens, positions, context)[:, 1:])
 
     def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
-        anchors, ok = sample_anchors(batch.labels_ok, self.config.num_anchors)
+        anchors, ok = sample_anchors(batch.labels_ok, self.config.num_anchors, position_ids=batch.position_ids)
         return self.block_loss(batch, anchors, ok)
 
     def block_loss(self, batch: FeatureBatch, anchors: torch.Tensor, ok: torch.Tensor):
@@ -260,15 +277,20 @@ class DFlashHead(DraftHeadBase):
         L = cfg.final_layer
         batch.require(set(cfg.feature_layers) | {L}, "dflash")
         fused = self.fuse([batch.hidden_states[i] for i in cfg.feature_layers])  # [B, T, H]
-        context = self.context(fused, torch.arange(T, device=ids.device)[None].expand(B, T))
+        positions = batch.positions  # [B, T]: restarting in each conversation of a packed row
+        context = self.context(fused, positions)
         A = anchors.shape[1]
         offsets = torch.arange(S, device=ids.device)
         tokens = self.block_tokens(ids.gather(1, anchors)).reshape(B, A * S)
-        positions = (anchors[:, :, None] + offsets).reshape(B, A * S)
-        mask = block_attention_mask(T, anchors, S, self.dtype)
-        h = self.block_hidden(tokens, positions, context, mask).view(B, A, S, -1)
+        block_positions = (positions.gather(1, anchors)[:, :, None] + offsets).reshape(B, A * S)
+        mask = block_attention_mask(T, anchors, S, self.dtype, batch.position_ids)
+        h = self.block_hidden(tokens, block_positions, context, mask).view(B, A, S, -1)
         label = anchors[:, :, None] + offsets[1:]  # [B, A, S - 1]: the token block position k + 1 drafts
-        valid = ok[:, :, None] & (label < T) & batch.labels_ok.gather(1, label.clamp(max=T - 1).view(B, -1)).view_as(label)
+        at = label.clamp(max=T - 1).view(B, -1)
+        valid = ok[:, :, None] & (label < T) & batch.labels_ok.gather(1, at).view_as(label)
+        if batch.position_ids is not None:  # the label must be in the anchor's conversation
+            rise = positions.gather(1, at).view_as(label) - positions.gather(1, anchors)[:, :, None]
+            valid &= rise == offsets[1:]
         b, a, k = valid.nonzero(as_tuple=True)
         logits = self.refs.lm_logits(h[b, a, k + 1]).float()  # [N, V]
         with torch.no_grad():  # the target's distribution for token label, from the state before it

@@ -47,6 +47,7 @@ from .config import DRAFT_OWN_FIELDS, Eagle1Config
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs, shift_left, shifted_labels
 from .losses import distill_loss
+from .packing import causal_within
 
 # ----------------------------------------------------------------------------- shared plumbing
 
@@ -215,14 +216,17 @@ def prepare_mask(mask: torch.Tensor | None, batch: int, q_len: int, past_len: in
     return mask.to(device).float().clamp(min=torch.finfo(dtype).min).to(dtype)
 
 
-def window_mask(mask: torch.Tensor, position_ids: torch.Tensor, window: int) -> torch.Tensor:
+def window_mask(mask: torch.Tensor, position_ids: torch.Tensor, window: int,
+                key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Block keys `window` or more positions behind the query: additive mask [B, 1, T, K], query
-    positions [B, T]. A key's position is taken as its cache index: exact for the committed prefix
-    (index == position), and for keys of the current tree or unroll, whose index is >= their
-    position, the distance is only underestimated, which matters only if it could reach the window,
-    and a tree or unroll never spans it."""
+    positions [B, T]. Without `key_positions` [B, K], a key's position is taken as its cache index:
+    exact for the committed prefix (index == position), and for keys of the current tree or unroll,
+    whose index is >= their position, the distance is only underestimated, which matters only if it
+    could reach the window, and a tree or unroll never spans it. Packed rows (heads/packing.py),
+    whose positions restart, pass the keys' own positions."""
     K = mask.shape[-1]
-    behind = position_ids[:, None, :, None] - torch.arange(K, device=mask.device)[None, None, None, :]  # [B, 1, T, K]
+    keys = torch.arange(K, device=mask.device)[None] if key_positions is None else key_positions.to(mask.device)
+    behind = position_ids[:, None, :, None] - keys[:, None, None, :]  # [B, 1, T, K]
     return mask.masked_fill(behind >= window, torch.finfo(mask.dtype).min)
 
 
@@ -334,11 +338,11 @@ class Eagle1Head(DecoderHeadBase):
         if L not in batch.hidden_states:
             raise KeyError(f"EAGLE-1 needs hidden_states[{L}]; batch has {sorted(batch.hidden_states)}")
         f = batch.hidden_states[L].to(self.dtype)  # [B, T, H]
-        B, T, _ = f.shape
         next_tokens = shift_left(batch.input_ids, 1)  # x_{t+1} at t
-        pos = torch.arange(T, device=f.device)[None].expand(B, T)
-        h = self._hidden(f, next_tokens, pos, None, None)  # [B, T, H]
-        labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, 2)
+        # packed rows: positions restart and attention stays inside each conversation
+        mask = None if batch.position_ids is None else causal_within(batch.position_ids)[:, None]  # [B, 1, T, T]
+        h = self._hidden(f, next_tokens, batch.positions, None, mask)  # [B, T, H]
+        labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, 2, batch.position_ids)
         h_v = h[valid]  # [N, H]
         f_next = shift_left(f, 1)[valid].detach()  # f_{t+1}, [N, H]
         n = h_v.shape[0]

@@ -41,9 +41,10 @@ from torch import nn
 from .batch import FeatureBatch
 from .config import Eagle3Config
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
-from .eagle import DecoderHeadBase, cache_kwarg
+from .eagle import DecoderHeadBase, cache_kwarg, window_mask
 from .io import shift_left, shifted_labels
 from .losses import distill_loss
+from .packing import causal_within, row_positions
 
 
 def ttt_depth(steps: int, ramp: float, progress: float) -> int:
@@ -66,20 +67,24 @@ def entropy_curriculum(entropy: torch.Tensor, ramp: float, progress: float, star
     return entropy <= entropy.kthvalue(k).values
 
 
-def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None) -> torch.Tensor:
-    """Additive [1, 1, T, (step + 1) * T] mask of training-time-test step `step` (0-based).
+def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive [1, 1, T, (step + 1) * T] mask of training-time-test step `step` (0-based);
+    [B, 1, T, (step + 1) * T] for packed rows (position_ids [B, T], heads/packing.py).
 
     Keys are laid out block by block as the cache fills: block 0 = step-0 keys (causal: column t
-    sees columns <= t), block j >= 1 = step-j keys (diagonal: column t sees only column t).
+    sees columns <= t, in its own conversation when rows are packed), block j >= 1 = step-j keys
+    (diagonal: column t sees only column t).
     """
     cols = torch.arange(T, device=device)
-    allowed = [cols[None, :] <= cols[:, None]]  # block 0, [T, T]
-    eye = cols[None, :] == cols[:, None]
-    allowed += [eye] * step
-    allowed = torch.cat(allowed, dim=1)  # [T, (step+1) T]
+    causal = (cols[None, :] <= cols[:, None])[None]  # block 0, [1, T, T]
+    if position_ids is not None:
+        causal = causal_within(position_ids.to(device))  # [B, T, T]
+    eye = (cols[None, :] == cols[:, None])[None].expand(causal.shape[0], -1, -1)
+    allowed = torch.cat([causal] + [eye] * step, dim=2)  # [1 or B, T, (step+1) T]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return mask[:, None]
 
 
 class Eagle3DecoderLayer(nn.Module):
@@ -203,22 +208,31 @@ class Eagle3Head(DecoderHeadBase):
         norm_output (EAGLE-3.1's post-norm hidden states)."""
         return self.norm(h) if self.config.norm_output else h
 
-    def ttt_unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int):
+    def ttt_unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int,
+                   position_ids: torch.Tensor | None = None):
         """Yield the layer outputs [B, T, H] (pre-norm) of training-time-test steps 0..steps-1; the
         next step reads `feedback` of each.
 
-        Step i at column t reads token input_ids[t + 1 + i] at position t + i and the previous
+        Step i at column t reads token input_ids[t + 1 + i] at position p_t + i (p_t = t, or its
+        position in its conversation for packed rows, position_ids [B, T]) and the previous
         step's hidden state at column t (step 0: `fused`), attending as `ttt_attention_mask` says.
         Its logits predict token t + 2 + i.
         """
         B, T = input_ids.shape
         cache = self.new_cache()
-        cols = torch.arange(T, device=fused.device)
+        positions = row_positions(position_ids, B, T, fused.device)  # [B, T]
+        window = self.config.sliding_window
         hidden = fused
         for i in range(steps):
             tokens = shift_left(input_ids, 1 + i)  # x_{t+1+i} at column t
-            pos = (cols + i)[None].expand(B, T)
-            mask = ttt_attention_mask(T, i, hidden.dtype, hidden.device).expand(B, -1, -1, -1)
+            pos = positions + i
+            mask = ttt_attention_mask(T, i, hidden.dtype, hidden.device, position_ids).expand(B, -1, -1, -1)
+            if window is not None and position_ids is not None:
+                # restarted positions: measure the window from the step-0 keys' own positions; the
+                # unroll keys count as the query's own position, as the cache-index rule of `_inputs`
+                # treats them (a chain never spans the window), which then blocks nothing more
+                keys = torch.cat([positions] + [pos] * i, dim=1)  # [B, (i+1) T]
+                mask = window_mask(mask, pos, window, keys)
             out = self._hidden(hidden, tokens, pos, cache, mask)
             yield out
             hidden = self.feedback(out)
@@ -248,8 +262,8 @@ class Eagle3Head(DecoderHeadBase):
         total = fused.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         steps = ttt_depth(cfg.ttt_steps, cfg.ttt_ramp, self.train_progress) if self.training else cfg.ttt_steps
-        for i, hidden in enumerate(self.ttt_unroll(fused, ids, steps)):
-            _, valid = shifted_labels(ids, batch.loss_mask, batch.attention_mask, 2 + i)
+        for i, hidden in enumerate(self.ttt_unroll(fused, ids, steps, batch.position_ids)):
+            _, valid = shifted_labels(ids, batch.loss_mask, batch.attention_mask, 2 + i, batch.position_ids)
             b_idx, t_idx = valid.nonzero(as_tuple=True)
             logits = self.logits(hidden[b_idx, t_idx]).float()  # [N, Vd]
             p = target_p[b_idx, t_idx + 1 + i]  # [N, Vd], the target's distribution for token t+2+i

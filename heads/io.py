@@ -26,6 +26,7 @@ from torch import nn
 
 from .config import HeadConfig, config_from_dict, with_draft_layer
 from .outdir import reported_as, umask
+from .packing import same_segment_shift
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -314,7 +315,8 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 def shifted_labels(
-    input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, shift: int
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, attention_mask: torch.Tensor, shift: int,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The token `shift` positions ahead of each position, and where it is a valid label.
 
@@ -325,11 +327,13 @@ def shifted_labels(
       EAGLE-1 at t (feature_t, token_{t+1}) -> token t + 2
       EAGLE-3 unroll step i at t    -> token t + 2 + i
 
-    input_ids/loss_mask/attention_mask: [B, T]. Returns labels [B, T] long (0 where invalid) and
+    input_ids/loss_mask/attention_mask: [B, T]. position_ids [B, T] of packed rows (heads/packing.py):
+    t + shift must also lie in t's conversation. Returns labels [B, T] long (0 where invalid) and
     valid [B, T] bool.
     """
     if shift < 1:
         raise ValueError(f"shift must be >= 1, got {shift}")
     labels = shift_left(input_ids, shift, 0)
     valid = shift_left(loss_mask.bool() & attention_mask.bool(), shift, False)
-    return labels, valid
+    inside = same_segment_shift(position_ids, shift)
+    return labels, valid if inside is None else valid & inside

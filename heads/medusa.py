@@ -94,7 +94,7 @@ class MedusaHead(DraftHeadBase):
         total = h.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         for k in range(self.num_heads):
-            labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, k + 2)
+            labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, k + 2, batch.position_ids)
             logits = logits_at(k, valid).float()  # [N, V]
             target = labels[valid]
             n = target.numel()

@@ -27,7 +27,9 @@ from .batch import FeatureBatch
 from .config import PEagleConfig
 from .eagle3 import Eagle3Head
 from .io import shift_left, shifted_labels
+from .eagle import prepare_mask, window_mask
 from .losses import distill_loss
+from .packing import causal_within, segment_ids
 
 
 def cod_columns(T: int, depths: int, ratio: float, min_ratio: float, generator: torch.Generator | None = None,
@@ -43,12 +45,15 @@ def cod_columns(T: int, depths: int, ratio: float, min_ratio: float, generator: 
     return kept
 
 
-def parallel_attention_mask(T: int, columns: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Additive [1, 1, n_d, T + n_1 + ... + n_d] mask for depth d = len(columns) - 1 >= 1.
+def parallel_attention_mask(T: int, columns: list[torch.Tensor], dtype: torch.dtype,
+                            position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive [1, 1, n_d, T + n_1 + ... + n_d] mask for depth d = len(columns) - 1 >= 1;
+    [B, 1, n_d, ...] for packed rows (position_ids [B, T], heads/packing.py).
 
     Keys are laid out as the cache fills: the T depth-0 pairs, then each depth's kept columns.
     A depth-d query at column c sees depth-0 keys at columns <= c (the real context up to its
-    anchor) and the keys of its own column at depths 1..d (its chain's earlier mask positions).
+    anchor; in c's own conversation when rows are packed) and the keys of its own column at
+    depths 1..d (its chain's earlier mask positions).
     """
     device = columns[0].device
     query = columns[-1]  # [n_d]
@@ -56,10 +61,13 @@ def parallel_attention_mask(T: int, columns: list[torch.Tensor], dtype: torch.dt
     key_depth = torch.cat([torch.zeros(T, dtype=torch.long, device=device)]
                           + [torch.full((c.numel(),), j + 1, dtype=torch.long, device=device)
                              for j, c in enumerate(columns[1:])])
-    allowed = ((key_depth[None] == 0) & (key_col[None] <= query[:, None])) | (
-        (key_depth[None] > 0) & (key_col[None] == query[:, None]))
+    context = ((key_depth[None] == 0) & (key_col[None] <= query[:, None]))[None]  # [1, n_d, K]
+    if position_ids is not None:
+        seg = segment_ids(position_ids.to(device))  # [B, T]
+        context = context & (seg[:, key_col][:, None, :] == seg[:, query][:, :, None])  # [B, n_d, K]
+    allowed = context | ((key_depth[None] > 0) & (key_col[None] == query[:, None]))[None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 class PEagleHead(Eagle3Head):
@@ -124,18 +132,28 @@ class PEagleHead(Eagle3Head):
         target_p = self._target_distribution(batch)  # [B, T, Vd]
         fused = self.fuse([batch.hidden_states[i] for i in cfg.feature_layers])  # [B, T, H]
         cache = self.new_cache()
-        cols = torch.arange(T, device=ids.device)
+        positions = batch.positions  # [B, T]: restarting in each conversation of a packed row
         columns = cod_columns(T, cfg.parallel_depth, cfg.cod_ratio, cfg.cod_min_ratio, device=ids.device)
+        window = cfg.sliding_window if batch.position_ids is not None else None
         total_ce = fused.new_zeros((), dtype=torch.float32)
         total_n = 0
         metrics: dict[str, float] = {}
         for d in range(cfg.parallel_depth):
             if d == 0:  # EAGLE-3's first step: the real pair at every column
-                hidden = self._hidden(fused, shift_left(ids, 1), cols[None].expand(B, T), cache, None)
+                mask = None if batch.position_ids is None else causal_within(batch.position_ids)[:, None]
+                if window is not None:
+                    mask = window_mask(prepare_mask(mask, B, T, 0, self.dtype, ids.device), positions, window, positions)
+                hidden = self._hidden(fused, shift_left(ids, 1), positions, cache, mask)
             else:
-                mask = parallel_attention_mask(T, columns[: d + 1], self.dtype).expand(B, -1, -1, -1)
-                hidden = self._masked_hidden(B, columns[d].numel(), (columns[d] + d)[None].expand(B, -1), cache, mask)
-            _, valid = shifted_labels(ids, batch.loss_mask, batch.attention_mask, 2 + d)  # [B, T]: t + 2 + d labelled
+                mask = parallel_attention_mask(T, columns[: d + 1], self.dtype, batch.position_ids).expand(B, -1, -1, -1)
+                pos = positions[:, columns[d]] + d  # [B, n_d]
+                if window is not None:  # as EAGLE-3's unroll: depth-0 keys by their own positions, the
+                    # chain's own keys at the query's (the cache-index rule never windows them out)
+                    keys = torch.cat([positions] + [positions[:, columns[j]] + d for j in range(1, d + 1)], dim=1)
+                    mask = window_mask(mask, pos, window, keys)
+                hidden = self._masked_hidden(B, columns[d].numel(), pos, cache, mask)
+            # [B, T]: t + 2 + d labelled
+            _, valid = shifted_labels(ids, batch.loss_mask, batch.attention_mask, 2 + d, batch.position_ids)
             b_idx, j_idx = valid[:, columns[d]].nonzero(as_tuple=True)  # j: index into this depth's columns
             t_idx = columns[d][j_idx]
             logits = self.logits(hidden[b_idx, j_idx]).float()  # [N, Vd]

@@ -59,6 +59,10 @@ class DataConfig:
     streaming: bool = False
     shuffle_buffer: int = 1000  # streaming: samples in the seeded shuffle buffer (<= 1: file order)
     num_proc: int | None = None  # processes for the chat-template `.map` (the cached, non-streaming path)
+    # several conversations per row, up to max_length tokens, each attending only to itself
+    # (train/packing.py): true, false, or unset: on wherever it is exact (always on captured
+    # features; online, where the target's forward keeps packed conversations apart)
+    packing: bool | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
@@ -402,7 +406,8 @@ def head_config_dict(config: TrainConfig) -> dict:
 # (docs/reliability.md "Resume"). A longer or shorter run stretches the LR schedule to the new end.
 RESUME_MAY_CHANGE = ("max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches",
                      "log_every", "report_to", "wandb_project", "run_name", "threads", "output_dir",
-                     "data.num_proc")  # processes for the chat-template map: the same samples either way
+                     "data.num_proc",  # processes for the chat-template map: the same samples either way
+                     "data.packing")  # the same conversations per step, laid out in fewer rows
 
 
 def flatten(data: dict, prefix: str = "") -> dict:

@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..heads.batch import FeatureBatch
+from ..heads.identity import text_config
 from ..heads.io import read_json
 from ..heads.outdir import reported_as
 from ..inference.engine.targets import resolve_dtype
@@ -118,20 +119,38 @@ class TokenDataset(torch.utils.data.Dataset):
 # ----------------------------------------------------------------------------------------------
 
 
+def target_mask_kwargs(model, attention_mask: torch.Tensor, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor | None]:
+    """How a target's forward is told which tokens see which: the padding mask [B, T] for rows of
+    one conversation; for packed rows (position_ids [B, T], restarting at each conversation) no
+    mask and the position ids, from which transformers builds a block-diagonal causal mask (its
+    sliding windows and chunks measured by those positions too). Multimodal-RoPE targets (Qwen-VL)
+    take them as [4, B, T]: the text positions, then the same for each of the three M-RoPE sections
+    (text carries equal ones). train/packing.py `packing_refusal` checks a target keeps them apart."""
+    if position_ids is None:
+        return {"attention_mask": attention_mask}
+    rope = getattr(text_config(model), "rope_parameters", None) or {}
+    if "mrope_section" in rope:
+        position_ids = position_ids[None].expand(4, *position_ids.shape)
+    return {"attention_mask": None, "position_ids": position_ids}
+
+
 @torch.no_grad()
-def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[int]) -> dict[int, torch.Tensor]:
+def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[int],
+                    position_ids: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
     """{layer: [B, T, H]} target hidden states (output_hidden_states indices), without gradients.
 
     Runs only the decoder stack (`get_decoder()`), skipping the LM head: for SmolLM2 that head is
     28M of 135M parameters (docs/cpu-measurements.md). Passing the indices to `output_hidden_states`
     keeps only those states alive. Padded positions are zeroed, as `collate` pads captured states:
-    their values are meaningless and must not differ between the two paths.
+    their values are meaningless and must not differ between the two paths. position_ids: packed
+    rows (train/packing.py), each conversation seen alone (`target_mask_kwargs`).
     """
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     device = next(model.parameters()).device
+    masks = target_mask_kwargs(model, attention_mask, position_ids)
     out = decoder(
         input_ids=input_ids.to(device),
-        attention_mask=attention_mask.to(device),
+        **{k: v.to(device) if v is not None else None for k, v in masks.items()},
         output_hidden_states=list(layers),
         use_cache=False,
     )
@@ -147,8 +166,8 @@ class OnlineFeaturizer:
 
     def __call__(self, batch: FeatureBatch) -> FeatureBatch:
         device = next(self.model.parameters()).device
-        hidden = target_features(self.model, batch.input_ids, batch.attention_mask, self.layers)
-        return FeatureBatch(batch.input_ids.to(device), batch.attention_mask.to(device), batch.loss_mask.to(device), hidden)
+        hidden = target_features(self.model, batch.input_ids, batch.attention_mask, self.layers, batch.position_ids)
+        return FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, hidden, batch.position_ids).to(device)
 
 
 # ----------------------------------------------------------------------------------------------

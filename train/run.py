@@ -18,6 +18,7 @@ from .sources import SourceReport, load_conversations
 from .tracking import METRICS_FILE
 from .checkpoint import checkpoint_root, latest_checkpoint, saved_run_config
 from .lora import wrap_lora
+from .packing import packing_refusal
 from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices
 
 
@@ -70,6 +71,10 @@ def build_samples(config: TrainConfig, tokenizer, layers: tuple[int, ...], targe
     return token_samples(config, tokenizer)
 
 
+# data settings that change how samples are batched, not what is captured from each
+LAYOUT_ONLY = ("packing",)
+
+
 def capture_meta(config: TrainConfig, target_model=None, tokenizer=None, target_name: str | None = None) -> dict:
     """What a capture is made from, recorded in its plan and index: the data section and the data's
     content hash, and (given the target) its identity with the tokenizer's fingerprint and a
@@ -77,7 +82,8 @@ def capture_meta(config: TrainConfig, target_model=None, tokenizer=None, target_
     from ..heads.identity import identify_target, weights_fingerprint
     from .sources import data_fingerprint
 
-    meta = {"data": config.to_dict()["data"], "data_sha256": data_fingerprint(config.data.source, config.data.path)}
+    data = {k: v for k, v in config.to_dict()["data"].items() if k not in LAYOUT_ONLY}
+    meta = {"data": data, "data_sha256": data_fingerprint(config.data.source, config.data.path)}
     if target_model is not None:
         meta.update(target=target_name, target_identity=identify_target(target_model, tokenizer, target_name).to_dict(),
                     target_weights_sha256=weights_fingerprint(target_model))
@@ -170,19 +176,39 @@ def build_trainer(
                              lambda: samples.dataset.token_counts(hcfg.vocab_size, train_idx))
     target = None
     featurize = None
+    online = config.joint_lora or config.features.mode == "online"
+    pack_length = packed_row_length(config, target_model if online else None, say)
     if config.joint_lora:
         target = wrap_lora(target_model, config.lora)
-    elif config.features.mode == "online":
+    elif online:
         featurize = OnlineFeaturizer(target_model, layers)
     data = TrainData(
         train=torch.utils.data.Subset(samples.dataset, train_idx),
         eval=torch.utils.data.Subset(samples.dataset, eval_idx) if eval_idx else None,
         featurize=featurize,
         pad_token_id=pad_token_id(tokenizer),
+        pack_length=pack_length,
     )
     return Trainer(config, head, data, accelerator=accelerator, target=target, layers=layers,
                    frozen_target=target_model if featurize is not None else None,
                    replay=build_replay(config, target_model, tokenizer, data.eval, head))
+
+
+def packed_row_length(config: TrainConfig, target_model, say: Callable[[str], None]) -> int | None:
+    """The row length of packed batches (data.max_length), or None for one sample per row.
+    target_model: the target whose forward runs on the rows (online features, medusa2), None for
+    captured features. `data.packing` unset packs wherever it is exact; true where it is not is
+    refused in one line (train/packing.py packing_refusal)."""
+    setting = config.data.packing
+    if setting is False:
+        return None
+    why = packing_refusal(target_model) if target_model is not None else None
+    if why is not None:
+        if setting:
+            raise ConfigError(f"data.packing: {why}; set data.packing=false")
+        say(f"one conversation per row: {why}")
+        return None
+    return config.data.max_length
 
 
 def check_eval_split(config: TrainConfig, n_eval: int, samples: str, say: Callable[[str], None]) -> None:
@@ -245,7 +271,7 @@ def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenize
     say(f"streaming {stream.file} ({stream.format}): {len(eval_samples)} eval samples held out, the rest read lazily")
     head = new_or_saved_head(config, hcfg, target_model, tokenizer, target_name, say, lambda: stream.token_counts(hcfg.vocab_size))
     train_data = TrainData(train=stream, eval=eval_samples or None, featurize=OnlineFeaturizer(target_model, layers),
-                           pad_token_id=pad_token_id(tokenizer))
+                           pad_token_id=pad_token_id(tokenizer), pack_length=packed_row_length(config, target_model, say))
     return Trainer(config, head, train_data, accelerator=accelerator, layers=layers, frozen_target=target_model,
                    replay=build_replay(config, target_model, tokenizer, train_data.eval, head))
 

@@ -43,7 +43,8 @@ from .checkpoint import (
 )
 from .config import ConfigError, TrainConfig, check_resume
 from .evaluate import WEIGHT_KEY, MetricMean, summarize
-from .features import collate
+from .features import collate, target_mask_kwargs
+from .packing import collate_packed
 from . import sharding
 from .tracking import PhaseClock, RunLog
 
@@ -144,14 +145,15 @@ class JointLoss(HeadLoss):
     def forward(self, batch: FeatureBatch):
         out = self.target(
             input_ids=batch.input_ids,
-            attention_mask=batch.attention_mask,
+            **target_mask_kwargs(self.target, batch.attention_mask, batch.position_ids),
             output_hidden_states=list(self.layers),
             use_cache=False,
         )
-        labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, 1)
+        labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, 1, batch.position_ids)
         logits = out.logits[valid].float()  # [N, V]: only labelled positions
         lm_loss = F.cross_entropy(logits, labels[valid]) if logits.shape[0] else logits.sum() * 0.0
-        feats = FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, {i: out.hidden_states[i] for i in self.layers})
+        feats = FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, {i: out.hidden_states[i] for i in self.layers},
+                             batch.position_ids)
         head_loss, metrics = self.head.compute_loss(feats)
         loss = self.lm_weight * lm_loss + self.head_weight * head_loss
         metrics = dict(metrics, head_loss=float(head_loss.detach()), lm_loss=float(lm_loss.detach()), loss=float(loss.detach()))
@@ -189,6 +191,8 @@ class TrainData:
     # FeatureBatch (tokens only) -> FeatureBatch with hidden states; None: samples carry them
     featurize: Callable[[FeatureBatch], FeatureBatch] | None = None
     pad_token_id: int = 0
+    # packed rows of at most this many tokens (train/packing.py); None: one sample per row
+    pack_length: int | None = None
 
 
 @dataclass
@@ -289,7 +293,10 @@ class Trainer:
     def _batch(self, samples: list[dict], clock: PhaseClock | None = None) -> FeatureBatch:
         clock = clock or PhaseClock()
         with clock("data"):
-            batch = collate(samples, self.data.pad_token_id)
+            if self.data.pack_length is not None:
+                batch = collate_packed(samples, self.data.pack_length, self.data.pad_token_id)
+            else:
+                batch = collate(samples, self.data.pad_token_id)
         if self.data.featurize is not None:
             with clock("target"):  # the frozen target's forward (online features)
                 batch = self.data.featurize(batch)
