@@ -4,10 +4,10 @@
 A step trains on the same conversations either way; only the layout changes. Position ids restart
 at each conversation, and every head derives from them the masks that keep a conversation to
 itself (heads/packing.py), so loss and gradients are the unpacked ones (tests/test_packing.py).
-What packing saves is the padding: rows padded to the batch's longest conversation become rows
-filled close to `max_length`.
+What packing saves is the padding: a batch's rows are padded to its longest row, and a short
+conversation can share a row with others instead of filling the rest of its own with padding.
 
-    pack_rows        the plan: which samples share a row (first-fit decreasing)
+    pack_rows        the plan: which samples share a row (the fewest token slots)
     collate_packed   samples -> FeatureBatch with position_ids
     packing_refusal  whether a target's own forward keeps packed conversations apart (online features)
 """
@@ -26,26 +26,35 @@ PROBE_TOKENS = 12
 
 
 def pack_rows(lengths: Sequence[int], capacity: int) -> list[list[int]]:
-    """Rows of sample indices, each row's lengths summing to at most `capacity`.
+    """Rows of sample indices, each row's lengths summing to at most `capacity`, laid out to take
+    the fewest token slots (rows x the longest row: what a right-padded batch computes over).
 
-    First-fit decreasing: samples longest first (ties by index), each into the first row with room,
-    else a new row; the indices of a row in increasing order, rows in the order they were opened.
-    A sample longer than `capacity` is an error (samples are cut to data.max_length before).
+    For each row count R from 1 to len(lengths): longest first (ties by index), each sample into
+    the least-filled of R rows (Graham's LPT rule, whose longest row is within 4/3 of the best);
+    the R whose rows fit `capacity` with the fewest slots wins, the most rows on a tie (shorter
+    rows: less attention). R = len(lengths) is one sample per row, so packing never costs slots.
+    The indices of a row in increasing order; rows by their first index. A sample longer than
+    `capacity` is an error (samples are cut to data.max_length before).
     """
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        n = lengths[i]
+    for i, n in enumerate(lengths):
         if n > capacity:
             raise ValueError(f"sample {i} has {n} tokens, more than a packed row's {capacity}")
-        r = next((r for r, free in enumerate(room) if n <= free), None)
-        if r is None:
-            rows.append([])
-            room.append(capacity)
-            r = len(rows) - 1
-        rows[r].append(i)
-        room[r] -= n
-    return [sorted(row) for row in rows]
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    best: list[list[int]] = []
+    best_slots = None
+    for R in range(1, len(lengths) + 1):
+        rows: list[list[int]] = [[] for _ in range(R)]
+        load = [0] * R
+        for i in order:
+            r = min(range(R), key=lambda r: (load[r], r))
+            rows[r].append(i)
+            load[r] += lengths[i]
+        if max(load) > capacity:
+            continue
+        slots = R * max(load)
+        if best_slots is None or slots <= best_slots:
+            best, best_slots = rows, slots
+    return sorted(sorted(row) for row in best)
 
 
 def row_position_ids(lengths: Sequence[int], width: int) -> torch.Tensor:
