@@ -8,6 +8,8 @@ import pytest
 
 from drafthead.drafters import make_drafter_factory
 from drafthead.inference.bench.run import (
+    CONTEXT_BUCKETS,
+    tau_by_context,
     BenchSettings,
     acceptance_histogram,
     divergence_detail,
@@ -247,3 +249,23 @@ def test_batch_bench_rows_are_identical_and_the_report_adds_up(tiny):
     assert "policy" in format_batch_table(report)
     json.dumps(report)
     assert until_eos([5, 6, 1, 2, 2], (1,)) == [5, 6, 1] and until_eos([5, 6], (1,)) == [5, 6]
+
+
+def test_tau_by_context_length_equals_a_token_by_token_count():
+    """The slow twin walks each sequence token by token: a round starts at the context it finds,
+    and the bucket is the largest edge not above it."""
+    sequences = [(200, [1, 3, 2, 4, 1] * 20), (900, [2, 2, 1]), (3000, [4, 4])]
+    got = tau_by_context(sequences)
+    twin: dict[int, list[int]] = {}
+    for prompt_len, accepted in sequences:
+        context = prompt_len
+        for a in accepted:
+            edge = [e for e in CONTEXT_BUCKETS if e <= context][-1]
+            twin.setdefault(edge, []).append(a)
+            context += a
+    assert list(got) == sorted(twin) == [0, 256, 512, 2048]
+    for edge, rounds in twin.items():
+        assert got[edge] == {"tau": sum(rounds) / len(rounds), "rounds": len(rounds)}
+    # the first sequence's rounds emit 11 tokens per 5: after 25 rounds its context is 255, so the
+    # 26th round still starts below 256
+    assert got[0]["rounds"] == 26

@@ -60,6 +60,8 @@ def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it
         # every round emits at least the target's token and together they cover each continuation
         assert r["replay_tau"] * r["replay_rounds"] == pytest.approx(continuation_tokens)
         assert 1.0 <= r["replay_tau"] <= 3.0 and r["replay_acc_1"] <= r["replay_acc_0"]
+        by_context = {k: v for k, v in r.items() if k.startswith("replay_tau_ctx_")}
+        assert by_context and all(1.0 <= v <= 3.0 for v in by_context.values())
 
     # the final eval's figures are those of the saved head in the engine's own drafter
     drafter = head_drafter(load_head(result.final_dir, target, tok)[0].eval(), **chain_settings("eagle3", 2))

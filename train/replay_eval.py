@@ -11,6 +11,8 @@ own drafter and keeps what the engine's greedy acceptance rule keeps. Reported, 
     replay_acc_i       share of those rounds that accepted draft i (0-based) and every one before it
     replay_tree_tau    tokens per round with the head's default drafting tree (`replay.tree`)
     replay_rounds      rounds the chain figures are over
+    replay_tau_ctx_E   replay_tau of the chain's rounds whose context (prompt + tokens before the
+                       round) is in the bucket from E tokens (inference/bench/run.py tau_by_context)
 
 The prompt of a held-out sample is its text before the first assistant (loss-masked) token.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..inference.bench.run import per_position_acceptance, tau_of
+from ..inference.bench.run import per_position_acceptance, tau_by_context, tau_of
 from ..inference.drafters.load import chain_settings, head_drafter
 from ..inference.bench.replay import greedy_continuations, kept_hidden_states, replay_greedy
 from .config import ReplayConfig
@@ -72,12 +74,15 @@ class ReplayEval:
             held_out = self.held_out(drafters.values())
             out: dict[str, float] = {}
             for prefix, drafter in drafters.items():
-                accepted = [a for s, n, hidden in held_out for a in replay_greedy(drafter, s, n, hidden)]
+                per_sequence = [(n, replay_greedy(drafter, s, n, hidden)) for s, n, hidden in held_out]
+                accepted = [a for _, rounds in per_sequence for a in rounds]
                 out[f"{prefix}_tau"] = tau_of(accepted)
                 if prefix == "replay":
                     out["replay_rounds"] = float(len(accepted))
                     for i, share in enumerate(per_position_acceptance(accepted, self.config.chain)):
                         out[f"replay_acc_{i}"] = share
+                    for edge, bucket in tau_by_context(per_sequence).items():
+                        out[f"replay_tau_ctx_{edge}"] = bucket["tau"]
         finally:
             head.train(was_training)
         return out

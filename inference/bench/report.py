@@ -102,6 +102,10 @@ def format_table(report: dict, profile: bool = False) -> str:
     cats = report.get("per_category_tau", {})
     if len(cats) > 1:
         out.append("tau by category: " + ", ".join(f"{c} {t:.2f}" for c, t in cats.items()))
+    by_context = report.get("tau_by_context", {})
+    if len(by_context) > 1:
+        out.append("tau by context length: " + ", ".join(f">={e} {b['tau']:.2f} ({b['rounds']} rounds)"
+                                                        for e, b in by_context.items()))
     if profile:
         out.append("engine time: " + _profile_text(report))
     return "\n".join(out)
@@ -122,6 +126,10 @@ def render_markdown(report: dict) -> str:
     cats = report.get("per_category_tau", {})
     if cats:
         out += ["", "| category | tau |", "| --- | ---: |"] + [f"| {c} | {t:.2f} |" for c, t in cats.items()]
+    by_context = report.get("tau_by_context", {})
+    if by_context:
+        out += ["", "| context tokens from | tau | rounds |", "| ---: | ---: | ---: |"]
+        out += [f"| {e} | {b['tau']:.2f} | {b['rounds']} |" for e, b in by_context.items()]
     if report["profile"]["seconds"]:
         out += ["", f"- engine time: {_profile_text(report)}"]
     return "\n".join(out) + "\n"

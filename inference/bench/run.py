@@ -11,6 +11,8 @@ Definitions (one home; report.py only renders them):
     speedup                 tokens_per_s / baseline_tokens_per_s
     identical_fraction      share of prompts whose speculative tokens equal the plain tokens
     per_position_acceptance [d-1] = share of rounds whose accepted draft length is >= d
+    tau_by_context          tau of the rounds whose context (prompt + tokens emitted before the round)
+                            falls in each CONTEXT_BUCKETS bucket
     repetition              share of repeated n-grams (n=4) in outputs: docs/cpu-measurements.md asks for
                             it, since n-gram drafting thrives on repetitive text
 """
@@ -128,6 +130,32 @@ def repetition_fraction(outputs: Sequence[Sequence[int]], n: int = 4) -> float:
 def tau_of(accepted_lengths: Sequence[int]) -> float:
     """Mean tokens emitted per verification round."""
     return sum(accepted_lengths) / len(accepted_lengths) if accepted_lengths else 0.0
+
+
+# lower edges of the context-length buckets tau is reported by: a round falls in the last edge at
+# or below its context (tokens before the round's first new one); powers of two from 256 to 128K
+CONTEXT_BUCKETS = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def round_contexts(prompt_len: int, accepted_lengths: Sequence[int]) -> list[int]:
+    """Context length of each round: the prompt plus every token emitted by the rounds before it."""
+    out, context = [], prompt_len
+    for a in accepted_lengths:
+        out.append(context)
+        context += a
+    return out
+
+
+def tau_by_context(sequences: Sequence[tuple[int, Sequence[int]]], edges: Sequence[int] = CONTEXT_BUCKETS) -> dict[int, dict]:
+    """{lower edge: {"tau", "rounds"}} over the buckets any round falls in, ascending.
+    sequences: (prompt length, tokens emitted per round) of each prompt; a round's bucket is the
+    last edge at or below its context (`round_contexts`). Shows whether a head trained on short
+    conversations holds on long ones."""
+    rounds: dict[int, list[int]] = defaultdict(list)
+    for prompt_len, accepted in sequences:
+        for context, a in zip(round_contexts(prompt_len, accepted), accepted):
+            rounds[max(e for e in edges if e <= context)].append(a)
+    return {e: {"tau": tau_of(rounds[e]), "rounds": len(rounds[e])} for e in sorted(rounds)}
 
 
 def per_position_acceptance(accepted_lengths: Sequence[int], depth: int | None = None) -> list[float]:
@@ -423,6 +451,7 @@ def summarize(records: list[dict], settings: BenchSettings) -> dict:
         "per_position_acceptance": per_position_acceptance(accepted),
         "acceptance_length_histogram": acceptance_histogram(accepted),
         "per_category_tau": {c: tau_of(a) for c, a in sorted(by_category.items())},
+        "tau_by_context": tau_by_context([(r["prompt_tokens"], r["accepted_lengths"]) for r in records]),
         "repetition": {
             "ngram": n,
             "plain": repetition_fraction([r["_tokens"][0] for r in records], n),
