@@ -65,11 +65,13 @@ def known_continuation(sequences: list[list[int]]) -> Callable[[tuple[int, ...],
     return continuation
 
 
-def spine(parents: torch.Tensor) -> list[int]:
-    """Root-first node indices of the path to the deepest node (the last such node: in a static
-    tree that is a later branch, so the accepted path is not a prefix of the node order)."""
+def spine(parents: torch.Tensor, last: bool = True) -> list[int]:
+    """Root-first node indices of the path to a deepest node: the last one (in a static tree a
+    later branch, so an accepted path is not a prefix of the node order), or the first (the
+    branch that sampling's acceptance tries first at every depth)."""
     depths = node_depths(parents).tolist()
-    node = max(range(len(depths)), key=lambda i: (depths[i], i))
+    order = (lambda i: (depths[i], i)) if last else (lambda i: (depths[i], -i))
+    node = max(range(len(depths)), key=order)
     path = [node]
     while node > 0:
         node = int(parents[node])
@@ -77,14 +79,14 @@ def spine(parents: torch.Tensor) -> list[int]:
     return path[::-1]
 
 
-def rewrite(tree: DraftTree, truth: list[int], cut: int | None, vocab: int) -> DraftTree:
+def rewrite(tree: DraftTree, truth: list[int], cut: int | None, vocab: int, last: bool = True) -> DraftTree:
     """The tree with its spine's node at depth d holding truth[d - 1], except at depth `cut`,
     which holds a wrong token; a sibling of a spine node that holds the spine's true token gets
     another one, so the verifier can only accept along the spine. truth: the true tokens after the
     root, one per depth of the spine."""
     tokens = tree.tokens.clone()
     parents = tree.parents.tolist()
-    path = spine(tree.parents)
+    path = spine(tree.parents, last)
     for depth, node in enumerate(path[1:], start=1):
         right = truth[depth - 1]
         token = (right + 1) % vocab if depth == cut else right
@@ -130,17 +132,17 @@ class RowDrafter:
 
 
 class OracleDrafter(RowDrafter):
-    """A real drafter whose trees' deepest path is the target's continuation, cut at the depth
-    `cut(row, round)` says."""
+    """A real drafter whose trees' deepest path (the last one; `last=False`: the first) is the
+    target's continuation, cut at the depth `cut(row, round)` says."""
 
-    def __init__(self, inner, continuation, vocab: int, cut: Cut = never, sequence: int = 0):
+    def __init__(self, inner, continuation, vocab: int, cut: Cut = never, sequence: int = 0, last: bool = True):
         super().__init__(inner, sequence)
-        self.continuation, self.vocab, self.cut = continuation, vocab, cut
+        self.continuation, self.vocab, self.cut, self.last = continuation, vocab, cut, last
         self.round = 0
         self.seen: tuple[int, ...] = ()  # committed tokens and the pending one
 
     def wrap(self, inner, sequence: int) -> "OracleDrafter":
-        return OracleDrafter(inner, self.continuation, self.vocab, self.cut, sequence)
+        return OracleDrafter(inner, self.continuation, self.vocab, self.cut, sequence, self.last)
 
     def begin(self, tokens, features, pending) -> None:
         super().begin(tokens, features, pending)
@@ -159,7 +161,7 @@ class OracleDrafter(RowDrafter):
             return tree
         depth = int(node_depths(tree.parents).max())
         truth = self.continuation(self.seen, depth)
-        return rewrite(tree, truth, self.cut(self.sequence, self.round), self.vocab)
+        return rewrite(tree, truth, self.cut(self.sequence, self.round), self.vocab, self.last)
 
 
 def accepted_drafts(result) -> list[int]:

@@ -157,3 +157,51 @@ def test_rows_verified_at_one_length_are_caught(setting, monkeypatch):
     monkeypatch.setattr(torch_target.TorchTarget, "verify", longest_row)
     with pytest.raises(AssertionError):
         exact_when_accepted(setting, drafter_of)
+
+
+def test_a_residual_wrong_only_at_depth_two_is_caught(monkeypatch):
+    """The sampling guard (tests/test_sampling_exactness.py `assert_law_at_depth_two`, here on
+    Medusa's static tree, the case with the fewest depth-2 rows) under a rule that is right at
+    depth 1 and wrong below it: when every child of an accepted depth-1 node is rejected, the
+    token is drawn from that node's p instead of the residual (the rejected draft removed). The
+    guard as it is passes in that test file; the wrong rule must read p < ALPHA."""
+    from drafthead.inference.engine.acceptance import Acceptance
+    from drafthead.inference.engine.sampling import SamplingConfig
+    from tests.test_sampling_exactness import assert_law_at_depth_two, steered_case
+
+    real = engine.tree_rejection_sample
+
+    def residual_ignored_at_depth_two(tokens, parents, p, q, generator=None):
+        out = real(tokens, parents, p, q, generator)
+        node = out.path[-1]
+        if len(out.path) == 2 and bool((parents == node).any()):  # its children were all rejected
+            return Acceptance(out.path, int(torch.multinomial(p[node].float(), 1, generator=generator)))
+        return out
+
+    monkeypatch.setattr(engine, "tree_rejection_sample", residual_ignored_at_depth_two)
+    target, drafter, _ = steered_case("medusa1")
+    with pytest.raises(AssertionError):
+        assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9),
+                                copies=50)
+
+
+def test_a_policy_that_never_drafts_or_never_cuts_is_caught(monkeypatch):
+    """The load policy's guards (tests/test_policy.py): it drafts where drafting pays, decodes
+    plainly where it does not, and verifies trees cut to its count. A policy that always decodes
+    plainly, one that always verifies whole trees, and an engine that skips the cut each fail one."""
+    from drafthead.inference.engine.policy import SpeculationPolicy
+    from tests.test_policy import (assert_drafts_where_drafting_pays, assert_plain_where_drafting_does_not_pay,
+                                   assert_trees_are_cut_to_the_policys_count)
+
+    always_plain = [(SpeculationPolicy, "plan", lambda self, batch: 1)]
+    always_whole = [(SpeculationPolicy, "plan", lambda self, batch: 0),
+                    (SpeculationPolicy, "cut", lambda self, trees: max(t.num_nodes for t in trees))]
+    no_cut = [(engine, "cut_tree", lambda tree, num_nodes: tree)]
+    for guard, patches in ((assert_drafts_where_drafting_pays, always_plain),
+                           (assert_plain_where_drafting_does_not_pay, always_whole),
+                           (assert_trees_are_cut_to_the_policys_count, no_cut)):
+        with monkeypatch.context() as patch:
+            for where, name, value in patches:
+                patch.setattr(where, name, value)
+            with pytest.raises(AssertionError):
+                guard()

@@ -265,18 +265,14 @@ SAMPLED_FAMILIES = {"qwen3_moe": {}, "gemma3": {"sliding_window": 4}}
 @pytest.mark.parametrize("family", sorted(SAMPLED_FAMILIES))
 def test_tree_sampling_is_exact_at_depth_two(family):
     """Prompt lookup's tree (the prompt's "3 4" was followed by "5 6" and by "7 6": two branches of
-    depth 3) in 50 rows of one batch: three new tokens, so a depth-2 path can be accepted whole,
-    and their joint law must be the target's, enumerated from plain forwards
-    (tests/test_sampling_exactness.py). Lookup drafts cost nothing, so the samples pay only for
-    the target's forwards. tiny_causal_lm's sharp logits are kept: with them a tree mask that
+    depth 3), its deepest path steered to the target's greedy path (tests/oracle.py), in 50 rows
+    of one batch: three new tokens, so a depth-2 path can be accepted whole, and their joint law
+    must be the target's, enumerated from plain forwards (tests/test_sampling_exactness.py).
+    Lookup drafts cost nothing, so the samples pay only for the target's forwards. tiny_causal_lm's sharp logits are kept: with them a tree mask that
     ignores Gemma's window moves the law far enough for this test to fail (checked)."""
     from drafthead.inference.engine.sampling import SamplingConfig
-    from tests.stats import chi_square_pvalue
-    from tests.test_sampling_exactness import ALPHA, RUNS, VOCAB, exact_first_three, sampled_first
+    from tests.test_sampling_exactness import VOCAB, assert_law_at_depth_two
 
-    sampling = SamplingConfig(temperature=0.8)
     target = tiny_causal_lm(family, vocab=VOCAB, seed=3, layers=LAYERS, **SAMPLED_FAMILIES[family])
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])
-    counts, deep = sampled_first(target, PromptLookupDrafter(length=3), prompt, sampling, 3, copies=50)
-    assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
-    assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
+    assert_law_at_depth_two(target, PromptLookupDrafter(length=3), prompt, SamplingConfig(temperature=0.6), copies=50)

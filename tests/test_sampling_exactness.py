@@ -15,6 +15,12 @@ from tests.tiny import tiny_causal_lm
 ALPHA = 1e-3  # a correct sampler fails each case once in a thousand runs
 VOCAB = 8
 RUNS = 2500
+# Rows, of RUNS, whose first round accepted a depth-2 path whole. Drafts steered to the target's
+# greedy path (tests/oracle.py) on tiny_causal_lm's sharpened logits give 107-329 across the
+# depth-2 tests; at 151 (Medusa's static tree) a residual wrong only at depth 2 reads p ~ 1e-10
+# (tests/test_exactness_controls.py). With the LM head flattened 4x, ~100 rows got there and the
+# same wrong rule read p ~ 0.02, unseen at ALPHA. Unsteered heads gave as few as one.
+MIN_DEEP = 100
 
 
 def exact_first_two(target, prompt, sampling):
@@ -81,37 +87,47 @@ def exact_first_three(target, prompt, sampling):
 
 def assert_static_tree_sampling_exact(drafter_of) -> None:
     """A parallel drafter's static tree (two candidates at depth 1, a child under each) on a tiny
-    target with flattened logits: three new tokens, so a depth-2 path can be accepted whole, and
+    target: three new tokens, so a depth-2 path can be accepted whole, and
     their joint law must be the target's. drafter_of(target, choices) -> the drafter."""
     sampling = SamplingConfig(temperature=0.9)
     target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
-    with torch.no_grad():
-        target.lm_head.weight.mul_(0.25)
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    drafter = drafter_of(target, [(0,), (1,), (0, 0), (1, 0)])
-    counts, deep = sampled_first(target, drafter, prompt, sampling, 3)
-    assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
+    assert_law_at_depth_two(target, drafter_of(target, [(0,), (1,), (0, 0), (1, 0)]), prompt, sampling)
+
+
+def assert_law_at_depth_two(target, drafter, prompt, sampling, copies: int = 10, policy_of=None) -> None:
+    """The joint law of the first three tokens after `prompt` [1, P] is the target's, with
+    `drafter`'s trees steered to the target's greedy path (tests/oracle.py: a deterministic
+    draft, so acceptance treats it as a point mass) so that at least MIN_DEEP rows accept a
+    depth-2 path whole in their first round. policy_of(): a load policy for each run, or None."""
+    from tests.oracle import OracleDrafter, greedy_continuation
+
+    steered = OracleDrafter(drafter, greedy_continuation(target), VOCAB, last=False)  # the branch tried first
+    counts, deep = sampled_first(target, steered, prompt, sampling, 3, copies=copies, policy_of=policy_of)
+    assert deep >= MIN_DEEP, f"{deep} of {RUNS} rows reached depth 2: too few to test the law there"
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
 
 
-def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: int = 10) -> tuple[Counter, int]:
+def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: int = 10,
+                  policy_of=None) -> tuple[Counter, int]:
     """RUNS samples of the first `new_tokens` tokens after `prompt` [1, P], drawn `copies` rows at
     a time in one batch (each row its own drafter fork and draws): the joint counts and how many
     rows accepted a path of new_tokens - 1 drafts whole in their first round."""
     ids = prompt.repeat(copies, 1)
     counts, deep = Counter(), 0
     for run in range(RUNS // copies):
-        out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=new_tokens, sampling=sampling, seed=run),
-                                   attention_mask=torch.ones_like(ids))
+        config = GenerationConfig(max_new_tokens=new_tokens, sampling=sampling, seed=run,
+                                  policy=None if policy_of is None else policy_of())
+        out = speculative_generate(target, drafter, ids, config, attention_mask=torch.ones_like(ids))
         for row in (out.rows if copies > 1 else [out]):
             counts[tuple(row.new_tokens[0].tolist())] += 1
             deep += row.accepted_lengths[0] == new_tokens
     return counts, deep
 
 
-# (kind, sampling, lm_head scale): spread logits for plain sampling; for the penalty, tiny_causal_lm's
-# sharp logits and a strong penalty, so that the law without it is far off (p ~ 1e-21 when checked)
-HEAD_CASES = [("eagle3", SamplingConfig(temperature=0.9), 0.25),
+# (kind, sampling, lm_head scale): tiny_causal_lm's sharp logits (MIN_DEEP); for the penalty, also a
+# strong penalty, so that the law without it is far off (p ~ 1e-21 when checked)
+HEAD_CASES = [("eagle3", SamplingConfig(temperature=0.9), 1.0),
               ("eagle31", SamplingConfig(temperature=1.0, repetition_penalty=3.0), 1.0)]
 
 
@@ -128,6 +144,40 @@ def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
         target.lm_head.weight.mul_(lm_scale)
     head = build_head(make_config(kind, target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    counts, deep = sampled_first(target, EagleDrafter(head, num_draft=6, depth=2, top_k=2), prompt, sampling, 3)
-    assert deep > 0  # some first rounds accepted a depth-2 path: the test reaches depth 2
-    assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
+    assert_law_at_depth_two(target, EagleDrafter(head, num_draft=6, depth=2, top_k=2), prompt, sampling)
+
+
+def steered_case(case: str):
+    """(target, drafter, policy_of) of each drafter the README serves that the cases above leave
+    out: Medusa-1 and Medusa-2 heads (a static tree), EAGLE-1, the merged drafter a shipped head
+    drafts with (an EAGLE-3 tree plus prompt lookup), and the load policy over EAGLE-1's trees
+    (injected costs on which drafting pays, so its rounds cut trees and draft)."""
+    from drafthead.heads import build_head, make_config
+    from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
+    from drafthead.inference.drafters.merged import MergedDrafter
+    from tests.test_policy import FLAT, InjectedCosts
+
+    target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
+    torch.manual_seed(0)
+    if case in ("medusa1", "medusa2"):
+        head = build_head(make_config(case, target, None, name="tiny", num_heads=2), target).eval()
+        return target, MedusaDrafter(head, choices=[(0,), (1,), (0, 0), (1, 0)]), None
+    eagle1 = EagleDrafter(build_head(make_config("eagle1", target, None, name="tiny"), target).eval(),
+                          num_draft=6, depth=2, top_k=2)
+    if case == "eagle1":
+        return target, eagle1, None
+    if case == "policy":  # one policy over every run: its estimates carry over, as they do for a user
+        policy = InjectedCosts(FLAT, probe_every=3, draft_per_row=0.00001)
+        return target, eagle1, lambda: policy
+    eagle3 = build_head(make_config("eagle3", target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
+    return target, MergedDrafter([EagleDrafter(eagle3, num_draft=4, depth=2, top_k=2), PromptLookupDrafter(length=3)]), None
+
+
+@pytest.mark.parametrize("case", ["medusa1", "medusa2", "eagle1", "merged", "policy"])
+def test_every_drafter_keeps_the_targets_law_at_depth_two(case):
+    target, drafter, policy_of = steered_case(case)
+    assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9),
+                            copies=50, policy_of=policy_of)
+    if policy_of is not None:
+        decisions = policy_of().decisions
+        assert any(d > 1 for d in decisions), decisions  # rounds whose trees the policy cut to its node count
