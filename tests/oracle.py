@@ -180,13 +180,15 @@ def by_row(sequence: int, round_: int) -> int | None:
 
 
 def assert_accepts_and_stays_exact(target, drafter_of, prompt, reference: list[int], prompts, references,
-                                   ids, mask, max_new_tokens: int, ragged_new_tokens: int, generate_config) -> None:
+                                   ids, mask, max_new_tokens: int, ragged_new_tokens: int, generate_config,
+                                   vocab: int | None = None) -> None:
     """The oracle-steered `drafter_of()` decodes `prompt` to `reference` while accepting paths of
     depth >= 2 in at least two rounds, and the ragged batch `ids`/`mask` (rows `prompts`) to
-    `references` while its rows accept different lengths (row b is cut as `by_row` says)."""
+    `references` while its rows accept different lengths (row b is cut as `by_row` says).
+    vocab: the target's vocabulary size, for a target that is no torch module (the llama.cpp backend)."""
     from drafthead.inference.engine.generate import speculative_generate
 
-    vocab = target.get_input_embeddings().num_embeddings
+    vocab = vocab or target.get_input_embeddings().num_embeddings
     continuation = known_continuation([prompt[0].tolist() + reference] + [p.tolist() + r for p, r in zip(prompts, references)])
     oracle = OracleDrafter(drafter_of(), continuation, vocab, every_third_rejected)
     result = speculative_generate(target, oracle, prompt, generate_config(max_new_tokens))

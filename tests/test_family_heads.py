@@ -4,9 +4,13 @@ maps, no more, no fewer, or refuses in one line naming the consumer and why. Gem
 scale included: heads embed with the raw table, as every consumer's drafter does.
 
 The draft layer is Llama's, sized from the target, whatever the family (docs/formats.md "The draft
-layer per target family"). Key sets are those of the checkpoints the producers' own code wrote
-(tests/fixtures/interop, scripts/interop/fixtures_*.py); shapes are those a Llama (Qwen3 for
-DFlash) layer built from the export's own config holds, which is what the consumers build.
+layer per target family"). Each export's tensor names and shapes are those of the model its
+consumer builds from the export's own config (`consumer_shapes`, which gives exactly the names and
+shapes of every consumer-written fixture from that fixture's config). Where the consumer's own code
+writes the layout (speculators, upstream EAGLE and Medusa, z-lab's DFlash, SpecForge for SGLang),
+the export also holds that checkpoint's tensor names and config keys (tests/fixtures/interop,
+scripts/interop/fixtures_*.py). vLLM and llama.cpp only read: their exports are loaded by their
+own code instead (READ_ONLY).
 Exactness of P-EAGLE and DFlash on every family: tests/test_peagle.py, tests/test_dflash.py.
 """
 from __future__ import annotations
@@ -18,12 +22,11 @@ import math
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
 from drafthead.heads.formats import _FORMAT_KINDS, ENGINES, export_head
-from drafthead.heads.formats.common import read_weights
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter
@@ -41,6 +44,9 @@ KINDS = {
     "peagle": {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": V - 1, "aux_layers": (1, 2, 3)},
     "dflash": {"block_size": 4, "mask_token_id": V - 1, "num_anchors": 4},
 }
+# kinds only the export test builds here (their training and decoding: tests/test_families.py);
+# Medusa-1 as the medusa fixture has it, 3 heads of one block
+EXPORT_KINDS = {"medusa1": {"num_heads": 3, "num_layers": 1}}
 CAPTURED_FAMILIES = ("qwen3_moe", "gpt_oss", "gemma3")  # online features train every family
 
 
@@ -52,7 +58,7 @@ def target_of(family: str):
 def head_of(family: str, kind: str, seed: int = 0):
     target = target_of(family)
     torch.manual_seed(seed)
-    config = make_config(kind, target, None, name=f"tiny-{family}", **KINDS[kind])
+    config = make_config(kind, target, None, name=f"tiny-{family}", **{**KINDS, **EXPORT_KINDS}[kind])
     return build_head(config, target, token_counts=torch.arange(V), dtype=torch.float32)
 
 
@@ -129,25 +135,30 @@ def test_greedy_equals_plain_at_batch_1_and_ragged_3(family, kind):
 # ----------------------------------------------------------------------------- exports
 
 
-def fixture_keys(name: str, drop=()) -> set[str]:
+def fixture_keys(name: str) -> set[str]:
     """The tensor names a producer's own code wrote for this layout (tests/fixtures/interop)."""
-    return set(read_weights(ROOT / name)) - set(drop)
+    return set(written(ROOT / name)[1])
 
 
-# export format -> the producer's checkpoint of that layout, less tensors our export leaves to the
-# target (vLLM's and SGLang's EAGLE-1 read the target's embedding; SGLang's fc carries a bias)
-CONSUMER_KEYS = {
-    ("eagle1", "vllm"): lambda: fixture_keys("eagle1", ("embed_tokens.weight", "fc.bias")),
-    ("eagle1", "sglang"): lambda: fixture_keys("eagle1", ("embed_tokens.weight",)),
-    ("eagle1", "eagle"): lambda: fixture_keys("eagle1"),
-    ("eagle3", "vllm"): lambda: fixture_keys("specforge-sglang"),
-    ("eagle3", "sglang"): lambda: fixture_keys("specforge-sglang"),
-    ("eagle3", "llama.cpp"): lambda: fixture_keys("llamacpp-eagle3"),
-    ("eagle3", "speculators"): lambda: fixture_keys("speculators-eagle3"),
-    ("dflash", "dflash"): lambda: fixture_keys("dflash"),
+# (kind, format) -> the checkpoint that the consumer's own code, or the trainer written for it,
+# wrote in that layout (its name under tests/fixtures/interop)
+WRITTEN_BY_CONSUMER = {
+    ("eagle1", "eagle"): "eagle1",  # eagle-llm's own training save
+    ("eagle3", "sglang"): "specforge-sglang",  # SpecForge's export_to_sglang, SGLang's trainer
+    ("eagle3", "speculators"): "speculators-eagle3",  # speculators' save_pretrained
+    ("dflash", "dflash"): "dflash",  # z-lab's DFlashDraftModel.save_pretrained
+    ("medusa1", "medusa"): "medusa",  # medusa-llm's training save
+}
+# formats whose consumer writes no checkpoint of its own: the export is checked by loading it in
+# the consumer; here it is held to the model the consumer builds from the export's config (and,
+# for SGLang's EAGLE-3, to the file SpecForge writes for it)
+READ_ONLY = {
+    "vllm": "scripts/interop/check_vllm.py feeds every tensor through vLLM's load_weights (make interop)",
+    "sglang": "scripts/interop/check_sglang.py runs SGLang's own load_weights on it (make interop)",
+    "llama.cpp": "llama.cpp's converter and libllama load it (tests/test_llamacpp_export.py, -m llamacpp)",
 }
 # tensors of flags no producer fixture sets (EAGLE-3.1's per-feature norms, P-EAGLE's mask
-# stand-ins): named by the layouts' docs (docs/formats.md), added to the base key set
+# stand-in): named by the layouts' docs (docs/formats.md), added to the base key set
 FLAG_KEYS = {"eagle31": {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}, "peagle": {"mask_hidden"}}
 
 
@@ -157,28 +168,115 @@ def export_formats(kind: str) -> list[str]:
 
 def written(out) -> tuple[dict, dict[str, tuple[int, ...]]]:
     cfg = json.loads((out / CONFIG_NAME).read_text())
-    weights = out / WEIGHTS_NAME if (out / WEIGHTS_NAME).exists() else out / "pytorch_model.bin"
-    if weights.suffix == ".bin":
+    weights = next(out / name for name in (WEIGHTS_NAME, "pytorch_model.bin", "medusa_lm_head.pt") if (out / name).exists())
+    if weights.suffix in (".bin", ".pt"):
         return cfg, {k: tuple(v.shape) for k, v in torch.load(weights, weights_only=True).items()}
     with safe_open(str(weights), "pt") as f:
         return cfg, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
 
 
-def consumer_layer_shapes(kind: str, fmt: str, cfg: dict) -> tuple[str, dict[str, tuple[int, ...]]]:
-    """(key prefix, {name: shape}) of the decoder layer the consumer builds from the export's config."""
-    if kind == "dflash":
-        fields = {k: v for k, v in cfg.items() if k in Qwen3Config().to_dict()}
-        return "layers.0.", {k: tuple(v.shape) for k, v in Qwen3DecoderLayer(Qwen3Config(**fields), 0).state_dict().items()}
+def layer_shapes(config_class, fields: dict, layer_class, prefixes) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of the decoder layer `layer_class` builds from `fields` (the config keys
+    `config_class` knows), once under each of `prefixes`."""
+    known = config_class().to_dict()
+    config = config_class(**{k: v for k, v in fields.items() if k in known and k not in ("architectures", "model_type")})
+    layer = {k: tuple(v.shape) for k, v in layer_class(config, 0).state_dict().items()}
+    return {f"{prefix}{k}": shape for prefix in prefixes for k, shape in layer.items()}
+
+
+def consumer_shapes(kind: str, fmt: str, cfg: dict) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of every tensor the consumer's model takes from this layout, sized from the
+    export's own config as the consumer sizes its modules (docs/formats.md, per layout): the
+    decoder layers through transformers' Llama (Qwen3 for DFlash) layer, the rest by hand."""
+    if fmt == "medusa":  # head h: medusa_num_layers ResBlocks of [H, H] + bias, then [V, H]
+        H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["medusa_num_layers"]
+        shapes = {}
+        for h in range(cfg["medusa_num_heads"]):
+            for i in range(L):
+                shapes[f"{h}.{i}.linear.weight"], shapes[f"{h}.{i}.linear.bias"] = (H, H), (H,)
+            shapes[f"{h}.{L}.weight"] = (V, H)
+        return shapes
+    if kind == "dflash":  # fc over the fused target layers, Qwen3 layers, two norms; embedding and LM head: the target's
+        H, n = cfg["hidden_size"], len(cfg["dflash_config"]["target_layer_ids"])
+        layers = [f"layers.{i}." for i in range(cfg["num_hidden_layers"])]
+        return {**layer_shapes(Qwen3Config, cfg, Qwen3DecoderLayer, layers),
+                "fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
     layer_cfg = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
-    fields = {k: v for k, v in layer_cfg.items() if k in LlamaConfig().to_dict() and k not in ("architectures", "model_type")}
-    shapes = {k: tuple(v.shape) for k, v in LlamaDecoderLayer(LlamaConfig(**fields), 0).state_dict().items()}
-    if kind == "eagle1":
-        return "layers.0.", shapes
-    H = layer_cfg["hidden_size"]
-    for name in ("q_proj", "k_proj", "v_proj"):  # EAGLE-3's attention reads cat(embedding, feature)
-        shapes[f"self_attn.{name}.weight"] = (shapes[f"self_attn.{name}.weight"][0], 2 * H)
-    shapes["hidden_norm.weight"] = (H,)
-    return ("layers.0." if fmt == "speculators" else "midlayer."), shapes
+    H, V = layer_cfg["hidden_size"], layer_cfg["vocab_size"]
+    if kind == "eagle1":  # fc over cat(embedding, feature); layer 0 without input_layernorm
+        shapes = layer_shapes(LlamaConfig, layer_cfg, LlamaDecoderLayer, ["layers.0."])
+        del shapes["layers.0.input_layernorm.weight"]
+        shapes["fc.weight"] = (H, 2 * H)
+        if fmt == "sglang" or (fmt == "eagle" and cfg.get("bias", True)):  # SGLang's fc always has one
+            shapes["fc.bias"] = (H,)
+        if fmt == "eagle":  # upstream EAGLE loads strictly, its own embedding included
+            shapes["embed_tokens.weight"] = (V, H)
+        return shapes
+    T = cfg.get("target_hidden_size") or H
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    D = cfg.get("draft_vocab_size") or V
+    layer = "layers.0." if fmt == "speculators" else "midlayer."
+    shapes = layer_shapes(LlamaConfig, layer_cfg, LlamaDecoderLayer, [layer])
+    for name in ("q_proj", "k_proj", "v_proj"):  # EAGLE-3's attention reads cat(embedding, hidden)
+        rows, _ = shapes[f"{layer}self_attn.{name}.weight"]
+        shapes[f"{layer}self_attn.{name}.weight"] = (rows, 2 * H)
+    shapes.update({f"{layer}hidden_norm.weight": (H,), "fc.weight": (H, len(ids) * T), "norm.weight": (H,),
+                   "lm_head.weight": (D, H)})
+    if D < V:  # draft id -> target id offsets, and the target-vocab mask the engines skip by name
+        shapes.update({"d2t": (D,), "t2d": (V,)})
+    if fmt == "speculators":  # speculators stores the (target's) embedding; the engines share the target's
+        shapes["embed_tokens.weight"] = (V, H)
+    if cfg.get("fc_norm"):  # EAGLE-3.1: one norm per fused feature
+        shapes.update({f"fc_norm.{i}.weight": (T,) for i in range(len(ids))})
+    if cfg.get("norm_before_fc"):
+        shapes["input_norm.weight"] = (len(ids) * T,)
+    if cfg.get("speculators_model_type") == "peagle":  # the placeholder for a missing feature, before fc
+        shapes["mask_hidden"] = (1, 1, len(ids) * T)
+    return shapes
+
+
+# The consumers' config classes: a key of the producer's config that our export leaves out must be
+# one the class fills with the producer's own value (its default); every key we add must be one
+# the consumer reads (a field of its class, a flag docs/formats.md names) or our `drafthead` block.
+CONFIG_CLASS = {"dflash": Qwen3Config, "medusa": PretrainedConfig, "speculators": PretrainedConfig}
+READ_KEYS = {"norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "mask_token_id", "bias",
+             "target_hidden_size", "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
+             "medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "medusa_fc_bias",
+             "hidden_size", "vocab_size"}  # the last two: vLLM's Medusa config, which assumes 4096 without them
+# transformers 5's field -> its transformers 4 names, which every consumer's config class still reads
+SAME_FIELD = {"dtype": ("torch_dtype",), "rope_parameters": ("rope_theta", "rope_scaling")}
+OLD_NAMES = {old for names in SAME_FIELD.values() for old in names}
+# written by the producer's save_pretrained for its own loading, read by no consumer (speculators'
+# auto_map names the config.py copy its save writes, dropped from the fixtures)
+NOT_READ = {"transformers_version", "auto_map"}
+# what the consumers' own config classes give an absent key where transformers' class has no such
+# field: speculators' Eagle3 config (a training flag, untied embeddings, one full-attention layer)
+# and upstream EAGLE's transformers-4 config (no RoPE scaling)
+CONSUMER_DEFAULTS = {"embed_requires_grad": False, "tie_word_embeddings": False, "layer_types": ["full_attention"],
+                     "use_sliding_window": False, "rope_scaling": None}
+
+
+def inert(key: str, theirs: dict) -> bool:
+    """A window size that no layer of the producer's config uses (no sliding_attention layer)."""
+    return key == "sliding_window" and "sliding_attention" not in theirs.get("layer_types", ())
+
+
+def config_key_differences(ours: dict, theirs: dict, config_class) -> list[str]:
+    """What in our config's keys the consumer would not read as the producer's file says, one
+    line each: a key missing that the class does not default to the producer's value, or a key
+    added that the consumer does not know."""
+    defaults = config_class().to_dict()
+    problems = []
+    for key in sorted(set(theirs) - set(ours)):
+        default = defaults.get(key, CONSUMER_DEFAULTS.get(key, ...))  # ...: no default, the key must be there
+        if key in NOT_READ or set(SAME_FIELD.get(key, ())) & set(ours) or default == theirs[key] or inert(key, theirs):
+            continue
+        problems.append(f"missing {key} = {theirs[key]!r}")
+    for key in sorted(set(ours) - set(theirs)):
+        if key == "drafthead" or key in defaults or key in READ_KEYS or key in OLD_NAMES:
+            continue
+        problems.append(f"added {key}")
+    return problems
 
 
 def expected_refusal(target, fmt: str) -> str | None:
@@ -191,9 +289,12 @@ def expected_refusal(target, fmt: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind", sorted({**KINDS, **EXPORT_KINDS}))
 @pytest.mark.parametrize("family", TARGETS)
 def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kind, tmp_path):
+    """Each export holds exactly the tensors, of exactly the shapes, that the consumer's model
+    built from the export's own config takes; where the consumer's code writes this layout too,
+    the same tensor names and config keys as its checkpoint (tests/fixtures/interop)."""
     head = head_of(family, kind)
     head.save_pretrained(tmp_path / "head")
     target = target_of(family)
@@ -208,14 +309,58 @@ def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kin
             continue
         export_head(tmp_path / "head", out, fmt, target_model=target)
         cfg, shapes = written(out)
+        expected = consumer_shapes(kind, fmt, cfg)
+        assert set(shapes) == set(expected), \
+            f"{fmt}: unexpected {sorted(set(shapes) - set(expected))}, missing {sorted(set(expected) - set(shapes))}"
+        wrong = {k: (shapes[k], expected[k]) for k in shapes if shapes[k] != expected[k]}
+        assert not wrong, f"{fmt}: (written, the consumer's) shapes differ: {wrong}"
         base = "eagle3" if kind in ("eagle31", "peagle") else kind
-        expected = CONSUMER_KEYS[(base, fmt)]() | FLAG_KEYS.get(kind, set())
-        assert set(shapes) == expected, f"{fmt}: unexpected {sorted(set(shapes) - expected)}, missing {sorted(expected - set(shapes))}"
-        prefix, layer = consumer_layer_shapes(kind, fmt, cfg)
-        if kind == "eagle1":
-            layer.pop("input_layernorm.weight")  # EAGLE-1 checkpoints drop it (the fixture has none)
-        ours = {k[len(prefix):]: v for k, v in shapes.items() if k.startswith(prefix)}
-        assert ours == layer, f"{fmt}: layer shapes differ from the consumer's layer built from the export's config"
+        fixture = WRITTEN_BY_CONSUMER.get((base, fmt))
+        if fixture is None:
+            assert fmt in READ_ONLY, f"{fmt}: no consumer-written fixture and not a read-only consumer"
+            continue
+        assert set(shapes) == fixture_keys(fixture) | FLAG_KEYS.get(kind, set()), f"{fmt}: tensor names differ from {fixture}'s"
+        theirs = json.loads((ROOT / fixture / CONFIG_NAME).read_text())
+        problems = config_key_differences(cfg, theirs, CONFIG_CLASS.get(fmt, LlamaConfig))
+        if fmt == "speculators":  # the layer's own config inside it
+            problems += config_key_differences(cfg["transformer_layer_config"], theirs["transformer_layer_config"],
+                                               LlamaConfig)
+        assert not problems, f"{fmt} config against {fixture}'s: {problems}"
+
+
+# fixture -> (kind, format) of the layout its producer wrote, for the fixtures of that table
+FIXTURE_LAYOUTS = {"eagle1": ("eagle1", "eagle"), "medusa": ("medusa1", "medusa"), "dflash": ("dflash", "dflash"),
+                   "specforge-sglang": ("eagle3", "sglang"), "speculators-eagle3": ("eagle3", "speculators"),
+                   "speculators-eagle3-nbr": ("eagle3", "speculators"),
+                   "speculators-eagle3-train": ("eagle3", "speculators"),  # + input_norm (norm_before_fc)
+                   "speculators-eagle3-window": ("eagle3", "speculators")}
+
+
+@pytest.mark.parametrize("fixture", sorted(FIXTURE_LAYOUTS))
+def test_consumer_shapes_are_those_of_the_consumers_own_checkpoints(fixture):
+    """The sizing rule the export test holds our exports to gives, from each consumer-written
+    fixture's own config, exactly that checkpoint's names and shapes: the rule is the consumers'."""
+    cfg, shapes = written(ROOT / fixture)
+    if fixture == "medusa":  # upstream Medusa's config leaves the sizes to its base model
+        base = json.loads((ROOT / "target" / CONFIG_NAME).read_text())
+        cfg = {**cfg, "hidden_size": base["hidden_size"], "vocab_size": base["vocab_size"]}
+    assert shapes == consumer_shapes(*FIXTURE_LAYOUTS[fixture], cfg)
+
+
+def test_the_layout_checks_see_a_wrong_shape_a_missing_tensor_and_a_lost_key(tmp_path):
+    """Negative controls for the export test: an EAGLE-3 `sglang` export with fc's input width
+    wrong, t2d missing or eagle_config lost fails the check that names it."""
+    head_of("llama", "eagle3").save_pretrained(tmp_path / "head")
+    cfg, shapes = written(export_head(tmp_path / "head", tmp_path / "out", "sglang", target_model=target_of("llama")))
+    expected = consumer_shapes("eagle3", "sglang", cfg)
+    assert shapes == expected
+    assert {**shapes, "fc.weight": (32, 64)} != expected
+    assert set(shapes) - {"t2d"} != fixture_keys("specforge-sglang")
+    theirs = json.loads((ROOT / "specforge-sglang" / CONFIG_NAME).read_text())
+    assert config_key_differences(cfg, theirs, LlamaConfig) == []
+    lost = {k: v for k, v in cfg.items() if k != "eagle_config"}
+    assert config_key_differences(lost, theirs, LlamaConfig) == [f"missing eagle_config = {theirs['eagle_config']!r}"]
+    assert config_key_differences({**cfg, "eagle_ids": [1]}, theirs, LlamaConfig) == ["added eagle_ids"]
 
 
 # ----------------------------------------------------------------------------- heads saved before

@@ -98,13 +98,16 @@ def test_policy_learns_gains_and_turns_drafting_off_under_steep_cost():
 class InjectedCosts(SpeculationPolicy):
     """The policy fed known costs instead of the engine's measured seconds, so what it decides
     depends on the rule and not on the machine's speed: drafting costs `draft_per_row` seconds a
-    row, everything outside verify and drafting 1 ms."""
+    row, everything outside verify and drafting 1 ms. `drafted` records whether each round drafted
+    (a drafter may still return a root-only tree when it drafts)."""
 
     def __init__(self, *args, draft_per_row: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.draft_per_row = draft_per_row
+        self.drafted: list[bool] = []
 
     def observe(self, sizes, paths, fixed_seconds, draft_seconds, planned=0):
+        self.drafted.append(draft_seconds is not None)
         injected = None if draft_seconds is None else self.draft_per_row * len(sizes)
         super().observe(sizes, paths, 0.001, injected, planned)
 

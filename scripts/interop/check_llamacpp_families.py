@@ -2,7 +2,7 @@
 """llama.cpp's own converter and loader on our EAGLE-3 export, for every tiny target family.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/interop/check_llamacpp_families.py \
-        [--families llama,qwen3] [--out out/interop/llamacpp_families.json]
+        [--families llama,qwen3] [--out out/interop/llamacpp_families.json] [--drop norm.weight]
 
 For each family of tests/tiny.py, in a temp folder of its own:
   1. the tiny target, saved with its tokenizer (tests/conftest.py `save_tiny_target`, 4 layers);
@@ -18,10 +18,11 @@ For each family of tests/tiny.py, in a temp folder of its own:
      which refuses a file with a tensor missing ("missing tensor ...") or one too many ("wrong
      number of tensors").
 
-Recorded per family: the export's tensor names, the GGUF's (read with the `gguf` package), which
+Recorded per family: the export's config and tensor names, the GGUF's (read with the `gguf` package), which
 export tensors have no GGUF tensor under the converter's renaming (`dropped`) and which GGUF
 tensors come from no export tensor (`added`), whether libllama loads it and its error line if not.
-A markdown table goes to stdout, everything to --out as JSON. libllama and the converter are the
+A markdown table goes to stdout, everything to --out as JSON. --drop removes a tensor from every
+export before the converter sees it: the negative control, which libllama must refuse. libllama and the converter are the
 ones `make llamacpp` builds (build/libllama/, or DRAFTHEAD_LIBLLAMA / --libllama).
 """
 from __future__ import annotations
@@ -164,7 +165,17 @@ def load(gguf_path: Path, timeout: int) -> dict:
     return res
 
 
-def check_family(family: str, sp_model: bytes, timeout: int) -> dict:
+def drop_tensor(export_dir: Path, name: str) -> None:
+    """Rewrite the export's weights without `name` (the negative control's damage)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = export_dir / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors[name]
+    save_file(tensors, str(weights))
+
+
+def check_family(family: str, sp_model: bytes, timeout: int, drop: str | None = None) -> dict:
     from drafthead.heads.formats import export_head
 
     row: dict = {"family": family}
@@ -180,8 +191,11 @@ def check_family(family: str, sp_model: bytes, timeout: int) -> dict:
             row.update(status="refused by our export", refusal=one_line(e))
             row["seconds"] = round(time.time() - start, 1)
             return row
+        if drop:
+            drop_tensor(export_dir, drop)
         exported = safetensors_names(export_dir)
         row["exported"] = exported
+        row["export_config"] = json.loads((export_dir / "config.json").read_text())
         unknown = [n for n in exported if n not in GGUF_NAME]
         ok, error = convert(export_dir, converter_target(target_dir, work / "converter-target", sp_model),
                             work / "draft.gguf", timeout)
@@ -261,6 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--libllama", help="folder holding libdrafthead_llama.so "
                                       "(default: $DRAFTHEAD_LIBLLAMA, else build/libllama/lib)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per converter / loader run")
+    p.add_argument("--drop", help="a tensor to remove from every export first (the negative control)")
     args = p.parse_args(argv)
     if args.libllama:
         os.environ["DRAFTHEAD_LIBLLAMA"] = str(Path(args.libllama).resolve())
@@ -282,7 +297,7 @@ def main(argv=None) -> int:
     rows = []
     for family in families:
         try:
-            rows.append(check_family(family, sp_model, args.timeout))
+            rows.append(check_family(family, sp_model, args.timeout, args.drop))
         except Exception as e:  # one family's failure is a row
             error = one_line(f"{type(e).__name__}: {e}")[-400:]
             rows.append({"family": family, "status": "check failed", "error": error})
