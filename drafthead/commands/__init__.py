@@ -25,14 +25,22 @@ def _device(value: str) -> str:
     raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got '{value}'")
 
 
-def _positive_int(value: str) -> int:
+def _whole_number(value: str, minimum: int) -> int:
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got '{value}'") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {n}")
+    if n < minimum:
+        raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {n}")
     return n
+
+
+def _positive_int(value: str) -> int:
+    return _whole_number(value, 1)
+
+
+def _non_negative_int(value: str) -> int:
+    return _whole_number(value, 0)
 
 
 def _positive_int_or_auto(value: str) -> int | str:
