@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from drafthead.inference.bench.prompts import render_chat
 from drafthead.train.chat_format import format_conversation
 from drafthead.train.openai_server import ServerError, ServerSettings, root_url
 from drafthead.train.regenerate import RegenerateSettings, done_ids
@@ -45,6 +46,7 @@ class StubServer:
         self.statuses: list[int] = []
         self.bodies: dict[str, bytes] = {}
         self.fail_user: dict[str, int] = {}  # user text -> HTTP status always sent for it
+        self.prompt_offset = 0  # added to the prompt's token count (a server with another template)
         self.asked: list[str] = []  # the last user text of every chat request that was answered
         self.prompts: list[list[dict]] = []  # the messages of each of those requests
         self.in_flight = self.most_in_flight = 0
@@ -108,8 +110,10 @@ class StubServer:
             choice["token_ids"] = served
         elif self.ids == "llama":
             choice["logprobs"] = {"content": [{"id": t, "token": self.tok.decode([t]), "logprob": 0.0} for t in served]}
+        prompt = render_chat(self.tok, body["messages"], add_generation_prompt=True)
+        prompt_tokens = len(self.tok(prompt, add_special_tokens=False)["input_ids"]) + self.prompt_offset
         return {"object": "chat.completion", "model": self.model, "choices": [choice],
-                "usage": {"completion_tokens": len(served)}}
+                "usage": {"completion_tokens": len(served), "prompt_tokens": prompt_tokens}}
 
     def __enter__(self):
         threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -165,7 +169,7 @@ def test_served_ids_are_kept_and_label_the_answers(tmp_path, tiny_tokenizer, for
         report, model = regenerate_from_servers(tok, convs, out, SETTINGS, fast(server.url), progress=False)
     assert model == MODEL and report.written == 3 and report.turns_answered == 6
     assert report.answers_with_ids == 6 and report.answers_without_ids == 0 and report.answers_cut == 1
-    assert report.ids_retokenize_differ == 2
+    assert report.ids_retokenize_differ == 2 and report.prompt_tokens_differ == 0
     written = records(out)
     assert [r["id"] for r in written] == ["c0", "c1", "c2"]  # input order
     answers = [[m for m in r["messages"] if m["role"] == "assistant"] for r in written]
@@ -185,11 +189,12 @@ def test_served_ids_are_kept_and_label_the_answers(tmp_path, tiny_tokenizer, for
     assert [t for t, m in zip(plain.input_ids, plain.loss_mask) if m] != labels
 
 
-def test_a_server_without_ids_gives_text_and_says_so(tmp_path, tiny_tokenizer):
+def test_a_server_without_ids_gives_text_and_other_counts_are_noted(tmp_path, tiny_tokenizer):
     out = tmp_path / "regen.jsonl"
     with StubServer(tiny_tokenizer, ids=None) as server:
+        server.prompt_offset = 3  # and it renders prompts otherwise: counted
         report, _ = regenerate_from_servers(tiny_tokenizer, conversations(2), out, SETTINGS, fast(server.url), progress=False)
-    assert report.answers_without_ids == 2 and report.answers_with_ids == 0
+    assert report.answers_without_ids == 2 and report.answers_with_ids == 0 and report.prompt_tokens_differ == 2
     assert report.answer_tokens == sum(len(tiny_tokenizer.encode(f"ok question {i} turn 0")) + 1 for i in range(2))
     assert all("token_ids" not in m for r in records(out) for m in r["messages"])
 

@@ -66,7 +66,8 @@ class ServedAnswer:
     finish_reason: str | None  # "stop": ended by the model; "length": cut by max_tokens
     token_ids: list[int] | None  # as generated, the stop token included where the server keeps it
     reasoning: str | None
-    completion_tokens: int | None  # the server's usage count
+    completion_tokens: int | None  # the server's usage counts
+    prompt_tokens: int | None = None
 
 
 def root_url(url: str) -> str:
@@ -181,7 +182,8 @@ def parse_chat_reply(reply: dict, where: str) -> ServedAnswer:
         if not isinstance(text, str) or not isinstance(reasoning, (str, type(None))):
             raise ValueError("content that is not text")
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
-        return ServedAnswer(text, choice.get("finish_reason"), _ids_of(choice), reasoning, usage.get("completion_tokens"))
+        return ServedAnswer(text, choice.get("finish_reason"), _ids_of(choice), reasoning, usage.get("completion_tokens"),
+                            usage.get("prompt_tokens"))
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
         raise ServerError(f"{where}: not a chat completion ({type(e).__name__}: {e}): {json.dumps(reply)[:160]}") from None
 

@@ -56,6 +56,7 @@ class RegenerateReport:
     answers_with_ids: int = 0  # answers stored with the target's own token ids
     ids_retokenize_differ: int = 0  # of those, answers whose text re-tokenized gives other ids
     answers_without_ids: int = 0  # the server returned no ids: text only, re-tokenized in training
+    prompt_tokens_differ: int = 0  # the server counted a prompt otherwise than our template + tokenizer
 
     def to_dict(self):
         return asdict(self)

@@ -14,6 +14,8 @@ and writes the same records as train/regenerate.py.
   out) and the text is those ids decoded with the target's tokenizer. Those ids must decode to
   the text the server sent, else the server holds another tokenizer than --target and the run
   stops. A server without ids gives text, which training re-tokenizes; the report counts both.
+- Each prompt's length as the server counts it (usage.prompt_tokens) is compared with ours; the
+  report counts those that differ, a sign of another chat template than the --target tokenizer's.
 - A server error stops the run with one line (ServerError) once the requests in flight have
   finished; every answer already received is in the file.
 """
@@ -88,22 +90,24 @@ class _ConversationAnswerer:
         seed = self.settings.seed + zlib.crc32(str(conversation["id"]).encode())  # a rerun samples the same answers
         for k, user in enumerate(users[: self.settings.max_turns] if self.settings.max_turns else users):
             messages = history + [{"role": "user", "content": user}]
-            if self._too_long(messages):
+            prompt_tokens = self._prompt_tokens(messages)
+            if self.limit is not None and prompt_tokens + self.settings.max_new_tokens > self.limit:
                 report.prompts_too_long += 1
                 break
             sampling = Sampling(self.settings.max_new_tokens, self.settings.temperature, self.settings.top_p, seed + k)
             served = server.chat(self.model, _plain(messages), sampling)
+            report.prompt_tokens_differ += served.prompt_tokens not in (None, prompt_tokens)
             reply = served_reply(served, self.tokenizer, self.stop_ids, self.reasoning,
                                  f"{server.url} (conversation {conversation['id']!r})")
             if not add_turn(history, user, reply, self.tokenizer, report):
                 break
         return history, report
 
-    def _too_long(self, messages: list[dict]) -> bool:
-        if self.limit is None:
-            return False
+    def _prompt_tokens(self, messages: list[dict]) -> int:
+        """The prompt's length as our template and tokenizer make it: the server's own count
+        should be the same, else it renders chats otherwise (report.prompt_tokens_differ)."""
         prompt = render_chat(self.tokenizer, messages, add_generation_prompt=True)
-        return len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) + self.settings.max_new_tokens > self.limit
+        return len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
 
 
 def _plain(messages: list[dict]) -> list[dict]:

@@ -192,6 +192,9 @@ def _regenerate_from_servers(args, ds, out: Path) -> int:
           f"({report.answer_tokens / max(seconds, 1e-9):.1f} tokens/s)")
     if report.answers_without_ids:
         print(f"{report.answers_without_ids} answers came without token ids: stored as text, re-tokenized in training")
+    if report.prompt_tokens_differ:
+        print(f"{report.prompt_tokens_differ} prompts were counted otherwise by the server than by {name}'s chat "
+              "template and tokenizer: check that it serves the same template")
     return 0
 
 
