@@ -297,3 +297,39 @@ def test_a_sigkilled_run_resumes_with_nothing_lost_or_asked_twice(tmp_path, tiny
     assert ids == [f"c{i}" for i in range(n)]
     assert not {f"question {i[1:]} turn 0" for i in kept} & set(again)
     assert f"already_done={len(kept)}" in done.stdout
+
+
+def test_first_parting_finds_the_first_difference():
+    from drafthead.train.regenerate_compare import first_parting
+
+    assert first_parting([1, 2, 3], [1, 2, 3]) is None
+    assert first_parting([1, 2, 3], [1, 5, 3]) == 1
+    assert first_parting([1, 2], [1, 2, 3]) == 2  # one stopped earlier
+
+
+def test_a_parting_is_measured_by_our_targets_logit_gap(tiny_tokenizer):
+    """compare_regenerations against its slow twin: the gap is the target's logit of our token
+    minus that of theirs after the prompt and our answer up to the parting; a conversation is
+    compared up to its first parting only."""
+    import torch
+
+    from drafthead.train.regenerate_compare import compare_regenerations
+    from tests.tiny import tiny_causal_lm
+
+    tok = tiny_tokenizer
+    model = tiny_causal_lm("llama", vocab=len(tok), layers=2).eval()
+    ours_ids, theirs_ids = [40, 41, 42, 43], [40, 41, 50, 43]
+
+    def record(ids, second):
+        return {"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x", "token_ids": ids},
+                                        {"role": "user", "content": "r"}, {"role": "assistant", "content": "y", "token_ids": second}]}
+
+    same = {"id": "b", "messages": [{"role": "user", "content": "s"}, {"role": "assistant", "content": "z", "token_ids": [7]}]}
+    result = compare_regenerations(model, tok, [record(ours_ids, [1]), same], [record(theirs_ids, [2]), same])
+    assert result.answers == 2 and result.identical == 1 and len(result.partings) == 1
+    parting = result.partings[0]
+    assert (parting.id, parting.turn, parting.position, parting.ours, parting.theirs) == ("a", 0, 2, 42, 50)
+    prompt = render_chat(tok, [{"role": "user", "content": "q"}], add_generation_prompt=True)
+    with torch.no_grad():
+        logits = model(torch.tensor([tok.encode(prompt, add_special_tokens=False) + [40, 41]])).logits[0, -1]
+    assert parting.gap == pytest.approx(float(logits[42] - logits[50]), abs=1e-5)
