@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from drafthead.train.chat_format import tokenize_conversations
 from drafthead.train.regenerate import RegenerateSettings, done_ids, regenerate
 from drafthead.train.sources import EmptySourceError, load_conversations, normalize_record, read_conversations
 from drafthead.train.tiny import tiny_tokenizer
@@ -201,6 +202,11 @@ def test_regenerate_keeps_the_targets_token_ids(tmp_path):
     assert answers[1]["content"].endswith("\ufffd")
     ds, _ = load_conversations("regenerated", str(out), use_cache=False)
     assert ds["answer_token_ids"] == [[split], [cut], [plain]]
+    samples, formatted = tokenize_conversations(ds, tok, max_length=256)
+    assert formatted.answer_ids_kept == 3 and formatted.answer_ids_unmatched == 0
+    for row, ids in zip(samples, [split, cut, plain]):
+        labels = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        assert labels[: len(ids)] == ids and len(labels) == len(ids) + 1  # and the end-of-turn token
 
 
 @pytest.mark.parametrize("proposer", ["prompt-lookup", "eagle3", "eagle3-policy"])
