@@ -138,19 +138,25 @@ def verifier_from_args(args, loaded, model):
     makes once (inference/llamacpp/convert.py)."""
     if getattr(args, "backend", "torch") != "llama.cpp":
         return model
-    from ..inference.llamacpp.convert import DTYPE_GGUF, target_gguf
-    from ..inference.llamacpp.target import LlamaCppTarget
-
     if model is not loaded.model:
         raise ValueError("this head adapts the target (Medusa-2's LoRA), and the llama.cpp backend's GGUF holds "
                          "the target without it: run it on --backend torch")
-    if next(loaded.model.parameters()).device.type != "cpu":
+    return llamacpp_target(loaded, args.gguf_type, args.threads)
+
+
+def llamacpp_target(loaded, gguf_type: str | None, threads: int | None):
+    """A LlamaCppTarget on a GGUF of the loaded target (`gguf_type`, default the one its dtype
+    holds), made once by llama.cpp's converter; features come back in the target's dtype."""
+    from ..inference.llamacpp.convert import DTYPE_GGUF, target_gguf
+    from ..inference.llamacpp.target import LlamaCppTarget
+
+    parameter = next(loaded.model.parameters())
+    if parameter.device.type != "cpu":
         raise ValueError("--backend llama.cpp runs on the CPU: drop --device")
-    gguf_type = args.gguf_type or DTYPE_GGUF[args.dtype]
+    gguf_type = gguf_type or DTYPE_GGUF[str(parameter.dtype).removeprefix("torch.")]
     note(f"llama.cpp backend: the target as a {gguf_type} GGUF (made once by llama.cpp's converter)")
     path = target_gguf(loaded.path, gguf_type)
-    return LlamaCppTarget(path, loaded.model.config, threads=args.threads or torch_threads(),
-                          feature_dtype=next(loaded.model.parameters()).dtype)
+    return LlamaCppTarget(path, loaded.model.config, threads=threads or torch_threads(), feature_dtype=parameter.dtype)
 
 
 def torch_threads() -> int:

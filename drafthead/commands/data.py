@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from . import (_non_negative_int, _positive_int, add_device_option, add_overwrite_option, add_target_options, load_target_from_args, note, policy_from_args,
+from . import (_non_negative_int, _positive_int, llamacpp_target, add_device_option, add_overwrite_option, add_target_options, load_target_from_args, note, policy_from_args,
                resolve_device)
 
 
@@ -80,6 +80,9 @@ def add_parser(subparsers) -> None:
     add_overwrite_option(q)
     q.add_argument("--batch-size", type=_positive_int, default=None, help="default: the config's batch_size")
     add_device_option(q)  # the target's dtype and threads come from the config
+    q.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
+                   help="the target's forward: torch, or llama.cpp's through libllama on a GGUF of the target "
+                        "(`make llamacpp`; the layer inputs it returns are the hidden states; docs/llamacpp-backend.md)")
 
     q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
@@ -243,11 +246,12 @@ def _capture(args) -> int:
     share = _work_share()
     _clear_for_overwrite([Path(out)] if args.overwrite else [], share)
     loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share), threads=config.threads)
+    engine = llamacpp_target(loaded, None, config.threads) if args.backend == "llama.cpp" else None
     bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
     try:
         index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
                                     batch_size=args.batch_size, progress=bar.update,
-                                    say=_main_note(share), share=share)
+                                    say=_main_note(share), share=share, engine=engine)
     finally:
         bar.close()
     if share.is_main:
