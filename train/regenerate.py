@@ -9,9 +9,11 @@ Output: OpenAI-form JSONL, one `{"id", "messages", "generation"}` record per con
 form `train/sources.py` reads back. Each answer keeps the ids the target produced (`token_ids` on
 its message, the stop token left out) and its text is those ids decoded as they are: training
 labels the answer with these ids (train/chat_format.py), since re-tokenizing the text need not
-give them back. The report counts the answers where it would not. Resumable: ids already in the file are skipped; each record is
-written and flushed as soon as its batch finishes, so an interruption loses at most one batch.
-A torn last line (killed mid-write) is cut off before appending.
+give them back. The report counts the answers where it would not (`ids_retokenize_differ`).
+
+Resumable: ids already in the file are skipped; each record is written and flushed as soon as its
+batch finishes, so an interruption loses at most one batch. A torn last line (killed mid-write)
+is cut off before appending.
 
 Batches are cut from the whole input in order, then the finished conversations are dropped from
 them: a resumed run answers in the batches a clean run would have, so its greedy answers are the
