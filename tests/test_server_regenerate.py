@@ -47,6 +47,7 @@ class StubServer:
         self.bodies: dict[str, bytes] = {}
         self.fail_user: dict[str, int] = {}  # user text -> HTTP status always sent for it
         self.prompt_offset = 0  # added to the prompt's token count (a server with another template)
+        self.reasoning = False  # send each answer's first word apart, as reasoning_content
         self.asked: list[str] = []  # the last user text of every chat request that was answered
         self.prompts: list[list[dict]] = []  # the messages of each of those requests
         self.in_flight = self.most_in_flight = 0
@@ -104,8 +105,11 @@ class StubServer:
         assert body["model"] == self.model and body["max_tokens"] > 0
         ids, finish, *text = self.answers.get(user, (self.tok.encode(f"ok {user}", add_special_tokens=False), "stop"))
         served = ids + ([self.tok.eos_token_id] if finish == "stop" else [])
-        choice = {"index": 0, "finish_reason": finish,
-                  "message": {"role": "assistant", "content": text[0] if text else self.tok.decode(ids, skip_special_tokens=True)}}
+        content = text[0] if text else self.tok.decode(ids, skip_special_tokens=True)
+        message = {"role": "assistant", "content": content}
+        if self.reasoning:  # the first word of the answer is its reasoning, sent apart
+            message["reasoning_content"], message["content"] = content.split(" ", 1)
+        choice = {"index": 0, "finish_reason": finish, "message": message}
         if self.ids == "vllm":
             choice["token_ids"] = served
         elif self.ids == "llama":
@@ -197,6 +201,25 @@ def test_a_server_without_ids_gives_text_and_other_counts_are_noted(tmp_path, ti
     assert report.answers_without_ids == 2 and report.answers_with_ids == 0 and report.prompt_tokens_differ == 2
     assert report.answer_tokens == sum(len(tiny_tokenizer.encode(f"ok question {i} turn 0")) + 1 for i in range(2))
     assert all("token_ids" not in m for r in records(out) for m in r["messages"])
+
+
+@pytest.mark.parametrize("form, reasoning", [("vllm", "keep"), ("vllm", "strip"), (None, "keep"), (None, "strip")])
+def test_reasoning_is_kept_or_stripped(tmp_path, tiny_tokenizer, form, reasoning):
+    """A reasoning text sent apart: kept, it is in the answer the ids decode to (with ids) or beside
+    the content (without); stripped, the answer is the content alone and the ids (which cover the
+    reasoning) are dropped."""
+    out = tmp_path / "regen.jsonl"
+    with StubServer(tiny_tokenizer, ids=form) as server:
+        server.reasoning = True
+        report, _ = regenerate_from_servers(tiny_tokenizer, conversations(1), out, SETTINGS,
+                                            fast(server.url, reasoning=reasoning), progress=False)
+    answer = records(out)[0]["messages"][-1]
+    if reasoning == "strip":
+        assert answer == {"role": "assistant", "content": "question 0 turn 0"} and report.answers_without_ids == 1
+    elif form is None:
+        assert answer == {"role": "assistant", "content": "question 0 turn 0", "reasoning_content": "ok"}
+    else:
+        assert answer["content"] == "ok question 0 turn 0" and "token_ids" in answer and "reasoning_content" not in answer
 
 
 def test_several_servers_share_the_work_with_bounded_concurrency(tmp_path, tiny_tokenizer):
