@@ -7,7 +7,8 @@
 # Output: $DEST/lib/libllama.so (+ libggml*.so beside it) and our shim libdrafthead_llama.so;
 # `drafthead` finds them there, or wherever DRAFTHEAD_LIBLLAMA points. llama.cpp's own plain and
 # speculative tools (llama-completion, llama-speculative-simple) are built against the same
-# library for `drafthead bench --compare llama.cpp`. About 8 minutes on 2 cores, once;
+# library for `drafthead bench --compare llama.cpp`, and its OpenAI-compatible llama-server (no
+# web UI) for `data regenerate --server` (tests/test_server_regenerate.py). About 8 minutes on 2 cores, once;
 # idempotent: a second run only checks the build is current.
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -38,11 +39,11 @@ if [ ! -f "$DEST/cmake/CMakeCache.txt" ]; then
         -DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF \
         -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF \
         -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON \
-        -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_COMMON=ON \
+        -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_COMMON=ON \
         -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >/dev/null
 fi
 nice -n 10 cmake --build "$DEST/cmake" --config Release -j "$JOBS" \
-    --target llama llama-completion llama-speculative-simple
+    --target llama llama-completion llama-speculative-simple llama-server
 mkdir -p "$DEST/lib"
 find "$DEST/cmake/bin" "$DEST/cmake/src" "$DEST/cmake/ggml" -name 'lib*.so*' -exec cp -P {} "$DEST/lib/" \; 2>/dev/null || true
 cp "$SRC/include/llama.h" "$DEST/lib/"

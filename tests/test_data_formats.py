@@ -219,10 +219,10 @@ def test_tokenization_is_cached_by_fingerprint(tmp_path, isolated_cache, tiny_to
     # stays the same from one call to the next.
     log, real = str(tmp_path / "calls.log"), chat_format.format_conversation
 
-    def counting(tokenizer, messages, max_length):
+    def counting(tokenizer, messages, max_length, answer_ids=None):
         with open(log, "a") as f:
             f.write("x")
-        return real(tokenizer, messages, max_length)
+        return real(tokenizer, messages, max_length, answer_ids)
 
     def calls() -> int:
         return len(Path(log).read_text()) if Path(log).exists() else 0

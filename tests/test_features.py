@@ -90,6 +90,28 @@ def test_bf16_storage_halves_disk_and_rounds_only(setup):
     assert size(tmp / "cap16") < 0.6 * size(tmp / "cap32")
 
 
+def test_another_engines_features_are_what_the_capture_stores(setup):
+    """capture_features(featurize=...) (the llama.cpp backend's path): the shards hold what the
+    engine returned at each sample's real tokens, asked for with the same batches and layers."""
+    tmp, tok, model, samples = setup
+    asked = []
+
+    def engine(input_ids, attention_mask, layers):  # another engine: twice the target's states
+        asked.append((input_ids.shape, tuple(layers)))
+        return {k: 2 * v for k, v in target_features(model, input_ids, attention_mask, layers).items()}
+
+    capture_features(model, samples, LAYERS, tmp / "cap-engine", batch_size=4, shard_samples=8, dtype="float32",
+                     pad_token_id=tok.pad_token_id, featurize=engine)
+    capture_features(model, samples, LAYERS, tmp / "cap-torch", batch_size=4, shard_samples=8, dtype="float32",
+                     pad_token_id=tok.pad_token_id)
+    ours = CapturedFeatures(tmp / "cap-torch")
+    theirs = CapturedFeatures(tmp / "cap-engine")
+    assert len(asked) == 5 and all(layers == LAYERS for _, layers in asked)  # 20 samples in batches of 4
+    for i in (0, 7, 19):
+        for layer in LAYERS:
+            torch.testing.assert_close(theirs[i]["hidden_states"][layer], 2 * ours[i]["hidden_states"][layer])
+
+
 def test_capture_resumes_and_refuses_other_settings(setup):
     tmp, tok, model, samples = setup
     out = tmp / "cap-resume"

@@ -275,7 +275,7 @@ def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, 
     from drafthead.train.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 2)
-    monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [("", True)] * len(prompts))
+    monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [regenerate.Answer("", True)] * len(prompts))
     out = tmp_path / "regen.jsonl"
     with unchanged(chats):
         code, err = run_cli(capsys, "data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats,
@@ -292,7 +292,7 @@ def test_regenerate_overwrite_and_continue(tmp_path, capsys, monkeypatch, tiny_l
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 2)
     out = tmp_path / "regen.jsonl"
     out.write_text('{"some": "user data"}\n')
-    monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [("fine", True)] * len(prompts))
+    monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [regenerate.Answer("fine", True)] * len(prompts))
     argv = ["data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats, "--out", out,
             "--max-new-tokens", "2", "--batch-size", "2"]
     assert run_cli(capsys, *argv, "--overwrite")[0] == 0

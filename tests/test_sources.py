@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from drafthead.train.chat_format import tokenize_conversations
 from drafthead.train.regenerate import RegenerateSettings, done_ids, regenerate
 from drafthead.train.sources import EmptySourceError, load_conversations, normalize_record, read_conversations
 from drafthead.train.tiny import tiny_tokenizer
@@ -164,6 +165,48 @@ def test_regenerate_feeds_own_answers_and_resumes(tmp_path):
     assert report.already_done == 2 and report.written == 1 and stub2.calls == 1
     ds, _ = load_conversations("regenerated", str(out), use_cache=False)
     assert ds["id"] == ["a", "b", "c"]
+
+
+class FixedAnswers(StubTarget):
+    """generate() appends the given ids for each prompt in turn (no stop token: cut by max_new_tokens;
+    one prompt per call, as unfinished rows of a batch would all be as long)."""
+
+    def __init__(self, tokenizer, answers: list[list[int]]):
+        super().__init__(tokenizer)
+        self.answers = answers
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, **kw):
+        rows = [torch.tensor(ids.tolist() + self.answers[self.calls + i]) for i, ids in enumerate(input_ids)]
+        self.calls += len(rows)
+        width = max(len(r) for r in rows)
+        return torch.stack([torch.cat([r, torch.full((width - len(r),), pad_token_id)]) for r in rows])
+
+
+def test_regenerate_keeps_the_targets_token_ids(tmp_path):
+    """Issue 38 item 7: each answer keeps the ids the target produced, so an answer cut inside a
+    character (its text ends in U+FFFD) or split unlike the tokenizer would split its text still
+    trains on the target's tokens; the report counts the answers whose re-tokenized text differs."""
+    tok = tiny_tokenizer()
+    split = [i for ch in "the answer" for i in tok.encode(ch, add_special_tokens=False)]  # one token per letter
+    assert tok.encode(tok.decode(split), add_special_tokens=False) != split
+    cut = tok.encode("café", add_special_tokens=False)[:-1]
+    plain = tok.encode("hello there", add_special_tokens=False)
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "x"}]}
+             for i in range(3)]
+    out = tmp_path / "regen.jsonl"
+    report = regenerate(FixedAnswers(tok, [split, cut, plain]), tok, convs, out,
+                        RegenerateSettings(max_new_tokens=16, batch_size=1), progress=False)
+    assert report.answers_with_ids == 3 and report.ids_retokenize_differ == 2 and report.answers_cut == 3
+    answers = [json.loads(x)["messages"][1] for x in out.read_text().splitlines()]
+    assert [a["token_ids"] for a in answers] == [split, cut, plain]
+    assert answers[1]["content"].endswith("\ufffd")
+    ds, _ = load_conversations("regenerated", str(out), use_cache=False)
+    assert ds["answer_token_ids"] == [[split], [cut], [plain]]
+    samples, formatted = tokenize_conversations(ds, tok, max_length=256)
+    assert formatted.answer_ids_kept == 3 and formatted.answer_ids_unmatched == 0
+    for row, ids in zip(samples, [split, cut, plain]):
+        labels = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        assert labels[: len(ids)] == ids and len(labels) == len(ids) + 1  # and the end-of-turn token
 
 
 @pytest.mark.parametrize("proposer", ["prompt-lookup", "eagle3", "eagle3-policy"])

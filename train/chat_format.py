@@ -18,6 +18,13 @@ sees: the prompt ends with the header's own tokens and the answer's tokens start
 
 A tokenizer without a chat template gets inference/bench/prompts.py's plain format, the one generation
 uses for it.
+
+An answer that comes with the ids the target produced (`data regenerate` keeps them) is labelled
+with those ids, not with its text re-tokenized: decoding then encoding need not give the same ids
+(a different split of the same text, or an answer cut mid-character whose text holds U+FFFD), and
+the head must learn the tokens the target emitted. The ids are used when they decode to exactly the
+text the template renders for the answer (before its end-of-turn text); a template that rewrites
+answers (trims them, drops reasoning) gets the text re-tokenized, and the report counts those.
 """
 from __future__ import annotations
 
@@ -31,7 +38,8 @@ from ..inference.bench.prompts import render_chat
 # Bump when the formatting or mask rules change. `.map` caches are keyed on the map function, and
 # datasets hashes the functions it calls by module and name only, not by their code: without a
 # bump, a changed rule would read samples tokenized under the old one.
-FORMAT_VERSION = 1
+# 2: an answer's own token ids label it (answer_token_ids).
+FORMAT_VERSION = 2
 
 
 class ChatTemplateError(ValueError):
@@ -76,31 +84,60 @@ def stop_token_ids(tokenizer) -> list[int]:
     return ids
 
 
+def decode_answer(tokenizer, ids: list[int]) -> str:
+    """An answer's text from the ids the target produced: every token as it is (no special tokens
+    skipped, no spaces cleaned up), so that the template renders text these ids decode to."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def _encode(tokenizer, piece: str) -> list[int]:
+    # add_special_tokens=False: the template already writes BOS/system tokens where the model wants them
+    return tokenizer(piece, add_special_tokens=False)["input_ids"] if piece else []
+
+
+def _answer_label_ids(tokenizer, span: str, ids: list[int]) -> list[int] | None:
+    """The label ids of one rendered assistant span (answer + end-of-turn text) from the target's
+    own ids, or None when the template rendered other text than those ids decode to."""
+    answer = decode_answer(tokenizer, ids)
+    if not span.startswith(answer):
+        return None
+    return list(ids) + _encode(tokenizer, span[len(answer):])
+
+
 @dataclass
 class FormattedChat:
     input_ids: list[int]
     loss_mask: list[bool]  # True on assistant tokens (the labels the heads learn)
     truncated: bool
+    ids_kept: int = 0  # answers labelled with their own token ids
+    ids_unmatched: int = 0  # answers with ids whose rendered text differs: re-tokenized
 
 
-def format_conversation(tokenizer, messages: list[dict], max_length: int) -> FormattedChat:
-    """Tokenize one conversation with the chat template; keep the first `max_length` tokens."""
+def format_conversation(tokenizer, messages: list[dict], max_length: int,
+                        answer_ids: list[list[int]] | None = None) -> FormattedChat:
+    """Tokenize one conversation with the chat template; keep the first `max_length` tokens.
+    answer_ids: per assistant message, the ids the target produced ([]: none; module docstring)."""
     text, spans = assistant_char_spans(tokenizer, messages)
-    pieces, pos = [], 0  # (text, is_label) alternating prompt / assistant span
-    for start, end in spans:
-        pieces += [(text[pos:start], False), (text[start:end], True)]
-        pos = end
-    pieces.append((text[pos:], False))
+    answer_ids = answer_ids or [[]] * len(spans)
     ids: list[int] = []
     mask: list[bool] = []
-    for piece, is_label in pieces:
-        if piece:
-            # add_special_tokens=False: the template already writes BOS/system tokens where the model wants them
-            piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
-            ids += piece_ids
-            mask += [is_label] * len(piece_ids)
+    kept = unmatched = 0
+    pos = 0
+    for (start, end), own in zip(spans, answer_ids):
+        prompt_ids = _encode(tokenizer, text[pos:start])
+        label_ids = _answer_label_ids(tokenizer, text[start:end], own) if own else None
+        kept += label_ids is not None
+        unmatched += bool(own) and label_ids is None
+        if label_ids is None:
+            label_ids = _encode(tokenizer, text[start:end])
+        ids += prompt_ids + label_ids
+        mask += [False] * len(prompt_ids) + [True] * len(label_ids)
+        pos = end
+    tail = _encode(tokenizer, text[pos:])
+    ids += tail
+    mask += [False] * len(tail)
     truncated = len(ids) > max_length
-    return FormattedChat(ids[:max_length], mask[:max_length], truncated)
+    return FormattedChat(ids[:max_length], mask[:max_length], truncated, kept, unmatched)
 
 
 @dataclass
@@ -111,14 +148,19 @@ class FormatReport:
     dropped: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
     loss_tokens: int = 0
+    answer_ids_kept: int = 0  # answers labelled with the target's own token ids
+    answer_ids_unmatched: int = 0  # answers whose ids the template renders otherwise: re-tokenized
 
     def to_dict(self):
         return asdict(self)
 
     def summary(self) -> str:
+        ids = (f", {self.answer_ids_kept} answers on the target's own token ids"
+               + (f" ({self.answer_ids_unmatched} re-tokenized: the template renders other text)"
+                  if self.answer_ids_unmatched else "")) if self.answer_ids_kept or self.answer_ids_unmatched else ""
         return (
             f"formatted {self.kept}/{self.conversations} conversations, {self.tokens} tokens "
-            f"({self.loss_tokens} assistant), {self.truncated} truncated, dropped {self.dropped or 'none'}"
+            f"({self.loss_tokens} assistant), {self.truncated} truncated, dropped {self.dropped or 'none'}{ids}"
         )
 
 
@@ -127,11 +169,11 @@ def format_row(tokenizer, row: dict, max_length: int) -> dict:
     function of both the cached path (below) and the streaming one (train/streaming.py).
     A template that cannot format the row raises ChatTemplateError naming the row's id."""
     try:
-        f = format_conversation(tokenizer, row["messages"], max_length)
+        f = format_conversation(tokenizer, row["messages"], max_length, row.get("answer_token_ids"))
     except ChatTemplateError as e:
         raise ChatTemplateError(f"conversation {row.get('id')!r}: {e}") from e
     return {"input_ids": f.input_ids, "loss_mask": f.loss_mask, "truncated": f.truncated, "n_loss": sum(f.loss_mask),
-            "n_tokens": len(f.input_ids)}
+            "n_tokens": len(f.input_ids), "n_ids_kept": f.ids_kept, "n_ids_unmatched": f.ids_unmatched}
 
 
 def has_loss(n_loss: int) -> bool:
@@ -170,4 +212,6 @@ def tokenize_conversations(
         report.dropped = {"no_assistant_token_within_max_length": len(mapped) - len(out)}
     report.loss_tokens = _column_sum(out, "n_loss")
     report.tokens = _column_sum(out, "n_tokens")
-    return out.remove_columns(["truncated", "n_loss", "n_tokens"]), report
+    report.answer_ids_kept = _column_sum(out, "n_ids_kept")
+    report.answer_ids_unmatched = _column_sum(out, "n_ids_unmatched")
+    return out.remove_columns(["truncated", "n_loss", "n_tokens", "n_ids_kept", "n_ids_unmatched"]), report

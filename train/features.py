@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -192,8 +193,12 @@ def capture_features(
     meta: dict[str, Any] | None = None,
     progress: Callable[[int], None] | None = None,
     share: WorkShare | None = None,
+    featurize: Callable[..., dict[int, torch.Tensor]] | None = None,
 ) -> Path:
     """Run the target over `samples` (TokenDataset-like) and write hidden states to shards.
+
+    featurize(input_ids, attention_mask, layers) -> {layer: [B, T, H]}: another engine's forward
+    in place of `target_features` on `model` (the llama.cpp backend's `hidden_states`).
 
     Resumable: a shard covers samples [k*shard_samples, (k+1)*shard_samples) and is written to a
     temp file then renamed, so complete shards from an interrupted run are kept and skipped.
@@ -236,7 +241,8 @@ def capture_features(
     for k, start, stop in bounds:
         path = out_dir / _shard_name(k)
         if k in mine:
-            tensors = _capture_shard(model, samples, range(start, stop), layers, batch_size, store_dtype, pad_token_id, progress)
+            tensors = _capture_shard(featurize or partial(target_features, model), samples, range(start, stop), layers,
+                                     batch_size, store_dtype, pad_token_id, progress)
             tmp = path.with_suffix(".tmp")
             try:
                 with reported_as(path):
@@ -286,14 +292,14 @@ def remove_partial_shards(out_dir: Path) -> list[Path]:
     return gone
 
 
-def _capture_shard(model, samples, indices, layers, batch_size, store_dtype, pad_token_id, progress) -> dict[str, torch.Tensor]:
+def _capture_shard(featurize, samples, indices, layers, batch_size, store_dtype, pad_token_id, progress) -> dict[str, torch.Tensor]:
     ids, att, lm, offsets = [], [], [], [0]
     hidden: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     indices = list(indices)
     for b0 in range(0, len(indices), batch_size):
         chunk = [samples[i] for i in indices[b0 : b0 + batch_size]]
         batch = collate(chunk, pad_token_id)
-        feats = target_features(model, batch.input_ids, batch.attention_mask, layers)
+        feats = featurize(batch.input_ids, batch.attention_mask, layers)
         for b, s in enumerate(chunk):
             t = len(s["input_ids"])
             ids.append(batch.input_ids[b, :t])

@@ -6,9 +6,14 @@ EAGLE's "fixed dataset vs regenerated" ablation). Multi-turn conversations are a
 turn: turn k's prompt holds the target's own answers to turns 1..k-1.
 
 Output: OpenAI-form JSONL, one `{"id", "messages", "generation"}` record per conversation, in the
-form `train/sources.py` reads back. Resumable: ids already in the file are skipped; each record is
-written and flushed as soon as its batch finishes, so an interruption loses at most one batch.
-A torn last line (killed mid-write) is cut off before appending.
+form `train/sources.py` reads back. Each answer keeps the ids the target produced (`token_ids` on
+its message, the stop token left out) and its text is those ids decoded as they are: training
+labels the answer with these ids (train/chat_format.py), since re-tokenizing the text need not
+give them back. The report counts the answers where it would not (`ids_retokenize_differ`).
+
+Resumable: ids already in the file are skipped; each record is written and flushed as soon as its
+batch finishes, so an interruption loses at most one batch. A torn last line (killed mid-write)
+is cut off before appending.
 
 Batches are cut from the whole input in order, then the finished conversations are dropped from
 them: a resumed run answers in the batches a clean run would have, so its greedy answers are the
@@ -33,7 +38,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..inference.bench.prompts import render_chat
-from .chat_format import stop_token_ids
+from .chat_format import decode_answer, stop_token_ids
 from .workshare import WorkShare, write_atomically
 
 
@@ -49,6 +54,11 @@ class RegenerateReport:
     empty_answers: int = 0  # the conversation stops before such a turn
     prompts_too_long: int = 0  # the conversation stops before such a turn
     skipped_no_answer: int = 0  # conversations that ended with no answered turn
+    answer_tokens: int = 0  # tokens in the answers written (the served count when no ids came back)
+    answers_with_ids: int = 0  # answers stored with the target's own token ids
+    ids_retokenize_differ: int = 0  # of those, answers whose text re-tokenized gives other ids
+    answers_without_ids: int = 0  # the server returned no ids: text only, re-tokenized in training
+    prompt_tokens_differ: int = 0  # the server counted a prompt otherwise than our template + tokenizer
 
     def to_dict(self):
         return asdict(self)
@@ -148,6 +158,48 @@ def _split_turns(messages: list[dict]) -> tuple[list[dict], list[str]]:
 
 
 @dataclass(frozen=True)
+class Answer:
+    """One answered turn: its text, whether a stop token ended it (else max_new_tokens cut it) and
+    the ids the target produced, the stop token left out (None: not known, e.g. a server that
+    returns none). reasoning: a reasoning text a server returned apart from the answer."""
+
+    text: str
+    ended: bool
+    token_ids: list[int] | None = None
+    reasoning: str | None = None
+    served_tokens: int | None = None  # the server's count of answer tokens (usage), when it has no ids
+
+
+def strip_stop(ids: list[int], stop_ids: Sequence[int]) -> list[int]:
+    """The answer's ids up to its first stop token: the stop token is the template's, not the answer's."""
+    hits = [i for i, t in enumerate(ids) if t in stop_ids]
+    return list(ids[: hits[0]]) if hits else list(ids)
+
+
+def add_turn(history: list[dict], user: str, reply: Answer, tokenizer, report: RegenerateReport) -> bool:
+    """Append one user turn and its answer to `history`, counting it in `report`; False (nothing
+    appended) for an empty answer, which ends its conversation."""
+    if not reply.text.strip():
+        report.empty_answers += 1
+        return False
+    message = {"role": "assistant", "content": reply.text}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning
+    if reply.token_ids is not None:
+        message["token_ids"] = reply.token_ids
+        report.answers_with_ids += 1
+        report.ids_retokenize_differ += tokenizer(reply.text, add_special_tokens=False)["input_ids"] != reply.token_ids
+        report.answer_tokens += len(reply.token_ids)
+    else:
+        report.answers_without_ids += 1
+        report.answer_tokens += reply.served_tokens or 0
+    history += [{"role": "user", "content": user}, message]
+    report.turns_answered += 1
+    report.answers_cut += not reply.ended
+    return True
+
+
+@dataclass(frozen=True)
 class RegenerateSettings:
     """How every turn is answered, as each record's `generation` block states it (with the target)."""
 
@@ -168,8 +220,8 @@ class RegenerateSettings:
 
 @torch.no_grad()
 def answer(model, tokenizer, prompts: list[str], settings: RegenerateSettings, *, stop_ids: list[int], pad_id: int,
-           drafter=None, policy=None, seed: int = 0) -> list[tuple[str, bool]]:
-    """Batched generation -> [(answer text, ended with a stop token)]: transformers `generate()` with
+           drafter=None, policy=None, seed: int = 0) -> list[Answer]:
+    """Batched generation -> one Answer per prompt: transformers `generate()` with
     left padding, or, given a drafter, our batched speculative decoding (the same answers under
     greedy, the same distribution under sampling; docs/trees.md "Batches"), with `policy` (a
     SpeculationPolicy, inference/engine/policy.py) choosing each round's draft nodes when given."""
@@ -184,13 +236,14 @@ def answer(model, tokenizer, prompts: list[str], settings: RegenerateSettings, *
         kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     out = model.generate(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device), **kwargs)
     new = out[:, enc["input_ids"].shape[1] :].cpu()
-    results = []
-    for row in new:
-        hits = [i for i, t in enumerate(row.tolist()) if t in stop_ids]
-        ended = bool(hits)
-        ids = row[: hits[0]] if hits else row
-        results.append((tokenizer.decode(ids, skip_special_tokens=True).strip(), ended))
-    return results
+    return [_answer_of(tokenizer, row.tolist(), stop_ids) for row in new]
+
+
+def _answer_of(tokenizer, ids: list[int], stop_ids: Sequence[int]) -> Answer:
+    """The Answer of a row of new ids: up to its first stop token (a finished row of a batch is
+    padded after it), the text decoded from them."""
+    own = strip_stop(ids, stop_ids)
+    return Answer(decode_answer(tokenizer, own), len(own) < len(ids), own)
 
 
 def _answer_speculative(model, tokenizer, prompts, drafter, settings: RegenerateSettings, *, stop_ids, seed, policy=None):
@@ -204,14 +257,7 @@ def _answer_speculative(model, tokenizer, prompts, drafter, settings: Regenerate
     config = GenerationConfig(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids),
                               seed=seed, policy=policy)
     result = generate_batch(model, drafter, encoded, config)
-    results = []
-    for row in result.rows:
-        ids = row.new_tokens[0].tolist()
-        ended = row.finish_reason == "eos"
-        if ended:
-            ids = ids[:-1]  # the stop token itself, as generate()'s answers drop it
-        results.append((tokenizer.decode(ids, skip_special_tokens=True).strip(), ended))
-    return results
+    return [_answer_of(tokenizer, row.new_tokens[0].tolist(), stop_ids) for row in result.rows]
 
 
 @dataclass
@@ -245,14 +291,8 @@ class _Answerer:
                 break
             answers = answer(self.model, self.tokenizer, prompts, settings=self.settings, stop_ids=self.stop_ids,
                              pad_id=self.pad_id, drafter=self.drafter, policy=self.policy, seed=seed + k)
-            for i, (text, ended) in zip(active, answers):
-                if not text:
-                    report.empty_answers += 1
-                    open_[i] = False
-                    continue
-                history[i] += [{"role": "user", "content": users[i][k]}, {"role": "assistant", "content": text}]
-                report.turns_answered += 1
-                report.answers_cut += not ended
+            for i, reply in zip(active, answers):
+                open_[i] = add_turn(history[i], users[i][k], reply, self.tokenizer, report)
         return history
 
     def _prompts(self, history, users, k: int, open_: list[bool], report: RegenerateReport) -> tuple[list[int], list[str]]:

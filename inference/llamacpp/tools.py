@@ -3,12 +3,18 @@
 drafting and its EAGLE-3 drafting with our head (llama-speculative-simple), built by
 `make llamacpp` beside libllama. Each returns {"tokens", "seconds", "text"}; seconds are the
 tool's own prompt + decode timers (model load excluded), so prefill counts as ours does.
+`llama_server` runs its OpenAI-compatible server, which `data regenerate --server` asks.
 """
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 from . import lib as _lib
@@ -116,3 +122,48 @@ def compare_rows(target_folder: Path, gguf_type: str, texts: list[str], n: int, 
         for name, run in runs.items():
             rows[name].append(run(text))
     return rows
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def llama_server(gguf: Path, *, threads: int, context: int = 4096, slots: int = 1, log: Path | None = None,
+                 ready_within: float = 120.0):
+    """llama-server on 127.0.0.1 serving `gguf`, up (its /health answers 200) inside the block, which
+    gets its URL; stopped on the way out. --jinja: the GGUF's own chat template, rendered as the
+    tokenizer's is; `slots` requests are answered at once, each with context // slots positions."""
+    port = free_port()
+    cmd = [tool("llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", port, "-t", threads, "-tb", threads,
+           "-c", context, "-np", slots, "--jinja", "--no-webui", "--seed", "0"]
+    out = open(log, "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_within
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not come up on {url} (rc {proc.poll()}; log: {log or 'none'})")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log:
+            out.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
