@@ -27,7 +27,7 @@ from drafthead.train.openai_server import ServerError, ServerSettings, root_url
 from drafthead.train.regenerate import RegenerateSettings, done_ids
 from drafthead.train.regenerate_server import regenerate_from_servers
 from drafthead.train.sources import load_conversations
-from tests.test_reliability import assert_refused, run_cli
+from tests.test_reliability import assert_failed_late, assert_refused, run_cli
 
 MODEL = "tiny-served"
 
@@ -284,7 +284,7 @@ def test_each_server_error_is_one_line_and_exit_2(tmp_path, capsys, tiny_tokeniz
             server.answers = {"question 2 turn 0": ([i + 7 for i in tiny_tokenizer.encode("ok x")], "stop", "ok x")}
         code, err = run_cli(capsys, "data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats,
                             "--out", out, "--server", url, "--concurrency", "1", "--retries", "2", *extra)
-    assert_refused(code, err, match)
+    assert_failed_late(code, err, match)  # after the data is read: a fault met at the first request
     if case in ("5xx", "malformed", "not-json", "tokenizer"):
         assert done_ids(out) == {"c0", "c1"}  # what came before the failure is kept
 

@@ -369,8 +369,9 @@ def check_drafting_values(settings: dict, where: str) -> None:
     if settings.get("num_draft") != "confidence":
         whole("num_draft", 1)
     choices = settings.get("choices")
-    if choices is not None and not (isinstance(choices, list) and all(
-            isinstance(path, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path)
+    # lists from JSON, tuples from Python callers
+    if choices is not None and not (isinstance(choices, (list, tuple)) and all(
+            isinstance(path, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path)
             for path in choices)):
         raise ValueError(f"{where}: choices must be a list of paths, each a list of child indices >= 0, got {choices!r}")
 
