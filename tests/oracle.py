@@ -202,3 +202,17 @@ def assert_accepts_and_stays_exact(target, drafter_of, prompt, reference: list[i
     assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     longest = [max(accepted_drafts(row)) for row in batched.rows]
     assert longest == [longest[0], 1, 0] and longest[0] >= 2, f"most drafts a round accepted, per row: {longest}"
+    _log_counts(deep=sum(n >= 2 for n in drafts), rounds=len(drafts), row_lengths=sorted({n for row in batched.rows
+                                                                                        for n in accepted_drafts(row)}))
+
+
+def _log_counts(**counts) -> None:
+    """With DRAFTHEAD_TEST_ACCEPT_LOG set, append one JSON line per cell (the test's id and the
+    counts): how the acceptance figures of docs/testing.md are gathered over the whole table."""
+    import json
+    import os
+
+    path = os.environ.get("DRAFTHEAD_TEST_ACCEPT_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], **counts}) + "\n")
