@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
+from .field_types import type_problems
 from .identity import TargetIdentity
 from .losses import check_loss
 
@@ -25,6 +26,9 @@ def _from_dict(cls, d: dict):
     unknown = sorted(set(d) - known)
     if unknown:
         raise ValueError(f"unknown {cls.__name__} key(s): {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    problems = type_problems(cls, d)
+    if problems:
+        raise ValueError(f"{cls.__name__}: " + "; ".join(problems))
     if d.get("target") is not None and not isinstance(d["target"], TargetIdentity):
         d["target"] = TargetIdentity.from_dict(d["target"])
     for f in dataclasses.fields(cls):  # JSON gives lists where the dataclass holds tuples
@@ -224,9 +228,33 @@ class Eagle1Config(_HeadConfig):
 
 
 def default_eagle3_layers(num_layers: int) -> tuple[int, ...]:
-    """EAGLE-3's low/mid/high features: inputs of layers 2, L//2, L-3 (clamped for tiny targets),
-    i.e. output_hidden_states indices (2, L//2, L-3) (vLLM's default aux layer ids)."""
-    return tuple(min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3))
+    """EAGLE-3's low/mid/high features as output_hidden_states indices.
+
+    L >= 7: inputs of layers 2, L//2, L-3 (vLLM's and SpecForge's default aux layer ids).
+    4 <= L < 7: that formula repeats a layer, and the engines fuse 3 distinct decoder-layer
+    outputs 1..L-1 (heads/formats/eagle3.py check_engine_layers), so (1, L//2, L-1).
+    L < 4: no 3 distinct such layers exist; the formula clamped to 0..L, which trains and runs
+    in drafthead but exports to no engine (training says so at its start)."""
+    L = num_layers
+    if L >= 7:
+        return (2, L // 2, L - 3)
+    if L >= 4:
+        return (1, L // 2, L - 1)
+    return tuple(min(max(i, 0), L) for i in (2, L // 2, L - 3))
+
+
+def engine_layer_problem(layers: tuple[int, ...], num_layers: int) -> str | None:
+    """Why the engines' EAGLE-3 (and the layouts that carry it) cannot take these feature
+    indices, or None: they fuse exactly 3 distinct features, ascending, none of them the final
+    normed state L (SGLang's ids cannot name index 0 either: heads/formats/common.py ids_from_ours)."""
+    layers = tuple(layers)
+    if len(layers) != 3:
+        return f"the engines' EAGLE-3 fuses exactly 3 features (fc 3H->H); this head has {layers}"
+    if list(layers) != sorted(set(layers)):
+        return f"the engines fuse features in ascending layer order without repeats; aux_layers {layers} would be reordered there"
+    if num_layers in layers:
+        return f"aux layer {num_layers} is the final *normed* state here but the unnormed one in the engines"
+    return None
 
 
 @dataclass

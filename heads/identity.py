@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, fields
 
 from torch import nn
 
+from .field_types import type_problems
+
 # Fields that must agree for a head to be loadable; `name` only warns (a local path vs a hub id).
 _MUST_MATCH = ("model_type", "vocab_size", "hidden_size", "num_layers", "tokenizer_sha")
 
@@ -42,6 +44,9 @@ class TargetIdentity:
         missing = sorted(known - set(d))
         if missing:
             raise ValueError(f"TargetIdentity is missing key(s): {', '.join(missing)}")
+        problems = type_problems(cls, d)
+        if problems:
+            raise ValueError("TargetIdentity: " + "; ".join(problems))
         return cls(**d)
 
 

@@ -111,7 +111,7 @@ def test_config_checks_the_mask_token_and_the_feature_layers():
     with pytest.raises(ValueError, match="block_size"):
         make_config("dflash", target, None, name="tiny", mask_token_id=2, block_size=1)
     config = make_config("dflash", target, None, name="tiny", mask_token_id=MASK)
-    assert config.feature_layers == (1, 2)  # EAGLE-3's (2, 2, 1) kept to layer outputs, deduplicated
+    assert config.feature_layers == (1, 2, 3)  # EAGLE-3's, all decoder-layer outputs on 4 layers
     assert DFlashConfig.from_dict(config.to_dict()) == config
 
 

@@ -17,7 +17,7 @@ from drafthead.heads import (
     config_from_dict,
     make_config,
 )
-from drafthead.heads.config import default_eagle3_layers
+from drafthead.heads.config import default_eagle3_layers, engine_layer_problem
 from drafthead.heads.eagle3 import entropy_curriculum, ttt_attention_mask, ttt_depth
 from drafthead.heads.io import shifted_labels
 from drafthead.inference.engine.tree import tree_attention_mask, tree_position_ids
@@ -91,11 +91,15 @@ def test_feature_layers_and_defaults():
     e1 = make_config("eagle1", target)
     assert e1.feature_layers == (L,) and not e1.needs_last_hidden
     e3 = make_config("eagle3", target)
-    assert e3.feature_layers == default_eagle3_layers(L) == (2, 2, 1)
+    assert e3.feature_layers == default_eagle3_layers(L) == (1, 2, 3)
     assert e3.draft_vocab_size == V  # default 8192 capped at the target vocab
     assert (e3.ttt_steps, e3.ttt_decay) == (7, 0.8)
     assert e3.train_hidden_layers == (1, 2, L)  # features plus L (soft targets)
     assert default_eagle3_layers(32) == (2, 16, 29)  # inputs of layers 2, N/2, N-3
+    # below 7 layers that formula repeats one; from 4 up 3 distinct decoder-layer outputs exist
+    assert [default_eagle3_layers(n) for n in (4, 5, 6, 7)] == [(1, 2, 3), (1, 2, 4), (1, 3, 5), (2, 3, 4)]
+    assert all(engine_layer_problem(default_eagle3_layers(n), n) is None for n in range(4, 130))
+    assert all(engine_layer_problem(default_eagle3_layers(n), n) is not None for n in (1, 2, 3))
     with pytest.raises(ValueError, match="aux_layers"):
         make_config("eagle3", target, aux_layers=(1, 2, L + 1))
     with pytest.raises(ValueError, match="no target identity"):

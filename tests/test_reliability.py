@@ -435,6 +435,49 @@ def test_head_config_json_that_is_not_an_object(tmp_path, capsys):
                        str(head / "config.json"), "not an object")
 
 
+@pytest.mark.parametrize("field,value,fragment", [
+    ("num_heads", "2", "num_heads: expected an integer, got '2'"),
+    ("loss_decay", "0.8", "loss_decay: expected a number, got '0.8'"),
+    ("share_lm_head", 0, "share_lm_head: expected true or false, got 0"),
+    ("target.hidden_size", "32", "hidden_size: expected an integer, got '32'"),
+])
+def test_head_config_json_with_values_of_the_wrong_type(tmp_path, capsys, field, value, fragment):
+    """A hand-edited config.json ("4" for 4): one line naming the file and the key, not a TypeError
+    from inside a forward."""
+    head = medusa_head_dir(tmp_path / "head")
+    meta = json.loads((head / "config.json").read_text())
+    where, _, key = ("config." + field).rpartition(".")
+    holder = meta
+    for part in where.split("."):
+        holder = holder[part]
+    holder[key] = value
+    (head / "config.json").write_text(json.dumps(meta))
+    with unchanged(tmp_path):
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", tmp_path / "x"),
+                       str(head / "config.json"), fragment)
+
+
+def test_first_contact_reaches_an_engine_layout(tmp_path, capsys):
+    """The README's tiny CPU path (`data tiny-target`, `train --config tiny-eagle3`, `export`):
+    the saved tiny target is deep enough for EAGLE-3's default features to export to every engine
+    layout. A 2-layer one is not: training says so at its start, and export refuses with the way out."""
+    deep, shallow = tmp_path / "tiny", tmp_path / "tiny2"
+    assert run_cli(capsys, "data", "tiny-target", "--out", deep, "--chats", "24")[0] == 0
+    assert run_cli(capsys, "data", "tiny-target", "--out", shallow, "--chats", "24", "--layers", "2")[0] == 0
+    argv = ["train", "--config", "tiny-eagle3", "max_steps=1", "checkpoint_every=0", "eval_every=0", "data.eval_size=1"]
+    capsys.readouterr()
+    assert cli.main([*argv, f"target={deep}", f"data.path={deep / 'chats.jsonl'}", f"output_dir={tmp_path / 'run'}"]) == 0
+    assert "no engine export" not in capsys.readouterr().out
+    for fmt in ("vllm", "sglang", "speculators", "llama.cpp"):
+        code, err = run_cli(capsys, "export", tmp_path / "run" / "final", "--format", fmt, "--out", tmp_path / fmt, "--target", deep)
+        assert code == 0, (fmt, err)
+    assert cli.main([*argv, f"target={shallow}", f"data.path={shallow / 'chats.jsonl'}", f"output_dir={tmp_path / 'run2'}"]) == 0
+    assert "note: this head will run in drafthead only, no engine export will take it" in capsys.readouterr().out
+    with unchanged(tmp_path):
+        assert_refused(*run_cli(capsys, "export", tmp_path / "run2" / "final", "--format", "vllm", "--out", tmp_path / "x"),
+                       "retrain with aux_layers set to 3 distinct indices in 1..1")
+
+
 def test_random_bytes_target_config_json(target_copy, capsys):
     (target_copy / "config.json").write_bytes(bytes(range(256)) * 2)
     with unchanged(target_copy):

@@ -159,6 +159,7 @@ def build_trainer(
     accelerator = accelerator or make_accelerator(config)
     hcfg = head_config(config, target_model, tokenizer, target_name)
     layers = required_layers(hcfg, hcfg.final_layer)
+    say_if_not_exportable(hcfg, say)
     if config.joint_lora and config.features.mode == "captured":
         raise ConfigError("medusa2 trains the target jointly: its features change every step, so features.mode must be online")
 
@@ -242,6 +243,20 @@ def build_replay(config: TrainConfig, target_model, tokenizer, eval_samples, hea
     return replay
 
 
+def say_if_not_exportable(hcfg, say: Callable[[str], None]) -> None:
+    """Before the work: an EAGLE-3-family head whose features no engine can fuse (a target too
+    shallow for 3 distinct decoder-layer outputs, or aux_layers set so) trains and runs here, but
+    every engine export will refuse it."""
+    from ..heads.config import Eagle3Config, engine_layer_problem
+
+    if not isinstance(hcfg, Eagle3Config):
+        return
+    problem = engine_layer_problem(hcfg.feature_layers, hcfg.final_layer)
+    if problem is not None:
+        say(f"note: this head will run in drafthead only, no engine export will take it: {problem} "
+            f"(a target of {hcfg.final_layer} layers; the engines need 3 distinct indices in 1..L-1, so L >= 4)")
+
+
 def new_or_saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name, say, token_counts: Callable[[], torch.Tensor]):
     """The head a run starts from: `init_from`'s, or a fresh one seeded by `config.seed`.
     token_counts: the training split's assistant-token counts, asked for only by EAGLE-3's reduced
@@ -289,14 +304,16 @@ def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool =
     out = Path(config.output_dir)
     accelerator = make_accelerator(config)
     with output_lock(out, enabled=accelerator.is_main_process):
-        existing = latest_checkpoint(out)
-        check_output_dir(out, existing, resume=resume, overwrite=overwrite)
-        if overwrite:
-            check_replaceable(out, what="output_dir", own_files=(METRICS_FILE,),
-                              inputs=[config.target, config.data.path, config.features.path, config.init_from, *inputs])
-        if resume and existing is not None:  # Trainer.fit checks again; here it costs no target load
-            check_resume(saved_run_config(existing, out / CONFIG_FILE), config, str(existing))
+        # the main process alone: the probe's short-lived files would make another rank's look at
+        # output_dir refuse it. Trainer.fit checks again on every rank, before anything is written.
         if accelerator.is_main_process:
+            existing = latest_checkpoint(out)
+            check_output_dir(out, existing, resume=resume, overwrite=overwrite)
+            if overwrite:
+                check_replaceable(out, what="output_dir", own_files=(METRICS_FILE,),
+                                  inputs=[config.target, config.data.path, config.features.path, config.init_from, *inputs])
+            if resume and existing is not None:  # here it costs no target load
+                check_resume(saved_run_config(existing, out / CONFIG_FILE), config, str(existing))
             probe_writable(checkpoint_root(out) if config.checkpoint_every else out)
         loaded = load_target(config.target, dtype=config.target_dtype, device=accelerator.device, threads=config.threads)
         main_say = say if accelerator.is_main_process else (lambda message: None)

@@ -94,9 +94,13 @@ def tiny_target(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int
 
 CHATS_FILE = "chats.jsonl"
 TINY_FILE = "tiny-target.json"  # what made the folder: marks it as one `--overwrite` may replace
+# The saved tiny target's depth: the fewest layers with 3 distinct decoder-layer outputs for
+# EAGLE-3's default features (heads/config.py default_eagle3_layers), so every engine export takes
+# a head trained on it. In-process test targets stay at 2 layers, the cheapest.
+TINY_LAYERS = 4
 
 
-def save_tiny_target(out_dir: str | Path, *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = 2, seed: int = 0,
+def save_tiny_target(out_dir: str | Path, *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = TINY_LAYERS, seed: int = 0,
                      chats: int = 0, overwrite: bool = False) -> Path:
     """Save a tiny random target + tokenizer as a Hugging Face folder that `from_pretrained` loads,
     with `chats` synthetic chats in CHATS_FILE (none: 0). The folder appears whole or not at all,

@@ -87,6 +87,8 @@ def add_parser(subparsers) -> None:
     q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
     q.add_argument("--chats", type=_positive_int, default=200)
+    q.add_argument("--layers", type=_positive_int, default=None,
+                   help="decoder layers (default 4: the fewest whose EAGLE-3 heads every engine export takes)")
     q.add_argument("--seed", type=int, default=0)
     add_overwrite_option(q)
 
@@ -291,6 +293,7 @@ def _capture(args) -> int:
 def _tiny(args) -> int:
     from ..train.tiny import CHATS_FILE, save_tiny_target
 
-    folder = save_tiny_target(args.out, seed=args.seed, chats=args.chats, overwrite=args.overwrite)
+    layers = {} if args.layers is None else {"num_layers": args.layers}
+    folder = save_tiny_target(args.out, seed=args.seed, chats=args.chats, overwrite=args.overwrite, **layers)
     print(f"tiny target in {folder}, {args.chats} chats in {folder / CHATS_FILE}")
     return 0

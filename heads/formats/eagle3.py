@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import engine_layer_problem
 from ..io import HeadFormatError
 from .common import ForeignHead, ids_from_ours, ids_to_ours, layer_config, llama_layer_fields, need_convention, \
     rope_parameters_of
@@ -77,17 +78,12 @@ def to_engine(fmt: str, config, meta: dict, state: dict) -> tuple[dict, dict]:
 
 
 def check_engine_layers(config) -> None:
-    """The engines fuse exactly 3 features, in ascending id order (vLLM sorts and de-duplicates the
-    ids), and read id L as the *pre*-norm last layer output where ours is post-norm."""
-    layers = tuple(config.feature_layers)
-    if len(layers) != 3:
-        raise ValueError(f"the engines' EAGLE-3 fuses exactly 3 features (fc 3H->H); this head has {layers}")
-    if list(layers) != sorted(set(layers)):
-        raise ValueError(f"the engines fuse features in ascending layer order without repeats; this head's "
-                         f"aux_layers {layers} would be reordered there")
-    if config.final_layer in layers:
-        raise ValueError(f"aux layer {config.final_layer} is the final *normed* state here but the unnormed one "
-                         "in the engines")
+    """Refuse feature indices the engines cannot fuse (heads/config.py engine_layer_problem),
+    with the way out."""
+    problem = engine_layer_problem(config.feature_layers, config.final_layer)
+    if problem is not None:
+        raise ValueError(f"{problem}: retrain with aux_layers set to 3 distinct indices in 1..{config.final_layer - 1} "
+                         "(a target of 4 layers or more has them; the default picks them)")
 
 
 def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
@@ -122,7 +118,8 @@ def _default_capture_points(src, cfg: dict, state: dict, overrides: dict, conven
     """A checkpoint naming no aux-layer ids (SpecForge's `to_hf` writes none unless its draft config
     had them): vLLM, SGLang and SpecForge all capture the same points then, the inputs of target
     layers [2, L//2, L-3], which are our default aux_layers (heads/config.py default_eagle3_layers),
-    whatever the producer's numbering."""
+    whatever the producer's numbering. (On a target of fewer than 7 layers the formula repeats a
+    layer, which no engine fuses, so no such checkpoint runs anywhere; ours differ there.)"""
     if "norm_output" in cfg and convention != "vllm":
         raise HeadFormatError(f"{src}: names no aux-layer ids and sets norm_output={cfg['norm_output']!r}, which "
                               "SpecForge and SGLang read differently: say the producer with convention= / --convention")

@@ -25,6 +25,7 @@ case "$where" in "$WORK"/venv/*) ;; *) echo "drafthead imported from $where, not
 drafthead --help > /dev/null
 drafthead data tiny-target --out tiny
 drafthead train --config tiny-eagle3 target=tiny data.path=tiny/chats.jsonl output_dir=run max_steps=2 checkpoint_every=0 eval_every=0
-drafthead export run/final --format ours --out exported  # the tiny target is too shallow for the engines' EAGLE-3 layer ids
+drafthead export run/final --format ours --out exported
+drafthead export run/final --format vllm --out exported-vllm  # the README's first path reaches an engine layout
 drafthead generate --target tiny --proposer heads --head exported --prompt "hello" --max-new-tokens 8 --dtype float32
 echo "wheel check: ok ($(basename "$WHEEL"))"
