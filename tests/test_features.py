@@ -152,7 +152,7 @@ def test_cli_capture_then_train_on_captured_features(tmp_path, isolated_cache, c
     common = ["--config", "tiny-eagle3", f"target={target}", f"data.path={chats}", f"output_dir={tmp_path / 'run'}"]
     assert main(["data", "capture", *common, "--device", "cpu", "--out", str(tmp_path / "feats")]) == 0
     index = json.loads((tmp_path / "feats" / "index.json").read_text())
-    assert index["layers"] == [0, 1, 2] and index["num_samples"] == 40  # eagle3 aux layers (2, 1, 0) for L=2, plus L
+    assert index["layers"] == [1, 2, 3, 4] and index["num_samples"] == 40  # eagle3 aux layers (1, 2, 3) for L=4, plus L
     assert main(["train", *common, "features.mode=captured", f"features.path={tmp_path / 'feats'}", "features.dtype=float32"]) == 0
     assert (tmp_path / "run" / "final" / "config.json").exists()
     assert "head saved to" in capsys.readouterr().out

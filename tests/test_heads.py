@@ -94,7 +94,7 @@ def test_feature_layers_and_defaults():
     assert e3.feature_layers == default_eagle3_layers(L) == (1, 2, 3)
     assert e3.draft_vocab_size == V  # default 8192 capped at the target vocab
     assert (e3.ttt_steps, e3.ttt_decay) == (7, 0.8)
-    assert e3.train_hidden_layers == (1, 2, L)  # features plus L (soft targets)
+    assert e3.train_hidden_layers == (1, 2, 3, L)  # features plus L (soft targets)
     assert default_eagle3_layers(32) == (2, 16, 29)  # inputs of layers 2, N/2, N-3
     # below 7 layers that formula repeats one; from 4 up 3 distinct decoder-layer outputs exist
     assert [default_eagle3_layers(n) for n in (4, 5, 6, 7)] == [(1, 2, 3), (1, 2, 4), (1, 3, 5), (2, 3, 4)]
