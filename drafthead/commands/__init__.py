@@ -124,6 +124,10 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compile", action="store_true",
                    help="torch.compile (inductor) the target's round forward, with a static cache (the first "
                         "generation compiles: minutes on a small CPU; docs/trees.md \"Static cache\")")
+    g.add_argument("--row-invariant", action=argparse.BooleanOptionalAction, default=False,
+                   help="every verify forward row-invariant: a row's logits are the same bits alone or in a tree, so "
+                        "bf16 output equals plain decoding through the same kernels, which becomes the reference "
+                        "(CPU panel kernel; docs/acceptance.md \"Row invariance\")")
     g.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
                    help="the target's forward: torch (transformers), or llama.cpp's through libllama on a GGUF "
                         "of the target (`make llamacpp` builds it; docs/llamacpp-backend.md). Drafters stay in torch")
@@ -175,9 +179,10 @@ def torch_threads() -> int:
 
 
 def engine_options(args) -> dict:
-    """GenerationConfig's engine fields from --static-cache / --compile."""
+    """GenerationConfig's engine fields from --static-cache / --compile / --row-invariant."""
     return {"static_cache": bool(getattr(args, "static_cache", False)),
-            "compile": "inductor" if getattr(args, "compile", False) else None}
+            "compile": "inductor" if getattr(args, "compile", False) else None,
+            "row_invariant": bool(getattr(args, "row_invariant", False))}
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int = 256) -> None:
@@ -319,7 +324,8 @@ def policy_from_args(args, model, drafter):
     note("--num-draft auto: timing the target's forward at " + ", ".join(map(str, counts)) + " tokens")
     want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
     return SpeculationPolicy(measure_verify_cost(model, counts, context=context, want_hidden=want_hidden,
-                                                 feature_layers=drafter.feature_layers))
+                                                 feature_layers=drafter.feature_layers,
+                                                 row_invariant=bool(getattr(args, "row_invariant", False))))
 
 
 def note(message: str) -> None:

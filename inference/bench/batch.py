@@ -27,6 +27,7 @@ from ..engine.cost import sync_device
 from ..engine.drafter import RootOnlyDrafter
 from ..engine.generate import GenerationConfig, generate_batch
 from .prompts import Prompt, encode_chat
+from .report import plain_label
 
 
 def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +73,9 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
     eos = tuple(settings.eos_token_ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
     verifier = settings.verifier  # a llama.cpp backend: plain is then our engine on it, not generate()
-    engine_plain = engine_plain and verifier is None
+    # row-invariant decoding: plain is our engine through the same kernels, the reference it matches
+    ours_plain = verifier is not None or bool(settings.engine.get("row_invariant"))
+    engine_plain = engine_plain and not ours_plain
 
     def ours(ids, mask, drafter, n, seed, policy):
         config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, policy=policy,
@@ -82,7 +85,7 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
             return generate_batch(verifier or target, drafter, prompts_b, config, tokenizer=tokenizer)
 
     def plain(ids, mask, n, seed):
-        if verifier is not None:
+        if ours_plain:
             return [r.new_tokens[0].tolist() for r in ours(ids, mask, RootOnlyDrafter(), n, seed, None).rows]
         if seed is not None:
             torch.manual_seed(seed)
@@ -170,7 +173,7 @@ def _method_summary(records: list[dict], rate: float, baseline: float, forwards:
 
 def format_batch_table(report: dict) -> str:
     """Terminal summary of a batch report."""
-    plain = "plain (llama.cpp)" if report["settings"].get("backend") == "llama.cpp" else "plain generate()"
+    plain = plain_label(report["settings"])
     lines = [f"batch {report['batch_size']}, {report['num_prompts']} prompts:",
              f"  {plain:<20} {report['baseline_tokens_per_s']:8.1f} tokens/s"]
     if report.get("engine_plain_tokens_per_s"):

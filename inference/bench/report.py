@@ -7,13 +7,23 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def plain_label(settings: dict) -> str:
+    """What the plain side of a report decoded with: transformers' generate(), or our engine with
+    no drafting (on the llama.cpp backend, or through the row-invariant kernels)."""
+    if settings.get("backend") == "llama.cpp":
+        return "plain (llama.cpp backend)"
+    if settings.get("row_invariant"):
+        return "plain (ours, row-invariant)"
+    return "plain generate()"
+
+
 def method_rows(report: dict) -> list[dict]:
     """One row per decoding method: plain generate, HF prompt lookup (when compared), ours."""
     settings = report.get("settings", {})
     llama = settings.get("backend") == "llama.cpp"
     rows = [
         {
-            "method": "plain (llama.cpp backend)" if llama else "plain generate()",
+            "method": plain_label(settings),
             "tokens_per_s": report["baseline_tokens_per_s"],
             "speedup": 1.0,
             "tau": None,

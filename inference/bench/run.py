@@ -375,11 +375,12 @@ def _bench_prompt(target, tokenizer, drafter_factory, ids: torch.Tensor, n: int,
     config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed,
                               profile=settings.profile, policy=settings.policy, **settings.engine)
     verifier = settings.verifier
-    if verifier is None:
+    if verifier is None and not settings.engine.get("row_invariant"):
         plain_tokens, plain_s = _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain)
-    else:
-        plain_config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed)
-        plain, plain_s = _spec_generate(verifier, RootOnlyDrafter(), ids, plain_config, tokenizer, mem_plain)
+    else:  # plain decoding through the same kernels: the reference a row-invariant or llama.cpp run matches
+        plain_config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed,
+                                        **settings.engine)
+        plain, plain_s = _spec_generate(verifier or target, RootOnlyDrafter(), ids, plain_config, tokenizer, mem_plain)
         plain_tokens = plain.new_tokens[0].tolist()
     result, spec_s = _spec_generate(verifier or target, drafter_factory(), ids, config, tokenizer, mem_spec)
     spec_tokens = result.new_tokens[0].tolist()
@@ -511,6 +512,8 @@ def _settings_record(target, settings: BenchSettings, num_prompts: int) -> dict:
         "cpu_count": os.cpu_count(),
         # our CPU kernel for the target's linears (inference/kernels/panel_kernel.py), or why it is off
         "panel_kernel": "available" if panel_kernel.enabled() else panel_kernel.why_unavailable(),
+        # plain is then our engine through the same kernels (inference/engine/invariant.py)
+        "row_invariant": bool(settings.engine.get("row_invariant")),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     if param.device.type == "cuda":

@@ -81,15 +81,16 @@ def sync_device(device: torch.device) -> None:
 @torch.inference_mode()
 def measure_verify_cost(
     target, node_counts: Sequence[int] = DEFAULT_NODE_COUNTS, context: int = 128, repeats: int = 5,
-    want_hidden: bool = True, linears: bool = True, feature_layers: Sequence[int] = (),
+    want_hidden: bool = True, linears: bool = True, feature_layers: Sequence[int] = (), row_invariant: bool = False,
 ) -> CostCurve:
     """Time the target's tree forward at each node count after `context` cached tokens (median of
     `repeats`, one untimed warm-up each), through the backend the decode loop drives (a
     transformers model's TorchTarget, or a LlamaCppTarget). want_hidden: also return hidden
     states, as drafters that read target features make the verifier do (a llama.cpp target
     extracts `feature_layers`, which cost time too); linears: with the engine's linears
-    (GenerationConfig.engine_linears), as the engine's rounds run them."""
-    backend = target_backend(target)
+    (GenerationConfig.engine_linears), as the engine's rounds run them; row_invariant: through the
+    row-invariant kernels (GenerationConfig.row_invariant)."""
+    backend = target_backend(target, row_invariant=row_invariant)
     device = backend.device
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, backend.vocab_size, (context + 1,), generator=generator).to(device)

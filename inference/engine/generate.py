@@ -58,6 +58,9 @@ class GenerationConfig:
     # the first generation pays the compile
     static_cache: bool = False
     compile: str | None = None
+    # every verify forward row-invariant (inference/engine/invariant.py): bf16 output equal to our
+    # plain decoding bit for bit; slower per forward
+    row_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -254,7 +257,7 @@ def generate_batch(target, drafter, prompts: list[torch.Tensor], config: Generat
     with `fork_drafter(drafter)` (shared weights, its own state)."""
     max_len = context_limit(target.config, config.max_length)
     _check_prompts(prompts, max_len)
-    backend = target_backend(target, config.static_cache, config.compile)
+    backend = target_backend(target, config.static_cache, config.compile, config.row_invariant)
     drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
 
     with torch.inference_mode(), backend.engine_context(config.engine_linears):

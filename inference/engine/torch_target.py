@@ -12,28 +12,37 @@ loop (inference/engine/generate.py) calls:
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .cache import cache_capacity, cache_kwargs, crop, keep_paths, new_cache, select_rows
 from .compiled import StaticDecoding, static_capacity
 from .policy import cut_tree
-from ..kernels.target_linears import engine_linears
+from ..kernels.target_linears import engine_linears, panel_linears
+from .invariant import invariant_attention
 from .tree import DraftTree, pad_trees
 from .verify import Verification, check_tree_mask_support, forward_trees
 
 
-def target_backend(target, static_cache: bool = False, compile: str | None = None):
+def target_backend(target, static_cache: bool = False, compile: str | None = None, row_invariant: bool = False):
     """The backend the decode loop drives: `target` itself when it is one (a LlamaCppTarget),
     else a TorchTarget around the transformers model."""
     if hasattr(target, "verify") and hasattr(target, "start"):
+        if row_invariant:
+            raise ValueError("row-invariant decoding is our torch engine's (inference/engine/invariant.py); "
+                             "the llama.cpp backend's kernels are ggml's")
         return target
-    return TorchTarget(target, StaticDecoding.of(target, compile) if static_cache or compile else None)
+    if row_invariant and (static_cache or compile):
+        raise ValueError("row-invariant decoding runs the eager forward on a dynamic cache: drop --static-cache / --compile")
+    return TorchTarget(target, StaticDecoding.of(target, compile) if static_cache or compile else None, row_invariant)
 
 
 class TorchTarget:
-    def __init__(self, model, static: StaticDecoding | None = None):
+    def __init__(self, model, static: StaticDecoding | None = None, row_invariant: bool = False):
         check_tree_mask_support(model.config)
         self.model = model
+        self.row_invariant = row_invariant  # verify forwards row by row invariant (inference/engine/invariant.py)
         self.config = model.config
         self.static = static
         self.cache = None
@@ -41,6 +50,8 @@ class TorchTarget:
         self.max_new_tokens = 0
 
     def engine_context(self, enabled: bool):
+        if self.row_invariant:
+            return panel_linears(self.model)
         return engine_linears(self.model, enabled)
 
     def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0):
@@ -72,8 +83,10 @@ class TorchTarget:
 
     def verify(self, trees: list[DraftTree], lengths: list[int], want_hidden: bool) -> Verification:
         prefix = torch.tensor(lengths, device=trees[0].tokens.device)
-        return forward_trees(self.model, self.cache, pad_trees(trees), prefix, self.slots, want_hidden,
-                             forward=None if self.static is None else self.static.forward)
+        attention = invariant_attention(self.model) if self.row_invariant else contextlib.nullcontext()
+        with attention:
+            return forward_trees(self.model, self.cache, pad_trees(trees), prefix, self.slots, want_hidden,
+                                 forward=None if self.static is None else self.static.forward)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,176 @@
+"""Row invariance (inference/engine/invariant.py): with `row_invariant=True` a row's logits are the
+same bits whether the target computes it alone or among the nodes of a tree and the rows of a
+batch, so bf16 speculative output equals our bf16 plain decoding token for token.
+
+  * each op that reduces (the linears on panels, the attention) gives a row the same bits alone
+    and among 17 rows;
+  * whole forwards: the logits of a 17-node tree's spine equal the same tokens' one-row forwards,
+    bit for bit, on tiny bf16 targets of several families;
+  * decoding: greedy speculative output, with drafts accepted to depth >= 2 (tests/oracle.py),
+    equals plain decoding through the same kernels at batch 1 and 3;
+  * what it cannot run (attention sinks, the llama.cpp backend, a compiled forward) is refused.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+from drafthead.inference.engine.drafter import RootOnlyDrafter
+from drafthead.inference.engine.generate import GenerationConfig, generate_batch, speculative_generate
+from drafthead.inference.engine.invariant import row_invariant_attention
+from drafthead.inference.engine.torch_target import TorchTarget, target_backend
+from drafthead.inference.engine.tree import DraftTree
+from drafthead.inference.kernels import panel_kernel
+from drafthead.inference.kernels.target_linears import panel_linears
+from tests.oracle import OracleDrafter, accepted_drafts, by_row, known_continuation, never
+from tests.tiny import repetitive_prompt, tiny_causal_lm
+
+pytestmark = pytest.mark.skipif(not panel_kernel.enabled(), reason=f"no panel kernel here: {panel_kernel.why_unavailable()}")
+
+FAMILIES = ["llama", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "deepseek_v3"]
+VOCAB = 96
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_linears_give_a_row_the_same_bits_alone_and_among_17(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(48, 80), nn.Linear(80, 33, bias=False)).to(dtype)
+    x = torch.randn(17, 48).to(dtype)
+    with torch.no_grad(), panel_linears(model):
+        together = model(x)
+        alone = torch.cat([model(x[i:i + 1]) for i in range(17)])
+    assert torch.equal(together, alone)
+    assert all(type(m) is nn.Linear for m in model)  # the model's own layers are back
+
+
+def tree_mask(seen: torch.Tensor) -> torch.Tensor:
+    """bool [B, Tq, Tk] -> the engine's additive mask [B, 1, Tq, Tk] in bf16 (0: seen)."""
+    return torch.where(seen, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)[:, None]
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_attention_gives_a_row_the_same_bits_alone_and_among_17(softcap):
+    """A row among 17 queries and 30 keys, some masked, against the row alone over exactly the keys
+    it sees: what its own one-row forward would hold in the cache."""
+    g = torch.Generator().manual_seed(1)
+    B, heads, kv_heads, Tq, Tk, D = 2, 4, 2, 17, 30, 8
+    q = torch.randn(B, heads, Tq, D, generator=g).to(torch.bfloat16)
+    k = torch.randn(B, kv_heads, Tk, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(B, kv_heads, Tk, D, generator=g).to(torch.bfloat16)
+    seen = torch.rand(B, Tq, Tk, generator=g) < 0.6
+    seen[:, :, 0] = True
+    module = nn.Module()
+    together, _ = row_invariant_attention(module, q, k, v, tree_mask(seen), scaling=0.3, softcap=softcap)
+    for b in range(B):
+        for i in range(Tq):
+            keys = seen[b, i].nonzero().squeeze(1)
+            n = len(keys)
+            alone, _ = row_invariant_attention(module, q[b:b + 1, :, i:i + 1], k[b:b + 1, :, keys], v[b:b + 1, :, keys],
+                                               tree_mask(torch.ones(1, 1, n, dtype=torch.bool)), scaling=0.3, softcap=softcap)
+            assert torch.equal(together[b, i], alone[0, 0]), (b, i)
+
+
+def spine_and_branches(pending: int, spine: list[int], extra: int, seed: int) -> DraftTree:
+    """root (`pending`) -> spine[0] -> spine[1] ..., plus `extra` random nodes hung anywhere."""
+    g = torch.Generator().manual_seed(seed)
+    parents = list(range(-1, len(spine)))
+    tokens = [pending, *spine]
+    for i in range(len(tokens), len(tokens) + extra):
+        parents.append(int(torch.randint(0, i, (1,), generator=g)))
+        tokens.append(int(torch.randint(3, VOCAB, (1,), generator=g)))
+    return DraftTree(torch.tensor([tokens]), torch.tensor(parents))
+
+
+def tree_and_steps(family: str, row_invariant: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 logits of a 17-node tree's spine (4 drafts, 12 branches) from one verify forward, and
+    of the same tokens from one-row forwards one after another: ([5, V], [5, V])."""
+    model = tiny_causal_lm(family, vocab=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
+    prompt = repetitive_prompt(VOCAB, 12, seed=3)[0]
+    spine = [5, 17, 42, 8]
+    backend = TorchTarget(model, row_invariant=row_invariant)
+    with torch.inference_mode(), backend.engine_context(True):
+        backend.start([prompt], (), False)
+        length = prompt.numel() - 1
+        tree = spine_and_branches(int(prompt[-1]), spine, 12, seed=4)
+        together = backend.verify([tree], [length], False).logits[0, : len(spine) + 1]
+        backend.discard(length)
+        alone = []
+        for token in [int(prompt[-1]), *spine]:
+            one = DraftTree(torch.tensor([[token]]), torch.tensor([-1]))
+            alone.append(backend.verify([one], [length], False).logits[0, 0])
+            backend.keep([[0]], [length])
+            length += 1
+    return together, torch.stack(alone)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_tree_forward_gives_each_node_the_bits_of_its_own_one_row_forward(family):
+    together, alone = tree_and_steps(family, row_invariant=True)
+    assert together.dtype == torch.bfloat16
+    assert torch.equal(together, alone)
+
+
+def test_the_fast_kernels_are_not_row_invariant():
+    """The control: without the mode the same comparison fails (on the dev machine, 6 of these 7
+    families), so the test above is one that can fail."""
+    assert not all(torch.equal(*tree_and_steps(family, row_invariant=False)) for family in FAMILIES)
+
+
+def plain_decoding(model, prompts: list[torch.Tensor], n: int) -> list[list[int]]:
+    config = GenerationConfig(max_new_tokens=n, row_invariant=True)
+    return [speculative_generate(model, RootOnlyDrafter(), p[None], config).new_tokens[0].tolist() for p in prompts]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_speculative_output_equals_plain_decoding_at_batch_1_and_3(family):
+    model = tiny_causal_lm(family, vocab=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
+    prompts = [repetitive_prompt(VOCAB, 12, seed=s)[0] for s in (0, 1, 2)]
+    n = 24
+    plain = plain_decoding(model, prompts, n)
+    truth = known_continuation([p.tolist() + out for p, out in zip(prompts, plain)])
+    config = GenerationConfig(max_new_tokens=n, row_invariant=True)
+
+    def drafter(cut=never):
+        return OracleDrafter(PromptLookupDrafter(length=4, num_draft=4), truth, VOCAB, cut)
+
+    one = speculative_generate(model, drafter(), prompts[0][None], config)
+    assert one.new_tokens[0].tolist() == plain[0]
+    assert max(accepted_drafts(one)) >= 2, accepted_drafts(one)  # depth >= 2 was verified and kept
+    batch = generate_batch(model, drafter(by_row), prompts, config)
+    assert [row.new_tokens[0].tolist() for row in batch.rows] == plain
+    assert len({sum(accepted_drafts(row)) for row in batch.rows}) > 1  # the rows kept different lengths
+
+
+def test_what_row_invariance_cannot_run_is_refused():
+    sinks = tiny_causal_lm("gpt_oss", vocab=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        speculative_generate(sinks, RootOnlyDrafter(), repetitive_prompt(VOCAB)[:, :8], GenerationConfig(max_new_tokens=2, row_invariant=True))
+    model = tiny_causal_lm("llama", vocab=VOCAB, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="drop --static-cache / --compile"):
+        target_backend(model, static_cache=True, row_invariant=True)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        with panel_linears(tiny_causal_lm("llama", vocab=VOCAB, dtype=torch.float16)):
+            pass
+
+
+def test_bench_with_row_invariance_compares_against_our_plain_decoding(tmp_path, capsys, tiny_llama_dir):
+    """`bench --row-invariant` in bf16: the plain side is our engine through the same kernels,
+    the report says so, and every output is identical to it, at batch 1 and 2."""
+    import json
+
+    from drafthead import cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"say {w} {w} {w} again"}) + "\n" for w in ("a", "bb", "ccc")))
+    for extra in ([], ["--batch-size", "2"]):
+        out = tmp_path / f"report{len(extra)}.json"
+        argv = ["bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--dtype", "bfloat16", "--threads", "1",
+                "--proposer", "prompt-lookup", "--max-new-tokens", "12", "--no-progress", "--row-invariant", "--out", str(out)]
+        assert cli.main(argv + extra) == 0, capsys.readouterr().err
+        report = json.loads(out.read_text())
+        assert report["settings"]["row_invariant"] is True
+        assert "plain (ours, row-invariant)" in capsys.readouterr().out
+        rows = report["prompts"] if not extra else report["prompts"]["speculative"]
+        assert len(rows) == 3 and all(r["identical"] for r in rows), rows
