@@ -11,8 +11,8 @@ depends on the row count. Two places do in the target's decode forward:
     accumulator per row and column, whatever the row count: every linear runs on it here.
   * attention: a fused kernel's query blocking, and the key count (a tree forward holds the
     other nodes' keys, masked). `row_invariant_attention` computes each query row on its own,
-    over exactly the keys it may see, in position order: the same shapes, so the same bits, as
-    that token's own one-row forward.
+    over exactly the keys it may see, in position order, with one fixed sequence of operations
+    (inference/kernels/csrc/row_attention.cpp): the same bits as that token's own one-row forward.
 
 The rest is per-row already (norms reduce over a row's own hidden size; RoPE, activations and
 residuals are elementwise), which the tests check op by op and for whole forwards.
@@ -26,6 +26,8 @@ import contextlib
 
 import torch
 from torch import nn
+
+from ..kernels import panel_kernel
 
 ATTENTION_NAME = "drafthead_row_invariant"
 
@@ -41,31 +43,18 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                             softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, h, Tq, D], key/value [B, hkv, Tk, D]
-    -> ([B, Tq, h, D], None). Each query row in fp32 over its own visible keys (module docstring)."""
+    -> ([B, Tq, h, Dv], None). Each query row on its own, in fp32, over exactly the keys it sees in
+    key order (the row_attention kernel, inference/kernels/csrc/row_attention.cpp)."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise NotImplementedError("row-invariant attention does not take attention sinks (gpt-oss) yet")
     if attention_mask is None:
         raise ValueError("row-invariant attention needs the engine's tree mask")
-    B, heads, Tq, D = query.shape
-    kv_heads = key.shape[1]
-    groups = heads // kv_heads
-    scaling = D ** -0.5 if scaling is None else scaling
-    seen = visible_keys(attention_mask)
-    counts = seen.sum(-1)  # [B, Tq] keys each row sees
-    out = torch.empty(B, Tq, heads, value.shape[-1], dtype=torch.float32, device=query.device)
-    for b in range(B):
-        # rows that see as many keys (a tree's nodes of one depth) go as one batch of matmuls:
-        # each batch entry is the same [g, D] x [D, n] product its row would be alone
-        for n in counts[b].unique().tolist():
-            rows = (counts[b] == n).nonzero().squeeze(1)  # [r]
-            keys = seen[b, rows].nonzero()[:, 1].view(len(rows), n)  # [r, n] in position order
-            q = query[b, :, rows].float().transpose(0, 1).reshape(len(rows), kv_heads, groups, D)  # [r, hkv, g, D]
-            k = key[b][:, keys].float().transpose(0, 1)  # [r, hkv, n, D]
-            v = value[b][:, keys].float().transpose(0, 1)
-            scores = torch.matmul(q, k.transpose(-1, -2)) * scaling  # [r, hkv, g, n]
-            if softcap is not None:
-                scores = torch.tanh(scores / softcap) * softcap
-            out[b, rows] = torch.matmul(torch.softmax(scores, dim=-1), v).reshape(len(rows), heads, -1)
+    if not panel_kernel.load():
+        raise ValueError(f"row-invariant attention needs the CPU kernels, which are unavailable: {panel_kernel.why_unavailable()}")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = torch.ops.drafthead_attention.row_attention(query.float(), key.float(), value.float(),
+                                                      visible_keys(attention_mask)[..., : key.shape[2]].contiguous(),
+                                                      float(scaling), float(softcap or 0.0))
     return out.to(query.dtype), None
 
 

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.cpp"
+# built into the same library: row-invariant attention (inference/engine/invariant.py)
+ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "row_attention.cpp"
 ENV_SWITCH = "DRAFTHEAD_PANEL_KERNEL"
 
 _lock = threading.Lock()
@@ -58,9 +60,10 @@ def load() -> bool:
                 from torch.utils.cpp_extension import load as build
 
                 _ensure_ninja_on_path()
-                build("drafthead_panel_linear", [str(SOURCE)], is_python_module=False, verbose=False,
+                build("drafthead_panel_linear", [str(SOURCE), str(ATTENTION_SOURCE)], is_python_module=False, verbose=False,
                       extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
                 torch.ops.drafthead_panel.linear  # noqa: B018  (raises if the library did not register)
+                torch.ops.drafthead_attention.row_attention  # noqa: B018
             except Exception as error:  # a missing compiler or ninja, a failed build: keep the other kernels
                 why = f"could not build {SOURCE.name}: {type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
         _state["ok"], _state["why"] = why is None, why or ""
