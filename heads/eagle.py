@@ -48,6 +48,7 @@ from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs, shift_left, shifted_labels
 from .losses import distill_loss
 from .packing import causal_within
+from .ttt_attention import TTTMask
 
 # ----------------------------------------------------------------------------- shared plumbing
 
@@ -263,6 +264,8 @@ class DecoderHeadBase(DraftHeadBase):
         past = cache.get_seq_length() if cache is not None else 0
         if position_ids is None:
             position_ids = (torch.arange(T, device=tokens.device) + past)[None].expand(B, T)
+        if isinstance(attention_mask, TTTMask):  # EAGLE-3's unroll: the rule goes to ttt_attention as is
+            return position_ids, attention_mask, self._position_embeddings(x, position_ids)
         mask = prepare_mask(attention_mask, B, T, past, x.dtype, x.device)
         window = getattr(self.config, "sliding_window", None)
         if window is not None:

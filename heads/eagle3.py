@@ -37,14 +37,16 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .batch import FeatureBatch
 from .config import Eagle3Config
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
-from .eagle import DecoderHeadBase, cache_kwarg, window_mask
+from .eagle import DecoderHeadBase, cache_kwarg
 from .io import shift_left, shifted_labels
-from .losses import distill_loss
+from .losses import acceptance_rate, distill_loss, entropy_of, lk_lambda, loss_chunk_rows
 from .packing import causal_within, row_positions
+from .ttt_attention import TTTMask, ttt_attention_for
 
 
 def ttt_depth(steps: int, ramp: float, progress: float) -> int:
@@ -70,7 +72,9 @@ def entropy_curriculum(entropy: torch.Tensor, ramp: float, progress: float, star
 def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None,
                        position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Additive [1, 1, T, (step + 1) * T] mask of training-time-test step `step` (0-based);
-    [B, 1, T, (step + 1) * T] for packed rows (position_ids [B, T], heads/packing.py).
+    [B, 1, T, (step + 1) * T] for packed rows (position_ids [B, T], heads/packing.py). The rule in
+    dense form: training computes it chunk by chunk (heads/ttt_attention.py TTTMask), and the tests
+    hold that to this.
 
     Keys are laid out block by block as the cache fills: block 0 = step-0 keys (causal: column t
     sees columns <= t, in its own conversation when rows are packed), block j >= 1 = step-j keys
@@ -221,19 +225,15 @@ class Eagle3Head(DecoderHeadBase):
         B, T = input_ids.shape
         cache = self.new_cache()
         positions = row_positions(position_ids, B, T, fused.device)  # [B, T]
-        window = self.config.sliding_window
         hidden = fused
         for i in range(steps):
             tokens = shift_left(input_ids, 1 + i)  # x_{t+1+i} at column t
-            pos = positions + i
-            mask = ttt_attention_mask(T, i, hidden.dtype, hidden.device, position_ids).expand(B, -1, -1, -1)
-            if window is not None and position_ids is not None:
-                # restarted positions: measure the window from the step-0 keys' own positions; the
-                # unroll keys count as the query's own position, as the cache-index rule of `_inputs`
-                # treats them (a chain never spans the window), which then blocks nothing more
-                keys = torch.cat([positions] + [pos] * i, dim=1)  # [B, (i+1) T]
-                mask = window_mask(mask, pos, window, keys)
-            out = self._hidden(hidden, tokens, pos, cache, mask)
+            # the rule of `ttt_attention_mask`, computed chunk by chunk (heads/ttt_attention.py);
+            # the window is measured from the step-0 keys' own positions, and the unroll keys
+            # count as the query's own position (a chain never spans the window)
+            mask = TTTMask(i, positions, packed=position_ids is not None, window=self.config.sliding_window)
+            with ttt_attention_for(self._layer_cfg):
+                out = self._hidden(hidden, tokens, positions + i, cache, mask)
             yield out
             hidden = self.feedback(out)
 
@@ -247,6 +247,52 @@ class Eagle3Head(DecoderHeadBase):
             hL = batch.hidden_states[cfg.final_layer]
             return torch.softmax(nn.functional.linear(hL.to(w.device, w.dtype), w).float(), dim=-1).to(hL.device)
 
+    def _target_rows(self, final: torch.Tensor) -> torch.Tensor:
+        """The target's distribution [N, Vd] (restricted to the draft vocab, renormalised) for the
+        token after each of N positions, from their final normed states `final` [N, H]."""
+        with torch.no_grad():
+            w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
+            return torch.softmax(nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1).to(final.device)
+
+    def distill_rows(self, hidden: torch.Tensor, final: torch.Tensor, keep=None) -> tuple[torch.Tensor, float, float]:
+        """One unroll step's loss over N positions: draft hidden states [N, H] against the target's
+        distribution from `final` [N, H] (`_target_rows`), the mean of `config.loss` over the
+        positions `keep(entropies [N]) -> bool [N]` keeps (None: all), with (alpha, top-1 agreement)
+        over all N. Chunk by chunk (heads/losses.py loss_chunk_rows) under checkpointing when N
+        positions' [N, Vd] logits would not fit one chunk: what the backward keeps is then O(N H)."""
+        cfg = self.config
+        n = hidden.shape[0]
+        rows = loss_chunk_rows(cfg.draft_vocab_size)
+        chunks = [(a, min(n, a + rows)) for a in range(0, n, rows)]
+        weights = torch.full((n,), 1.0 / max(n, 1), device=hidden.device)
+        if keep is not None:
+            with torch.no_grad():
+                entropy = torch.cat([entropy_of(self._target_rows(final[a:b])) for a, b in chunks])
+                kept = keep(entropy)
+                weights = kept.float() / kept.sum().clamp_min(1)
+        lam = None
+        if cfg.loss == "lk_lambda" and len(chunks) > 1:  # its weight is over all N positions, not per chunk
+            with torch.no_grad():
+                alpha = torch.cat([acceptance_rate(self._target_rows(final[a:b]), torch.softmax(self.logits(hidden[a:b]).float(), -1))
+                                   for a, b in chunks])
+            lam = lk_lambda(alpha, cfg.lk_eta)
+
+        def part(h, f, w):
+            logits = self.logits(h).float()  # [c, Vd]
+            p = self._target_rows(f)
+            each, alpha = distill_loss(logits, p, cfg.loss, cfg.lk_eta, lam=lam)
+            return (each * w).sum(), alpha, (logits.argmax(-1) == p.argmax(-1)).float()
+
+        checkpointed = len(chunks) > 1 and torch.is_grad_enabled()
+        total, alphas, agrees = hidden.new_zeros((), dtype=torch.float32), [], []
+        for a, b in chunks:
+            args = (hidden[a:b], final[a:b], weights[a:b])
+            loss, alpha, agree = checkpoint(part, *args, use_reentrant=False) if checkpointed else part(*args)
+            total = total + loss
+            alphas.append(alpha)
+            agrees.append(agree)
+        return total, torch.cat(alphas).mean().item(), torch.cat(agrees).mean().item()
+
     def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Training-time test loss sum_i ttt_decay**i * L_i (module docstring), L_i the mean of
         `config.loss` (soft CE by default; heads/losses.py) over step i's positions.
@@ -257,27 +303,24 @@ class Eagle3Head(DecoderHeadBase):
         """
         cfg = self.config
         ids = batch.input_ids
-        target_p = self._target_distribution(batch)  # [B, T, Vd]
+        batch.require(set(cfg.feature_layers) | {cfg.final_layer}, cfg.kind)
+        final = batch.hidden_states[cfg.final_layer]  # [B, T, H]: the target's distributions come from it, rows at a time
         fused = self.fuse([batch.hidden_states[i] for i in cfg.feature_layers])  # [B, T, H]
         total = fused.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         steps = ttt_depth(cfg.ttt_steps, cfg.ttt_ramp, self.train_progress) if self.training else cfg.ttt_steps
+        keep = None
+        if self.training and cfg.entropy_ramp > 0:
+            keep = lambda entropy: entropy_curriculum(entropy, cfg.entropy_ramp, self.train_progress, cfg.entropy_start)  # noqa: E731
         for i, hidden in enumerate(self.ttt_unroll(fused, ids, steps, batch.position_ids)):
             _, valid = shifted_labels(ids, batch.loss_mask, batch.attention_mask, 2 + i, batch.position_ids)
             b_idx, t_idx = valid.nonzero(as_tuple=True)
-            logits = self.logits(hidden[b_idx, t_idx]).float()  # [N, Vd]
-            p = target_p[b_idx, t_idx + 1 + i]  # [N, Vd], the target's distribution for token t+2+i
-            n = p.shape[0]
-            if n:
-                each, alpha = distill_loss(logits, p, cfg.loss, cfg.lk_eta)  # [N], [N]
-                if self.training and cfg.entropy_ramp > 0:
-                    entropy = -(p * torch.log(p.clamp_min(1e-30))).sum(-1)  # [N], of the target's distribution
-                    each = each[entropy_curriculum(entropy, cfg.entropy_ramp, self.train_progress, cfg.entropy_start)]
-                step_loss = each.mean()
-                acc = (logits.argmax(-1) == p.argmax(-1)).float().mean().item()
-                metrics[f"alpha_{i}"] = alpha.mean().item()
+            n = b_idx.numel()
+            if n:  # the target's distribution for token t + 2 + i is read at t + 1 + i
+                step_loss, alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, t_idx + 1 + i], keep)
+                metrics[f"alpha_{i}"] = alpha
             else:
-                step_loss, acc = logits.sum() * 0.0, 0.0
+                step_loss, acc = hidden.sum() * 0.0, 0.0
             total = total + cfg.ttt_decay**i * step_loss
             metrics[f"loss_{i}"] = step_loss.item()
             metrics[f"acc_{i}"] = acc

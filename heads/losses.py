@@ -48,10 +48,26 @@ def lk_lambda(alpha: torch.Tensor, eta: float) -> float:
     return math.exp(-eta * float(alpha.detach().mean())) if alpha.numel() else 1.0
 
 
-def distill_loss(logits: torch.Tensor, p: torch.Tensor, loss: str = "ce", lk_eta: float = 3.0):
+LOSS_CHUNK_BYTES = 256 << 20  # one chunk of positions' [c, V] fp32 logits and the tensors made from them
+
+
+def loss_chunk_rows(vocab: int, budget: int | None = None) -> int:
+    """Positions per chunk of a chunked loss: the ~4 [c, V] fp32 tensors one chunk makes (logits,
+    log-softmax, the target's p, a temporary) within `budget` (default LOSS_CHUNK_BYTES)."""
+    budget = LOSS_CHUNK_BYTES if budget is None else budget
+    return max(1, budget // (16 * max(1, vocab)))
+
+
+def entropy_of(p: torch.Tensor) -> torch.Tensor:
+    """[N]: the entropy of each distribution p [N, V] (0 log 0 = 0)."""
+    return torch.special.entr(p).sum(-1)
+
+
+def distill_loss(logits: torch.Tensor, p: torch.Tensor, loss: str = "ce", lk_eta: float = 3.0, lam: float | None = None):
     """Per-position losses [N] of draft logits [N, V] against target distributions p [N, V]
     under objective `loss` (module docstring), and alpha [N], each position's acceptance rate
-    (detached; a metric). The caller reduces (mean, decay weights, curricula)."""
+    (detached; a metric). The caller reduces (mean, decay weights, curricula). lam: LK^lambda's
+    weight when the caller computed it over more positions than these (a chunked loss)."""
     logits = logits.float()
     log_q = torch.log_softmax(logits, dim=-1)  # [N, V]
     ce = -(p * log_q).sum(-1)  # [N]
@@ -63,7 +79,7 @@ def distill_loss(logits: torch.Tensor, p: torch.Tensor, loss: str = "ce", lk_eta
     if loss == "lk_alpha":
         return -torch.log(alpha.clamp_min(_LOG_FLOOR)), alpha.detach()
     if loss == "lk_lambda":
-        lam = lk_lambda(alpha, lk_eta)
+        lam = lk_lambda(alpha, lk_eta) if lam is None else lam
         kl = ce - torch.special.entr(p).sum(-1)  # KL(p || q) = CE - H(p); entr(x) = -x log x, 0 at x = 0
         return lam * kl + (1.0 - lam) * (1.0 - alpha), alpha.detach()
     raise ValueError(f"unknown loss {loss!r} (known: {', '.join(LOSSES)})")

@@ -1,0 +1,73 @@
+"""Peak memory and tokens/s of one training step at long context (docs/scaling.md "Long
+conversations"): SmolLM2-135M as the frozen target (online features), one row of T tokens, an
+EAGLE-3 or DFlash head, forward + backward + AdamW step, each length in a fresh process (peak RSS
+is a process-lifetime high-water mark), against `train --plan`'s activation estimate.
+
+    .venv/bin/python scripts/studies/long_context_memory.py --kind eagle3 --lengths 2048 8192
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+
+def one(kind: str, T: int, threads: int) -> dict:
+    import torch
+
+    from drafthead.heads import build_head, make_config
+    from drafthead.heads.batch import FeatureBatch
+    from drafthead.inference.engine.targets import load_target
+    from drafthead.train.features import target_features
+
+    torch.set_num_threads(threads)
+    loaded = load_target("smollm2-135m", dtype="bfloat16", threads=threads)
+    target = loaded.model.requires_grad_(False)
+    extra = {"mask_token_id": 2} if kind in ("dflash", "peagle") else {}
+    config = make_config(kind, target, loaded.tokenizer, name="smollm2-135m", **extra)
+    counts = torch.arange(config.vocab_size, 0, -1).float()  # any ranking: the draft vocab's size is what counts here
+    head = build_head(config, target, token_counts=counts, dtype=torch.float32).train()
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, config.vocab_size, (1, T), generator=g)
+    mask = torch.ones(1, T, dtype=torch.long)
+    before = rss_mb()
+    start = time.perf_counter()
+    hidden = target_features(target, ids, mask, config.train_hidden_layers)
+    batch = FeatureBatch(ids, mask, torch.ones(1, T, dtype=torch.bool), hidden)
+    loss, _ = head.compute_loss(batch)
+    loss.backward()
+    optimizer.step()
+    seconds = time.perf_counter() - start
+    return {"kind": kind, "tokens": T, "peak_rss_mb": rss_mb(), "rss_before_step_mb": before,
+            "seconds": seconds, "tokens_per_s": T / seconds, "loss": float(loss)}
+
+
+def rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", default="eagle3")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 16384, 32768])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # a child's length
+    args = parser.parse_args()
+    if args.one is not None:
+        print(json.dumps(one(args.kind, args.one, args.threads)))
+        return
+    for T in args.lengths:
+        child = subprocess.run([sys.executable, __file__, "--kind", args.kind, "--threads", str(args.threads), "--one", str(T)],
+                               capture_output=True, text=True)
+        line = child.stdout.strip().splitlines()[-1] if child.returncode == 0 and child.stdout.strip() else None
+        print(line or json.dumps({"kind": args.kind, "tokens": T, "failed": child.returncode,
+                                  "stderr": child.stderr.strip().splitlines()[-1:]}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
