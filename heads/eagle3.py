@@ -44,9 +44,9 @@ from .config import Eagle3Config
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
 from .eagle import DecoderHeadBase, cache_kwarg
 from .io import shift_left, shifted_labels
-from .losses import acceptance_rate, distill_loss, entropy_of, lk_lambda, loss_chunk_rows
+from .losses import acceptance_rate, distill_loss, entropy_of, lk_lambda, loss_chunk_rows, recompute_loss
 from .packing import causal_within, row_positions
-from .ttt_attention import TTTMask, ttt_attention_for
+from .ttt_attention import StepCache, TTTMask, ttt_attention_for
 
 
 def ttt_depth(steps: int, ramp: float, progress: float) -> int:
@@ -223,17 +223,25 @@ class Eagle3Head(DecoderHeadBase):
         Its logits predict token t + 2 + i.
         """
         B, T = input_ids.shape
-        cache = self.new_cache()
+        cache = StepCache()
         positions = row_positions(position_ids, B, T, fused.device)  # [B, T]
         hidden = fused
-        for i in range(steps):
-            tokens = shift_left(input_ids, 1 + i)  # x_{t+1+i} at column t
+
+        def step(hidden, tokens, i):
+            cache.step = i  # a recompute in the backward writes step i's K/V again, in its own slot
             # the rule of `ttt_attention_mask`, computed chunk by chunk (heads/ttt_attention.py);
             # the window is measured from the step-0 keys' own positions, and the unroll keys
             # count as the query's own position (a chain never spans the window)
             mask = TTTMask(i, positions, packed=position_ids is not None, window=self.config.sliding_window)
             with ttt_attention_for(self._layer_cfg):
-                out = self._hidden(hidden, tokens, positions + i, cache, mask)
+                return self._hidden(hidden, tokens, positions + i, cache, mask)
+
+        for i in range(steps):
+            tokens = shift_left(input_ids, 1 + i)  # x_{t+1+i} at column t
+            if torch.is_grad_enabled():  # the backward keeps each step's inputs, not its activations
+                out = checkpoint(step, hidden, tokens, i, use_reentrant=False)
+            else:
+                out = step(hidden, tokens, i)
             yield out
             hidden = self.feedback(out)
 
@@ -259,7 +267,8 @@ class Eagle3Head(DecoderHeadBase):
         distribution from `final` [N, H] (`_target_rows`), the mean of `config.loss` over the
         positions `keep(entropies [N]) -> bool [N]` keeps (None: all), with (alpha, top-1 agreement)
         over all N. Chunk by chunk (heads/losses.py loss_chunk_rows) under checkpointing when N
-        positions' [N, Vd] logits would not fit one chunk: what the backward keeps is then O(N H)."""
+        positions' [N, Vd] tensors are more than the backward should keep (heads/losses.py
+        recompute_loss): what it keeps is then O(N H)."""
         cfg = self.config
         n = hidden.shape[0]
         rows = loss_chunk_rows(cfg.draft_vocab_size)
@@ -283,7 +292,7 @@ class Eagle3Head(DecoderHeadBase):
             each, alpha = distill_loss(logits, p, cfg.loss, cfg.lk_eta, lam=lam)
             return (each * w).sum(), alpha, (logits.argmax(-1) == p.argmax(-1)).float()
 
-        checkpointed = len(chunks) > 1 and torch.is_grad_enabled()
+        checkpointed = torch.is_grad_enabled() and recompute_loss(n, cfg.draft_vocab_size)
         total, alphas, agrees = hidden.new_zeros((), dtype=torch.float32), [], []
         for a, b in chunks:
             args = (hidden[a:b], final[a:b], weights[a:b])

@@ -49,6 +49,9 @@ def lk_lambda(alpha: torch.Tensor, eta: float) -> float:
 
 
 LOSS_CHUNK_BYTES = 256 << 20  # one chunk of positions' [c, V] fp32 logits and the tensors made from them
+# a loss's [N, V] tensors up to this size are kept for the backward; past it they are recomputed
+# there, chunk by chunk (activation checkpointing): a 2K-token row's 7 TTT steps would keep 1.3 GB
+LOSS_KEEP_BYTES = 64 << 20
 
 
 def loss_chunk_rows(vocab: int, budget: int | None = None) -> int:
@@ -56,6 +59,12 @@ def loss_chunk_rows(vocab: int, budget: int | None = None) -> int:
     log-softmax, the target's p, a temporary) within `budget` (default LOSS_CHUNK_BYTES)."""
     budget = LOSS_CHUNK_BYTES if budget is None else budget
     return max(1, budget // (16 * max(1, vocab)))
+
+
+def recompute_loss(rows: int, vocab: int) -> bool:
+    """Whether a loss over `rows` positions of a `vocab`-wide distribution recomputes its [N, V]
+    tensors in the backward rather than keep them (LOSS_KEEP_BYTES)."""
+    return 16 * rows * vocab > LOSS_KEEP_BYTES
 
 
 def entropy_of(p: torch.Tensor) -> torch.Tensor:
