@@ -46,7 +46,7 @@ from .eagle import DecoderHeadBase, cache_kwarg
 from .io import shift_left, shifted_labels
 from .losses import acceptance_rate, distill_loss, entropy_of, lk_lambda, loss_chunk_rows, recompute_loss
 from .packing import causal_within, row_positions
-from .ttt_attention import StepCache, TTTMask, ttt_attention_for
+from .ttt_attention import TTTMask, ttt_attention_for
 
 
 def ttt_depth(steps: int, ramp: float, progress: float) -> int:
@@ -125,7 +125,14 @@ class Eagle3DecoderLayer(nn.Module):
             **{self._cache_kw: cache},
         )[0]
         h = residual + attn
-        return h + self.mlp(self.post_attention_layernorm(h))
+        if torch.is_grad_enabled() and self.training:
+            # the MLP's [T, I] intermediates are most of what a training step keeps per token: the
+            # backward recomputes them instead (its cost is small beside attention at length)
+            return h + checkpoint(self._mlp_block, h, use_reentrant=False)
+        return h + self._mlp_block(h)
+
+    def _mlp_block(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Head(DecoderHeadBase):
@@ -223,25 +230,17 @@ class Eagle3Head(DecoderHeadBase):
         Its logits predict token t + 2 + i.
         """
         B, T = input_ids.shape
-        cache = StepCache()
+        cache = self.new_cache()
         positions = row_positions(position_ids, B, T, fused.device)  # [B, T]
         hidden = fused
-
-        def step(hidden, tokens, i):
-            cache.step = i  # a recompute in the backward writes step i's K/V again, in its own slot
+        for i in range(steps):
+            tokens = shift_left(input_ids, 1 + i)  # x_{t+1+i} at column t
             # the rule of `ttt_attention_mask`, computed chunk by chunk (heads/ttt_attention.py);
             # the window is measured from the step-0 keys' own positions, and the unroll keys
             # count as the query's own position (a chain never spans the window)
             mask = TTTMask(i, positions, packed=position_ids is not None, window=self.config.sliding_window)
             with ttt_attention_for(self._layer_cfg):
-                return self._hidden(hidden, tokens, positions + i, cache, mask)
-
-        for i in range(steps):
-            tokens = shift_left(input_ids, 1 + i)  # x_{t+1+i} at column t
-            if torch.is_grad_enabled():  # the backward keeps each step's inputs, not its activations
-                out = checkpoint(step, hidden, tokens, i, use_reentrant=False)
-            else:
-                out = step(hidden, tokens, i)
+                out = self._hidden(hidden, tokens, positions + i, cache, mask)
             yield out
             hidden = self.feedback(out)
 

@@ -112,31 +112,6 @@ def ttt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     return out.transpose(1, 2), None
 
 
-class StepCache:
-    """The draft layer's K/V cache over an unroll, one slot per step, for activation checkpointing
-    of each step (heads/eagle3.py ttt_unroll): a step's forward runs again in the backward, and
-    its K/V write must then land in its own slot again (identical values), not append a step.
-    `step` is set before each step's forward. Only what the draft layer's attention calls is here."""
-
-    def __init__(self) -> None:
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.step = 0
-
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int = 0, *args, **kwargs):
-        """Store step `step`'s key/value [B, hkv, T, D]; return those of steps 0..step, concatenated
-        along the sequence ([B, hkv, (step + 1) T, D]: the block layout TTTMask describes)."""
-        if self.step == len(self.keys):
-            self.keys.append(key)
-            self.values.append(value)
-        else:
-            self.keys[self.step], self.values[self.step] = key, value
-        return torch.cat(self.keys[: self.step + 1], dim=2), torch.cat(self.values[: self.step + 1], dim=2)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return sum(k.shape[2] for k in self.keys[: self.step])
-
-
 def _register() -> None:
     from transformers import AttentionInterface
 

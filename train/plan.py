@@ -11,11 +11,12 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
     gathered    FSDP only: the largest unsharded unit during its forward (one target decoder layer,
                 or the whole head, whichever is larger), the transient all-gather buffer
     activations what the backward keeps for one micro-batch (batch_size x max_length tokens),
-                an estimate, not a measurement:
-                  EAGLE (per token, per training-time-test step): one decoder layer, 34 H bytes
-                  in bf16 (the usual count for a layer with fused attention), plus the draft
-                  logits and their log-softmax in fp32 (8 V_draft bytes); plus the fused features
-                  (6 H bytes, once);
+                plus the chunks it works in:
+                  EAGLE (per token, per training-time-test step): the draft layer's saved tensors
+                  with its MLP recomputed (heads/eagle3.py), 88 H bytes in fp32, fitted to the
+                  SmolLM2 runs of docs/scaling.md "Long conversations"; plus the fused features
+                  (6 H bytes, once). The loss and the attention run in chunks whose tensors are
+                  not kept (heads/losses.py, heads/ttt_attention.py): one of each at a time;
                   Medusa (per token, per head): a residual block (4 H bytes) and the logits (8 V).
 """
 from __future__ import annotations
@@ -86,14 +87,20 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     )
 
 
+EAGLE_STEP_BYTES_PER_H = 88  # per token and TTT step, in units of H (module docstring)
+
+
 def activation_bytes(shapes: RunShapes) -> int:
     """The estimate in the module docstring, for one micro-batch."""
+    from ..heads.losses import LOSS_CHUNK_BYTES
+    from ..heads.ttt_attention import CHUNK_BYTES
+
     h, v = shapes.hidden, shapes.draft_vocab
     if shapes.kind.startswith("medusa"):
-        per_token = shapes.steps * (4 * h + 8 * v)
-    else:
-        per_token = shapes.steps * (34 * h + 8 * v) + 6 * h
-    return shapes.tokens * per_token
+        return shapes.tokens * shapes.steps * (4 * h + 8 * v)
+    per_token = shapes.steps * EAGLE_STEP_BYTES_PER_H * h + 6 * h
+    # one loss chunk, and one attention chunk's scores with their softmax and mask
+    return shapes.tokens * per_token + LOSS_CHUNK_BYTES + 3 * CHUNK_BYTES
 
 
 def memory_per_rank(shapes: RunShapes, strategy: str, ranks: int) -> dict[str, int]:

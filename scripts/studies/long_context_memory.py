@@ -22,6 +22,7 @@ def one(kind: str, T: int, threads: int) -> dict:
     from drafthead.heads.batch import FeatureBatch
     from drafthead.inference.engine.targets import load_target
     from drafthead.train.features import target_features
+    from drafthead.train.plan import RunShapes, activation_bytes
 
     torch.set_num_threads(threads)
     loaded = load_target("smollm2-135m", dtype="bfloat16", threads=threads)
@@ -43,7 +44,15 @@ def one(kind: str, T: int, threads: int) -> dict:
     loss.backward()
     optimizer.step()
     seconds = time.perf_counter() - start
-    return {"kind": kind, "tokens": T, "peak_rss_mb": rss_mb(), "rss_before_step_mb": before,
+    peak = rss_mb()
+    # `train --plan`'s model of the same step: activations, plus the gradients and AdamW's two
+    # moments that appear during it (the parameters were there before)
+    shapes = RunShapes(target_bytes=0, largest_layer_bytes=0, layers_bytes=0, head_trainable=sum(p.numel() for p in params),
+                       head_frozen_bytes=0, hidden=config.hidden_size, draft_vocab=getattr(config, "draft_vocab_size", config.vocab_size),
+                       steps=getattr(config, "ttt_steps", 1), kind=kind, tokens=T)
+    planned = (activation_bytes(shapes) + 12 * shapes.head_trainable) / 2**20
+    return {"kind": kind, "tokens": T, "peak_rss_mb": peak, "rss_before_step_mb": before, "step_mb": peak - before,
+            "planned_step_mb": planned, "planned_over_measured": planned / (peak - before),
             "seconds": seconds, "tokens_per_s": T / seconds, "loss": float(loss)}
 
 
