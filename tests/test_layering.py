@@ -16,7 +16,8 @@ SOURCE = {"heads": ROOT / "heads", "inference": ROOT / "inference", "train": ROO
 # inference's rooms and the rooms each may import: the CPU kernels know no engine; the engine knows
 # no drafter, backend or benchmark (it meets drafters through engine/drafter.py's interface)
 ROOMS = {"kernels": {"kernels"}, "engine": {"engine", "kernels"}, "drafters": {"drafters", "engine", "kernels"},
-         "llamacpp": {"llamacpp", "engine", "kernels"}, "bench": {"bench", "engine", "kernels"}}
+         "llamacpp": {"llamacpp", "engine", "kernels"}, "bench": {"bench", "engine", "kernels"},
+         "vllm": {"vllm", "bench", "engine", "kernels"}}
 
 
 def imported_names(path: Path, package: str) -> set[tuple[str, int]]:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -80,9 +81,14 @@ def add_parser(subparsers) -> None:
     add_overwrite_option(q)
     q.add_argument("--batch-size", type=_positive_int, default=None, help="default: the config's batch_size")
     add_device_option(q)  # the target's dtype and threads come from the config
-    q.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
+    q.add_argument("--backend", choices=("torch", "llama.cpp", "vllm"), default="torch",
                    help="the target's forward: torch, or llama.cpp's through libllama on a GGUF of the target "
-                        "(`make llamacpp`; the layer inputs it returns are the hidden states; docs/llamacpp-backend.md)")
+                        "(`make llamacpp`; the layer inputs it returns are the hidden states; docs/llamacpp-backend.md), "
+                        "or vLLM's CPU build through its extract_hidden_states method, in a child process of "
+                        "vLLM's venv (docs/models-and-data.md \"Capturing through vLLM\")")
+    q.add_argument("--vllm-venv", default=None, metavar="DIR",
+                   help="with --backend vllm: vLLM's venv (default: $DRAFTHEAD_VLLM_VENV, else .venv-interop/vllm "
+                        "in the checkout, as scripts/interop/setup_vllm.sh makes it)")
 
     q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
@@ -278,16 +284,39 @@ def _capture(args) -> int:
         loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share),
                              threads=config.threads)
         engine = llamacpp_target(loaded, None, config.threads) if args.backend == "llama.cpp" else None
-        bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
-        try:
-            index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
-                                        batch_size=args.batch_size, progress=bar.update,
-                                        say=_main_note(share), share=share, engine=engine)
-        finally:
-            bar.close()
+        with _vllm_engine(args, loaded, config) as vllm:
+            bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
+            try:
+                index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
+                                            batch_size=args.batch_size, progress=bar.update,
+                                            say=_main_note(share), share=share, engine=engine or vllm)
+            finally:
+                bar.close()
     if share.is_main:
         print(f"captured features: {index}; train with features.mode=captured features.path={out}")
     return 0
+
+
+@contextlib.contextmanager
+def _vllm_engine(args, loaded, config):
+    """--backend vllm: a VllmTarget for the capture, its child ended after it, and its work folder
+    (spec, vLLM's log and files) removed unless the capture failed; None for the other backends."""
+    if args.backend != "vllm":
+        yield None
+        return
+    import shutil
+
+    from ..inference.vllm.capture import VllmTarget
+    from . import torch_threads
+
+    if next(loaded.model.parameters()).device.type != "cpu":
+        raise ValueError("--backend vllm runs vLLM's CPU build: drop --device")
+    dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
+    with VllmTarget(loaded.path, loaded.model, dtype=dtype, max_length=config.data.max_length, venv=args.vllm_venv,
+                    threads=config.threads or torch_threads()) as engine:
+        note(f"vLLM backend: the target through vLLM's extract_hidden_states, {dtype}; its log: {engine.log}")
+        yield engine
+    shutil.rmtree(engine.work, ignore_errors=True)
 
 
 def _tiny(args) -> int:

@@ -19,20 +19,25 @@ VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-interop" / "vllm" / "
 VLLM_ROW = "vLLM CPU plain"
 
 
+def child_env(python: Path, threads: int) -> dict[str, str]:
+    """The environment of a child run by `python`, the Python of a vLLM venv."""
+    env = {**os.environ, **vllm_child.CHILD_ENV, "OMP_NUM_THREADS": str(threads)}
+    lib = python.parents[1] / "lib" / "libiomp5.so"  # Intel OpenMP, which vLLM's CPU build wants preloaded
+    if lib.exists():
+        env["LD_PRELOAD"] = str(lib)
+    return env
+
+
 def run_vllm(target: Path, prompts: list[list[int]], eos: list[int], max_new_tokens: int, dtype: str, threads: int,
              work: Path) -> list[dict]:
     """One row per prompt ({tokens, seconds, token_ids}) from the child in vLLM's venv."""
     spec = work / "vllm_spec.json"
     spec.write_text(json.dumps({"target": str(target), "dtype": dtype, "max_new_tokens": max_new_tokens,
                                 "prompts": prompts, "eos": eos}))
-    env = {**os.environ, **vllm_child.CHILD_ENV, "OMP_NUM_THREADS": str(threads)}
-    lib = VLLM_PYTHON.parents[1] / "lib" / "libiomp5.so"  # Intel OpenMP, which vLLM's CPU build wants preloaded
-    if lib.exists():
-        env["LD_PRELOAD"] = str(lib)
     log = work / "vllm.log"
     with open(log, "w") as f:
-        rc = subprocess.run([str(VLLM_PYTHON), vllm_child.__file__, str(spec)], env=env, stdout=f,
-                            stderr=subprocess.STDOUT, timeout=3600).returncode
+        rc = subprocess.run([str(VLLM_PYTHON), vllm_child.__file__, str(spec)], env=child_env(VLLM_PYTHON, threads),
+                            stdout=f, stderr=subprocess.STDOUT, timeout=3600).returncode
     if rc:
         raise RuntimeError(f"vLLM child failed (rc {rc}), see {log}")
     return json.loads(spec.with_suffix(".out.json").read_text())
