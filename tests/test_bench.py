@@ -185,6 +185,36 @@ def test_aggregates_agree_with_the_records(greedy_report):
     assert 0.0 <= r["repetition"]["plain"] <= 1.0 and r["repetition"]["plain"] == r["repetition"]["speculative"]
 
 
+def test_shared_text_timing(greedy_report):
+    """Each side's seconds to its last token shared with the other (all of them here: fp32 output
+    is identical) are within its wall time, and the shared speedup sums them."""
+    for r in greedy_report["prompts"]:
+        assert r["shared_tokens"] == r["new_tokens"] == r["plain_new_tokens"]
+        assert 0 < r["seconds_shared"] <= r["seconds"] and 0 < r["plain_seconds_shared"] <= r["plain_seconds"]
+    expected = sum(r["plain_seconds_shared"] for r in greedy_report["prompts"]) / sum(r["seconds_shared"] for r in greedy_report["prompts"])
+    assert greedy_report["shared_speedup"] == pytest.approx(expected)
+
+
+def test_token_clock_and_the_difference_warning_by_hand(greedy_report):
+    import copy
+
+    import torch
+
+    from drafthead.inference.bench.run import TokenClock
+
+    clock = TokenClock()
+    clock.start = 10.0
+    clock.put(torch.zeros(1, 7))  # the prompt
+    clock.arrivals = [(1, 10.5), (4, 11.0), (5, 12.0)]  # rounds of 1, 3 and 1 tokens
+    assert [clock.seconds_to(k) for k in (0, 1, 2, 4, 5, 9)] == [0.0, 0.5, 1.0, 1.0, 2.0, 2.0]
+    assert not format_table(greedy_report).startswith("outputs differ")  # identical: no warning
+    differing = copy.deepcopy(greedy_report)
+    differing["identical_fraction"], differing["shared_speedup"] = 0.5, 1.25
+    table, md = format_table(differing), render_markdown(differing)
+    assert table.startswith("outputs differ from plain generate() on 50% of prompts") and "1.25x" in table.splitlines()[0]
+    assert md.startswith("**outputs differ")
+
+
 def test_rendering(greedy_report, tmp_path):
     table = format_table(greedy_report, profile=True)
     assert "plain generate()" in table and "HF prompt lookup" in table and "drafthead: prompt-lookup" in table

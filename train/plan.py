@@ -13,10 +13,11 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
     activations what the backward keeps for one micro-batch (batch_size x max_length tokens),
                 plus the chunks it works in:
                   EAGLE (per token, per training-time-test step): the draft layer's saved tensors
-                  with its MLP recomputed (heads/eagle3.py), 88 H bytes in fp32, fitted to the
-                  SmolLM2 runs of docs/scaling.md "Long conversations"; plus the fused features
-                  (6 H bytes, once). The loss and the attention run in chunks whose tensors are
-                  not kept (heads/losses.py, heads/ttt_attention.py): one of each at a time;
+                  with its MLP recomputed (heads/eagle3.py) and the gradients that pass through
+                  the backward, 95 H bytes in fp32, fitted to the SmolLM2 runs of docs/scaling.md
+                  "Long conversations"; plus the fused features (6 H bytes, once). The loss and
+                  the attention run in chunks whose tensors are not kept (heads/losses.py,
+                  heads/ttt_attention.py): one chunk at a time, the larger budget of the two;
                   Medusa (per token, per head): a residual block (4 H bytes) and the logits (8 V).
 """
 from __future__ import annotations
@@ -87,7 +88,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     )
 
 
-EAGLE_STEP_BYTES_PER_H = 88  # per token and TTT step, in units of H (module docstring)
+EAGLE_STEP_BYTES_PER_H = 95  # per token and TTT step, in units of H (module docstring)
 
 
 def activation_bytes(shapes: RunShapes) -> int:
@@ -99,8 +100,8 @@ def activation_bytes(shapes: RunShapes) -> int:
     if shapes.kind.startswith("medusa"):
         return shapes.tokens * shapes.steps * (4 * h + 8 * v)
     per_token = shapes.steps * EAGLE_STEP_BYTES_PER_H * h + 6 * h
-    # one loss chunk, and one attention chunk's scores with their softmax and mask
-    return shapes.tokens * per_token + LOSS_CHUNK_BYTES + 3 * CHUNK_BYTES
+    # one chunk at a time: the loss's, or an attention chunk's scores with their softmax and mask
+    return shapes.tokens * per_token + max(LOSS_CHUNK_BYTES, 3 * CHUNK_BYTES)
 
 
 def memory_per_rank(shapes: RunShapes, strategy: str, ranks: int) -> dict[str, int]:

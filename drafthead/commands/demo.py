@@ -64,15 +64,14 @@ def run(args) -> int:
     plain = plain_label(report["settings"])
     print("prompt:\n" + textwrap.indent(textwrap.fill(DEMO_PROMPT, 96), "  "))
     if not record["identical"]:  # first: a speedup over two different texts says nothing
-        common = record["first_difference"]
-        print(f"\noutputs identical to {plain}: no, first difference at token {common}"
+        print(f"\noutputs identical to {plain}: no, first difference at token {record['first_difference']}"
               + (" (in bfloat16 a multi-token forward can flip near-ties: --row-invariant keeps them equal)"
                  if args.dtype != "float32" and not args.row_invariant else ""))
-        if common:  # both sides again, over the text they share
-            settings.max_new_tokens = common
-            report = run_bench(model, loaded.tokenizer, factory, [Prompt(DEMO_PROMPT, "coding", "demo")], settings)
-            record = report["prompts"][0]
-            print(f"timed again over the {common} tokens both sides share")
+        shared = record["shared_tokens"]
+        if shared:
+            print(f"over the {shared} tokens both sides share: plain {shared / record['plain_seconds_shared']:.1f} tokens/s, "
+                  f"speculative {shared / record['seconds_shared']:.1f} tokens/s, speedup {report['shared_speedup']:.2f}x; "
+                  "the figures below compare two different texts")
     print("\nanswer (speculative):\n" + textwrap.indent(record["output"].strip(), "  "))
     print()
     print(f"{plain + ':':26s} {report['baseline_tokens_per_s']:6.1f} tokens/s  ({record['plain_new_tokens']} tokens)")

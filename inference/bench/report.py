@@ -99,15 +99,28 @@ def _summary_lines(report: dict) -> list[str]:
     return lines
 
 
+def difference_warning(report: dict) -> str | None:
+    """First of a summary when outputs differ: `speedup` then compares two different texts, so
+    the speedup over the text both sides share (run.py shared_speedup) comes with it."""
+    identical = report.get("identical_fraction", 1.0)
+    if identical >= 1.0 or "shared_speedup" not in report:
+        return None
+    return (f"outputs differ from {plain_label(report.get('settings', {}))} on {100 * (1 - identical):.0f}% of prompts: "
+            f"the speedup below compares different texts; over the text both sides share it is "
+            f"{report['shared_speedup']:.2f}x")
+
+
 def format_table(report: dict, profile: bool = False) -> str:
-    """The terminal summary: a method table, then repetition, memory, acceptance (and profile)."""
+    """The terminal summary: a method table, then repetition, memory, acceptance (and profile);
+    first, where outputs differ, the warning that says so."""
     rows = [HEADER] + [_cells(r) for r in method_rows(report)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
 
     def line(row):
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
 
-    out = [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
+    warning = difference_warning(report)
+    out = ([warning, ""] if warning else []) + [line(rows[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in rows[1:]]
     out += [""] + _summary_lines(report)
     cats = report.get("per_category_tau", {})
     if len(cats) > 1:
@@ -130,7 +143,9 @@ def _profile_text(report: dict) -> str:
 
 def render_markdown(report: dict) -> str:
     """The same summary as a Markdown table plus notes (for READMEs and PR descriptions)."""
-    out = ["| " + " | ".join(HEADER) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(HEADER) - 1)) + " |"]
+    warning = difference_warning(report)
+    out = ([f"**{warning}**", ""] if warning else [])
+    out += ["| " + " | ".join(HEADER) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(HEADER) - 1)) + " |"]
     out += ["| " + " | ".join(_cells(r)) + " |" for r in method_rows(report)]
     out += [""] + [f"- {line}" for line in _summary_lines(report)]
     cats = report.get("per_category_tau", {})

@@ -10,6 +10,11 @@ Definitions (one home; report.py only renders them):
     tokens_per_s            total new tokens / total wall seconds of the calls (each side)
     speedup                 tokens_per_s / baseline_tokens_per_s
     identical_fraction      share of prompts whose speculative tokens equal the plain tokens
+    shared_speedup          the speedup over the text both sides emitted, the common prefix of each
+                            prompt's two outputs (all of it where they are identical): plain's
+                            seconds to its last shared token / ours (TokenClock), summed over
+                            prompts. When outputs differ, `speedup` compares two different texts
+                            (one may have run into easy repetition) and this one does not
     per_position_acceptance [d-1] = share of rounds whose accepted draft length is >= d
     tau_by_context          tau of the rounds whose context (prompt + tokens emitted before the round)
                             falls in each CONTEXT_BUCKETS bucket
@@ -239,7 +244,34 @@ def hf_generation_config(sampling: SamplingConfig, max_new_tokens: int, eos_toke
     return HFGenerationConfig(**kwargs)
 
 
-def _hf_generate(model, input_ids, config, seed: int | None, memory: PeakMemory):
+class TokenClock:
+    """A transformers-style streamer that notes when each new token arrived: the first `put` is
+    the prompt, each later one new tokens (one by one from generate(), a round's at once from
+    ours). `seconds_to(k)`: seconds from `start` to the arrival of the k-th new token."""
+
+    def __init__(self) -> None:
+        self.start, self.arrivals, self.prompt_seen = 0.0, [], False  # arrivals: (tokens so far, time)
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        count = (self.arrivals[-1][0] if self.arrivals else 0) + int(value.numel())
+        self.arrivals.append((count, time.perf_counter()))
+
+    def end(self) -> None:
+        pass
+
+    def seconds_to(self, k: int) -> float:
+        if k <= 0:
+            return 0.0
+        for count, at in self.arrivals:
+            if count >= k:
+                return at - self.start
+        return self.arrivals[-1][1] - self.start if self.arrivals else 0.0
+
+
+def _hf_generate(model, input_ids, config, seed: int | None, memory: PeakMemory, clock: TokenClock | None = None):
     """Run model.generate; returns (new tokens list, wall seconds)."""
     if seed is not None:
         torch.manual_seed(seed)
@@ -247,8 +279,10 @@ def _hf_generate(model, input_ids, config, seed: int | None, memory: PeakMemory)
     sync_device(input_ids.device)
     with memory:
         start = time.perf_counter()
+        if clock is not None:
+            clock.start = start
         with torch.inference_mode():
-            out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config)
+            out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config, streamer=clock)
         sync_device(input_ids.device)
         seconds = time.perf_counter() - start
     return out[0, input_ids.shape[1] :].tolist(), seconds
@@ -276,11 +310,13 @@ def divergence_detail(target, tokenizer, prompt_ids, plain_tokens, spec_tokens, 
     )
 
 
-def _spec_generate(model, drafter, input_ids, config, tokenizer, memory: PeakMemory):
+def _spec_generate(model, drafter, input_ids, config, tokenizer, memory: PeakMemory, clock: TokenClock | None = None):
     sync_device(input_ids.device)
     with memory:
         start = time.perf_counter()
-        result = speculative_generate(model, drafter, input_ids, config, tokenizer=tokenizer)
+        if clock is not None:
+            clock.start = start
+        result = speculative_generate(model, drafter, input_ids, config, tokenizer=tokenizer, streamer=clock)
         sync_device(input_ids.device)
         seconds = time.perf_counter() - start
     return result, seconds
@@ -375,16 +411,20 @@ def _bench_prompt(target, tokenizer, drafter_factory, ids: torch.Tensor, n: int,
     config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed,
                               profile=settings.profile, policy=settings.policy, **settings.engine)
     verifier = settings.verifier
+    plain_clock, spec_clock = TokenClock(), TokenClock()
     if verifier is None and not settings.engine.get("row_invariant"):
-        plain_tokens, plain_s = _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain)
+        plain_tokens, plain_s = _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain,
+                                             plain_clock)
     else:  # plain decoding through the same kernels: the reference a row-invariant or llama.cpp run matches
         plain_config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed,
                                         **settings.engine)
-        plain, plain_s = _spec_generate(verifier or target, RootOnlyDrafter(), ids, plain_config, tokenizer, mem_plain)
+        plain, plain_s = _spec_generate(verifier or target, RootOnlyDrafter(), ids, plain_config, tokenizer, mem_plain,
+                                        plain_clock)
         plain_tokens = plain.new_tokens[0].tolist()
-    result, spec_s = _spec_generate(verifier or target, drafter_factory(), ids, config, tokenizer, mem_spec)
+    result, spec_s = _spec_generate(verifier or target, drafter_factory(), ids, config, tokenizer, mem_spec, spec_clock)
     spec_tokens = result.new_tokens[0].tolist()
     diff = first_difference(spec_tokens, plain_tokens)
+    shared = len(plain_tokens) if diff is None else diff  # tokens both sides emitted alike
     record = {
         "prompt_tokens": ids.shape[1],
         "plain_new_tokens": len(plain_tokens),
@@ -397,6 +437,9 @@ def _bench_prompt(target, tokenizer, drafter_factory, ids: torch.Tensor, n: int,
         "rounds": result.num_rounds,
         "identical": diff is None,
         "first_difference": diff,
+        "shared_tokens": shared,
+        "plain_seconds_shared": plain_clock.seconds_to(shared),
+        "seconds_shared": spec_clock.seconds_to(shared),
         # (the torch target's logits: a llama.cpp verifier's own are not at hand)
         "divergence": None if diff is None or verifier is not None else divergence_detail(
             target, tokenizer, ids, plain_tokens, spec_tokens, diff),
@@ -424,6 +467,12 @@ def _bench_prompt(target, tokenizer, drafter_factory, ids: torch.Tensor, n: int,
     return record
 
 
+def shared_speedup(records: list[dict]) -> float:
+    """The speedup over the text both sides emitted (module docstring); 0.0 when none was shared."""
+    ours = sum(r["seconds_shared"] for r in records)
+    return sum(r["plain_seconds_shared"] for r in records) / ours if ours else 0.0
+
+
 def summarize(records: list[dict], settings: BenchSettings) -> dict:
     """Aggregate per-prompt records (with their `_tokens`) into the report's headline numbers."""
     accepted = [a for r in records for a in r["accepted_lengths"]]
@@ -449,6 +498,7 @@ def summarize(records: list[dict], settings: BenchSettings) -> dict:
         "baseline_tokens_per_s": baseline,
         "speedup": ours / baseline if baseline else 0.0,
         "identical_fraction": sum(r["identical"] for r in records) / len(records) if records else 0.0,
+        "shared_speedup": shared_speedup(records),
         "per_position_acceptance": per_position_acceptance(accepted),
         "acceptance_length_histogram": acceptance_histogram(accepted),
         "per_category_tau": {c: tau_of(a) for c, a in sorted(by_category.items())},
