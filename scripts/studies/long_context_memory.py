@@ -52,7 +52,7 @@ def one(kind: str, T: int, threads: int) -> dict:
                        steps=getattr(config, "ttt_steps", 1), kind=kind, tokens=T)
     planned = (activation_bytes(shapes) + 12 * shapes.head_trainable) / 2**20
     return {"kind": kind, "tokens": T, "peak_rss_mb": peak, "rss_before_step_mb": before, "step_mb": peak - before,
-            "planned_step_mb": planned, "planned_over_measured": planned / (peak - before),
+            "planned_step_mb": planned, "planned_over_measured": planned / (peak - before) if peak > before else None,
             "seconds": seconds, "tokens_per_s": T / seconds, "loss": float(loss)}
 
 
