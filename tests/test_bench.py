@@ -213,6 +213,10 @@ def test_token_clock_and_the_difference_warning_by_hand(greedy_report):
     table, md = format_table(differing), render_markdown(differing)
     assert table.startswith("outputs differ from plain generate() on 50% of prompts") and "1.25x" in table.splitlines()[0]
     assert md.startswith("**outputs differ")
+    on_llamacpp = copy.deepcopy(greedy_report)
+    on_llamacpp["settings"]["backend"] = "llama.cpp"
+    assert "llama.cpp's forward rounds a token differently alone" in format_table(on_llamacpp)
+    assert "llama.cpp's forward" not in format_table(greedy_report)
 
 
 def test_rendering(greedy_report, tmp_path):

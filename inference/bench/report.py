@@ -88,6 +88,10 @@ def _summary_lines(report: dict) -> list[str]:
         if ex and "gap" in ex:
             lines.append(f"  e.g. at token {ex['position']} after {ex['context'][-40:]!r}: plain {ex['plain_token']!r} "
                          f"({ex['plain_logit']:.3f}) vs speculative {ex['speculative_token']!r} ({ex['speculative_logit']:.3f})")
+    if s.get("backend") == "llama.cpp":
+        lines.append("llama.cpp's forward rounds a token differently alone and among a tree's nodes (measured: "
+                     "docs/llamacpp-backend.md \"Exactness\"): outputs may part from plain at near-ties, in bf16 "
+                     "far more often than in f32")
     ceiling = report.get("ceiling")
     if ceiling:
         lines.append(f"against the ceiling: a verify forward costs {ceiling['verify_in_plain_steps']:.2f} plain steps, "
