@@ -132,3 +132,16 @@ def test_what_the_backward_keeps_grows_linearly(monkeypatch):
 
     small, large = saved_bytes(256), saved_bytes(1024)
     assert large < 4.4 * small, (small, large)
+
+
+def test_training_sets_a_fixed_mmap_threshold_where_the_c_library_has_one():
+    """train/allocator.py: glibc takes the setting (its heap would fragment under long rows);
+    elsewhere the call says it did nothing rather than fail."""
+    import platform
+    import sys
+
+    from drafthead.train.allocator import LONG_ROW_TOKENS, map_large_blocks, map_large_blocks_for
+
+    glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
+    assert map_large_blocks_for(LONG_ROW_TOKENS - 1) is False  # short rows keep glibc's defaults
+    assert map_large_blocks() is glibc and map_large_blocks_for(LONG_ROW_TOKENS) is glibc

@@ -14,8 +14,10 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
                 plus the chunks it works in:
                   EAGLE (per token, per training-time-test step): the draft layer's saved tensors
                   with its MLP recomputed (heads/eagle3.py) and the gradients that pass through
-                  the backward, 95 H bytes in fp32, fitted to the SmolLM2 runs of docs/scaling.md
-                  "Long conversations"; plus the fused features (6 H bytes, once). The loss and
+                  the backward, 55 H bytes in fp32, fitted to the SmolLM2 runs of docs/scaling.md
+                  "Long conversations" (what the backward keeps, measured with saved-tensor hooks,
+                  is 51 H; the 16K run's step, its heap unfragmented, 55 H); plus the fused
+                  features (6 H bytes, once). The loss and
                   the attention run in chunks whose tensors are not kept (heads/losses.py,
                   heads/ttt_attention.py): one chunk at a time, the larger budget of the two;
                   Medusa (per token, per head): a residual block (4 H bytes) and the logits (8 V).
@@ -88,7 +90,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     )
 
 
-EAGLE_STEP_BYTES_PER_H = 95  # per token and TTT step, in units of H (module docstring)
+EAGLE_STEP_BYTES_PER_H = 55  # per token and TTT step, in units of H (module docstring)
 
 
 def activation_bytes(shapes: RunShapes) -> int:

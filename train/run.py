@@ -300,7 +300,9 @@ def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool =
     YAML), and that it can be written."""
     from ..heads.outdir import check_replaceable, output_lock, probe_writable, reported_as
     from ..inference.engine.targets import load_target
+    from .allocator import map_large_blocks_for
 
+    map_large_blocks_for(config.data.max_length)  # long rows would fragment the C heap (train/allocator.py)
     out = Path(config.output_dir)
     accelerator = make_accelerator(config)
     with output_lock(out, enabled=accelerator.is_main_process):

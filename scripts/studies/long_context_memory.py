@@ -22,8 +22,10 @@ def one(kind: str, T: int, threads: int) -> dict:
     from drafthead.heads.batch import FeatureBatch
     from drafthead.inference.engine.targets import load_target
     from drafthead.train.features import target_features
+    from drafthead.train.allocator import map_large_blocks_for
     from drafthead.train.plan import RunShapes, activation_bytes
 
+    map_large_blocks_for(T)  # as `drafthead train` does (train/allocator.py)
     torch.set_num_threads(threads)
     loaded = load_target("smollm2-135m", dtype="bfloat16", threads=threads)
     target = loaded.model.requires_grad_(False)
