@@ -249,14 +249,11 @@ class Eagle3Head(DecoderHeadBase):
         the draft vocab and renormalised (softmax of the restricted logits): the soft targets."""
         cfg = self.config
         batch.require(set(cfg.feature_layers) | {cfg.final_layer}, cfg.kind)
-        with torch.no_grad():
-            w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
-            hL = batch.hidden_states[cfg.final_layer]
-            return torch.softmax(nn.functional.linear(hL.to(w.device, w.dtype), w).float(), dim=-1).to(hL.device)
+        return self._target_rows(batch.hidden_states[cfg.final_layer])
 
     def _target_rows(self, final: torch.Tensor) -> torch.Tensor:
-        """The target's distribution [N, Vd] (restricted to the draft vocab, renormalised) for the
-        token after each of N positions, from their final normed states `final` [N, H]."""
+        """The target's distribution [.., Vd] (restricted to the draft vocab, renormalised) for the
+        token after each position, from their final normed states `final` [.., H]."""
         with torch.no_grad():
             w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
             return torch.softmax(nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1).to(final.device)

@@ -89,6 +89,6 @@ def distill_loss(logits: torch.Tensor, p: torch.Tensor, loss: str = "ce", lk_eta
         return -torch.log(alpha.clamp_min(_LOG_FLOOR)), alpha.detach()
     if loss == "lk_lambda":
         lam = lk_lambda(alpha, lk_eta) if lam is None else lam
-        kl = ce - torch.special.entr(p).sum(-1)  # KL(p || q) = CE - H(p); entr(x) = -x log x, 0 at x = 0
+        kl = ce - entropy_of(p)  # KL(p || q) = CE - H(p)
         return lam * kl + (1.0 - lam) * (1.0 - alpha), alpha.detach()
     raise ValueError(f"unknown loss {loss!r} (known: {', '.join(LOSSES)})")

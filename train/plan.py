@@ -17,9 +17,9 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
                   the backward, 55 H bytes in fp32, fitted to the SmolLM2 runs of docs/scaling.md
                   "Long conversations" (what the backward keeps, measured with saved-tensor hooks,
                   is 51 H; the 16K run's step, its heap unfragmented, 55 H); plus the fused
-                  features (6 H bytes, once). The loss and
-                  the attention run in chunks whose tensors are not kept (heads/losses.py,
-                  heads/ttt_attention.py): one chunk at a time, the larger budget of the two;
+                  features (6 H bytes, once). The loss and the attention run in chunks whose
+                  tensors are not kept (heads/losses.py, heads/ttt_attention.py): one chunk at a
+                  time, the larger budget of the two;
                   Medusa (per token, per head): a residual block (4 H bytes) and the logits (8 V).
 """
 from __future__ import annotations

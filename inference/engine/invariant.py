@@ -17,8 +17,9 @@ depends on the row count. Two places do in the target's decode forward:
 The rest is per-row already (norms reduce over a row's own hidden size; RoPE, activations and
 residuals are elementwise), which the tests check op by op and for whole forwards.
 
-The prompt's prefill is shared by plain and speculative decoding alike, so it keeps the fast
-kernels; only verify forwards run this way (TorchTarget.verify).
+The prompt's prefill is shared by plain and speculative decoding alike, so it keeps the fused
+attention; only verify forwards swap it (TorchTarget.verify). The linears are swapped for the
+whole generation (TorchTarget.engine_context), the prefill's included.
 """
 from __future__ import annotations
 
