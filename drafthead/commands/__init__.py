@@ -47,6 +47,16 @@ def _positive_int_or_auto(value: str) -> int | str:
     return "auto" if value == "auto" else _positive_int(value)
 
 
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got '{value}'") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
+    return x
+
+
 # ---------------------------------------------------------------------------------------------
 # Shared options
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import json
 import os
 from pathlib import Path
 
-from . import (_non_negative_int, _positive_int, llamacpp_target, add_device_option, add_overwrite_option, add_target_options, load_target_from_args, note, policy_from_args,
+from . import (_non_negative_int, _positive_float, _positive_int, llamacpp_target, add_device_option, add_overwrite_option, add_target_options, load_target_from_args, note, policy_from_args,
                resolve_device)
 
 
@@ -89,6 +89,9 @@ def add_parser(subparsers) -> None:
     q.add_argument("--vllm-venv", default=None, metavar="DIR",
                    help="with --backend vllm: vLLM's venv (default: $DRAFTHEAD_VLLM_VENV, else .venv-interop/vllm "
                         "in the checkout, as scripts/interop/setup_vllm.sh makes it)")
+    q.add_argument("--vllm-kv-cache-gib", type=_positive_float, default=1.0, metavar="GIB",
+                   help="with --backend vllm: memory for vLLM's KV cache, which also holds the captured states "
+                        "until they are written (default 1: ~19k SmolLM2 fp32 tokens in flight)")
 
     q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
@@ -313,7 +316,8 @@ def _vllm_engine(args, loaded, config):
         raise ValueError("--backend vllm runs vLLM's CPU build: drop --device")
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     with VllmTarget(loaded.path, loaded.model, dtype=dtype, max_length=config.data.max_length, venv=args.vllm_venv,
-                    threads=config.threads or torch_threads()) as engine:
+                    threads=config.threads or torch_threads(),
+                    kv_cache_bytes=int(args.vllm_kv_cache_gib * (1 << 30))) as engine:
         note(f"vLLM backend: the target through vLLM's extract_hidden_states, {dtype}; its log: {engine.log}")
         yield engine
     shutil.rmtree(engine.work, ignore_errors=True)

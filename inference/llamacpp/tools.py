@@ -8,16 +8,13 @@ tool's own prompt + decode timers (model load excluded), so prefill counts as ou
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
 from . import lib as _lib
+from ..servers.local import local_server
 from .convert import ConversionError, converter
 
 
@@ -124,46 +121,14 @@ def compare_rows(target_folder: Path, gguf_type: str, texts: list[str], n: int, 
     return rows
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
 def llama_server(gguf: Path, *, threads: int, context: int = 4096, slots: int = 1, log: Path | None = None,
                  ready_within: float = 120.0):
     """llama-server on 127.0.0.1 serving `gguf`, up (its /health answers 200) inside the block, which
     gets its URL; stopped on the way out. --jinja: the GGUF's own chat template, rendered as the
     tokenizer's is; `slots` requests are answered at once, each with context // slots positions."""
-    port = free_port()
-    cmd = [tool("llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", port, "-t", threads, "-tb", threads,
-           "-c", context, "-np", slots, "--jinja", "--no-webui", "--seed", "0"]
-    out = open(log, "w") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([str(c) for c in cmd], stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_within
-        while not _healthy(url):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not come up on {url} (rc {proc.poll()}; log: {log or 'none'})")
-            time.sleep(0.2)
+    cmd = lambda port: [tool("llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", port,  # noqa: E731
+                        "-t", threads, "-tb", threads, "-c", context, "-np", slots, "--jinja", "--no-webui",
+                        "--seed", "0"]
+    with local_server(cmd, "llama-server", log=log, ready_within=ready_within) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if log:
-            out.close()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, OSError):
-        return False

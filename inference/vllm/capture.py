@@ -93,8 +93,9 @@ class VllmTarget:
     """
 
     def __init__(self, target_dir: str | Path, model, *, dtype: str, max_length: int, work: str | Path | None = None,
-                 venv: str | Path | None = None, threads: int = 1):
+                 venv: str | Path | None = None, threads: int = 1, kv_cache_bytes: int = KV_CACHE_BYTES):
         self.python = venv_python(venv)
+        self.kv_cache_bytes = kv_cache_bytes
         self.work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="drafthead-vllm-"))
         self.target_dir = Path(target_dir)
         self.dtype = dtype
@@ -115,7 +116,7 @@ class VllmTarget:
         files.mkdir(parents=True, exist_ok=True)
         spec = self.work / "vllm_capture_spec.json"
         spec.write_text(json.dumps({"target": str(self.target_dir), "dtype": self.dtype, "ids": self.ids,
-                                    "max_model_len": self.max_model_len, "kv_cache_bytes": KV_CACHE_BYTES,
+                                    "max_model_len": self.max_model_len, "kv_cache_bytes": self.kv_cache_bytes,
                                     "out": str(files)}))
         # the connector is loaded by module name inside vLLM's worker: this folder goes on its path
         env = child_env(self.python, self.threads)

@@ -33,6 +33,8 @@ one JSON line:
                     so any False is a vLLM numerics difference or a bug)
   tokens_per_s      generated tokens / wall seconds of llm.generate, plain and spec
   prompt_token_ids / plain_token_ids / spec_token_ids   per prompt, for comparing with our engine
+  spec_accepted_per_step  per prompt, the drafts vLLM accepted at each verify step, in order
+                    (its per-request "detailed" spec-decode metrics)
   resolved_draft_config   the draft hf_config as vLLM resolved it (architectures, rope_parameters,
                     norm_before_residual, aux ids, draft_vocab_size, ...)
   drafter           inspected inside vLLM's worker (LLM.collective_rpc): model class, aux layers
@@ -347,6 +349,9 @@ def engine_kwargs(args, phase: str, n_prompts: int) -> dict:
         method, kind = detect_method(args.head, args.method)
         kw["speculative_config"] = {"model": stage_head(args.head, args._phase_out), "method": method,
                                     "num_speculative_tokens": args.num_spec_tokens}
+        # each request's accepted drafts per verify step (vLLM >= 0.32), for a step-by-step
+        # comparison with our replay (scripts/studies/replay_vs_vllm.py)
+        kw["per_request_spec_decode_metrics"] = "detailed"
         if read_json(Path(args.head) / "config.json").get("speculators_model_type") == "peagle":
             # what vLLM's speculators reader derives from "peagle" when no method is passed
             # (configs/speculators/base.py): EAGLE-3's model with parallel drafting
@@ -494,13 +499,15 @@ def run_phase(args) -> dict:
             metrics[k] = v - (b or 0)
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     n_tok = sum(len(t) for t in token_ids)
+    steps = [getattr(o.outputs[0], "spec_decode_metrics", None) for o in outs]
     return {"phase": args._phase, "method": method, "load_s": round(load_s, 2),
             "gen_s": round(gen_s, 3), "generated_tokens": n_tok,
             "tokens_per_s": round(n_tok / gen_s, 2) if gen_s > 0 else None,
             "metrics": metrics, "token_ids": token_ids,
             "texts": [o.outputs[0].text for o in outs],
             "resolved_draft_config": resolved, "drafter": drafter,
-            "finish_reasons": [o.outputs[0].finish_reason for o in outs]}
+            "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+            "accepted_per_step": [None if m is None else list(m.per_step_accepted) for m in steps]}
 
 
 def child_main(args) -> int:
@@ -598,6 +605,7 @@ def summarize(args, prompts, plain, spec, load=None) -> dict:
         out["drafter"] = spec.get("drafter")
         out["spec_token_ids"] = spec["token_ids"]
         out["spec_finish_reasons"] = spec["finish_reasons"]
+        out["spec_accepted_per_step"] = spec.get("accepted_per_step")
     if plain and plain.get("ok"):
         out["plain_tokens_per_s"] = plain["tokens_per_s"]
         out["plain_load_s"] = plain["load_s"]

@@ -43,8 +43,8 @@ def main(argv=None) -> int:
     metrics = replay(head)
     later = time.perf_counter() - start
     held_out = replay.held_out(())
-    print(f"{len(held_out)} held-out prompts ({sum(n for _, n, _ in held_out)} prompt tokens, "
-          f"{sum(s.shape[1] - n for s, n, _ in held_out)} continuation tokens), {args.threads} thread(s)")
+    print(f"{len(held_out)} held-out prompts ({sum(h.prompt_len for h in held_out)} prompt tokens, "
+          f"{sum(h.end - h.prompt_len for h in held_out)} continuation tokens), {args.threads} thread(s)")
     print(f"first eval {first:.1f} s (decode + target features + replay), later evals {later:.1f} s (replay)")
     print(", ".join(f"{k}={v:.3g}" for k, v in metrics.items()))
     return 0
