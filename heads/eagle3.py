@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .batch import FeatureBatch
 from .config import Eagle3Config
+from .context_split import ContextSplit, pad_columns
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
 from .eagle import DecoderHeadBase, cache_kwarg
 from .io import shift_left, shifted_labels
@@ -140,6 +141,9 @@ class Eagle3Head(DecoderHeadBase):
         super().__init__()
         self.config = config
         self.train_progress = 1.0  # share of the training run done (the trainer sets it; ttt_depth)
+        # rows split across the ranks of a group (heads/context_split.py; the trainer sets it for
+        # context_parallel > 1): compute_loss then computes this rank's columns and its share of the loss
+        self.context_split: ContextSplit | None = None
         self._init_decoder_common(target_model)
         H, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
         n_feat = len(config.feature_layers)
@@ -220,27 +224,29 @@ class Eagle3Head(DecoderHeadBase):
         return self.norm(h) if self.config.norm_output else h
 
     def ttt_unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int,
-                   position_ids: torch.Tensor | None = None):
+                   position_ids: torch.Tensor | None = None, split: ContextSplit | None = None):
         """Yield the layer outputs [B, T, H] (pre-norm) of training-time-test steps 0..steps-1; the
         next step reads `feedback` of each.
 
         Step i at column t reads token input_ids[t + 1 + i] at position p_t + i (p_t = t, or its
         position in its conversation for packed rows, position_ids [B, T]) and the previous
         step's hidden state at column t (step 0: `fused`), attending as `ttt_attention_mask` says.
-        Its logits predict token t + 2 + i.
+        Its logits predict token t + 2 + i. With `split`, input_ids and position_ids are the whole
+        (padded) rows and `fused` holds this rank's columns only, as do the outputs.
         """
         B, T = input_ids.shape
+        lo, hi = split.bounds(T) if split is not None else (0, T)
         cache = self.new_cache()
         positions = row_positions(position_ids, B, T, fused.device)  # [B, T]
         hidden = fused
         for i in range(steps):
-            tokens = shift_left(input_ids, 1 + i)  # x_{t+1+i} at column t
+            tokens = shift_left(input_ids, 1 + i)[:, lo:hi]  # x_{t+1+i} at column t
             # the rule of `ttt_attention_mask`, computed chunk by chunk (heads/ttt_attention.py);
             # the window is measured from the step-0 keys' own positions, and the unroll keys
             # count as the query's own position (a chain never spans the window)
-            mask = TTTMask(i, positions, packed=position_ids is not None, window=self.config.sliding_window)
+            mask = TTTMask(i, positions, packed=position_ids is not None, window=self.config.sliding_window, split=split)
             with ttt_attention_for(self._layer_cfg):
-                out = self._hidden(hidden, tokens, positions + i, cache, mask)
+                out = self._hidden(hidden, tokens, positions[:, lo:hi] + i, cache, mask)
             yield out
             hidden = self.feedback(out)
 
@@ -258,18 +264,20 @@ class Eagle3Head(DecoderHeadBase):
             w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
             return torch.softmax(nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1).to(final.device)
 
-    def distill_rows(self, hidden: torch.Tensor, final: torch.Tensor, keep=None) -> tuple[torch.Tensor, float, float]:
+    def distill_rows(self, hidden: torch.Tensor, final: torch.Tensor, keep=None,
+                     count: int | None = None) -> tuple[torch.Tensor, float, float]:
         """One unroll step's loss over N positions: draft hidden states [N, H] against the target's
         distribution from `final` [N, H] (`_target_rows`), the mean of `config.loss` over the
         positions `keep(entropies [N]) -> bool [N]` keeps (None: all), with (alpha, top-1 agreement)
         over all N. Chunk by chunk (heads/losses.py loss_chunk_rows) under checkpointing when N
         positions' [N, Vd] tensors are more than the backward should keep (heads/losses.py
-        recompute_loss): what it keeps is then O(N H)."""
+        recompute_loss): what it keeps is then O(N H). count: the mean's denominator when these N
+        positions are one rank's share of a split row (default N)."""
         cfg = self.config
         n = hidden.shape[0]
         rows = loss_chunk_rows(cfg.draft_vocab_size)
         chunks = [(a, min(n, a + rows)) for a in range(0, n, rows)]
-        weights = torch.full((n,), 1.0 / max(n, 1), device=hidden.device)
+        weights = torch.full((n,), 1.0 / max(n if count is None else count, 1), device=hidden.device)
         if keep is not None:
             with torch.no_grad():
                 entropy = torch.cat([entropy_of(self._target_rows(final[a:b])) for a, b in chunks])
@@ -305,31 +313,53 @@ class Eagle3Head(DecoderHeadBase):
         metrics: loss_i and acc_i per unroll step (top-1 draft token == argmax of the target
         distribution restricted to the draft vocab, on loss-masked positions), alpha_i (the mean
         acceptance rate sum_x min(p, q) against that distribution), num_labels.
+
+        With `context_split` set, this rank computes its columns only and returns its share of the
+        loss (the group's shares add up to the loss); the metrics are the whole rows'.
         """
         cfg = self.config
-        ids = batch.input_ids
+        split = self.context_split
         batch.require(set(cfg.feature_layers) | {cfg.final_layer}, cfg.kind)
+        ids, loss_mask, attention_mask, position_ids = batch.input_ids, batch.loss_mask, batch.attention_mask, batch.position_ids
         final = batch.hidden_states[cfg.final_layer]  # [B, T, H]: the target's distributions come from it, rows at a time
-        fused = self.fuse([batch.hidden_states[i] for i in cfg.feature_layers])  # [B, T, H]
+        features = [batch.hidden_states[i] for i in cfg.feature_layers]
+        lo, hi = 0, ids.shape[1]
+        if split is not None:
+            if cfg.loss == "lk_lambda" or (self.training and cfg.entropy_ramp > 0):
+                raise NotImplementedError("context parallelism: loss lk_lambda and entropy_ramp weigh every position "
+                                          "of a row together; use another loss, or context_parallel: 1")
+            padded = split.shard(ids.shape[1]) * split.size
+            ids, loss_mask, attention_mask, final = (pad_columns(x, padded) for x in (ids, loss_mask, attention_mask, final))
+            if position_ids is not None:  # the padding continues the last conversation
+                tail = position_ids[:, -1:] + torch.arange(1, padded - position_ids.shape[1] + 1, device=ids.device)
+                position_ids = torch.cat([position_ids, tail], dim=1)
+            lo, hi = split.bounds(ids.shape[1])
+            features = [pad_columns(f, padded)[:, lo:hi] for f in features]
+        fused = self.fuse(features)  # [B, T, H] (this rank's columns when split)
         total = fused.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
         steps = ttt_depth(cfg.ttt_steps, cfg.ttt_ramp, self.train_progress) if self.training else cfg.ttt_steps
         keep = None
         if self.training and cfg.entropy_ramp > 0:
             keep = lambda entropy: entropy_curriculum(entropy, cfg.entropy_ramp, self.train_progress, cfg.entropy_start)  # noqa: E731
-        for i, hidden in enumerate(self.ttt_unroll(fused, ids, steps, batch.position_ids)):
-            _, valid = shifted_labels(ids, batch.loss_mask, batch.attention_mask, 2 + i, batch.position_ids)
-            b_idx, t_idx = valid.nonzero(as_tuple=True)
+        for i, hidden in enumerate(self.ttt_unroll(fused, ids, steps, position_ids, split)):
+            _, valid = shifted_labels(ids, loss_mask, attention_mask, 2 + i, position_ids)
+            b_idx, t_idx = valid[:, lo:hi].nonzero(as_tuple=True)
             n = b_idx.numel()
+            count = n if split is None else int(split.all_sum(torch.tensor(n)))
             if n:  # the target's distribution for token t + 2 + i is read at t + 1 + i
-                step_loss, alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, t_idx + 1 + i], keep)
-                metrics[f"alpha_{i}"] = alpha
+                step_loss, alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, lo + t_idx + 1 + i], keep, count)
             else:
-                step_loss, acc = hidden.sum() * 0.0, 0.0
+                step_loss, alpha, acc = hidden.sum() * 0.0, 0.0, 0.0
             total = total + cfg.ttt_decay**i * step_loss
-            metrics[f"loss_{i}"] = step_loss.item()
-            metrics[f"acc_{i}"] = acc
+            figures = torch.tensor([float(step_loss.detach()), alpha * n, acc * n])
+            if split is not None:  # the whole rows' figures: shares of the loss add, the rest is weighted by n
+                figures = split.all_sum(figures)
+            metrics[f"loss_{i}"] = float(figures[0])
+            metrics[f"acc_{i}"] = float(figures[2]) / max(count, 1)
+            if count:
+                metrics[f"alpha_{i}"] = float(figures[1]) / count
             if i == 0:
-                metrics["num_labels"] = float(n)
-        metrics["loss"] = total.item()
+                metrics["num_labels"] = float(count)
+        metrics["loss"] = sum(cfg.ttt_decay**i * metrics[f"loss_{i}"] for i in range(steps))
         return total, metrics

@@ -11,6 +11,10 @@ diagonal scores ([c, i]), one softmax over both, then the weighted sums. Each ch
 activation checkpointing, so what the backward keeps is the chunk's inputs (views of q, k, v), not
 its [c, T] scores: memory O(c T) at a time, O(T) kept. A sequence that fits one chunk runs without
 checkpointing (no recompute). Results equal the dense mask's within fp32 rounding (the tests).
+
+Split across ranks (`TTTMask.split`, heads/context_split.py), each rank holds a shard of the query
+columns and of every step's keys: the block-0 keys are all-gathered, the diagonal ones are each
+column's own and stay local, and the mask keeps its global column numbers.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .context_split import ContextSplit
 from .packing import segment_ids
 
 ATTENTION_NAME = "drafthead_ttt"
@@ -30,14 +35,17 @@ CHUNK_BYTES = 64 << 20  # the scores of one chunk of query rows (fp32, every hea
 class TTTMask:
     """What step `step` of the unroll may attend to (module docstring), in place of a dense mask.
 
-    positions: [B, T] the step-0 tokens' positions (0..T-1, or per conversation for packed rows);
+    positions: [B, T] the step-0 tokens' positions (0..T-1, or per conversation for packed rows),
+    of the whole row when it is split;
     packed: rows hold several conversations (keys of another one are never seen);
-    window: the draft layer's sliding window, or None."""
+    window: the draft layer's sliding window, or None;
+    split: the row's columns are split across ranks (heads/context_split.py), or None."""
 
     step: int
     positions: torch.Tensor
     packed: bool = False
     window: int | None = None
+    split: ContextSplit | None = None
 
     def block0(self, q0: int, q1: int, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask [B, 1, q1 - q0, q1] of query rows q0..q1-1 over block-0 keys 0..q1-1."""
@@ -86,7 +94,8 @@ def _chunk(q, k0, v0, kd, vd, spec: TTTMask, q0: int, scaling: float, softcap: f
 def ttt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: TTTMask,
                   dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, h, T, D], key/value [B, hkv, (i + 1) T, D]
-    (block j = unroll step j's keys) -> ([B, T, h, Dv], None)."""
+    (block j = unroll step j's keys) -> ([B, T, h, Dv], None). With a split mask T is this rank's
+    shard of columns, and block 0 is gathered from every rank."""
     if not isinstance(attention_mask, TTTMask):
         raise TypeError("ttt_attention takes a TTTMask (heads/eagle3.py ttt_unroll passes one)")
     B, heads, T, D = query.shape
@@ -96,14 +105,20 @@ def ttt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     softcap = kwargs.get("softcap")
     q = query.view(B, kv_heads, heads // kv_heads, T, D)  # query head h reads key/value head h // g
     k0, v0 = key[:, :, :T], value[:, :, :T]
+    split, offset = attention_mask.split, 0  # offset: the global column of local row 0
+    if split is not None:
+        # one collective for both: the backward then has one all-to-all per step, in the same
+        # order on every rank (two could run in either order and swap their gradients)
+        k0, v0 = split.gather(torch.stack([k0, v0]), dim=3).unbind(0)  # [B, hkv, size * T, D] each
+        offset = split.rank * T
     kd = key[:, :, T:].unflatten(2, (steps - 1, T))  # [B, hkv, i, T, D]
     vd = value[:, :, T:].unflatten(2, (steps - 1, T))
-    c = chunk_rows(B, heads, T)
+    c = chunk_rows(B, heads, k0.shape[2])
     outs = []
     for q0 in range(0, T, c):
         q1 = min(T, q0 + c)
-        args = (q[:, :, :, q0:q1], k0[:, :, :q1], v0[:, :, :q1], kd[:, :, :, q0:q1], vd[:, :, :, q0:q1],
-                attention_mask, q0, scaling, softcap)
+        args = (q[:, :, :, q0:q1], k0[:, :, :offset + q1], v0[:, :, :offset + q1], kd[:, :, :, q0:q1],
+                vd[:, :, :, q0:q1], attention_mask, offset + q0, scaling, softcap)
         if c < T and torch.is_grad_enabled():
             outs.append(checkpoint(_chunk, *args, use_reentrant=False))
         else:

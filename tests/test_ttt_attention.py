@@ -20,7 +20,7 @@ from tests.tiny import tiny_causal_lm
 V = 96
 
 
-def dense_unroll(self, fused, input_ids, steps, position_ids=None):
+def dense_unroll(self, fused, input_ids, steps, position_ids=None, split=None):
     """The unroll with the whole dense mask and the draft layer's own attention (sdpa): the rule
     as written in ttt_attention_mask, the reference here."""
     B, T = input_ids.shape

@@ -156,6 +156,9 @@ class TrainConfig:
     # decoder layers across ranks (train/sharding.py, docs/scaling.md). One process ignores it.
     parallelism: str = "ddp"
     shard_target: bool = True  # under fsdp, shard the frozen target's decoder layers too
+    # ranks that share each batch, its rows' columns split between them (EAGLE-3 and EAGLE-3.1
+    # under ddp; heads/context_split.py, docs/scaling.md "Context parallelism"); 1: off
+    context_parallel: int = 1
 
     checkpoint_every: int = 200  # optimizer steps (and at the end); 0: never
     keep_checkpoints: int = 2
@@ -182,7 +185,7 @@ class TrainConfig:
             raise ConfigError("keep_best: replay_tau needs replay.sequences > 0 (the held-out prompts it is measured on)")
         if not isinstance(self.head, dict) or "kind" not in self.head:
             raise ConfigError("head must be a mapping with a 'kind' (medusa1, medusa2, hydra, eagle1, eagle3, eagle31, peagle, dflash)")
-        for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints"):
+        for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints", "context_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.max_steps is None and self.epochs is None:

@@ -10,8 +10,10 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
                 layers 1/N, embedding, final norm and LM head whole (what train/sharding.py shards)
     gathered    FSDP only: the largest unsharded unit during its forward (one target decoder layer,
                 or the whole head, whichever is larger), the transient all-gather buffer
-    activations what the backward keeps for one micro-batch (batch_size x max_length tokens),
-                plus the chunks it works in:
+    activations what the backward keeps for one micro-batch (batch_size x max_length tokens; a
+                rank's 1/N of the columns under context_parallel N, whose all-gathered keys and
+                values, a few [T, kv_heads, head_dim] per step, are left out), plus the chunks it
+                works in:
                   EAGLE (per token, per training-time-test step): the draft layer's saved tensors
                   with its MLP recomputed (heads/eagle3.py) and the gradients that pass through
                   the backward, 55 H bytes in fp32, fitted to the SmolLM2 runs of docs/scaling.md
@@ -48,7 +50,7 @@ class RunShapes:
     draft_vocab: int
     steps: int  # EAGLE: training-time-test steps; Medusa: heads
     kind: str
-    tokens: int  # per micro-batch: batch_size x max_length
+    tokens: int  # per micro-batch and rank: batch_size x max_length, / context_parallel when rows are split
 
 
 def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
@@ -86,7 +88,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
         draft_vocab=getattr(hcfg, "draft_vocab_size", vocab) if not medusa else vocab,
         steps=hcfg.num_heads if medusa else getattr(hcfg, "ttt_steps", 1),
         kind=hcfg.kind,
-        tokens=config.batch_size * config.data.max_length,
+        tokens=config.batch_size * -(-config.data.max_length // config.context_parallel),  # a rank's columns
     )
 
 
@@ -129,7 +131,8 @@ def plan_table(config: TrainConfig, target_config: str | Path, ranks: tuple[int,
     shapes = run_shapes(config, target_config)
     head = f"{shapes.kind} head: {shapes.head_trainable / 1e6:.1f}M trainable parameters"
     lines = [f"plan for {Path(target_config).stem} ({shapes.target_bytes / GIB:.1f} GiB at {config.target_dtype}), {head}, "
-             f"micro-batch {config.batch_size} x {config.data.max_length} tokens, {shapes.steps} "
+             f"micro-batch {config.batch_size} x {config.data.max_length} tokens"
+             + (f" split across {config.context_parallel} ranks" if config.context_parallel > 1 else "") + f", {shapes.steps} "
              f"{'heads' if shapes.kind.startswith('medusa') else 'TTT steps'}; GiB per rank:",
              "", "| strategy | ranks | params | grads | optimizer | target | gathered | activations | total |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

@@ -272,9 +272,15 @@ class Trainer:
         params = [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
         return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
 
+    def data_world(self) -> tuple[int, int]:
+        """(data-parallel replicas, this process's replica): with context_parallel = c, the c
+        consecutive ranks of a group read the same batches."""
+        acc, cp = self.accelerator, self.config.context_parallel
+        return acc.num_processes // cp, acc.process_index // cp
+
     def batches_per_epoch(self) -> int:
         """Batches each process takes per epoch; a stream (train/streaming.py) counts them in one pass."""
-        cfg, world = self.config, self.accelerator.num_processes
+        cfg, (world, _) = self.config, self.data_world()
         if self._bpe is None:
             if is_stream(self.data.train):
                 self._bpe = self.data.train.count_batches(cfg.batch_size, world)
@@ -321,12 +327,14 @@ class Trainer:
         cfg, acc = self.config, self.accelerator
         out = Path(cfg.output_dir)
         world, rank = acc.num_processes, acc.process_index
-        bpe = self.batches_per_epoch()
-        n_train = bpe * cfg.batch_size * world if is_stream(self.data.train) else len(self.data.train)  # a stream: the samples used
-        if bpe == 0:
-            raise ValueError(f"{n_train} training samples do not fill one batch of {cfg.batch_size} on {world} process(es)")
-        total = self.total_steps()
         self._choose_parallelism(world)
+        data_world, data_rank = self.data_world()
+        bpe = self.batches_per_epoch()
+        n_train = bpe * cfg.batch_size * data_world if is_stream(self.data.train) else len(self.data.train)  # a stream: the samples used
+        if bpe == 0:
+            raise ValueError(f"{n_train} training samples do not fill one batch of {cfg.batch_size} on {data_world} "
+                             "data-parallel process(es)")
+        total = self.total_steps()
         ckpt, changes = self._start_point(out, resume=resume, overwrite=overwrite)
 
         set_seed(cfg.seed + rank)  # fresh start; a resume overwrites every RNG below
@@ -334,7 +342,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio)
         )
-        state = TrainState(sampler_seed=cfg.seed, world_size=world, parallelism="fsdp" if self.fsdp else "ddp")
+        state = TrainState(sampler_seed=cfg.seed, world_size=world,
+                           parallelism=("fsdp" if self.fsdp else "ddp") + (f"+cp{cfg.context_parallel}" if cfg.context_parallel > 1 else ""))
         if ckpt is not None:
             state = self._restore(ckpt, optimizer, state)
 
@@ -353,7 +362,7 @@ class Trainer:
         bar_eval: dict[str, float] = {}  # the last eval's acc_0 / tau_est / replay_tau, kept on the progress bar
         best = best_so_far(out, cfg.keep_best) if ckpt is not None else None  # a fresh run starts its own
         params = [p for p in self.module.parameters() if p.requires_grad]
-        read = EpochReader(self.data.train, cfg.batch_size, world, rank, state.sampler_seed)
+        read = EpochReader(self.data.train, cfg.batch_size, data_world, data_rank, state.sampler_seed)
         steps_this_call = 0
         model.train()
         final_dir = None
@@ -395,6 +404,28 @@ class Trainer:
             raise NotImplementedError("fp16 under FSDP needs a sharded grad scaler: use mixed_precision: bf16 or no")
         if self.fsdp and (self.replay is not None or cfg.keep_best != "none"):
             raise NotImplementedError("replay and keep_best need the whole head on one process: use parallelism: ddp")
+        if cfg.context_parallel > 1:
+            self._split_rows(world)
+
+    def _split_rows(self, world: int) -> None:
+        """context_parallel = c: groups of c consecutive ranks, each group one process group of its
+        own (its all-gathers never queue behind DDP's all-reduces), and the head told its rank in
+        its group (heads/context_split.py)."""
+        import torch.distributed as dist
+
+        from ..heads.context_split import ContextSplit
+
+        cfg, cp = self.config, self.config.context_parallel
+        if world % cp:
+            raise ConfigError(f"context_parallel: {cp} does not divide the {world} processes")
+        if self.fsdp:
+            raise NotImplementedError("context_parallel runs under parallelism: ddp (the head is one layer: FSDP saves little)")
+        if not hasattr(self.head, "context_split"):
+            raise NotImplementedError(f"context_parallel splits EAGLE-3's training-time-test rows (eagle3, eagle31); "
+                                      f"{cfg.head['kind']} does not split them")
+        rank = self.accelerator.process_index
+        groups = [dist.new_group(list(range(g * cp, (g + 1) * cp))) for g in range(world // cp)]  # every rank makes every group
+        self.head.context_split = ContextSplit(rank % cp, cp, groups[rank // cp])
 
     def _restore(self, ckpt: Checkpoint, optimizer, state: TrainState) -> TrainState:
         """The head, optimizer, scheduler, grad scaler and this rank's RNG as `ckpt` left them;
@@ -452,11 +483,14 @@ class Trainer:
                 loss, metrics = model(batch)
             self._check_finite(loss, "loss", state.step + 1, last_ckpt, m)
             with clock("backward"):  # under DDP/FSDP this includes the gradient all-reduce
-                acc.backward(loss / cfg.grad_accum)
+                # split rows: DDP averages over every rank, and a group's shares add up to its rows'
+                # loss, so each share counts context_parallel times (heads/context_split.py)
+                acc.backward(loss * cfg.context_parallel / cfg.grad_accum)
         window.add(metrics, float(metrics.get(WEIGHT_KEY, batch.loss_mask.sum())))
         state.micro_step += 1
         state.epoch, state.batch_index = divmod(state.micro_step, bpe)
-        return int(batch.attention_mask.sum())
+        split = getattr(self.head, "context_split", None)
+        return int(batch.attention_mask.sum()) if split is None or split.rank == 0 else 0  # a group's tokens once
 
     def _optimizer_step(self, optimizer, params: list, state: TrainState, clock: PhaseClock, last_ckpt):
         """Clip, step the optimizer and the schedule, count the step; returns the gradient norm."""
@@ -614,7 +648,7 @@ class Trainer:
         Runs the unwrapped module: a DDP forward may broadcast buffers, a collective that would
         hang when processes have different numbers of eval batches."""
         cfg, acc = self.config, self.accelerator
-        world, rank = acc.num_processes, acc.process_index
+        world, rank = self.data_world()
         batches = eval_batches(len(self.data.eval), cfg.batch_size, world, rank, cfg.eval_batches)
         if self.fsdp:
             # a sharded forward is a collective: every rank runs as many batches as the busiest one

@@ -1,0 +1,98 @@
+"""Context parallelism for EAGLE-3 (heads/context_split.py): one row's columns split across 2 gloo
+processes give the unsplit loss and gradients, the ranks' shares summed, within fp32 rounding: one
+row or packed rows, GQA, a sliding window, rows whose length the ranks do not divide (the last
+shard padded), one attention chunk or chunks of a few rows."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from drafthead.heads import ttt_attention as ttt
+from drafthead.heads.context_split import ContextSplit
+from drafthead.heads.registry import build_head, make_config
+from drafthead.inference.servers.local import free_port
+from drafthead.train.features import collate
+from drafthead.train.packing import collate_packed
+from tests.test_ttt_attention import V, loss_and_grads, samples_of
+from tests.tiny import tiny_causal_lm
+
+EVEN, ODD = (23, 17, 30, 9), (23, 17, 31)  # rows of 30 / 31 columns; packed into 40: rows of 40 / 40 and 31
+CASES = {  # name: (family, packed, sample lengths, attention chunk budget in bytes or None)
+    "llama": ("llama", False, EVEN, None),
+    "llama-packed-chunks": ("llama", True, EVEN, 3 * 4 * 4 * 40),
+    "mistral-window-packed-odd": ("mistral", True, ODD, None),
+    "qwen3-odd-chunks": ("qwen3", False, ODD, 2 * 4 * 4 * 40),
+}
+
+
+def head_and_batch(family: str, packed: bool, lengths):
+    target = tiny_causal_lm(family, vocab=V, layers=4, hidden=32)
+    torch.manual_seed(0)
+    config = make_config("eagle3", target, None, name="tiny", ttt_steps=3, draft_layer="target")
+    head = build_head(config, target, token_counts=torch.arange(V), dtype=torch.float32).train()
+    samples = samples_of(target, lengths)
+    batch = collate_packed(samples, 40) if packed else collate(samples)
+    return head, batch
+
+
+def worker(rank: int, size: int, port: int, case: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        family, packed, lengths, budget = CASES[case]
+        if budget is not None:
+            ttt.CHUNK_BYTES = budget
+        head, batch = head_and_batch(family, packed, lengths)
+        head.context_split = ContextSplit(rank, size)
+        loss, grads = loss_and_grads(head, batch)
+        _, metrics = head.compute_loss(batch)
+        dist.all_reduce(loss)
+        for g in grads.values():
+            dist.all_reduce(g)
+        if rank == 0:
+            torch.save({"loss": loss, "grads": grads, "metrics": metrics}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_row_split_across_two_ranks_gives_the_unsplit_loss_and_gradients(case, tmp_path):
+    family, packed, lengths, budget = CASES[case]
+    out = tmp_path / "split.pt"
+    mp.start_processes(worker, args=(2, free_port(), case, str(out)), nprocs=2, start_method="spawn")
+    split = torch.load(out)
+    if budget is not None:  # the same chunking unsplit
+        ttt.CHUNK_BYTES, before = budget, ttt.CHUNK_BYTES
+    try:
+        head, batch = head_and_batch(family, packed, lengths)
+        assert batch.input_ids.shape[1] % 2 == (lengths == ODD and not packed)  # odd: the last shard padded
+        loss, grads = loss_and_grads(head, batch)
+        _, metrics = head.compute_loss(batch)
+    finally:
+        if budget is not None:
+            ttt.CHUNK_BYTES = before
+    assert torch.allclose(split["loss"], loss, rtol=1e-5, atol=1e-6), (split["loss"], loss)
+    assert grads.keys() == split["grads"].keys() and len(grads) > 5
+    for name, g in grads.items():
+        assert torch.allclose(split["grads"][name], g, rtol=1e-4, atol=1e-6), (name, (split["grads"][name] - g).abs().max())
+    assert split["metrics"].keys() == metrics.keys()
+    for key, value in metrics.items():
+        assert split["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_the_shards_cover_the_row_and_the_losses_that_weigh_whole_rows_are_refused():
+    halves = [ContextSplit(r, 2).bounds(31) for r in range(2)]
+    assert halves == [(0, 16), (16, 32)]
+    assert [ContextSplit(r, 3).bounds(9) for r in range(3)] == [(0, 3), (3, 6), (6, 9)]
+    target = tiny_causal_lm("llama", vocab=V, layers=4, hidden=32)
+    config = make_config("eagle3", target, None, name="tiny", ttt_steps=2, loss="lk_lambda")
+    head = build_head(config, target, token_counts=torch.arange(V), dtype=torch.float32).train()
+    head.context_split = ContextSplit(0, 1)
+    with pytest.raises(NotImplementedError, match="lk_lambda and entropy_ramp"):
+        head.compute_loss(collate(samples_of(target, (12,))))
+
