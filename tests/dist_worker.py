@@ -4,8 +4,8 @@
 
 One launch trains, in turn:
   OUT/ddp, OUT/fsdp   the equal-length run (`equal_length_trainer`) under DDP, then under FSDP;
-  OUT/cp              the same run with each batch's rows split between the 2 ranks
-                      (context_parallel: 2, batch 4: the one process's batches);
+  OUT/cp, OUT/fsdp-cp the same run with each batch's rows split between the 2 ranks
+                      (context_parallel: 2, batch 4: the one process's batches), under DDP, then FSDP;
   OUT/cli-fsdp        the CLI's tiny EAGLE-3 config under FSDP, to the end (the reference a killed
                       and resumed FSDP run must match bit for bit);
   OUT/stream-ddp      the same config reading its data as a stream (data.streaming), past an epoch end.
@@ -61,10 +61,11 @@ def main(out: str, target: str, chats: str) -> None:
                           checkpoint_every=0, eval_every=0, warmup_steps=0)
         loaded = load_target(cfg.target, dtype=cfg.target_dtype, threads=1)
         equal_length_trainer(cfg, loaded.model, loaded.tokenizer).fit(progress=False)
-    cfg = tiny_config(target, chats, out / "cp", context_parallel=2, batch_size=4, max_steps=3, checkpoint_every=0,
-                      eval_every=0, warmup_steps=0)
-    loaded = load_target(cfg.target, dtype=cfg.target_dtype, threads=1)
-    equal_length_trainer(cfg, loaded.model, loaded.tokenizer).fit(progress=False)
+    for name, parallelism in (("cp", "ddp"), ("fsdp-cp", "fsdp")):
+        cfg = tiny_config(target, chats, out / name, context_parallel=2, parallelism=parallelism, batch_size=4,
+                          max_steps=3, checkpoint_every=0, eval_every=0, warmup_steps=0)
+        loaded = load_target(cfg.target, dtype=cfg.target_dtype, threads=1)
+        equal_length_trainer(cfg, loaded.model, loaded.tokenizer).fit(progress=False)
     run_training(tiny_config(target, chats, out / "cli-fsdp", parallelism="fsdp", max_steps=8, checkpoint_every=1, eval_every=4),
                  say=lambda message: None)
     stream = {"data.streaming": "true", "data.shuffle_buffer": 8}  # 48 chats - 8 eval: 5 batches of 2 x 4 per epoch

@@ -60,3 +60,15 @@ def test_plan_table_and_the_shipped_large_shapes(tiny_config_json):
     # the shipped large configs build on the meta device (no weights) with their real sizes
     shapes = run_shapes(load_config("eagle3", ["target_dtype=bfloat16"]), "configs/targets/llama-3.1-8b.json")
     assert 7.9e9 < shapes.target_bytes / 2 < 8.1e9  # Llama-3.1-8B: 8.03B parameters
+
+
+def test_split_rows_hold_a_share_of_the_columns_plus_the_gathered_keys(tiny_config_json):
+    _, path = tiny_config_json
+    one = run_shapes(load_config("tiny-eagle3"), path)
+    split = run_shapes(load_config("tiny-eagle3", ["context_parallel=4"]), path)
+    assert split.tokens == -(-one.tokens // 4) and one.gathered_keys == 0
+    kv_width = split.gathered_keys // (2 * one.tokens)
+    assert 0 < kv_width <= one.hidden and split.gathered_keys == 2 * one.tokens * kv_width
+    extra = 4 * split.steps * split.gathered_keys  # each step's whole-row keys and values, fp32
+    assert activation_bytes(split) - extra < activation_bytes(one)
+    assert "split across 4 ranks" in plan_table(load_config("tiny-eagle3", ["context_parallel=4"]), path, ranks=(4,))

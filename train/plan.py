@@ -11,9 +11,9 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
     gathered    FSDP only: the largest unsharded unit during its forward (one target decoder layer,
                 or the whole head, whichever is larger), the transient all-gather buffer
     activations what the backward keeps for one micro-batch (batch_size x max_length tokens; a
-                rank's 1/N of the columns under context_parallel N, whose all-gathered keys and
-                values, a few [T, kv_heads, head_dim] per step, are left out), plus the chunks it
-                works in:
+                rank's 1/N of the columns under context_parallel N, plus the whole rows' keys and
+                values each TTT step all-gathers, [T, kv_heads x head_dim] twice per step in fp32),
+                plus the chunks it works in:
                   EAGLE (per token, per training-time-test step): the draft layer's saved tensors
                   with its MLP recomputed (heads/eagle3.py) and the gradients that pass through
                   the backward, 55 H bytes in fp32, fitted to the SmolLM2 runs of docs/scaling.md
@@ -51,6 +51,7 @@ class RunShapes:
     steps: int  # EAGLE: training-time-test steps; Medusa: heads
     kind: str
     tokens: int  # per micro-batch and rank: batch_size x max_length, / context_parallel when rows are split
+    gathered_keys: int = 0  # split rows: the whole rows' step-0 keys and values one step gathers (elements)
 
 
 def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
@@ -89,6 +90,8 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
         steps=hcfg.num_heads if medusa else getattr(hcfg, "ttt_steps", 1),
         kind=hcfg.kind,
         tokens=config.batch_size * -(-config.data.max_length // config.context_parallel),  # a rank's columns
+        gathered_keys=(2 * config.batch_size * config.data.max_length * head.midlayer.self_attn.k_proj.out_features
+                       if config.context_parallel > 1 and hasattr(head, "midlayer") else 0),
     )
 
 
@@ -104,8 +107,9 @@ def activation_bytes(shapes: RunShapes) -> int:
     if shapes.kind.startswith("medusa"):
         return shapes.tokens * shapes.steps * (4 * h + 8 * v)
     per_token = shapes.steps * EAGLE_STEP_BYTES_PER_H * h + 6 * h
-    # one chunk at a time: the loss's, or an attention chunk's scores with their softmax and mask
-    return shapes.tokens * per_token + max(LOSS_CHUNK_BYTES, 3 * CHUNK_BYTES)
+    # one chunk at a time: the loss's, or an attention chunk's scores with their softmax and mask;
+    # split rows keep each step's gathered keys and values (fp32) for the backward
+    return shapes.tokens * per_token + max(LOSS_CHUNK_BYTES, 3 * CHUNK_BYTES) + 4 * shapes.steps * shapes.gathered_keys
 
 
 def memory_per_rank(shapes: RunShapes, strategy: str, ranks: int) -> dict[str, int]:

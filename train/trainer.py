@@ -418,8 +418,6 @@ class Trainer:
         cfg, cp = self.config, self.config.context_parallel
         if world % cp:
             raise ConfigError(f"context_parallel: {cp} does not divide the {world} processes")
-        if self.fsdp:
-            raise NotImplementedError("context_parallel runs under parallelism: ddp (the head is one layer: FSDP saves little)")
         if not hasattr(self.head, "context_split"):
             raise NotImplementedError(f"context_parallel splits EAGLE-3's training-time-test rows (eagle3, eagle31); "
                                       f"{cfg.head['kind']} does not split them")
@@ -483,8 +481,8 @@ class Trainer:
                 loss, metrics = model(batch)
             self._check_finite(loss, "loss", state.step + 1, last_ckpt, m)
             with clock("backward"):  # under DDP/FSDP this includes the gradient all-reduce
-                # split rows: DDP averages over every rank, and a group's shares add up to its rows'
-                # loss, so each share counts context_parallel times (heads/context_split.py)
+                # split rows: DDP and FSDP average over every rank, and a group's shares add up to
+                # its rows' loss, so each share counts context_parallel times (heads/context_split.py)
                 acc.backward(loss * cfg.context_parallel / cfg.grad_accum)
         window.add(metrics, float(metrics.get(WEIGHT_KEY, batch.loss_mask.sum())))
         state.micro_step += 1
