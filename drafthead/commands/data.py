@@ -93,6 +93,13 @@ def add_parser(subparsers) -> None:
                    help="with --backend vllm: memory for vLLM's KV cache, which also holds the captured states "
                         "until they are written (default 1: ~19k SmolLM2 fp32 tokens in flight)")
 
+    q = sub.add_parser("long-prompts", help="join whole chat turns into long multi-turn prompts (a JSONL file for bench)")
+    source_options(q)
+    q.add_argument("--target", default="smollm2-135m", help="whose tokenizer and chat template count the tokens")
+    q.add_argument("--tokens", type=_positive_int, required=True, help="tokens per prompt, at most (more than 3/4 of it)")
+    q.add_argument("--count", type=_positive_int, default=8, help="prompts to write")
+    q.add_argument("--out", required=True, help="a new JSONL file of {id, messages}: `bench --dataset OUT`")
+
     q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
     q.add_argument("--chats", type=_positive_int, default=200)
@@ -105,7 +112,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     if args.data_command == "regenerate":
         return _regenerate_locked(args)
-    return {"inspect": _inspect, "capture": _capture, "tiny-target": _tiny}[args.data_command](args)
+    return {"inspect": _inspect, "capture": _capture, "tiny-target": _tiny, "long-prompts": _long_prompts}[args.data_command](args)
 
 
 def _regenerate_locked(args) -> int:
@@ -321,6 +328,32 @@ def _vllm_engine(args, loaded, config):
         note(f"vLLM backend: the target through vLLM's extract_hidden_states, {dtype}; its log: {engine.log}")
         yield engine
     shutil.rmtree(engine.work, ignore_errors=True)
+
+
+def _long_prompts(args) -> int:
+    from ..heads.io import atomic_write
+    from ..inference.engine.targets import load_tokenizer
+    from ..train.long_prompts import long_chats
+    from ..train.sources import iter_conversations, resolve_source, source_format
+    from ..train.source_report import SourceReport
+
+    out = Path(args.out)
+    if out.exists():  # it may be someone's data: never replaced
+        raise FileExistsError(f"{out} exists: remove it or write somewhere else")
+    tokenizer, _ = load_tokenizer(args.target)
+    file = resolve_source(args.source, args.path)
+    report = SourceReport(source=args.source)
+    prompts = long_chats(iter_conversations(file, source_format(args.source, file), report, args.limit), tokenizer,
+                         args.tokens, args.count)
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            for prompt in prompts:
+                f.write(json.dumps(prompt, ensure_ascii=False) + "\n")
+
+    atomic_write(out, write)
+    print(f"{len(prompts)} prompts of at most {args.tokens} tokens in {out}, from {report.conversations} conversations")
+    return 0
 
 
 def _tiny(args) -> int:
