@@ -21,6 +21,29 @@ from pathlib import Path
 import torch
 
 
+def plot(rows: list[dict], path: str, chain: int) -> None:
+    """tau against the mean prompt length of each length's prompts, one line per way of drafting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    x = [sum(r["prompt_tokens"]) / len(r["prompt_tokens"]) for r in rows]
+    for key, label in (("tree_tau", "its default tree (no lookup nodes)"), ("chain_tau", f"chain of {chain}"),
+                       ("chain_vllm_tau", f"chain of {chain}, counted as vLLM")):
+        ax.plot(x, [r[key] for r in rows], marker="o", label=label)
+    ax.set_xscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(x, [f"{v / 1024:.1f}K" for v in x])
+    ax.set(xlabel="prompt tokens (mean of each length's prompts)", ylabel="tau (tokens per round)",
+           title="shipped SmolLM2 EAGLE-3 head (trained at 2K), long ShareGPT prompts", ylim=(1.0, None))
+    ax.title.set_fontsize(10)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8064])
@@ -30,7 +53,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", required=True, help="JSON report")
     p.add_argument("--plot", default=None, help="PNG: tau against prompt length")
+    p.add_argument("--replot", action="store_true", help="only draw --plot from the rows already in --out")
     args = p.parse_args(argv)
+    if args.replot:
+        plot(json.loads(Path(args.out).read_text())["rows"], args.plot, args.chain)
+        return 0
 
     from tqdm.auto import tqdm
 
@@ -76,22 +103,7 @@ def main(argv=None) -> int:
         print(json.dumps(row), flush=True)
         Path(args.out).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1) + "\n")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6.4, 4))
-        x = [sum(r["prompt_tokens"]) / len(r["prompt_tokens"]) for r in rows]
-        for key, label in (("tree_tau", "its default tree (no lookup nodes)"), ("chain_tau", f"chain of {args.chain}"),
-                           ("chain_vllm_tau", f"chain of {args.chain}, counted as vLLM")):
-            ax.plot(x, [r[key] for r in rows], marker="o", label=label)
-        ax.set(xscale="log", xlabel="prompt tokens (mean of each length's prompts)", ylabel="tau (tokens per round)",
-               title="shipped SmolLM2 EAGLE-3 head (trained at 2K) on long ShareGPT prompts")
-        ax.set_xticks(x, [f"{v / 1024:.1f}K" for v in x])
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
+        plot(rows, args.plot, args.chain)
     return 0
 
 
