@@ -284,3 +284,14 @@ def test_a_bf16_gguf_parts_from_its_plain_output_only_on_near_ties(smollm2):
         logits = next_logits(backend, prompt.tolist() + want[:part]).float()
         assert abs(float(logits[want[part]] - logits[got[part]])) <= NEAR_TIE_GAP, (part, want[part], got[part])
     backend.close()
+
+
+def test_demo_on_the_llama_cpp_backend_verifies_with_libllama(capsys):
+    """`demo --backend llama.cpp` runs libllama's forward against plain decoding on the same
+    backend (it once took the flag and ran torch), with row invariance, a torch-kernel mode, off."""
+    from drafthead.cli import main
+
+    assert main(["demo", "--backend", "llama.cpp", "--dtype", "float32", "--max-new-tokens", "24"]) == 0
+    out, err = capsys.readouterr()
+    assert "llama.cpp backend: ggml's kernels" in err and "llama.cpp backend: the target as a f32 GGUF" in err
+    assert "plain (llama.cpp backend):" in out

@@ -14,6 +14,7 @@ from . import (
     note,
     policy_from_args,
     resolve_dtype_arg,
+    verifier_from_args,
 )
 
 # An MT-bench-style coding question: answers quote the prompt's identifiers, as real ones do.
@@ -45,19 +46,25 @@ def run(args) -> int:
     from ..inference.engine.targets import eos_token_ids
 
     check_drafting_args(args)
+    if args.backend == "llama.cpp" and args.row_invariant:  # the default: row invariance is our torch kernels'
+        args.row_invariant = False
+        note("llama.cpp backend: ggml's kernels, which are not row-invariant; plain decoding on the same backend "
+             "is the reference (docs/llamacpp-backend.md)")
     note(f"loading {args.target} ({resolve_dtype_arg(args)}, {args.threads} threads); the first run dequantizes it (~20 s)")
     loaded = load_target_from_args(args)
     proposer, head, message = choose_proposer(args, loaded.name)
     factory, model = drafter_factory_from_args(args, loaded, SamplingConfig(), proposer, head)
     note(message)  # once the drafter is built: a head that cannot draft is the only line
+    verifier = verifier_from_args(args, loaded, model)  # --backend llama.cpp: libllama verifies
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         eos_token_ids=eos_token_ids(model, loaded.tokenizer),
         keep_text=True,
         progress=False,
-        info={"target": loaded.name, "proposer": proposer, "head": head},
-        policy=policy_from_args(args, model, factory()),  # --num-draft auto
+        info={"target": loaded.name, "proposer": proposer, "head": head, "backend": args.backend},
+        policy=policy_from_args(args, verifier, factory()),  # --num-draft auto
         engine=engine_options(args),
+        verifier=None if verifier is model else verifier,
     )
     report = run_bench(model, loaded.tokenizer, factory, [Prompt(DEMO_PROMPT, "coding", "demo")], settings)
     record = report["prompts"][0]
@@ -66,7 +73,7 @@ def run(args) -> int:
     if not record["identical"]:  # first: a speedup over two different texts says nothing
         print(f"\noutputs identical to {plain}: no, first difference at token {record['first_difference']}"
               + (" (in bfloat16 a multi-token forward can flip near-ties: --row-invariant keeps them equal)"
-                 if args.dtype != "float32" and not args.row_invariant else ""))
+                 if args.dtype != "float32" and not args.row_invariant and args.backend == "torch" else ""))
         shared = record["shared_tokens"]
         if shared:
             print(f"over the {shared} tokens both sides share: plain {shared / record['plain_seconds_shared']:.1f} tokens/s, "
