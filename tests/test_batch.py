@@ -18,24 +18,9 @@ from drafthead.inference.engine.tree import DraftTree, pad_trees
 from drafthead.inference.engine.verify import forward_trees
 from tests.stats import chi_square_pvalue
 from tests.test_sampling_exactness import ALPHA, VOCAB, exact_first_three
-from tests.tiny import FAMILIES, TARGETS, plain_greedy, repetitive_prompt, tiny_causal_lm
+from tests.tiny import FAMILIES, TARGETS, left_padded, plain_greedy, prompts_of, repetitive_prompt, tiny_causal_lm
 
 LENGTHS = (1, 6, 13, 21)  # a one-token prompt has nothing to prefill: its drafter starts blind
-
-
-def left_padded(prompts: list[torch.Tensor], pad: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, P] ids and attention mask, shorter prompts padded on the left (as tokenizers do for generation)."""
-    width = max(p.numel() for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.numel():] = p
-        mask[b, width - p.numel():] = 1
-    return ids, mask
-
-
-def prompts_of(lengths, seed=0) -> list[torch.Tensor]:
-    return [repetitive_prompt(96, length=max(2, n), seed=seed + n)[0, :n] for n in lengths]
 
 
 def batch_drafters(target, family):

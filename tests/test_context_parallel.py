@@ -17,7 +17,7 @@ from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.servers.local import free_port
 from drafthead.train.features import collate
 from drafthead.train.packing import collate_packed
-from tests.test_ttt_attention import V, loss_and_grads, samples_of
+from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
 
 EVEN, ODD = (23, 17, 30, 9), (23, 17, 31)  # rows of 30 / 31 columns; packed into 40: rows of 40 / 40 and 31

@@ -24,10 +24,9 @@ from drafthead.inference.drafters.load import head_drafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.train.features import collate
 from drafthead.train.packing import collate_packed
+from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.oracle import OracleDrafter, assert_accepts_and_stays_exact, by_row, known_continuation
-from tests.test_batch import left_padded, prompts_of
-from tests.test_ttt_attention import V, loss_and_grads, samples_of
-from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
+from tests.tiny import left_padded, plain_greedy, prompts_of, repetitive_prompt, tiny_causal_lm
 
 DEVICE = os.environ.get("DRAFTHEAD_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),

@@ -18,7 +18,7 @@ from drafthead.inference.engine import generate as engine
 from drafthead.inference.engine import torch_target
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.oracle import OracleDrafter, RowDrafter, assert_accepts_and_stays_exact, by_row, greedy_continuation
-from tests.test_batch import left_padded, prompts_of
+from tests.tiny import left_padded, prompts_of
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
 NEW = 24

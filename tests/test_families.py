@@ -21,7 +21,7 @@ from drafthead.inference.engine.verify import check_tree_mask_support
 from drafthead.inference.engine.targets import load_target
 from drafthead.inference.engine.drafter import fork_drafter
 from tests.oracle import assert_accepts_and_stays_exact
-from tests.test_batch import left_padded
+from tests.tiny import left_padded
 from tests.tiny import MULTIMODAL, TARGETS, plain_greedy, repetitive_prompt, tiny_causal_lm
 
 LAYERS = 4

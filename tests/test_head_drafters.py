@@ -121,7 +121,7 @@ def assert_greedy_equals_plain(target, drafter_of, max_new_tokens: int = 30, tre
     """Greedy decoding with `drafter_of(**options)` equals plain greedy: at batch 1 with each of
     `trees` (None: the drafter's default tree, n: an n-node static tree), and at batch 3
     (left-padded, a one-token prompt among them) for 2/3 of `max_new_tokens`."""
-    from tests.test_batch import left_padded, prompts_of
+    from tests.tiny import left_padded, prompts_of
 
     prompt = repetitive_prompt(96, seed=8)
     for nodes in trees:

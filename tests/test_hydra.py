@@ -10,7 +10,7 @@ from drafthead.inference.drafters.heads import HydraDrafter, MedusaDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.sampling import SamplingConfig
 from tests.stats import chi_square_pvalue
-from tests.test_batch import left_padded, prompts_of
+from tests.tiny import left_padded, prompts_of
 from tests.test_peagle import _batch
 from tests.test_sampling_exactness import VOCAB, assert_law_at_depth_two
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm

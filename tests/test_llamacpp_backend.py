@@ -216,7 +216,7 @@ def test_heads_on_layer_inputs_decode_exactly_with_accepted_drafts(smollm2, kind
     three rows accept different lengths: the cache keeps accepted nodes, the drafters catch up."""
     from drafthead.heads.registry import build_head, make_config
     from tests.oracle import assert_accepts_and_stays_exact
-    from tests.test_batch import left_padded
+    from tests.tiny import left_padded
 
     loaded, backend, _, prompts = smollm2
     options, drafter_of = LAYER_INPUT_KINDS[kind]

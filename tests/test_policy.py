@@ -13,7 +13,7 @@ from drafthead.inference.engine.generate import GenerationConfig, speculative_ge
 from drafthead.inference.engine.policy import SpeculationPolicy, accepted_within, best_batch_node_count, cut_tree
 from drafthead.inference.engine.tree import DraftTree
 from drafthead.heads.registry import build_head, make_config
-from tests.test_batch import left_padded, prompts_of
+from tests.tiny import left_padded, prompts_of
 from tests.tiny import plain_greedy, tiny_causal_lm
 
 FLAT = CostCurve((1, 1024), (0.010, 0.0101))  # a GPU at small batch: more tokens cost nothing

@@ -10,7 +10,7 @@ from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.kernels.target_linears import (ROW_BUCKETS, RowDispatchLinear, engine_linears, fastest, fits_in_memory,
                                                  kernel_for_rows)
-from tests.test_batch import left_padded, prompts_of
+from tests.tiny import left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
 
 PACKING = torch.backends.mkldnn.is_available()

@@ -13,11 +13,11 @@ from drafthead.heads.eagle3 import ttt_attention_mask
 from drafthead.heads.io import shift_left
 from drafthead.heads.packing import row_positions
 from drafthead.heads.registry import build_head, make_config
-from drafthead.train.features import collate, target_features
+from drafthead.train.features import collate
 from drafthead.train.packing import collate_packed
+from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
 
-V = 96
 
 
 def dense_unroll(self, fused, input_ids, steps, position_ids=None, split=None):
@@ -37,24 +37,6 @@ def dense_unroll(self, fused, input_ids, steps, position_ids=None, split=None):
         out = self._hidden(hidden, tokens, pos, cache, mask)
         yield out
         hidden = self.feedback(out)
-
-
-def samples_of(target, lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for n in lengths:
-        ids = torch.randint(3, V, (1, n), generator=g)
-        hidden = target_features(target, ids, torch.ones(1, n, dtype=torch.long), (1, 2, 3, 4))
-        out.append({"input_ids": ids[0], "loss_mask": torch.ones(n, dtype=torch.bool),
-                    "hidden_states": {k: v[0] for k, v in hidden.items()}})
-    return out
-
-
-def loss_and_grads(head, batch):
-    head.zero_grad(set_to_none=True)
-    loss, _ = head.compute_loss(batch)
-    loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("family,packed", [("llama", False), ("llama", True), ("mistral", True), ("qwen3", False)])

@@ -101,6 +101,21 @@ def repetitive_prompt(vocab: int, length: int = 12, seed: int = 0) -> torch.Tens
     return torch.cat([head, head[:, : length // 2]], dim=1)
 
 
+def left_padded(prompts: list[torch.Tensor], pad: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, P] ids and attention mask, shorter prompts padded on the left (as tokenizers do for generation)."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.numel():] = p
+        mask[b, width - p.numel():] = 1
+    return ids, mask
+
+
+def prompts_of(lengths, seed=0) -> list[torch.Tensor]:
+    return [repetitive_prompt(96, length=max(2, n), seed=seed + n)[0, :n] for n in lengths]
+
+
 def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
     """The reference: transformers' own greedy generate, no EOS stopping."""
     out = model.generate(prompt, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
