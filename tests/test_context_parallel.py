@@ -96,3 +96,21 @@ def test_the_shards_cover_the_row_and_the_losses_that_weigh_whole_rows_are_refus
     with pytest.raises(NotImplementedError, match="lk_lambda and entropy_ramp"):
         head.compute_loss(collate(samples_of(target, (12,))))
 
+
+
+def test_a_split_that_does_not_divide_the_processes_is_refused_before_training(tmp_path, isolated_cache):
+    from drafthead.train.config import ConfigError, TrainConfig
+    from drafthead.train.run import build_trainer
+    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+
+    tok = tiny_tokenizer()
+    cfg = TrainConfig.from_dict(dict(
+        target="tiny", head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, report_to="none",
+        output_dir=str(tmp_path / "run"), context_parallel=2, batch_size=2, max_steps=1, checkpoint_every=0,
+        data={"source": "json", "path": str(write_tiny_jsonl(tmp_path / "chats.jsonl", 8)), "max_length": 32,
+              "eval_fraction": 0.0},
+    ))
+    trainer = build_trainer(cfg, tiny_target(tok), tok, target_name="tiny")
+    with pytest.raises(ConfigError, match="context_parallel: 2 does not divide the 1 processes"):
+        trainer.fit(progress=False)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

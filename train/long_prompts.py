@@ -33,14 +33,16 @@ def long_chats(conversations: Iterable[dict], tokenizer, tokens: int, count: int
     out: list[dict] = []
     history: list[dict] = []  # whole exchanges, user and assistant turns alternating
     for user, answer in exchanges(conversations):
-        if prompt_tokens(tokenizer, [user]) > tokens:
-            history = []
-            continue
         candidate = history + [user]
-        while prompt_tokens(tokenizer, candidate) > tokens:
+        size = prompt_tokens(tokenizer, candidate)  # rendered once per candidate: 8K-token renders add up
+        while size > tokens and history:
             history = history[2:]  # the oldest exchange goes
             candidate = history + [user]
-        if prompt_tokens(tokenizer, candidate) > 3 * tokens // 4:
+            size = prompt_tokens(tokenizer, candidate)
+        if size > tokens:  # the question alone is over budget
+            history = []
+            continue
+        if size > 3 * tokens // 4:
             out.append({"id": f"long{tokens}-{len(out)}", "messages": candidate})
             if len(out) == count:
                 return out

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..inference.bench.run import per_position_acceptance, tau_by_context, tau_of
 from ..inference.drafters.load import chain_settings, head_drafter
-from ..inference.bench.replay import DRAFTHEAD, VLLM, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
+from ..inference.bench.replay import DRAFTHEAD, VLLM, Counting, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
 from .config import ReplayConfig
 
 
@@ -60,14 +60,15 @@ class ReplayEval:
         self.target, self.samples, self.config, self.eos_token_ids = target, eval_samples, config, tuple(eos_token_ids)
         self._held_out: list[HeldOut] | None = None
 
-    def drafters(self, head: nn.Module) -> dict[str, object]:
-        """{metric prefix: drafter} for the chain, with replay.vllm the chain again (counted as vLLM
-        counts), and with replay.tree the default tree."""
-        drafters = {"replay": head_drafter(head, **chain_settings(head.kind, self.config.chain))}
+    def drafters(self, head: nn.Module) -> dict[str, tuple[object, Counting]]:
+        """{metric prefix: (drafter, how its rounds are counted)}: the chain as our engine counts
+        it, with replay.vllm the same chain as vLLM counts it, and with replay.tree the default tree."""
+        chain = head_drafter(head, **chain_settings(head.kind, self.config.chain))
+        drafters = {"replay": (chain, DRAFTHEAD)}
         if self.config.vllm:
-            drafters["replay_vllm"] = head_drafter(head, **chain_settings(head.kind, self.config.chain))
+            drafters["replay_vllm"] = (chain, VLLM)  # every replay begins the drafter afresh
         if self.config.tree:
-            drafters["replay_tree"] = head_drafter(head)
+            drafters["replay_tree"] = (head_drafter(head), DRAFTHEAD)
         return drafters
 
     def held_out(self, drafters) -> list[HeldOut]:
@@ -96,10 +97,9 @@ class ReplayEval:
         head.eval()
         try:
             drafters = self.drafters(head)
-            held_out = self.held_out(drafters.values())
+            held_out = self.held_out([drafter for drafter, _ in drafters.values()])
             out: dict[str, float] = {}
-            for prefix, drafter in drafters.items():
-                counting = VLLM if prefix == "replay_vllm" else DRAFTHEAD
+            for prefix, (drafter, counting) in drafters.items():
                 per_sequence = [(h.prompt_len, replay_greedy(drafter, h.sequence, h.prompt_len, h.hidden, h.end, counting))
                                 for h in held_out]
                 accepted = [a for _, rounds in per_sequence for a in rounds]

@@ -276,6 +276,8 @@ class Trainer:
         """(data-parallel replicas, this process's replica): with context_parallel = c, the c
         consecutive ranks of a group read the same batches."""
         acc, cp = self.accelerator, self.config.context_parallel
+        if acc.num_processes % cp:
+            raise ConfigError(f"context_parallel: {cp} does not divide the {acc.num_processes} processes")
         return acc.num_processes // cp, acc.process_index // cp
 
     def batches_per_epoch(self) -> int:
@@ -405,9 +407,9 @@ class Trainer:
         if self.fsdp and (self.replay is not None or cfg.keep_best != "none"):
             raise NotImplementedError("replay and keep_best need the whole head on one process: use parallelism: ddp")
         if cfg.context_parallel > 1:
-            self._split_rows(world)
+            self._split_rows()
 
-    def _split_rows(self, world: int) -> None:
+    def _split_rows(self) -> None:
         """context_parallel = c: groups of c consecutive ranks, each group one process group of its
         own (its all-gathers never queue behind DDP's all-reduces), and the head told its rank in
         its group (heads/context_split.py)."""
@@ -416,14 +418,12 @@ class Trainer:
         from ..heads.context_split import ContextSplit
 
         cfg, cp = self.config, self.config.context_parallel
-        if world % cp:
-            raise ConfigError(f"context_parallel: {cp} does not divide the {world} processes")
+        replicas, replica = self.data_world()  # refuses a world that cp does not divide
         if not hasattr(self.head, "context_split"):
             raise NotImplementedError(f"context_parallel splits EAGLE-3's training-time-test rows (eagle3, eagle31); "
                                       f"{cfg.head['kind']} does not split them")
-        rank = self.accelerator.process_index
-        groups = [dist.new_group(list(range(g * cp, (g + 1) * cp))) for g in range(world // cp)]  # every rank makes every group
-        self.head.context_split = ContextSplit(rank % cp, cp, groups[rank // cp])
+        groups = [dist.new_group(list(range(g * cp, (g + 1) * cp))) for g in range(replicas)]  # every rank makes every group
+        self.head.context_split = ContextSplit(self.accelerator.process_index % cp, cp, groups[replica])
 
     def _restore(self, ckpt: Checkpoint, optimizer, state: TrainState) -> TrainState:
         """The head, optimizer, scheduler, grad scaler and this rank's RNG as `ckpt` left them;

@@ -54,7 +54,6 @@ class Counting:
 
 DRAFTHEAD = Counting("drafthead", first_token_drafted=True, whole_chain_at_end=False)
 VLLM = Counting("vllm", first_token_drafted=False, whole_chain_at_end=True)
-COUNTINGS = {c.name: c for c in (DRAFTHEAD, VLLM)}
 
 
 def sequence_hidden_states(target, sequence: torch.Tensor, drafters) -> tuple[torch.Tensor, ...] | None:
