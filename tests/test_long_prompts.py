@@ -57,3 +57,10 @@ def test_the_cli_writes_a_file_bench_reads_and_never_replaces_one(tmp_path, caps
     assert len(prompts) == 2 and prompts[0].messages[-1]["role"] == "user" and len(prompts[0].messages) > 3
     assert main(args) == 2
     assert "exists: remove it or write somewhere else" in capsys.readouterr().err
+    # a second copy writing the same file while the first holds it is refused, and writes nothing
+    from drafthead.heads.outdir import output_lock
+
+    other = tmp_path / "other.jsonl"
+    with output_lock(other):
+        assert main(args[:-1] + [str(other)]) == 2
+    assert "is being written by another drafthead process" in capsys.readouterr().err and not other.exists()

@@ -332,14 +332,19 @@ def _vllm_engine(args, loaded, config):
 
 def _long_prompts(args) -> int:
     from ..heads.io import atomic_write
+    from ..heads.outdir import output_lock
     from ..inference.engine.targets import load_tokenizer
     from ..train.long_prompts import long_chats
     from ..train.sources import iter_conversations, resolve_source, source_format
     from ..train.source_report import SourceReport
 
     out = Path(args.out)
-    if out.exists():  # it may be someone's data: never replaced
-        raise FileExistsError(f"{out} exists: remove it or write somewhere else")
+
+    def refuse_existing():
+        if out.exists():  # it may be someone's data: never replaced
+            raise FileExistsError(f"{out} exists: remove it or write somewhere else")
+
+    refuse_existing()  # at the start, before the tokenizer and the data are read
     tokenizer, _ = load_tokenizer(args.target)
     file = resolve_source(args.source, args.path)
     report = SourceReport(source=args.source)
@@ -351,7 +356,9 @@ def _long_prompts(args) -> int:
             for prompt in prompts:
                 f.write(json.dumps(prompt, ensure_ascii=False) + "\n")
 
-    atomic_write(out, write)
+    with output_lock(out):  # a second copy writing the same file at once is refused, not raced
+        refuse_existing()  # one that finished meanwhile is kept
+        atomic_write(out, write)
     print(f"{len(prompts)} prompts of at most {args.tokens} tokens in {out}, from {report.conversations} conversations")
     return 0
 
