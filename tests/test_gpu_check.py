@@ -1,6 +1,7 @@
 """The GPU check's CPU dry run (scripts/gpu/check.sh --dry-run): staging without wheels, the device
 tests of tests/test_cuda.py run on the CPU, one training step of an EAGLE-3 head on a target of
-SmolLM2-135M's shapes with random weights, and its bench, ending in the summary line. What the GPU
+SmolLM2-135M's shapes with random weights at two short lengths (the long-context step) and for
+the training run, and its bench, ending in the summary line. What the GPU
 run does, short of the device (docs/testing.md "On a GPU")."""
 import json
 import os
@@ -20,3 +21,5 @@ def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["device"] == "cpu" and summary["steps"] == 1 and summary["loss"] > 0
     assert summary["bench"]["identical_fraction"] == 1.0
+    lengths = [json.loads(line) for line in (tmp_path / "long_context.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in lengths] == [64, 128] and all(r["loss"] > 0 for r in lengths)

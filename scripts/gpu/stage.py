@@ -19,10 +19,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-# packages drafthead imports that the GPU image lacks, or holds at versions our tests did not run
-# (docs/testing.md "On a GPU"); installed there with --no-deps --no-index from the carried wheels
-# (wandb stays behind: 22 MB, and the check logs with report_to=none)
-WHEELS = ("transformers==5.25.0", "datasets==5.2.0", "dill==0.4.1", "multiprocess==0.70.19", "gguf==0.19.0")
+# the packages drafthead needs at versions the GPU image lacks (docs/testing.md "On a GPU"): their
+# dependency closure is downloaded, less what the image holds at versions that satisfy it or what
+# is too large to carry (pyarrow: 55 MB; the image's is used). Installed there offline, resolved
+# against the image's own packages (its tokenizers 0.23.2 caps huggingface_hub below 2.0, so
+# tokenizers travels too). wandb stays behind (22 MB; the check logs with report_to=none).
+WANTED = ("transformers==5.25.0", "huggingface_hub==2.4.0", "datasets==5.2.0", "gguf==0.19.0")
+IMAGE_HAS = {"numpy", "pandas", "pyarrow", "safetensors", "typer", "pydantic", "pydantic_core", "rich",
+             "pygments", "markdown_it_py", "mdurl", "shellingham", "annotated_doc", "annotated_types", "typing_inspection",
+             "torch", "triton", "sympy", "networkx", "jinja2", "markupsafe", "mpmath"}
+PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
 
 
 def main(argv=None) -> int:
@@ -52,13 +58,25 @@ def main(argv=None) -> int:
         for prompt in load_prompts("mt-bench", 8):
             f.write(json.dumps({"id": prompt.id, "prompt": prompt.text}) + "\n")
     if not args.no_wheels:
-        (out / "wheels").mkdir(exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary", ":all:",
-                        "--python-version", args.python_version, "--platform", "manylinux_2_28_x86_64",
-                        "--platform", "manylinux2014_x86_64", "-d", str(out / "wheels"), *WHEELS], check=True)
+        stage_wheels(out / "wheels", args.python_version)
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"staged {out}: {size / 2**20:.1f} MiB")
     return 0
+
+
+def stage_wheels(folder: Path, python_version: str) -> None:
+    """WANTED and their dependencies for the image's Python, less IMAGE_HAS, into `folder`."""
+    import tempfile
+
+    platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
+    with tempfile.TemporaryDirectory() as every:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "--python-version",
+                        python_version, "--implementation", "cp", *platforms, "-d", every, *WANTED], check=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        for wheel in Path(every).glob("*.whl"):
+            if wheel.name.split("-")[0].lower() not in IMAGE_HAS:
+                shutil.copy(wheel, folder / wheel.name)
 
 
 if __name__ == "__main__":
