@@ -22,6 +22,9 @@ class FeatureBatch:
     # [B, T] long: each token's position in its own conversation when rows are packed (several
     # conversations per row, heads/packing.py); None: one conversation per row, positions 0..T-1
     position_ids: torch.Tensor | None = None
+    # the hidden states hold one rank's columns of a row split across ranks (train/split_target.py),
+    # the final layer with the halo of later columns EAGLE-3's loss reads; ids and masks stay whole
+    split_columns: bool = False
 
     @property
     def positions(self) -> torch.Tensor:
@@ -48,4 +51,5 @@ class FeatureBatch:
             self.loss_mask.to(device),
             {k: v.to(device) for k, v in self.hidden_states.items()},
             self.position_ids.to(device) if self.position_ids is not None else None,
+            self.split_columns,
         )

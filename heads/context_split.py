@@ -12,6 +12,9 @@ global column numbering, which ring attention does not.
 
 Losses are means over the whole sequence: each rank sums its columns' terms over the group's count
 (`all_sum`), so the group's partial losses add up to the unsplit loss, and so do its gradients.
+What weighs a row's positions together is computed over the whole row: LK^lambda's weight from the
+group's mean acceptance, the entropy curriculum's cut from every rank's entropies
+(`gather_ragged`).
 """
 from __future__ import annotations
 
@@ -44,6 +47,17 @@ class ContextSplit:
         from torch.distributed.nn.functional import all_gather
 
         return torch.cat(all_gather(local.contiguous(), group=self.group), dim=dim)
+
+    def gather_ragged(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's 1-D `local`, whatever its length, in rank order; no gradient."""
+        sizes = [torch.zeros(1, dtype=torch.long, device=local.device) for _ in range(self.size)]
+        dist.all_gather(sizes, torch.tensor([local.numel()], device=local.device), group=self.group)
+        width = max(int(n) for n in sizes)
+        padded = torch.zeros(width, dtype=local.dtype, device=local.device)
+        padded[:local.numel()] = local.detach()
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)
+        return [part[:int(n)] for part, n in zip(parts, sizes)]
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """The sum over the group of a tensor that needs no gradient (counts, metrics)."""

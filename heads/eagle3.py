@@ -45,7 +45,7 @@ from .context_split import ContextSplit, pad_columns
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
 from .eagle import DecoderHeadBase, cache_kwarg
 from .io import shift_left, shifted_labels
-from .losses import acceptance_rate, distill_loss, entropy_of, lk_lambda, loss_chunk_rows, recompute_loss
+from .losses import acceptance_rate, distill_loss, entropy_of, lk_lambda, lk_lambda_of_mean, loss_chunk_rows, recompute_loss
 from .packing import causal_within, row_positions
 from .ttt_attention import TTTMask, ttt_attention_for
 
@@ -264,15 +264,16 @@ class Eagle3Head(DecoderHeadBase):
             w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
             return torch.softmax(nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1).to(final.device)
 
-    def distill_rows(self, hidden: torch.Tensor, final: torch.Tensor, keep=None,
-                     count: int | None = None) -> tuple[torch.Tensor, float, float]:
+    def distill_rows(self, hidden: torch.Tensor, final: torch.Tensor, keep=None, count: int | None = None,
+                     split: ContextSplit | None = None) -> tuple[torch.Tensor, float, float]:
         """One unroll step's loss over N positions: draft hidden states [N, H] against the target's
         distribution from `final` [N, H] (`_target_rows`), the mean of `config.loss` over the
         positions `keep(entropies [N]) -> bool [N]` keeps (None: all), with (alpha, top-1 agreement)
         over all N. Chunk by chunk (heads/losses.py loss_chunk_rows) under checkpointing when N
         positions' [N, Vd] tensors are more than the backward should keep (heads/losses.py
         recompute_loss): what it keeps is then O(N H). count: the mean's denominator when these N
-        positions are one rank's share of a split row (default N)."""
+        positions are one rank's share of a split row (default N); split: that row's split, over
+        whose positions the curriculum's cut and LK^lambda's weight are taken."""
         cfg = self.config
         n = hidden.shape[0]
         rows = loss_chunk_rows(cfg.draft_vocab_size)
@@ -280,15 +281,24 @@ class Eagle3Head(DecoderHeadBase):
         weights = torch.full((n,), 1.0 / max(n if count is None else count, 1), device=hidden.device)
         if keep is not None:
             with torch.no_grad():
-                entropy = torch.cat([entropy_of(self._target_rows(final[a:b])) for a, b in chunks])
-                kept = keep(entropy)
-                weights = kept.float() / kept.sum().clamp_min(1)
+                entropy = torch.cat([entropy_of(self._target_rows(final[a:b])) for a, b in chunks]) if n else hidden.new_zeros(0)
+                if split is None:
+                    kept = keep(entropy)
+                    weights = kept.float() / kept.sum().clamp_min(1)
+                else:  # the cut over the whole row's positions, this rank's share of them kept
+                    every = split.gather_ragged(entropy)
+                    kept = keep(torch.cat(every))[sum(e.numel() for e in every[:split.rank]):][:n]
+                    weights = kept.float() / split.all_sum(kept.sum()).clamp_min(1)
         lam = None
-        if cfg.loss == "lk_lambda" and len(chunks) > 1:  # its weight is over all N positions, not per chunk
+        if cfg.loss == "lk_lambda" and (len(chunks) > 1 or split is not None):  # its weight is over all positions
             with torch.no_grad():
                 alpha = torch.cat([acceptance_rate(self._target_rows(final[a:b]), torch.softmax(self.logits(hidden[a:b]).float(), -1))
-                                   for a, b in chunks])
-            lam = lk_lambda(alpha, cfg.lk_eta)
+                                   for a, b in chunks]) if n else hidden.new_zeros(0)
+                if split is None:
+                    lam = lk_lambda(alpha, cfg.lk_eta)
+                else:  # the group's mean acceptance
+                    total_alpha, total_n = split.all_sum(torch.stack([alpha.double().sum(), alpha.new_tensor(n, dtype=torch.float64)]))
+                    lam = lk_lambda_of_mean(float(total_alpha) / float(total_n), cfg.lk_eta) if total_n else 1.0
 
         def part(h, f, w):
             logits = self.logits(h).float()  # [c, Vd]
@@ -297,6 +307,8 @@ class Eagle3Head(DecoderHeadBase):
             return (each * w).sum(), alpha, (logits.argmax(-1) == p.argmax(-1)).float()
 
         checkpointed = torch.is_grad_enabled() and recompute_loss(n, cfg.draft_vocab_size)
+        if not n:  # a rank whose share of a split row has no labels here: it took part in the collectives above
+            return hidden.sum() * 0.0, 0.0, 0.0
         total, alphas, agrees = hidden.new_zeros((), dtype=torch.float32), [], []
         for a, b in chunks:
             args = (hidden[a:b], final[a:b], weights[a:b])
@@ -324,17 +336,21 @@ class Eagle3Head(DecoderHeadBase):
         final = batch.hidden_states[cfg.final_layer]  # [B, T, H]: the target's distributions come from it, rows at a time
         features = [batch.hidden_states[i] for i in cfg.feature_layers]
         lo, hi = 0, ids.shape[1]
+        final_lo = 0  # the column final[:, 0] holds
+        if batch.split_columns and split is None:
+            raise ValueError("the batch holds one rank's columns of split rows, but this head has no context_split")
         if split is not None:
-            if cfg.loss == "lk_lambda" or (self.training and cfg.entropy_ramp > 0):
-                raise NotImplementedError("context parallelism: loss lk_lambda and entropy_ramp weigh every position "
-                                          "of a row together; use another loss, or context_parallel: 1")
             padded = split.shard(ids.shape[1]) * split.size
-            ids, loss_mask, attention_mask, final = (pad_columns(x, padded) for x in (ids, loss_mask, attention_mask, final))
+            ids, loss_mask, attention_mask = (pad_columns(x, padded) for x in (ids, loss_mask, attention_mask))
+            final = final if batch.split_columns else pad_columns(final, padded)
             if position_ids is not None:  # the padding continues the last conversation
                 tail = position_ids[:, -1:] + torch.arange(1, padded - position_ids.shape[1] + 1, device=ids.device)
                 position_ids = torch.cat([position_ids, tail], dim=1)
             lo, hi = split.bounds(ids.shape[1])
-            features = [pad_columns(f, padded)[:, lo:hi] for f in features]
+            if batch.split_columns:  # the target ran split too: local features, final from column lo on
+                final_lo = lo
+            else:
+                features = [pad_columns(f, padded)[:, lo:hi] for f in features]
         fused = self.fuse(features)  # [B, T, H] (this rank's columns when split)
         total = fused.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
@@ -346,13 +362,14 @@ class Eagle3Head(DecoderHeadBase):
             _, valid = shifted_labels(ids, loss_mask, attention_mask, 2 + i, position_ids)
             b_idx, t_idx = valid[:, lo:hi].nonzero(as_tuple=True)
             n = b_idx.numel()
-            count = n if split is None else int(split.all_sum(torch.tensor(n)))
-            if n:  # the target's distribution for token t + 2 + i is read at t + 1 + i
-                step_loss, alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, lo + t_idx + 1 + i], keep, count)
+            count = n if split is None else int(split.all_sum(torch.tensor(n, device=ids.device)))
+            if count:  # the target's distribution for token t + 2 + i is read at t + 1 + i; every rank of a split row calls
+                step_loss, alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, lo - final_lo + t_idx + 1 + i], keep, count,
+                                                          split)
             else:
                 step_loss, alpha, acc = hidden.sum() * 0.0, 0.0, 0.0
             total = total + cfg.ttt_decay**i * step_loss
-            figures = torch.tensor([float(step_loss.detach()), alpha * n, acc * n])
+            figures = torch.tensor([float(step_loss.detach()), alpha * n, acc * n], device=ids.device)
             if split is not None:  # the whole rows' figures: shares of the loss add, the rest is weighted by n
                 figures = split.all_sum(figures)
             metrics[f"loss_{i}"] = float(figures[0])

@@ -45,7 +45,12 @@ def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 def lk_lambda(alpha: torch.Tensor, eta: float) -> float:
     """LK^lambda's KL weight exp(-eta * mean alpha) over the positions alpha [N] (1 when N = 0)."""
-    return math.exp(-eta * float(alpha.detach().mean())) if alpha.numel() else 1.0
+    return lk_lambda_of_mean(float(alpha.detach().mean()), eta) if alpha.numel() else 1.0
+
+
+def lk_lambda_of_mean(mean_alpha: float, eta: float) -> float:
+    """LK^lambda's KL weight from the positions' mean acceptance rate."""
+    return math.exp(-eta * mean_alpha)
 
 
 LOSS_CHUNK_BYTES = 256 << 20  # one chunk of positions' [c, V] fp32 logits and the tensors made from them

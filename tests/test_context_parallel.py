@@ -1,7 +1,8 @@
 """Context parallelism for EAGLE-3 (heads/context_split.py): one row's columns split across 2 gloo
 processes give the unsplit loss and gradients, the ranks' shares summed, within fp32 rounding: one
 row or packed rows, GQA, a sliding window, rows whose length the ranks do not divide (the last
-shard padded), one attention chunk or chunks of a few rows."""
+shard padded), one attention chunk or chunks of a few rows, and the losses that weigh a row's
+positions together (LK^lambda, the entropy curriculum)."""
 from __future__ import annotations
 
 import os
@@ -26,14 +27,20 @@ CASES = {  # name: (family, packed, sample lengths, attention chunk budget in by
     "llama-packed-chunks": ("llama", True, EVEN, 3 * 4 * 4 * 40),
     "mistral-window-packed-odd": ("mistral", True, ODD, None),
     "qwen3-odd-chunks": ("qwen3", False, ODD, 2 * 4 * 4 * 40),
+    # what weighs a row's positions together: over the whole row, not each rank's share
+    "llama-lk_lambda": ("llama", False, ODD, None),
+    "llama-packed-entropy_ramp": ("llama", True, EVEN, None),
 }
+HEAD = {"llama-lk_lambda": {"loss": "lk_lambda"}, "llama-packed-entropy_ramp": {"entropy_ramp": 0.5, "entropy_start": 0.3}}
 
 
-def head_and_batch(family: str, packed: bool, lengths):
+def head_and_batch(family: str, packed: bool, lengths, case: str = ""):
     target = tiny_causal_lm(family, vocab=V, layers=4, hidden=32)
     torch.manual_seed(0)
-    config = make_config("eagle3", target, None, name="tiny", ttt_steps=3, draft_layer="target")
+    config = make_config("eagle3", target, None, name="tiny", ttt_steps=3, draft_layer="target", **HEAD.get(case, {}))
     head = build_head(config, target, token_counts=torch.arange(V), dtype=torch.float32).train()
+    if "entropy_ramp" in case:
+        head.train_progress = 0.2  # the curriculum keeps the 58% of positions of lowest entropy
     samples = samples_of(target, lengths)
     batch = collate_packed(samples, 40) if packed else collate(samples)
     return head, batch
@@ -47,7 +54,7 @@ def worker(rank: int, size: int, port: int, case: str, out: str) -> None:
         family, packed, lengths, budget = CASES[case]
         if budget is not None:
             ttt.CHUNK_BYTES = budget
-        head, batch = head_and_batch(family, packed, lengths)
+        head, batch = head_and_batch(family, packed, lengths, case)
         head.context_split = ContextSplit(rank, size)
         loss, grads = loss_and_grads(head, batch)
         _, metrics = head.compute_loss(batch)
@@ -69,7 +76,7 @@ def test_a_row_split_across_two_ranks_gives_the_unsplit_loss_and_gradients(case,
     if budget is not None:  # the same chunking unsplit
         ttt.CHUNK_BYTES, before = budget, ttt.CHUNK_BYTES
     try:
-        head, batch = head_and_batch(family, packed, lengths)
+        head, batch = head_and_batch(family, packed, lengths, case)
         assert batch.input_ids.shape[1] % 2 == (lengths == ODD and not packed)  # odd: the last shard padded
         loss, grads = loss_and_grads(head, batch)
         _, metrics = head.compute_loss(batch)
@@ -85,17 +92,10 @@ def test_a_row_split_across_two_ranks_gives_the_unsplit_loss_and_gradients(case,
         assert split["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
-def test_the_shards_cover_the_row_and_the_losses_that_weigh_whole_rows_are_refused():
+def test_the_shards_cover_the_row():
     halves = [ContextSplit(r, 2).bounds(31) for r in range(2)]
     assert halves == [(0, 16), (16, 32)]
     assert [ContextSplit(r, 3).bounds(9) for r in range(3)] == [(0, 3), (3, 6), (6, 9)]
-    target = tiny_causal_lm("llama", vocab=V, layers=4, hidden=32)
-    config = make_config("eagle3", target, None, name="tiny", ttt_steps=2, loss="lk_lambda")
-    head = build_head(config, target, token_counts=torch.arange(V), dtype=torch.float32).train()
-    head.context_split = ContextSplit(0, 1)
-    with pytest.raises(NotImplementedError, match="lk_lambda and entropy_ramp"):
-        head.compute_loss(collate(samples_of(target, (12,))))
-
 
 
 def test_a_split_that_does_not_divide_the_processes_is_refused_before_training(tmp_path, isolated_cache):

@@ -109,13 +109,18 @@ def test_ddp_and_fsdp_end_with_the_weights_of_one_process(two_process_runs, tiny
         torch.set_num_threads(threads)
     one = weights(tmp / "one")
     assert max(float((one[k].float() - initial[k].float()).abs().max()) for k in one) > 1e-3  # training moved the head
-    for parallelism in ("ddp", "fsdp", "cp", "fsdp-cp"):  # cp: one process's batches, each row split between the ranks
+    # cp: one process's batches, each row split between the ranks, the target's forward too. Its
+    # attention sums the same terms in another order (features equal within 1e-6,
+    # tests/test_split_target.py), and AdamW's normalised step turns that into up to 1e-4 of the
+    # weights where a gradient is near zero (lr 3e-3, 3 steps)
+    for parallelism, tolerance in (("ddp", 1e-5), ("fsdp", 1e-5), ("cp", 1e-4), ("fsdp-cp", 1e-4)):
         other = weights(two_process_runs / parallelism)
         assert set(other) == set(one)
         diff = max(float((one[k].float() - other[k].float()).abs().max()) for k in one)
-        assert diff < 1e-5, (parallelism, diff)
+        assert diff < tolerance, (parallelism, diff)
     cp_start = json.loads((two_process_runs / "cp" / "metrics.jsonl").read_text().splitlines()[0])
     assert cp_start["parallelism"] == "ddp+cp2" and cp_start["batches_per_epoch"] == 4  # 16 samples / batch 4, 1 replica
+    assert cp_start["target_forward"] == "split across 2 ranks"
     assert json.loads((two_process_runs / "fsdp-cp" / "metrics.jsonl").read_text().splitlines()[0])["parallelism"] == "fsdp+cp2"
     cp_rows = [json.loads(line) for line in (two_process_runs / "cp" / "metrics.jsonl").read_text().splitlines()]
     one_rows = [json.loads(line) for line in (tmp / "one" / "metrics.jsonl").read_text().splitlines()]

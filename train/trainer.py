@@ -43,8 +43,9 @@ from .checkpoint import (
 )
 from .config import ConfigError, TrainConfig, check_resume
 from .evaluate import WEIGHT_KEY, MetricMean, summarize
-from .features import collate, target_mask_kwargs
+from .features import OnlineFeaturizer, collate, target_mask_kwargs
 from .packing import collate_packed
+from .split_target import SplitFeaturizer, split_refusal
 from . import sharding
 from .tracking import PhaseClock, RunLog
 
@@ -244,6 +245,7 @@ class Trainer:
         self.target = target
         self.frozen_target = frozen_target
         self.fsdp = False  # set by fit(): the modules are sharded with fully_shard (train/sharding.py)
+        self.target_forward: str | None = None  # set by fit() under context_parallel: how online features are made
         self._bpe: int | None = None
         if target is not None:
             lora = config.lora
@@ -423,7 +425,15 @@ class Trainer:
             raise NotImplementedError(f"context_parallel splits EAGLE-3's training-time-test rows (eagle3, eagle31); "
                                       f"{cfg.head['kind']} does not split them")
         groups = [dist.new_group(list(range(g * cp, (g + 1) * cp))) for g in range(replicas)]  # every rank makes every group
-        self.head.context_split = ContextSplit(self.accelerator.process_index % cp, cp, groups[replica])
+        split = ContextSplit(self.accelerator.process_index % cp, cp, groups[replica])
+        self.head.context_split = split
+        featurize = self.data.featurize
+        if isinstance(featurize, OnlineFeaturizer):  # online features: the target's forward is split too, where it can be
+            refusal = split_refusal(featurize.model)
+            if refusal is None:
+                self.data.featurize = SplitFeaturizer(featurize.model, featurize.layers, split, self.head.config.final_layer,
+                                                      halo=self.head.config.ttt_steps)
+            self.target_forward = f"split across {cp} ranks" if refusal is None else f"whole on every rank: {refusal}"
 
     def _restore(self, ckpt: Checkpoint, optimizer, state: TrainState) -> TrainState:
         """The head, optimizer, scheduler, grad scaler and this rank's RNG as `ckpt` left them;
@@ -458,12 +468,14 @@ class Trainer:
             + (f" with changed settings ({'; '.join(changes)})" if changes else "") + f": world size {world} "
             f"({acc.distributed_type}), device {acc.device}, {n_train} train samples, {bpe} batches/epoch/process, "
             f"{total} steps; {state.parallelism}: this rank holds "
-            + ", ".join(f"{mine:,} of {whole:,} {part} parameters" for part, (mine, whole) in held.items()),
+            + ", ".join(f"{mine:,} of {whole:,} {part} parameters" for part, (mine, whole) in held.items())
+            + (f"; the target's forward runs {self.target_forward}" if self.target_forward else ""),
             world_size=world, distributed_type=str(acc.distributed_type), device=str(acc.device), parallelism=state.parallelism,
             mixed_precision=acc.mixed_precision,
             **{f"{part}_params_local": mine for part, (mine, _) in held.items()},
             train_samples=n_train, eval_samples=len(self.data.eval) if self.data.eval is not None else 0,
             batches_per_epoch=bpe, total_steps=total, step=state.step, changed_settings=changes,
+            target_forward=self.target_forward,
         )
 
     def _micro_step(self, model, read: EpochReader, state: TrainState, bpe: int, window: MetricMean, clock: PhaseClock,

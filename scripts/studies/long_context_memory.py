@@ -8,7 +8,7 @@ is a process-lifetime high-water mark), against `train --plan`'s activation esti
 
 With --context-parallel N, N processes (gloo) take the same row, each its 1/N of the columns
 (heads/context_split.py), with --threads split between them; each reports its own peak. The
-target's forward is not split: every rank runs it whole.
+target's forward is split as well (train/split_target.py). EAGLE-3 only.
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int
     from drafthead.heads.batch import FeatureBatch
     from drafthead.inference.engine.targets import load_target
     from drafthead.train.features import target_features
+    from drafthead.train.split_target import split_target_features
     from drafthead.train.allocator import map_large_blocks_for
     from drafthead.train.plan import RunShapes, activation_bytes
 
@@ -44,10 +45,7 @@ def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, config.vocab_size, (1, T), generator=g)
     mask = torch.ones(1, T, dtype=torch.long)
-    before = rss_mb()
-    start = time.perf_counter()
-    hidden = target_features(target, ids, mask, config.train_hidden_layers)
-    batch = FeatureBatch(ids, mask, torch.ones(1, T, dtype=torch.bool), hidden)
+    split = None
     if size > 1:
         import os
 
@@ -57,7 +55,15 @@ def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=size)
-        head.context_split = ContextSplit(rank, size)
+        split = head.context_split = ContextSplit(rank, size)
+    before = rss_mb()
+    start = time.perf_counter()
+    if split is None:
+        hidden = target_features(target, ids, mask, config.train_hidden_layers)
+    else:  # the target's forward split too (train/split_target.py), as `drafthead train` runs it
+        hidden = split_target_features(target, ids, mask, config.train_hidden_layers, split, final=config.final_layer,
+                                       halo=config.ttt_steps)
+    batch = FeatureBatch(ids, mask, torch.ones(1, T, dtype=torch.bool), hidden, split_columns=split is not None)
     loss, _ = head.compute_loss(batch)
     loss.backward()
     optimizer.step()
