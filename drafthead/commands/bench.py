@@ -25,7 +25,9 @@ from . import (
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark speculative decoding against plain generate()")
-    p.add_argument("--dataset", default="mt-bench", help="mt-bench or a .jsonl prompt file (default mt-bench)")
+    p.add_argument("--dataset", default="mt-bench",
+                   help="mt-bench; edits (ShareGPT requests whose answers copy the prompt: rewrite, fix, proofread; "
+                        "where prompt lookup pays); or a .jsonl prompt file (default mt-bench)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     p.add_argument("--out", default=None, metavar="JSON", help="write the report here")
     p.add_argument("--plot", default=None, metavar="PNG", help="acceptance / tau / tokens-per-second figure")
@@ -48,12 +50,14 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from ..inference.bench.run import BenchSettings, run_bench
     from ..inference.bench.prompts import load_prompts
+    from ..train.edit_prompts import EDITS, edit_prompts
     from ..inference.bench.report import format_table, plot_report, render_markdown
     from ..inference.engine.targets import eos_token_ids
 
     check_report_paths(args)
     check_drafting_args(args)
-    prompts = load_prompts(args.dataset, args.limit)  # before the model: bad input fails fast
+    # before the model: bad input fails fast
+    prompts = edit_prompts(args.limit) if args.dataset == EDITS else load_prompts(args.dataset, args.limit)
     sampling = sampling_from_args(args)
     external = [e for e in args.compare if e in EXTERNAL_ENGINES]
     if external and not sampling.greedy:

@@ -70,7 +70,7 @@ def load_prompts(spec: str | Path, limit: int | None = None) -> list[Prompt]:
         if not path.exists():
             if path.suffix == ".jsonl" or "/" in str(spec):
                 raise FileNotFoundError(f"no prompt file at {path}")
-            raise PromptError(f"unknown dataset '{spec}': use {MT_BENCH} or a path to a .jsonl file")
+            raise PromptError(f"unknown dataset '{spec}': use {MT_BENCH}, edits (drafthead bench) or a path to a .jsonl file")
         if path.is_dir():
             raise PromptError(f"{path} is a folder: expected {MT_BENCH} or a .jsonl file")
         prompts = _read_jsonl(path)

@@ -150,31 +150,21 @@ class LlamaCppTarget:
         """Every active row's tree in one forward (in chunks of whole rows beyond BATCH_TOKENS);
         returns logits [B, N, V] float32 and {hidden index: [B, N, H]} (N: the largest tree)."""
         width = max(t.num_nodes for t in trees)
+        self._leaves = {}
+        if len(trees) == 1 and width <= BATCH_TOKENS:  # one call fills every entry: the copied outputs are the result
+            nodes, _ = self._place(trees[0], lengths[0], 0, self._first_leaf)
+            out = self._decode(nodes, outputs=True)
+            hidden = ({i: h[None] for i, h in self._layer_inputs(len(nodes)).items()}
+                      if want_hidden and self._features else None)
+            return Verification(out[None], hidden)
         logits = torch.zeros(len(trees), width, self.vocab_size)
         hidden = ({i: torch.zeros(len(trees), width, self.hidden_size, dtype=self.feature_dtype)
                    for i in self._features} if want_hidden and self._features else None)
         next_leaf = self._first_leaf
-        self._leaves = {}
         where: list[tuple[int, int]] = []  # (row b, node) of each entry of the chunk being built
         chunk: list[tuple[int, int, list[int]]] = []  # (token, position, sequence ids)
         for b, (tree, length) in enumerate(zip(trees, lengths)):
-            parents = tree.parents.tolist()
-            sets = leaf_sets(parents)
-            depth = depths_of(parents)
-            n_leaves = len(sets[0])
-            row_seq = self._rows[b]
-            if n_leaves == 1:  # a chain (plain decoding too) extends the row's own sequence
-                seqs = [row_seq]
-            else:
-                seqs = list(range(next_leaf, next_leaf + n_leaves))
-                if next_leaf + n_leaves > MAX_SEQUENCES:
-                    raise LlamaCppError(f"{n_leaves} leaves do not fit the {MAX_SEQUENCES} sequences (use fit())")
-                next_leaf += n_leaves
-                for s in seqs:
-                    self.lib.llama_memory_seq_cp(self.memory, row_seq, s, -1, -1)
-            node_seqs = [[seqs[k] for k in node] for node in sets]
-            self._leaves[b] = (length, node_seqs, seqs)
-            nodes = [(int(t), length + depth[i], node_seqs[i]) for i, t in enumerate(tree.tokens[0].tolist())]
+            nodes, next_leaf = self._place(tree, length, b, next_leaf)
             if chunk and len(chunk) + len(nodes) > BATCH_TOKENS:
                 self._run_chunk(chunk, where, logits, hidden)
                 chunk, where = [], []
@@ -182,6 +172,28 @@ class LlamaCppTarget:
             chunk += nodes
         self._run_chunk(chunk, where, logits, hidden)
         return Verification(logits, hidden)
+
+    def _place(self, tree: DraftTree, length: int, b: int, next_leaf: int) -> tuple[list[tuple[int, int, list[int]]], int]:
+        """Row b's tree as (token, position, sequence ids) entries after its `length` committed
+        tokens, its leaves given sequences from `next_leaf` on (a chain stays on the row's own);
+        returns the entries and the next free leaf sequence. Records what keep() needs."""
+        parents = tree.parents.tolist()
+        sets = leaf_sets(parents)
+        depth = depths_of(parents)
+        n_leaves = len(sets[0])
+        row_seq = self._rows[b]
+        if n_leaves == 1:  # a chain (plain decoding too) extends the row's own sequence
+            seqs = [row_seq]
+        else:
+            seqs = list(range(next_leaf, next_leaf + n_leaves))
+            if next_leaf + n_leaves > MAX_SEQUENCES:
+                raise LlamaCppError(f"{n_leaves} leaves do not fit the {MAX_SEQUENCES} sequences (use fit())")
+            next_leaf += n_leaves
+            for s in seqs:
+                self.lib.llama_memory_seq_cp(self.memory, row_seq, s, -1, -1)
+        node_seqs = [[seqs[k] for k in node] for node in sets]
+        self._leaves[b] = (length, node_seqs, seqs)
+        return [(int(t), length + depth[i], node_seqs[i]) for i, t in enumerate(tree.tokens[0].tolist())], next_leaf
 
     def _run_chunk(self, chunk, where, logits: torch.Tensor | None, hidden: dict | None) -> None:
         """One llama_decode of `chunk`; entry j's logits (when `logits` is given) and feature
