@@ -495,7 +495,8 @@ def drafter_family(kind: str) -> str:
         raise ValueError(f"unknown head kind {kind!r} (known: {', '.join(KINDS)})")
     return KINDS[kind][1]
 
-HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config | DFlashConfig  # HydraConfig is a MedusaConfig; Eagle31Config and PEagleConfig are Eagle3Configs
+# HydraConfig is a MedusaConfig; Eagle31Config and PEagleConfig are Eagle3Configs
+HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config | DFlashConfig
 
 
 def config_from_dict(d: dict) -> HeadConfig:

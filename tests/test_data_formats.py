@@ -283,7 +283,7 @@ def test_stream_gives_the_cached_path_samples(stream_file, tiny_tokenizer):
 
 def test_stream_order_is_fixed_by_seed_and_epoch(stream_file, tiny_tokenizer):
     stream = TokenStream("json", str(stream_file), tiny_tokenizer, 64, eval_size=4, shuffle_buffer=16)
-    order = lambda seed, epoch: [key(s) for b in stream.batches(2, seed=seed, epoch=epoch) for s in b]
+    order = lambda seed, epoch: [key(s) for b in stream.batches(2, seed=seed, epoch=epoch) for s in b]  # noqa: E731
     first = order(0, 0)
     assert order(0, 0) == first
     assert order(0, 1) != first and order(1, 0) != first

@@ -7,7 +7,7 @@ from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, PromptTooLong, speculative_generate
 from drafthead.inference.engine.sampling import SamplingConfig
-from drafthead.inference.engine.tree import DraftTree, tree_attention_mask, tree_position_ids
+from drafthead.inference.engine.tree import tree_position_ids
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
 
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)]

@@ -380,7 +380,7 @@ def test_progressive_ttt_grows_the_unroll_over_the_ramp():
 
 def test_entropy_curriculum_keeps_the_lowest_entropy_share_growing_to_all():
     entropy = torch.tensor([0.9, 0.1, 0.5, 0.3, 0.7, 0.2, 0.8, 0.4, 0.6, 0.0])
-    kept = lambda progress: sorted(entropy_curriculum(entropy, 0.5, progress, 0.5).nonzero().flatten().tolist())
+    kept = lambda progress: sorted(entropy_curriculum(entropy, 0.5, progress, 0.5).nonzero().flatten().tolist())  # noqa: E731
     assert kept(0.0) == [1, 3, 5, 7, 9]  # half: the five lowest (0.0, 0.1, 0.2, 0.3, 0.4)
     assert kept(0.25) == [1, 2, 3, 4, 5, 7, 8, 9]  # share 0.5 + 0.5 * 0.25 / 0.5 = 0.75: ceil(7.5) = 8 lowest
     assert kept(0.5) == list(range(10)) and kept(0.9) == list(range(10))  # after the ramp: every position

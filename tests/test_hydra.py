@@ -9,7 +9,6 @@ from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import HydraDrafter, MedusaDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.sampling import SamplingConfig
-from tests.stats import chi_square_pvalue
 from tests.tiny import left_padded, prompts_of
 from tests.test_peagle import _batch
 from tests.test_sampling_exactness import VOCAB, assert_law_at_depth_two

@@ -45,10 +45,10 @@ def random_pair(N=6, V=9, seed=0):
 def test_objectives_equal_the_position_by_position_twin(loss):
     logits, p = random_pair()
     each, alpha = distill_loss(logits, p, loss, lk_eta=2.0)
-    alphas = [slow_alpha(l, q) for l, q in zip(logits.tolist(), p.tolist())]
+    alphas = [slow_alpha(lg, q) for lg, q in zip(logits.tolist(), p.tolist())]
     lam = math.exp(-2.0 * sum(alphas) / len(alphas))  # one weight for the call: the mean acceptance
     assert alpha.tolist() == pytest.approx(alphas, rel=1e-5)
-    want = [slow_objective(l, q, loss, lam) for l, q in zip(logits.tolist(), p.tolist())]
+    want = [slow_objective(lg, q, loss, lam) for lg, q in zip(logits.tolist(), p.tolist())]
     assert each.tolist() == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
@@ -138,9 +138,9 @@ def test_eagle3_unrolled_loss_equals_the_position_loop(loss):
                     if j < T and batch.loss_mask[b, j] and batch.attention_mask[b, j]:
                         p = torch.softmax(batch.hidden_states[LAYERS][b, t + 1 + i] @ W.T, -1).double()
                         pairs.append((head.logits(unrolled[i][b, t]).double().tolist(), p.tolist()))
-            alphas = [slow_alpha(l, p) for l, p in pairs]
+            alphas = [slow_alpha(lg, p) for lg, p in pairs]
             lam = math.exp(-2.5 * sum(alphas) / len(alphas))
-            step = sum(slow_objective(l, p, loss, lam) for l, p in pairs) / len(pairs)
+            step = sum(slow_objective(lg, p, loss, lam) for lg, p in pairs) / len(pairs)
             assert metrics[f"loss_{i}"] == pytest.approx(step, rel=1e-4)
             assert metrics[f"alpha_{i}"] == pytest.approx(sum(alphas) / len(alphas), rel=1e-4)
             slow += 0.8**i * step

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from drafthead.train.openai_server import ServerError, ServerSettings, root_url
 from drafthead.train.regenerate import RegenerateSettings, done_ids
 from drafthead.train.regenerate_server import regenerate_from_servers
 from drafthead.train.sources import load_conversations
-from tests.test_reliability import assert_failed_late, assert_refused, run_cli
+from tests.test_reliability import assert_failed_late, run_cli
 
 MODEL = "tiny-served"
 

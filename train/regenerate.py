@@ -334,7 +334,8 @@ def _append_records(f, batch: list[dict], histories: list[list[dict]], generatio
         if not any(m["role"] == "assistant" for m in messages):
             report.skipped_no_answer += 1
             continue
-        f.write(json.dumps({"id": str(conv["id"]), "messages": messages, "generation": generation}, ensure_ascii=False) + "\n")  # starts with RECORD_START
+        # the line starts with RECORD_START
+        f.write(json.dumps({"id": str(conv["id"]), "messages": messages, "generation": generation}, ensure_ascii=False) + "\n")
         report.written += 1
     f.flush()
     os.fsync(f.fileno())

@@ -101,7 +101,8 @@ class TokenStream:
             _conversations, gen_kwargs={"file": str(self.file), "fmt": self.format, "report": self.report, "limit": self.limit}
         )
         tokenizer, max_length = self.tokenizer, self.max_length
-        return rows.map(lambda row: format_row(tokenizer, row, max_length), remove_columns=["messages", "answer_token_ids"]).filter(has_loss, input_columns="n_loss")
+        return rows.map(lambda row: format_row(tokenizer, row, max_length),
+                        remove_columns=["messages", "answer_token_ids"]).filter(has_loss, input_columns="n_loss")
 
     def eval_samples(self) -> list[dict[str, torch.Tensor]]:
         """The first `eval_size` usable samples (fewer if the stream is shorter)."""

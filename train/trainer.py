@@ -557,7 +557,8 @@ class Trainer:
         if acc.is_main_process:
             with fresh_folder(final_dir, overwrite=True) as tmp:
                 self.head.save_pretrained(tmp, adapter_model=self.target, state=head_state)
-            log.event("end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir), **{f"eval_{k}": v for k, v in eval_metrics.items()})
+            log.event("end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir),
+                      **{f"eval_{k}": v for k, v in eval_metrics.items()})
         acc.wait_for_everyone()
         return final_dir
 

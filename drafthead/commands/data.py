@@ -20,8 +20,8 @@ import json
 import os
 from pathlib import Path
 
-from . import (_non_negative_int, _positive_float, _positive_int, llamacpp_target, add_device_option, add_overwrite_option, add_target_options, load_target_from_args, note, policy_from_args,
-               resolve_device)
+from . import (_non_negative_int, _positive_float, _positive_int, llamacpp_target, add_device_option, add_overwrite_option,
+               add_target_options, load_target_from_args, note, policy_from_args, resolve_device)
 
 
 def add_parser(subparsers) -> None:

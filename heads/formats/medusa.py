@@ -34,15 +34,15 @@ def is_vllm(cfg: dict) -> bool:
 def to_upstream(config, meta: dict, state: dict, target_lm_head: torch.Tensor | None, base_name: str) -> tuple[dict, dict]:
     K, L = config.num_heads, config.num_layers
     for h in range(K):  # upstream builds a head's blocks as `[ResBlock(H)] * L`: one module L times
-        blocks = [(state[f"blocks.{h}.layers.{l}.weight"], state[f"blocks.{h}.layers.{l}.bias"]) for l in range(L)]
+        blocks = [(state[f"blocks.{h}.layers.{j}.weight"], state[f"blocks.{h}.layers.{j}.bias"]) for j in range(L)]
         if any(not (torch.equal(w, blocks[0][0]) and torch.equal(b, blocks[0][1])) for w, b in blocks[1:]):
             raise ValueError(f"upstream Medusa shares one residual block's weights across a head's {L} blocks; this "
                              f"head's blocks differ (head {h}), so it would run differently there: use num_layers=1")
     out = {}
     for h in range(K):
-        for l in range(L):
-            out[f"{h}.{l}.linear.weight"] = state[f"blocks.{h}.layers.{l}.weight"]
-            out[f"{h}.{l}.linear.bias"] = state[f"blocks.{h}.layers.{l}.bias"]
+        for j in range(L):
+            out[f"{h}.{j}.linear.weight"] = state[f"blocks.{h}.layers.{j}.weight"]
+            out[f"{h}.{j}.linear.bias"] = state[f"blocks.{h}.layers.{j}.bias"]
         if config.share_lm_head:
             if target_lm_head is None:
                 raise ValueError("this Medusa head reads the target's LM head, which upstream Medusa stores in every "
@@ -64,17 +64,17 @@ def read_upstream(src, cfg: dict, state: dict) -> ForeignHead:
         m = _UPSTREAM_KEY.match(key)
         if m is None:
             raise HeadFormatError(f"{src}: unexpected tensor {key} in a Medusa checkpoint")
-        h, l, what = int(m.group(1)), int(m.group(2)), m.group(3)
+        h, j, what = int(m.group(1)), int(m.group(2)), m.group(3)
         if h >= K:
             raise HeadFormatError(f"{src}: tensor {key} names head {h}, but medusa_num_heads is {K}")
         if what == "weight":
-            if l != L:
+            if j != L:
                 raise HeadFormatError(f"{src}: tensor {key}: head {h}'s LM head should sit at index {L}")
             ours[f"lm_heads.{h}.weight"] = value
         else:
-            if l >= L:
-                raise HeadFormatError(f"{src}: tensor {key} names block {l}, but medusa_num_layers is {L}")
-            ours[f"blocks.{h}.layers.{l}.{what.split('.')[1]}"] = value
+            if j >= L:
+                raise HeadFormatError(f"{src}: tensor {key} names block {j}, but medusa_num_layers is {L}")
+            ours[f"blocks.{h}.layers.{j}.{what.split('.')[1]}"] = value
     overrides = {"num_heads": K, "num_layers": L, "share_lm_head": False}
     return ForeignHead("medusa", "medusa1", overrides, ours)
 

@@ -140,7 +140,6 @@ def compare_grads(theirs: dict, ours: dict) -> dict:
 
 
 def parity(args, samples: list[dict], head: str, reference: str | None) -> tuple[dict, dict]:
-    import torch
     from safetensors.torch import load_file
 
     from speculators.models.eagle3 import Eagle3DraftModel

@@ -267,7 +267,6 @@ def inspect_drafter(worker, dump_path: str) -> dict:
     On CPU, vLLM repacks 2-D linear weights for its GEMM kernels and empties the parameter
     (vllm/model_executor/layers/utils.py dispatch_cpu_unquantized_gemm, remove_weight): those
     show shape [0] here; norms, lm_head, embed_tokens and d2t keep their values."""
-    import torch
     from safetensors.torch import save_file
 
     mr = worker.model_runner

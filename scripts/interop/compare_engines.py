@@ -157,7 +157,8 @@ def main() -> int:
               "skipped": skipped, "rows": rows}
     (out / "engines.json").write_text(json.dumps(report, indent=1) + "\n")
     rounded = f" with weights rounded to {args.round_weights}" if args.round_weights else ""
-    lines = [f"SmolLM2-135M, {args.dtype}{rounded} (llama.cpp {args.llama_dtype or args.dtype}), {args.threads} threads, batch 1, greedy, {len(encoded)} MT-bench first turns, "
+    lines = [f"SmolLM2-135M, {args.dtype}{rounded} (llama.cpp {args.llama_dtype or args.dtype}), {args.threads} threads, batch 1, greedy, "
+             f"{len(encoded)} MT-bench first turns, "
              f"at most {n} new tokens; tokens/s with prefill; identical: prompts whose output equals ours without drafting.",
              "", "| engine | tokens | tokens/s | tau | identical |", "| --- | ---: | ---: | ---: | ---: |"]
     lines += [f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | {_cell(s, 'tau', '.2f')} | {_cell(s, 'identical', 'd')} |"

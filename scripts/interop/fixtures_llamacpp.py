@@ -45,13 +45,13 @@ SRC = LLAMACPP / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 BUILD = LLAMACPP / "build"
 REF_BIN = BUILD / "bin" / "llamacpp_eagle3_ref"
 AUX_IDS = [1, 2, 3]
-H, I, NH, NKV, HD, V, VD = 64, 128, 4, 2, 16, 256, 64
+H, FF, NH, NKV, HD, V, VD = 64, 128, 4, 2, 16, 256, 64
 
 
 def head_config(aux_top=True, bias=False) -> dict:
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-        "hidden_size": H, "intermediate_size": I, "num_attention_heads": NH, "num_key_value_heads": NKV,
+        "hidden_size": H, "intermediate_size": FF, "num_attention_heads": NH, "num_key_value_heads": NKV,
         "head_dim": HD, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5,
         "max_position_embeddings": 256, "rope_theta": 100000.0, "vocab_size": V, "draft_vocab_size": VD,
         "target_hidden_size": H, "attention_bias": bias, "mlp_bias": False, "tie_word_embeddings": False,
@@ -82,9 +82,9 @@ def head_tensors(bias=False) -> dict[str, torch.Tensor]:
         "midlayer.self_attn.k_proj.weight": w(NKV * HD, 2 * H),
         "midlayer.self_attn.v_proj.weight": w(NKV * HD, 2 * H),
         "midlayer.self_attn.o_proj.weight": w(H, NH * HD),
-        "midlayer.mlp.gate_proj.weight": w(I, H),
-        "midlayer.mlp.up_proj.weight": w(I, H),
-        "midlayer.mlp.down_proj.weight": w(H, I),
+        "midlayer.mlp.gate_proj.weight": w(FF, H),
+        "midlayer.mlp.up_proj.weight": w(FF, H),
+        "midlayer.mlp.down_proj.weight": w(H, FF),
         "norm.weight": norm(H),
         "lm_head.weight": w(VD, H, s=0.3),
     }

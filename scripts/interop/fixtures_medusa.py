@@ -48,9 +48,9 @@ def main() -> int:
     with torch.no_grad():
         for h in range(K):
             seq = model.medusa_head[h]
-            for l in range(L):
-                seq[l].linear.weight.copy_(torch.randn(H, H, generator=g) / H ** 0.5)
-                seq[l].linear.bias.copy_(0.1 * torch.randn(H, generator=g))
+            for j in range(L):
+                seq[j].linear.weight.copy_(torch.randn(H, H, generator=g) / H ** 0.5)
+                seq[j].linear.bias.copy_(0.1 * torch.randn(H, generator=g))
             seq[L].weight.copy_(torch.randn(V, H, generator=g) / H ** 0.5)
     model.eval()
 

@@ -78,7 +78,8 @@ def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int
                        head_frozen_bytes=0, hidden=config.hidden_size, draft_vocab=getattr(config, "draft_vocab_size", config.vocab_size),
                        steps=getattr(config, "ttt_steps", 1), kind=kind, tokens=T)
     planned = (activation_bytes(shapes) + 12 * shapes.head_trainable) / 2**20
-    return {"kind": kind, "tokens": T, "rank": rank, "context_parallel": size, "peak_rss_mb": peak, "rss_before_step_mb": before, "step_mb": peak - before,
+    return {"kind": kind, "tokens": T, "rank": rank, "context_parallel": size, "peak_rss_mb": peak, "rss_before_step_mb": before,
+            "step_mb": peak - before,
             "planned_step_mb": planned, "planned_over_measured": planned / (peak - before) if peak > before else None,
             "seconds": seconds, "tokens_per_s": T / seconds, "loss": float(loss)}
 

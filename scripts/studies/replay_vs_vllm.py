@@ -82,7 +82,7 @@ def main(argv=None) -> int:
               "requests_equal_step_for_step": equal_requests, "steps_equal": equal_steps, "steps": all_steps,
               "partings": partings}
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
-    fmt = lambda r: f"tau {r['tau']:.4f}  acceptance {', '.join(f'{x:.4f}' for x in r['acceptance'])}  steps {r['steps']}"
+    fmt = lambda r: f"tau {r['tau']:.4f}  acceptance {', '.join(f'{x:.4f}' for x in r['acceptance'])}  steps {r['steps']}"  # noqa: E731
     print(f"vLLM measured          {fmt(vllm_measured)}")
     for name, r in report["replayed"].items():
         print(f"replayed, {name:<12} {fmt(r)}")

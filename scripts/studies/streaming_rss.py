@@ -40,7 +40,7 @@ WORDS = ("the a of to and in is it that for on with as was at by be this from or
 def synthetic_lines(n_distinct: int, seed: int = 0) -> list[str]:
     """Distinct JSON lines (2-4 turns, ~3 kB) with an `{ID}` hole for the id."""
     rng = random.Random(seed)
-    text = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))
+    text = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
     lines = []
     for _ in range(n_distinct):
         messages = []
