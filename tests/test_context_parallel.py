@@ -21,6 +21,8 @@ from drafthead.train.packing import collate_packed
 from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
 
+pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
+
 EVEN, ODD = (23, 17, 30, 9), (23, 17, 31)  # rows of 30 / 31 columns; packed into 40: rows of 40 / 40 and 31
 CASES = {  # name: (family, packed, sample lengths, attention chunk budget in bytes or None)
     "llama": ("llama", False, EVEN, None),

@@ -22,6 +22,8 @@ from safetensors.torch import load_file
 from drafthead.train.tiny import save_tiny_target, write_tiny_jsonl
 from tests.dist_worker import equal_length_trainer, tiny_config
 
+pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
+
 REPO = Path(__file__).resolve().parent.parent
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
           "--mixed_precision", "no", "--dynamo_backend", "no"]

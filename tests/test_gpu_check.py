@@ -8,6 +8,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
 
 REPO = Path(__file__).resolve().parents[1]
 

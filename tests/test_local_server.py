@@ -13,6 +13,8 @@ import pytest
 
 from drafthead.inference.servers.local import ServerStartError, healthy, local_server
 
+pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
+
 HEALTH_SERVER = textwrap.dedent("""
     import http.server, sys
     class Health(http.server.BaseHTTPRequestHandler):

@@ -34,6 +34,8 @@ import json, os, signal, sys
 from drafthead.cli import main
 from drafthead.train import features
 
+pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
+
 if os.environ.get("KILL_RANK") == os.environ["RANK"]:
     real, calls = features._capture_shard, []
 

@@ -24,6 +24,8 @@ from drafthead.train.split_target import split_refusal, split_target_features
 from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
 
+pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
+
 LAYERS, FINAL, HALO = (1, 2, 3, 4), 4, 3
 EVEN, ODD = (23, 17, 30, 9), (23, 17, 31)
 CASES = {  # name: (family, packed, sample lengths, query chunk budget in bytes or None)
