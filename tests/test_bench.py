@@ -303,3 +303,20 @@ def test_tau_by_context_length_equals_a_token_by_token_count():
     # the first sequence's rounds emit 11 tokens per 5: after 25 rounds its context is 255, so the
     # 26th round still starts below 256
     assert got[0]["rounds"] == 26
+
+
+def test_peak_memory_sees_a_freed_allocation_and_each_block_starts_afresh():
+    import numpy as np
+    import torch
+
+    from drafthead.inference.bench.run import PeakMemory
+
+    first, second = PeakMemory(torch.device("cpu")), PeakMemory(torch.device("cpu"))
+    with first:
+        before = first.rss_mb
+        block = np.ones(200 * 2**20 // 8)  # 200 MB, touched
+        del block
+    with second:
+        pass
+    assert first.rss_mb - before > 150
+    assert second.rss_mb < first.rss_mb - 150

@@ -14,7 +14,7 @@ import torch
 
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.parallel import DFlashDrafter, ParallelDrafter
-from drafthead.inference.engine.drafter import RootOnlyDrafter
+from drafthead.inference.engine.drafter import DrafterBase, RootOnlyDrafter
 from drafthead.inference.engine.generate import GenerationConfig, generate_batch, speculative_generate
 from drafthead.inference.engine.sampling import SamplingConfig, logits_to_probs
 from drafthead.inference.engine.tree import DraftTree, chain_parents, node_depths
@@ -47,6 +47,34 @@ def next_logits(backend, seq: list[int]) -> torch.Tensor:
     """[V] the backend's logits for the token after `seq`, from a plain forward of its last token."""
     backend.start([torch.tensor(seq)], (), False, 1)
     return backend.verify([DraftTree(torch.tensor([seq[-1:]]), torch.tensor([-1]))], [len(seq) - 1], False).logits[0, 0]
+
+
+class RoundByRound(DrafterBase):
+    """Drafts nothing, as RootOnlyDrafter, but is not one: the engine runs its rounds one by one."""
+
+    def propose(self) -> DraftTree:
+        return DraftTree(self.history[:, -1:], torch.tensor([-1]))
+
+
+def test_plain_decoding_in_one_library_call_equals_it_round_by_round(smollm2):
+    """Batch-1 plain greedy decoding runs as one `greedy_run` (shim.cpp dh_greedy), or calls of
+    STREAM_CHUNK tokens while it streams. Both give the engine's round-by-round tokens, stops and
+    counts: to the length limit, and to an EOS the output reaches (its 6th token, taken as EOS)."""
+    loaded, backend, _, prompts = smollm2
+    for p in prompts:
+        config = GenerationConfig(max_new_tokens=48, eos_token_ids=(loaded.tokenizer.eos_token_id,))
+        rounds = speculative_generate(backend, RoundByRound(), p[None], config)
+        whole = speculative_generate(backend, RootOnlyDrafter(), p[None], config)
+        heard = []
+        streamed = speculative_generate(backend, RootOnlyDrafter(), p[None], config, on_tokens=heard.append)
+        assert whole.new_tokens.tolist() == rounds.new_tokens.tolist() == streamed.new_tokens.tolist()
+        assert (whole.finish_reason, whole.accepted_lengths) == (rounds.finish_reason, rounds.accepted_lengths)
+        assert [len(h) for h in heard] == [16, 16, 16] and sum(heard, []) == rounds.new_tokens[0].tolist()
+        eos = int(rounds.new_tokens[0, 5])
+        stop = GenerationConfig(max_new_tokens=48, eos_token_ids=(eos,))
+        short = speculative_generate(backend, RootOnlyDrafter(), p[None], stop)
+        assert short.new_tokens[0].tolist() == speculative_generate(backend, RoundByRound(), p[None], stop).new_tokens[0].tolist()
+        assert short.new_tokens[0].tolist()[-1] == eos and short.finish_reason == "eos"
 
 
 def test_a_tree_forward_gives_each_node_the_logits_of_its_own_path(smollm2):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
-from .drafter import RoundStats, TargetFeatures, fork_drafter
+from .drafter import RootOnlyDrafter, RoundStats, TargetFeatures, fork_drafter
 from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from .stopping import StopRules, check_stop_strings, first_stop
@@ -365,6 +365,10 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
         active, limits = _leave(backend, active, limits)
         if not active:
             break
+        stretch = _plain_stretch(run, active, limits[0])
+        if stretch:
+            num_forwards += stretch
+            continue
         policy = config.policy
         round_start = time.perf_counter()
         planned = 0 if policy is None else policy.plan(len(active))  # 0: whole trees, 1: plain
@@ -410,6 +414,45 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
                            draft_seconds=draft_seconds if drafting else None, planned=planned)
         clock.lap("other")
     return num_forwards
+
+
+STREAM_CHUNK = 16  # tokens per library call of plain decoding while the output streams (_plain_stretch)
+
+
+def _plain_stretch(run: _Decoding, active: list[_Row], max_depth: int) -> int:
+    """Plain greedy decoding of one row to its end in one backend call (the llama.cpp backend's
+    `greedy_run`), where nothing happens between its rounds: no drafting, no stop strings, no
+    repetition penalty. Streamed output goes out STREAM_CHUNK tokens at a time. The row ends as the
+    same plain rounds would leave it.
+    Returns the forwards it ran: 0 (nothing done) where that does not hold."""
+    row, config = active[0], run.config
+    greedy_run = getattr(run.backend, "greedy_run", None)
+    if (greedy_run is None or len(active) != 1 or not isinstance(row.drafter, RootOnlyDrafter) or config.policy is not None
+            or not config.sampling.greedy or row.seen is not None or run.rules.stop_strings or run.want_hidden or max_depth < 0):
+        return 0
+    streaming = run.on_tokens is not None or run.streamer is not None
+    before, pending = len(row.emitted), row.pending
+    tokens = greedy_run(pending, row.length, min(max_depth + 1, STREAM_CHUNK) if streaming else max_depth + 1,
+                        run.rules.eos_token_ids)
+    run.clock.lap("verify")
+    row.emitted.extend(tokens)
+    stop = first_stop(row.emitted, before, run.rules, run.decode)
+    if stop is not None:
+        del row.emitted[stop[0]:]
+        row.finish = stop[1]
+    kept = row.emitted[before:]
+    row.accepted_lengths.extend([1] * len(kept))
+    row.drafted.extend([0] * len(kept))
+    if run.on_tokens is not None and kept:
+        run.on_tokens(kept)
+    if run.streamer is not None and kept:
+        run.streamer.put(torch.tensor(kept))
+    row.drafter.commit(torch.tensor([[pending] + tokens[:-1]], device=run.device), None,
+                       torch.tensor([tokens[-1]], device=run.device),
+                       RoundStats(num_draft=0, num_accepted=0, depth=0, path=[0], skipped=False))
+    row.length += len(tokens)
+    row.pending = tokens[-1]
+    return len(tokens)
 
 
 def _limit(drafter, num_draft: int | None) -> None:

@@ -58,6 +58,8 @@ _SIGNATURES = {
     "dh_new_context": ([ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_bool,
                         ctypes.c_int], ctypes.c_void_p),
     "dh_decode": ([ctypes.c_void_p, ctypes.POINTER(LlamaBatch)], ctypes.c_int32),
+    "dh_greedy": ([ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, c_int32_p, ctypes.c_int32,
+                   c_int32_p], ctypes.c_int32),
     "dh_quantize": ([ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int], ctypes.c_uint),
     "dh_set_layer_inp": ([ctypes.c_void_p, ctypes.c_uint, ctypes.c_bool], None),
     "dh_get_layer_inp": ([ctypes.c_void_p, ctypes.c_uint], c_float_p),
@@ -95,7 +97,9 @@ def load():
         raise LibllamaMissing(f"llama.cpp backend at {path} does not load: {e}") from e
     calls = _Calls()
     for name, (args, result) in _SIGNATURES.items():
-        fn = getattr(libs[0] if name.startswith("dh_") else libs[1], name)
+        fn = getattr(libs[0] if name.startswith("dh_") else libs[1], name, None)
+        if fn is None:
+            raise LibllamaMissing(f"{path} has no {name}: it was built from an older drafthead (run `make llamacpp` again)")
         fn.argtypes, fn.restype = args, result
         setattr(calls, name, fn)
     calls.dh_init(bool(os.environ.get("DRAFTHEAD_LLAMA_VERBOSE")))

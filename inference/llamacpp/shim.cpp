@@ -49,6 +49,48 @@ int dh_decode(struct llama_context * ctx, const struct llama_batch * batch) {
     return llama_decode(ctx, *batch);
 }
 
+// Greedy decoding in one call, for stretches of plain rounds with nothing else to do between
+// tokens: decode `token` at `pos` on sequence `seq`, take the first index of the largest logit as
+// the next token (what torch's argmax gives), and so on, at most `n` times; stop after a token in
+// `stop`. The chosen tokens go to `out`; returns how many, or -1 - llama_decode's code on an error.
+// The cache then holds `token` and every chosen token but the last, as n plain rounds leave it.
+int dh_greedy(struct llama_context * ctx, int token, int pos, int seq, int n, const int * stop, int n_stop, int * out) {
+    const int n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+    llama_batch batch = llama_batch_init(1, 0, 1);
+    int done = 0;
+    while (done < n) {
+        batch.n_tokens = 1;
+        batch.token[0] = token;
+        batch.pos[0] = pos + done;
+        batch.n_seq_id[0] = 1;
+        batch.seq_id[0][0] = seq;
+        batch.logits[0] = 1;
+        const int rc = llama_decode(ctx, batch);
+        if (rc != 0) {
+            llama_batch_free(batch);
+            return -1 - rc;
+        }
+        const float * logits = llama_get_logits_ith(ctx, 0);
+        int best = 0;
+        for (int v = 1; v < n_vocab; ++v) {
+            if (logits[v] > logits[best]) {
+                best = v;
+            }
+        }
+        out[done++] = best;
+        token = best;
+        bool stopped = false;
+        for (int k = 0; k < n_stop; ++k) {
+            stopped = stopped || stop[k] == best;
+        }
+        if (stopped) {
+            break;
+        }
+    }
+    llama_batch_free(batch);
+    return done;
+}
+
 // llama.cpp's own quantizer: a GGUF's weights to `ftype` (llama.h enum llama_ftype); 0 on success
 unsigned dh_quantize(const char * src, const char * dst, int ftype, int n_threads) {
     llama_model_quantize_params p = llama_model_quantize_default_params();

@@ -207,6 +207,20 @@ class LlamaCppTarget:
             for i, h in self._layer_inputs(len(chunk)).items():
                 hidden[i][rows, cols] = h
 
+    def greedy_run(self, token: int, length: int, n: int, stop: tuple[int, ...]) -> list[int]:
+        """Up to n plain greedy rounds of the one active row in one library call (shim.cpp
+        dh_greedy): `token` (the pending one) goes in at position `length`; returns the tokens
+        chosen, stopping after one in `stop`. The cache is left as n plain rounds leave it."""
+        out = (ctypes.c_int32 * n)()
+        stops = (ctypes.c_int32 * max(1, len(stop)))(*stop)
+        done = self.lib.dh_greedy(self.ctx, token, length, self._rows[0], n, ctypes.cast(stops, _lib.c_int32_p), len(stop),
+                                  ctypes.cast(out, _lib.c_int32_p))
+        if done < 0:
+            raise LlamaCppError(f"llama_decode returned {-1 - done} in a run of plain rounds (1: no room in the KV cache of "
+                                f"{self.context})")
+        self._leaves = {}
+        return list(out[:done])
+
     def keep(self, paths: list[list[int]], lengths: list[int]) -> None:
         """Row b keeps its accepted nodes `paths[b]` (root first) after its committed text."""
         for b, path in enumerate(paths):
