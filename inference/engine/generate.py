@@ -431,28 +431,40 @@ def _plain_stretch(run: _Decoding, active: list[_Row], max_depth: int) -> int:
             or not config.sampling.greedy or row.seen is not None or run.rules.stop_strings or run.want_hidden or max_depth < 0):
         return 0
     streaming = run.on_tokens is not None or run.streamer is not None
-    before, pending = len(row.emitted), row.pending
+    pending = row.pending
     tokens = greedy_run(pending, row.length, min(max_depth + 1, STREAM_CHUNK) if streaming else max_depth + 1,
                         run.rules.eos_token_ids)
     run.clock.lap("verify")
-    row.emitted.extend(tokens)
-    stop = first_stop(row.emitted, before, run.rules, run.decode)
-    if stop is not None:
-        del row.emitted[stop[0]:]
-        row.finish = stop[1]
-    kept = row.emitted[before:]
+    kept = _emit(run, row, tokens)
     row.accepted_lengths.extend([1] * len(kept))
     row.drafted.extend([0] * len(kept))
-    if run.on_tokens is not None and kept:
-        run.on_tokens(kept)
-    if run.streamer is not None and kept:
-        run.streamer.put(torch.tensor(kept))
+    _stream(run, kept)
     row.drafter.commit(torch.tensor([[pending] + tokens[:-1]], device=run.device), None,
                        torch.tensor([tokens[-1]], device=run.device),
                        RoundStats(num_draft=0, num_accepted=0, depth=0, path=[0], skipped=False))
     row.length += len(tokens)
     row.pending = tokens[-1]
     return len(tokens)
+
+
+def _emit(run: _Decoding, row: _Row, tokens: list[int]) -> list[int]:
+    """Append a round's tokens to the row's output, cut at the first stop (which sets row.finish);
+    returns the tokens kept."""
+    before = len(row.emitted)
+    row.emitted.extend(tokens)
+    stop = first_stop(row.emitted, before, run.rules, run.decode)
+    if stop is not None:
+        del row.emitted[stop[0]:]
+        row.finish = stop[1]
+    return row.emitted[before:]
+
+
+def _stream(run: _Decoding, kept: list[int]) -> None:
+    """Hand the kept tokens to the caller's callback and streamer."""
+    if run.on_tokens is not None and kept:
+        run.on_tokens(kept)
+    if run.streamer is not None and kept:
+        run.streamer.put(torch.tensor(kept))
 
 
 def _limit(drafter, num_draft: int | None) -> None:
@@ -478,13 +490,7 @@ def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, res
     """Emit row b's accepted tokens, apply the stop rules and move its drafter on."""
     path_tokens = tree.tokens[0, result.path].tolist()
     round_tokens = path_tokens[1:] + [result.next_token]
-    before = len(row.emitted)
-    row.emitted.extend(round_tokens)
-    stop = first_stop(row.emitted, before, run.rules, run.decode)
-    if stop is not None:
-        del row.emitted[stop[0]:]
-        row.finish = stop[1]
-    kept = row.emitted[before:]
+    kept = _emit(run, row, round_tokens)
     row.accepted_lengths.append(len(kept))
     row.drafted.append(tree.num_draft)
     row.length += len(result.path)  # the root and the accepted drafts are now in the cache
@@ -492,11 +498,8 @@ def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, res
     device = tree.tokens.device
     if row.seen is not None:
         row.seen[0, torch.tensor(round_tokens, device=device)] = True
-    if run.on_tokens is not None and kept:
-        run.on_tokens(kept)
-    if run.streamer is not None and kept:
-        run.streamer.put(torch.tensor(kept))
-    if stop is not None:
+    _stream(run, kept)
+    if row.finish is not None:
         return
     path_index = torch.tensor(result.path, device=device)
     drafter = row.drafter
