@@ -25,6 +25,8 @@ from drafthead.train.workshare import WorkShare
 from drafthead.train.regenerate import RegenerateSettings, done_ids, merge_parts, part_files, part_path, regenerate
 from drafthead.train.tiny import write_tiny_jsonl
 
+pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Runs each argv list through the CLI; rank KILL_RANK SIGKILLs itself as it starts its second
@@ -33,8 +35,6 @@ LAUNCHED = """
 import json, os, signal, sys
 from drafthead.cli import main
 from drafthead.train import features
-
-pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
 
 if os.environ.get("KILL_RANK") == os.environ["RANK"]:
     real, calls = features._capture_shard, []
