@@ -66,6 +66,12 @@ class ContextSplit:
         return out
 
 
+def pad_positions(position_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """[B, T] positions padded to [B, length]: the padding continues the last conversation."""
+    tail = position_ids[:, -1:] + torch.arange(1, length - position_ids.shape[1] + 1, device=position_ids.device)
+    return torch.cat([position_ids, tail], dim=1)
+
+
 def pad_columns(x: torch.Tensor, length: int, fill=0) -> torch.Tensor:
     """x [B, T, ...] padded with `fill` to [B, length, ...] (length >= T)."""
     if x.shape[1] == length:

@@ -41,7 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .batch import FeatureBatch
 from .config import Eagle3Config
-from .context_split import ContextSplit, pad_columns
+from .context_split import ContextSplit, pad_columns, pad_positions
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
 from .eagle import DecoderHeadBase, cache_kwarg
 from .io import shift_left, shifted_labels
@@ -343,9 +343,8 @@ class Eagle3Head(DecoderHeadBase):
             padded = split.shard(ids.shape[1]) * split.size
             ids, loss_mask, attention_mask = (pad_columns(x, padded) for x in (ids, loss_mask, attention_mask))
             final = final if batch.split_columns else pad_columns(final, padded)
-            if position_ids is not None:  # the padding continues the last conversation
-                tail = position_ids[:, -1:] + torch.arange(1, padded - position_ids.shape[1] + 1, device=ids.device)
-                position_ids = torch.cat([position_ids, tail], dim=1)
+            if position_ids is not None:
+                position_ids = pad_positions(position_ids, padded)
             lo, hi = split.bounds(ids.shape[1])
             if batch.split_columns:  # the target ran split too: local features, final from column lo on
                 final_lo = lo

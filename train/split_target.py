@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..heads.batch import FeatureBatch
-from ..heads.context_split import ContextSplit, pad_columns
+from ..heads.context_split import ContextSplit, pad_columns, pad_positions
 from ..heads.identity import text_config
 from ..heads.packing import segment_ids
 from .features import target_mask_kwargs
@@ -65,13 +64,6 @@ def split_refusal(model) -> str | None:
     return None
 
 
-def _gather(local: torch.Tensor, split: ContextSplit) -> torch.Tensor:
-    """[B, h, Tl, D] from every rank -> [B, h, size * Tl, D] in rank order (no gradient)."""
-    parts = [torch.empty_like(local) for _ in range(split.size)]
-    dist.all_gather(parts, local.contiguous(), group=split.group)
-    return torch.cat(parts, dim=2)
-
-
 def split_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
                     dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
                     softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
@@ -81,7 +73,8 @@ def split_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     if row is None:
         raise RuntimeError("split_attention runs only inside split_target_features")
     B, heads, Tl, D = query.shape
-    keys, values = _gather(key, row.split), _gather(value, row.split)  # [B, hkv, Tp, D]
+    # [B, hkv, Tp, D] each; two collectives, since latent attention's keys and values differ in width
+    keys, values = row.split.gather(key, dim=2), row.split.gather(value, dim=2)
     kv_heads = keys.shape[1]
     g = heads // kv_heads
     scaling = D ** -0.5 if scaling is None else scaling
@@ -152,10 +145,8 @@ def split_target_features(model, input_ids: torch.Tensor, attention_mask: torch.
     ids, real = (pad_columns(x.to(device), padded) for x in (input_ids, attention_mask))
     if position_ids is None:
         positions = torch.arange(padded, device=device).expand(ids.shape[0], -1)
-    else:  # the padding continues the last conversation, as heads/eagle3.py pads it
-        position_ids = position_ids.to(device)
-        tail = position_ids[:, -1:] + torch.arange(1, padded - T + 1, device=device)
-        positions = torch.cat([position_ids, tail], dim=1)
+    else:
+        positions = pad_positions(position_ids.to(device), padded)
     lo, hi = split.bounds(padded)
     row = _Row(split, lo, real.bool(), positions, segment_ids(positions) if position_ids is not None else None)
     config = text_config(model)
@@ -167,8 +158,7 @@ def split_target_features(model, input_ids: torch.Tensor, attention_mask: torch.
     if final is not None and halo:
         state = hidden[final]
         k = min(halo, state.shape[1])  # k = S when the halo reaches past the next rank
-        firsts = [torch.empty_like(state[:, :k]) for _ in range(split.size)]
-        dist.all_gather(firsts, state[:, :k].contiguous(), group=split.group)
+        firsts = split.gather(state[:, :k], dim=1).split(k, dim=1)  # every rank's first k columns
         past_end = state.new_zeros(state.shape[0], halo, state.shape[2])
         hidden[final] = torch.cat([state, torch.cat([*firsts[split.rank + 1:], past_end], dim=1)[:, :halo]], dim=1)
     return hidden
