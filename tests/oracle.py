@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from drafthead.inference.engine.drafter import fork_drafter
-from drafthead.inference.engine.tree import DraftTree, node_depths
+from drafthead.inference.engine.tree import DraftTree, first_chain, node_depths
 
 # (sequence index, round) -> the depth whose node on the path gets a wrong token (the drafts above
 # it are accepted, it and those below are rejected), or None: the whole path is right
@@ -133,16 +133,18 @@ class RowDrafter:
 
 class OracleDrafter(RowDrafter):
     """A real drafter whose trees' deepest path (the last one; `last=False`: the first) is the
-    target's continuation, cut at the depth `cut(row, round)` says."""
+    target's continuation, cut at the depth `cut(row, round)` says. chain: the tree is first cut
+    to its first chain, what a hybrid target verifies (inference/engine/hybrid_target.py)."""
 
-    def __init__(self, inner, continuation, vocab: int, cut: Cut = never, sequence: int = 0, last: bool = True):
+    def __init__(self, inner, continuation, vocab: int, cut: Cut = never, sequence: int = 0, last: bool = True,
+                 chain: bool = False):
         super().__init__(inner, sequence)
-        self.continuation, self.vocab, self.cut, self.last = continuation, vocab, cut, last
+        self.continuation, self.vocab, self.cut, self.last, self.chain = continuation, vocab, cut, last, chain
         self.round = 0
         self.seen: tuple[int, ...] = ()  # committed tokens and the pending one
 
     def wrap(self, inner, sequence: int) -> "OracleDrafter":
-        return OracleDrafter(inner, self.continuation, self.vocab, self.cut, sequence, self.last)
+        return OracleDrafter(inner, self.continuation, self.vocab, self.cut, sequence, self.last, self.chain)
 
     def begin(self, tokens, features, pending) -> None:
         super().begin(tokens, features, pending)
@@ -157,6 +159,8 @@ class OracleDrafter(RowDrafter):
 
     def propose(self) -> DraftTree:
         tree = self.inner.propose()
+        if self.chain:
+            tree = tree.subtree(first_chain(tree.parents))
         if tree.num_nodes == 1:
             return tree
         depth = int(node_depths(tree.parents).max())
@@ -181,23 +185,24 @@ def by_row(sequence: int, round_: int) -> int | None:
 
 def assert_accepts_and_stays_exact(target, drafter_of, prompt, reference: list[int], prompts, references,
                                    ids, mask, max_new_tokens: int, ragged_new_tokens: int, generate_config,
-                                   vocab: int | None = None) -> None:
+                                   vocab: int | None = None, chain: bool = False) -> None:
     """The oracle-steered `drafter_of()` decodes `prompt` to `reference` while accepting paths of
     depth >= 2 in at least two rounds, and the ragged batch `ids`/`mask` (rows `prompts`) to
     `references` while its rows accept different lengths (row b is cut as `by_row` says).
-    vocab: the target's vocabulary size, for a target that is no torch module (the llama.cpp backend)."""
+    vocab: the target's vocabulary size, for a target that is no torch module (the llama.cpp backend).
+    chain: the drafts are cut to chains first, as a hybrid target verifies them."""
     from drafthead.inference.engine.generate import speculative_generate
 
     vocab = vocab or target.get_input_embeddings().num_embeddings
     continuation = known_continuation([prompt[0].tolist() + reference] + [p.tolist() + r for p, r in zip(prompts, references)])
-    oracle = OracleDrafter(drafter_of(), continuation, vocab, every_third_rejected)
+    oracle = OracleDrafter(drafter_of(), continuation, vocab, every_third_rejected, chain=chain)
     result = speculative_generate(target, oracle, prompt, generate_config(max_new_tokens))
     assert result.new_tokens[0].tolist() == reference
     drafts = accepted_drafts(result)
     assert sum(n >= 2 for n in drafts) >= 2, f"accepted drafts per round {drafts}: fewer than two of depth >= 2"
     assert 0 in drafts[:-1], f"accepted drafts per round {drafts}: no rejected round"
 
-    batched = speculative_generate(target, OracleDrafter(drafter_of(), continuation, vocab, by_row), ids,
+    batched = speculative_generate(target, OracleDrafter(drafter_of(), continuation, vocab, by_row, chain=chain), ids,
                                    generate_config(ragged_new_tokens), attention_mask=mask)
     assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     longest = [max(accepted_drafts(row)) for row in batched.rows]

@@ -22,6 +22,7 @@ from drafthead.inference.engine.targets import load_target
 from drafthead.inference.engine.drafter import fork_drafter
 from tests.oracle import assert_accepts_and_stays_exact
 from tests.tiny import left_padded
+from tests.tiny_training import train_three_steps
 from tests.tiny import MULTIMODAL, TARGETS, plain_greedy, repetitive_prompt, tiny_causal_lm
 
 LAYERS = 4
@@ -217,23 +218,13 @@ def test_medusa_and_hydra_heads_train_and_decode_exactly(tiny_target_dir, family
     would (`load_head_drafter`), decodes its target's (for Medusa-2 the adapted target's) plain
     greedy output at B=1 and for ragged rows. Medusa-2 adapts the target in place, so it gets
     its own copy of the folder's target."""
-    import json
     import math
 
     from drafthead.inference.drafters.load import load_head_drafter
-    from drafthead.train.config import TrainConfig
-    from drafthead.train.run import build_trainer
 
     folder = tiny_target_dir(family, layers=LAYERS)
     loaded = load_target(folder) if kind == "medusa2" else family_target(family)
-    config = TrainConfig.from_dict(dict(
-        target=str(folder), head={"kind": kind, "num_heads": 2}, report_to="none", output_dir=str(tmp_path / "run"),
-        data={"source": "json", "path": str(chats), "max_length": 48, "eval_fraction": 0.0},
-        batch_size=4, max_steps=3, log_every=1, lr=1e-2, warmup_steps=1, checkpoint_every=100, eval_every=100,
-    ))
-    result = build_trainer(config, loaded.model, loaded.tokenizer, target_name=family).fit(progress=False)
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in rows if r.get("split") == "train"]
+    result, losses = train_three_steps(folder, loaded, {"kind": kind, "num_heads": 2}, chats, tmp_path / "run", family)
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
 
     fresh = load_target(folder) if kind == "medusa2" else loaded  # the trained run left LoRA layers in its copy

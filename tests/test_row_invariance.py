@@ -20,7 +20,8 @@ from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.drafter import RootOnlyDrafter
 from drafthead.inference.engine.generate import GenerationConfig, generate_batch, speculative_generate
 from drafthead.inference.engine.invariant import row_invariant_attention
-from drafthead.inference.engine.torch_target import TorchTarget, target_backend
+from drafthead.inference.engine.backend import target_backend
+from drafthead.inference.engine.torch_target import TorchTarget
 from drafthead.inference.engine.tree import DraftTree
 from drafthead.inference.kernels import panel_kernel
 from drafthead.inference.kernels.target_linears import panel_linears

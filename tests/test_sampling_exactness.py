@@ -95,14 +95,15 @@ def assert_static_tree_sampling_exact(drafter_of) -> None:
     assert_law_at_depth_two(target, drafter_of(target, [(0,), (1,), (0, 0), (1, 0)]), prompt, sampling)
 
 
-def assert_law_at_depth_two(target, drafter, prompt, sampling, copies: int = 10, policy_of=None) -> None:
+def assert_law_at_depth_two(target, drafter, prompt, sampling, copies: int = 10, policy_of=None, chain: bool = False) -> None:
     """The joint law of the first three tokens after `prompt` [1, P] is the target's, with
     `drafter`'s trees steered to the target's greedy path (tests/oracle.py: a deterministic
     draft, so acceptance treats it as a point mass) so that at least MIN_DEEP rows accept a
-    depth-2 path whole in their first round. policy_of(): a load policy for each run, or None."""
+    depth-2 path whole in their first round. policy_of(): a load policy for each run, or None.
+    chain: the trees are cut to their first chain, as a hybrid target verifies them."""
     from tests.oracle import OracleDrafter, greedy_continuation
 
-    steered = OracleDrafter(drafter, greedy_continuation(target), VOCAB, last=False)  # the branch tried first
+    steered = OracleDrafter(drafter, greedy_continuation(target), VOCAB, last=False, chain=chain)  # the branch tried first
     counts, deep = sampled_first(target, steered, prompt, sampling, 3, copies=copies, policy_of=policy_of)
     assert deep >= MIN_DEEP, f"{deep} of {RUNS} rows reached depth 2: too few to test the law there"
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA

@@ -63,11 +63,48 @@ FAMILIES = {
 }
 
 
+# Hybrid targets (recurrent layers; inference/engine/hybrid_target.py): a recurrent layer, then an
+# attention layer, and so on ("recurrent_first"), unless the family lays its layers out itself.
+HYBRID = {
+    # Gated DeltaNet and gated attention, MoE with a shared expert
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   {"head_dim": 8, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "layer_types": "recurrent_first"}),
+    # Gated DeltaNet, dense
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+                {"head_dim": 8, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                 "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "layer_types": "recurrent_first"}),
+    # Mamba-2 and attention, MoE (Granite 4; RoPE on, which transformers' default leaves off)
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         {"position_embedding_type": "rope", "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1,
+                          "mamba_chunk_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                          "shared_intermediate_size": 16, "layer_types": "recurrent_first"}),
+    # Mamba-2 and attention side by side in every layer
+    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",
+                  {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1,
+                   "mamba_chunk_size": 16, "head_dim": 8, "mamba_d_ssm": 64}),
+    # gated short convolutions (no recurrent state, only the window) and attention
+    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": "conv_first"}),
+    # Mamba-1 and attention (every second layer), MoE; no positional embedding at all (NoPE)
+    "jamba": ("JambaConfig", "JambaForCausalLM",
+              {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "num_experts": 4,
+               "mamba_d_state": 8, "mamba_expand": 2, "mamba_dt_rank": 4}),
+}
+
+
+def _hybrid_family(name: str):
+    import transformers
+
+    config, model, extra = HYBRID[name]
+    return getattr(transformers, config), getattr(transformers, model), extra
+
+
 def tiny_causal_lm(family: str = "llama", vocab: int = 96, seed: int = 0, layers: int = 2, hidden: int = 32,
                    dtype=torch.float32, attn: str = "sdpa", **overrides):
     if family in MULTIMODAL:
         return MULTIMODAL[family](vocab=vocab, seed=seed, layers=layers, hidden=hidden, **overrides)
-    config_cls, model_cls, extra = FAMILIES[family]
+    config_cls, model_cls, extra = FAMILIES[family] if family in FAMILIES else _hybrid_family(family)
     kwargs = dict(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -78,6 +115,9 @@ def tiny_causal_lm(family: str = "llama", vocab: int = 96, seed: int = 0, layers
     attn = kwargs.pop("attn", attn)
     if kwargs.get("layer_types", ...) is None:  # the family's own pattern, recomputed for `layers`
         del kwargs["layer_types"]
+    elif kwargs.get("layer_types") in ("recurrent_first", "conv_first"):
+        recurrent = "linear_attention" if kwargs["layer_types"] == "recurrent_first" else "conv"
+        kwargs["layer_types"] = [recurrent if i % 2 == 0 else "full_attention" for i in range(layers)]
     elif kwargs.get("layer_types") == "alternate":  # sliding, full, sliding, ...: tests cross both kinds
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
     config = config_cls(**kwargs)
@@ -195,3 +235,4 @@ MULTIMODAL = {
 
 # every target the family tests run: the causal-LM families, then the multimodal targets on text
 TARGETS = sorted(FAMILIES) + sorted(MULTIMODAL)
+HYBRID_TARGETS = sorted(HYBRID)

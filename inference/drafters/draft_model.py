@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from ..engine.recurrent import has_recurrent_layers
 from ..engine.cache import cache_kwargs, keep_path, new_cache
 from ..engine.drafter import DrafterBase, RoundStats
 from ..engine.sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
@@ -44,6 +45,9 @@ class DraftModelDrafter(DrafterBase):
         seed: int | None = None,
     ):
         super().__init__()
+        if has_recurrent_layers(model.config):
+            raise ValueError(f"a draft model with recurrent layers ({model.config.model_type}) cannot draft a tree "
+                             "from its own cache; use an attention-only draft model, a head or prompt lookup")
         self.model = model
         self.sampling = sampling or SamplingConfig()
         self.fixed_choices = [tuple(c) for c in choices] if choices else None

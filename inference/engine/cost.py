@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from .torch_target import target_backend
+from .backend import target_backend
 from .tree import DraftTree, chain_parents
 
 DEFAULT_NODE_COUNTS = (1, 8, 16, 24, 32, 48, 64)

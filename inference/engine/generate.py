@@ -27,7 +27,7 @@ from .drafter import RootOnlyDrafter, RoundStats, TargetFeatures, fork_drafter
 from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from .stopping import StopRules, check_stop_strings, first_stop
-from .torch_target import target_backend
+from .backend import target_backend
 from .tree import DraftTree, ancestor_mask, node_depths
 from .verify import select_features
 

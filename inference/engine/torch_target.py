@@ -25,22 +25,11 @@ from .tree import DraftTree, pad_trees
 from .verify import Verification, check_tree_mask_support, forward_trees
 
 
-def target_backend(target, static_cache: bool = False, compile: str | None = None, row_invariant: bool = False):
-    """The backend the decode loop drives: `target` itself when it is one (a LlamaCppTarget),
-    else a TorchTarget around the transformers model."""
-    if hasattr(target, "verify") and hasattr(target, "start"):
-        if row_invariant:
-            raise ValueError("row-invariant decoding is our torch engine's (inference/engine/invariant.py); "
-                             "the llama.cpp backend's kernels are ggml's")
-        return target
-    if row_invariant and (static_cache or compile):
-        raise ValueError("row-invariant decoding runs the eager forward on a dynamic cache: drop --static-cache / --compile")
-    return TorchTarget(target, StaticDecoding.of(target, compile) if static_cache or compile else None, row_invariant)
-
-
 class TorchTarget:
+    recurrent = False  # whether recurrent layer types may verify (HybridTarget's chains)
+
     def __init__(self, model, static: StaticDecoding | None = None, row_invariant: bool = False):
-        check_tree_mask_support(model.config)
+        check_tree_mask_support(model.config, recurrent=self.recurrent)
         self.model = model
         self.row_invariant = row_invariant  # verify forwards row by row invariant (inference/engine/invariant.py)
         self.config = model.config

@@ -62,6 +62,17 @@ def chain_parents(n_draft: int, device=None) -> torch.Tensor:
     return torch.arange(-1, n_draft, device=device)
 
 
+def first_chain(parents: torch.Tensor) -> torch.Tensor:
+    """[M] long: the root, its first child, that node's first child, ... (drafters list a node's
+    children best first), the chain a hybrid target verifies (docs/trees.md "Hybrid targets")."""
+    p = parents.tolist()
+    chain = [0]
+    for i in range(1, len(p)):
+        if p[i] == chain[-1]:
+            chain.append(i)
+    return torch.tensor(chain, dtype=torch.long, device=parents.device)
+
+
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of each node, root = 0. [N] long."""
     depths = torch.zeros_like(parents)

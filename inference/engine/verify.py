@@ -12,6 +12,7 @@ import torch
 from .cache import cache_capacity, cache_kwargs
 from .drafter import TargetFeatures
 from .temperature import true_position_temperature
+from .recurrent import RECURRENT_TYPES
 from .tree import TreeBatch, ancestor_mask, batch_tree_mask, node_depths
 
 
@@ -22,9 +23,10 @@ class TreeMaskUnsupported(NotImplementedError):
 _MASK_ATTN = ("sdpa", "eager")
 
 
-def check_tree_mask_support(config) -> None:
+def check_tree_mask_support(config, recurrent: bool = False) -> None:
     """Raise TreeMaskUnsupported for attention kernels that ignore custom 4-D masks, and for layer
-    kinds whose state a tree cannot branch (recurrent or sparse-indexed layers)."""
+    kinds whose state a tree cannot branch (sparse-indexed layers; recurrent ones unless
+    `recurrent`: the hybrid backend verifies chains, inference/engine/hybrid_target.py)."""
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in _MASK_ATTN:
         raise TreeMaskUnsupported(
@@ -33,11 +35,12 @@ def check_tree_mask_support(config) -> None:
         )
     if getattr(config, "is_encoder_decoder", False):
         raise TreeMaskUnsupported(f"{config.model_type}: encoder-decoder targets are not supported")
-    unknown = sorted(set(_layer_types(config) or ()) - set(_LOCAL_RULES))
+    known = set(_LOCAL_RULES) | (RECURRENT_TYPES if recurrent else set())
+    unknown = sorted(set(_layer_types(config) or ()) - known)
     if unknown:
         raise TreeMaskUnsupported(
             f"{config.model_type}: layer types {', '.join(unknown)} cannot verify a tree (the engine masks "
-            f"{', '.join(_LOCAL_RULES)} layers only; docs/families.md)"
+            f"{', '.join(_LOCAL_RULES)} layers and verifies chains through recurrent ones; docs/families.md)"
         )
 
 
@@ -68,14 +71,26 @@ _LOCAL_RULES = {
 }
 
 
-def mask_rules(config) -> dict[str, dict]:
+def mask_rules(config) -> dict[str, dict | None]:
     """{layer type: batch_tree_mask keywords} for each layer type the target has; one entry,
     keyed "all", for a target without per-layer types (a configured window then holds in every
-    layer, Mistral-style). A pure rule on the config (docs/families.md)."""
+    layer, Mistral-style). A recurrent layer type maps to None: it takes no mask, its state
+    follows the chain (recurrent.py); transformers' hybrids look their recurrent layers' masks up
+    as "linear_attention" or "conv" and a layer of both kinds ("hybrid") its attention's as
+    "full_attention". A pure rule on the config (docs/families.md)."""
     types = _layer_types(config)
     if types is None:
         return {"all": {"sliding_window": _sliding_window(config)}}
-    return {kind: _LOCAL_RULES[kind](config) for kind in dict.fromkeys(types)}
+    rules: dict[str, dict | None] = {}
+    for kind in dict.fromkeys(types):
+        if kind in RECURRENT_TYPES:
+            rules.update({kind: None, "linear_attention": None, "conv": None})
+            attention = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}.get(kind)
+            if attention:
+                rules[attention] = _LOCAL_RULES[attention](config)
+        else:
+            rules[kind] = _LOCAL_RULES[kind](config)
+    return rules
 
 
 def attention_masks(config, parents: torch.Tensor, past_len: int, dtype: torch.dtype, batch: int):
@@ -91,7 +106,7 @@ def batch_attention_masks(config, ancestors: torch.Tensor, depths: torch.Tensor,
     """The tree mask in the form the target's family takes: one [B, 1, N, past+N] tensor (or
     [B, 1, N, kv_length] for a static cache) where every layer attends alike, or a {layer type:
     mask} dict where layer types differ (Gemma-3 and gpt-oss: sliding and full; Llama 4: chunked
-    and full). Masks are our own, so windows and chunks are applied here, not by transformers."""
+    and full; a hybrid's recurrent layer types: None). Masks are our own, so windows and chunks are applied here, not by transformers."""
     built: dict[tuple, torch.Tensor] = {}
 
     def mask(rule: dict) -> torch.Tensor:
@@ -101,8 +116,8 @@ def batch_attention_masks(config, ancestors: torch.Tensor, depths: torch.Tensor,
                                          **dict(key))
         return built[key]
 
-    masks = {kind: mask(rule) for kind, rule in mask_rules(config).items()}
-    if len(built) == 1:
+    masks = {kind: None if rule is None else mask(rule) for kind, rule in mask_rules(config).items()}
+    if len(built) == 1 and None not in masks.values():
         return next(iter(masks.values()))
     return masks
 
