@@ -185,25 +185,26 @@ def by_row(sequence: int, round_: int) -> int | None:
 
 def assert_accepts_and_stays_exact(target, drafter_of, prompt, reference: list[int], prompts, references,
                                    ids, mask, max_new_tokens: int, ragged_new_tokens: int, generate_config,
-                                   vocab: int | None = None, chain: bool = False) -> None:
+                                   vocab: int | None = None, chain: bool = False, images=None, batch_images=None) -> None:
     """The oracle-steered `drafter_of()` decodes `prompt` to `reference` while accepting paths of
     depth >= 2 in at least two rounds, and the ragged batch `ids`/`mask` (rows `prompts`) to
     `references` while its rows accept different lengths (row b is cut as `by_row` says).
     vocab: the target's vocabulary size, for a target that is no torch module (the llama.cpp backend).
-    chain: the drafts are cut to chains first, as a hybrid target verifies them."""
+    chain: the drafts are cut to chains first, as a hybrid target verifies them. images,
+    batch_images: the prompts' images (media.PromptImages) for a vision-language target."""
     from drafthead.inference.engine.generate import speculative_generate
 
     vocab = vocab or target.get_input_embeddings().num_embeddings
     continuation = known_continuation([prompt[0].tolist() + reference] + [p.tolist() + r for p, r in zip(prompts, references)])
     oracle = OracleDrafter(drafter_of(), continuation, vocab, every_third_rejected, chain=chain)
-    result = speculative_generate(target, oracle, prompt, generate_config(max_new_tokens))
+    result = speculative_generate(target, oracle, prompt, generate_config(max_new_tokens), images=images)
     assert result.new_tokens[0].tolist() == reference
     drafts = accepted_drafts(result)
     assert sum(n >= 2 for n in drafts) >= 2, f"accepted drafts per round {drafts}: fewer than two of depth >= 2"
     assert 0 in drafts[:-1], f"accepted drafts per round {drafts}: no rejected round"
 
     batched = speculative_generate(target, OracleDrafter(drafter_of(), continuation, vocab, by_row, chain=chain), ids,
-                                   generate_config(ragged_new_tokens), attention_mask=mask)
+                                   generate_config(ragged_new_tokens), attention_mask=mask, images=batch_images)
     assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     longest = [max(accepted_drafts(row)) for row in batched.rows]
     assert longest == [longest[0], 1, 0] and longest[0] >= 2, f"most drafts a round accepted, per row: {longest}"

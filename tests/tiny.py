@@ -236,3 +236,46 @@ MULTIMODAL = {
 # every target the family tests run: the causal-LM families, then the multimodal targets on text
 TARGETS = sorted(FAMILIES) + sorted(MULTIMODAL)
 HYBRID_TARGETS = sorted(HYBRID)
+
+
+def tiny_image(family: str, seed: int = 0, grid: tuple[int, int, int] = (1, 4, 4)):
+    """(placeholder tokens [K], PromptImages) of one random image for a MULTIMODAL target of
+    vocabulary 96 (tiny_gemma3_vlm, tiny_qwen_vl): Gemma-3 takes a 28x28 image as 4 tokens between
+    its begin and end tokens; Qwen-VL a (time, height, width) grid of 14-pixel patches, 2x2 patches
+    merged per token, between its vision start and end tokens."""
+    from drafthead.inference.engine.media import PromptImages
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 96
+    if family == "gemma3_vlm":
+        return torch.tensor([vocab - 3] + [vocab - 1] * 4 + [vocab - 2]), PromptImages(torch.randn(1, 3, 28, 28, generator=g))
+    t, h, w = grid
+    tokens = torch.tensor([vocab - 4] + [vocab - 1] * (t * h * w // 4) + [vocab - 3])
+    return tokens, PromptImages(torch.randn(t * h * w, 3 * 2 * 14 * 14, generator=g), torch.tensor([list(grid)]))
+
+
+def image_prompt(family: str, text: int = 6, seed: int = 0, grid: tuple[int, int, int] = (1, 4, 4)):
+    """([P] ids, PromptImages): `text` random text tokens with one image in their middle, then
+    three more text tokens (the prompt ends in text, as a chat template's generation prompt does)."""
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(3, 88, (text + 3,), generator=g)
+    tokens, images = tiny_image(family, seed, grid)
+    return torch.cat([words[: text // 2], tokens, words[text // 2:]]), images
+
+
+def plain_greedy_with_images(model, prompt: torch.Tensor, images, max_new_tokens: int) -> list[int]:
+    """The reference with images: transformers' own greedy generate, given the image inputs the
+    family's processor would give (pixel values, grids, which tokens are image tokens)."""
+    from drafthead.inference.engine.media import token_types
+
+    if images is None:
+        return plain_greedy(model, prompt[None], max_new_tokens)
+    kwargs = {"pixel_values": images.pixel_values}
+    types = token_types(model.config, prompt[None])
+    if images.image_grid_thw is not None:
+        kwargs.update(image_grid_thw=images.image_grid_thw, mm_token_type_ids=types)
+    else:
+        kwargs["token_type_ids"] = types.long()
+    out = model.generate(prompt[None], max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                         eos_token_id=None, pad_token_id=2, **kwargs)
+    return out[0, prompt.numel():].tolist()

@@ -28,6 +28,8 @@ from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from .stopping import StopRules, check_stop_strings, first_stop
 from .backend import target_backend
+from .media import PromptImages, check_images
+from .torch_target import TorchTarget
 from .tree import DraftTree, ancestor_mask, node_depths
 from .verify import select_features
 
@@ -228,6 +230,7 @@ def speculative_generate(
     config: GenerationConfig,
     *,
     attention_mask: torch.Tensor | None = None,
+    images=None,
     tokenizer=None,
     streamer=None,
     on_tokens=None,
@@ -239,11 +242,16 @@ def speculative_generate(
     Batch 1 returns a GenerationResult; B > 1 a BatchGenerationResult with one per row (each row
     drafts with its own fork of `drafter`). `on_tokens(list[int])` and a transformers `streamer`
     (batch 1 only) receive each round's emitted tokens as they are accepted.
+    images: for a vision-language target, one media.PromptImages (or None) per row, or one
+    PromptImages for a single prompt; the prompt holds the image placeholder tokens.
     """
     prompts = unpad(input_ids, attention_mask)
+    if isinstance(images, PromptImages):
+        images = [images]
     if len(prompts) > 1 and (streamer is not None or on_tokens is not None):
         raise ValueError("streaming (streamer, on_tokens) takes one prompt at a time")
-    result = generate_batch(target, drafter, prompts, config, tokenizer=tokenizer, streamer=streamer, on_tokens=on_tokens)
+    result = generate_batch(target, drafter, prompts, config, images=images, tokenizer=tokenizer, streamer=streamer,
+                            on_tokens=on_tokens)
     if len(prompts) > 1:
         return result
     row = result.rows[0]
@@ -251,18 +259,22 @@ def speculative_generate(
     return row
 
 
-def generate_batch(target, drafter, prompts: list[torch.Tensor], config: GenerationConfig, *, tokenizer=None,
+def generate_batch(target, drafter, prompts: list[torch.Tensor], config: GenerationConfig, *, images=None, tokenizer=None,
                    streamer=None, on_tokens=None) -> BatchGenerationResult:
     """The decode loop over prompts [P_b] of any lengths; row 0 drafts with `drafter`, row b > 0
     with `fork_drafter(drafter)` (shared weights, its own state)."""
     max_len = context_limit(target.config, config.max_length)
     _check_prompts(prompts, max_len)
     backend = target_backend(target, config.static_cache, config.compile, config.row_invariant)
+    if images is not None:
+        if not isinstance(backend, TorchTarget):
+            raise ValueError("images in the prompt run on the torch backend only")
+        check_images(target, prompts, images)
     drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
 
     with torch.inference_mode(), backend.engine_context(config.engine_linears):
         start = time.perf_counter()
-        rows = _prefill(backend, prompts, drafters, config.max_new_tokens, _seen_vocab(target, config))
+        rows = _prefill(backend, prompts, drafters, config.max_new_tokens, _seen_vocab(target, config), images)
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         prefill_seconds = time.perf_counter() - start
@@ -327,13 +339,14 @@ def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_s
 
 
 def _prefill(backend, prompts: list[torch.Tensor], drafters: list, max_new_tokens: int,
-             seen_vocab: int | None) -> list[_Row]:
+             seen_vocab: int | None, images=None) -> list[_Row]:
     """Every prompt but its last token through the target at once (the backend's `start`); each
     drafter begins on its prompt's features. Returns the rows, ready to decode.
     seen_vocab: track the tokens each row has seen (a repetition penalty), over this vocabulary."""
     device = prompts[0].device
     features_of = drafters[0]
-    hidden = backend.start(prompts, features_of.feature_layers, features_of.needs_last_hidden, max_new_tokens)
+    extra = {} if images is None else {"images": images}  # the llama.cpp backend takes none
+    hidden = backend.start(prompts, features_of.feature_layers, features_of.needs_last_hidden, max_new_tokens, **extra)
     rows = []
     for b, (p, d) in enumerate(zip(prompts, drafters)):
         n = p.numel() - 1

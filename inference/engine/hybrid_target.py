@@ -29,10 +29,13 @@ class HybridTarget(TorchTarget):
         super().__init__(model)
         self._rows = 0
 
-    def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0):
+    def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0,
+              images=None):
         """Prefill every prompt but its last token, one row at a time, then stack the rows: K/V
         right-padded to the longest (TorchTarget's layout), recurrent states side by side.
         Returns the forwards' hidden states (all L + 1, [B, P - 1, H], zero past a row's end) or None."""
+        if images is not None and any(row is not None for row in images):
+            raise ValueError("images in the prompt are not built for hybrid targets")
         longest = max(p.numel() for p in prompts)
         self.slots = longest - 1
         self._rows = len(prompts)

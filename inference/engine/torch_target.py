@@ -21,6 +21,7 @@ from .compiled import StaticDecoding, static_capacity
 from .policy import cut_tree
 from ..kernels.target_linears import engine_linears, panel_linears
 from .invariant import invariant_attention
+from .media import prefill_inputs
 from .tree import DraftTree, pad_trees
 from .verify import Verification, check_tree_mask_support, forward_trees
 
@@ -36,6 +37,7 @@ class TorchTarget:
         self.static = static
         self.cache = None
         self.slots = 0  # cache slots per row (the longest row's committed length)
+        self.offsets = None  # [B] per row: its positions past the prompt are token index + offset (media.py)
         self.max_new_tokens = 0
 
     def engine_context(self, enabled: bool):
@@ -43,9 +45,11 @@ class TorchTarget:
             return panel_linears(self.model)
         return engine_linears(self.model, enabled)
 
-    def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0):
+    def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0,
+              images=None):
         """Prefill every prompt but its last token at once, right-padded to the longest: row b's
         K/V land in slots [0, P_b - 1) and a causal mask never lets them see the padding after them.
+        images: one media.PromptImages or None per prompt, for a vision-language target.
         Returns the forward's hidden states (all L + 1, [B, P - 1, H]) or None."""
         longest = max(p.numel() for p in prompts)
         if self.static is None:
@@ -53,13 +57,14 @@ class TorchTarget:
         else:
             self.cache = self.static.cache(len(prompts), static_capacity(longest, max_new_tokens))
         self.slots = longest - 1
+        media, self.offsets = prefill_inputs(self.model, prompts, images, self.slots)
         if self.slots == 0:
             return None
         padded = torch.zeros(len(prompts), self.slots, dtype=torch.long, device=prompts[0].device)
         for b, p in enumerate(prompts):
             padded[b, : p.numel() - 1] = p[:-1]
         want_hidden = bool(feature_layers) or need_last
-        out = self.model(input_ids=padded, **cache_kwargs(self.model, self.cache), use_cache=True,
+        out = self.model(input_ids=padded, **media, **cache_kwargs(self.model, self.cache), use_cache=True,
                          output_hidden_states=want_hidden, logits_to_keep=1)
         return out.hidden_states
 
@@ -75,7 +80,7 @@ class TorchTarget:
         attention = invariant_attention(self.model) if self.row_invariant else contextlib.nullcontext()
         with attention:
             return forward_trees(self.model, self.cache, pad_trees(trees), prefix, self.slots, want_hidden,
-                                 forward=None if self.static is None else self.static.forward)
+                                 forward=None if self.static is None else self.static.forward, position_offsets=self.offsets)
 
     @property
     def device(self) -> torch.device:
@@ -95,3 +100,5 @@ class TorchTarget:
         """Rows `keep` stay, whose committed lengths are `lengths`; the cache is cut to the longest."""
         self.slots = max(lengths)
         select_rows(self.cache, keep, self.slots)
+        if self.offsets is not None:
+            self.offsets = self.offsets[torch.tensor(keep, device=self.offsets.device)]

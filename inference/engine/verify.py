@@ -141,15 +141,19 @@ def forward_tree(target, cache, tokens: torch.Tensor, parents: torch.Tensor, pas
 
 
 def forward_trees(target, cache, trees: TreeBatch, prefix_lengths: torch.Tensor, past_len: int,
-                  want_hidden: bool, forward=None) -> Verification:
+                  want_hidden: bool, forward=None, position_offsets: torch.Tensor | None = None) -> Verification:
     """Run the target over each row's tree after its own `prefix_lengths[b]` committed tokens, all
     rows in one forward; the cache holds `past_len` slots per row (docs/trees.md "Batches").
     A node sits at position prefix_lengths[b] + depth. `forward`: the callable that runs the
-    target (its compiled form, inference/engine/compiled.py); None: the target itself."""
+    target (its compiled form, inference/engine/compiled.py); None: the target itself.
+    position_offsets [B]: added to each row's positions (a Qwen-VL row's rope delta after an image
+    in its prompt, media.py); the masks stay in slots."""
     dtype = next(target.parameters()).dtype
     mask = batch_attention_masks(target.config, trees.ancestors, trees.depths, prefix_lengths, past_len, dtype,
                                  kv_length=cache_capacity(cache))
     position_ids = prefix_lengths[:, None] + trees.depths
+    if position_offsets is not None:
+        position_ids = position_ids + position_offsets[:, None]
     with true_position_temperature(target, cache, position_ids):
         out = (target if forward is None else forward)(
             input_ids=trees.tokens,
