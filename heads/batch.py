@@ -25,6 +25,9 @@ class FeatureBatch:
     # the hidden states hold one rank's columns of a row split across ranks (train/split_target.py),
     # the final layer with the halo of later columns EAGLE-3's loss reads; ids and masks stay whole
     split_columns: bool = False
+    # per row, the images of a vision-language target's prompt (inference/engine/media.py
+    # PromptImages) or None; only the target's forward reads them (train/features.py)
+    images: list | None = None
 
     @property
     def positions(self) -> torch.Tensor:
@@ -52,4 +55,5 @@ class FeatureBatch:
             {k: v.to(device) for k, v in self.hidden_states.items()},
             self.position_ids.to(device) if self.position_ids is not None else None,
             self.split_columns,
+            self.images,
         )

@@ -121,3 +121,115 @@ def test_images_that_do_not_fit_the_prompt_are_refused_in_one_line():
     with pytest.raises(ValueError, match="takes no images"):
         speculative_generate(tiny_causal_lm("llama", vocab=V), PromptLookupDrafter(), text[None],
                              GenerationConfig(max_new_tokens=2), images=[images])
+
+
+# ---------------------------------------------------------------------------------------------
+# Features and training on rows with images
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer_inputs(model, ids, kwargs):
+    """Every decoder layer's real input [B, T, H], from forward pre-hooks: the ground truth the
+    recorded hidden states must equal."""
+    layers = model.get_decoder().layers
+    seen = {}
+    hooks = [layer.register_forward_pre_hook(lambda mod, args, kw, i=i: seen.__setitem__(i, (args or (kw["hidden_states"],))[0]),
+                                             with_kwargs=True)
+             for i, layer in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, **kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_features_of_rows_with_images_are_each_layers_input_and_the_prefills(family):
+    """The capture forward runs the vision tower: features at and after the image differ from the
+    same ids without it. Each index i is layer i's real input, Qwen3-VL's deepstack included (which
+    transformers' recorded states miss), and equals what the engine's prefill gives the drafters."""
+    from drafthead.train.features import collate, target_features
+
+    target = tiny_causal_lm(family, vocab=V, layers=4)
+    prompts, row_images = ragged_rows(family)
+    samples = [{"input_ids": p, "loss_mask": torch.ones_like(p, dtype=torch.bool), "images": im} for p, im in zip(prompts, row_images)]
+    batch = collate(samples)
+    layers = (1, 2, 3, 4)
+    feats = target_features(target, batch.input_ids, batch.attention_mask, layers, images=batch.images)
+    text_only = target_features(target, batch.input_ids, batch.attention_mask, layers)
+    n = prompts[0].numel()
+    assert float((feats[2][0, :n] - text_only[2][0, :n]).abs().max()) > 1e-3  # the image is seen
+
+    truth = _layer_inputs(target, batch.input_ids[:1, :n], media.forward_inputs(target, batch.input_ids[:1, :n], batch.images[:1]))
+    for i in (1, 2, 3):
+        torch.testing.assert_close(feats[i][0, :n], truth[i][0], atol=1e-5, rtol=1e-4)
+
+    backend = TorchTarget(target)
+    with torch.no_grad():
+        hidden = backend.start(prompts, layers, False, images=row_images)
+    for b, p in enumerate(prompts):
+        for i in (1, 2, 3):
+            torch.testing.assert_close(hidden[i][b, : p.numel() - 1], feats[i][b, : p.numel() - 1], atol=1e-5, rtol=1e-4)
+
+
+def test_negative_control_qwen3_vl_recorded_states_miss_the_deepstack():
+    """Without putting the deepstack back, index 1 is not layer 1's input at the image tokens."""
+    target = tiny_causal_lm("qwen3_vl", vocab=V, layers=4)
+    prompt, images = image_prompt("qwen3_vl")
+    kwargs = media.forward_inputs(target, prompt[None], [images])
+    with torch.no_grad():
+        recorded = target(input_ids=prompt[None], **kwargs, output_hidden_states=True).hidden_states
+    truth = _layer_inputs(target, prompt[None], kwargs)
+    assert float((recorded[1][0] - truth[1][0]).abs().max()) > 1e-3
+
+
+KINDS = {
+    "medusa1": {"num_heads": 2},
+    "hydra": {"num_heads": 2},
+    "eagle1": {},
+    "eagle3": {"draft_vocab_size": 64, "ttt_steps": 2, "aux_layers": (1, 2, 3)},
+    "eagle31": {"draft_vocab_size": 64, "ttt_steps": 2, "aux_layers": (1, 2, 3)},
+    "peagle": {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": V - 5, "aux_layers": (1, 2, 3)},
+    "dflash": {"block_size": 4, "mask_token_id": V - 5, "num_anchors": 4},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_head_kind_trains_on_rows_with_images_and_decodes_exactly(family, kind):
+    """Three optimizer steps on features captured with the images give finite losses; the head
+    then drafts for prompts with images, steered to accept depth >= 2 and ragged lengths, and
+    the output stays the target's. (Medusa-2 adapts the target on text rows only: refused.)"""
+    import math
+
+    from drafthead.heads.registry import build_head, make_config
+    from drafthead.inference.drafters.load import head_drafter
+    from drafthead.train.features import OnlineFeaturizer, collate
+
+    target = tiny_causal_lm(family, vocab=V, layers=4)
+    torch.manual_seed(0)
+    head = build_head(make_config(kind, target, None, name=f"tiny-{family}", **KINDS[kind]), target,
+                      token_counts=torch.arange(V), dtype=torch.float32)
+    prompts, row_images = ragged_rows(family)
+    samples = [{"input_ids": p, "loss_mask": torch.arange(p.numel()) >= p.numel() // 2, "images": im}
+               for p, im in zip(prompts, row_images)]
+    batch = OnlineFeaturizer(target, head.config.train_hidden_layers)(collate(samples))
+    head.train()
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        loss, _ = head.compute_loss(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert math.isfinite(loss.item())
+    head.eval()
+
+    prompt, images = image_prompt(family)
+    reference = plain_greedy_with_images(target, prompt, images, NEW)
+    references = [plain_greedy_with_images(target, p, im, NEW) for p, im in zip(prompts, row_images)]
+    ids, mask = left_padded(prompts)
+    assert_accepts_and_stays_exact(target, lambda: head_drafter(head), prompt[None], reference, prompts, references,
+                                   ids, mask, NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new),
+                                   images=images, batch_images=row_images)

@@ -37,6 +37,7 @@ from ..heads.batch import FeatureBatch
 from ..heads.identity import text_config
 from ..heads.io import read_json
 from ..heads.outdir import reported_as
+from ..inference.engine.media import deepstack_inputs, forward_inputs, with_deepstack
 from ..inference.engine.targets import resolve_dtype
 from .workshare import WorkShare, write_atomically
 
@@ -73,6 +74,7 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0) -> Feature
     attention_mask = torch.zeros((B, T), dtype=torch.long)
     loss_mask = torch.zeros((B, T), dtype=torch.bool)
     hidden = {}
+    images = [s.get("images") for s in samples]  # media.PromptImages or None per row
     for b, (s, n) in enumerate(zip(samples, lengths)):
         input_ids[b, :n] = torch.as_tensor(s["input_ids"], dtype=torch.long)
         attention_mask[b, :n] = 1
@@ -81,7 +83,8 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0) -> Feature
             if layer not in hidden:
                 hidden[layer] = torch.zeros((B, T, h.shape[-1]), dtype=h.dtype)  # [B, T, H]
             hidden[layer][b, :n] = h
-    return FeatureBatch(input_ids, attention_mask, loss_mask, hidden)
+    return FeatureBatch(input_ids, attention_mask, loss_mask, hidden,
+                        images=images if any(im is not None for im in images) else None)
 
 
 def token_sample(row: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -137,26 +140,39 @@ def target_mask_kwargs(model, attention_mask: torch.Tensor, position_ids: torch.
 
 @torch.no_grad()
 def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[int],
-                    position_ids: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+                    position_ids: torch.Tensor | None = None, images: Sequence | None = None) -> dict[int, torch.Tensor]:
     """{layer: [B, T, H]} target hidden states (output_hidden_states indices), without gradients.
 
     Runs only the decoder stack (`get_decoder()`), skipping the LM head: for SmolLM2 that head is
     28M of 135M parameters (docs/cpu-measurements.md). Passing the indices to `output_hidden_states`
     keeps only those states alive. Padded positions are zeroed, as `collate` pads captured states:
     their values are meaningless and must not differ between the two paths. position_ids: packed
-    rows (train/packing.py), each conversation seen alone (`target_mask_kwargs`).
+    rows (train/packing.py), each conversation seen alone (`target_mask_kwargs`). images: one
+    media.PromptImages or None per row of a vision-language target: the whole model runs, its
+    vision tower filling the image tokens, with Qwen3-VL's deepstack inputs put back
+    (inference/engine/media.py).
     """
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     device = next(model.parameters()).device
     masks = target_mask_kwargs(model, attention_mask, position_ids)
-    out = decoder(
-        input_ids=input_ids.to(device),
-        **{k: v.to(device) if v is not None else None for k, v in masks.items()},
-        output_hidden_states=list(layers),
-        use_cache=False,
-    )
+    media = {}
+    if images is not None and any(row is not None for row in images):
+        if position_ids is not None:
+            raise ValueError("rows with images are not packed: their positions are the model's own (M-RoPE)")
+        media = forward_inputs(model, input_ids.to(device), images)
+    # the decoder stack alone skips the LM head; with images the multimodal model embeds them
+    decoder = model if media else model.get_decoder() if hasattr(model, "get_decoder") else model
+    with deepstack_inputs(model) as deepstack:
+        out = decoder(
+            input_ids=input_ids.to(device),
+            **{k: v.to(device) if v is not None else None for k, v in masks.items()},
+            **media,
+            output_hidden_states=True if media else list(layers),
+            use_cache=False,
+            **({"logits_to_keep": 1} if media else {}),
+        )
+    hidden = with_deepstack(out.hidden_states, deepstack)
     real = attention_mask.to(device)[..., None].bool()  # [B, T, 1]
-    return {layer: out.hidden_states[layer].masked_fill(~real, 0.0) for layer in layers}
+    return {layer: hidden[layer].masked_fill(~real, 0.0) for layer in layers}
 
 
 class OnlineFeaturizer:
@@ -167,7 +183,8 @@ class OnlineFeaturizer:
 
     def __call__(self, batch: FeatureBatch) -> FeatureBatch:
         device = next(self.model.parameters()).device
-        hidden = target_features(self.model, batch.input_ids, batch.attention_mask, self.layers, batch.position_ids)
+        hidden = target_features(self.model, batch.input_ids, batch.attention_mask, self.layers, batch.position_ids,
+                                 batch.images)
         return FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, hidden, batch.position_ids).to(device)
 
 

@@ -173,6 +173,8 @@ class SplitFeaturizer:
         self.model, self.layers, self.split, self.final, self.halo = model, tuple(layers), split, final, halo
 
     def __call__(self, batch: FeatureBatch) -> FeatureBatch:
+        if batch.images is not None:
+            raise ValueError("context_parallel splits text rows; rows with images are not built for it")
         hidden = split_target_features(self.model, batch.input_ids, batch.attention_mask, self.layers, self.split,
                                        batch.position_ids, final=self.final, halo=self.halo)
         return FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, hidden, batch.position_ids, split_columns=True)

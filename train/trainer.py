@@ -144,6 +144,8 @@ class JointLoss(HeadLoss):
         self.lm_weight, self.head_weight = lm_weight, head_weight
 
     def forward(self, batch: FeatureBatch):
+        if batch.images is not None:
+            raise ValueError("Medusa-2 adapts the target on text rows; rows with images are not built for it")
         out = self.target(
             input_ids=batch.input_ids,
             **target_mask_kwargs(self.target, batch.attention_mask, batch.position_ids),

@@ -13,6 +13,7 @@ every other part of a round is unchanged: image tokens are committed prefix.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -110,3 +111,66 @@ def prefill_inputs(model, prompts: list[torch.Tensor], images: list[PromptImages
             types[b, : p.numel() - 1] = token_types(model.config, p[:-1])
         kwargs["token_type_ids"] = types
     return kwargs, offsets
+
+
+def forward_inputs(model, input_ids: torch.Tensor, images: list[PromptImages | None]) -> dict:
+    """The image arguments of a whole-sequence forward over right-padded rows [B, T] (the feature
+    capture of training): transformers numbers Qwen-VL's M-RoPE positions itself from the image
+    token types, the grids and the padding mask, as its own generate does."""
+    given = [row for row in images if row is not None]
+    if not given:
+        return {}
+    device = input_ids.device
+    kwargs: dict = {"pixel_values": torch.cat([row.pixel_values for row in given]).to(device)}
+    types = token_types(model.config, input_ids)
+    if uses_mrope(model):
+        kwargs.update(image_grid_thw=torch.cat([row.image_grid_thw for row in given]).to(device), mm_token_type_ids=types)
+    else:
+        kwargs["token_type_ids"] = types.long()
+    return kwargs
+
+
+def _deepstack_owner(model):
+    """The language model that adds Qwen3-VL's deepstack vision features after its first layers, or None."""
+    inner = getattr(model, "model", model)
+    text = getattr(inner, "language_model", None)
+    return text if hasattr(text, "_deepstack_process") else None
+
+
+@contextlib.contextmanager
+def deepstack_inputs(model):
+    """Record, during one forward, what Qwen3-VL's first decoder layers really take in at image
+    positions. transformers records layer k's output as hidden_states[k + 1] and only then adds
+    the deepstack's vision features for layer k, so where the deepstack acts hidden_states[k + 1]
+    is not the input of layer k + 1, which our feature convention (index i: the input of layer i)
+    requires. Yields the list of those inputs, one per deepstack layer, for `with_deepstack`."""
+    owner = _deepstack_owner(model)
+    recorded: list[torch.Tensor] = []
+    if owner is None:
+        yield recorded
+        return
+    original = owner._deepstack_process
+
+    def record(*args, **kwargs):
+        out = original(*args, **kwargs)
+        recorded.append(out)
+        return out
+
+    owner._deepstack_process = record  # an instance attribute over the class's method, for this forward
+    try:
+        yield recorded
+    finally:
+        del owner._deepstack_process
+
+
+def with_deepstack(hidden_states, recorded: list[torch.Tensor]):
+    """hidden_states (all L + 1) with entry k + 1 replaced by the input of layer k + 1 wherever
+    the deepstack added to layer k's output (`deepstack_inputs`). The last entry, the final normed
+    state, is never one of them."""
+    if not recorded or hidden_states is None:
+        return hidden_states
+    states = list(hidden_states)
+    for k, h in enumerate(recorded):
+        if k + 1 < len(states) - 1:
+            states[k + 1] = h
+    return tuple(states)

@@ -21,7 +21,7 @@ from .compiled import StaticDecoding, static_capacity
 from .policy import cut_tree
 from ..kernels.target_linears import engine_linears, panel_linears
 from .invariant import invariant_attention
-from .media import prefill_inputs
+from .media import deepstack_inputs, prefill_inputs, with_deepstack
 from .tree import DraftTree, pad_trees
 from .verify import Verification, check_tree_mask_support, forward_trees
 
@@ -64,9 +64,10 @@ class TorchTarget:
         for b, p in enumerate(prompts):
             padded[b, : p.numel() - 1] = p[:-1]
         want_hidden = bool(feature_layers) or need_last
-        out = self.model(input_ids=padded, **media, **cache_kwargs(self.model, self.cache), use_cache=True,
-                         output_hidden_states=want_hidden, logits_to_keep=1)
-        return out.hidden_states
+        with deepstack_inputs(self.model) as deepstack:
+            out = self.model(input_ids=padded, **media, **cache_kwargs(self.model, self.cache), use_cache=True,
+                             output_hidden_states=want_hidden, logits_to_keep=1)
+        return with_deepstack(out.hidden_states, deepstack)
 
     def fit(self, tree: DraftTree, rows: int) -> DraftTree:
         """A static cache has room for one tree of capacity - slots nodes (TREE_ROOM at the least):
