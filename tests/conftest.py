@@ -87,3 +87,29 @@ def isolated_cache(tmp_path, monkeypatch) -> Path:
 
 def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def save_tiny_vlm(folder: Path, seed: int = 0) -> Path:
+    """A tiny Gemma-3 vision-language target folder with its own processor (Gemma3Processor: the
+    tiny tokenizer plus begin/end-of-image and image tokens, a 28x28 image processor, 4 tokens per
+    image), as `AutoProcessor` and `load_target` read a real one. Qwen-VL processors need
+    torchvision for their video part, which the project does not install."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+
+    from tests.tiny import tiny_gemma3_vlm
+
+    names = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.add_special_tokens({"extra_special_tokens": list(names.values())})  # ids V-3, V-2, V-1
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder, extra_special_tokens=names)  # named: boi_token_id, ...
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = tiny_gemma3_vlm(vocab=len(tokenizer), seed=seed, **ids)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tokenizer,
+                                image_seq_length=4)
+    processor.save_pretrained(folder)
+    return folder

@@ -233,3 +233,97 @@ def test_every_head_kind_trains_on_rows_with_images_and_decodes_exactly(family, 
     assert_accepts_and_stays_exact(target, lambda: head_drafter(head), prompt[None], reference, prompts, references,
                                    ids, mask, NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new),
                                    images=images, batch_images=row_images)
+
+
+# ---------------------------------------------------------------------------------------------
+# Chats with images: records -> the target's processor -> training (train/image_chats.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def write_image_chats(folder, n: int = 8):
+    """LLaVA-style records (an `image` path beside the file, `<image>` in the first human turn, or
+    none: LLaVA's default place), their PNG images random 40x56 pictures, and one text-only record."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    records = []
+    for i in range(n):
+        name = f"img{i}.png"
+        Image.fromarray((rng.random((40, 56, 3)) * 255).astype("uint8")).save(folder / name)
+        ask = "<image>\nWhat is in this picture?" if i % 2 else "Describe the picture."
+        records.append({"id": f"c{i}", "image": name, "conversations": [
+            {"from": "human", "value": ask}, {"from": "gpt", "value": f"A picture of noise, number {i}."}]})
+    records.append({"id": "text", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]})
+    records.append({"id": "bad", "image": "missing.png", "conversations": [{"from": "human", "value": "<image> x"},
+                                                                          {"from": "gpt", "value": "y"}]})
+    path = folder / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_image_chats_are_formatted_by_the_targets_processor_and_train(tmp_path):
+    """Each image becomes the processor's tokens (begin, 4 image tokens, end) in the user turn; the
+    labels are the answers' tokens, as for the same chat without the image; a record whose image
+    file is missing is dropped and counted; the trainer's online features see the pixels; a head
+    trains with finite losses and decodes the target's output for a prompt with an image."""
+    import math
+
+    from drafthead.heads.batch import FeatureBatch  # noqa: F401  (the batch type the trainer builds)
+    from drafthead.inference.drafters.load import load_head_drafter
+    from drafthead.inference.engine.targets import load_target
+    from drafthead.train.chat_format import format_conversation
+    from drafthead.train.config import TrainConfig
+    from drafthead.train.image_chats import load_processor, prompt_images
+    from drafthead.train.run import token_samples
+    from tests.conftest import save_tiny_vlm
+    from tests.tiny_training import train_three_steps
+
+    folder = save_tiny_vlm(tmp_path / "vlm")
+    chats = write_image_chats(tmp_path)
+    config = TrainConfig.from_dict(dict(target=str(folder), head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2},
+                                        report_to="none", output_dir=str(tmp_path / "run"),
+                                        data={"source": "json", "path": str(chats), "max_length": 256, "eval_fraction": 0.0}))
+    loaded = load_target(folder)
+    samples = token_samples(config, loaded.tokenizer)
+    assert samples.source_report.dropped_conversations == {"image_missing": 1}
+    assert len(samples.dataset) == 9
+    processor = load_processor(str(folder))
+    image_id = loaded.model.config.image_token_index
+    for i in range(8):
+        sample = samples.dataset[i]
+        ids = sample["input_ids"]
+        assert int((ids == image_id).sum()) == 4 and sample["images"].pixel_values.shape == (1, 3, 28, 28)
+        text = format_conversation(loaded.tokenizer, [{"role": "user", "content": "x"},
+                                                      {"role": "assistant", "content": f"A picture of noise, number {i}."}], 256)
+        labelled = [int(t) for t, m in zip(text.input_ids, text.loss_mask) if m]
+        assert ids[sample["loss_mask"]].tolist() == labelled  # the answer's tokens, nothing of the image
+        torch.testing.assert_close(sample["images"].pixel_values, prompt_images(processor, [str(tmp_path / f"img{i}.png")]).pixel_values)
+    assert "images" not in samples.dataset[8]  # the text-only record
+
+    result, losses = train_three_steps(folder, loaded, {"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, chats,
+                                       tmp_path / "run", "tiny-vlm", max_length=256)
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
+    drafter, target = load_head_drafter(result.final_dir, loaded.model, loaded.tokenizer, target_name="tiny-vlm")
+    sample = samples.dataset[1]
+    first_label = int(sample["loss_mask"].nonzero()[0])
+    prompt = sample["input_ids"][:first_label]
+    reference = plain_greedy_with_images(target, prompt, sample["images"], NEW)
+    out = speculative_generate(target, drafter, prompt[None], GenerationConfig(max_new_tokens=NEW), images=sample["images"])
+    assert out.new_tokens[0].tolist() == reference
+
+
+def test_chats_with_images_are_refused_in_one_line_where_not_built(tmp_path):
+    from drafthead.train.chat_format import format_row
+    from drafthead.train.image_chats import load_processor
+
+    row = {"id": "a", "messages": [{"role": "user", "content": "<image> x"}, {"role": "assistant", "content": "y"}],
+           "images": ["/nonexistent.png"]}
+    with pytest.raises(ValueError, match="has images: they need the target's processor"):
+        format_row(None, row, 64)
+    from tests.conftest import save_tiny_target
+
+    with pytest.raises(ValueError, match="has no processor that loads|has no image processor"):
+        load_processor(str(save_tiny_target(tmp_path / "llama")))

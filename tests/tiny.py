@@ -276,6 +276,7 @@ def plain_greedy_with_images(model, prompt: torch.Tensor, images, max_new_tokens
         kwargs.update(image_grid_thw=images.image_grid_thw, mm_token_type_ids=types)
     else:
         kwargs["token_type_ids"] = types.long()
-    out = model.generate(prompt[None], max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=2, **kwargs)
+    # an explicit mask: generate would otherwise take a prompt token equal to the pad id for padding
+    out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=max_new_tokens,
+                         min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2, **kwargs)
     return out[0, prompt.numel():].tolist()

@@ -39,7 +39,8 @@ from ..inference.bench.prompts import render_chat
 # datasets hashes the functions it calls by module and name only, not by their code: without a
 # bump, a changed rule would read samples tokenized under the old one.
 # 2: an answer's own token ids label it (answer_token_ids).
-FORMAT_VERSION = 2
+# 3: rows with images formatted by the target's processor (train/image_chats.py).
+FORMAT_VERSION = 3
 
 
 class ChatTemplateError(ValueError):
@@ -164,16 +165,27 @@ class FormatReport:
         )
 
 
-def format_row(tokenizer, row: dict, max_length: int) -> dict:
-    """One {id, messages} row -> {input_ids, loss_mask, truncated, n_loss, n_tokens}: the `.map`
-    function of both the cached path (below) and the streaming one (train/streaming.py).
+def format_row(tokenizer, row: dict, max_length: int, processor=None) -> dict:
+    """One {id, messages, images?} row -> {input_ids, loss_mask, images, truncated, n_loss, n_tokens}:
+    the `.map` function of both the cached path (below) and the streaming one (train/streaming.py).
+    A row with images is formatted by the target's `processor` (train/image_chats.py).
     A template that cannot format the row raises ChatTemplateError naming the row's id."""
+    images = row.get("images") or []
+    if images:
+        if processor is None:
+            raise ValueError(f"conversation {row.get('id')!r} has images: they need the target's processor "
+                             "(the cached data path loads it; streaming takes text rows only)")
+        from .image_chats import format_image_chat
+
+        f = format_image_chat(processor, row["messages"], images, max_length, row.get("answer_token_ids"))
+        return {**f, "n_ids_kept": 0, "n_ids_unmatched": 0}
     try:
         f = format_conversation(tokenizer, row["messages"], max_length, row.get("answer_token_ids"))
     except ChatTemplateError as e:
         raise ChatTemplateError(f"conversation {row.get('id')!r}: {e}") from e
-    return {"input_ids": f.input_ids, "loss_mask": f.loss_mask, "truncated": f.truncated, "n_loss": sum(f.loss_mask),
-            "n_tokens": len(f.input_ids), "n_ids_kept": f.ids_kept, "n_ids_unmatched": f.ids_unmatched}
+    return {"input_ids": f.input_ids, "loss_mask": f.loss_mask, "images": [], "truncated": f.truncated,
+            "n_loss": sum(f.loss_mask), "n_tokens": len(f.input_ids), "n_ids_kept": f.ids_kept,
+            "n_ids_unmatched": f.ids_unmatched}
 
 
 def has_loss(n_loss: int) -> bool:
@@ -189,10 +201,11 @@ def _column_sum(dataset: datasets.Dataset, column: str) -> int:
 
 
 def tokenize_conversations(
-    dataset: datasets.Dataset, tokenizer, max_length: int, num_proc: int | None = None
+    dataset: datasets.Dataset, tokenizer, max_length: int, num_proc: int | None = None, processor=None
 ) -> tuple[datasets.Dataset, FormatReport]:
-    """`messages` dataset -> dataset with `id`, `input_ids`, `loss_mask`; drops (and counts) samples
-    with no assistant token inside `max_length`.
+    """`messages` dataset -> dataset with `id`, `input_ids`, `loss_mask`, `images`; drops (and
+    counts) samples with no assistant token inside `max_length`. processor: the target's, for rows
+    with images (train/image_chats.py).
 
     `.map` and `.filter` run in `num_proc` processes and are cached by fingerprint (the input's
     fingerprint, the function with its tokenizer, `max_length` and FORMAT_VERSION): on a dataset from
@@ -202,7 +215,7 @@ def tokenize_conversations(
     """
 
     def fmt(row, version=FORMAT_VERSION):  # a default value is hashed with the function: the version keys the cache
-        return format_row(tokenizer, row, max_length)
+        return format_row(tokenizer, row, max_length, processor)
 
     mapped = dataset.map(fmt, remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc,
                          desc="chat template")

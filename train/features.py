@@ -102,16 +102,24 @@ def label_token_counts(samples: Iterable[dict[str, Any]], vocab_size: int) -> to
 
 
 class TokenDataset(torch.utils.data.Dataset):
-    """Samples {input_ids, loss_mask} of a tokenized `datasets.Dataset` (train/chat_format.py)."""
+    """Samples {input_ids, loss_mask, images?} of a tokenized `datasets.Dataset`
+    (train/chat_format.py). processor: the target's, which turns a row's image files into pixel
+    inputs (train/image_chats.py) when the sample is read."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, dataset, processor=None):
+        self.dataset, self.processor = dataset, processor
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, i: int) -> dict[str, Any]:
-        return token_sample(self.dataset[int(i)])
+        row = self.dataset[int(i)]
+        sample = token_sample(row)
+        if row.get("images"):
+            from .image_chats import prompt_images
+
+            sample["images"] = prompt_images(self.processor, row["images"])
+        return sample
 
     def token_counts(self, vocab_size: int, indices: Iterable[int] | None = None) -> torch.Tensor:
         """[V] how often each token id is a loss-masked (assistant) token in the given samples."""

@@ -45,7 +45,10 @@ class HeldOut(NamedTuple):
 
 def prompt_of(sample: dict) -> torch.Tensor | None:
     """[1, P]: a sample's tokens before its first loss-masked token; None when it has no such
-    token or starts with one (nothing to condition on)."""
+    token or starts with one (nothing to condition on), and for a sample with images (the replay
+    decodes text prompts)."""
+    if sample.get("images") is not None:
+        return None
     labelled = torch.as_tensor(sample["loss_mask"], dtype=torch.bool).nonzero()
     if labelled.numel() == 0 or int(labelled[0]) == 0:
         return None

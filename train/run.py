@@ -14,6 +14,8 @@ import yaml
 from .chat_format import FormatReport, tokenize_conversations
 from .config import ConfigError, TrainConfig, check_resume, head_config_dict
 from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, plan_changes, required_layers
+from ..inference.engine.targets import target_folder
+from .image_chats import load_processor
 from .sources import SourceReport, load_conversations
 from .tracking import METRICS_FILE
 from .checkpoint import checkpoint_root, latest_checkpoint, saved_run_config
@@ -46,10 +48,14 @@ def head_config(config: TrainConfig, target_model, tokenizer, target_name: str |
 def token_samples(config: TrainConfig, tokenizer) -> Samples:
     """Conversations of `config.data`, chat-formatted with the target's tokenizer."""
     conversations, source_report = load_conversations(config.data.source, config.data.path, config.data.limit)
-    tokenized, format_report = tokenize_conversations(conversations, tokenizer, config.data.max_length, num_proc=config.data.num_proc)
+    processor = None
+    if any(conversations["images"]):  # chats with images: the target's processor formats them
+        processor = load_processor(str(target_folder(config.target)[0]))
+    tokenized, format_report = tokenize_conversations(conversations, tokenizer, config.data.max_length,
+                                                      num_proc=config.data.num_proc, processor=processor)
     if len(tokenized) == 0:
         raise ValueError(f"no sample left after chat formatting: {format_report.summary()}")
-    return Samples(TokenDataset(tokenized), source_report, format_report)
+    return Samples(TokenDataset(tokenized, processor), source_report, format_report)
 
 
 def build_samples(config: TrainConfig, tokenizer, layers: tuple[int, ...], target_model=None) -> Samples:
@@ -178,7 +184,14 @@ def build_trainer(
     target = None
     featurize = None
     online = config.joint_lora or config.features.mode == "online"
-    pack_length = packed_row_length(config, target_model if online else None, say)
+    if online and getattr(samples.dataset, "processor", None) is not None:  # rows with images
+        if config.data.packing:
+            raise ConfigError("data.packing: rows with images are not packed (the target numbers their positions itself); "
+                              "set data.packing=false")
+        say("one conversation per row: the data has images")
+        pack_length = None
+    else:
+        pack_length = packed_row_length(config, target_model if online else None, say)
     if config.joint_lora:
         target = wrap_lora(target_model, config.lora)
     elif online:

