@@ -327,3 +327,36 @@ def test_chats_with_images_are_refused_in_one_line_where_not_built(tmp_path):
 
     with pytest.raises(ValueError, match="has no processor that loads|has no image processor"):
         load_processor(str(save_tiny_target(tmp_path / "llama")))
+
+
+def test_generate_command_answers_a_prompt_with_an_image(tmp_path, capsys):
+    """`drafthead generate --image`: the target's processor renders the image before the prompt's
+    text; the printed answer is the target's own greedy answer with that image, and a missing
+    image file is one line before any model loads."""
+    import numpy as np
+    from PIL import Image
+
+    from drafthead import cli
+    from drafthead.inference.engine.targets import load_target
+    from drafthead.train.image_chats import encode_image_prompt, load_processor
+    from tests.conftest import save_tiny_vlm
+
+    folder = save_tiny_vlm(tmp_path / "vlm")
+    picture = tmp_path / "pic.png"
+    Image.fromarray((np.random.default_rng(1).random((30, 30, 3)) * 255).astype("uint8")).save(picture)
+    code = cli.main(["generate", "--target", str(folder), "--image", str(picture), "--prompt", "What is this?",
+                     "--proposer", "prompt-lookup", "--max-new-tokens", "12", "--dtype", "float32", "--threads", "1"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    loaded = load_target(folder)
+    ids, images = encode_image_prompt(load_processor(str(folder)), "What is this?", [str(picture)])
+    assert int((ids == loaded.model.config.image_token_index).sum()) == 4
+    reference = plain_greedy_with_images(loaded.model, ids[0], images, 12)
+    eos = loaded.tokenizer.eos_token_id
+    reference = reference[: reference.index(eos)] if eos in reference else reference  # the command stops at EOS
+    text = loaded.tokenizer.decode(reference, skip_special_tokens=True)
+    assert text.strip() and out == text + "\n", (out, text)
+
+    code = cli.main(["generate", "--target", str(folder), "--image", str(tmp_path / "none.png"), "--prompt", "x"])
+    _, err = capsys.readouterr()
+    assert code == 2 and "no image file at" in err.strip().splitlines()[-1]

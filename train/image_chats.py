@@ -87,6 +87,19 @@ def prompt_images(processor, paths: list[str]):
     return PromptImages(out["pixel_values"], grid if isinstance(grid, torch.Tensor) else None)
 
 
+def encode_image_prompt(processor, prompt: str, paths: list[str]):
+    """([1, P] ids, media.PromptImages) of one user message with its images before its text,
+    through the chat template with the generation prompt, then the processor."""
+    from ..inference.engine.media import PromptImages
+
+    content = image_placeholder(processor) * len(paths) + "\n" + prompt
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                                   tokenize=False)
+    out = processor(text=[text], images=[open_images(paths)], add_special_tokens=False, return_tensors="pt")
+    grid = out.get("image_grid_thw")
+    return out["input_ids"], PromptImages(out["pixel_values"], grid if isinstance(grid, torch.Tensor) else None)
+
+
 def carry_labels(text_ids: list[int], text_mask: list[bool], ids: list[int]) -> list[bool]:
     """The loss mask of `ids` (the processor's expanded ids): True where a token matches a labelled
     token of the text-only ids. Expansion only inserts image tokens, in user turns."""

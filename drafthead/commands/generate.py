@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from . import (
     add_proposer_options,
@@ -25,6 +26,9 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="answer one prompt with speculative decoding (streams the text)")
     p.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image before the prompt's text, for a vision-language target folder (repeatable; "
+                        "its processor renders them)")
     add_target_options(p)
     add_proposer_options(p)
     add_sampling_options(p)
@@ -69,6 +73,9 @@ def run(args) -> int:
 
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")
+    missing = [p for p in args.image if not Path(p).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no image file at {missing[0]}")
     check_stop_strings(args.stop)
     check_drafting_args(args)
     sampling = sampling_from_args(args)
@@ -78,7 +85,15 @@ def run(args) -> int:
     note(message)  # once the drafter is built: a head that cannot draft is the only line
     drafter, tokenizer = factory(), loaded.tokenizer
     verifier = verifier_from_args(args, loaded, model)
-    input_ids = encode_chat(tokenizer, Prompt(text=args.prompt)).to(next(model.parameters()).device)
+    device = next(model.parameters()).device
+    images = None
+    if args.image:
+        from ..train.image_chats import encode_image_prompt, load_processor
+
+        input_ids, images = encode_image_prompt(load_processor(str(loaded.path)), args.prompt, args.image)
+        input_ids = input_ids.to(device)
+    else:
+        input_ids = encode_chat(tokenizer, Prompt(text=args.prompt)).to(device)
     config = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
@@ -93,7 +108,7 @@ def run(args) -> int:
         note("LOSSY: typical acceptance is on; the output is not distributed as the target's")
     printer = TextPrinter(tokenizer)
     start = time.perf_counter()
-    result = speculative_generate(verifier, drafter, input_ids, config, tokenizer=tokenizer, on_tokens=printer)
+    result = speculative_generate(verifier, drafter, input_ids, config, images=images, tokenizer=tokenizer, on_tokens=printer)
     seconds = time.perf_counter() - start
     printer.finish()
     n = result.new_tokens.shape[1]

@@ -344,11 +344,16 @@ def trainer_smoke_row(smoke: dict, ours: list[float]) -> Row:
 # builds them and the seeded head): heads of 32, the narrowest vLLM's CPU attention takes, and
 # positions for the longest MT-bench prompt in the tiny tokenizer's ids (261)
 FAMILY_TARGET = {"hidden": 128, "head_dim": 32, "max_position_embeddings": 1024}
+# per family, sizes at FAMILY_TARGET's hidden size: Mamba-2 heads x head size = 2 x hidden;
+# vLLM's CPU Gated DeltaNet kernel takes Qwen3-Next's head size, 128
+FAMILY_SIZES = {"granitemoehybrid": {"mamba_d_head": 64},
+                "qwen3_next": {"linear_key_head_dim": 128, "linear_value_head_dim": 128}}
 # the families each consumer's rows run, with the draft layer (the engines' Llama layer, or
 # "target": the family's own, which only speculators serves, as its Qwen3 draft layer)
 FAMILY_ROWS = {
     "speculators": (("qwen3", "llama"), ("qwen3_moe", "llama"), ("gpt_oss", "llama"), ("qwen3", "target")),
-    "vllm": (("llama", "llama"), ("qwen3", "llama"), ("qwen3_moe", "llama"), ("gpt_oss", "llama")),
+    "vllm": (("llama", "llama"), ("qwen3", "llama"), ("qwen3_moe", "llama"), ("gpt_oss", "llama"),
+             ("qwen3_next", "llama"), ("granitemoehybrid", "llama")),  # hybrids: docs/trees.md "Hybrid targets"
     "sglang": (("llama", "llama"), ("qwen3", "llama"), ("qwen3_moe", "llama"), ("gpt_oss", "llama")),
 }
 FAMILY_PROMPTS, FAMILY_TOKENS = 4, 32  # the most the vLLM family rows generate: a 2-core machine
@@ -392,7 +397,8 @@ def family_case(family: str, draft_layer: str = "llama") -> FamilyCase:
 
     out = OUT / "families" / f"{family}-{draft_layer}"
     vocab_from = load_prompts("mt-bench", FAMILY_PROMPTS + FAMILY_VOCAB_PROMPTS)[FAMILY_PROMPTS:]
-    target_dir, head_dir, model = family_head(family, out, draft_layer, vocab_from, FAMILY_FIT_STEPS, **FAMILY_TARGET)
+    target_dir, head_dir, model = family_head(family, out, draft_layer, vocab_from, FAMILY_FIT_STEPS,
+                                              **FAMILY_TARGET, **FAMILY_SIZES.get(family, {}))
     head = import_head(head_dir, model)
     ids = torch.randint(3, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
