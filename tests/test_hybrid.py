@@ -88,6 +88,21 @@ def loud_recurrence(family: str = "qwen3_next"):
     return target
 
 
+@pytest.mark.parametrize("family", HYBRID_TARGETS)
+def test_prompts_of_one_token_start_from_empty_states(family):
+    """Nothing to prefill: the first verify forward creates the recurrent states, and its chain of
+    6 nodes (longer than any convolution window) keeps its accepted part, at B=1 and B=2."""
+    target = target_of(family)
+    draft = tiny_causal_lm("llama", vocab=V, seed=7, layers=2)
+    prompts = torch.tensor([[5], [9]])
+    chain = [[0] * d for d in range(1, 6)]
+    for ids in (prompts[:1], prompts):
+        result = speculative_generate(target, DraftModelDrafter(draft, choices=chain), ids, GenerationConfig(max_new_tokens=10),
+                                      attention_mask=torch.ones_like(ids))
+        rows = result.rows if ids.shape[0] > 1 else [result]
+        assert [row.new_tokens[0].tolist() for row in rows] == [plain_greedy(target, p[None], 10) for p in ids]
+
+
 def _steered_ragged(target):
     prompts = prompts_of((1, 6, 13), seed=2)
     references = [plain_greedy(target, p[None], NEW) for p in prompts]

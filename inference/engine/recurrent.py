@@ -102,6 +102,9 @@ def record(cache: Cache, n: int) -> None:
         layer.activate_past_recording(recurrent_states_to_keep=n)
         # one history per state (transformers' dict.fromkeys would share a single list)
         layer.recurrent_states_history = {s: [] for s in _states(layer)}
+        # a layer with no state yet (every prompt one token long) records no window before the
+        # nodes: keep_states puts the zeros transformers starts from in front
+        layer.drafthead_from_empty = {s: not layer.has_previous_state[s] for s in _states(layer)}
 
 
 def keep_states(cache: Cache, accepted: list[int]) -> None:
@@ -114,6 +117,8 @@ def keep_states(cache: Cache, accepted: list[int]) -> None:
             if layer.is_conv_states_initialized[s]:
                 full = layer.conv_states[s]  # [B, C, K + N]
                 k = layer.conv_kernel_size[s]
+                if layer.drafthead_from_empty[s]:
+                    full = torch.nn.functional.pad(full, (k, 0))
                 start = torch.as_tensor(accepted, device=full.device)
                 index = (start[:, None] + torch.arange(k, device=full.device))  # [B, K]
                 index = index.view(index.shape[0], *([1] * (full.dim() - 2)), k).expand(*full.shape[:-1], k)

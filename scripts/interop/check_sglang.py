@@ -138,8 +138,13 @@ def init_sglang(target: str, head: str):
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                  distributed_init_method="file://" + tempfile.mktemp(prefix="sgl_dist_"))
     reset_context()
+    # a hybrid target's prefix cache keeps Mamba state snapshots, which SGLang validates as CUDA-only;
+    # no request is served here, so the radix cache is off for such targets
+    layer_types = set(json.loads((Path(target) / "config.json").read_text()).get("layer_types") or ())
+    hybrid = bool(layer_types & {"linear_attention", "mamba", "conv", "hybrid"})
     publish(ServerArgs(model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-                       device="cpu", dtype="float32", tp_size=1, pp_size=1, ep_size=1, disable_cuda_graph=True),
+                       device="cpu", dtype="float32", tp_size=1, pp_size=1, ep_size=1, disable_cuda_graph=True,
+                       disable_radix_cache=hybrid),
             role="test", ranks=SpawnRanks(world_rank=0))
     if parallel_state._WORLD is not None:
         get_parallel().override_permanently(world_group=parallel_state._WORLD)

@@ -446,13 +446,15 @@ def loader_counts(args) -> bool:
 
 
 def holds_slice(param, t) -> bool:
-    """Whether `t` sits, unchanged, as rows [i, i + len(t)) of `param` for some i."""
+    """Whether `t`, in the engine's dtype (--dtype: vLLM casts every weight to it), sits unchanged
+    as rows [i, i + len(t)) of `param` for some i."""
     if param.dim() != t.dim() or param.shape[1:] != t.shape[1:] or (t.dim() and param.shape[0] < t.shape[0]):
         return False
+    t = t.to(param.dtype)
     if t.dim() == 0:
-        return bool(param.to(t.dtype) == t)
+        return bool(param == t)
     n = t.shape[0]
-    return any(bool(param[i:i + n].to(t.dtype).equal(t)) for i in range(param.shape[0] - n + 1))
+    return any(bool(param[i:i + n].equal(t)) for i in range(param.shape[0] - n + 1))
 
 
 def run_phase(args) -> dict:

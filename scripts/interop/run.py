@@ -348,6 +348,8 @@ FAMILY_TARGET = {"hidden": 128, "head_dim": 32, "max_position_embeddings": 1024}
 # vLLM's CPU Gated DeltaNet kernel takes Qwen3-Next's head size, 128
 FAMILY_SIZES = {"granitemoehybrid": {"mamba_d_head": 64},
                 "qwen3_next": {"linear_key_head_dim": 128, "linear_value_head_dim": 128}}
+# vLLM's CPU Gated DeltaNet runs in bf16 only
+FAMILY_VLLM_DTYPE = {"qwen3_next": "bfloat16"}
 # the families each consumer's rows run, with the draft layer (the engines' Llama layer, or
 # "target": the family's own, which only speculators serves, as its Qwen3 draft layer)
 FAMILY_ROWS = {
@@ -486,7 +488,7 @@ def our_chain_acceptance(args, tdir: Path, k: int, limit: int | None = None, hea
 
 
 def run_check_vllm(target: Path, head: Path, method: str, k: int, n_prompts: int, n_tokens: int, prefix: Path,
-                   loader_only: bool = False) -> dict:
+                   loader_only: bool = False, dtype: str = "float32") -> dict:
     """check_vllm.py in vLLM's venv: its summary (PREFIX.json), also when it exits 1 for a phase
     that failed (the summary names it); raises when there is none."""
     from drafthead.inference.bench.prompts import mt_bench_path
@@ -494,7 +496,7 @@ def run_check_vllm(target: Path, head: Path, method: str, k: int, n_prompts: int
     Path(f"{prefix}.json").unlink(missing_ok=True)  # a failed run must not leave an earlier run's summary to read
     try:
         sh([PYTHONS["vllm"], SCRIPTS / "check_vllm.py", "--target", target, "--head", head, "--method", method,
-            "--num-spec-tokens", k, "--prompts", n_prompts, "--max-tokens", n_tokens, "--dtype", "float32",
+            "--num-spec-tokens", k, "--prompts", n_prompts, "--max-tokens", n_tokens, "--dtype", dtype,
             "--prompt-file", mt_bench_path(), "--out", prefix] + (["--loader-only"] if loader_only else []),
            Path(f"{prefix}.log"), timeout=7200)
     except RuntimeError:
@@ -549,7 +551,8 @@ def vllm_family_row(args, case: FamilyCase, k: int) -> Row:
     through its load_weights), then, where vLLM's CPU engine runs the family, its greedy
     speculative decoding on the first MT-bench prompts, acceptance against our engine's."""
     n_prompts, n_tokens = min(args.prompts, FAMILY_PROMPTS), min(args.max_tokens, FAMILY_TOKENS)
-    res = run_check_vllm(case.target_dir, case.export("vllm"), "eagle3", k, n_prompts, n_tokens, case.out / "vllm")
+    res = run_check_vllm(case.target_dir, case.export("vllm"), "eagle3", k, n_prompts, n_tokens, case.out / "vllm",
+                         dtype=FAMILY_VLLM_DTYPE.get(case.family, "float32"))
     load = res.get("loader") or {}
     if not load.get("ok"):
         return Row(LABEL["vllm"], "export", case.what, False, note=f"vLLM's loader failed: {load.get('root_cause') or load.get('error')}")
