@@ -28,11 +28,13 @@ answers (trims them, drops reasoning) gets the text re-tokenized, and the report
 """
 from __future__ import annotations
 
+import difflib
 from dataclasses import asdict, dataclass, field
 
 import datasets
 
 from ..inference.bench.prompts import render_chat
+from .image_chats import IMAGE_MARKER, image_placeholder, open_images
 
 
 # Bump when the formatting or mask rules change. `.map` caches are keyed on the map function, and
@@ -175,8 +177,6 @@ def format_row(tokenizer, row: dict, max_length: int, processor=None) -> dict:
         if processor is None:
             raise ValueError(f"conversation {row.get('id')!r} has images: they need the target's processor "
                              "(the cached data path loads it; streaming takes text rows only)")
-        from .image_chats import format_image_chat
-
         f = format_image_chat(processor, row["messages"], images, max_length, row.get("answer_token_ids"))
         return {**f, "n_ids_kept": 0, "n_ids_unmatched": 0}
     try:
@@ -228,3 +228,56 @@ def tokenize_conversations(
     report.answer_ids_kept = _column_sum(out, "n_ids_kept")
     report.answer_ids_unmatched = _column_sum(out, "n_ids_unmatched")
     return out.remove_columns(["truncated", "n_loss", "n_tokens", "n_ids_kept", "n_ids_unmatched"]), report
+
+
+# ----------------------------------------------------------------------------------------------
+# Chats with images (train/image_chats.py has the records and the processor)
+# ----------------------------------------------------------------------------------------------
+
+
+def carry_labels(text_ids: list[int], text_mask: list[bool], ids: list[int]) -> list[bool]:
+    """The loss mask of `ids` (the processor's expanded ids): True where a token matches a labelled
+    token of the text-only ids. Expansion only inserts image tokens, in user turns."""
+    mask = [False] * len(ids)
+    matcher = difflib.SequenceMatcher(None, text_ids, ids, autojunk=False)
+    for a, b, n in matcher.get_matching_blocks():
+        for k in range(n):
+            mask[b + k] = text_mask[a + k]
+    return mask
+
+
+def format_image_chat(processor, messages: list[dict], paths: list[str], max_length: int,
+                      answer_ids: list[list[int]] | None = None) -> dict:
+    """One conversation with images -> {input_ids, loss_mask, images, truncated, n_loss, n_tokens}.
+    A cut at `max_length` inside an image's tokens moves before that image, and drops it and the
+    images after it."""
+    tokenizer = processor.tokenizer
+    placeholder = image_placeholder(processor)
+    rendered = [{**m, "content": m["content"].replace(IMAGE_MARKER, placeholder)} for m in messages]
+    plain = format_conversation(tokenizer, rendered, 10**9, answer_ids)
+    text, _ = assistant_char_spans(tokenizer, rendered)
+    out = processor(text=[text], images=[open_images(paths)], add_special_tokens=False, return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    mask = carry_labels(plain.input_ids, plain.loss_mask, ids)
+    image_id = getattr(processor, "image_token_id", None)
+    if image_id is None or getattr(processor, "boi_token", None):  # Gemma 3's image soft token, not its boi
+        image_id = tokenizer.convert_tokens_to_ids(getattr(tokenizer, "image_token", None) or processor.image_token)
+    runs = _runs(ids, image_id)
+    cut = min(len(ids), max_length)
+    kept = [r for r in runs if r[1] <= cut]
+    if len(kept) < len(runs) and runs[len(kept)][0] < cut:
+        cut = runs[len(kept)][0]
+    return {"input_ids": ids[:cut], "loss_mask": mask[:cut], "images": paths[: len(kept)], "truncated": len(ids) > cut,
+            "n_loss": sum(mask[:cut]), "n_tokens": cut}
+
+
+def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
+    """[start, end) of each run of `token` in `ids`: one per image."""
+    runs, start = [], None
+    for i, t in enumerate(ids + [None]):
+        if t == token and start is None:
+            start = i
+        elif t != token and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs

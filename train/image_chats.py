@@ -4,14 +4,15 @@ A record names its images (`image`: one path, or `images`: a list; relative to t
 folder) and marks where each sits in the text with `<image>`, as LLaVA and ShareGPT4V data do. A
 record with images and no marker gets them before its first user turn's text, LLaVA's rule.
 
-Formatting runs the target's own processor (`AutoProcessor` of the target folder): the chat
-template renders the conversation with the processor's placeholder for each image, the processor
-expands each placeholder into the image's tokens and turns the image into pixel inputs. The labels
-(assistant tokens) are those of the text-only rendering, carried over to the expanded ids.
+This module reads such records and holds the target's processor (`AutoProcessor` of the target
+folder), its placeholder for an image and the pixel inputs of a row's images. The formatting
+itself is train/chat_format.py's `format_image_chat`: the chat template renders the conversation
+with the processor's placeholder for each image, the processor expands each placeholder into the
+image's tokens, and the labels (assistant tokens) are those of the text-only rendering, carried
+over to the expanded ids.
 """
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 
 import torch
@@ -98,53 +99,3 @@ def encode_image_prompt(processor, prompt: str, paths: list[str]):
     out = processor(text=[text], images=[open_images(paths)], add_special_tokens=False, return_tensors="pt")
     grid = out.get("image_grid_thw")
     return out["input_ids"], PromptImages(out["pixel_values"], grid if isinstance(grid, torch.Tensor) else None)
-
-
-def carry_labels(text_ids: list[int], text_mask: list[bool], ids: list[int]) -> list[bool]:
-    """The loss mask of `ids` (the processor's expanded ids): True where a token matches a labelled
-    token of the text-only ids. Expansion only inserts image tokens, in user turns."""
-    mask = [False] * len(ids)
-    matcher = difflib.SequenceMatcher(None, text_ids, ids, autojunk=False)
-    for a, b, n in matcher.get_matching_blocks():
-        for k in range(n):
-            mask[b + k] = text_mask[a + k]
-    return mask
-
-
-def format_image_chat(processor, messages: list[dict], paths: list[str], max_length: int,
-                      answer_ids: list[list[int]] | None = None) -> dict:
-    """One conversation with images -> {input_ids, loss_mask, images, truncated, n_loss, n_tokens}.
-    A cut at `max_length` inside an image's tokens moves before that image, and drops it and the
-    images after it."""
-    from .chat_format import assistant_char_spans, format_conversation
-
-    tokenizer = processor.tokenizer
-    placeholder = image_placeholder(processor)
-    rendered = [{**m, "content": m["content"].replace(IMAGE_MARKER, placeholder)} for m in messages]
-    plain = format_conversation(tokenizer, rendered, 10**9, answer_ids)
-    text, _ = assistant_char_spans(tokenizer, rendered)
-    out = processor(text=[text], images=[open_images(paths)], add_special_tokens=False, return_tensors="pt")
-    ids = out["input_ids"][0].tolist()
-    mask = carry_labels(plain.input_ids, plain.loss_mask, ids)
-    image_id = getattr(processor, "image_token_id", None)
-    if image_id is None or getattr(processor, "boi_token", None):  # Gemma 3's image soft token, not its boi
-        image_id = tokenizer.convert_tokens_to_ids(getattr(tokenizer, "image_token", None) or processor.image_token)
-    runs = _runs(ids, image_id)
-    cut = min(len(ids), max_length)
-    kept = [r for r in runs if r[1] <= cut]
-    if len(kept) < len(runs) and runs[len(kept)][0] < cut:
-        cut = runs[len(kept)][0]
-    return {"input_ids": ids[:cut], "loss_mask": mask[:cut], "images": paths[: len(kept)], "truncated": len(ids) > cut,
-            "n_loss": sum(mask[:cut]), "n_tokens": cut}
-
-
-def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:
-    """[start, end) of each run of `token` in `ids`: one per image."""
-    runs, start = [], None
-    for i, t in enumerate(ids + [None]):
-        if t == token and start is None:
-            start = i
-        elif t != token and start is not None:
-            runs.append((start, i))
-            start = None
-    return runs
