@@ -64,12 +64,21 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def _rope_decoder(model: nn.Module) -> nn.Module | None:
-    """The target's RoPE decoder (a `rotary_emb` beside its `layers`), looked for through
+    """The target's RoPE decoder (a rotary embedding beside its `layers`), looked for through
     `get_decoder()` and `.model` (some families' get_decoder() returns the model itself); None
-    for a target without one (GPT-2's learned positions)."""
+    for a target without one (GPT-2's learned positions, NoPE targets such as Jamba)."""
     candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None, getattr(model, "model", None)]
-    return next((dec for dec in candidates if getattr(dec, "rotary_emb", None) is not None
-                 and bool(getattr(dec, "layers", None))), None)
+    return next((dec for dec in candidates if _rotary_of(dec) is not None and bool(getattr(dec, "layers", None))), None)
+
+
+def _rotary_of(decoder) -> nn.Module | None:
+    """The decoder's rotary embedding: `rotary_emb`, or `pos_emb` where it is one (LFM2 MoE)."""
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None:
+        rotary = getattr(decoder, "pos_emb", None)
+        if rotary is not None and not type(rotary).__name__.endswith("RotaryEmbedding"):
+            return None
+    return rotary
 
 
 def has_rope_decoder(model: nn.Module) -> bool:
@@ -81,7 +90,7 @@ def target_rotary(model: nn.Module) -> nn.Module:
     dec = _rope_decoder(model)
     if dec is None:
         raise TypeError(f"{type(model).__name__} has no `rotary_emb`; EAGLE heads need a RoPE decoder")
-    return dec.rotary_emb
+    return _rotary_of(dec)
 
 
 # RoPE fields a Llama draft layer cannot run: it rotates the whole head with one table

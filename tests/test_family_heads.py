@@ -33,7 +33,7 @@ from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.train.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate
 from tests.test_head_drafters import assert_greedy_equals_plain
 from tests.test_interop_fixtures import ROOT
-from tests.tiny import HYBRID_TARGETS, TARGETS, tiny_causal_lm
+from tests.tiny import HYBRID_TARGETS, NOPE_HYBRIDS, TARGETS, tiny_causal_lm
 
 V = 96
 KINDS = {
@@ -290,7 +290,7 @@ def expected_refusal(target, fmt: str) -> str | None:
 
 
 @pytest.mark.parametrize("kind", sorted({**KINDS, **EXPORT_KINDS}))
-@pytest.mark.parametrize("family", TARGETS + [f for f in HYBRID_TARGETS if f != "jamba"])  # jamba: NoPE, no EAGLE
+@pytest.mark.parametrize("family", TARGETS + sorted(set(HYBRID_TARGETS) - NOPE_HYBRIDS))
 def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kind, tmp_path):
     """Each export holds exactly the tensors, of exactly the shapes, that the consumer's model
     built from the export's own config takes; where the consumer's code writes this layout too,

@@ -90,6 +90,30 @@ HYBRID = {
     "jamba": ("JambaConfig", "JambaForCausalLM",
               {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "num_experts": 4,
                "mamba_d_state": 8, "mamba_expand": 2, "mamba_dt_rank": 4}),
+    # Mamba-2 and attention (IBM Bamba)
+    "bamba": ("BambaConfig", "BambaForCausalLM",
+              {"attn_layer_indices": [1, 3], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
+               "mamba_n_groups": 1, "mamba_chunk_size": 16}),
+    # Mamba-2, attention and MLP-only layers (NVIDIA Nemotron-H)
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   {"layers_block_type": ["mamba", "attention", "mamba", "mlp"], "mamba_num_heads": 4, "mamba_head_dim": 16,
+                    "ssm_state_size": 8, "n_groups": 1, "chunk_size": 16, "head_dim": 8}),
+    # Gated DeltaNet and attention (OLMo hybrid)
+    "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", {"layer_types": "recurrent_first"}),
+    # Gated DeltaNet and gated attention, MoE (Qwen3.5 MoE)
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    {"head_dim": 8, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
+                     "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "layer_types": "recurrent_first"}),
+    # short convolutions and attention, MoE (LFM2 MoE)
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
+                 {"layer_types": "conv_first", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "num_dense_layers": 1}),
+    # state-space models with no attention layer at all (eager: transformers gives them no sdpa path)
+    "mamba": ("MambaConfig", "MambaForCausalLM", {"state_size": 8, "expand": 2, "attn": "eager"}),
+    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM",
+               {"num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 1, "chunk_size": 16, "expand": 2, "attn": "eager"}),
+    "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", {"state_size": 8, "expand": 2, "attn": "eager"}),
 }
 
 
@@ -236,6 +260,8 @@ MULTIMODAL = {
 # every target the family tests run: the causal-LM families, then the multimodal targets on text
 TARGETS = sorted(FAMILIES) + sorted(MULTIMODAL)
 HYBRID_TARGETS = sorted(HYBRID)
+# hybrids without RoPE: no EAGLE or DFlash draft layer to copy from them (heads/eagle.py)
+NOPE_HYBRIDS = frozenset({"falcon_mamba", "jamba", "mamba", "mamba2", "nemotron_h"})
 
 
 def tiny_image(family: str, seed: int = 0, grid: tuple[int, int, int] = (1, 4, 4)):

@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 
-def train_three_steps(folder: Path, loaded, head: dict, chats: Path, out: Path, target_name: str, max_length: int = 48):
+def train_three_steps(folder: Path, loaded, head: dict, chats: Path, out: Path, target_name: str, max_length: int = 48,
+                      **settings):
     """(the trainer's result, its logged train losses) of a `head` (the config's head section) run
-    on `loaded` (the folder's LoadedTarget) with online features."""
+    on `loaded` (the folder's LoadedTarget) with online features; `settings`: more config keys."""
     from drafthead.train.config import TrainConfig
     from drafthead.train.run import build_trainer
 
@@ -17,6 +18,7 @@ def train_three_steps(folder: Path, loaded, head: dict, chats: Path, out: Path, 
         target=str(folder), head=head, report_to="none", output_dir=str(out),
         data={"source": "json", "path": str(chats), "max_length": max_length, "eval_fraction": 0.0},
         batch_size=4, max_steps=3, log_every=1, lr=1e-2, warmup_steps=1, checkpoint_every=100, eval_every=100,
+        **settings,
     ))
     result = build_trainer(config, loaded.model, loaded.tokenizer, target_name=target_name).fit(progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

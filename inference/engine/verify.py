@@ -35,7 +35,7 @@ def check_tree_mask_support(config, recurrent: bool = False) -> None:
         )
     if getattr(config, "is_encoder_decoder", False):
         raise TreeMaskUnsupported(f"{config.model_type}: encoder-decoder targets are not supported")
-    known = set(_LOCAL_RULES) | (RECURRENT_TYPES if recurrent else set())
+    known = set(_LOCAL_RULES) | _POSITIONWISE | (RECURRENT_TYPES if recurrent else set())
     unknown = sorted(set(_layer_types(config) or ()) - known)
     if unknown:
         raise TreeMaskUnsupported(
@@ -71,6 +71,10 @@ _LOCAL_RULES = {
 }
 
 
+# layer types without attention or state (Nemotron-H's MLP and MoE layers): they take no mask
+_POSITIONWISE = frozenset({"mlp", "moe"})
+
+
 def mask_rules(config) -> dict[str, dict | None]:
     """{layer type: batch_tree_mask keywords} for each layer type the target has; one entry,
     keyed "all", for a target without per-layer types (a configured window then holds in every
@@ -83,7 +87,9 @@ def mask_rules(config) -> dict[str, dict | None]:
         return {"all": {"sliding_window": _sliding_window(config)}}
     rules: dict[str, dict | None] = {}
     for kind in dict.fromkeys(types):
-        if kind in RECURRENT_TYPES:
+        if kind in _POSITIONWISE:
+            rules[kind] = None
+        elif kind in RECURRENT_TYPES:
             rules.update({kind: None, "linear_attention": None, "conv": None})
             attention = {"hybrid": "full_attention", "hybrid_sliding": "sliding_attention"}.get(kind)
             if attention:
@@ -117,6 +123,8 @@ def batch_attention_masks(config, ancestors: torch.Tensor, depths: torch.Tensor,
         return built[key]
 
     masks = {kind: None if rule is None else mask(rule) for kind, rule in mask_rules(config).items()}
+    if not built:  # no attention layer at all (Mamba): no mask
+        return None
     if len(built) == 1 and None not in masks.values():
         return next(iter(masks.values()))
     return masks
