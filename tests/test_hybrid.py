@@ -222,6 +222,8 @@ def test_every_head_kind_trains_on_a_hybrid_target_and_decodes_exactly(tiny_targ
     prompts = prompts_of((1, 6, 13), seed=2)
     references = [plain_greedy(target, p[None], NEW) for p in prompts]
     ids, mask = left_padded(prompts)
+    batched = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask)
+    assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     from drafthead.inference.engine.drafter import fork_drafter
 
     assert_accepts_and_stays_exact(target, lambda: fork_drafter(drafter), prompt, reference, prompts, references, ids, mask,

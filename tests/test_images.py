@@ -200,8 +200,9 @@ KINDS = {
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_head_kind_trains_on_rows_with_images_and_decodes_exactly(family, kind):
     """Three optimizer steps on features captured with the images give finite losses; the head
-    then drafts for prompts with images, steered to accept depth >= 2 and ragged lengths, and
-    the output stays the target's. (Medusa-2 adapts the target on text rows only: refused.)"""
+    then drafts for prompts with images at B=1 and ragged B=3, with its own drafts and steered to
+    accept depth >= 2 and ragged lengths, and the output stays the target's. (Medusa-2 adapts the
+    target on text rows only: refused in one line, tests/test_images.py below.)"""
     import math
 
     from drafthead.heads.registry import build_head, make_config
@@ -230,6 +231,11 @@ def test_every_head_kind_trains_on_rows_with_images_and_decodes_exactly(family, 
     reference = plain_greedy_with_images(target, prompt, images, NEW)
     references = [plain_greedy_with_images(target, p, im, NEW) for p, im in zip(prompts, row_images)]
     ids, mask = left_padded(prompts)
+    own = speculative_generate(target, head_drafter(head), prompt[None], GenerationConfig(max_new_tokens=NEW), images=images)
+    assert own.new_tokens[0].tolist() == reference  # the head's own drafts
+    batched = speculative_generate(target, head_drafter(head), ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask,
+                                   images=row_images)
+    assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     assert_accepts_and_stays_exact(target, lambda: head_drafter(head), prompt[None], reference, prompts, references,
                                    ids, mask, NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new),
                                    images=images, batch_images=row_images)
@@ -316,8 +322,19 @@ def test_image_chats_are_formatted_by_the_targets_processor_and_train(tmp_path):
 
 
 def test_chats_with_images_are_refused_in_one_line_where_not_built(tmp_path):
+    """Streaming (no processor), a target folder without one, Medusa-2's joint training: each
+    refused in one line before any step."""
+    from drafthead.inference.engine.targets import load_target
     from drafthead.train.chat_format import format_row
+    from drafthead.train.config import ConfigError
     from drafthead.train.image_chats import load_processor
+    from tests.conftest import save_tiny_vlm
+    from tests.tiny_training import train_three_steps
+
+    folder = save_tiny_vlm(tmp_path / "vlm")
+    with pytest.raises(ConfigError, match="medusa2 adapts the target on text rows"):
+        train_three_steps(folder, load_target(folder), {"kind": "medusa2", "num_heads": 2}, write_image_chats(tmp_path),
+                          tmp_path / "run", "tiny-vlm", max_length=256)
 
     row = {"id": "a", "messages": [{"role": "user", "content": "<image> x"}, {"role": "assistant", "content": "y"}],
            "images": ["/nonexistent.png"]}

@@ -184,6 +184,9 @@ def build_trainer(
     target = None
     featurize = None
     online = config.joint_lora or config.features.mode == "online"
+    if config.joint_lora and getattr(samples.dataset, "processor", None) is not None:
+        raise ConfigError("medusa2 adapts the target on text rows; this data has images (not built): "
+                          "train medusa1 or another kind on it")
     if online and getattr(samples.dataset, "processor", None) is not None:  # rows with images
         if config.data.packing:
             raise ConfigError("data.packing: rows with images are not packed (the target numbers their positions itself); "
