@@ -227,6 +227,32 @@ class Eagle1Config(_HeadConfig):
     needs_last_hidden: ClassVar[bool] = False
 
 
+@dataclass
+class MTPConfig(Eagle1Config):
+    """A target's own multi-token-prediction layer as a head (DeepSeek-V3's `num_nextn_predict_layers`;
+    heads/mtp.py): eh_proj(cat(enorm(embed(token_{t+1})), hnorm(feature_t))) -> a decoder layer of
+    the target's own kind (the checkpoint's layer `mtp_layer`) -> its own final norm, scored by
+    the target's LM head. Drafts and trains as EAGLE-1 does; by default on the token CE alone, as
+    the target was pre-trained. The feature is the final normed state (index L), as vLLM and
+    SGLang feed their MTP drafters."""
+
+    kind: str = "mtp"
+    feature_weight: float = 0.0
+    ce_weight: float = 1.0
+    input_layernorm: bool = True
+    draft_layer: str = "target"
+    mtp_layer: int | None = None  # the checkpoint's layer index of the MTP layer; None: L, after the last decoder layer
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.draft_layer != "target":
+            raise ValueError("an MTP head's layer is the target's own (draft_layer: target)")
+
+    @property
+    def checkpoint_layer(self) -> int:
+        return self.final_layer if self.mtp_layer is None else self.mtp_layer
+
+
 def default_eagle3_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low/mid/high features as output_hidden_states indices.
 
@@ -485,6 +511,7 @@ KINDS: dict[str, tuple[type, str]] = {
     "eagle31": (Eagle31Config, "eagle"),
     "peagle": (PEagleConfig, "peagle"),
     "dflash": (DFlashConfig, "dflash"),
+    "mtp": (MTPConfig, "eagle"),
 }
 CONFIG_CLASSES: dict[str, type] = {kind: cls for kind, (cls, _) in KINDS.items()}
 

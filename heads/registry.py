@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .config import (CONFIG_CLASSES, KINDS, DFlashConfig, Eagle1Config, Eagle3Config, Eagle31Config, HeadConfig,
-                     HydraConfig, MedusaConfig, PEagleConfig)
+                     HydraConfig, MedusaConfig, MTPConfig, PEagleConfig)
 from .eagle import Eagle1Head, has_rope_decoder
 from .dflash import DFlashHead
 from .eagle3 import Eagle3Head
@@ -17,12 +17,13 @@ from .identity import HeadTargetMismatch, check_compatible, eos_token_ids, ident
 from .io import ADAPTER_DIR, DraftHeadBase, HeadFormatError, check_state_dict, read_head_dir
 from .hydra import HydraHead
 from .medusa import MedusaHead
+from .mtp import MTPHead
 from .peagle import PEagleHead
 
 # config class -> module class; Eagle31Config is the EAGLE-3 head with fc_norm and norm_output on
 _MODULES: dict[type, type[DraftHeadBase]] = {
     MedusaConfig: MedusaHead, HydraConfig: HydraHead, Eagle1Config: Eagle1Head, Eagle3Config: Eagle3Head,
-    Eagle31Config: Eagle3Head, PEagleConfig: PEagleHead, DFlashConfig: DFlashHead,
+    Eagle31Config: Eagle3Head, PEagleConfig: PEagleHead, DFlashConfig: DFlashHead, MTPConfig: MTPHead,
 }
 HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {kind: _MODULES[cls] for kind, (cls, _) in KINDS.items()}
 

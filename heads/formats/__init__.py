@@ -10,6 +10,7 @@ Export formats (`export_head(head_dir, out_dir, fmt)`):
     eagle        upstream EAGLE-1 (eagle-llm): pytorch_model.bin with embed_tokens and fc.bias
     medusa       upstream Medusa (medusa-llm): medusa_lm_head.pt
     dflash       DFlash's DFlashDraftModel (vLLM method dflash, SGLang DFLASH, z-lab dflash)
+    mtp          a target's own MTP layer, in its checkpoint's names (vLLM deepseek_mtp, SGLang NextN)
 
 Import (`import_head(src, target, convention=...)`) reads all of them, plus llama.cpp's converted
 draft GGUF, the old vLLM Medusa layout and SpecForge's `to_hf` output. Where a layout does not say how it numbers aux layers or which
@@ -29,11 +30,11 @@ from ..identity import HeadTargetMismatch, check_compatible, identify_target, id
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
 from ..outdir import check_distinct, check_output, fresh_folder
-from . import dflash, eagle1, eagle3, gguf_eagle3, medusa, speculators
+from . import dflash, eagle1, eagle3, gguf_eagle3, medusa, mtp, speculators
 from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
     read_weights, served_layer_refusal
 
-EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa", "dflash")
+EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa", "dflash", "mtp")
 CONVENTIONS = ("vllm", "sglang", "eagle")
 IDENTITY_VOCAB_KEYS = ("d2t", "t2d")  # EAGLE-3's draft-vocab maps, the identity when Vd == V
 
@@ -51,10 +52,12 @@ _FORMAT_KINDS = {
     "eagle": ("eagle1",),
     "medusa": ("medusa1",),
     "dflash": ("dflash",),
+    "mtp": ("mtp",),
 }
 # The consumer each export format is for, as refusals name it.
 ENGINES = {"vllm": "vLLM", "speculators": "speculators", "sglang": "SGLang", "llama.cpp": "llama.cpp",
-           "eagle": "upstream EAGLE", "medusa": "upstream Medusa", "dflash": "vLLM's, SGLang's and z-lab's DFlash"}
+           "eagle": "upstream EAGLE", "medusa": "upstream Medusa", "dflash": "vLLM's, SGLang's and z-lab's DFlash",
+           "mtp": "vLLM's and SGLang's MTP"}
 
 
 # ----------------------------------------------------------------------------- export
@@ -101,7 +104,8 @@ def _write_export(head_dir: Path, out_dir: Path, fmt: str, config, meta: dict, s
         fits = [f for f, ks in _FORMAT_KINDS.items() if config.kind in ks]
         raise ValueError(f"--format {fmt} carries {' / '.join(kinds)} heads, not {config.kind} "
                          f"(a {config.kind} head exports as: {', '.join(fits) or 'ours only'})")
-    if config.kind not in ("medusa1", "hydra"):  # Medusa heads embed no token: nothing to serve differently
+    # Medusa heads embed no token: nothing to serve differently; an MTP head is the target's own layer
+    if config.kind not in ("medusa1", "hydra", "mtp"):
         refusal = served_layer_refusal(config, ENGINES[fmt], fmt)
         if refusal is not None:
             raise ValueError(refusal)
@@ -129,6 +133,8 @@ def _write_export(head_dir: Path, out_dir: Path, fmt: str, config, meta: dict, s
         cfg, tensors = eagle3.to_engine(fmt, config, meta, state)
     elif config.kind == "dflash":
         cfg, tensors = dflash.to_engine(config, meta, state)
+    elif config.kind == "mtp":
+        cfg, tensors = mtp.to_engine(config, state, target_model)
     elif config.kind == "eagle1":
         cfg, tensors = eagle1.to_engine(fmt, config, meta, state, target_tensor(lambda m: m.get_input_embeddings()))
     else:

@@ -416,11 +416,13 @@ def run_load(args) -> dict:
                     p.zero_()
             landed.clear()
             try:
-                model.load_weights([(name, t)])
+                with one_tensor_at_a_time():
+                    returned = model.load_weights([(name, t)])
             except Exception as e:  # a name vLLM does not know: it refuses the checkpoint
                 per_tensor[name] = {"params": [], "refused": f"{type(e).__name__}: {str(e)[:300]}"}
                 continue
-            into = sorted(set().union(*landed))
+            # EAGLE's loaders go through AutoWeightsLoader; DeepSeek's MTP loader returns the names itself
+            into = sorted(set().union(*landed)) if landed else sorted(returned or ())
             per_tensor[name] = {"params": into, "intact": any(holds_slice(params[n], t) for n in into if n in params)}
     finally:
         model_utils.AutoWeightsLoader.load_weights = real
@@ -438,19 +440,34 @@ def run_load(args) -> dict:
 
 def loader_counts(args) -> bool:
     """Whether run_load's count means something for this head: EAGLE-1 and EAGLE-3 drafts load
-    through AutoWeightsLoader one tensor at a time; Medusa's loader reports nothing to it, and
-    P-EAGLE's refuses any call without its mask_hidden tensor."""
+    through AutoWeightsLoader one tensor at a time, DeepSeek's MTP loader names what it loaded;
+    Medusa's loader reports nothing, and P-EAGLE's refuses any call without its mask_hidden tensor."""
     method, _ = detect_method(args.head, args.method)
     parallel = read_json(Path(args.head) / "config.json").get("speculators_model_type") == "peagle"
-    return method in ("eagle", "eagle3") and not parallel
+    return method in ("eagle", "eagle3", "deepseek_mtp") and not parallel
+
+
+def one_tensor_at_a_time():
+    """vLLM's MTP loader checks, after each call, that the call loaded some of every MTP layer;
+    a call with one tensor (the shared embedding) fails that. The check is off here: the
+    accounting over all tensors (missing, refused) is this phase's own."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+    except ImportError:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return disable_mtp_completeness_check()
 
 
 def holds_slice(param, t) -> bool:
     """Whether `t`, in the engine's dtype (--dtype: vLLM casts every weight to it), sits unchanged
     as rows [i, i + len(t)) of `param` for some i."""
+    t = t.to(param.dtype)
+    if param.dim() == t.dim() + 1:  # fused experts: [E, rows, ...], one expert's tensor in one of them
+        return any(holds_slice(p, t) for p in param)
     if param.dim() != t.dim() or param.shape[1:] != t.shape[1:] or (t.dim() and param.shape[0] < t.shape[0]):
         return False
-    t = t.to(param.dtype)
     if t.dim() == 0:
         return bool(param == t)
     n = t.shape[0]
