@@ -194,7 +194,8 @@ def draft_layer_parts(model: nn.Module, draft_layer: str) -> DraftLayerParts:
     """Llama's classes, or (draft_layer "target") those of the target's first decoder layer."""
     if draft_layer == "llama":
         return DraftLayerParts(LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding)
-    family = decoder_layers(model)[0]
+    # the first attention layer: a hybrid target's first layers may be recurrent ones
+    family = next((layer for layer in decoder_layers(model) if hasattr(layer, "self_attn")), decoder_layers(model)[0])
     return DraftLayerParts(type(family), type(family.self_attn), type(family.mlp), type(family.input_layernorm),
                            type(target_rotary(model)))
 

@@ -1,25 +1,27 @@
 """A target's own multi-token-prediction (MTP) layer as a head (docs/formats.md "MTP layers").
 
 DeepSeek-V3 ships `num_nextn_predict_layers` = 1 such layer after its decoder layers, at checkpoint
-index L = num_hidden_layers, and vLLM and SGLang serve it as the target's own drafter. For the
-feature f_t (the target's final normed state) and the next token x_{t+1}:
+index L = num_hidden_layers; Qwen3-Next one under `mtp.`. vLLM and SGLang serve it as the target's
+own drafter. For the feature f_t (the target's final normed state) and the next token x_{t+1}:
 
     h     = block(eh_proj(cat(enorm(embed(x_{t+1})), hnorm(f_t))))     block: a decoder layer of the target's kind
     f'    = norm(h)                                                   the MTP layer's own final norm (shared_head.norm)
     logits = lm_head(f')                                              the target's LM head (shared_head.head holds a copy)
 
 f' is the predicted next feature, which the next draft step takes as its f (what vLLM recycles).
-As vLLM does, the embedding at position 0 is zeroed. So it is EAGLE-1 (heads/eagle.py) with three
-norms, the target's own layer kind and these names; it drafts and trains as EAGLE-1 does.
+DeepSeek's embedding at position 0 is zeroed, as vLLM does. So it is EAGLE-1 (heads/eagle.py) with
+three norms, the target's own layer kind and the family's names (LAYOUTS); it drafts and trains
+as EAGLE-1 does.
 
-transformers builds DeepSeek-V3 without its MTP layer and skips those tensors when loading: the
-checkpoint's `model.layers.{L}.*` tensors are read from its safetensors here (`read_mtp_layer`),
-and written back in that layout (`checkpoint_tensors`; heads/formats/mtp.py).
+transformers builds these targets without their MTP layer and skips those tensors when loading:
+they are read from the checkpoint's safetensors here (`read_mtp_layer`), and written back in
+its layout (`checkpoint_tensors`; heads/formats/mtp.py).
 """
 from __future__ import annotations
 
 import copy
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,20 +32,66 @@ from .config import MTPConfig
 from .eagle import Eagle1Head, decoder_layers
 from .identity import text_config
 
-# the MTP layer's own tensors (checkpoint names after `model.layers.{L}.`) -> our module names;
-# everything else under that prefix is its decoder block (ours under `layers.0.`)
-OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "fc.weight",
-       "shared_head.norm.weight": "final_norm.weight"}
-# checkpoint copies of target tensors: read only to check they are the target's, written back from it
-SHARED = {"embed_tokens.weight", "shared_head.head.weight"}
+@dataclass(frozen=True)
+class MTPLayout:
+    """How a family's checkpoint names its MTP layer.
+
+    prefix:  the layer's tensors' prefix, with {layer} for the checkpoint layer index L
+    own:     the layer's own tensors (names after the prefix) -> our module names
+    block:   the prefix of its decoder block's tensors after `prefix` (ours: `layers.0.`); ""
+             for DeepSeek: every tensor that is neither `own` nor `shared`
+    shared:  the layer's copies of target tensors: read only to check they are the target's,
+             written back from it (name after the prefix -> "embed" | "lm_head")
+    zero_first_position: the embedding at position 0 is zeroed (DeepSeek, in vLLM and SGLang)
+    """
+
+    prefix: str
+    own: dict
+    block: str = ""
+    shared: dict | None = None
+    zero_first_position: bool = False
+
+    def layer_prefix(self, layer: int) -> str:
+        return self.prefix.format(layer=layer)
+
+
+LAYOUTS = {
+    "deepseek_v3": MTPLayout(
+        prefix="model.layers.{layer}.",
+        own={"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "fc.weight",
+             "shared_head.norm.weight": "final_norm.weight"},
+        shared={"embed_tokens.weight": "embed", "shared_head.head.weight": "lm_head"},
+        zero_first_position=True),
+    "qwen3_next": MTPLayout(
+        prefix="mtp.",
+        own={"pre_fc_norm_embedding.weight": "enorm.weight", "pre_fc_norm_hidden.weight": "hnorm.weight",
+             "fc.weight": "fc.weight", "norm.weight": "final_norm.weight"},
+        block="layers.0."),
+}
+
+
+def mtp_layout(model_or_config) -> MTPLayout:
+    config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
+    family = (config.get_text_config() if hasattr(config, "get_text_config") else config).model_type
+    if family not in LAYOUTS:
+        raise ValueError(f"MTP layers are read for {', '.join(LAYOUTS)} targets, not {family}")
+    return LAYOUTS[family]
+
+
+def _target_tensor(target_model: nn.Module, which: str) -> torch.Tensor:
+    module = target_model.get_input_embeddings() if which == "embed" else target_model.get_output_embeddings()
+    return module.weight.detach().cpu()
 
 
 class MTPHead(Eagle1Head):
     def __init__(self, config: MTPConfig, target_model: nn.Module) -> None:
+        layout = mtp_layout(target_model)  # refuses a family whose MTP layer we do not read, before building
         super().__init__(config, target_model)
-        # the block: a decoder layer of the target's last layer's kind (DeepSeek-V3: MLA with a
-        # routed MoE, which layer_idx 0 of a one-layer config would not give), cached as layer 0
-        block = copy.deepcopy(decoder_layers(target_model)[-1])
+        self.layout = layout
+        # the block: a decoder layer of the target's last attention layer's kind (DeepSeek-V3: MLA
+        # with a routed MoE, which layer_idx 0 of a one-layer config would not give; Qwen3-Next:
+        # its gated attention with MoE), cached as layer 0
+        block = copy.deepcopy(_last_attention_layer(target_model))
         for module in block.modules():
             if hasattr(module, "layer_idx"):
                 module.layer_idx = 0
@@ -55,12 +103,15 @@ class MTPHead(Eagle1Head):
         """The target checkpoint's own MTP layer, where its folder holds one; else the block
         starts as a copy of the target's last decoder layer (norms at one, eh_proj random)."""
         folder = getattr(model.config, "_name_or_path", "")
-        tensors = read_mtp_layer(folder, self.config.checkpoint_layer) if folder and Path(folder).is_dir() else {}
+        if not (folder and Path(folder).is_dir()):
+            return
+        tensors = read_mtp_layer(folder, self.layout.layer_prefix(self.config.checkpoint_layer))
         if tensors:
-            self.load_state_dict(head_state_from_checkpoint(tensors, model), strict=True)
+            self.load_state_dict(head_state_from_checkpoint(tensors, model, self.layout), strict=True)
+
     def _hidden(self, fused, tokens, position_ids, cache, attention_mask) -> torch.Tensor:
         e = self.refs.embed_tokens(tokens, self.dtype)
-        if position_ids is not None:  # vLLM and SGLang zero the embedding at position 0
+        if self.layout.zero_first_position and position_ids is not None:
             e = e.masked_fill((position_ids == 0)[..., None], 0.0)
         x = self.fc(torch.cat([self.enorm(e), self.hnorm(fused.to(self.dtype))], dim=-1))
         position_ids, mask, pos_emb = self._inputs(x, tokens, position_ids, cache, attention_mask)
@@ -68,6 +119,12 @@ class MTPHead(Eagle1Head):
                              use_cache=cache is not None, **{self._cache_kw: cache})
         return self.final_norm(out[0] if isinstance(out, tuple) else out)
 
+
+def _last_attention_layer(model: nn.Module) -> nn.Module:
+    layers = decoder_layers(model)
+    types = getattr(text_config(model), "layer_types", None) or []
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    return layers[full[-1] if full else -1]
 
 def _weights(folder: Path) -> dict[str, Path]:
     """checkpoint tensor name -> the safetensors file holding it."""
@@ -81,10 +138,9 @@ def _weights(folder: Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
-def read_mtp_layer(folder, layer: int) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of MTP layer `layer`, by their names after `model.layers.{layer}.`;
-    {} when the checkpoint has none."""
-    prefix = f"model.layers.{layer}."
+def read_mtp_layer(folder, prefix: str) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors under `prefix` (an MTP layer's), by their names after it; {} when
+    the checkpoint has none."""
     where = {k: p for k, p in _weights(Path(folder)).items() if k.startswith(prefix)}
     out = {}
     for path in sorted(set(where.values())):
@@ -121,28 +177,34 @@ def _split_experts(block: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def head_state_from_checkpoint(tensors: dict[str, torch.Tensor], target_model: nn.Module) -> dict[str, torch.Tensor]:
-    """An MTP layer's checkpoint tensors -> our head's state dict. Its copies of the target's
-    embedding and LM head must equal the target's (the head uses the target's own)."""
-    for name, theirs in (("embed_tokens.weight", target_model.get_input_embeddings().weight),
-                         ("shared_head.head.weight", target_model.get_output_embeddings().weight)):
-        if name in tensors and not torch.equal(tensors[name].to(theirs.dtype), theirs.detach().cpu()):
+def head_state_from_checkpoint(tensors: dict[str, torch.Tensor], target_model: nn.Module,
+                               layout: MTPLayout) -> dict[str, torch.Tensor]:
+    """An MTP layer's checkpoint tensors (names after its prefix) -> our head's state dict. Its
+    copies of the target's embedding and LM head must equal the target's (the head uses the
+    target's own)."""
+    shared = layout.shared or {}
+    for name, which in shared.items():
+        theirs = _target_tensor(target_model, which)
+        if name in tensors and not torch.equal(tensors[name].to(theirs.dtype), theirs):
             raise ValueError(f"the MTP layer's {name} is not the target's: this checkpoint's MTP layer was trained "
                              "for another target")
-    state = {OWN[k]: v for k, v in tensors.items() if k in OWN}
-    block = _fuse_experts({k: v for k, v in tensors.items() if k not in OWN and k not in SHARED})
-    state.update({f"layers.0.{k}": v for k, v in block.items()})
+    state = {layout.own[k]: v for k, v in tensors.items() if k in layout.own}
+    block = {k[len(layout.block):]: v for k, v in tensors.items()
+             if k not in layout.own and k not in shared and k.startswith(layout.block)}
+    state.update({f"layers.0.{k}": v for k, v in _fuse_experts(block).items()})
     return state
 
 
 def checkpoint_tensors(state: dict[str, torch.Tensor], layer: int, target_model: nn.Module) -> dict[str, torch.Tensor]:
-    """An MTP head's state dict as the checkpoint holds its MTP layer `layer`: `model.layers.{layer}.*`,
-    experts per expert, with the target's embedding and LM head copied in (vLLM's and SGLang's MTP
-    loaders read them there)."""
-    prefix = f"model.layers.{layer}."
-    out = {prefix + theirs: state[ours] for theirs, ours in OWN.items()}
+    """An MTP head's state dict as the target's checkpoint holds its MTP layer (`layer`: its
+    index L), in the family's names (LAYOUTS), experts per expert, with the layer's copies of the
+    target's embedding and LM head where the family keeps them (vLLM's and SGLang's MTP loaders
+    read them there)."""
+    layout = mtp_layout(target_model)
+    prefix = layout.layer_prefix(layer)
+    ours = {v: k for k, v in layout.own.items()}
+    out = {prefix + ours[k]: v for k, v in state.items() if k in ours}
     block = _split_experts({k[len("layers.0."):]: v for k, v in state.items() if k.startswith("layers.0.")})
-    out.update({prefix + k: v for k, v in block.items()})
-    out[prefix + "embed_tokens.weight"] = target_model.get_input_embeddings().weight.detach().cpu()
-    out[prefix + "shared_head.head.weight"] = target_model.get_output_embeddings().weight.detach().cpu()
+    out.update({prefix + layout.block + k: v for k, v in block.items()})
+    out.update({prefix + name: _target_tensor(target_model, which) for name, which in (layout.shared or {}).items()})
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}

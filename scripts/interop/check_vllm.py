@@ -440,11 +440,11 @@ def run_load(args) -> dict:
 
 def loader_counts(args) -> bool:
     """Whether run_load's count means something for this head: EAGLE-1 and EAGLE-3 drafts load
-    through AutoWeightsLoader one tensor at a time, DeepSeek's MTP loader names what it loaded;
+    through AutoWeightsLoader one tensor at a time, the MTP loaders name what they loaded;
     Medusa's loader reports nothing, and P-EAGLE's refuses any call without its mask_hidden tensor."""
     method, _ = detect_method(args.head, args.method)
     parallel = read_json(Path(args.head) / "config.json").get("speculators_model_type") == "peagle"
-    return method in ("eagle", "eagle3", "deepseek_mtp") and not parallel
+    return method in ("eagle", "eagle3", "deepseek_mtp", "qwen3_next_mtp") and not parallel
 
 
 def one_tensor_at_a_time():

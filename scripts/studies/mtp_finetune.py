@@ -1,14 +1,14 @@
 #!/usr/bin/env python
-"""Fine-tuning a target's own MTP layer: tau before and after, on a tiny DeepSeek-V3 target.
+"""Fine-tuning a target's own MTP layer: tau before and after, on a tiny DeepSeek-V3 or Qwen3-Next target.
 
 The target (tests/tiny_mtp.py: random weights, its checkpoint carrying a random MTP layer as
-DeepSeek-V3's carries a trained one) answers `--train` random prompts greedily; the MTP head
+the released ones carry a trained one) answers `--train` random prompts greedily; the MTP head
 (heads/mtp.py, read from that checkpoint) learns those answers with the target frozen, on the
 token CE from its online features. tau is measured with our engine, greedy, a chain of `--chain`
 MTP drafts per round (the MTP layer run again on its own output, as vLLM's deepseek_mtp does), on
 `--eval` held-out prompts, before and after. The output is the target's either way (asserted).
 
-    .venv/bin/python scripts/studies/mtp_finetune.py --steps 300 --threads 2
+    .venv/bin/python scripts/studies/mtp_finetune.py --family deepseek_v3 --steps 300 --threads 2
 """
 from __future__ import annotations
 
@@ -52,6 +52,7 @@ def main() -> int:
     from tests.tiny_mtp import save_tiny_mtp_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", default="deepseek_v3", choices=["deepseek_v3", "qwen3_next"])
     p.add_argument("--train", type=int, default=96)
     p.add_argument("--eval", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
@@ -63,8 +64,7 @@ def main() -> int:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
-    folder, _, _ = save_tiny_mtp_target(Path(tempfile.mkdtemp()), layers=4)
-    loaded = load_target(folder)
+    loaded = load_target(save_tiny_mtp_target(Path(tempfile.mkdtemp()), args.family, layers=4).folder)
     target = loaded.model
     g = torch.Generator().manual_seed(0)
     vocab = target.config.vocab_size
@@ -89,7 +89,7 @@ def main() -> int:
         opt.step()
         losses.append(loss.item())
     after = tau(target, head.eval(), *held_out, args.chain, args.new_tokens)
-    result = {"tau_before": before, "tau_after": after, "loss_first": losses[0], "loss_last": losses[-1],
+    result = {"family": args.family, "tau_before": before, "tau_after": after, "loss_first": losses[0], "loss_last": losses[-1],
               "steps": args.steps, "chain": args.chain, "train": args.train, "eval": args.eval}
     print(json.dumps(result))
     if args.out:
