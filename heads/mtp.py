@@ -42,7 +42,9 @@ class MTPLayout:
              for DeepSeek: every tensor that is neither `own` nor `shared`
     shared:  the layer's copies of target tensors: read only to check they are the target's,
              written back from it (name after the prefix -> "embed" | "lm_head")
-    zero_first_position: the embedding at position 0 is zeroed (DeepSeek, in vLLM and SGLang)
+    zero_first_position: the embedding at position 0 is zeroed (DeepSeek, GLM, in vLLM and SGLang)
+    recycle_normed: the next draft step takes the layer's normed output as its feature (vLLM's
+        DeepSeek and Qwen3-Next MTP); False: its output before that norm (vLLM's GLM MTP)
     """
 
     prefix: str
@@ -50,18 +52,21 @@ class MTPLayout:
     block: str = ""
     shared: dict | None = None
     zero_first_position: bool = False
+    recycle_normed: bool = True
 
     def layer_prefix(self, layer: int) -> str:
         return self.prefix.format(layer=layer)
 
 
+_NEXTN = dict(  # DeepSeek's names, which GLM-4.5 keeps
+    prefix="model.layers.{layer}.",
+    own={"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "fc.weight",
+         "shared_head.norm.weight": "final_norm.weight"},
+    shared={"embed_tokens.weight": "embed", "shared_head.head.weight": "lm_head"},
+    zero_first_position=True)
 LAYOUTS = {
-    "deepseek_v3": MTPLayout(
-        prefix="model.layers.{layer}.",
-        own={"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "fc.weight",
-             "shared_head.norm.weight": "final_norm.weight"},
-        shared={"embed_tokens.weight": "embed", "shared_head.head.weight": "lm_head"},
-        zero_first_position=True),
+    "deepseek_v3": MTPLayout(**_NEXTN),
+    "glm4_moe": MTPLayout(**_NEXTN, recycle_normed=False),
     "qwen3_next": MTPLayout(
         prefix="mtp.",
         own={"pre_fc_norm_embedding.weight": "enorm.weight", "pre_fc_norm_hidden.weight": "hnorm.weight",
@@ -109,7 +114,19 @@ class MTPHead(Eagle1Head):
         if tensors:
             self.load_state_dict(head_state_from_checkpoint(tensors, model, self.layout), strict=True)
 
+    def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None, last_only=False):
+        """(the next step's feature [B,T,H], logits [B,T,V] or, last_only, [B,1,V]): the layer's
+        normed output scores the tokens; the feature is that or the output before the norm
+        (MTPLayout.recycle_normed)."""
+        h = self._block_output(fused, tokens, position_ids, cache, attention_mask)
+        normed = self.final_norm(h)
+        return (normed if self.layout.recycle_normed else h), self.refs.lm_logits(normed[:, -1:] if last_only else normed)
+
     def _hidden(self, fused, tokens, position_ids, cache, attention_mask) -> torch.Tensor:
+        """The normed output, which the token CE scores and the feature loss compares with f_{t+1}."""
+        return self.final_norm(self._block_output(fused, tokens, position_ids, cache, attention_mask))
+
+    def _block_output(self, fused, tokens, position_ids, cache, attention_mask) -> torch.Tensor:
         e = self.refs.embed_tokens(tokens, self.dtype)
         if self.layout.zero_first_position and position_ids is not None:
             e = e.masked_fill((position_ids == 0)[..., None], 0.0)
@@ -117,7 +134,7 @@ class MTPHead(Eagle1Head):
         position_ids, mask, pos_emb = self._inputs(x, tokens, position_ids, cache, attention_mask)
         out = self.layers[0](x, attention_mask=mask, position_ids=position_ids, position_embeddings=pos_emb,
                              use_cache=cache is not None, **{self._cache_kw: cache})
-        return self.final_norm(out[0] if isinstance(out, tuple) else out)
+        return out[0] if isinstance(out, tuple) else out
 
 
 def _last_attention_layer(model: nn.Module) -> nn.Module:

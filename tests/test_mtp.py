@@ -29,7 +29,7 @@ from tests.tiny_mtp import save_tiny_mtp_target
 L, NEW = 4, 16
 
 
-FAMILIES = ("deepseek_v3", "qwen3_next")
+FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -67,9 +67,11 @@ def test_the_head_is_the_checkpoints_mtp_layer(mtp_target):
         h = ck.block(x, attention_mask=mask, position_ids=positions, position_embeddings=ck.rotary(x, positions))
         h = h[0] if isinstance(h, tuple) else h
         head_weight = t[ck.names["head"]] if ck.names["head"] else target.get_output_embeddings().weight
-        logits = ck.norm(h, t[ck.names["norm"]], eps) @ head_weight.T
-        _, ours = head.step(f, nxt, positions)
+        normed = ck.norm(h, t[ck.names["norm"]], eps)
+        logits = normed @ head_weight.T
+        feature, ours = head.step(f, nxt, positions)
     torch.testing.assert_close(ours, logits, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(feature, normed if ck.recycle_normed else h, atol=1e-5, rtol=1e-4)  # what the next step takes
 
 
 def test_mtp_drafts_exactly_untrained(mtp_target):
@@ -103,7 +105,8 @@ def test_mtp_fine_tunes_from_the_checkpoints_layer_and_exports_back(mtp_target, 
     assert set(written) == set(tensors) and all(torch.equal(written[k], tensors[k]) for k in tensors)
     written_config = json.loads((out / "config.json").read_text())
     assert written_config["num_nextn_predict_layers"] == 1
-    assert written_config.get("topk_method") == ("noaux_tc" if written_config["model_type"] == "deepseek_v3" else None)
+    bias = any(k.endswith("e_score_correction_bias") for k in tensors)  # DeepSeek's and GLM's routing
+    assert written_config.get("topk_method") == ("noaux_tc" if bias else None)
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 16)
     result, losses = train_three_steps(folder, loaded, {"kind": "mtp"}, chats, tmp_path / "run", "tiny-mtp")

@@ -117,10 +117,18 @@ HYBRID = {
 }
 
 
+# families only the MTP tests build (tests/test_mtp.py): GLM-4.5's MoE, its first layer dense
+OTHER = {
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 {"head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+}
+
+
 def _hybrid_family(name: str):
     import transformers
 
-    config, model, extra = HYBRID[name]
+    config, model, extra = HYBRID[name] if name in HYBRID else OTHER[name]
     return getattr(transformers, config), getattr(transformers, model), extra
 
 

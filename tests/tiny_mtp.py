@@ -1,9 +1,9 @@
 """Tiny targets whose checkpoints carry an MTP layer, as the released ones do, written with
 transformers' own code, not with ours (tests/test_mtp.py, scripts/studies/mtp_finetune.py):
 
-- DeepSeek-V3: `num_nextn_predict_layers: 1`, the layer at index L after the decoder layers, its
-  experts stored one by one; a DeepSeek-V3 of L + 1 layers is saved and its layer L becomes the
-  MTP block.
+- DeepSeek-V3 and GLM-4.5: `num_nextn_predict_layers: 1`, the layer at index L after the decoder
+  layers, its experts stored one by one; a target of L + 1 layers is saved and its layer L becomes
+  the MTP block.
 - Qwen3-Next: the layer under `mtp.`, its block a full-attention MoE layer at `mtp.layers.0.`; a
   one-layer Qwen3-Next of that layer type is saved and its layer 0 becomes the block.
 """
@@ -31,6 +31,7 @@ class MTPCheckpoint:
     names: dict  # enorm, hnorm, proj, norm, head (None where the layer keeps no copy): checkpoint names
     norm: Callable  # (x, weight, eps) -> the family's RMS norm
     zero_first: bool  # the embedding at position 0 is zeroed
+    recycle_normed: bool  # the next draft step's feature is the normed output (vLLM's GLM MTP takes it before the norm)
 
 
 def save_tiny_mtp_target(work: Path, family: str = "deepseek_v3", layers: int = 4, seed: int = 5) -> MTPCheckpoint:
@@ -41,7 +42,7 @@ def save_tiny_mtp_target(work: Path, family: str = "deepseek_v3", layers: int = 
     folder = save_tiny_target(work / "target", family, layers=layers)
     tokenizer = build_tiny_tokenizer()
     ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if family == "deepseek_v3":
+    if family in ("deepseek_v3", "glm4_moe"):
         source = tiny_causal_lm(family, vocab=len(tokenizer), seed=seed, layers=layers + 1, **ids)
         index, prefix, block_prefix = layers, f"model.layers.{layers}.", f"model.layers.{layers}."
         names = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "proj": "eh_proj.weight", "norm": "shared_head.norm.weight",
@@ -72,4 +73,5 @@ def save_tiny_mtp_target(work: Path, family: str = "deepseek_v3", layers: int = 
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
     return MTPCheckpoint(folder, source.model.layers[index], source.model.rotary_emb, {**block, **own},
-                         {k: (prefix + v if v else None) for k, v in names.items()}, norm, zero_first)
+                         {k: (prefix + v if v else None) for k, v in names.items()}, norm, zero_first,
+                         recycle_normed=family != "glm4_moe")

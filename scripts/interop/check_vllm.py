@@ -444,7 +444,7 @@ def loader_counts(args) -> bool:
     Medusa's loader reports nothing, and P-EAGLE's refuses any call without its mask_hidden tensor."""
     method, _ = detect_method(args.head, args.method)
     parallel = read_json(Path(args.head) / "config.json").get("speculators_model_type") == "peagle"
-    return method in ("eagle", "eagle3", "deepseek_mtp", "qwen3_next_mtp") and not parallel
+    return method in ("eagle", "eagle3", "deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp") and not parallel
 
 
 def one_tensor_at_a_time():

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Fine-tuning a target's own MTP layer: tau before and after, on a tiny DeepSeek-V3 or Qwen3-Next target.
+"""Fine-tuning a target's own MTP layer: tau before and after, on a tiny DeepSeek-V3, GLM-4.5 or
+Qwen3-Next target.
 
 The target (tests/tiny_mtp.py: random weights, its checkpoint carrying a random MTP layer as
 the released ones carry a trained one) answers `--train` random prompts greedily; the MTP head
@@ -52,7 +53,7 @@ def main() -> int:
     from tests.tiny_mtp import save_tiny_mtp_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", default="deepseek_v3", choices=["deepseek_v3", "qwen3_next"])
+    p.add_argument("--family", default="deepseek_v3", choices=["deepseek_v3", "glm4_moe", "qwen3_next"])
     p.add_argument("--train", type=int, default=96)
     p.add_argument("--eval", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
