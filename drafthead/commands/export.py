@@ -20,7 +20,7 @@ def add_parser(subparsers) -> None:
         "--target",
         default=None,
         help="the head's target (name or folder), for layouts that store a copy of its tensors: speculators and "
-             "eagle (embed_tokens), medusa with a shared LM head",
+             "eagle (embed_tokens), medusa with a shared LM head, mtp (the target's config, embedding and LM head)",
     )
 
 
