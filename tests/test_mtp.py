@@ -104,6 +104,9 @@ def test_mtp_fine_tunes_from_the_checkpoints_layer_and_exports_back(mtp_target, 
         written = {k: f.get_tensor(k) for k in f.keys()}
     assert set(written) == set(tensors) and all(torch.equal(written[k], tensors[k]) for k in tensors)
     written_config = json.loads((out / "config.json").read_text())
+    on_disk = json.loads((folder / "config.json").read_text())  # the target's config as its folder has it
+    assert {k: v for k, v in written_config.items() if k not in ("topk_method", "torch_dtype", "drafthead")} == \
+        {k: v for k, v in on_disk.items() if k not in ("topk_method", "torch_dtype")}
     assert written_config["num_nextn_predict_layers"] == 1
     bias = any(k.endswith("e_score_correction_bias") for k in tensors)  # DeepSeek's and GLM's routing
     assert written_config.get("topk_method") == ("noaux_tc" if bias else None)

@@ -128,8 +128,9 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- SGLang runtime
-def init_sglang(target: str, head: str):
-    """gloo world of 1 + SGLang's model-parallel groups + published ServerArgs (role 'test')."""
+def init_sglang(target: str, head: str, algorithm: str = "EAGLE3"):
+    """gloo world of 1 + SGLang's model-parallel groups + published ServerArgs (role 'test');
+    algorithm: SGLang's speculative algorithm (NEXTN for a target's own MTP layer)."""
     from sglang.srt.distributed import parallel_state
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, get_server_args, publish, reset_context
@@ -142,7 +143,7 @@ def init_sglang(target: str, head: str):
     # no request is served here, so the radix cache is off for such targets
     layer_types = set(json.loads((Path(target) / "config.json").read_text()).get("layer_types") or ())
     hybrid = bool(layer_types & {"linear_attention", "mamba", "conv", "hybrid"})
-    publish(ServerArgs(model_path=target, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
+    publish(ServerArgs(model_path=target, speculative_algorithm=algorithm, speculative_draft_model_path=head,
                        device="cpu", dtype="float32", tp_size=1, pp_size=1, ep_size=1, disable_cuda_graph=True,
                        disable_radix_cache=hybrid),
             role="test", ranks=SpawnRanks(world_rank=0))
