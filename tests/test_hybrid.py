@@ -52,6 +52,10 @@ def test_hybrid_targets_get_the_chain_backend(family):
         target_backend(target, static_cache=True)
     with pytest.raises(ValueError, match="draft model with recurrent layers"):
         DraftModelDrafter(target)
+    from drafthead.inference.llamacpp.target import LlamaCppError, LlamaCppTarget
+
+    with pytest.raises(LlamaCppError, match="has recurrent layers.*torch backend"):  # before libllama or the GGUF loads
+        LlamaCppTarget("model.gguf", target.config)
     assert not has_recurrent_layers(tiny_causal_lm("llama").config)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from ..engine.policy import cut_tree
+from ..engine.recurrent import has_recurrent_layers
 from ..engine.tree import DraftTree
 from ..engine.verify import Verification
 from . import lib as _lib
@@ -49,6 +50,9 @@ class LlamaCppTarget:
     """
 
     def __init__(self, gguf: str | Path, config, *, threads: int = 2, feature_dtype: torch.dtype = torch.float32):
+        if has_recurrent_layers(config):  # before anything loads: a refusal costs nothing
+            raise LlamaCppError(f"{gguf}: {config.model_type} has recurrent layers, whose states this backend's "
+                                "tree rounds would branch: decode it on the torch backend (docs/trees.md \"Hybrid targets\")")
         self.lib = _lib.load()
         self.path = Path(gguf)
         if not self.path.is_file():
