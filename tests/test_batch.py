@@ -17,7 +17,7 @@ from drafthead.inference.engine.sampling import SamplingConfig
 from drafthead.inference.engine.tree import DraftTree, pad_trees
 from drafthead.inference.engine.verify import forward_trees
 from tests.stats import chi_square_pvalue
-from tests.test_sampling_exactness import ALPHA, VOCAB, exact_first_three
+from tests.law import ALPHA, VOCAB, exact_first_three
 from tests.tiny import FAMILIES, TARGETS, left_padded, plain_greedy, prompts_of, tiny_causal_lm
 
 LENGTHS = (1, 6, 13, 21)  # a one-token prompt has nothing to prefill: its drafter starts blind

@@ -160,14 +160,15 @@ def test_rows_verified_at_one_length_are_caught(setting, monkeypatch):
 
 
 def test_a_residual_wrong_only_at_depth_two_is_caught(monkeypatch):
-    """The sampling guard (tests/test_sampling_exactness.py `assert_law_at_depth_two`, here on
+    """The sampling guard (tests/law.py `assert_law_at_depth_two`, here on
     Medusa's static tree, the case with the fewest depth-2 rows) under a rule that is right at
     depth 1 and wrong below it: when every child of an accepted depth-1 node is rejected, the
     token is drawn from that node's p instead of the residual (the rejected draft removed). The
     guard as it is passes in that test file; the wrong rule must read p < ALPHA."""
     from drafthead.inference.engine.acceptance import Acceptance
     from drafthead.inference.engine.sampling import SamplingConfig
-    from tests.test_sampling_exactness import assert_law_at_depth_two, steered_case
+    from tests.law import assert_law_at_depth_two
+    from tests.test_sampling_exactness import steered_case
 
     real = engine.tree_rejection_sample
 

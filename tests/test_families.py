@@ -258,11 +258,11 @@ def test_tree_sampling_is_exact_at_depth_two(family):
     """Prompt lookup's tree (the prompt's "3 4" was followed by "5 6" and by "7 6": two branches of
     depth 3), its deepest path steered to the target's greedy path (tests/oracle.py), in 50 rows
     of one batch: three new tokens, so a depth-2 path can be accepted whole, and their joint law
-    must be the target's, enumerated from plain forwards (tests/test_sampling_exactness.py).
+    must be the target's, enumerated from plain forwards (tests/law.py).
     Lookup drafts cost nothing, so the samples pay only for the target's forwards. tiny_causal_lm's sharp logits are kept: with them a tree mask that
     ignores Gemma's window moves the law far enough for this test to fail (checked)."""
     from drafthead.inference.engine.sampling import SamplingConfig
-    from tests.test_sampling_exactness import VOCAB, assert_law_at_depth_two
+    from tests.law import VOCAB, assert_law_at_depth_two
 
     target = tiny_causal_lm(family, vocab=VOCAB, seed=3, layers=LAYERS, **SAMPLED_FAMILIES[family])
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])

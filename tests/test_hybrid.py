@@ -156,7 +156,7 @@ def test_chain_sampling_is_exact_at_depth_two(family):
     """Prompt lookup's tree cut to its first chain, steered to the target's greedy path: the joint
     law of three new tokens (a depth-2 chain accepted whole in many rows) is the target's."""
     from drafthead.inference.engine.sampling import SamplingConfig
-    from tests.test_sampling_exactness import VOCAB, assert_law_at_depth_two
+    from tests.law import VOCAB, assert_law_at_depth_two
 
     target = tiny_causal_lm(family, vocab=VOCAB, seed=3, layers=LAYERS)
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])

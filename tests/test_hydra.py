@@ -11,7 +11,7 @@ from drafthead.inference.engine.generate import GenerationConfig, speculative_ge
 from drafthead.inference.engine.sampling import SamplingConfig
 from tests.tiny import left_padded, prompts_of
 from tests.test_peagle import _batch
-from tests.test_sampling_exactness import VOCAB, assert_law_at_depth_two
+from tests.law import VOCAB, assert_law_at_depth_two
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
 
 CHOICES = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]

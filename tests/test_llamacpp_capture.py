@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_reliability import run_cli
+from tests.cli_checks import run_cli
 
 pytestmark = pytest.mark.llamacpp
 

@@ -26,7 +26,7 @@ from drafthead.train.openai_server import ServerError, ServerSettings, root_url
 from drafthead.train.regenerate import RegenerateSettings, done_ids
 from drafthead.train.regenerate_server import regenerate_from_servers
 from drafthead.train.sources import load_conversations
-from tests.test_reliability import assert_failed_late, run_cli
+from tests.cli_checks import assert_failed_late, run_cli
 
 MODEL = "tiny-served"
 

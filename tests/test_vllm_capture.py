@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.test_llamacpp_capture import shards
-from tests.test_reliability import run_cli
+from tests.cli_checks import run_cli
 
 pytestmark = pytest.mark.vllm
 

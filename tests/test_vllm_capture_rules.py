@@ -11,7 +11,7 @@ import torch
 
 from drafthead.inference.vllm import capture
 from drafthead.inference.vllm.capture import VllmError, VllmTarget, as_our_features, vllm_layer_ids
-from tests.test_reliability import assert_refused, run_cli
+from tests.cli_checks import assert_refused, run_cli
 
 
 def test_ids_are_ours_ascending_and_once_each():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from drafthead.inference.vllm.capture import venv_python
-from tests.test_reliability import run_cli
+from tests.cli_checks import run_cli
 
 pytestmark = pytest.mark.vllm
 

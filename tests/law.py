@@ -1,0 +1,92 @@
+"""The target's law over its first tokens after a prompt, exact and sampled: what every
+speculative-sampling test compares (tests/test_sampling_exactness.py and each family's and head
+kind's depth-2 cases)."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.sampling import SamplingConfig, logits_to_probs
+from tests.stats import chi_square_pvalue
+from tests.tiny import tiny_causal_lm
+
+ALPHA = 1e-3  # a correct sampler fails each case once in a thousand runs
+VOCAB = 8
+RUNS = 2500
+# Rows, of RUNS, whose first round accepted a depth-2 path whole. Drafts steered to the target's
+# greedy path (tests/oracle.py) on tiny_causal_lm's sharpened logits give 107-329 across the
+# depth-2 tests; at 151 (Medusa's static tree) a residual wrong only at depth 2 reads p ~ 1e-10
+# (tests/test_exactness_controls.py). With the LM head flattened 4x, ~100 rows got there and the
+# same wrong rule read p ~ 0.02, unseen at ALPHA. Unsteered heads gave as few as one.
+MIN_DEEP = 100
+
+
+def exact_first_two(target, prompt, sampling):
+    """P(t1, t2) enumerated from the target's processed distributions."""
+    with torch.no_grad():
+        p1 = logits_to_probs(target(prompt).logits[0, -1], sampling)
+        seqs = torch.cat([prompt.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)
+        p2 = logits_to_probs(target(seqs).logits[:, -1], sampling)
+    return {(a, b): float(p1[a] * p2[a, b]) for a in range(VOCAB) for b in range(VOCAB)}
+
+
+def exact_first_three(target, prompt, sampling):
+    """P(t1, t2, t3) enumerated from the target's processed distributions (VOCAB**3 outcomes); a
+    repetition penalty sees the prompt and the tokens before each step, as generate() does."""
+    from drafthead.inference.engine.sampling import seen_mask
+
+    def probs(seqs):  # [n, L] -> [n, V], the distribution after each sequence
+        return logits_to_probs(target(seqs).logits[:, -1], sampling, seen_mask(seqs, VOCAB))
+
+    with torch.no_grad():
+        p1 = probs(prompt)[0]  # [V]
+        two = torch.cat([prompt.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], dim=1)  # [V, P+1]
+        p2 = probs(two)  # [V, V]
+        pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # [V*V, 2]
+        three = torch.cat([prompt.repeat(VOCAB * VOCAB, 1), pairs], dim=1)
+        p3 = probs(three).view(VOCAB, VOCAB, VOCAB)
+    return {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c])
+            for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)}
+
+
+def assert_static_tree_sampling_exact(drafter_of) -> None:
+    """A parallel drafter's static tree (two candidates at depth 1, a child under each) on a tiny
+    target: three new tokens, so a depth-2 path can be accepted whole, and
+    their joint law must be the target's. drafter_of(target, choices) -> the drafter."""
+    sampling = SamplingConfig(temperature=0.9)
+    target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
+    prompt = torch.tensor([[3, 4, 5, 3, 4]])
+    assert_law_at_depth_two(target, drafter_of(target, [(0,), (1,), (0, 0), (1, 0)]), prompt, sampling)
+
+
+def assert_law_at_depth_two(target, drafter, prompt, sampling, copies: int = 10, policy_of=None, chain: bool = False) -> None:
+    """The joint law of the first three tokens after `prompt` [1, P] is the target's, with
+    `drafter`'s trees steered to the target's greedy path (tests/oracle.py: a deterministic
+    draft, so acceptance treats it as a point mass) so that at least MIN_DEEP rows accept a
+    depth-2 path whole in their first round. policy_of(): a load policy for each run, or None.
+    chain: the trees are cut to their first chain, as a hybrid target verifies them."""
+    from tests.oracle import OracleDrafter, greedy_continuation
+
+    steered = OracleDrafter(drafter, greedy_continuation(target), VOCAB, last=False, chain=chain)  # the branch tried first
+    counts, deep = sampled_first(target, steered, prompt, sampling, 3, copies=copies, policy_of=policy_of)
+    assert deep >= MIN_DEEP, f"{deep} of {RUNS} rows reached depth 2: too few to test the law there"
+    assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
+
+
+def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: int = 10,
+                  policy_of=None) -> tuple[Counter, int]:
+    """RUNS samples of the first `new_tokens` tokens after `prompt` [1, P], drawn `copies` rows at
+    a time in one batch (each row its own drafter fork and draws): the joint counts and how many
+    rows accepted a path of new_tokens - 1 drafts whole in their first round."""
+    ids = prompt.repeat(copies, 1)
+    counts, deep = Counter(), 0
+    for run in range(RUNS // copies):
+        config = GenerationConfig(max_new_tokens=new_tokens, sampling=sampling, seed=run,
+                                  policy=None if policy_of is None else policy_of())
+        out = speculative_generate(target, drafter, ids, config, attention_mask=torch.ones_like(ids))
+        for row in (out.rows if copies > 1 else [out]):
+            counts[tuple(row.new_tokens[0].tolist())] += 1
+            deep += row.accepted_lengths[0] == new_tokens
+    return counts, deep
