@@ -127,7 +127,7 @@ def features_are_the_targets_own(s, policy=None) -> None:
 
 
 def test_features_from_the_wrong_nodes_are_caught(setting, monkeypatch):
-    from tests.test_policy import FLAT, InjectedCosts
+    from tests.policy_checks import FLAT, InjectedCosts
 
     features_are_the_targets_own(setting)
     # estimates from an earlier run: plain rounds first, then drafting again, with a catch-up
@@ -191,7 +191,7 @@ def test_a_policy_that_never_drafts_or_never_cuts_is_caught(monkeypatch):
     plainly where it does not, and verifies trees cut to its count. A policy that always decodes
     plainly, one that always verifies whole trees, and an engine that skips the cut each fail one."""
     from drafthead.inference.engine.policy import SpeculationPolicy
-    from tests.test_policy import (assert_drafts_where_drafting_pays, assert_plain_where_drafting_does_not_pay,
+    from tests.policy_checks import (assert_drafts_where_drafting_pays, assert_plain_where_drafting_does_not_pay,
                                    assert_trees_are_cut_to_the_policys_count)
 
     always_plain = [(SpeculationPolicy, "plan", lambda self, batch: 1)]

@@ -270,7 +270,7 @@ def test_the_load_policy_drafts_when_it_pays_and_decodes_plainly_when_not(smollm
     tokens (STEEP, batch 3), rounds decode plainly between probes. Every row is the backend's
     plain output either way."""
     from tests.oracle import OracleDrafter, known_continuation
-    from tests.test_policy import FLAT, STEEP, InjectedCosts
+    from tests.policy_checks import FLAT, STEEP, InjectedCosts
 
     loaded, backend, head, prompts = smollm2
     settings = lambda policy: GenerationConfig(max_new_tokens=24, eos_token_ids=(loaded.tokenizer.eos_token_id,),  # noqa: E731

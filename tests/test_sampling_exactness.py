@@ -75,7 +75,7 @@ def steered_case(case: str):
     from drafthead.heads import build_head, make_config
     from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
     from drafthead.inference.drafters.merged import MergedDrafter
-    from tests.test_policy import FLAT, InjectedCosts
+    from tests.policy_checks import FLAT, InjectedCosts
 
     target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
     torch.manual_seed(0)
