@@ -11,7 +11,7 @@ from drafthead.heads.config import DFlashConfig
 from drafthead.heads.dflash import block_attention_mask, sample_anchors
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.parallel import DFlashDrafter
-from tests.test_head_drafters import assert_drafts_match_recomputation, assert_greedy_equals_plain
+from tests.head_checks import assert_drafts_match_recomputation, assert_greedy_equals_plain
 from tests.law import VOCAB, assert_static_tree_sampling_exact
 from tests.tiny import TARGETS, repetitive_prompt, tiny_causal_lm
 from tests.test_peagle import element_loss

@@ -31,7 +31,7 @@ from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.train.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate
-from tests.test_head_drafters import assert_greedy_equals_plain
+from tests.head_checks import assert_greedy_equals_plain
 from tests.test_interop_fixtures import ROOT
 from tests.tiny import HYBRID_TARGETS, NOPE_HYBRIDS, TARGETS, tiny_causal_lm
 

@@ -10,7 +10,7 @@ from drafthead.heads.config import PEagleConfig
 from drafthead.heads.peagle import cod_columns, parallel_attention_mask
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.parallel import ParallelDrafter
-from tests.test_head_drafters import assert_drafts_match_recomputation, assert_greedy_equals_plain
+from tests.head_checks import assert_drafts_match_recomputation, assert_greedy_equals_plain
 from tests.law import assert_static_tree_sampling_exact
 from tests.tiny import TARGETS, repetitive_prompt, tiny_causal_lm
 

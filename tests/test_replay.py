@@ -10,7 +10,7 @@ from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.bench.replay import DRAFTHEAD, VLLM, replay_greedy, sequence_hidden_states, tokens_past_end
 from drafthead.inference.engine.tree import DraftTree
-from tests.test_head_drafters import KINDS, make_drafter, self_generated_batch, train_head
+from tests.head_checks import KINDS, make_drafter, self_generated_batch, train_head
 from tests.tiny import repetitive_prompt, tiny_causal_lm
 
 NEW_TOKENS = 30
