@@ -92,3 +92,15 @@ def assert_greedy_equals_plain(target, drafter_of, max_new_tokens: int = 30, tre
     assert_accepts_and_stays_exact(target, drafter_of, prompt, plain_greedy(target, prompt, max_new_tokens), prompts,
                                    references, ids, mask, max_new_tokens, n,
                                    lambda new: GenerationConfig(max_new_tokens=new))
+
+
+def outputs(head, target):
+    """A head's draft logits (Medusa) or (next feature, logits) for 6 random tokens of `target`:
+    what an exported and re-imported head must reproduce."""
+    ids = torch.randint(3, target.config.get_text_config().vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+        if hasattr(head, "draft_logits"):
+            return head.draft_logits(hs[-1][:, -1])
+        h, logits = head.step(head.fuse([hs[i] for i in head.feature_layers]), ids, torch.arange(6)[None])
+        return torch.cat([h, logits], -1)

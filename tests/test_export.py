@@ -15,6 +15,7 @@ from drafthead.heads import HeadFormatError, HeadTargetMismatch, build_head, mak
 from drafthead.heads.formats import detect_layout, export_head, import_head
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from tests.tiny import tiny_causal_lm
+from tests.head_checks import outputs
 
 V, H, L = 128, 32, 4
 
@@ -33,16 +34,6 @@ def saved_head(kind, target, path, **kw):
             p.add_(0.05 * torch.randn_like(p))
     head.eval().save_pretrained(path)
     return head
-
-
-def outputs(head, target):
-    ids = torch.randint(3, target.config.get_text_config().vocab_size, (1, 6), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        hs = target(ids, output_hidden_states=True).hidden_states
-        if hasattr(head, "draft_logits"):
-            return head.draft_logits(hs[-1][:, -1])
-        h, logits = head.step(head.fuse([hs[i] for i in head.feature_layers]), ids, torch.arange(6)[None])
-        return torch.cat([h, logits], -1)
 
 
 def read(out, weights=WEIGHTS_NAME):

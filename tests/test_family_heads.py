@@ -385,7 +385,7 @@ def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_
                                max_new_tokens=12, trees=(None,))
     from drafthead.heads.formats import import_head
     from drafthead.heads.io import HeadFormatError
-    from tests.test_export import outputs
+    from tests.head_checks import outputs
 
     for fmt in export_formats("eagle3"):
         if fmt == "speculators":
@@ -420,7 +420,7 @@ def test_speculators_eagle3_of_a_qwen3_or_gpt_oss_verifier_imports(family, tmp_p
     """speculators' layout for these verifiers: a Llama transformer_layer_config sized from the
     verifier (its head_dim field included), the verifier's architecture named."""
     from drafthead.heads.formats import import_head
-    from tests.test_export import outputs
+    from tests.head_checks import outputs
 
     head = head_of(family, "eagle3").eval()
     head.save_pretrained(tmp_path / "head")
@@ -443,7 +443,7 @@ def test_exports_for_an_mrope_target_state_the_plain_rope_its_head_drafts_with(f
     writes its verifier's mrope_section into its Qwen3-VL drafts, which it trains on plain
     positions: such a config imports and drafts as the plain one."""
     from drafthead.heads.formats import import_head
-    from tests.test_export import outputs
+    from tests.head_checks import outputs
 
     target = target_of(family)
     assert "mrope_section" in target.config.get_text_config().rope_parameters
@@ -472,7 +472,7 @@ def test_exports_for_an_mrope_target_state_the_plain_rope_its_head_drafts_with(f
 ])
 def test_a_producers_own_draft_layer_fields_are_kept_on_import(family, fmt, own, tmp_path):
     from drafthead.heads.formats import import_head
-    from tests.test_export import outputs
+    from tests.head_checks import outputs
 
     target = target_of(family)
     config = make_config("eagle3", target, None, name=f"tiny-{family}", **KINDS["eagle3"], **own)
