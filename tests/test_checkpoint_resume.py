@@ -13,7 +13,7 @@ import torch
 
 from drafthead.train.checkpoint import latest_checkpoint, load_checkpoint
 from drafthead.train.trainer import Trainer, TrainData
-from test_trainer import DummyHead, config, random_samples
+from tests.trainer_checks import DummyHead, config, random_samples
 
 
 def make(tmp_path, name):

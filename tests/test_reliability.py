@@ -19,7 +19,7 @@ from drafthead.heads.outdir import fresh_folder
 from drafthead.train.checkpoint import RUN_CONFIG_FILE, latest_checkpoint
 from drafthead.train.config import check_resume, resume_changes
 from drafthead.train.trainer import Trainer, TrainData
-from test_trainer import DummyHead, config, random_samples
+from tests.trainer_checks import DummyHead, config, random_samples
 from tests.cli_checks import assert_failed_late, assert_refused, run_cli
 from tests.tiny import tiny_causal_lm
 

@@ -14,7 +14,7 @@ from drafthead.train.config import TrainConfig
 from drafthead.train.curves import EVAL_PLOT, eval_records, plot_eval_curves
 from drafthead.train.replay_eval import prompt_of
 from drafthead.train.trainer import Trainer, TrainData
-from tests.test_trainer import DummyHead, config, random_samples
+from tests.trainer_checks import DummyHead, config, random_samples
 
 
 def test_prompt_is_the_text_before_the_first_assistant_token():
