@@ -6,11 +6,15 @@ from __future__ import annotations
 import torch
 
 from drafthead.heads.batch import FeatureBatch
+from drafthead.heads.registry import build_head, make_config
+from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.heads import EagleDrafter, HydraDrafter, MedusaDrafter
+from drafthead.inference.drafters.merged import MergedDrafter
+from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.drafters.parallel import ParallelDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.oracle import assert_accepts_and_stays_exact
-from tests.tiny import plain_greedy, repetitive_prompt
+from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
 KINDS = {"medusa1": {}, "hydra": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64},
          "peagle": {"draft_vocab_size": 64, "parallel_depth": 4, "mask_token_id": 2}}
@@ -104,3 +108,38 @@ def outputs(head, target):
             return head.draft_logits(hs[-1][:, -1])
         h, logits = head.step(head.fuse([hs[i] for i in head.feature_layers]), ids, torch.arange(6)[None])
         return torch.cat([h, logits], -1)
+
+
+def target_feature_batch(target, B=3, T=14, seed=0):
+    """B random rows of T tokens, about 70% labelled, with every hidden state of `target`."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, target.config.vocab_size, (B, T), generator=g)
+    loss_mask = torch.rand(B, T, generator=g) > 0.3
+    with torch.no_grad():
+        hs = target(ids, output_hidden_states=True).hidden_states
+    return FeatureBatch(ids, torch.ones_like(ids), loss_mask, {i: h for i, h in enumerate(hs)})
+
+
+def element_loss(log_q, p, loss):
+    """One element's soft CE, or -log sum_x min(p, q) (LK^alpha, heads/losses.py)."""
+    if loss == "lk_alpha":
+        return -torch.log(torch.minimum(p, log_q.exp()).sum())
+    return -(p * log_q).sum()
+
+
+def batch_drafters(target, family):
+    """A drafter of every kind the batch tests decode with, for a tiny `family` target."""
+    head_e = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
+                        token_counts=torch.arange(96)).eval()
+    head_m = build_head(make_config("medusa1", target, None, name="tiny"), target).eval()
+    return {
+        "prompt-lookup": PromptLookupDrafter(length=6),
+        "prompt-lookup-streak": PromptLookupDrafter(length=3, streak_draft=12),
+        "draft-model-tree": DraftModelDrafter(tiny_causal_lm(family, seed=7, layers=4),
+                                              choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]),
+        "self-chain": DraftModelDrafter(target, num_draft=4),
+        "eagle3": EagleDrafter(head_e, num_draft=10, depth=4, top_k=3),
+        "medusa1": MedusaDrafter(head_m, num_draft=8),
+        "eagle3+lookup": MergedDrafter([EagleDrafter(head_e, num_draft=8, depth=3, top_k=3),
+                                        PromptLookupDrafter(length=4)], extra_nodes=4),
+    }

@@ -10,6 +10,9 @@ import torch
 
 from drafthead.heads.formats.common import WEIGHT_FILES, read_weights
 
+# the checkpoints other packages wrote, each in its folder (tests/fixtures/interop/README.md)
+FIXTURES = Path(__file__).parent / "fixtures" / "interop"
+
 
 def our_outputs(head, inputs: dict) -> dict[str, torch.Tensor]:
     """Our head on the shared inputs: column t pairs the token at t + 1 with the feature of t, at

@@ -90,3 +90,30 @@ def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: in
             counts[tuple(row.new_tokens[0].tolist())] += 1
             deep += row.accepted_lengths[0] == new_tokens
     return counts, deep
+
+
+def steered_case(case: str):
+    """(target, drafter, policy_of) of each drafter the README serves that the cases above leave
+    out: Medusa-1 and Medusa-2 heads (a static tree), EAGLE-1, the merged drafter a shipped head
+    drafts with (an EAGLE-3 tree plus prompt lookup), and the load policy over EAGLE-1's trees
+    (injected costs on which drafting pays, so its rounds cut trees and draft)."""
+    from drafthead.heads import build_head, make_config
+    from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
+    from drafthead.inference.drafters.merged import MergedDrafter
+    from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+    from tests.policy_checks import FLAT, InjectedCosts
+
+    target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
+    torch.manual_seed(0)
+    if case in ("medusa1", "medusa2"):
+        head = build_head(make_config(case, target, None, name="tiny", num_heads=2), target).eval()
+        return target, MedusaDrafter(head, choices=[(0,), (1,), (0, 0), (1, 0)]), None
+    eagle1 = EagleDrafter(build_head(make_config("eagle1", target, None, name="tiny"), target).eval(),
+                          num_draft=6, depth=2, top_k=2)
+    if case == "eagle1":
+        return target, eagle1, None
+    if case == "policy":  # one policy over every run: its estimates carry over, as they do for a user
+        policy = InjectedCosts(FLAT, probe_every=3, draft_per_row=0.00001)
+        return target, eagle1, lambda: policy
+    eagle3 = build_head(make_config("eagle3", target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
+    return target, MergedDrafter([EagleDrafter(eagle3, num_draft=4, depth=2, top_k=2), PromptLookupDrafter(length=3)]), None

@@ -9,8 +9,7 @@ import torch
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.engine.cache import cache_capacity, cache_kwargs, keep_paths, new_cache
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
-from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
-from drafthead.inference.drafters.merged import MergedDrafter
+from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.sampling import SamplingConfig
@@ -19,25 +18,9 @@ from drafthead.inference.engine.verify import forward_trees
 from tests.stats import chi_square_pvalue
 from tests.law import ALPHA, VOCAB, exact_first_three
 from tests.tiny import FAMILIES, TARGETS, left_padded, plain_greedy, prompts_of, tiny_causal_lm
+from tests.head_checks import batch_drafters
 
 LENGTHS = (1, 6, 13, 21)  # a one-token prompt has nothing to prefill: its drafter starts blind
-
-
-def batch_drafters(target, family):
-    head_e = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
-                        token_counts=torch.arange(96)).eval()
-    head_m = build_head(make_config("medusa1", target, None, name="tiny"), target).eval()
-    return {
-        "prompt-lookup": PromptLookupDrafter(length=6),
-        "prompt-lookup-streak": PromptLookupDrafter(length=3, streak_draft=12),
-        "draft-model-tree": DraftModelDrafter(tiny_causal_lm(family, seed=7, layers=4),
-                                              choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]),
-        "self-chain": DraftModelDrafter(target, num_draft=4),
-        "eagle3": EagleDrafter(head_e, num_draft=10, depth=4, top_k=3),
-        "medusa1": MedusaDrafter(head_m, num_draft=8),
-        "eagle3+lookup": MergedDrafter([EagleDrafter(head_e, num_draft=8, depth=3, top_k=3),
-                                        PromptLookupDrafter(length=4)], extra_nodes=4),
-    }
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

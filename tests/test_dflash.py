@@ -14,7 +14,7 @@ from drafthead.inference.drafters.parallel import DFlashDrafter
 from tests.head_checks import assert_drafts_match_recomputation, assert_greedy_equals_plain
 from tests.law import VOCAB, assert_static_tree_sampling_exact
 from tests.tiny import TARGETS, repetitive_prompt, tiny_causal_lm
-from tests.test_peagle import element_loss
+from tests.head_checks import element_loss
 
 
 MASK = 95  # not 2, the tiny models' pad token: its embedding row is zero (test_a_zero_mask_embedding_is_refused)

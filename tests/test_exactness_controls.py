@@ -167,8 +167,7 @@ def test_a_residual_wrong_only_at_depth_two_is_caught(monkeypatch):
     guard as it is passes in that test file; the wrong rule must read p < ALPHA."""
     from drafthead.inference.engine.acceptance import Acceptance
     from drafthead.inference.engine.sampling import SamplingConfig
-    from tests.law import assert_law_at_depth_two
-    from tests.test_sampling_exactness import steered_case
+    from tests.law import assert_law_at_depth_two, steered_case
 
     real = engine.tree_rejection_sample
 

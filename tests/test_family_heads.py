@@ -32,7 +32,7 @@ from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter
 from drafthead.train.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate
 from tests.head_checks import assert_greedy_equals_plain
-from tests.test_interop_fixtures import ROOT
+from tests.interop import FIXTURES as ROOT
 from tests.tiny import HYBRID_TARGETS, NOPE_HYBRIDS, TARGETS, tiny_causal_lm
 
 V = 96

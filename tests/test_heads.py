@@ -21,35 +21,10 @@ from drafthead.heads.config import default_eagle3_layers, engine_layer_problem
 from drafthead.heads.eagle3 import entropy_curriculum, ttt_attention_mask, ttt_depth
 from drafthead.heads.io import shifted_labels
 from drafthead.inference.engine.tree import tree_attention_mask, tree_position_ids
+from tests.head_batches import LAYERS, V, counts_of, make_batch, make_target
 from tests.tiny import tiny_causal_lm
 
-V, LAYERS, T = 128, 4, 20
 FAMILIES = ("llama", "qwen2")
-
-
-def make_target(family="llama", seed=0, **kw):
-    m = tiny_causal_lm(family, vocab=V, layers=LAYERS, hidden=32, seed=seed, **kw)
-    with torch.no_grad():
-        m.lm_head.weight.mul_(3.0)  # peakier target distributions: soft targets worth learning
-    return m
-
-
-def make_batch(target, seed=0, B=2, T=T) -> FeatureBatch:
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, V, (B, T), generator=g)
-    attn = torch.ones(B, T, dtype=torch.long)
-    attn[1, -5:] = 0  # right padding on the second row
-    loss_mask = torch.zeros(B, T, dtype=torch.bool)
-    loss_mask[:, 6:] = True  # "assistant" tokens from position 6
-    loss_mask[0, 12] = False  # a hole: a user turn in the middle
-    loss_mask &= attn.bool()
-    with torch.no_grad():
-        out = target(ids, attention_mask=attn, output_hidden_states=True)
-    return FeatureBatch(ids, attn, loss_mask, dict(enumerate(out.hidden_states)))
-
-
-def counts_of(batch):
-    return torch.bincount(batch.input_ids.flatten(), minlength=V)
 
 
 HEAD_KW = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64, "ttt_steps": 3},

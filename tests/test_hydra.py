@@ -10,7 +10,7 @@ from drafthead.inference.drafters.heads import HydraDrafter, MedusaDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.sampling import SamplingConfig
 from tests.tiny import left_padded, prompts_of
-from tests.test_peagle import _batch
+from tests.head_checks import target_feature_batch
 from tests.law import VOCAB, assert_law_at_depth_two
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -29,7 +29,7 @@ def hydra(target, seed=0, **extra):
 def test_loss_equals_the_position_by_position_twin():
     target = tiny_causal_lm("llama", layers=3)
     head = hydra(target)
-    batch = _batch(target, B=2, T=12)
+    batch = target_feature_batch(target, B=2, T=12)
     loss, metrics = head.compute_loss(batch)
     ids, h = batch.input_ids, batch.hidden_states[head.config.final_layer]
     embed = target.get_input_embeddings()

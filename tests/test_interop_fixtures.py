@@ -8,7 +8,6 @@ own venvs: scripts/interop/fixtures_<package>.py (`make interop` builds those ve
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,9 @@ from transformers import AutoModelForCausalLM
 
 from drafthead.heads.formats import detect_layout, import_head
 from tests.interop import our_outputs, reference_as_ours, target_as_producer_saw
+from tests.interop import FIXTURES
 
-ROOT = Path(__file__).parent / "fixtures" / "interop"
+ROOT = FIXTURES
 
 # fixture -> (what to import inside its folder, layout we must detect, the convention its producer counts in)
 FIXTURES = {

@@ -9,7 +9,7 @@ from torch import nn
 from drafthead.inference.kernels import panel_kernel
 from drafthead.inference.kernels.packed import pack_linear
 from drafthead.inference.kernels.target_linears import RowDispatchLinear, dispatch_linears
-from tests.test_target_linears import force_kernel
+from tests.forced_kernels import force_kernel
 
 PACKING = torch.backends.mkldnn.is_available()  # where oneDNN is missing, nothing is packed
 # oneDNN packs bf16 weights only on CPUs with AVX512-BW/VL/DQ or AVX-NE-CONVERT

@@ -3,21 +3,14 @@ libllama's layer inputs (and its final normed state) on SmolLM2-135M's f32 GGUF,
 torch capture of the same samples: the same tokens and masks, and per layer the same states up to
 two fp32 engines' rounding. Marked `llamacpp` (`make test-llamacpp`).
 """
-import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from tests.cli_checks import run_cli
+from tests.trainer_checks import shards
 
 pytestmark = pytest.mark.llamacpp
-
-
-def shards(folder) -> dict[str, torch.Tensor]:
-    index = json.loads((folder / "index.json").read_text())
-    parts = [load_file(str(folder / s["file"])) for s in index["shards"]]
-    return {key: torch.cat([p[key] for p in parts]) for key in parts[0] if key != "offsets"}
 
 
 def test_llamacpp_capture_equals_ours_per_layer(tmp_path, capsys):

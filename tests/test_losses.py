@@ -10,7 +10,7 @@ import torch
 
 from drafthead.heads.losses import LOSSES, acceptance_rate, distill_loss, lk_lambda
 from drafthead.heads.registry import build_head, make_config
-from tests.test_heads import LAYERS, counts_of, make_batch, make_target
+from tests.head_batches import LAYERS, counts_of, make_batch, make_target
 
 
 def slow_objective(logits: list[float], p: list[float], loss: str, lam: float) -> float:

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.config import PEagleConfig
 from drafthead.heads.peagle import cod_columns, parallel_attention_mask
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.parallel import ParallelDrafter
 from tests.head_checks import assert_drafts_match_recomputation, assert_greedy_equals_plain
+from tests.head_checks import element_loss, target_feature_batch
 from tests.law import assert_static_tree_sampling_exact
 from tests.tiny import TARGETS, repetitive_prompt, tiny_causal_lm
 
@@ -39,22 +39,6 @@ def test_parallel_mask_lets_an_element_see_its_context_and_its_own_chain():
     for row, query in enumerate((1, 4)):
         want = [(depth == 0 and col <= query) or (depth > 0 and col == query) for col, depth in keys]
         assert allowed[row].tolist() == want
-
-
-def _batch(target, B=3, T=14, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, target.config.vocab_size, (B, T), generator=g)
-    loss_mask = torch.rand(B, T, generator=g) > 0.3
-    with torch.no_grad():
-        hs = target(ids, output_hidden_states=True).hidden_states
-    return FeatureBatch(ids, torch.ones_like(ids), loss_mask, {i: h for i, h in enumerate(hs)})
-
-
-def element_loss(log_q, p, loss):
-    """One element's soft CE, or -log sum_x min(p, q) (LK^alpha, heads/losses.py)."""
-    if loss == "lk_alpha":
-        return -torch.log(torch.minimum(p, log_q.exp()).sum())
-    return -(p * log_q).sum()
 
 
 def slow_loss(head, batch, seed):
@@ -87,7 +71,7 @@ def slow_loss(head, batch, seed):
 def test_loss_equals_the_element_by_element_twin(extra):
     target = tiny_causal_lm("llama", layers=3)
     head = peagle(target, depth=4, cod_ratio=0.6, cod_min_ratio=0.3, **extra)
-    batch = _batch(target)
+    batch = target_feature_batch(target)
     torch.manual_seed(5)
     loss, metrics = head.compute_loss(batch)
     assert metrics["elements_3"] < metrics["elements_0"]  # COD trained fewer deep elements

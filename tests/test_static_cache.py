@@ -13,7 +13,7 @@ from drafthead.inference.kernels import target_linears
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.kernels.target_linears import ROW_BUCKETS
 from drafthead.inference.engine.tree import DraftTree
-from tests.test_batch import batch_drafters
+from tests.head_checks import batch_drafters
 from tests.tiny import left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, tiny_causal_lm
 

@@ -12,6 +12,7 @@ from drafthead.inference.kernels.target_linears import (ROW_BUCKETS, RowDispatch
                                                  kernel_for_rows)
 from tests.tiny import left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
+from tests.forced_kernels import force_kernel
 
 PACKING = torch.backends.mkldnn.is_available()
 TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
@@ -58,15 +59,6 @@ def test_packed_copies_are_made_only_where_they_fit():
     assert fits_in_memory(540 << 20, 24 * gib)  # SmolLM2's fp32 linears on this machine
     assert not fits_in_memory(32 * gib, 64 * gib)  # an 8B target's on a 64 GB machine
     assert fits_in_memory(32 * gib, None)  # memory unknown: pack
-
-
-def force_kernel(monkeypatch, kernel: str) -> None:
-    """Every layer takes `kernel` at every measured row count, whatever this CPU's timings say, so
-    the tests exercise that path on tiny shapes too."""
-    if kernel == "panel":
-        assert panel_kernel.load(), panel_kernel.why_unavailable()
-        monkeypatch.setenv(panel_kernel.ENV_SWITCH, "1")  # forced on, even in a run with the switch off
-    monkeypatch.setattr(target_linears, "calibrate", lambda layers: (kernel,) * len(ROW_BUCKETS))
 
 
 @pytest.fixture

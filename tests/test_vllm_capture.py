@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.test_llamacpp_capture import shards
+from tests.trainer_checks import shards
 from tests.cli_checks import run_cli
 
 pytestmark = pytest.mark.vllm

@@ -2,7 +2,10 @@
 checkpoints' and the reliability tests train with, in seconds and without a target."""
 from __future__ import annotations
 
+import json
+
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from drafthead.heads.batch import FeatureBatch
@@ -64,3 +67,10 @@ def config(tmp_path, **kw) -> TrainConfig:
                 eval_every=10, checkpoint_every=10, output_dir=str(tmp_path / "run"), seed=0)
     base.update(kw)
     return TrainConfig.from_dict(base)
+
+
+def shards(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of a captured-features folder, its shards concatenated (the offsets left out)."""
+    index = json.loads((folder / "index.json").read_text())
+    parts = [load_file(str(folder / s["file"])) for s in index["shards"]]
+    return {key: torch.cat([p[key] for p in parts]) for key in parts[0] if key != "offsets"}
