@@ -143,6 +143,7 @@ def _last_attention_layer(model: nn.Module) -> nn.Module:
     full = [i for i, t in enumerate(types) if t == "full_attention"]
     return layers[full[-1] if full else -1]
 
+
 def _weights(folder: Path) -> dict[str, Path]:
     """checkpoint tensor name -> the safetensors file holding it."""
     index = folder / "model.safetensors.index.json"

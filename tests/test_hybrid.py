@@ -80,6 +80,30 @@ def test_greedy_equals_plain_greedy_in_every_hybrid_family(family):
                                    lambda new: GenerationConfig(max_new_tokens=new), chain=True)
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
+def test_discard_puts_every_row_back_to_its_state_before_the_verify(family):
+    """What the cost timing (`--num-draft auto`) does after each timed verify: the recurrent
+    windows and states of every row are those before it, the K/V cut back."""
+    from drafthead.inference.engine.recurrent import recurrent_layers
+    from drafthead.inference.engine.tree import DraftTree, chain_parents
+
+    backend = HybridTarget(target_of(family))
+    prompts = prompts_of((6, 9), seed=1)
+    with torch.no_grad():
+        backend.start(prompts, (), False)
+
+        def states():
+            return [t.clone() for layer in recurrent_layers(backend.cache)
+                    for t in (*layer.conv_states.values(), *layer.recurrent_states.values()) if t is not None]
+
+        before = states()
+        trees = [DraftTree(torch.tensor([[int(p[-1]), 5, 6, 7]]), chain_parents(3)) for p in prompts]
+        backend.verify(trees, [p.numel() - 1 for p in prompts], False)
+        backend.discard(8)
+    after = states()
+    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+
+
 def loud_recurrence(family: str = "qwen3_next"):
     """A tiny target whose linear-attention layers write 8x more into the residual stream, so that
     a wrong recurrent state shows in the greedy tokens (at 1x it moves the logits ~20% and seldom
@@ -138,7 +162,7 @@ def test_negative_control_a_right_padded_prefill_is_not_exact(monkeypatch):
 
     def batched_start(self, prompts, feature_layers, need_last, max_new_tokens=0):
         longest = max(p.numel() for p in prompts)
-        self.slots, self._rows = longest - 1, len(prompts)
+        self.slots = longest - 1
         self.cache = recurrent.hybrid_cache(self.model.config)
         padded = torch.zeros(len(prompts), self.slots, dtype=torch.long)
         for b, p in enumerate(prompts):

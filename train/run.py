@@ -184,10 +184,11 @@ def build_trainer(
     target = None
     featurize = None
     online = config.joint_lora or config.features.mode == "online"
-    if config.joint_lora and getattr(samples.dataset, "processor", None) is not None:
+    with_images = getattr(samples.dataset, "processor", None) is not None  # a TokenDataset of chats with images
+    if config.joint_lora and with_images:
         raise ConfigError("medusa2 adapts the target on text rows; this data has images (not built): "
                           "train medusa1 or another kind on it")
-    if online and getattr(samples.dataset, "processor", None) is not None:  # rows with images
+    if online and with_images:
         if config.data.packing:
             raise ConfigError("data.packing: rows with images are not packed (the target numbers their positions itself); "
                               "set data.packing=false")

@@ -10,9 +10,9 @@ from typing import Sequence
 
 import torch
 
-from ..engine.recurrent import has_recurrent_layers
 from ..engine.cache import cache_kwargs, keep_path, new_cache
 from ..engine.drafter import DrafterBase, RoundStats
+from ..engine.recurrent import has_recurrent_layers
 from ..engine.sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from ..engine.tree import DraftTree, chain_choices, tree_from_choices
 from ..engine.verify import attention_masks

@@ -79,7 +79,7 @@ def keep_path(cache: Cache, past_len: int, path: list[int] | torch.Tensor) -> No
     end = past_len + len(path)
     moved = not _is_contiguous_run(path)  # a chain's accepted path is already a prefix of the nodes
     for layer in _layers(cache):
-        if not _has_kv(layer):
+        if not has_kv(layer):
             continue
         if moved:
             # Move the path's K/V up behind the committed prefix in place (the right-hand side is
@@ -109,7 +109,7 @@ def keep_paths(cache: Cache, lengths: list[int], past_len: int, paths: list[list
         src.append([past_len + i for i in path] + [past_len + path[-1]] * pad)
         dst.append(list(range(length, length + len(path))) + [length + len(path) - 1] * pad)
     for layer in _layers(cache):
-        if not _has_kv(layer):
+        if not has_kv(layer):
             continue
         src_t = torch.tensor(src, device=layer.keys.device)[:, None, :, None]  # [B, 1, width, 1]
         dst_t = torch.tensor(dst, device=layer.keys.device)[:, None, :, None]
@@ -125,7 +125,7 @@ def keep_paths(cache: Cache, lengths: list[int], past_len: int, paths: list[list
 def select_rows(cache: Cache, rows: list[int], length: int) -> None:
     """Keep batch rows `rows` (in that order) and slots [0, length). In place."""
     for layer in _layers(cache):
-        if _has_kv(layer):
+        if has_kv(layer):
             index = torch.tensor(rows, device=layer.keys.device)
             # a static layer gets new (narrower) tensors too: a compiled forward sees a new shape
             layer.keys = layer.keys[index]
@@ -136,11 +136,11 @@ def select_rows(cache: Cache, rows: list[int], length: int) -> None:
 def crop(cache: Cache, length: int) -> None:
     """Drop every position at or after `length`."""
     for layer in _layers(cache):
-        if _has_kv(layer):
+        if has_kv(layer):
             _cut(layer, length)
 
 
-def _has_kv(layer) -> bool:
+def has_kv(layer) -> bool:
     """Whether the layer holds K/V: a recurrent layer of a hybrid target has none (recurrent.py),
     and a layer the forward has not reached yet holds nothing."""
     keys = getattr(layer, "keys", None)

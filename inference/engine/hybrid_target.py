@@ -25,10 +25,6 @@ from .verify import Verification
 class HybridTarget(TorchTarget):
     recurrent = True  # check_tree_mask_support: recurrent layer types verify chains here
 
-    def __init__(self, model):
-        super().__init__(model)
-        self._rows = 0
-
     def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0,
               images=None):
         """Prefill every prompt but its last token, one row at a time, then stack the rows: K/V
@@ -38,7 +34,6 @@ class HybridTarget(TorchTarget):
             raise ValueError("images in the prompt are not built for hybrid targets")
         longest = max(p.numel() for p in prompts)
         self.slots = longest - 1
-        self._rows = len(prompts)
         want_hidden = bool(feature_layers) or need_last
         caches, hidden = [], []
         for p in prompts:
@@ -75,11 +70,10 @@ class HybridTarget(TorchTarget):
         self.slots = keep_paths(self.cache, lengths, self.slots, paths)
 
     def discard(self, length: int) -> None:
-        rewind(self.cache, self._rows)
+        rewind(self.cache)
         super().discard(length)
 
     def select_rows(self, keep: list[int], lengths: list[int]) -> None:
         select_state_rows(self.cache, keep)
-        self._rows = len(keep)
         self.slots = max(lengths)
         select_rows(self.cache, keep, self.slots)

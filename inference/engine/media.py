@@ -87,16 +87,14 @@ def rope_positions(model, ids: torch.Tensor, row: PromptImages | None) -> tuple[
 def prefill_inputs(model, prompts: list[torch.Tensor], images: list[PromptImages | None] | None,
                    width: int) -> tuple[dict, torch.Tensor]:
     """The prefill forward's image arguments for right-padded rows of `width` tokens (each prompt
-    but its last token), and each row's position offset [B] for the rounds after it."""
+    but its last token), and each row's position offset [B] for the rounds after it. The images
+    are the ones `check_images` passed (generate_batch checks them before any forward)."""
     device = prompts[0].device
     offsets = torch.zeros(len(prompts), dtype=torch.long, device=device)
     if images is None or all(row is None for row in images):
         return {}, offsets
-    check_images(model, prompts, images)
-    given = [row for row in images if row is not None]
-    kwargs: dict = {"pixel_values": torch.cat([row.pixel_values for row in given]).to(device)}
+    kwargs = _pixel_inputs(model, images, device)
     if uses_mrope(model):
-        kwargs["image_grid_thw"] = torch.cat([row.image_grid_thw for row in given]).to(device)
         positions = torch.zeros(3, len(prompts), width, dtype=torch.long, device=device)
         for b, (p, row) in enumerate(zip(prompts, images)):
             rows, delta = rope_positions(model, p, row)
@@ -117,16 +115,20 @@ def forward_inputs(model, input_ids: torch.Tensor, images: list[PromptImages | N
     """The image arguments of a whole-sequence forward over right-padded rows [B, T] (the feature
     capture of training): transformers numbers Qwen-VL's M-RoPE positions itself from the image
     token types, the grids and the padding mask, as its own generate does."""
-    given = [row for row in images if row is not None]
-    if not given:
+    if all(row is None for row in images):
         return {}
-    device = input_ids.device
-    kwargs: dict = {"pixel_values": torch.cat([row.pixel_values for row in given]).to(device)}
+    kwargs = _pixel_inputs(model, images, input_ids.device)
     types = token_types(model.config, input_ids)
+    kwargs.update({"mm_token_type_ids": types} if uses_mrope(model) else {"token_type_ids": types.long()})
+    return kwargs
+
+
+def _pixel_inputs(model, images: list[PromptImages | None], device) -> dict:
+    """The rows' images in one batch, in row order: pixel values, and Qwen-VL's grids."""
+    given = [row for row in images if row is not None]
+    kwargs: dict = {"pixel_values": torch.cat([row.pixel_values for row in given]).to(device)}
     if uses_mrope(model):
-        kwargs.update(image_grid_thw=torch.cat([row.image_grid_thw for row in given]).to(device), mm_token_type_ids=types)
-    else:
-        kwargs["token_type_ids"] = types.long()
+        kwargs["image_grid_thw"] = torch.cat([row.image_grid_thw for row in given]).to(device)
     return kwargs
 
 

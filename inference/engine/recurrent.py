@@ -27,6 +27,8 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from .cache import has_kv
+
 # layer types (config.layer_types, as transformers names them) whose state is recurrent
 RECURRENT_TYPES = frozenset({"linear_attention", "conv", "mamba", "hybrid", "hybrid_sliding"})
 
@@ -84,11 +86,10 @@ def stack_rows(caches: list[Cache], slots: int) -> Cache:
                         getattr(row, name)[s] if getattr(row, name)[s] is not None else torch.zeros_like(like)
                         for row in rows])
                 layer.has_previous_state[s] = True
-        if getattr(layer, "keys", None) is not None and layer.keys.numel() > 0:
+        if has_kv(layer):
             def padded(row, name):
-                t = getattr(row, "keys", None)
-                like = getattr(layer, name)
-                if t is None or t.numel() == 0:
+                if not has_kv(row):  # a row that prefilled nothing
+                    like = getattr(layer, name)
                     return like.new_zeros(1, like.shape[1], slots, like.shape[3])
                 t = getattr(row, name)
                 return torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2]))
@@ -132,9 +133,12 @@ def keep_states(cache: Cache, accepted: list[int]) -> None:
         layer.recurrent_states_history = {s: [] for s in _states(layer)}
 
 
-def rewind(cache: Cache, rows: int) -> None:
+def rewind(cache: Cache) -> None:
     """Every row back to its state before the recorded forward."""
-    keep_states(cache, [0] * rows)
+    states = [t for layer in recurrent_layers(cache) for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
+              if t is not None]
+    if states:
+        keep_states(cache, [0] * states[0].shape[0])  # [B, ...]: every state has a row per batch row
 
 
 def select_state_rows(cache: Cache, rows: list[int]) -> None:

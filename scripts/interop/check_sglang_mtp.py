@@ -25,17 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_sglang as base  # noqa: E402  (installs SGLang's CPU import stubs)
-
-
-def holds(param: torch.Tensor, t: torch.Tensor) -> bool:
-    """`t` in the parameter's dtype sits unchanged in it: whole, as rows, or as one expert's rows."""
-    t = t.to(param.dtype)
-    if param.dim() == t.dim() + 1:
-        return any(holds(p, t) for p in param)
-    if param.dim() != t.dim() or param.shape[1:] != t.shape[1:] or (t.dim() and param.shape[0] < t.shape[0]):
-        return False
-    n = t.shape[0] if t.dim() else 0
-    return bool(param.equal(t)) if not t.dim() else any(bool(param[i:i + n].equal(t)) for i in range(param.shape[0] - n + 1))
+from check_vllm import holds_slice  # noqa: E402  (stdlib imports only at its top)
 
 
 def main() -> int:
@@ -70,7 +60,7 @@ def main() -> int:
                 per_tensor[name] = {"params": [], "refused": f"{type(e).__name__}: {str(e)[:200]}"}
                 continue
             into = sorted(n for n, q in params.items() if bool((~q.detach().isnan()).any()))
-            per_tensor[name] = {"params": into, "intact": any(holds(params[n].detach(), t) for n in into)}
+            per_tensor[name] = {"params": into, "intact": any(holds_slice(params[n].detach(), t) for n in into)}
         # tensors SGLang fuses (DeepSeek's q_a_proj with kv_a_proj_with_mqa) are held until their
         # partner arrives: the ones that landed nowhere alone go in again together
         alone = [n for n, r in per_tensor.items() if not r["params"] and "refused" not in r]
@@ -81,7 +71,7 @@ def main() -> int:
             model.load_weights([(n, tensors[n]) for n in alone])
             into = sorted(n for n, q in params.items() if bool((~q.detach().isnan()).any()))
             for n in alone:
-                landed = [m for m in into if holds(params[m].detach(), tensors[n])]
+                landed = [m for m in into if holds_slice(params[m].detach(), tensors[n])]
                 if landed:
                     per_tensor[n] = {"params": landed, "intact": True, "with": [m for m in alone if m != n]}
         reached = {n for r in per_tensor.values() for n in r["params"]}
