@@ -42,7 +42,7 @@ def build_drafter(
     *,
     head: str | Path | None = None,
     draft_model=None,
-    num_draft: int | str | None = None,  # draft nodes per round; "confidence": EagleDrafter's own rule
+    num_draft: int | str | None = None,  # draft nodes per round; "confidence": EAGLE's or DSpark's own rule
     **kw,
 ):
     """A fresh drafter for `target` (the model). Extra keywords go to the drafter's constructor
@@ -54,7 +54,7 @@ def build_drafter(
     LoRA): the adapted model is then the target whose output the decode reproduces.
     """
     if num_draft == "confidence" and proposer != "heads":
-        raise DrafterError(f"num_draft 'confidence' sizes EAGLE head trees, not {proposer} drafts")
+        raise DrafterError(f"num_draft 'confidence' sizes EAGLE trees and DSpark blocks, not {proposer} drafts")
     if proposer == "prompt-lookup":
         from .inference.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -111,6 +111,7 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
         raise FileNotFoundError(f"no head folder at {head}")
     from .heads.formats.common import ConventionNeeded
     from .heads.config import KINDS, drafter_family
+    from .inference.drafters.heads import CONFIDENCE_FAMILIES
     from .inference.drafters.load import load_head_drafter
 
     layout, kind = head_layout(head)
@@ -118,8 +119,9 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_
         if kind not in KINDS:
             raise DrafterError(f"{head}: unknown head kind {kind!r}")
         family = drafter_family(kind)
-        if num_draft == "confidence" and family != "eagle":
-            raise DrafterError(f"num_draft 'confidence' sizes EAGLE trees; {kind} heads take a number of nodes")
+        if num_draft == "confidence" and family not in CONFIDENCE_FAMILIES:
+            raise DrafterError(f"num_draft 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number "
+                               "of nodes")
         options["num_draft"] = num_draft
     if layout == "ours":
         return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)

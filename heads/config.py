@@ -217,6 +217,8 @@ class Eagle1Config(_HeadConfig):
         if self.feature_weight < 0 or self.ce_weight < 0 or self.feature_weight + self.ce_weight == 0:
             raise ValueError("EAGLE-1 loss weights must be >= 0 and not both 0")
         check_loss(self.loss, self.lk_eta)
+        if self.loss == "dpace":
+            raise ValueError(f"loss dpace weighs a chain of draft positions; an {self.kind} head trains one")
         if self.loss != "ce" and not self.ce_to_target_dist:
             raise ValueError(f"loss {self.loss} trains toward the target's distribution: set ce_to_target_dist: true")
 
@@ -438,7 +440,7 @@ class DFlashConfig(_HeadConfig):
     `mask_token_id`: the target token whose (frozen) embedding fills the mask positions; the
     engines read it from the checkpoint, so pick one the text never uses."""
 
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("num_anchors", "loss_decay_gamma", "loss", "lk_eta")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("num_anchors", "loss_decay_gamma", "loss", "lk_eta", "dpace_alpha")
 
     kind: str = "dflash"
     aux_layers: tuple[int, ...] | None = None  # output_hidden_states indices; None: default_dflash_layers(L)
@@ -448,9 +450,11 @@ class DFlashConfig(_HeadConfig):
     num_anchors: int = 64  # blocks trained per sequence (the reference trainers: 512 on GPUs)
     loss_decay_gamma: float | None = 4.0  # speculators' default; SpecForge's is None (uniform)
     # as Eagle3Config.loss, over the target's whole vocabulary; lk_lambda's weight is one per batch,
-    # over every block position together (EAGLE-3 weighs each unroll step on its own)
+    # over every block position together (EAGLE-3 weighs each unroll step on its own); dpace: soft CE
+    # under D-PACE's adaptive weights instead of the decay (heads/losses.py dpace_weights)
     loss: str = "ce"
     lk_eta: float = 3.0
+    dpace_alpha: float = 0.5  # D-PACE's smoothing q~ = (1 - a) q + a, in (0, 1]; the reference's 0.5
     # the draft layers' own shape and RoPE (rope_type, rope_theta, ...); None: the target's. Set by
     # imports of published drafts that chose their own (the hidden size is always the target's).
     intermediate_size: int | None = None
@@ -469,14 +473,14 @@ class DFlashConfig(_HeadConfig):
             raise ValueError(f"num_layers and num_anchors must be >= 1, got {self.num_layers}, {self.num_anchors}")
         if self.loss_decay_gamma is not None and not self.loss_decay_gamma > 0:
             raise ValueError(f"loss_decay_gamma must be > 0 or None, got {self.loss_decay_gamma}")
-        check_loss(self.loss, self.lk_eta)
+        self._check_loss()
         if self.mask_token_id is None:
-            raise ValueError("DFlash needs mask_token_id: a target token id the text never uses (its embedding "
+            raise ValueError(f"{self._name} needs mask_token_id: a target token id the text never uses (its embedding "
                              "fills the mask positions)")
         if self.target is not None:
             L = self.target.num_layers
             if L < 2:
-                raise ValueError("DFlash reads the outputs of decoder layers 1..L-1: the target needs >= 2 layers")
+                raise ValueError(f"{self._name} reads the outputs of decoder layers 1..L-1: the target needs >= 2 layers")
             if self.aux_layers is None:
                 self.aux_layers = default_dflash_layers(L)
             if not 0 <= self.mask_token_id < self.target.vocab_size:
@@ -487,8 +491,13 @@ class DFlashConfig(_HeadConfig):
             if len(self.aux_layers) == 0:
                 raise ValueError("aux_layers must not be empty")
             if self.target is not None and any(not 1 <= i < self.target.num_layers for i in self.aux_layers):
-                raise ValueError(f"DFlash aux_layers {self.aux_layers} must be decoder-layer outputs 1.."
+                raise ValueError(f"{self._name} aux_layers {self.aux_layers} must be decoder-layer outputs 1.."
                                  f"{self.target.num_layers - 1} (the engines name no other)")
+
+    _name: ClassVar[str] = "DFlash"
+
+    def _check_loss(self) -> None:
+        check_loss(self.loss, self.lk_eta, self.dpace_alpha)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -496,7 +505,65 @@ class DFlashConfig(_HeadConfig):
             return default_dflash_layers(self._need_target().num_layers)
         return self.aux_layers
 
+    @property
+    def num_drafted(self) -> int:
+        """Tokens one block drafts: the mask positions (the pending token's slot predicts nothing)."""
+        return self.block_size - 1
+
     needs_last_hidden: ClassVar[bool] = False
+
+
+DSPARK_LOSSES = ("dspark", "dpace")
+
+
+@dataclass
+class DSparkConfig(DFlashConfig):
+    """DSpark (arXiv 2607.05147): DFlash's backbone whose every block slot drafts, the pending
+    token's included (slot k drafts token n + k + 1, so a block of S drafts S tokens), plus two
+    small heads (heads/dspark.py):
+
+      Markov head      logits_k = lm_head(h_k) + W2 W1[x_{n+k}]: a rank-`markov_rank` bias from the
+                       token before slot k's (the pending token, then each drafted one), so the
+                       block drafts left to right at the cost of one [r] x [r, V] product a token
+      confidence head  c_k = sigmoid(proj(cat(h_k, W1[x_{n+k}]))): the chance slot k is accepted
+                       once every slot before it was; it sizes the verify (num_draft "confidence")
+
+    Loss (`loss: dspark`, the paper's): ce_weight * CE(data token) + l1_weight * ||q - p||_1 +
+    confidence_weight * BCE(c, 1 - ||q - p||_1 / 2), each weighted exp(-k / loss_decay_gamma) at
+    slot k = 0..S-1; `loss: dpace` weighs the three by D-PACE instead (heads/losses.py)."""
+
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = DFlashConfig.LOSS_FIELDS + ("ce_weight", "l1_weight", "confidence_weight")
+
+    kind: str = "dspark"
+    block_size: int = 7  # DeepSeek's released heads: 7 drafted tokens a block
+    loss: str = "dspark"
+    markov_rank: int = 256
+    confidence_head: bool = True
+    confidence_with_markov: bool = True  # the confidence head reads W1[previous token] beside h_k
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    confidence_weight: float = 1.0
+
+    _name: ClassVar[str] = "DSpark"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.markov_rank < 1:
+            raise ValueError(f"markov_rank must be >= 1, got {self.markov_rank}")
+        if min(self.ce_weight, self.l1_weight, self.confidence_weight) < 0 or self.ce_weight + self.l1_weight == 0:
+            raise ValueError("DSpark's loss weights must be >= 0, with ce_weight or l1_weight above 0")
+        if self.confidence_weight > 0 and not self.confidence_head:
+            raise ValueError("confidence_weight trains the confidence head: set confidence_head: true or the weight to 0")
+
+    def _check_loss(self) -> None:
+        if self.loss not in DSPARK_LOSSES:
+            raise ValueError(f"a dspark head's loss is one of {', '.join(DSPARK_LOSSES)} (its three terms under the "
+                             f"decay or under D-PACE's weights), got {self.loss!r}")
+        check_loss("ce", self.lk_eta, self.dpace_alpha)
+
+    @property
+    def num_drafted(self) -> int:
+        return self.block_size
 
 
 # The head kinds: the one table the config, the registry (heads/registry.py: each kind's module),
@@ -511,6 +578,7 @@ KINDS: dict[str, tuple[type, str]] = {
     "eagle31": (Eagle31Config, "eagle"),
     "peagle": (PEagleConfig, "peagle"),
     "dflash": (DFlashConfig, "dflash"),
+    "dspark": (DSparkConfig, "dspark"),
     "mtp": (MTPConfig, "eagle"),
 }
 CONFIG_CLASSES: dict[str, type] = {kind: cls for kind, (cls, _) in KINDS.items()}

@@ -22,7 +22,7 @@ Training (`compute_loss`): `num_anchors` random anchors a per sequence, each a b
 that sees the context keys at positions < a and its own block (`block_attention_mask`), all in
 one forward. Position k of the block is scored against the target's distribution for token a + k
 (softmax of the LM head on the final normed state at a + k - 1), weighted exp(-(k - 1) / gamma),
-under soft CE or an LK loss (`loss`, heads/losses.py).
+under soft CE or an LK loss (`loss`, heads/losses.py), or soft CE under D-PACE's weights (`loss: dpace`).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from .config import DFlashConfig
 from .eagle import full_attention_rope
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs
-from .losses import distill_loss
+from .losses import distill_loss, dpace_weights, label_confidence
 from .packing import row_positions, same_segment_shift, segment_ids
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, each [B, kv_heads, n, head_dim]
@@ -72,9 +72,10 @@ def dflash_layer_config(target_model: nn.Module, config: DFlashConfig) -> Qwen3C
     )
 
 
-def decay_weights(block_size: int, gamma: float | None) -> list[float]:
-    """The loss weight of each drafted position k = 1..S-1: exp(-(k - 1) / gamma), or 1 (None)."""
-    return [1.0 if gamma is None else math.exp(-i / gamma) for i in range(block_size - 1)]
+def decay_weights(num_drafted: int, gamma: float | None) -> list[float]:
+    """The loss weight of the k-th drafted token of a block, k = 0..num_drafted-1: exp(-k / gamma),
+    or 1 (None)."""
+    return [1.0 if gamma is None else math.exp(-i / gamma) for i in range(num_drafted)]
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -265,17 +266,15 @@ class DFlashHead(DraftHeadBase):
         anchors, ok = sample_anchors(batch.labels_ok, self.config.num_anchors, position_ids=batch.position_ids)
         return self.block_loss(batch, anchors, ok)
 
-    def block_loss(self, batch: FeatureBatch, anchors: torch.Tensor, ok: torch.Tensor):
-        """The loss over blocks at `anchors` [B, A] (those with ok [B, A]) (module docstring).
-
-        Returns (sum_e w_e CE_e / sum_e w_e, metrics): loss_i and acc_i for the i-th drafted token
-        (block position i + 1; top-1 == the target's argmax), num_labels (the first's count).
-        """
-        cfg, S = self.config, self.block_size
+    def run_blocks(self, batch: FeatureBatch, anchors: torch.Tensor, ok: torch.Tensor):
+        """All blocks at `anchors` [B, A] in one forward (module docstring) ->
+        (h [B, A, S, H] final normed states, label [B, A, K], valid [B, A, K]): drafted token k
+        (block slot S - K + k, K = config.num_drafted) is the text's token `label`, scored where
+        `valid` (ok, inside the row and its conversation, a label position)."""
+        cfg, S, K = self.config, self.block_size, self.config.num_drafted
         ids = batch.input_ids
         B, T = ids.shape
-        L = cfg.final_layer
-        batch.require(set(cfg.feature_layers) | {L}, "dflash")
+        batch.require(set(cfg.feature_layers) | {cfg.final_layer}, self.kind)
         fused = self.fuse([batch.hidden_states[i] for i in cfg.feature_layers])  # [B, T, H]
         positions = batch.positions  # [B, T]: restarting in each conversation of a packed row
         context = self.context(fused, positions)
@@ -285,28 +284,61 @@ class DFlashHead(DraftHeadBase):
         block_positions = (positions.gather(1, anchors)[:, :, None] + offsets).reshape(B, A * S)
         mask = block_attention_mask(T, anchors, S, self.dtype, batch.position_ids)
         h = self.block_hidden(tokens, block_positions, context, mask).view(B, A, S, -1)
-        label = anchors[:, :, None] + offsets[1:]  # [B, A, S - 1]: the token block position k + 1 drafts
+        ahead = torch.arange(1, K + 1, device=ids.device)  # drafted token k is the text's token anchor + k + 1
+        label = anchors[:, :, None] + ahead  # [B, A, K]
         at = label.clamp(max=T - 1).view(B, -1)
         valid = ok[:, :, None] & (label < T) & batch.labels_ok.gather(1, at).view_as(label)
         if batch.position_ids is not None:  # the label must be in the anchor's conversation
             rise = positions.gather(1, at).view_as(label) - positions.gather(1, anchors)[:, :, None]
-            valid &= rise == offsets[1:]
+            valid &= rise == ahead
+        return h, label, valid
+
+    def position_weights(self, index, shape: tuple[int, int, int], confidence: torch.Tensor):
+        """The loss weight of each scored element (b, a, k) = `index` in blocks of `shape` [B, A, K],
+        and the sum that normalises them: exp(-k / gamma) over their sum, or with `loss: dpace`
+        D-PACE's weights of each block's chain from `confidence` [N] (heads/losses.py) over the
+        number of blocks scored (the reference's per-block reduction)."""
+        b, a, k = index
+        if self.config.loss != "dpace":
+            w = torch.tensor(decay_weights(shape[2], self.config.loss_decay_gamma), device=confidence.device)[k]
+            return w, w.sum()
+        B, A, K = shape
+        chain = b * A + a
+        grid = torch.zeros(B * A, K, device=confidence.device)
+        valid = torch.zeros(B * A, K, dtype=torch.bool, device=confidence.device)
+        grid[chain, k], valid[chain, k] = confidence.float(), True
+        w = dpace_weights(grid, valid, self.config.dpace_alpha)[chain, k]
+        return w, valid.any(-1).sum().clamp_min(1).float()
+
+    def block_loss(self, batch: FeatureBatch, anchors: torch.Tensor, ok: torch.Tensor):
+        """The loss over blocks at `anchors` [B, A] (those with ok [B, A]) (module docstring).
+
+        Returns (sum_e w_e CE_e / sum_e w_e, metrics): loss_i and acc_i for the i-th drafted token
+        (block position i + 1; top-1 == the target's argmax), num_labels (the first's count).
+        """
+        cfg, S = self.config, self.block_size
+        h, label, valid = self.run_blocks(batch, anchors, ok)
         b, a, k = valid.nonzero(as_tuple=True)
         logits = self.refs.lm_logits(h[b, a, k + 1]).float()  # [N, V]
         with torch.no_grad():  # the target's distribution for token label, from the state before it
-            hL = batch.hidden_states[L]
+            hL = batch.hidden_states[cfg.final_layer]
             p = torch.softmax(self.refs.lm_logits(hL[b, label[b, a, k] - 1].float()), dim=-1)
         ce, alpha = distill_loss(logits, p, cfg.loss, cfg.lk_eta)  # [N], [N]: the objective per element
-        w = torch.tensor(decay_weights(S, cfg.loss_decay_gamma), device=ce.device)[k]
-        loss = (w * ce).sum() / w.sum() if ce.numel() else logits.sum() * 0.0
+        w, total = self.position_weights((b, a, k), tuple(label.shape), label_confidence(logits, p))
+        loss = (w * ce).sum() / total if ce.numel() else logits.sum() * 0.0
         hits = logits.argmax(-1) == p.argmax(-1)
         metrics: dict[str, float] = {"loss": loss.item()}
         for i in range(S - 1):
-            at = k == i
-            n = int(at.sum())
-            metrics[f"loss_{i}"] = ce[at].mean().item() if n else 0.0
-            metrics[f"acc_{i}"] = hits[at].float().mean().item() if n else 0.0
-            metrics[f"alpha_{i}"] = alpha[at].mean().item() if n else 0.0
-            if i == 0:
-                metrics["num_labels"] = float(n)
+            metrics.update(position_metrics(i, k == i, ce=ce, acc=hits.float(), alpha=alpha))
         return loss, metrics
+
+
+def position_metrics(i: int, at: torch.Tensor, **per_element: torch.Tensor) -> dict[str, float]:
+    """{name_i: mean over the elements `at` [N] bool} for each per_element [N] tensor (0 where
+    none), named loss_i for `ce`; num_labels (their count) for the first position."""
+    n = int(at.sum())
+    out = {f"{'loss' if name == 'ce' else name}_{i}": (v[at].float().mean().item() if n else 0.0)
+           for name, v in per_element.items()}
+    if i == 0:
+        out["num_labels"] = float(n)
+    return out

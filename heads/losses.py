@@ -26,16 +26,38 @@ import math
 
 import torch
 
-LOSSES = ("ce", "lk_alpha", "lk_lambda")
+LOSSES = ("ce", "lk_alpha", "lk_lambda", "dpace")
 _LOG_FLOOR = 1e-12  # -log alpha is clamped here: alpha = 0 exactly has no gradient to give anyway
 
 
-def check_loss(loss: str, lk_eta: float) -> None:
-    """Raise ValueError for an unknown objective or a negative eta (head configs call it)."""
+def check_loss(loss: str, lk_eta: float, dpace_alpha: float = 0.5) -> None:
+    """Raise ValueError for an unknown objective, a negative eta or a D-PACE smoothing outside
+    (0, 1] (head configs call it)."""
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
     if not (lk_eta >= 0 and math.isfinite(lk_eta)):
         raise ValueError(f"lk_eta must be a finite number >= 0, got {lk_eta}")
+    if not 0 < dpace_alpha <= 1:
+        raise ValueError(f"dpace_alpha must be in (0, 1] (0 lets the prefix products vanish), got {dpace_alpha}")
+
+
+def dpace_weights(confidence: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE's position weights [C, K] (module docstring) of C chains of K positions, detached.
+
+    confidence [C, K]: the draft's probability of each position's label; valid [C, K] bool: the
+    positions with a label. An invalid position passes the prefix product unchanged (factor 1)
+    and gets weight 0."""
+    with torch.no_grad():
+        smoothed = torch.where(valid, (1.0 - alpha) * confidence.float() + alpha, torch.ones_like(confidence, dtype=torch.float32))
+        prefix = smoothed.cumprod(-1) * valid  # [C, K]: prod_{i<=m} q~_i where position m counts
+        return prefix.flip(-1).cumsum(-1).flip(-1) * valid  # suffix sums
+
+
+def label_confidence(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """[N]: the draft's probability (softmax of logits [N, V]) of the target's top token under
+    p [N, V], detached: D-PACE's q_j when the label is the target's own choice."""
+    with torch.no_grad():
+        return torch.softmax(logits.float(), dim=-1).gather(-1, p.argmax(-1, keepdim=True)).squeeze(-1)
 
 
 def acceptance_rate(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -85,7 +107,7 @@ def distill_loss(logits: torch.Tensor, p: torch.Tensor, loss: str = "ce", lk_eta
     logits = logits.float()
     log_q = torch.log_softmax(logits, dim=-1)  # [N, V]
     ce = -(p * log_q).sum(-1)  # [N]
-    if loss == "ce":
+    if loss in ("ce", "dpace"):  # D-PACE weighs soft CE per position (the caller's reduction)
         with torch.no_grad():  # one [N, V] temporary, overwritten in place: alpha is only a metric here
             q = log_q.exp()
             return ce, torch.minimum(q, p, out=q).sum(-1)

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import (CONFIG_CLASSES, KINDS, DFlashConfig, Eagle1Config, Eagle3Config, Eagle31Config, HeadConfig,
+from .config import (CONFIG_CLASSES, KINDS, DFlashConfig, DSparkConfig, Eagle1Config, Eagle3Config, Eagle31Config, HeadConfig,
                      HydraConfig, MedusaConfig, MTPConfig, PEagleConfig)
 from .eagle import Eagle1Head, has_rope_decoder
 from .dflash import DFlashHead
+from .dspark import DSparkHead
 from .eagle3 import Eagle3Head
 from .identity import HeadTargetMismatch, check_compatible, eos_token_ids, identify_target, identity_diff
 from .io import ADAPTER_DIR, DraftHeadBase, HeadFormatError, check_state_dict, read_head_dir
@@ -23,7 +24,8 @@ from .peagle import PEagleHead
 # config class -> module class; Eagle31Config is the EAGLE-3 head with fc_norm and norm_output on
 _MODULES: dict[type, type[DraftHeadBase]] = {
     MedusaConfig: MedusaHead, HydraConfig: HydraHead, Eagle1Config: Eagle1Head, Eagle3Config: Eagle3Head,
-    Eagle31Config: Eagle3Head, PEagleConfig: PEagleHead, DFlashConfig: DFlashHead, MTPConfig: MTPHead,
+    Eagle31Config: Eagle3Head, PEagleConfig: PEagleHead, DFlashConfig: DFlashHead, DSparkConfig: DSparkHead,
+    MTPConfig: MTPHead,
 }
 HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {kind: _MODULES[cls] for kind, (cls, _) in KINDS.items()}
 

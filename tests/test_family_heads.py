@@ -43,6 +43,7 @@ KINDS = {
     "eagle31": {"draft_vocab_size": 64, "ttt_steps": 2, "aux_layers": (1, 2, 3)},
     "peagle": {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": V - 1, "aux_layers": (1, 2, 3)},
     "dflash": {"block_size": 4, "mask_token_id": V - 1, "num_anchors": 4},
+    "dspark": {"block_size": 4, "mask_token_id": V - 1, "num_anchors": 4, "markov_rank": 8},
 }
 # kinds only the export test builds here (their training and decoding: tests/test_families.py);
 # Medusa-1 as the medusa fixture has it, 3 heads of one block
@@ -156,6 +157,7 @@ READ_ONLY = {
     "vllm": "scripts/interop/check_vllm.py feeds every tensor through vLLM's load_weights (make interop)",
     "sglang": "scripts/interop/check_sglang.py runs SGLang's own load_weights on it (make interop)",
     "llama.cpp": "llama.cpp's converter and libllama load it (tests/test_llamacpp_export.py, -m llamacpp)",
+    "dspark": "scripts/interop/check_vllm.py runs vLLM's Qwen3DSparkModel load_weights and engine on it (make interop)",
 }
 # tensors of flags no producer fixture sets (EAGLE-3.1's per-feature norms, P-EAGLE's mask
 # stand-in): named by the layouts' docs (docs/formats.md), added to the base key set
@@ -196,11 +198,18 @@ def consumer_shapes(kind: str, fmt: str, cfg: dict) -> dict[str, tuple[int, ...]
                 shapes[f"{h}.{i}.linear.weight"], shapes[f"{h}.{i}.linear.bias"] = (H, H), (H,)
             shapes[f"{h}.{L}.weight"] = (V, H)
         return shapes
-    if kind == "dflash":  # fc over the fused target layers, Qwen3 layers, two norms; embedding and LM head: the target's
+    if kind in ("dflash", "dspark"):  # fc over the fused target layers, Qwen3 layers, two norms; embedding and LM head: the target's
         H, n = cfg["hidden_size"], len(cfg["dflash_config"]["target_layer_ids"])
         layers = [f"layers.{i}." for i in range(cfg["num_hidden_layers"])]
-        return {**layer_shapes(Qwen3Config, cfg, Qwen3DecoderLayer, layers),
-                "fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+        shapes = {**layer_shapes(Qwen3Config, cfg, Qwen3DecoderLayer, layers),
+                  "fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+        if kind == "dspark":  # vLLM's Qwen3DSparkModel: the Markov head, and the confidence head when enabled
+            V, r = cfg["vocab_size"], cfg["markov_rank"]
+            shapes.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r)})
+            if cfg["enable_confidence_head"]:
+                width = H + (r if cfg["confidence_head_with_markov"] else 0)
+                shapes.update({"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)})
+        return shapes
     layer_cfg = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
     H, V = layer_cfg["hidden_size"], layer_cfg["vocab_size"]
     if kind == "eagle1":  # fc over cat(embedding, feature); layer 0 without input_layernorm

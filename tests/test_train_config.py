@@ -19,7 +19,7 @@ from drafthead.train.config import (
     load_config,
 )
 
-SMOLLM2_PRESETS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle", "dflash")
+SMOLLM2_PRESETS = ("medusa1", "medusa2", "hydra", "eagle1", "eagle3", "eagle31", "peagle", "dflash", "dspark")
 SECTIONS = {"data": DataConfig, "features": FeaturesConfig, "lora": LoraConfig, "replay": ReplayConfig}
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from ..heads.config import KINDS
 from ..heads.io import not_utf8
 from ..inference.engine.targets import DTYPES
 
@@ -184,7 +185,7 @@ class TrainConfig:
         if self.keep_best == "replay_tau" and self.replay.sequences == 0:
             raise ConfigError("keep_best: replay_tau needs replay.sequences > 0 (the held-out prompts it is measured on)")
         if not isinstance(self.head, dict) or "kind" not in self.head:
-            raise ConfigError("head must be a mapping with a 'kind' (medusa1, medusa2, hydra, eagle1, eagle3, eagle31, peagle, dflash)")
+            raise ConfigError(f"head must be a mapping with a 'kind' ({', '.join(KINDS)})")
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints", "context_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")

@@ -10,6 +10,7 @@ Export formats (`export_head(head_dir, out_dir, fmt)`):
     eagle        upstream EAGLE-1 (eagle-llm): pytorch_model.bin with embed_tokens and fc.bias
     medusa       upstream Medusa (medusa-llm): medusa_lm_head.pt
     dflash       DFlash's DFlashDraftModel (vLLM method dflash, SGLang DFLASH, z-lab dflash)
+    dspark       DSpark's Qwen3DSparkModel, DeepSeek's layout (vLLM method dspark, llama.cpp's converter)
     mtp          a target's own MTP layer, in its checkpoint's names (vLLM deepseek_mtp, SGLang NextN)
 
 Import (`import_head(src, target, convention=...)`) reads all of them, plus llama.cpp's converted
@@ -30,11 +31,11 @@ from ..identity import HeadTargetMismatch, check_compatible, identify_target, id
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
 from ..outdir import check_distinct, check_output, fresh_folder
-from . import dflash, eagle1, eagle3, gguf_eagle3, medusa, mtp, speculators
+from . import dflash, dspark, eagle1, eagle3, gguf_eagle3, medusa, mtp, speculators
 from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
     read_weights, served_layer_refusal
 
-EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa", "dflash", "mtp")
+EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa", "dflash", "dspark", "mtp")
 CONVENTIONS = ("vllm", "sglang", "eagle")
 IDENTITY_VOCAB_KEYS = ("d2t", "t2d")  # EAGLE-3's draft-vocab maps, the identity when Vd == V
 
@@ -43,7 +44,8 @@ EAGLE3_KINDS = ("eagle3", "eagle31", "peagle")  # one head module (heads/eagle3.
 # The head kind each foreign layout is read into (the flags of an EAGLE-3.1 checkpoint ride on
 # eagle3); the speculators layout says its own (`layout_kind`).
 LAYOUT_KINDS = {"speculators": "eagle3", "eagle3-research": "eagle3", "llama.cpp-gguf": "eagle3",
-                "eagle1": "eagle1", "medusa": "medusa1", "medusa-vllm": "medusa1", "dflash": "dflash"}
+                "eagle1": "eagle1", "medusa": "medusa1", "medusa-vllm": "medusa1", "dflash": "dflash",
+                "dspark": "dspark"}
 _FORMAT_KINDS = {
     "vllm": ("eagle3", "eagle31", "eagle1"),  # vLLM takes P-EAGLE through the speculators layout only
     "speculators": EAGLE3_KINDS,
@@ -52,12 +54,13 @@ _FORMAT_KINDS = {
     "eagle": ("eagle1",),
     "medusa": ("medusa1",),
     "dflash": ("dflash",),
+    "dspark": ("dspark",),
     "mtp": ("mtp",),
 }
 # The consumer each export format is for, as refusals name it.
 ENGINES = {"vllm": "vLLM", "speculators": "speculators", "sglang": "SGLang", "llama.cpp": "llama.cpp",
            "eagle": "upstream EAGLE", "medusa": "upstream Medusa", "dflash": "vLLM's, SGLang's and z-lab's DFlash",
-           "mtp": "vLLM's and SGLang's MTP"}
+           "dspark": "vLLM's and llama.cpp's DSpark", "mtp": "vLLM's and SGLang's MTP"}
 
 
 # ----------------------------------------------------------------------------- export
@@ -133,6 +136,8 @@ def _write_export(head_dir: Path, out_dir: Path, fmt: str, config, meta: dict, s
         cfg, tensors = eagle3.to_engine(fmt, config, meta, state)
     elif config.kind == "dflash":
         cfg, tensors = dflash.to_engine(config, meta, state)
+    elif config.kind == "dspark":
+        cfg, tensors = dspark.to_engine(config, meta, state)
     elif config.kind == "mtp":
         cfg, tensors = mtp.to_engine(config, state, target_model)
     elif config.kind == "eagle1":
@@ -164,7 +169,7 @@ def _atomic_torch_save(path: Path, tensors: dict) -> None:
 
 def detect_layout(src_dir) -> str:
     """Which layout a folder (or a llama.cpp .gguf file) holds: "ours", "speculators", "medusa",
-    "medusa-vllm", "eagle3-research", "eagle1", "dflash" or "llama.cpp-gguf"."""
+    "medusa-vllm", "eagle3-research", "eagle1", "dflash", "dspark" or "llama.cpp-gguf"."""
     src = Path(src_dir)
     if gguf_eagle3.is_layout(src):
         return "llama.cpp-gguf"
@@ -177,6 +182,8 @@ def detect_layout(src_dir) -> str:
         return "speculators"
     if dflash.is_layout(cfg):
         return "dflash"
+    if dspark.is_layout(cfg):
+        return "dspark"
     if medusa.is_upstream(cfg) or any((src / n).is_file() for n in medusa.UPSTREAM_WEIGHTS):
         return "medusa"
     if medusa.is_vllm(cfg):
@@ -186,7 +193,7 @@ def detect_layout(src_dir) -> str:
     if eagle1.is_layout(cfg):
         return "eagle1"
     raise HeadFormatError(f"cannot tell which head layout {src} holds (architectures={cfg.get('architectures')}); "
-                          "known: ours, speculators, EAGLE-3 research, EAGLE-1, Medusa, DFlash")
+                          "known: ours, speculators, EAGLE-3 research, EAGLE-1, Medusa, DFlash, DSpark")
 
 
 def layout_kind(src_dir, layout: str) -> str:
@@ -216,6 +223,8 @@ def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:
         foreign = speculators.read(src, cfg, read_weights(src))
     elif layout == "dflash":
         foreign = dflash.read(src, cfg, read_weights(src))
+    elif layout == "dspark":
+        foreign = dspark.read(src, cfg, read_weights(src))
     elif layout == "eagle3-research":
         if ours is not None:  # our own export: the config below says how the ids are counted
             convention = convention or _our_export_convention(cfg, ours)

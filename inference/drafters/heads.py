@@ -340,7 +340,11 @@ _DRAFTING_KEYS = {
     "eagle": {"num_draft", "depth", "top_k", "lookup_nodes", "lookup_streak"},
     "peagle": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
     "dflash": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
+    "dspark": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
 }
+# the drafter families whose num_draft may be "confidence": EAGLE's path probabilities, DSpark's
+# confidence head, each against the target's measured verify cost
+CONFIDENCE_FAMILIES = ("eagle", "dspark")
 # num_draft's key before the draft size had one name (EAGLE's total_tokens, the others' num_nodes):
 # drafting.json files that hold it are read with a warning (`renamed_drafting_keys`)
 _OLD_NUM_DRAFT_KEY = {"eagle": "total_tokens"}  # every other family: "num_nodes"

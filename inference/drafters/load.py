@@ -9,9 +9,10 @@ from ...heads.config import drafter_family
 from ...heads.registry import load_head
 from ..engine.cost import measure_verify_cost
 from ..kernels.target_linears import dispatch_linears
-from .heads import EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, check_drafting_values, drafting_defaults, renamed_drafting_keys
+from .heads import (CONFIDENCE_FAMILIES, EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, check_drafting_values,
+                    drafting_defaults, renamed_drafting_keys)
 from .merged import MergedDrafter
-from .parallel import DFlashDrafter, ParallelDrafter
+from .parallel import DFlashDrafter, DSparkDrafter, ParallelDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 
@@ -19,7 +20,7 @@ def head_drafter(head, **settings):
     """`head` in its family's drafter, built with `settings` (that drafter's options). The head is
     used as it is: no eval(), no linear dispatch, so a head still training can be replayed."""
     drafters = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter, "peagle": ParallelDrafter,
-                "dflash": DFlashDrafter}
+                "dflash": DFlashDrafter, "dspark": DSparkDrafter}
     return drafters[drafter_family(head.kind)](head, **settings)
 
 
@@ -54,8 +55,8 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     settings = {**drafting_defaults(Path(path), family), **given}
     lookup_nodes = settings.pop("lookup_nodes", 0)
     lookup_streak = settings.pop("lookup_streak", None)
-    if family == "eagle" and settings.get("num_draft") == "confidence":
-        # the verifier returns hidden states to an EAGLE drafter, so time the forward that way
+    if family in CONFIDENCE_FAMILIES and settings.get("num_draft") == "confidence":
+        # the verifier returns hidden states to these drafters, so time the forward that way
         settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
     drafter = head_drafter(head, **settings)
     if lookup_nodes > 0:

@@ -9,19 +9,26 @@ DFlash (`DFlashDrafter`): the drafter keeps every draft layer's keys/values of t
 positions' fused features; each round it adds the positions verified last round and runs one
 block [pending token, mask x (S - 1)] over them (heads/dflash.py): logits [S - 1, V].
 
-In both, depth k's distribution is conditioned on the committed text only, never on the tokens
-drafted before it, so the tree is Medusa's: a static tree of per-depth top-r candidates
+DSpark (`DSparkDrafter`): DFlash's, plus a Markov bias from each node's parent token, so each
+depth's candidates are its parent's own (the tree grows depth by depth), and a confidence head
+that can size the verify.
+
+In P-EAGLE and DFlash, depth k's distribution is conditioned on the committed text only, never on
+the tokens drafted before it, so the tree is Medusa's: a static tree of per-depth top-r candidates
 (`choices`; the default is the chain of top-1 tokens, what vLLM and SGLang draft). Any tree of
 them is verified exactly like every other, since the rule needs no draft probabilities.
 """
 from __future__ import annotations
 
+import math
+import time
 from typing import Sequence
 
 import torch
 
+from ..engine.cost import best_node_count, sync_device
 from ..engine.drafter import TargetFeatures
-from ..engine.tree import DraftTree, chain_choices
+from ..engine.tree import DraftTree, best_first, chain_choices, select_top_nodes
 from .heads import EagleDrafter, FeatureBuffer, draft_ids_of, static_tree_drafts, static_tree_shape
 
 
@@ -123,3 +130,96 @@ class DFlashDrafter(StaticTreeMixin, FeatureBuffer):
         if self.fed == 0:  # a one-token prompt: no context yet
             return root_only(root)
         return self._tree(root, self.head.draft_logits(root[:, 0], self.fed, self.context))  # logits [1, S - 1, V]
+
+
+class DSparkDrafter(DFlashDrafter):
+    """DSpark's drafter (heads/dspark.py): DFlash's cached context and one block forward a round,
+    then the static tree grown depth by depth, since the Markov bias makes each node's
+    distribution its parent's: a node at depth d takes rank r of U_{d-1} + W2 W1[parent token].
+    At most `block_size` deep (every slot drafts).
+
+    num_draft "confidence": the confidence head sets the verify length. Each node's chance of
+    acceptance is the product of c along its path (c from its slot's state and its parent token);
+    the round keeps the best nodes, as many as maximise expected tokens per second under the
+    target's measured `verify_cost` (inference/engine/cost.py best_node_count, the paper's
+    prefix scheduler for one sequence). Which nodes are verified never changes what is accepted."""
+
+    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int | str | None = None,
+                 verify_cost=None, extra_nodes: int = 0):
+        self.confidence_rule = num_draft == "confidence"
+        if self.confidence_rule:
+            if verify_cost is None:
+                raise ValueError('num_draft="confidence" needs the target\'s measured verify_cost')
+            if head.confidence_head is None:
+                raise ValueError('num_draft="confidence" needs a dspark head with a confidence head')
+            num_draft = None  # every node of the static tree is a candidate
+        self.head = head
+        self.feature_layers = tuple(head.feature_layers)
+        depth = head.block_size
+        self._init_tree(choices, num_draft, depth, f"the {depth} tokens a block of {head.block_size} drafts")
+        self.verify_cost, self.extra_nodes = verify_cost, extra_nodes  # extra_nodes: nodes other drafters add
+        self.draft_seconds: float | None = None
+        self.last_confidence: list[float] = []  # the kept nodes' path confidences, last round (best first)
+
+    def describe(self) -> dict:
+        out = super().describe()
+        if self.confidence_rule:
+            out["num_draft"] = "confidence"
+        return out
+
+    def propose(self) -> DraftTree:
+        started = time.perf_counter()
+        root = self.history[:, -1:]
+        if self.unfed:
+            self._catch_up()
+        if self.fed == 0:  # a one-token prompt: no context yet
+            return root_only(root)
+        h, base = self.head.block_states(root[:, 0], self.fed, self.context)  # [1, S, H], [1, S, V]
+        tokens, score = self._grow(root[0, 0], h[0], base[0])
+        tree = DraftTree(tokens[None], self.shape.parents.to(root.device))
+        if self.confidence_rule:
+            keep = self._confident_nodes(score, started)
+        elif self.num_draft_limit is not None and self.num_draft_limit < tree.num_draft:
+            keep = torch.arange(self.num_draft_limit + 1)  # nodes are ordered by depth: closed under parents
+        else:
+            return tree
+        return tree.subtree(keep.to(root.device))
+
+    def _grow(self, root: torch.Tensor, h: torch.Tensor, base: torch.Tensor):
+        """The tree's tokens [N] (root first) and, with the confidence rule, each node's path
+        confidence [N] (root 1), depth by depth: h [S, H], base logits [S, V] of the block."""
+        shape = self.shape
+        parents, depth_of, rank = shape.parents.tolist(), shape.head.tolist(), shape.rank.tolist()
+        tokens = [int(root)] + [0] * (len(parents) - 1)
+        score = [1.0] * len(parents)
+        nodes_at: dict[int, list[int]] = {}
+        for n in range(1, len(parents)):
+            nodes_at.setdefault(depth_of[n], []).append(n)
+        device = base.device
+        for d in sorted(nodes_at):
+            nodes = nodes_at[d]
+            above = sorted({parents[n] for n in nodes})  # this depth's parents, one bias each
+            prev = torch.tensor([tokens[p] for p in above], device=device)
+            logits = self.head.corrected_logits(base[d].expand(len(above), -1), prev)  # [P, V]
+            top = torch.topk(logits, max(rank[n] for n in nodes) + 1, dim=-1).indices.tolist()
+            if self.confidence_rule:
+                c = torch.sigmoid(self.head.confidence_logit(h[d].expand(len(above), -1), prev).float()).tolist()
+            row = {p: i for i, p in enumerate(above)}
+            for n in nodes:
+                i = row[parents[n]]
+                tokens[n] = top[i][rank[n]]
+                if self.confidence_rule:
+                    score[n] = score[parents[n]] * c[i]
+        return torch.tensor(tokens, device=device), score
+
+    def _confident_nodes(self, score: list[float], started: float) -> torch.Tensor:
+        """The nodes to verify under the confidence rule (class docstring), root first, best first."""
+        sync_device(self.history.device)
+        elapsed = time.perf_counter() - started
+        self.draft_seconds = elapsed if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * elapsed
+        parents = self.shape.parents
+        scores = torch.tensor([0.0] + [math.log(max(s, 1e-30)) for s in score[1:]])
+        order = sorted(score[1:], reverse=True)
+        n = best_node_count(order, self.verify_cost, self.draft_seconds, self.extra_nodes)
+        self.last_confidence = order[:n]
+        return best_first(parents, scores, select_top_nodes(parents, scores, n))
