@@ -59,8 +59,14 @@ Head folder kinds (--method auto picks the vLLM method):
   staged as symlink folders without them. vLLM's CPU attention needs head_dim in {32, 64, 80, ...}:
   the tiny fixture target (head_dim 16) cannot run.
 
-The BRIEF's generic harness flags (--inputs FILE) are accepted but unused: vLLM exposes no
-forward on fixed inputs for a draft head; the comparison here is end to end (acceptance, ids).
+DSpark (`method: dspark`, a Qwen3DSparkModel folder): vLLM 0.32 runs DSpark on its V2 model
+runner only (Triton, a GPU), and its config check refuses it on the CPU build before any model is
+built. The load phase lifts that one check (VllmConfig._validate_v1_model_runner) to build the
+draft class and run its load_weights on the whole checkpoint in one call (its loader drops the
+confidence head unless that call holds its tensors; adaptive verification is on so it builds one),
+then runs the draft's own Markov bias and confidence on `--inputs FILE` (safetensors: prev [N]
+token ids, hidden [N, H] slot states, and our head's bias [N, V] and confidence [N] for them):
+`draft_forward` holds the largest differences. The engine phases are not run for it.
 """
 from __future__ import annotations
 
@@ -115,7 +121,7 @@ def parse_args(argv=None):
                    help="take the plain run from an earlier PREFIX.json or PREFIX.plain.json of the "
                         "same target/prompts/max-tokens/dtype instead of running it again")
     p.add_argument("--out", required=True, help="output prefix (PREFIX.json)")
-    p.add_argument("--inputs", help="unused (BRIEF harness flag)")
+    p.add_argument("--inputs", help="DSpark only: reference inputs and outputs of the Markov and confidence heads")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per child run")
     # internal: one vLLM run in a child process
     p.add_argument("--_phase", choices=["load", "plain", "spec"], help=argparse.SUPPRESS)
@@ -169,8 +175,8 @@ def detect_method(head: str, method: str) -> tuple[str, str]:
         kind = "vllm"
         if method == "auto":
             archs = " ".join(cfg.get("architectures") or [])
-            method = ("dflash" if "DFlash" in archs else "eagle3" if "Eagle3" in archs else "eagle" if "Eagle" in archs
-                      else None)
+            method = ("dspark" if "DSpark" in archs else "dflash" if "DFlash" in archs else "eagle3" if "Eagle3" in archs
+                      else "eagle" if "Eagle" in archs else None)
             if method is None:
                 raise SystemExit(f"--method auto: cannot tell EAGLE-1 from EAGLE-3 by architectures "
                                  f"{cfg.get('architectures')}; pass --method")
@@ -388,6 +394,11 @@ def run_load(args) -> dict:
     from vllm.model_executor.models.interfaces import supports_eagle3
     from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
 
+    method, _ = detect_method(args.head, args.method)
+    if method == "dspark":  # the V2 runner's (GPU) feature, refused on the CPU build (module docstring)
+        from vllm.config import VllmConfig
+
+        VllmConfig._validate_v1_model_runner = lambda self: None
     vllm_config = EngineArgs(**engine_kwargs(args, "load", 1)).create_engine_config()
     draft_config = vllm_config.speculative_config.draft_model_config
     target_cls, target_arch = get_model_architecture(vllm_config.model_config)
@@ -409,6 +420,27 @@ def run_load(args) -> dict:
     model_utils.AutoWeightsLoader.load_weights = recording
     params = dict(model.named_parameters())
     tensors, per_tensor = head_tensors(args.head), {}
+    if method == "dspark":
+        # DSpark's load_weights drops its confidence head unless the same call holds its tensors:
+        # the whole checkpoint in one call, then where each tensor's values sit
+        with torch.no_grad():
+            for p in params.values():
+                p.zero_()
+        try:
+            model.load_weights(list(tensors.items()))
+        finally:
+            model_utils.AutoWeightsLoader.load_weights = real
+        params = dict(model.named_parameters())  # a head it dropped is gone from here too
+        into_any = sorted(set().union(*landed)) if landed else []
+        for name, t in tensors.items():
+            into = [n for n in into_any if n in params and holds_slice(params[n], t)]
+            per_tensor[name] = {"params": into, "intact": bool(into)}
+        tensors = {}
+        if args.inputs:
+            from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+            process_weights_after_loading(model, draft_config, torch.device("cpu"))  # the CPU kernels' set-up
+            res["draft_forward"] = dspark_forward(model, args.inputs)
     try:
         for name, t in tensors.items():
             with torch.no_grad():
@@ -427,15 +459,35 @@ def run_load(args) -> dict:
     finally:
         model_utils.AutoWeightsLoader.load_weights = real
     filled = {n for r in per_tensor.values() for n in r["params"]}
-    from_target = [n for n in params if "embed_tokens" in n and n not in filled and
-                   not getattr(model, "has_own_embed_tokens", True)]
+    from_target = [n for n in params if n not in filled and (
+        ("embed_tokens" in n and not getattr(model, "has_own_embed_tokens", True)) or
+        (n.startswith("lm_head") and not getattr(model, "has_own_lm_head", True)))]
+    # DSpark's mask_embedding: a parameter its own load_weights calls an unused placeholder and never fills
+    placeholders = [n for n in params if n.endswith("mask_embedding") and n not in filled] if method == "dspark" else []
     res.update(per_tensor=per_tensor,
-               missing=sorted(n for n in params if n not in filled and n not in from_target),
-               from_target=from_target,
+               missing=sorted(n for n in params if n not in filled and n not in from_target and n not in placeholders),
+               from_target=from_target, placeholders=placeholders,
                refused=sorted(n for n, r in per_tensor.items() if "refused" in r),
                skipped=sorted(n for n, r in per_tensor.items() if not r["params"] and "refused" not in r),
                not_intact=sorted(n for n, r in per_tensor.items() if r["params"] and not r["intact"]))
     return res
+
+
+def dspark_forward(model, inputs: str) -> dict:
+    """vLLM's DSpark Markov bias and confidence on the reference inputs, against ours."""
+    import torch
+    from safetensors.torch import load_file
+
+    ref = load_file(inputs)
+    with torch.no_grad():
+        embedded = model.markov_embed(ref["prev"])
+        bias = model.markov_bias(embedded).float()
+        out = {"markov_bias_max_diff": float((bias[:, : ref["bias"].shape[1]] - ref["bias"]).abs().max()),
+               "rows": int(ref["prev"].shape[0])}
+        if model.model.confidence_head is not None:
+            confidence = model.compute_confidence(ref["hidden"].to(embedded.dtype), embedded).float()
+            out["confidence_max_diff"] = float((confidence - ref["confidence"]).abs().max())
+    return out
 
 
 def loader_counts(args) -> bool:
@@ -444,7 +496,7 @@ def loader_counts(args) -> bool:
     Medusa's loader reports nothing, and P-EAGLE's refuses any call without its mask_hidden tensor."""
     method, _ = detect_method(args.head, args.method)
     parallel = read_json(Path(args.head) / "config.json").get("speculators_model_type") == "peagle"
-    return method in ("eagle", "eagle3", "deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp") and not parallel
+    return method in ("eagle", "eagle3", "dspark", "deepseek_mtp", "qwen3_next_mtp", "glm4_moe_mtp") and not parallel
 
 
 def one_tensor_at_a_time():

@@ -488,7 +488,7 @@ def our_chain_acceptance(args, tdir: Path, k: int, limit: int | None = None, hea
 
 
 def run_check_vllm(target: Path, head: Path, method: str, k: int, n_prompts: int, n_tokens: int, prefix: Path,
-                   loader_only: bool = False, dtype: str = "float32") -> dict:
+                   loader_only: bool = False, dtype: str = "float32", inputs: Path | None = None) -> dict:
     """check_vllm.py in vLLM's venv: its summary (PREFIX.json), also when it exits 1 for a phase
     that failed (the summary names it); raises when there is none."""
     from drafthead.inference.bench.prompts import mt_bench_path
@@ -497,7 +497,8 @@ def run_check_vllm(target: Path, head: Path, method: str, k: int, n_prompts: int
     try:
         sh([PYTHONS["vllm"], SCRIPTS / "check_vllm.py", "--target", target, "--head", head, "--method", method,
             "--num-spec-tokens", k, "--prompts", n_prompts, "--max-tokens", n_tokens, "--dtype", dtype,
-            "--prompt-file", mt_bench_path(), "--out", prefix] + (["--loader-only"] if loader_only else []),
+            "--prompt-file", mt_bench_path(), "--out", prefix] + (["--loader-only"] if loader_only else [])
+           + (["--inputs", inputs] if inputs else []),
            Path(f"{prefix}.log"), timeout=7200)
     except RuntimeError:
         if not Path(f"{prefix}.json").exists():
@@ -543,7 +544,47 @@ def check_vllm(args) -> list[Row]:
             if fmt == "vllm":
                 note += f"; vLLM plain == transformers generate() on {hf_agreement(res, smollm2().model)} prompts"
         rows.append(Row(LABEL["vllm"], "export", what, bool(res["loaded"]), acceptance=acceptance, note=note))
-    return rows + family_rows("vllm", lambda case: vllm_family_row(args, case, k))
+    return rows + [vllm_dspark_row(tdir)] + family_rows("vllm", lambda case: vllm_family_row(args, case, k))
+
+
+def vllm_dspark_row(tdir: Path) -> Row:
+    """vLLM's Qwen3DSparkForCausalLM and its load_weights on our --format dspark export, then its
+    Markov bias and confidence on inputs our head scored (check_vllm.py: the CPU build refuses
+    DSpark's engine, which runs on the V2 model runner only)."""
+    from safetensors.torch import save_file
+
+    from drafthead.heads.registry import load_head
+
+    head_dir = smollm2_untrained("dspark", OUT / "smollm2-dspark", block_size=3, mask_token_id=16)
+    exp = export(head_dir, "dspark", OUT / "exports" / "vllm-dspark", "smollm2-135m")
+    t = smollm2()
+    head, _ = load_head(head_dir, t.model, t.tokenizer)
+    g = torch.Generator().manual_seed(0)
+    prev = torch.randint(0, head.config.vocab_size, (8,), generator=g)
+    hidden = torch.randn(8, head.config.hidden_size, generator=g)
+    with torch.no_grad():
+        save_file({"prev": prev, "hidden": hidden,
+                   "bias": head.markov_head.bias(head.markov_head.embed(prev)).float().contiguous(),
+                   "confidence": torch.sigmoid(head.confidence_logit(hidden, prev)).float()},
+                  str(OUT / "dspark_reference.safetensors"))
+    what = "untrained DSpark head, --format dspark (method dspark; loader and Markov/confidence heads)"
+    try:
+        res = run_check_vllm(tdir, exp, "dspark", 3, 1, 1, OUT / "vllm_dspark", loader_only=True,
+                             inputs=OUT / "dspark_reference.safetensors")
+    except Exception as e:
+        return Row(LABEL["vllm"], "export", what, False, note=str(e)[-300:])
+    load = res.get("loader") or {}
+    if not load.get("ok"):
+        return Row(LABEL["vllm"], "export", what, False, note=f"vLLM's loader failed: {load.get('error')}")
+    unexpected = load["refused"] + load["skipped"]
+    forward = load.get("draft_forward") or {}
+    note = loader_note(sum(bool(r["params"]) for r in load["per_tensor"].values()), load["missing"], unexpected,
+                       shared=load["from_target"])
+    note += (f"; unused placeholder: {', '.join(load['placeholders'])}; Markov bias max diff "
+             f"{forward.get('markov_bias_max_diff')}, confidence max diff {forward.get('confidence_max_diff')}")
+    ok = not load["missing"] and not unexpected and not load["not_intact"] and \
+        max(forward.get("markov_bias_max_diff", 1.0), forward.get("confidence_max_diff", 1.0)) < 1e-5
+    return Row(LABEL["vllm"], "export", what, ok, note=note)
 
 
 def vllm_family_row(args, case: FamilyCase, k: int) -> Row:
@@ -705,7 +746,35 @@ def check_llamacpp(args) -> list[Row]:
                         True, compare(our_outputs(head, load_file(str(FIX / "inputs.safetensors"))), ref)))
     except Exception as e:
         rows.append(Row("llama.cpp", "import", "fixture GGUF", False, note=str(e)[-300:]))
-    return rows + llamacpp_family_rows()
+    return rows + [llamacpp_dspark_row(tdir)] + llamacpp_family_rows()
+
+
+def llamacpp_dspark_row(tdir: Path) -> Row:
+    """llama.cpp's converter on our --format dspark export: every tensor into its DSpark GGUF."""
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    from drafthead.inference.llamacpp.convert import converter
+
+    head_dir = smollm2_untrained("dspark", OUT / "smollm2-dspark", block_size=3, mask_token_id=16)
+    exp = export(head_dir, "dspark", OUT / "exports" / "llamacpp-dspark", "smollm2-135m")
+    out = OUT / "dspark.gguf"
+    what = "untrained DSpark head, --format dspark, converted by convert_hf_to_gguf.py"
+    try:
+        sh([sys.executable, converter(), exp, "--outtype", "f32", "--outfile", out,
+            "--target-model-dir", tdir], OUT / "llamacpp_dspark.log", timeout=1800)
+    except Exception as e:
+        return Row("llama.cpp", "export", what, False, note=str(e)[-300:])
+    with safe_open(str(exp / "model.safetensors"), "pt") as f:
+        ours = len(list(f.keys()))
+    reader = GGUFReader(str(out))
+    names = [t.name for t in reader.tensors]
+    flags = {k.split(".", 1)[1]: bool(reader.fields[k].parts[reader.fields[k].data[0]][0])
+             for k in reader.fields if k.endswith(("sample_from_anchor", "has_confidence_head"))}
+    ok = len(names) == ours and {"markov_w1.weight", "markov_w2.weight", "conf_proj.weight"} <= set(names)
+    return Row("llama.cpp", "export", what, ok,
+               note=f"{ours} tensors in, {len(names)} in the GGUF (markov_w1/w2, conf_proj, fc, ...); {flags}; "
+                    "llama.cpp's DSpark graph is not run here")
 
 
 def llamacpp_family_rows() -> list[Row]:
