@@ -107,7 +107,7 @@ class MedusaConfig(_HeadConfig):
     the adapter is saved in `HEAD_DIR/adapter/` and merged into the target on load.
     """
 
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("loss_decay",)
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("loss_decay", "loss", "dpace_alpha")
 
     kind: str = "medusa1"
     num_heads: int = 4
@@ -116,6 +116,9 @@ class MedusaConfig(_HeadConfig):
     # True: every head reads through the target's frozen LM head (not saved; far fewer parameters).
     share_lm_head: bool = False
     loss_decay: float = 0.8  # loss = sum_k loss_decay**k * CE_k (Medusa-2's lambda_k = 0.8**k)
+    # ce: the decay above; dpace: each position's chain of heads weighted by D-PACE (heads/losses.py)
+    loss: str = "ce"
+    dpace_alpha: float = 0.5
     target: TargetIdentity | None = None
 
     def __post_init__(self) -> None:
@@ -124,6 +127,9 @@ class MedusaConfig(_HeadConfig):
             raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
         if not self.loss_decay > 0:
             raise ValueError(f"loss_decay must be > 0, got {self.loss_decay}")
+        if self.loss not in ("ce", "dpace"):
+            raise ValueError(f"a {self.kind} head's loss is ce or dpace (its CE is on the data token), got {self.loss!r}")
+        check_loss(self.loss, 3.0, self.dpace_alpha)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -291,7 +297,8 @@ class Eagle3Config(_HeadConfig):
     cat(norm(embed), norm(hidden)) -> norm -> lm_head over a reduced draft vocabulary, trained with
     training-time test (unroll `ttt_steps` steps on its own hidden states, loss sum decay**i CE_i)."""
 
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp", "entropy_ramp", "entropy_start", "loss", "lk_eta")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp", "entropy_ramp", "entropy_start", "loss", "lk_eta",
+                                              "dpace_alpha")
 
     kind: str = "eagle3"
     aux_layers: tuple[int, ...] | None = None  # None: default_eagle3_layers(L), filled in when target is set
@@ -308,9 +315,11 @@ class Eagle3Config(_HeadConfig):
     entropy_start: float = 0.5
     # each step's objective (heads/losses.py): ce (soft cross-entropy, KL's gradient), lk_alpha
     # (-log of the acceptance rate) or lk_lambda (KL blended into 1 - acceptance rate by
-    # exp(-lk_eta * acceptance rate)), LK losses, arXiv 2602.23881 (docs/training.md)
+    # exp(-lk_eta * acceptance rate)), LK losses, arXiv 2602.23881 (docs/training.md); dpace: soft CE
+    # with each position's chain of steps weighted by D-PACE instead of ttt_decay (heads/losses.py)
     loss: str = "ce"
     lk_eta: float = 3.0
+    dpace_alpha: float = 0.5
     # True: the fused feature is normed (hidden_norm) *before* it becomes the residual; False (ours,
     # SpecForge's, vLLM's research layout): the residual is the un-normed feature (docs/formats.md)
     norm_before_residual: bool = False
@@ -347,7 +356,9 @@ class Eagle3Config(_HeadConfig):
             raise ValueError(f"entropy_start must be in (0, 1], got {self.entropy_start}")
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
-        check_loss(self.loss, self.lk_eta)
+        check_loss(self.loss, self.lk_eta, self.dpace_alpha)
+        if self.loss == "dpace" and self.entropy_ramp > 0:
+            raise ValueError("loss dpace weighs every labelled position's chain of steps: set entropy_ramp: 0")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
         if self.norm_before_fc and self.fc_norm:
@@ -398,7 +409,7 @@ class PEagleConfig(Eagle3Config):
     export carries the learned mask embedding in: pick one the text never uses. `ttt_steps` is
     unused."""
 
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("cod_ratio", "cod_min_ratio", "loss", "lk_eta")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("cod_ratio", "cod_min_ratio", "loss", "lk_eta", "dpace_alpha")
 
     kind: str = "peagle"
     parallel_depth: int = 4

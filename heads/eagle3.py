@@ -45,7 +45,8 @@ from .context_split import ContextSplit, pad_columns, pad_positions
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
 from .eagle import DecoderHeadBase, cache_kwarg
 from .io import shift_left, shifted_labels
-from .losses import acceptance_rate, distill_loss, entropy_of, lk_lambda, lk_lambda_of_mean, loss_chunk_rows, recompute_loss
+from .losses import (acceptance_rate, distill_loss, dpace_chain_loss, entropy_of, label_confidence, lk_lambda, lk_lambda_of_mean,
+                     loss_chunk_rows, recompute_loss)
 from .packing import causal_within, row_positions
 from .ttt_attention import TTTMask, ttt_attention_for
 
@@ -265,7 +266,7 @@ class Eagle3Head(DecoderHeadBase):
             return torch.softmax(nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1).to(final.device)
 
     def distill_rows(self, hidden: torch.Tensor, final: torch.Tensor, keep=None, count: int | None = None,
-                     split: ContextSplit | None = None) -> tuple[torch.Tensor, float, float]:
+                     split: ContextSplit | None = None, elements: bool = False) -> tuple[torch.Tensor, float, float]:
         """One unroll step's loss over N positions: draft hidden states [N, H] against the target's
         distribution from `final` [N, H] (`_target_rows`), the mean of `config.loss` over the
         positions `keep(entropies [N]) -> bool [N]` keeps (None: all), with (alpha, top-1 agreement)
@@ -273,7 +274,9 @@ class Eagle3Head(DecoderHeadBase):
         positions' [N, Vd] tensors are more than the backward should keep (heads/losses.py
         recompute_loss): what it keeps is then O(N H). count: the mean's denominator when these N
         positions are one rank's share of a split row (default N); split: that row's split, over
-        whose positions the curriculum's cut and LK^lambda's weight are taken."""
+        whose positions the curriculum's cut and LK^lambda's weight are taken. elements: return the
+        unweighted loss of each position [N] and its D-PACE confidence [N] (the draft's probability
+        of the target's top token) instead of the mean: `loss: dpace` weighs them over the steps."""
         cfg = self.config
         n = hidden.shape[0]
         rows = loss_chunk_rows(cfg.draft_vocab_size)
@@ -304,18 +307,24 @@ class Eagle3Head(DecoderHeadBase):
             logits = self.logits(h).float()  # [c, Vd]
             p = self._target_rows(f)
             each, alpha = distill_loss(logits, p, cfg.loss, cfg.lk_eta, lam=lam)
+            if elements:
+                return each, alpha, (logits.argmax(-1) == p.argmax(-1)).float(), label_confidence(logits, p)
             return (each * w).sum(), alpha, (logits.argmax(-1) == p.argmax(-1)).float()
 
         checkpointed = torch.is_grad_enabled() and recompute_loss(n, cfg.draft_vocab_size)
         if not n:  # a rank whose share of a split row has no labels here: it took part in the collectives above
             return hidden.sum() * 0.0, 0.0, 0.0
-        total, alphas, agrees = hidden.new_zeros((), dtype=torch.float32), [], []
+        total, alphas, agrees, parts = hidden.new_zeros((), dtype=torch.float32), [], [], []
         for a, b in chunks:
             args = (hidden[a:b], final[a:b], weights[a:b])
-            loss, alpha, agree = checkpoint(part, *args, use_reentrant=False) if checkpointed else part(*args)
-            total = total + loss
-            alphas.append(alpha)
-            agrees.append(agree)
+            out = checkpoint(part, *args, use_reentrant=False) if checkpointed else part(*args)
+            parts.append(out)
+            alphas.append(out[1])
+            agrees.append(out[2])
+            if not elements:
+                total = total + out[0]
+        if elements:
+            total = (torch.cat([o[0] for o in parts]), torch.cat([o[3] for o in parts]))
         return total, torch.cat(alphas).mean().item(), torch.cat(agrees).mean().item()
 
     def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -357,17 +366,28 @@ class Eagle3Head(DecoderHeadBase):
         keep = None
         if self.training and cfg.entropy_ramp > 0:
             keep = lambda entropy: entropy_curriculum(entropy, cfg.entropy_ramp, self.train_progress, cfg.entropy_start)  # noqa: E731
+        dpace = cfg.loss == "dpace"
+        if dpace and (split is not None or keep is not None):
+            raise ValueError("loss dpace weighs each position's chain of unroll steps on one rank, over every labelled "
+                             "position: it does not combine with context_parallel > 1 or an entropy_ramp")
+        chains = []  # with loss dpace, per step: (cells, loss [N], confidence [N]); position t's chain is its steps
         for i, hidden in enumerate(self.ttt_unroll(fused, ids, steps, position_ids, split)):
             _, valid = shifted_labels(ids, loss_mask, attention_mask, 2 + i, position_ids)
             b_idx, t_idx = valid[:, lo:hi].nonzero(as_tuple=True)
             n = b_idx.numel()
             count = n if split is None else int(split.all_sum(torch.tensor(n, device=ids.device)))
-            if count:  # the target's distribution for token t + 2 + i is read at t + 1 + i; every rank of a split row calls
+            if dpace and count:
+                (each, conf), alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, t_idx + 1 + i],
+                                                             elements=True)
+                chains.append((b_idx * ids.shape[1] + t_idx, each, conf))
+                step_loss = each.detach().mean()
+            elif count:  # the target's distribution for token t + 2 + i is read at t + 1 + i; every rank of a split row calls
                 step_loss, alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, lo - final_lo + t_idx + 1 + i], keep, count,
                                                           split)
             else:
                 step_loss, alpha, acc = hidden.sum() * 0.0, 0.0, 0.0
-            total = total + cfg.ttt_decay**i * step_loss
+            if not dpace:
+                total = total + cfg.ttt_decay**i * step_loss
             figures = torch.tensor([float(step_loss.detach()), alpha * n, acc * n], device=ids.device)
             if split is not None:  # the whole rows' figures: shares of the loss add, the rest is weighted by n
                 figures = split.all_sum(figures)
@@ -377,5 +397,9 @@ class Eagle3Head(DecoderHeadBase):
                 metrics[f"alpha_{i}"] = float(figures[1]) / count
             if i == 0:
                 metrics["num_labels"] = float(count)
-        metrics["loss"] = sum(cfg.ttt_decay**i * metrics[f"loss_{i}"] for i in range(steps))
+        if dpace:
+            total = dpace_chain_loss(chains, ids.numel(), cfg.dpace_alpha) if chains else fused.sum() * 0.0
+            metrics["loss"] = total.item()
+        else:
+            metrics["loss"] = sum(cfg.ttt_decay**i * metrics[f"loss_{i}"] for i in range(steps))
         return total, metrics

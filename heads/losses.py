@@ -119,3 +119,20 @@ def distill_loss(logits: torch.Tensor, p: torch.Tensor, loss: str = "ce", lk_eta
         kl = ce - entropy_of(p)  # KL(p || q) = CE - H(p)
         return lam * kl + (1.0 - lam) * (1.0 - alpha), alpha.detach()
     raise ValueError(f"unknown loss {loss!r} (known: {', '.join(LOSSES)})")
+
+
+def dpace_chain_loss(chains, num_cells: int, alpha: float) -> torch.Tensor:
+    """The D-PACE loss of chains laid over `num_cells` start positions: `chains` lists, for each
+    draft position k = 0..K-1 in order, (cells [N_k] long: the start position of each scored
+    element, each [N_k]: its loss, confidence [N_k] or None: exp(-each), the draft's probability
+    of a hard label). A cell's chain is its K positions; the loss is the sum of w * each over the
+    chains scored, divided by their number (the reference's per-chain reduction)."""
+    device = chains[0][1].device
+    valid = torch.zeros(num_cells, len(chains), dtype=torch.bool, device=device)
+    grid = torch.zeros(num_cells, len(chains), device=device)
+    for k, (cells, each, conf) in enumerate(chains):
+        valid[cells, k] = True
+        grid[cells, k] = (torch.exp(-each.detach()) if conf is None else conf).float()
+    w = dpace_weights(grid, valid, alpha)
+    total = sum((w[cells, k] * each).sum() for k, (cells, each, _) in enumerate(chains))
+    return total / valid.any(-1).sum().clamp_min(1)

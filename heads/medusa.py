@@ -20,6 +20,7 @@ from torch import nn
 from .batch import FeatureBatch
 from .config import MedusaConfig
 from .io import DraftHeadBase, FrozenRefs, shifted_labels
+from .losses import dpace_chain_loss
 
 
 class ResidualBlock(nn.Module):
@@ -93,21 +94,28 @@ class MedusaHead(DraftHeadBase):
         logits_at = self.labelled_logits(batch, h)
         total = h.new_zeros((), dtype=torch.float32)
         metrics: dict[str, float] = {}
+        chains = []  # with loss dpace, per head: (cells, CE [N], None); position t's chain is heads 0..K-1
         for k in range(self.num_heads):
             labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, k + 2, batch.position_ids)
             logits = logits_at(k, valid).float()  # [N, V]
             target = labels[valid]
             n = target.numel()
             if n:
-                ce = F.cross_entropy(logits, target)
+                each = F.cross_entropy(logits, target, reduction="none")
+                ce = each.mean()
                 acc = (logits.argmax(-1) == target).float().mean().item()
             else:  # keep the graph so backward() still works on an all-masked batch
-                ce, acc = logits.sum() * 0.0, 0.0
-            total = total + self.config.loss_decay**k * ce
+                each, ce, acc = logits.sum(-1) * 0.0, logits.sum() * 0.0, 0.0
+            if self.config.loss == "dpace":
+                chains.append((valid.flatten().nonzero().flatten(), each, None))
+            else:
+                total = total + self.config.loss_decay**k * ce
             metrics[f"loss_{k}"] = ce.item()
             metrics[f"acc_{k}"] = acc
             if k == 0:
                 metrics["num_labels"] = float(n)
+        if chains:
+            total = dpace_chain_loss(chains, h.shape[0] * h.shape[1], self.config.dpace_alpha)
         metrics["loss"] = total.item()
         return total, metrics
 

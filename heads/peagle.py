@@ -28,7 +28,7 @@ from .config import PEagleConfig
 from .eagle3 import Eagle3Head
 from .io import shift_left, shifted_labels
 from .eagle import prepare_mask, window_mask
-from .losses import distill_loss
+from .losses import distill_loss, dpace_chain_loss, label_confidence
 from .packing import causal_within, segment_ids
 
 
@@ -137,6 +137,7 @@ class PEagleHead(Eagle3Head):
         window = cfg.sliding_window if batch.position_ids is not None else None
         total_ce = fused.new_zeros((), dtype=torch.float32)
         total_n = 0
+        chains = []  # with loss dpace, per depth: (cells, loss [N], confidence [N])
         metrics: dict[str, float] = {}
         for d in range(cfg.parallel_depth):
             if d == 0:  # EAGLE-3's first step: the real pair at every column
@@ -160,6 +161,8 @@ class PEagleHead(Eagle3Head):
             p = target_p[b_idx, t_idx + 1 + d]  # the target's distribution for token t + 2 + d
             n = p.shape[0]
             each, alpha = distill_loss(logits, p, cfg.loss, cfg.lk_eta)  # [N], [N]
+            if cfg.loss == "dpace":  # position t's chain is its depths 0..D-1
+                chains.append((b_idx * T + t_idx, each, label_confidence(logits, p)))
             ce_sum = each.sum()
             total_ce, total_n = total_ce + ce_sum, total_n + n
             metrics[f"loss_{d}"] = ce_sum.item() / n if n else 0.0
@@ -168,6 +171,6 @@ class PEagleHead(Eagle3Head):
             metrics[f"elements_{d}"] = float(n)
             if d == 0:
                 metrics["num_labels"] = float(n)
-        loss = total_ce / max(total_n, 1)
+        loss = dpace_chain_loss(chains, B * T, cfg.dpace_alpha) if chains else total_ce / max(total_n, 1)
         metrics["loss"] = loss.item()
         return loss, metrics

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from drafthead.heads.losses import LOSSES, acceptance_rate, distill_loss, lk_lambda
+from drafthead.heads.losses import LOSSES, acceptance_rate, distill_loss, dpace_chain_loss, lk_lambda
 from drafthead.heads.registry import build_head, make_config
 from tests.head_batches import LAYERS, counts_of, make_batch, make_target
 
@@ -20,7 +20,7 @@ def slow_objective(logits: list[float], p: list[float], loss: str, lam: float) -
     q = [math.exp(x - top) / z for x in logits]
     alpha = sum(min(a, b) for a, b in zip(p, q))
     ce = -sum(a * math.log(b) for a, b in zip(p, q) if a > 0)
-    if loss == "ce":
+    if loss in ("ce", "dpace"):  # D-PACE weighs soft CE per position: the caller's reduction
         return ce
     if loss == "lk_alpha":
         return -math.log(alpha)
@@ -115,10 +115,11 @@ def test_config_checks_the_objective():
     assert config.architecture_diff(make_config("eagle3", target, None)) == []
 
 
-@pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda"])
+@pytest.mark.parametrize("loss", ["lk_alpha", "lk_lambda", "dpace"])
 def test_eagle3_unrolled_loss_equals_the_position_loop(loss):
     """sum_i 0.8**i * mean over labelled (b, t) of the objective of q_i(b, t) against p(b, t + 1 + i),
-    lk_lambda's weight from step i's own mean acceptance."""
+    lk_lambda's weight from step i's own mean acceptance; under dpace, each (b, t)'s chain of steps
+    weighted by D-PACE (smoothed prefix products of q_i's probability of the target's top token)."""
     target = make_target()
     batch = make_batch(target)
     config = make_config("eagle3", target, None, draft_vocab_size=64, ttt_steps=3, loss=loss, lk_eta=2.5)
@@ -130,6 +131,7 @@ def test_eagle3_unrolled_loss_equals_the_position_loop(loss):
                                         batch.input_ids, 3))
         B, T = batch.input_ids.shape
         slow = 0.0
+        chains = {}  # dpace: (b, t) -> [(step, objective, confidence)]
         for i in range(3):
             pairs = []
             for b in range(B):
@@ -137,13 +139,27 @@ def test_eagle3_unrolled_loss_equals_the_position_loop(loss):
                     j = t + 2 + i
                     if j < T and batch.loss_mask[b, j] and batch.attention_mask[b, j]:
                         p = torch.softmax(batch.hidden_states[LAYERS][b, t + 1 + i] @ W.T, -1).double()
-                        pairs.append((head.logits(unrolled[i][b, t]).double().tolist(), p.tolist()))
+                        logits = head.logits(unrolled[i][b, t]).double()
+                        pairs.append((logits.tolist(), p.tolist()))
+                        chains.setdefault((b, t), []).append(
+                            (i, slow_objective(logits.tolist(), p.tolist(), "ce", 1.0), float(torch.softmax(logits, -1)[p.argmax()])))
+            if loss == "dpace":
+                continue
             alphas = [slow_alpha(lg, p) for lg, p in pairs]
             lam = math.exp(-2.5 * sum(alphas) / len(alphas))
             step = sum(slow_objective(lg, p, loss, lam) for lg, p in pairs) / len(pairs)
             assert metrics[f"loss_{i}"] == pytest.approx(step, rel=1e-4)
             assert metrics[f"alpha_{i}"] == pytest.approx(sum(alphas) / len(alphas), rel=1e-4)
             slow += 0.8**i * step
+    if loss == "dpace":
+        for chain in chains.values():
+            smoothed = {i: 0.5 * c + 0.5 for i, _, c in chain}
+            prefix, run = {}, 1.0
+            for i in range(3):
+                run *= smoothed.get(i, 1.0)
+                prefix[i] = run
+            slow += sum(sum(prefix[m] for m in smoothed if m >= i) * objective for i, objective, _ in chain)
+        slow /= len(chains)
     assert total.item() == pytest.approx(slow, rel=1e-4)
 
 
@@ -190,3 +206,46 @@ def test_eagle1_token_term_under_lk_equals_the_position_loop():
                     alphas.append(slow_alpha(logits, p))
     assert metrics["loss_ce"] == pytest.approx(sum(terms) / len(terms), rel=1e-4)
     assert metrics["alpha_0"] == pytest.approx(sum(alphas) / len(alphas), rel=1e-4)
+
+
+def test_dpace_chain_loss_equals_a_chain_by_chain_loop():
+    g = torch.Generator().manual_seed(0)
+    each = [torch.rand(n, generator=g) * 3 for n in (4, 3, 2)]  # positions 0, 1, 2 of 5 cells' chains
+    cells = [torch.tensor([0, 1, 2, 4]), torch.tensor([0, 2, 4]), torch.tensor([2, 4])]
+    conf = [None, torch.rand(3, generator=g), None]
+    got = dpace_chain_loss(list(zip(cells, each, conf)), 5, 0.3)
+    total, chains = 0.0, 0
+    for cell in range(5):
+        scored = [(k, float(e[list(c).index(cell)]), float(torch.exp(-e[list(c).index(cell)]) if q is None else q[list(c).index(cell)]))
+                  for k, (c, e, q) in enumerate(zip(cells, each, conf)) if cell in c.tolist()]
+        if not scored:
+            continue  # cell 3: no chain
+        chains += 1
+        smoothed = {k: 0.7 * q + 0.3 for k, _, q in scored}
+        prefix, run = {}, 1.0
+        for k in range(3):
+            run *= smoothed.get(k, 1.0)
+            prefix[k] = run
+        total += sum(sum(prefix[m] for m in smoothed if m >= k) * e for k, e, _ in scored)
+    assert chains == 4 and got.item() == pytest.approx(total / chains, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind,extra", [("medusa1", {"num_heads": 1}), ("hydra", {"num_heads": 1}),
+                                        ("eagle3", {"draft_vocab_size": 64, "ttt_steps": 1}),
+                                        ("peagle", {"draft_vocab_size": 64, "parallel_depth": 1, "mask_token_id": 2}),
+                                        ("dflash", {"block_size": 2, "mask_token_id": 5})])
+def test_dpace_over_one_position_is_the_mean_loss(kind, extra):
+    """With dpace_alpha 1 every smoothed confidence is 1, so a chain of one position weighs each
+    element 1 and divides by their number: every kind's dpace path scores the same elements as its
+    plain one."""
+    target = make_target()
+    batch = make_batch(target)
+    losses = {}
+    for loss in ("ce", "dpace"):
+        torch.manual_seed(0)
+        config = make_config(kind, target, None, loss=loss, dpace_alpha=1.0, **extra)
+        head = build_head(config, target, token_counts=counts_of(batch))
+        torch.manual_seed(1)  # P-EAGLE's and DFlash's sampled columns and anchors alike in both runs
+        losses[loss] = head.compute_loss(batch)[0]
+    assert losses["dpace"].item() == pytest.approx(losses["ce"].item(), rel=1e-5)
+    losses["dpace"].backward()
