@@ -143,3 +143,14 @@ def batch_drafters(target, family):
         "eagle3+lookup": MergedDrafter([EagleDrafter(head_e, num_draft=8, depth=3, top_k=3),
                                         PromptLookupDrafter(length=4)], extra_nodes=4),
     }
+
+
+def slow_dpace_sum(scored, positions: int, alpha: float) -> float:
+    """One chain's D-PACE sum, written out: scored [(k, loss, confidence)] at its positions k of
+    0..positions-1 (the rest pass the prefix product as 1)."""
+    smoothed = {k: (1 - alpha) * c + alpha for k, _, c in scored}
+    prefix, run = {}, 1.0
+    for k in range(positions):
+        run *= smoothed.get(k, 1.0)
+        prefix[k] = run
+    return sum(sum(prefix[m] for m in smoothed if m >= k) * term for k, term, _ in scored)

@@ -21,7 +21,7 @@ from drafthead.inference.drafters.parallel import DSparkDrafter
 from drafthead.inference.engine.cost import CostCurve
 from drafthead.inference.engine.drafter import TargetFeatures
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
-from tests.head_checks import assert_drafts_match_recomputation, assert_greedy_equals_plain, target_feature_batch
+from tests.head_checks import assert_drafts_match_recomputation, assert_greedy_equals_plain, slow_dpace_sum, target_feature_batch
 from tests.law import VOCAB, assert_static_tree_sampling_exact
 from tests.tiny import TARGETS, plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -72,19 +72,8 @@ def slow_loss(head, batch, anchors, ok):
     if cfg.loss == "dspark":
         num = sum(math.exp(-k / cfg.loss_decay_gamma) * term for scored in blocks for k, term, _ in scored)
         return num / sum(math.exp(-k / cfg.loss_decay_gamma) for scored in blocks for k, _, _ in scored)
-    total, n = 0.0, 0
-    for scored in blocks:  # D-PACE: each block's chain, positions without a label pass the product
-        if not scored:
-            continue
-        q = {k: (1 - cfg.dpace_alpha) * c + cfg.dpace_alpha for k, _, c in scored}
-        prefix, run = {}, 1.0
-        for k in range(cfg.block_size):
-            run *= q.get(k, 1.0)
-            prefix[k] = run
-        for k, term, _ in scored:
-            total = total + sum(prefix[m] for m in q if m >= k) * term
-        n += 1
-    return total / n
+    chains = [scored for scored in blocks if scored]  # D-PACE: each block's chain
+    return sum(slow_dpace_sum(scored, cfg.block_size, cfg.dpace_alpha) for scored in chains) / len(chains)
 
 
 @pytest.mark.parametrize("extra", [{}, {"num_layers": 2, "loss_decay_gamma": 2.0}, {"loss": "dpace", "dpace_alpha": 0.3}])

@@ -11,6 +11,7 @@ import torch
 from drafthead.heads.losses import LOSSES, acceptance_rate, distill_loss, dpace_chain_loss, lk_lambda
 from drafthead.heads.registry import build_head, make_config
 from tests.head_batches import LAYERS, counts_of, make_batch, make_target
+from tests.head_checks import slow_dpace_sum
 
 
 def slow_objective(logits: list[float], p: list[float], loss: str, lam: float) -> float:
@@ -152,14 +153,7 @@ def test_eagle3_unrolled_loss_equals_the_position_loop(loss):
             assert metrics[f"alpha_{i}"] == pytest.approx(sum(alphas) / len(alphas), rel=1e-4)
             slow += 0.8**i * step
     if loss == "dpace":
-        for chain in chains.values():
-            smoothed = {i: 0.5 * c + 0.5 for i, _, c in chain}
-            prefix, run = {}, 1.0
-            for i in range(3):
-                run *= smoothed.get(i, 1.0)
-                prefix[i] = run
-            slow += sum(sum(prefix[m] for m in smoothed if m >= i) * objective for i, objective, _ in chain)
-        slow /= len(chains)
+        slow = sum(slow_dpace_sum(chain, 3, 0.5) for chain in chains.values()) / len(chains)
     assert total.item() == pytest.approx(slow, rel=1e-4)
 
 
@@ -221,12 +215,7 @@ def test_dpace_chain_loss_equals_a_chain_by_chain_loop():
         if not scored:
             continue  # cell 3: no chain
         chains += 1
-        smoothed = {k: 0.7 * q + 0.3 for k, _, q in scored}
-        prefix, run = {}, 1.0
-        for k in range(3):
-            run *= smoothed.get(k, 1.0)
-            prefix[k] = run
-        total += sum(sum(prefix[m] for m in smoothed if m >= k) * e for k, e, _ in scored)
+        total += slow_dpace_sum(scored, 3, 0.3)
     assert chains == 4 and got.item() == pytest.approx(total / chains, rel=1e-6)
 
 
