@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,9 +111,13 @@ class MTPHead(Eagle1Head):
         folder = getattr(model.config, "_name_or_path", "")
         if not (folder and Path(folder).is_dir()):
             return
-        tensors = read_mtp_layer(folder, self.layout.layer_prefix(self.config.checkpoint_layer))
+        prefix = self.layout.layer_prefix(self.config.checkpoint_layer)
+        tensors = read_mtp_layer(folder, prefix)
         if tensors:
             self.load_state_dict(head_state_from_checkpoint(tensors, model, self.layout), strict=True)
+        else:  # a new layer, not the target's: what the user asked for only if they meant to train one
+            warnings.warn(f"{folder} holds no MTP layer ({prefix}*): this mtp head starts from a copy of the target's "
+                          "last decoder layer, not from a layer the target was trained with", stacklevel=2)
 
     def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None, last_only=False):
         """(the next step's feature [B,T,H], logits [B,T,V] or, last_only, [B,1,V]): the layer's

@@ -252,3 +252,18 @@ def test_dspark_export_is_deepseeks_layout_and_reads_back(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(HeadFormatError, match="vanilla Markov head only"):
         import_head(out, target)
+
+
+def test_a_saved_head_drafts_with_the_confidence_rule_from_the_cli_value(tmp_path):
+    """`--num-draft confidence` reaches a saved DSpark head's drafter with the target's measured
+    verify cost, and decodes exactly."""
+    from drafthead.commands import _num_draft
+    from drafthead.drafters import build_drafter
+
+    target = tiny_causal_lm("llama", layers=4)
+    folder = dspark(target, block=4).save_pretrained(tmp_path / "dspark")
+    drafter = build_drafter("heads", target, None, head=folder, num_draft=_num_draft("confidence"), target_name="tiny")
+    assert isinstance(drafter, DSparkDrafter) and drafter.confidence_rule and drafter.verify_cost.nodes[0] == 1
+    prompt = repetitive_prompt(96, seed=2)[:, :9]
+    result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16))
+    assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 16)

@@ -201,6 +201,7 @@ HEADS = {
     "eagle31": {"draft_vocab_size": 64, "ttt_steps": 2},
     "peagle": {"draft_vocab_size": 64, "parallel_depth": 3},
     "dflash": {"block_size": 4, "num_anchors": 4},
+    "dspark": {"block_size": 4, "num_anchors": 4, "markov_rank": 8},
 }
 
 
@@ -227,7 +228,7 @@ def test_every_head_kind_trains_on_a_hybrid_target_and_decodes_exactly(tiny_targ
     folder = tiny_target_dir(family, layers=LAYERS)
     loaded = load_target(folder)
     head = {"kind": kind, **HEADS[kind]}
-    if kind in ("peagle", "dflash"):  # a token id whose embedding row is not the padding's zero row
+    if kind in ("peagle", "dflash", "dspark"):  # a token id whose embedding row is not the padding's zero row
         head["mask_token_id"] = len(loaded.tokenizer) - 1
     if HEAD_CLASSES[kind].needs_rope_decoder and not has_rope_decoder(loaded.model):  # NoPE: Jamba, Mamba, ...
         with pytest.raises(ValueError, match=f"a {kind} head builds its draft layers from the target's RoPE decoder layer"):

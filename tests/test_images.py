@@ -193,6 +193,7 @@ KINDS = {
     "eagle31": {"draft_vocab_size": 64, "ttt_steps": 2, "aux_layers": (1, 2, 3)},
     "peagle": {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": V - 5, "aux_layers": (1, 2, 3)},
     "dflash": {"block_size": 4, "mask_token_id": V - 5, "num_anchors": 4},
+    "dspark": {"block_size": 4, "mask_token_id": V - 5, "num_anchors": 4, "markov_rank": 8},
 }
 
 

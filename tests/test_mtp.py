@@ -122,3 +122,19 @@ def test_mtp_fine_tunes_from_the_checkpoints_layer_and_exports_back(mtp_target, 
     prompt = repetitive_prompt(96, length=14, seed=4)
     assert speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=NEW)).new_tokens[0].tolist() == \
         plain_greedy(target, prompt, NEW)
+
+
+def test_a_checkpoint_without_its_mtp_layer_says_so(mtp_target, tmp_path):
+    """The same folder with the MTP layer's tensors taken out: the head still builds (a new layer
+    from the last decoder layer), with one warning that it is not the target's own."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "no-mtp"
+    shutil.copytree(mtp_target.folder, folder)
+    for f in folder.glob("*.safetensors"):
+        kept = {k: v for k, v in load_file(str(f)).items() if k not in set(mtp_target.tensors)}
+        save_file(kept, str(f), metadata={"format": "pt"})
+    with pytest.warns(UserWarning, match="holds no MTP layer"):
+        mtp_head(folder)

@@ -43,8 +43,8 @@ def _non_negative_int(value: str) -> int:
     return _whole_number(value, 0)
 
 
-def _positive_int_or_auto(value: str) -> int | str:
-    return "auto" if value == "auto" else _positive_int(value)
+def _num_draft(value: str) -> int | str:
+    return value if value in ("auto", "confidence") else _positive_int(value)
 
 
 def _positive_float(value: str) -> float:
@@ -113,10 +113,12 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
-    g.add_argument("--num-draft", type=_positive_int_or_auto, default=None,
+    g.add_argument("--num-draft", type=_num_draft, default=None,
                    help="draft nodes per round, num_draft (proposer default; prompt lookup: each continuation's "
                         "length), or 'auto': each round, the node count (down "
-                        "to plain decoding) that pays at the batch size, from the target's measured forward cost")
+                        "to plain decoding) that pays at the batch size, from the target's measured forward cost, "
+                        "or 'confidence' (EAGLE and DSpark heads): the drafter's own estimate of acceptance, "
+                        "against that cost")
     g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
                    help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "
                         "head folder's drafting.json, else 0)")

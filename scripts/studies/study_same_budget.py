@@ -41,6 +41,13 @@ KINDS = {
     "eagle3-edsd": ("eagle3", ["head.ttt_steps=3", f"head.ttt_ramp={RAMP}", f"head.entropy_ramp={RAMP}"]),
     "peagle": ("peagle", []),
     "dflash": ("dflash", []),
+    # the objectives on one kind (issue 39's table): LK's -log acceptance and D-PACE's adaptive weights
+    "dflash-lk": ("dflash", ["head.loss=lk_alpha"]),
+    "dflash-dpace": ("dflash", ["head.loss=dpace"]),
+    "eagle3-dpace": ("eagle3", ["head.ttt_steps=3", "head.ttt_ramp=0", "head.loss=dpace"]),
+    # DSpark: DFlash's backbone and block of 7 with the Markov and confidence heads (the paper's loss)
+    "dspark": ("dspark", []),
+    "dspark-dpace": ("dspark", ["head.loss=dpace"]),
     "medusa1": ("medusa1", []),
     "hydra": ("hydra", []),
     "eagle1": ("eagle1", []),
@@ -53,7 +60,7 @@ LR = 1.0e-3
 def train_overrides(work: Path, out: Path, threads: int) -> list[str]:
     return ["data.source=json", f"data.path={work / 'mix.jsonl'}", "data.limit=null", "data.max_length=512",
             "data.eval_size=48", f"features.path={work / 'features'}", f"threads={threads}", f"output_dir={out}",
-            "report_to=none", "epochs=null", f"lr={LR}"]
+            "report_to=none", "epochs=null", f"lr={LR}", "replay.sequences=0"]
 
 
 def run(cmd: list, log: Path) -> float:
@@ -82,9 +89,10 @@ def pilot_s_step(name: str, preset: str, head: list[str], args) -> float:
 
 def study_kind(kind: str, args) -> dict:
     preset, head = KINDS[kind]
-    work = Path(args.work)
     # the pilot times the whole unroll: a ramp's shallow steps would leave it mismeasured
     fixed = ["head.ttt_ramp=0" if h.startswith("head.ttt_ramp=") else h for h in head]
+    if args.steps:  # the same number of optimizer steps for every kind (the budget in steps, not minutes)
+        return study_steps(kind, preset, head, args.steps, None, args)
     s_step = pilot_s_step(kind, preset, fixed, args)
     if any(h.startswith("head.ttt_ramp=") and float(h.split("=", 1)[1]) > 0 for h in head):
         # progressive TTT: depth d (1..3) takes RAMP / 3 of the steps, the whole unroll the rest; a
@@ -92,7 +100,13 @@ def study_kind(kind: str, args) -> dict:
         s_one = pilot_s_step(f"{kind}-depth1", preset, [h for h in fixed if not h.startswith("head.ttt_steps")]
                              + ["head.ttt_steps=1"], args)
         s_step = RAMP / 3 * (s_one + (s_one + s_step) / 2 + s_step) + (1 - RAMP) * s_step
-    steps = max(4, int(args.minutes * 60 / s_step))
+    return study_steps(kind, preset, head, max(4, int(args.minutes * 60 / s_step)), s_step, args)
+
+
+def study_steps(kind: str, preset: str, head: list[str], steps: int, s_step: float | None, args) -> dict:
+    """Train `kind` for `steps` optimizer steps, then bench it (module docstring); s_step: the
+    pilot's seconds per step, else measured from this run."""
+    work = Path(args.work)
     out = work / kind
     every = max(1, steps // 4)
     train_s = run([BIN / "drafthead", "train", "--config", preset, *train_overrides(work, out, args.threads), *head,
@@ -100,10 +114,12 @@ def study_kind(kind: str, args) -> dict:
                    f"checkpoint_every={steps}", "log_every=5", "eval_batches=12"], work / f"{kind}-train.log")
     rows = metrics(out)
     evals = [r for r in rows if r.get("split") == "eval"]
+    if s_step is None:
+        s_step = train_s / steps
     final = out / "final"
     from drafthead.inference.drafters.load import chain_settings
 
-    (final / "drafting.json").write_text(json.dumps(chain_settings(kind, args.chain)) + "\n")
+    (final / "drafting.json").write_text(json.dumps(chain_settings(preset, args.chain)) + "\n")
     bench = work / f"{kind}-bench.json"
     run([BIN / "drafthead", "bench", "--head", final, "--dtype", "float32", "--threads", args.threads,
          "--limit", args.prompts, "--max-new-tokens", args.max_new_tokens, "--lookup-nodes", 0,
@@ -119,7 +135,37 @@ def study_kind(kind: str, args) -> dict:
         "tokens_per_s": report["tokens_per_s"], "baseline_tokens_per_s": report["baseline_tokens_per_s"],
         "speedup": report["speedup"], "identical_fraction": report["identical_fraction"],
         "draft_share": report["profile"]["fractions"].get("draft"),
+        **(confidence_bench(kind, final, args) if preset == "dspark" else {}),
     }
+
+
+def confidence_bench(kind: str, final: Path, args) -> dict:
+    """A DSpark head's bench with the confidence head sizing each round (`--num-draft confidence`):
+    tau, tokens/s and the mean number of drafts it verified, on torch and on the llama.cpp backend
+    where `make llamacpp` built it."""
+    from drafthead.heads.io import read_json
+    from drafthead.inference.drafters.load import chain_settings
+
+    block = read_json(final / "config.json")["config"]["block_size"]  # every slot a candidate: the whole block
+    (final / "drafting.json").write_text(json.dumps(chain_settings("dspark", block)) + "\n")
+    out = {}
+    for backend in ("torch", "llama.cpp"):
+        bench = Path(args.work) / f"{kind}-confidence-{backend}.json"
+        try:
+            run([BIN / "drafthead", "bench", "--head", final, "--dtype", "float32", "--threads", args.threads,
+                 "--limit", args.prompts, "--max-new-tokens", args.max_new_tokens, "--lookup-nodes", 0,
+                 "--num-draft", "confidence", "--backend", backend, "--no-progress", "--out", bench],
+                Path(args.work) / f"{kind}-confidence-{backend}.log")
+        except SystemExit as e:
+            out[f"confidence_{backend}"] = {"error": str(e)[:300]}
+            continue
+        report = json.loads(bench.read_text())
+        drafted = [d for p in report["prompts"] for d in p["drafted"]]
+        out[f"confidence_{backend}"] = {"tau": report["tau"], "tokens_per_s": report["tokens_per_s"],
+                                        "baseline_tokens_per_s": report["baseline_tokens_per_s"],
+                                        "mean_verified_drafts": sum(drafted) / max(len(drafted), 1),
+                                        "identical_fraction": report["identical_fraction"]}
+    return out
 
 
 def table(results: list[dict], args) -> str:
@@ -161,6 +207,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="runs/study")
     p.add_argument("--kinds", default="eagle3,eagle31,peagle,dflash,medusa1")
     p.add_argument("--minutes", type=float, default=7.0, help="training budget per kind")
+    p.add_argument("--steps", type=int, default=None, help="instead of --minutes: this many optimizer steps per kind")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--chain", type=int, default=3, help="drafts per round in the bench (a chain)")
     p.add_argument("--prompts", type=int, default=8)
