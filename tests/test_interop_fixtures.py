@@ -87,3 +87,18 @@ def test_dflash_checkpoint_drafts_and_decodes_as_its_producer(target):
     # its verify steps (its last block is cut to the tokens left)
     lengths = ref["acceptance_lengths"].tolist()
     assert rounds[0] == 1 and rounds[1 : len(lengths)] == lengths[:-1]
+
+
+def test_speculators_dspark_checkpoint_imports_with_its_heads(target):
+    """speculators saved this DSpark draft (scripts/interop/fixtures_speculators_dspark.py): every
+    tensor lands in our head, and our Markov bias and confidence on its inputs are its own."""
+    folder = ROOT / "speculators-dspark"
+    assert detect_layout(folder) == "speculators"
+    head = import_head(folder, target)
+    assert (head.kind, head.config.feature_layers, head.block_size, head.config.markov_rank) == ("dspark", (1, 2, 3), 4, 8)
+    ref = load_file(str(folder / "reference.safetensors"))
+    with torch.no_grad():
+        bias = head.markov_head.bias(head.markov_head.embed(ref["prev"]))
+        confidence = torch.sigmoid(head.confidence_logit(ref["hidden"], ref["prev"]))
+    torch.testing.assert_close(bias, ref["bias"], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(confidence, ref["confidence"], atol=1e-6, rtol=1e-6)

@@ -219,6 +219,8 @@ def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:
         foreign = medusa.read_upstream(src, cfg, read_weights(src, medusa.UPSTREAM_WEIGHTS))
     elif layout == "medusa-vllm":
         foreign = medusa.read_vllm(src, cfg, read_weights(src))
+    elif layout == "speculators" and cfg.get("speculators_model_type") == "dspark":
+        foreign = dspark.read_speculators(src, cfg, read_weights(src))
     elif layout == "speculators":
         foreign = speculators.read(src, cfg, read_weights(src))
     elif layout == "dflash":

@@ -16,6 +16,11 @@ dspark`, models/qwen3_dspark.py) loads as they are and llama.cpp's converter tur
 
 A reduced draft vocabulary (speculators' d2t / t2d) and the gated and rnn Markov heads are
 refused on import: drafthead's DSpark drafts over the target's whole vocabulary with the vanilla head.
+
+speculators writes DSpark too (`speculators_model_type: dspark`, `DSparkDraftModel.save_pretrained`):
+the same tensor names, the draft layer's fields under `transformer_layer_config`, and
+`aux_hidden_state_layer_ids`, which count as ours do (the native `target_layer_ids` plus one).
+`read_speculators` reads it through the same rules (fixture `speculators-dspark`).
 """
 from __future__ import annotations
 
@@ -75,3 +80,21 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
     notes = foreign.notes + ([f"{', '.join(sorted(copies))}: copies of the target's, checked and dropped"] if copies else [])
     return ForeignHead("dspark", "dspark", overrides, foreign.state, target_copies={
         k.removeprefix("model."): v for k, v in copies.items()}, notes=notes, layer_fields=foreign.layer_fields)
+
+
+def read_speculators(src, cfg: dict, state: dict) -> ForeignHead:
+    """speculators' DSpark layout (module docstring) read as the native one."""
+    layer = cfg.get("transformer_layer_config")
+    ids = cfg.get("aux_hidden_state_layer_ids")
+    if not isinstance(layer, dict) or ids is None:
+        raise HeadFormatError(f"{src}: a speculators dspark config needs transformer_layer_config and "
+                              "aux_hidden_state_layer_ids")
+    if cfg.get("sliding_window_non_causal"):
+        raise HeadFormatError(f"{src}: sliding_window_non_causal: drafthead's DSpark attends the whole context")
+    native = {**layer, "architectures": [ARCH], "target_layer_ids": [int(i) - 1 for i in ids],
+              **{k: cfg[k] for k in ("mask_token_id", "block_size", "markov_rank", "markov_head_type", "draft_vocab_size",
+                                     "enable_confidence_head", "confidence_head_with_markov", "sample_from_anchor")
+                 if k in cfg}}
+    foreign = read(src, native, state)
+    foreign.layout = "speculators"
+    return foreign

@@ -44,6 +44,8 @@ def is_layout(cfg: dict) -> bool:
 def kind_of(cfg: dict) -> str:
     """Our head kind for a speculators config (read() refuses the types it does not know)."""
     model_type = cfg.get("speculators_model_type")
+    if model_type == "dspark":  # heads/formats/dspark.py reads it
+        return "dspark"
     return model_type if model_type in ARCHITECTURES else "eagle3"
 
 
