@@ -148,6 +148,7 @@ WRITTEN_BY_CONSUMER = {
     ("eagle3", "sglang"): "specforge-sglang",  # SpecForge's export_to_sglang, SGLang's trainer
     ("eagle3", "speculators"): "speculators-eagle3",  # speculators' save_pretrained
     ("dflash", "dflash"): "dflash",  # z-lab's DFlashDraftModel.save_pretrained
+    ("dspark", "speculators"): "speculators-dspark",  # speculators' DSparkDraftModel.save_pretrained
     ("medusa1", "medusa"): "medusa",  # medusa-llm's training save
 }
 # formats whose consumer writes no checkpoint of its own: the export is checked by loading it in
@@ -199,12 +200,15 @@ def consumer_shapes(kind: str, fmt: str, cfg: dict) -> dict[str, tuple[int, ...]
             shapes[f"{h}.{L}.weight"] = (V, H)
         return shapes
     if kind in ("dflash", "dspark"):  # fc over the fused target layers, Qwen3 layers, two norms; embedding and LM head: the target's
-        H, n = cfg["hidden_size"], len(cfg["dflash_config"]["target_layer_ids"])
-        layers = [f"layers.{i}." for i in range(cfg["num_hidden_layers"])]
-        shapes = {**layer_shapes(Qwen3Config, cfg, Qwen3DecoderLayer, layers),
+        layer_cfg = cfg["transformer_layer_config"] if fmt == "speculators" else cfg
+        ids = cfg["aux_hidden_state_layer_ids"] if fmt == "speculators" else cfg["dflash_config"]["target_layer_ids"]
+        H, n = layer_cfg["hidden_size"], len(ids)
+        layers = [f"layers.{i}." for i in range(layer_cfg["num_hidden_layers"])]
+        shapes = {**layer_shapes(Qwen3Config, layer_cfg, Qwen3DecoderLayer, layers),
                   "fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
-        if kind == "dspark":  # vLLM's Qwen3DSparkModel: the Markov head, and the confidence head when enabled
-            V, r = cfg["vocab_size"], cfg["markov_rank"]
+        if kind == "dspark":  # vLLM's Qwen3DSparkModel and speculators' DSparkDraftModel: the Markov head, and
+            # the confidence head when enabled
+            V, r = layer_cfg["vocab_size"], cfg["markov_rank"]
             shapes.update({"markov_head.markov_w1.weight": (V, r), "markov_head.markov_w2.weight": (V, r)})
             if cfg["enable_confidence_head"]:
                 width = H + (r if cfg["confidence_head_with_markov"] else 0)
@@ -332,8 +336,9 @@ def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kin
         theirs = json.loads((ROOT / fixture / CONFIG_NAME).read_text())
         problems = config_key_differences(cfg, theirs, CONFIG_CLASS.get(fmt, LlamaConfig))
         if fmt == "speculators":  # the layer's own config inside it
+            layer_class = Qwen3Config if theirs["transformer_layer_config"].get("model_type") == "qwen3" else LlamaConfig
             problems += config_key_differences(cfg["transformer_layer_config"], theirs["transformer_layer_config"],
-                                               LlamaConfig)
+                                               layer_class)
         assert not problems, f"{fmt} config against {fixture}'s: {problems}"
 
 
@@ -342,7 +347,8 @@ FIXTURE_LAYOUTS = {"eagle1": ("eagle1", "eagle"), "medusa": ("medusa1", "medusa"
                    "specforge-sglang": ("eagle3", "sglang"), "speculators-eagle3": ("eagle3", "speculators"),
                    "speculators-eagle3-nbr": ("eagle3", "speculators"),
                    "speculators-eagle3-train": ("eagle3", "speculators"),  # + input_norm (norm_before_fc)
-                   "speculators-eagle3-window": ("eagle3", "speculators")}
+                   "speculators-eagle3-window": ("eagle3", "speculators"),
+                   "speculators-dspark": ("dspark", "speculators")}
 
 
 @pytest.mark.parametrize("fixture", sorted(FIXTURE_LAYOUTS))

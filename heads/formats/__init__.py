@@ -4,7 +4,7 @@ trainers publish (docs/formats.md has every layout and the engine versions each 
 Export formats (`export_head(head_dir, out_dir, fmt)`):
     ours         our own folder, re-saved (optionally cast)
     vllm         EAGLE-3 / EAGLE-1 research layout, vLLM's aux-id convention
-    speculators  EAGLE-3 in vLLM's preferred format (speculators library), every flag explicit
+    speculators  EAGLE-3 in vLLM's preferred format (speculators library), every flag explicit; DSpark too
     sglang       EAGLE-3 / EAGLE-1 research layout, SGLang's aux-id convention (one lower)
     llama.cpp    EAGLE-3 folder for llama.cpp's convert_hf_to_gguf.py (top-level aux ids)
     eagle        upstream EAGLE-1 (eagle-llm): pytorch_model.bin with embed_tokens and fc.bias
@@ -48,7 +48,7 @@ LAYOUT_KINDS = {"speculators": "eagle3", "eagle3-research": "eagle3", "llama.cpp
                 "dspark": "dspark"}
 _FORMAT_KINDS = {
     "vllm": ("eagle3", "eagle31", "eagle1"),  # vLLM takes P-EAGLE through the speculators layout only
-    "speculators": EAGLE3_KINDS,
+    "speculators": EAGLE3_KINDS + ("dspark",),
     "sglang": ("eagle3", "eagle1"),
     "llama.cpp": ("eagle3",),
     "eagle": ("eagle1",),
@@ -128,15 +128,18 @@ def _write_export(head_dir: Path, out_dir: Path, fmt: str, config, meta: dict, s
         # a full draft vocabulary maps every id to itself: the engines then build no d2t / t2d
         # (vLLM refuses them as unknown parameters), and the import restores the identity
         state = {k: v for k, v in state.items() if k not in IDENTITY_VOCAB_KEYS}
-    if config.kind in EAGLE3_KINDS and fmt == "speculators":
-        verifier = None if target_model is None else str(getattr(target_model.config, "_name_or_path", "") or "") or None
+    verifier = None if target_model is None else str(getattr(target_model.config, "_name_or_path", "") or "") or None
+    if config.kind == "dspark" and fmt == "speculators":
+        cfg, tensors = dspark.to_speculators(config, meta, state, verifier,
+                                             None if target_model is None else getattr(target_model.config, "architectures", None))
+    elif config.kind in EAGLE3_KINDS and fmt == "speculators":
         cfg, tensors = speculators.to_speculators(config, meta, state, target_tensor(lambda m: m.get_input_embeddings()),
                                                   verifier)
     elif config.kind in EAGLE3_KINDS:
         cfg, tensors = eagle3.to_engine(fmt, config, meta, state)
     elif config.kind == "dflash":
         cfg, tensors = dflash.to_engine(config, meta, state)
-    elif config.kind == "dspark":
+    elif config.kind == "dspark":  # --format dspark
         cfg, tensors = dspark.to_engine(config, meta, state)
     elif config.kind == "mtp":
         cfg, tensors = mtp.to_engine(config, state, target_model)

@@ -20,7 +20,8 @@ refused on import: drafthead's DSpark drafts over the target's whole vocabulary 
 speculators writes DSpark too (`speculators_model_type: dspark`, `DSparkDraftModel.save_pretrained`):
 the same tensor names, the draft layer's fields under `transformer_layer_config`, and
 `aux_hidden_state_layer_ids`, which count as ours do (the native `target_layer_ids` plus one).
-`read_speculators` reads it through the same rules (fixture `speculators-dspark`).
+`read_speculators` reads it through the same rules (fixture `speculators-dspark`), and
+`to_speculators` writes it (`--format speculators` on a dspark head), as that fixture holds it.
 """
 from __future__ import annotations
 
@@ -47,6 +48,46 @@ def to_engine(config, meta: dict, state: dict) -> tuple[dict, dict]:
         "confidence_head_with_markov": config.confidence_with_markov,
         "sample_from_anchor": True,
     })
+    return cfg, tensors
+
+
+def to_speculators(config, meta: dict, state: dict, verifier: str | None = None,
+                   verifier_architectures: list | None = None) -> tuple[dict, dict]:
+    """speculators' DSpark layout: its config keys (as DSparkDraftModel.save_pretrained writes
+    them, fixture `speculators-dspark`) over the native tensors; no embedding, LM head or d2t / t2d
+    (a full vocabulary: speculators reads them from the verifier)."""
+    from .speculators import VERSION
+
+    native, tensors = to_engine(config, meta, state)
+    layer = {k: v for k, v in native.items() if k in dflash.QWEN3_FIELDS or k in ("rope_theta", "rope_scaling")}
+    layer.update({"model_type": "qwen3", "layer_types": native["layer_types"], "tie_word_embeddings": False,
+                  "use_sliding_window": False, "sliding_window": None})
+    target = config.target
+    cfg = {
+        "architectures": ["DSparkDraftModel"],
+        "speculators_model_type": "dspark",
+        "speculators_version": VERSION,
+        "speculators_config": {
+            "algorithm": "dspark",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size, "accept_tolerance": 0.0,
+                                  "verifier_accept_k": 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier or target.name, "architectures": list(verifier_architectures or [])},
+        },
+        "transformer_layer_config": layer,
+        "aux_hidden_state_layer_ids": list(config.feature_layers),  # speculators counts as we do
+        "block_size": config.block_size,
+        "draft_vocab_size": config.vocab_size,
+        "mask_token_id": config.mask_token_id,
+        "markov_rank": config.markov_rank,
+        "markov_head_type": "vanilla",
+        "enable_confidence_head": config.confidence_head,
+        "confidence_head_with_markov": config.confidence_with_markov,
+        "sample_from_anchor": True,
+        "sliding_window_non_causal": False,
+        "target_hidden_size": None,
+        "tie_word_embeddings": False,
+    }
     return cfg, tensors
 
 

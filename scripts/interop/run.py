@@ -179,7 +179,7 @@ def check_speculators(args) -> list[Row]:
     rows += fixture_imports("speculators", ("speculators-eagle3", "speculators-eagle3-nbr", "speculators-eagle3-train",
                                             "speculators-eagle3-window"))
     rows += family_rows("speculators", speculators_family_row)
-    return rows + speculators_trainer_rows(py)
+    return rows + [speculators_dspark_row()] + speculators_trainer_rows(py)
 
 
 # The parity with speculators' trainer (check_speculators_trainer.py): our EAGLE-3 head in two
@@ -544,48 +544,78 @@ def check_vllm(args) -> list[Row]:
             if fmt == "vllm":
                 note += f"; vLLM plain == transformers generate() on {hf_agreement(res, smollm2().model)} prompts"
         rows.append(Row(LABEL["vllm"], "export", what, bool(res["loaded"]), acceptance=acceptance, note=note))
-    return rows + [vllm_dspark_row(tdir)] + family_rows("vllm", lambda case: vllm_family_row(args, case, k))
+    return rows + vllm_dspark_rows(tdir) + family_rows("vllm", lambda case: vllm_family_row(args, case, k))
 
 
-def vllm_dspark_row(tdir: Path) -> Row:
-    """vLLM's Qwen3DSparkForCausalLM and its load_weights on our --format dspark export, then its
-    Markov bias and confidence on inputs our head scored (check_vllm.py: the CPU build refuses
-    DSpark's engine, which runs on the V2 model runner only)."""
+def smollm2_dspark() -> tuple[Path, Path]:
+    """An untrained SmolLM2 DSpark head (a block of 4) and our Markov bias and confidence on 8
+    random (previous token, slot state) pairs, two blocks' worth: what the consumers' heads must give."""
     from safetensors.torch import save_file
 
     from drafthead.heads.registry import load_head
 
-    head_dir = smollm2_untrained("dspark", OUT / "smollm2-dspark", block_size=3, mask_token_id=16)
-    exp = export(head_dir, "dspark", OUT / "exports" / "vllm-dspark", "smollm2-135m")
+    head_dir = smollm2_untrained("dspark", OUT / "smollm2-dspark", block_size=4, mask_token_id=16)
     t = smollm2()
     head, _ = load_head(head_dir, t.model, t.tokenizer)
     g = torch.Generator().manual_seed(0)
     prev = torch.randint(0, head.config.vocab_size, (8,), generator=g)
     hidden = torch.randn(8, head.config.hidden_size, generator=g)
+    reference = OUT / "dspark_reference.safetensors"
     with torch.no_grad():
         save_file({"prev": prev, "hidden": hidden,
                    "bias": head.markov_head.bias(head.markov_head.embed(prev)).float().contiguous(),
-                   "confidence": torch.sigmoid(head.confidence_logit(hidden, prev)).float()},
-                  str(OUT / "dspark_reference.safetensors"))
-    what = "untrained DSpark head, --format dspark (method dspark; loader and Markov/confidence heads)"
-    try:
-        res = run_check_vllm(tdir, exp, "dspark", 3, 1, 1, OUT / "vllm_dspark", loader_only=True,
-                             inputs=OUT / "dspark_reference.safetensors")
-    except Exception as e:
-        return Row(LABEL["vllm"], "export", what, False, note=str(e)[-300:])
-    load = res.get("loader") or {}
-    if not load.get("ok"):
-        return Row(LABEL["vllm"], "export", what, False, note=f"vLLM's loader failed: {load.get('error')}")
-    unexpected = load["refused"] + load["skipped"]
-    forward = load.get("draft_forward") or {}
-    note = loader_note(sum(bool(r["params"]) for r in load["per_tensor"].values()), load["missing"], unexpected,
-                       shared=load["from_target"])
-    note += (f"; unused placeholder: {', '.join(load['placeholders'])}; Markov bias max diff "
-             f"{forward.get('markov_bias_max_diff')}, confidence max diff {forward.get('confidence_max_diff')}")
-    ok = not load["missing"] and not unexpected and not load["not_intact"] and \
-        max(forward.get("markov_bias_max_diff", 1.0), forward.get("confidence_max_diff", 1.0)) < 1e-5
-    return Row(LABEL["vllm"], "export", what, ok, note=note)
+                   "confidence": torch.sigmoid(head.confidence_logit(hidden, prev)).float()}, str(reference))
+    return head_dir, reference
 
+
+def speculators_dspark_row() -> Row:
+    """speculators' DSparkDraftModel.from_pretrained on our --format speculators DSpark export."""
+    head_dir, reference = smollm2_dspark()
+    exp = export(head_dir, "speculators", OUT / "exports" / "speculators-dspark", "smollm2-135m")
+    what = "untrained DSpark head, --format speculators (DSparkDraftModel; loader and Markov/confidence heads)"
+    try:
+        sh([PYTHONS["speculators"], SCRIPTS / "check_speculators_dspark.py", "--head", exp, "--inputs", reference,
+            "--out", OUT / "speculators_dspark"], OUT / "speculators_dspark.log", timeout=1800)
+        res = json.loads((OUT / "speculators_dspark.json").read_text())
+    except Exception as e:
+        return Row("speculators", "export", what, False, note=str(e)[-300:])
+    note = loader_note(res["mapped"], res["missing"], res["unexpected"], shared=res["from_verifier"])
+    note += f"; Markov bias max diff {res['markov_bias_max_diff']:.2g}, confidence max diff {res['confidence_max_diff']:.2g}"
+    ok = res["mapped"] == res["tensors"] and not res["missing"] and not res["unexpected"] and not res["changed"] and \
+        max(res["markov_bias_max_diff"], res["confidence_max_diff"]) < 1e-5
+    return Row("speculators", "export", what, ok, note=note + f" (speculators {res['version']})")
+
+
+def vllm_dspark_rows(tdir: Path) -> list[Row]:
+    """vLLM's Qwen3DSparkForCausalLM and its load_weights on our DSpark exports (--format dspark,
+    DeepSeek's layout, and --format speculators, through vLLM's speculators reader), then its
+    Markov bias and confidence on inputs our head scored (check_vllm.py: the CPU build refuses
+    DSpark's engine, which runs on the V2 model runner only)."""
+    head_dir, reference = smollm2_dspark()
+    rows = []
+    for fmt in ("dspark", "speculators"):
+        exp = export(head_dir, fmt, OUT / "exports" / f"vllm-dspark-{fmt}", "smollm2-135m")
+        what = f"untrained DSpark head, --format {fmt} (method dspark; loader and Markov/confidence heads)"
+        try:
+            res = run_check_vllm(tdir, exp, "dspark", 4, 1, 1, OUT / f"vllm_dspark_{fmt}", loader_only=True,
+                                 inputs=reference)
+        except Exception as e:
+            rows.append(Row(LABEL["vllm"], "export", what, False, note=str(e)[-300:]))
+            continue
+        load = res.get("loader") or {}
+        if not load.get("ok"):
+            rows.append(Row(LABEL["vllm"], "export", what, False, note=f"vLLM's loader failed: {load.get('error')}"))
+            continue
+        unexpected = load["refused"] + load["skipped"]
+        forward = load.get("draft_forward") or {}
+        note = loader_note(sum(bool(r["params"]) for r in load["per_tensor"].values()), load["missing"], unexpected,
+                           shared=load["from_target"])
+        note += (f"; unused placeholder: {', '.join(load['placeholders'])}; Markov bias max diff "
+                 f"{forward.get('markov_bias_max_diff')}, confidence max diff {forward.get('confidence_max_diff')}")
+        ok = not load["missing"] and not unexpected and not load["not_intact"] and \
+            max(forward.get("markov_bias_max_diff", 1.0), forward.get("confidence_max_diff", 1.0)) < 1e-5
+        rows.append(Row(LABEL["vllm"], "export", what, ok, note=note))
+    return rows
 
 def vllm_family_row(args, case: FamilyCase, k: int) -> Row:
     """vLLM's draft class and loader on our `vllm` export (check_vllm.py's load phase: each tensor
@@ -756,7 +786,7 @@ def llamacpp_dspark_row(tdir: Path) -> Row:
 
     from drafthead.inference.llamacpp.convert import converter
 
-    head_dir = smollm2_untrained("dspark", OUT / "smollm2-dspark", block_size=3, mask_token_id=16)
+    head_dir, _ = smollm2_dspark()
     exp = export(head_dir, "dspark", OUT / "exports" / "llamacpp-dspark", "smollm2-135m")
     out = OUT / "dspark.gguf"
     what = "untrained DSpark head, --format dspark, converted by convert_hf_to_gguf.py"

@@ -169,7 +169,8 @@ def confidence_bench(kind: str, final: Path, args) -> dict:
 
 
 def table(results: list[dict], args) -> str:
-    lines = [f"| head | steps in {args.minutes:g} min | held-out acc per depth | held-out tau_est | bench tau (chain "
+    budget = "steps" if args.steps else f"steps in {args.minutes:g} min"
+    lines = [f"| head | {budget} | held-out acc per depth | held-out tau_est | bench tau (chain "
              f"{args.chain}) | acceptance per position | tokens/s (plain) | draft share |",
              "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
     for r in results:
