@@ -36,18 +36,16 @@ def is_layout(cfg: dict) -> bool:
     return ARCH in (cfg.get("architectures") or [])
 
 
+def head_keys(config) -> dict:
+    """The DSpark keys both layouts state at their top level: the mask token and the two heads."""
+    return {"mask_token_id": config.mask_token_id, "markov_rank": config.markov_rank, "markov_head_type": "vanilla",
+            "enable_confidence_head": config.confidence_head, "confidence_head_with_markov": config.confidence_with_markov,
+            "sample_from_anchor": True}  # every slot drafts
+
+
 def to_engine(config, meta: dict, state: dict) -> tuple[dict, dict]:
     cfg, tensors = dflash.to_engine(config, meta, state)
-    cfg.update({
-        "architectures": [ARCH],
-        "target_layer_ids": cfg["dflash_config"]["target_layer_ids"],
-        "mask_token_id": config.mask_token_id,
-        "markov_rank": config.markov_rank,
-        "markov_head_type": "vanilla",
-        "enable_confidence_head": config.confidence_head,
-        "confidence_head_with_markov": config.confidence_with_markov,
-        "sample_from_anchor": True,
-    })
+    cfg.update({"architectures": [ARCH], "target_layer_ids": cfg["dflash_config"]["target_layer_ids"], **head_keys(config)})
     return cfg, tensors
 
 
@@ -78,12 +76,7 @@ def to_speculators(config, meta: dict, state: dict, verifier: str | None = None,
         "aux_hidden_state_layer_ids": list(config.feature_layers),  # speculators counts as we do
         "block_size": config.block_size,
         "draft_vocab_size": config.vocab_size,
-        "mask_token_id": config.mask_token_id,
-        "markov_rank": config.markov_rank,
-        "markov_head_type": "vanilla",
-        "enable_confidence_head": config.confidence_head,
-        "confidence_head_with_markov": config.confidence_with_markov,
-        "sample_from_anchor": True,
+        **head_keys(config),
         "sliding_window_non_causal": False,
         "target_hidden_size": None,
         "tie_word_embeddings": False,
