@@ -42,7 +42,7 @@ def build_drafter(
     *,
     head: str | Path | None = None,
     draft_model=None,
-    num_draft: int | str | None = None,  # draft nodes per round; "confidence": EAGLE's or DSpark's own rule
+    num_draft: int | None = None,  # draft nodes per round (None: the proposer's default)
     **kw,
 ):
     """A fresh drafter for `target` (the model). Extra keywords go to the drafter's constructor
@@ -53,17 +53,14 @@ def build_drafter(
     Heads are loaded from `head`; the head loader may adapt the target in place (Medusa-2's merged
     LoRA): the adapted model is then the target whose output the decode reproduces.
     """
-    if num_draft == "confidence" and proposer != "heads":
-        raise DrafterError(f"num_draft 'confidence' sizes EAGLE trees and DSpark blocks, not {proposer} drafts")
+    if kw.get("sizing", "fixed") != "fixed" and proposer != "heads":
+        raise DrafterError(f"sizing {kw['sizing']!r} sizes EAGLE trees and DSpark blocks, not {proposer} drafts")
     if proposer == "prompt-lookup":
         from .inference.drafters.prompt_lookup import PromptLookupDrafter
 
-        # streak 32: measured ahead of no streak on MT-bench (docs/results.md). Prompt lookup reads
-        # --num-draft as each continuation's `length`; its trie holds up to twice that (its num_draft)
-        defaults = {"length": 10, "max_ngram": 3, "min_ngram": 1, "streak_draft": 32}
-        if num_draft is not None:
-            defaults["length"] = num_draft
-        return PromptLookupDrafter(**{**defaults, **kw})
+        # streak 32: measured ahead of no streak on MT-bench (docs/results.md)
+        defaults = {"max_ngram": 3, "min_ngram": 1, "streak_draft": 32}
+        return PromptLookupDrafter(**{**defaults, "num_draft": num_draft, **kw})
     if proposer == "draft-model":
         from .inference.drafters.draft_model import DraftModelDrafter
 
@@ -102,27 +99,29 @@ def make_drafter_factory(proposer: str, target, tokenizer, **kw) -> tuple[Callab
     return (lambda: build_drafter(proposer, target, tokenizer, **kw)), target
 
 
-def load_heads(head, target, tokenizer, *, num_draft: int | None = None, target_name: str | None = None, **options):
-    """(drafter, target) for a trained head folder; `num_draft` sets the draft nodes per round."""
+def load_heads(head, target, tokenizer, *, num_draft: int | None = None, sizing: str | None = None,
+               target_name: str | None = None, **options):
+    """(drafter, target) for a trained head folder; `num_draft` sets the draft nodes per round,
+    `sizing` "confidence" lets an EAGLE or DSpark head size each round itself (None: drafting.json's)."""
     if head is None:
         raise DrafterError("the heads proposer needs a trained head folder (--head DIR)")
     head = Path(head)
     if not head.is_dir():
         raise FileNotFoundError(f"no head folder at {head}")
     from .heads.formats.common import ConventionNeeded
-    from .heads.config import KINDS, drafter_family
-    from .inference.drafters.heads import CONFIDENCE_FAMILIES
+    from .heads.config import head_kind
     from .inference.drafters.load import load_head_drafter
 
     layout, kind = head_layout(head)
-    if num_draft is not None:
-        if kind not in KINDS:
-            raise DrafterError(f"{head}: unknown head kind {kind!r}")
-        family = drafter_family(kind)
-        if num_draft == "confidence" and family not in CONFIDENCE_FAMILIES:
-            raise DrafterError(f"num_draft 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number "
+    if num_draft is not None or sizing is not None:
+        try:
+            spec = head_kind(kind)
+        except ValueError as e:
+            raise DrafterError(f"{head}: {e}") from None
+        if sizing == "confidence" and not spec.sizes_itself:
+            raise DrafterError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number "
                                "of nodes")
-        options["num_draft"] = num_draft
+        options.update(num_draft=num_draft, sizing=sizing)
     if layout == "ours":
         return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)
     try:

@@ -69,7 +69,7 @@ class _HeadConfig:
         return [f"{k}: {mine[k]!r} != {theirs[k]!r}" for k in mine if k not in skip and mine[k] != theirs[k]]
 
     def _check_kind(self) -> None:
-        mine = [kind for kind, (cls, _) in KINDS.items() if cls is type(self)]
+        mine = [name for name, kind in KINDS.items() if kind.config is type(self)]
         if self.kind not in mine:
             raise ValueError(f"{type(self).__name__}.kind must be one of {tuple(mine)}, got {self.kind!r}")
 
@@ -577,29 +577,50 @@ class DSparkConfig(DFlashConfig):
         return self.block_size
 
 
+@dataclass(frozen=True)
+class HeadKind:
+    """One head kind and what the rest of the code may ask of it, so that no caller compares kind
+    names: the config class, the drafter family that drafts with it (a key of
+    inference/drafters/heads.py _DRAFTING_KEYS) and its capabilities."""
+    name: str
+    config: type
+    family: str
+    adapts_target: bool = False  # carries a LoRA adapter merged into the target (Medusa-2)
+    sizes_itself: bool = False  # sizing "confidence": the drafter estimates acceptance (EAGLE's paths, DSpark's head)
+    grows_tree: bool = False  # drafts a best-first tree step by step (depth, top_k) rather than a static tree
+    draft_vocab: bool = False  # may draft over a reduced vocabulary (d2t/t2d; heads/draft_vocab.py)
+    engine_layer: bool = False  # its draft layer is the engines' Llama layer or the target's (`draft_layer`)
+
+
 # The head kinds: the one table the config, the registry (heads/registry.py: each kind's module),
-# the drafters (inference/drafters/load.py) and the CLI derive from. kind -> (its config class,
-# the drafter family that drafts with it: a key of inference/drafters/heads.py _DRAFTING_KEYS).
-KINDS: dict[str, tuple[type, str]] = {
-    "medusa1": (MedusaConfig, "medusa"),
-    "medusa2": (MedusaConfig, "medusa"),
-    "hydra": (HydraConfig, "hydra"),
-    "eagle1": (Eagle1Config, "eagle"),
-    "eagle3": (Eagle3Config, "eagle"),
-    "eagle31": (Eagle31Config, "eagle"),
-    "peagle": (PEagleConfig, "peagle"),
-    "dflash": (DFlashConfig, "dflash"),
-    "dspark": (DSparkConfig, "dspark"),
-    "mtp": (MTPConfig, "eagle"),
-}
-CONFIG_CLASSES: dict[str, type] = {kind: cls for kind, (cls, _) in KINDS.items()}
+# the formats, the drafters (inference/drafters/load.py) and the CLI derive from.
+KINDS: dict[str, HeadKind] = {k.name: k for k in (
+    HeadKind("medusa1", MedusaConfig, "medusa"),
+    HeadKind("medusa2", MedusaConfig, "medusa", adapts_target=True),
+    HeadKind("hydra", HydraConfig, "hydra"),
+    HeadKind("eagle1", Eagle1Config, "eagle", sizes_itself=True, grows_tree=True, engine_layer=True),
+    HeadKind("eagle3", Eagle3Config, "eagle", sizes_itself=True, grows_tree=True, draft_vocab=True, engine_layer=True),
+    HeadKind("eagle31", Eagle31Config, "eagle", sizes_itself=True, grows_tree=True, draft_vocab=True,
+             engine_layer=True),
+    HeadKind("peagle", PEagleConfig, "peagle", draft_vocab=True, engine_layer=True),
+    HeadKind("dflash", DFlashConfig, "dflash"),
+    HeadKind("dspark", DSparkConfig, "dspark", sizes_itself=True),
+    HeadKind("mtp", MTPConfig, "eagle", sizes_itself=True, grows_tree=True),
+)}
+CONFIG_CLASSES: dict[str, type] = {name: kind.config for name, kind in KINDS.items()}
+
+
+def head_kind(name: str) -> HeadKind:
+    """The kind called `name` (KINDS); an unknown name is a ValueError listing the known ones."""
+    if name not in KINDS:
+        raise ValueError(f"unknown head kind {name!r} (known: {', '.join(KINDS)})")
+    return KINDS[name]
 
 
 def drafter_family(kind: str) -> str:
     """The drafter family that drafts with a head of `kind` (KINDS)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown head kind {kind!r} (known: {', '.join(KINDS)})")
-    return KINDS[kind][1]
+    return head_kind(kind).family
+
 
 # HydraConfig is a MedusaConfig; Eagle31Config and PEagleConfig are Eagle3Configs
 HeadConfig = MedusaConfig | Eagle1Config | Eagle3Config | DFlashConfig

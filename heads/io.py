@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import HeadConfig, config_from_dict, with_draft_layer
+from .config import HeadConfig, config_from_dict, head_kind, with_draft_layer
 from .outdir import reported_as, umask
 from .packing import same_segment_shift
 
@@ -283,7 +283,7 @@ class DraftHeadBase(nn.Module):
             state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
         float_dtypes = {str(v.dtype).removeprefix("torch.") for v in state.values() if v.is_floating_point()}
         if adapter_model is not None:
-            if self.kind != "medusa2":
+            if not head_kind(self.kind).adapts_target:
                 raise ValueError(f"only medusa2 heads carry a target adapter, this is {self.kind}")
             adapter_model.save_pretrained(str(path / ADAPTER_DIR))
         write_safetensors(path / WEIGHTS_NAME, state, {"format": "pt"})

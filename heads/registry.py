@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import (CONFIG_CLASSES, KINDS, DFlashConfig, DSparkConfig, Eagle1Config, Eagle3Config, Eagle31Config, HeadConfig,
+from .config import (CONFIG_CLASSES, KINDS, head_kind, DFlashConfig, DSparkConfig, Eagle1Config, Eagle3Config, Eagle31Config, HeadConfig,
                      HydraConfig, MedusaConfig, MTPConfig, PEagleConfig)
 from .eagle import Eagle1Head, has_rope_decoder
 from .dflash import DFlashHead
@@ -27,7 +27,7 @@ _MODULES: dict[type, type[DraftHeadBase]] = {
     Eagle31Config: Eagle3Head, PEagleConfig: PEagleHead, DFlashConfig: DFlashHead, DSparkConfig: DSparkHead,
     MTPConfig: MTPHead,
 }
-HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {kind: _MODULES[cls] for kind, (cls, _) in KINDS.items()}
+HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {name: _MODULES[kind.config] for name, kind in KINDS.items()}
 
 
 def make_config(kind: str, target_model: nn.Module, tokenizer=None, name: str | None = None, **overrides) -> HeadConfig:
@@ -125,12 +125,12 @@ def load_head(path, target_model: nn.Module, tokenizer, target_name: str | None 
     actual = identify_target(target_model, tokenizer, target_name or config.target.name)
     check_compatible(config.target, actual)
 
-    adapter = path / ADAPTER_DIR
+    adapter, adapts = path / ADAPTER_DIR, head_kind(config.kind).adapts_target
     if adapter.exists():
-        if config.kind != "medusa2":
+        if not adapts:
             raise HeadFormatError(f"{path} has an adapter/ but is a {config.kind} head (only medusa2 adapts the target)")
         target_model = apply_adapter(target_model, adapter)
-    elif config.kind == "medusa2":
+    elif adapts:
         warnings.warn(f"medusa2 head {path} has no adapter/: the target is used unmodified", stacklevel=2)
 
     head = _new_module(config, target_model)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from drafthead import cli
-from drafthead.commands import choose_proposer
+from drafthead.draft_spec import DraftSpec
 from drafthead.commands.generate import TextPrinter
 
 
@@ -169,13 +169,14 @@ def test_text_printer_holds_back_partial_characters():
 
 
 def test_default_proposer_is_prompt_lookup_without_a_shipped_head():
-    class Args:
-        proposer = head = draft_model = None
-
-    proposer, head, message = choose_proposer(Args, "no-head-target")
-    assert (proposer, head) == ("prompt-lookup", None) and "no trained head ships" in message
-    Args.draft_model = "x"
-    assert choose_proposer(Args, "t")[0] == "draft-model"
+    spec, message = DraftSpec().resolve("no-head-target")
+    assert (spec.proposer, spec.head) == ("prompt-lookup", None) and "no trained head ships" in message
+    assert DraftSpec(draft_model="x").resolve("t")[0].proposer == "draft-model"
+    assert DraftSpec(head="h").resolve("t")[0].proposer == "heads"
+    with pytest.raises(ValueError, match="no head ships for t; pass --head"):
+        DraftSpec(proposer="heads").resolve("t")
+    with pytest.raises(ValueError, match="confidence' needs an EAGLE or DSpark head"):
+        DraftSpec(sizing="confidence").resolve("t")
 
 
 # -- the drafter factory behind --proposer -----------------------------------------------------
@@ -237,7 +238,10 @@ def test_unknown_proposer_and_missing_arguments(tiny_llama_dir):
         build_drafter("heads", None, None)
     assert default_head_path("no-such-target") is None
     lookup = build_drafter("prompt-lookup", None, None, num_draft=5, max_ngram=2)
-    assert (lookup.length, lookup.num_draft, lookup.max_ngram) == (5, 10, 2)  # --num-draft: each continuation's length
+    assert (lookup.length, lookup.num_draft, lookup.max_ngram) == (5, 5, 2)  # --num-draft: the trie's draft nodes
+    lookup = build_drafter("prompt-lookup", None, None, num_draft=40)
+    assert (lookup.length, lookup.num_draft) == (10, 40)  # continuations stay 10 long; the trie holds 40 nodes
+    assert build_drafter("prompt-lookup", None, None).num_draft == 20
 
 
 @pytest.mark.parametrize("kind", ["medusa1", "eagle1"])
@@ -270,10 +274,8 @@ def test_a_head_that_adapts_the_target_is_refused_on_the_llama_cpp_backend():
     from argparse import Namespace
     from types import SimpleNamespace
 
-    from drafthead.commands import verifier_from_args
-
     loaded = SimpleNamespace(model=object())
-    args = Namespace(backend="llama.cpp")
     with pytest.raises(ValueError, match="adapts the target"):
-        verifier_from_args(args, loaded, object())
-    assert verifier_from_args(Namespace(backend="torch"), loaded, loaded.model) is loaded.model
+        DraftSpec(backend="llama.cpp")._verifier(loaded, object(), None, print)
+    assert DraftSpec()._verifier(loaded, loaded.model, None, print) is loaded.model
+    assert Namespace  # the CLI's spelling goes through DraftSpec.from_args (test_draft_spec.py)

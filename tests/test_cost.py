@@ -1,5 +1,5 @@
 """Tree size from the measured verification cost: the choice rule against a brute-force twin,
-the cost curve, and EAGLE drafting with num_draft="confidence" staying exact."""
+the cost curve, and EAGLE drafting with sizing="confidence" staying exact."""
 import json
 import math
 import random
@@ -78,7 +78,7 @@ def test_confidence_tree_size_is_exact_and_adapts(family):
                       token_counts=torch.ones(96, dtype=torch.long))
     # a cost that rises steeply after 6 nodes: the drafter must never keep many more
     curve = CostCurve((1, 6, 7, 60), (0.01, 0.011, 0.05, 0.5))
-    drafter = EagleDrafter(head, num_draft="confidence", depth=3, top_k=3, verify_cost=curve)
+    drafter = EagleDrafter(head, sizing="confidence", depth=3, top_k=3, verify_cost=curve)
     sizes = []
     propose = drafter.propose
     drafter.propose = lambda: sizes.append(propose()) or sizes[-1]
@@ -94,23 +94,34 @@ def test_confidence_rule_needs_a_cost_curve_and_is_only_for_eagle(tmp_path):
     target = tiny_causal_lm("llama", layers=2)
     head = build_head(make_config("eagle1", target, None, name="tiny"), target)
     with pytest.raises(ValueError, match="verify_cost"):
-        EagleDrafter(head, num_draft="confidence")
+        EagleDrafter(head, sizing="confidence")
     with pytest.raises(ValueError, match="num_draft"):
         EagleDrafter(head, num_draft="many")
+    with pytest.raises(ValueError, match="sizing"):
+        EagleDrafter(head, sizing="policy")  # the load policy is the engine's, not a drafter's
     folder = head.save_pretrained(tmp_path / "eagle")
-    (folder / "drafting.json").write_text(json.dumps({"num_draft": "confidence", "depth": 2, "top_k": 2, "lookup_nodes": 2}))
+    (folder / "drafting.json").write_text(json.dumps({"sizing": "confidence", "depth": 2, "top_k": 2, "lookup_nodes": 2}))
     drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
     assert isinstance(drafter, MergedDrafter)
     eagle = drafter.drafters[0]
     assert eagle.confidence_rule and eagle.extra_nodes == 2 and eagle.verify_cost.nodes[0] == 1
+    assert eagle.num_draft == 2 + (2 - 1) * 2 * 2  # every candidate of a depth-2, top-2 tree
+    assert not load_head_drafter(folder, target, None, target_name="tiny", sizing="fixed")[0].drafters[0].confidence_rule
+    capped, _ = load_head_drafter(folder, target, None, target_name="tiny", num_draft=3)
+    assert capped.drafters[0].confidence_rule and capped.drafters[0].num_draft == 3  # num_draft caps the rule
+
+    # drafting.json's old spelling, num_draft "confidence", is read as sizing "confidence" with a warning
+    (folder / "drafting.json").write_text(json.dumps({"num_draft": "confidence", "depth": 2, "top_k": 2}))
+    with pytest.warns(UserWarning, match="now sizing 'confidence'"):
+        assert load_head_drafter(folder, target, None, target_name="tiny")[0].confidence_rule
 
     from drafthead.drafters import DrafterError, build_drafter
 
     medusa = build_head(make_config("medusa1", target, None, name="tiny"), target)
     medusa_folder = medusa.save_pretrained(tmp_path / "medusa")
     with pytest.raises(DrafterError, match="confidence"):
-        build_drafter("heads", target, None, head=medusa_folder, num_draft="confidence", target_name="tiny")
+        build_drafter("heads", target, None, head=medusa_folder, sizing="confidence", target_name="tiny")
     with pytest.raises(DrafterError, match="confidence"):
-        build_drafter("prompt-lookup", target, None, num_draft="confidence")
+        build_drafter("prompt-lookup", target, None, sizing="confidence")
     with pytest.raises(ValueError, match="depth"):
         load_head_drafter(medusa_folder, target, None, target_name="tiny", depth=3)

@@ -190,7 +190,7 @@ def test_the_confidence_head_sets_the_verify_length_and_never_the_output(family)
             with torch.no_grad():  # a head whose confidence varies with the slot and the token
                 head.confidence_head.proj.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(9))
                 head.confidence_head.proj.bias.fill_(-0.5)
-        drafter = DSparkDrafter(head, num_draft="confidence", verify_cost=curve)
+        drafter = DSparkDrafter(head, sizing="confidence", verify_cost=curve)
         sizes = []
         propose = drafter.propose
 
@@ -212,11 +212,11 @@ def test_confidence_rule_needs_a_cost_curve_and_a_confidence_head():
     target = tiny_causal_lm("llama", layers=2)
     head = dspark(target)
     with pytest.raises(ValueError, match="verify_cost"):
-        DSparkDrafter(head, num_draft="confidence")
+        DSparkDrafter(head, sizing="confidence")
     config = make_config("dspark", target, None, name="tiny", mask_token_id=MASK, confidence_head=False,
                          confidence_weight=0.0)
     with pytest.raises(ValueError, match="confidence head"):
-        DSparkDrafter(build_head(config, target), num_draft="confidence", verify_cost=CostCurve((1, 2), (0.1, 0.2)))
+        DSparkDrafter(build_head(config, target), sizing="confidence", verify_cost=CostCurve((1, 2), (0.1, 0.2)))
 
 
 def test_dspark_export_is_deepseeks_layout_and_reads_back(tmp_path):
@@ -255,14 +255,22 @@ def test_dspark_export_is_deepseeks_layout_and_reads_back(tmp_path):
 
 
 def test_a_saved_head_drafts_with_the_confidence_rule_from_the_cli_value(tmp_path):
-    """`--num-draft confidence` reaches a saved DSpark head's drafter with the target's measured
-    verify cost, and decodes exactly."""
+    """`--sizing confidence` (and its old spelling `--num-draft confidence`) reaches a saved DSpark
+    head's drafter through the DraftSpec with the target's measured verify cost, and decodes exactly."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
     from drafthead.commands import _num_draft
-    from drafthead.drafters import build_drafter
+    from drafthead.draft_spec import DraftSpec
 
     target = tiny_causal_lm("llama", layers=4)
     folder = dspark(target, block=4).save_pretrained(tmp_path / "dspark")
-    drafter = build_drafter("heads", target, None, head=folder, num_draft=_num_draft("confidence"), target_name="tiny")
+    spec = DraftSpec.from_args(Namespace(head=str(folder), num_draft=_num_draft("confidence")))
+    assert (spec.sizing, spec.num_draft) == ("confidence", None)
+    assert DraftSpec.from_args(Namespace(head=str(folder), sizing="confidence")) == spec
+    drafting = spec.build(SimpleNamespace(name="tiny", model=target, tokenizer=None), note=lambda line: None)
+    assert drafting.policy is None and drafting.verifier is target and drafting.spec.proposer == "heads"
+    drafter = drafting.factory()
     assert isinstance(drafter, DSparkDrafter) and drafter.confidence_rule and drafter.verify_cost.nodes[0] == 1
     prompt = repetitive_prompt(96, seed=2)[:, :9]
     result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16))

@@ -82,7 +82,7 @@ def test_greedy_equals_plain_greedy_in_every_hybrid_family(family):
 
 @pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
 def test_discard_puts_every_row_back_to_its_state_before_the_verify(family):
-    """What the cost timing (`--num-draft auto`) does after each timed verify: the recurrent
+    """What the cost timing (`--sizing policy`) does after each timed verify: the recurrent
     windows and states of every row are those before it, the K/V cut back."""
     from drafthead.inference.engine.recurrent import recurrent_layers
     from drafthead.inference.engine.tree import DraftTree, chain_parents

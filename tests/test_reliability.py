@@ -684,8 +684,8 @@ def test_overwrite_never_deletes_a_model_data_or_the_inputs(tmp_path, capsys, ta
 
 @pytest.mark.parametrize("argv,fragments", [
     (["--stop", ""], ['--stop ""', "first token"]),
-    (["--lookup-nodes", "-1"], ["--lookup-nodes must be >= 0"]),
-    (["--lookup-streak", "-2"], ["--lookup-streak must be >= 0"]),
+    (["--lookup-nodes", "-1"], ["--lookup-nodes must be a whole number >= 0"]),
+    (["--lookup-streak", "-2"], ["--lookup-streak must be a whole number >= 0"]),
     (["--temperature", "nan"], ["temperature must be a number >= 0, got nan"]),
     (["--temperature", "inf"], ["temperature must be a number >= 0, got inf"]),
     (["--repetition-penalty", "nan"], ["repetition_penalty"]),

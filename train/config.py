@@ -209,7 +209,8 @@ class TrainConfig:
     @property
     def joint_lora(self) -> bool:
         """Medusa-2 trains the target with LoRA alongside the heads."""
-        return self.head_kind == "medusa2"
+        kind = KINDS.get(self.head_kind)
+        return kind is not None and kind.adapts_target
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..drafters import PROPOSERS
+from ..draft_spec import PROPOSERS, SIZINGS
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -113,12 +113,15 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
-    g.add_argument("--num-draft", type=_num_draft, default=None,
-                   help="draft nodes per round, num_draft (proposer default; prompt lookup: each continuation's "
-                        "length), or 'auto': each round, the node count (down "
-                        "to plain decoding) that pays at the batch size, from the target's measured forward cost, "
-                        "or 'confidence' (EAGLE and DSpark heads): the drafter's own estimate of acceptance, "
-                        "against that cost")
+    g.add_argument("--num-draft", type=_num_draft, default=None, metavar="N",
+                   help="draft nodes per round (default: the proposer's, or the head folder's drafting.json); "
+                        "with --sizing confidence, the most a round may keep")
+    g.add_argument("--sizing", choices=SIZINGS, default=None,
+                   help="how each round's tree is sized: fixed (every round the drafter's tree); policy: the node "
+                        "count, down to plain decoding, that pays at the batch size, from the target's measured "
+                        "forward cost; confidence (EAGLE and DSpark heads): the drafter's own estimate of "
+                        "acceptance against that cost (default: drafting.json's, else fixed). `--num-draft auto` "
+                        "and `--num-draft confidence` are read as --sizing policy and --sizing confidence")
     g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
                    help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "
                         "head folder's drafting.json, else 0)")
@@ -146,42 +149,6 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gguf-type", choices=("f32", "bf16", "q8_0", "q4_0"), default=None,
                    help="llama.cpp backend: the GGUF's weight type (default: the one --dtype holds, f32 or bf16); "
                         "quantized types are a different model from the torch target, decoded exactly")
-
-
-def check_drafting_args(args) -> None:
-    """Drafting options no drafter can take, refused before the target loads: a negative
-    lookup setting would otherwise run as if it were off."""
-    for option in ("lookup_nodes", "lookup_streak"):
-        value = getattr(args, option, None)
-        if value is not None and value < 0:
-            raise ValueError(f"--{option.replace('_', '-')} must be >= 0 (0: off), got {value}")
-
-
-def verifier_from_args(args, loaded, model):
-    """What verifies the trees: `model` (the loaded target, or the one a head adapted) itself, or
-    (--backend llama.cpp) a LlamaCppTarget on a GGUF of the target that llama.cpp's converter
-    makes once (inference/llamacpp/convert.py)."""
-    if getattr(args, "backend", "torch") != "llama.cpp":
-        return model
-    if model is not loaded.model:
-        raise ValueError("this head adapts the target (Medusa-2's LoRA), and the llama.cpp backend's GGUF holds "
-                         "the target without it: run it on --backend torch")
-    return llamacpp_target(loaded, args.gguf_type, args.threads)
-
-
-def llamacpp_target(loaded, gguf_type: str | None, threads: int | None):
-    """A LlamaCppTarget on a GGUF of the loaded target (`gguf_type`, default the one its dtype
-    holds), made once by llama.cpp's converter; features come back in the target's dtype."""
-    from ..inference.llamacpp.convert import DTYPE_GGUF, target_gguf
-    from ..inference.llamacpp.target import LlamaCppTarget
-
-    parameter = next(loaded.model.parameters())
-    if parameter.device.type != "cpu":
-        raise ValueError("--backend llama.cpp runs on the CPU: drop --device")
-    gguf_type = gguf_type or DTYPE_GGUF[str(parameter.dtype).removeprefix("torch.")]
-    note(f"llama.cpp backend: the target as a {gguf_type} GGUF (made once by llama.cpp's converter)")
-    path = target_gguf(loaded.path, gguf_type)
-    return LlamaCppTarget(path, loaded.model.config, threads=threads or torch_threads(), feature_dtype=parameter.dtype)
 
 
 def torch_threads() -> int:
@@ -268,76 +235,17 @@ def typical_from_args(args):
     return TypicalAcceptance(epsilon=epsilon, delta=delta)
 
 
-def choose_proposer(args, target_name: str) -> tuple[str, str | None, str]:
-    """(proposer, head folder or None, a line saying what drafts and why)."""
-    from ..drafters import default_head_path
+def draft_spec_from_args(args):
+    """The DraftSpec of the drafting options, checked before any model loads."""
+    from ..draft_spec import DraftSpec
 
-    proposer, head = args.proposer, args.head
-    if proposer is None:
-        if head is not None:
-            proposer = "heads"
-        elif args.draft_model is not None:
-            proposer = "draft-model"
-        else:
-            shipped = default_head_path(target_name)
-            if shipped is not None:
-                return "heads", str(shipped), f"drafting with the head shipped for {target_name} ({shipped})"
-            return "prompt-lookup", None, f"no trained head ships for {target_name} yet: drafting with prompt lookup"
-    if proposer == "heads" and head is None:
-        shipped = default_head_path(target_name)
-        if shipped is None:
-            raise ValueError(f"--proposer heads: no head ships for {target_name}; pass --head DIR")
-        head = str(shipped)
-    what = {"heads": f"the head at {head}", "draft-model": f"draft model {args.draft_model}", "prompt-lookup": "prompt lookup"}
-    return proposer, head, f"drafting with {what[proposer]}"
+    return DraftSpec.from_args(args)
 
 
-def drafter_factory_from_args(args, loaded, sampling, proposer: str, head: str | None):
-    """(per-prompt drafter factory, model to decode with) for the chosen proposer; the model is
-    the loaded target unless a head adapts it (Medusa-2)."""
-    from ..drafters import make_drafter_factory
-
-    # auto: the drafter drafts its default tree and the engine's load policy cuts it (policy_from_args)
-    kw = {"num_draft": None if args.num_draft == "auto" else args.num_draft}
-    if proposer == "heads":
-        kw.update(head=head, target_name=loaded.name)
-        if args.lookup_nodes is not None:
-            kw.update(lookup_nodes=args.lookup_nodes)
-        if getattr(args, "lookup_streak", None) is not None:
-            kw.update(lookup_streak=args.lookup_streak)
-        if getattr(args, "tree_depth", None) is not None:
-            kw.update(depth=args.tree_depth)
-        if getattr(args, "tree_branch", None) is not None:
-            kw.update(top_k=args.tree_branch)
-    elif proposer == "prompt-lookup":
-        if getattr(args, "lookup_streak", None) is not None:
-            kw.update(streak_draft=args.lookup_streak)
-    elif proposer == "draft-model":
-        if args.draft_model is None:
-            raise ValueError("--proposer draft-model needs --draft-model NAME")
-        kw.update(draft_model=args.draft_model, sampling=sampling, seed=getattr(args, "seed", None))
-    return make_drafter_factory(proposer, loaded.model, loaded.tokenizer, **kw)
-
-
-POLICY_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # what a batch of 16 rows x 32 nodes reaches
-
-
-def policy_from_args(args, model, drafter):
-    """`--num-draft auto`: the load policy (inference/engine/policy.py), with the target's forward timed
-    once at POLICY_TOKEN_COUNTS the way the verifier calls it; else None."""
-    if args.num_draft != "auto":
-        return None
-    from ..inference.engine.cost import measure_verify_cost
-    from ..inference.engine.policy import SpeculationPolicy
-
-    context = 128  # cached tokens behind the timed forward (measure_verify_cost's default)
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 10**9
-    counts = [n for n in POLICY_TOKEN_COUNTS if context + n <= limit] or [1, 2]
-    note("--num-draft auto: timing the target's forward at " + ", ".join(map(str, counts)) + " tokens")
-    want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-    return SpeculationPolicy(measure_verify_cost(model, counts, context=context, want_hidden=want_hidden,
-                                                 feature_layers=drafter.feature_layers,
-                                                 row_invariant=bool(getattr(args, "row_invariant", False))))
+def drafting_from_args(args, spec, loaded, sampling=None):
+    """spec.build for the loaded target, with the engine options the load policy's timing needs."""
+    return spec.build(loaded, sampling=sampling, seed=getattr(args, "seed", None), threads=args.threads,
+                      row_invariant=bool(getattr(args, "row_invariant", False)), note=note)
 
 
 def note(message: str) -> None:

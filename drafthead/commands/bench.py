@@ -6,18 +6,15 @@ import os
 from pathlib import Path
 
 from . import (
+    draft_spec_from_args,
+    drafting_from_args,
     add_overwrite_option,
     add_proposer_options,
-    check_drafting_args,
     add_sampling_options,
     add_target_options,
-    choose_proposer,
-    drafter_factory_from_args,
     engine_options,
     load_target_from_args,
     note,
-    policy_from_args,
-    verifier_from_args,
     sampling_from_args,
     torch_threads,
 )
@@ -55,7 +52,7 @@ def run(args) -> int:
     from ..inference.engine.targets import eos_token_ids
 
     check_report_paths(args)
-    check_drafting_args(args)
+    spec = draft_spec_from_args(args)
     # before the model: bad input fails fast
     prompts = edit_prompts(args.limit) if args.dataset == EDITS else load_prompts(args.dataset, args.limit)
     sampling = sampling_from_args(args)
@@ -65,10 +62,9 @@ def run(args) -> int:
     if external and args.batch_size is not None:
         raise ValueError(f"--compare {' / '.join(external)} runs one prompt at a time; drop --batch-size")
     loaded = load_target_from_args(args)
-    proposer, head, message = choose_proposer(args, loaded.name)
-    factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
-    note(message)  # once the drafter is built: a head that cannot draft is the only line
-    verifier = verifier_from_args(args, loaded, model)
+    drafting = drafting_from_args(args, spec, loaded, sampling)
+    note(drafting.message)  # once the drafter is built: a head that cannot draft is the only line
+    factory, model, verifier, spec = drafting.factory, drafting.model, drafting.verifier, drafting.spec
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
@@ -89,10 +85,11 @@ def run(args) -> int:
             # OpenMP's idle-thread policy moves every absolute number here (PASSIVE: idle threads
             # sleep, and waking them for each small op made both plain and speculative ~1.45x slower)
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
-            "proposer": proposer,
-            "head": head,
-            "draft_model": args.draft_model,
-            "num_draft": args.num_draft,
+            "proposer": spec.proposer,
+            "head": spec.head,
+            "draft_model": spec.draft_model,
+            "num_draft": spec.num_draft,
+            "sizing": spec.sizing,
             "backend": args.backend,
             "gguf": None if verifier is model else str(verifier.path),
             "dataset": args.dataset,
@@ -104,9 +101,8 @@ def run(args) -> int:
     if hasattr(example, "describe"):
         settings.info["drafter"] = example.describe()  # the effective settings, drafting.json included
     if args.batch_size is not None:
-        return _run_batched(args, model, loaded.tokenizer, factory, example, prompts, settings)
-    if args.num_draft == "auto":
-        settings.policy = policy_from_args(args, verifier, example)
+        return _run_batched(args, model, loaded.tokenizer, factory, drafting.policy, prompts, settings)
+    settings.policy = drafting.policy
     report = run_bench(model, loaded.tokenizer, factory, prompts, settings)
     if external:
         report["engines"] = _external(external, args, loaded, prompts, settings, report)
@@ -153,6 +149,7 @@ def _external(engines, args, loaded, prompts, settings, report) -> dict:
 
 def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
     from ..drafters import head_layout
+    from ..heads.formats import formats_for
     from ..inference.llamacpp import lib, tools
     from ..inference.llamacpp.convert import DTYPE_GGUF
 
@@ -161,7 +158,9 @@ def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
         skipped["llama.cpp"] = why
         return {}
     head = settings.info.get("head")
-    eagle3 = Path(head) if head and head_layout(Path(head)) == ("ours", "eagle3") else None
+    layout, kind = head_layout(Path(head)) if head else (None, None)
+    # a head of ours that llama.cpp's converter takes also drafts in llama.cpp's own speculative tool
+    eagle3 = Path(head) if layout == "ours" and "llama.cpp" in formats_for(kind) else None
     return tools.compare_rows(Path(loaded.path), args.gguf_type or DTYPE_GGUF[args.dtype], texts,
                               settings.max_new_tokens, args.threads or torch_threads(), eagle3_head=eagle3,
                               progress=settings.progress)
@@ -176,10 +175,9 @@ def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
         Path(args.out).parent / "engines" if args.out else Path("out/engines"))
 
 
-def _run_batched(args, model, tokenizer, factory, example, prompts, settings) -> int:
+def _run_batched(args, model, tokenizer, factory, policy, prompts, settings) -> int:
     from ..inference.bench.batch import format_batch_table, run_batch_bench
 
-    policy = policy_from_args(args, settings.verifier or model, example)
     name = "policy" if policy is not None else "speculative"
     report = run_batch_bench(model, tokenizer, {name: (factory, policy)}, prompts, settings, args.batch_size)
     if args.out:

@@ -20,8 +20,9 @@ import json
 import os
 from pathlib import Path
 
-from . import (_non_negative_int, _positive_float, _positive_int, llamacpp_target, add_device_option, add_overwrite_option,
-               add_target_options, load_target_from_args, note, policy_from_args, resolve_device)
+from ..draft_spec import llamacpp_target
+from . import (_non_negative_int, _positive_float, _positive_int, add_device_option, add_overwrite_option,
+               add_target_options, load_target_from_args, note, resolve_device)
 
 
 def add_parser(subparsers) -> None:
@@ -54,10 +55,12 @@ def add_parser(subparsers) -> None:
     q.add_argument("--speculative", action="store_true",
                    help="answer through our batched speculative decoding with the target's shipped head (or --head)")
     q.add_argument("--head", default=None, metavar="DIR", help="with --speculative: this head instead of the shipped one")
-    q.add_argument("--num-draft", choices=("auto", "whole"), default="auto",
-                   help="with --speculative: auto (default), the load policy sizes each round's trees down to plain "
+    q.add_argument("--sizing", choices=("policy", "fixed"), default=None,
+                   help="with --speculative: policy (default), the load policy sizes each round's trees down to plain "
                         "decoding by the measured forward cost (a whole tree at batch 48 costs more than it "
-                        "gains on a CPU); whole: the head's whole trees every round")
+                        "gains on a CPU); fixed: the head's whole trees every round")
+    q.add_argument("--num-draft", choices=("auto", "whole"), default=None,
+                   help="the old spelling of --sizing: auto is policy, whole is fixed")
     g = q.add_argument_group("serving engine (docs/models-and-data.md \"Regenerating through a server\")")
     g.add_argument("--server", nargs="+", default=None, metavar="URL",
                    help="OpenAI-compatible chat-completions servers (vLLM, SGLang, llama-server) that serve the "
@@ -242,6 +245,14 @@ def _regenerate_from_servers(args, ds, out: Path) -> int:
     return 0
 
 
+def _regenerate_sizing(args) -> str:
+    """--sizing, or what the old --num-draft auto|whole spelled; the load policy by default."""
+    implied = {"auto": "policy", "whole": "fixed", None: None}[args.num_draft]
+    if args.sizing is not None and implied not in (None, args.sizing):
+        raise ValueError(f"--num-draft {args.num_draft} means --sizing {implied}; it contradicts --sizing {args.sizing}")
+    return args.sizing or implied or "policy"
+
+
 def _regenerate_locally(args, ds, out: Path, share, say) -> int:
     from ..train.regenerate import regenerate
 
@@ -249,14 +260,12 @@ def _regenerate_locally(args, ds, out: Path, share, say) -> int:
     loaded = load_target_from_args(args)
     model, drafter, policy = loaded.model, None, None
     if args.speculative or args.head:
-        from ..drafters import default_head_path, load_heads
+        from ..draft_spec import DraftSpec
 
-        head = args.head or default_head_path(loaded.name)
-        if head is None:
-            raise ValueError(f"--speculative: no head ships for {loaded.name}; pass --head DIR")
-        drafter, model = load_heads(head, loaded.model, loaded.tokenizer, target_name=loaded.name)
-        policy = policy_from_args(args, model, drafter)
-        say(f"answering through speculative decoding with the head at {head}"
+        spec = DraftSpec(proposer="heads", head=args.head, sizing=_regenerate_sizing(args))
+        drafting = spec.build(loaded, threads=args.threads, note=say)
+        drafter, model, policy = drafting.factory(), drafting.model, drafting.policy
+        say(f"answering through speculative decoding with the head at {drafting.spec.head}"
             + (", trees sized by the load policy" if policy is not None else ", whole trees"))
     report = regenerate(model, loaded.tokenizer, ds, args.out, _settings(args, loaded.name), drafter=drafter,
                         policy=policy, share=share)
@@ -297,7 +306,7 @@ def _capture(args) -> int:
         _clear_for_overwrite([Path(out)] if args.overwrite else [], share)
         loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share),
                              threads=config.threads)
-        engine = llamacpp_target(loaded, None, config.threads) if args.backend == "llama.cpp" else None
+        engine = llamacpp_target(loaded, None, config.threads, note) if args.backend == "llama.cpp" else None
         with _vllm_engine(args, loaded, config) as vllm:
             bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
             try:

@@ -5,16 +5,13 @@ import textwrap
 
 from . import (
     add_proposer_options,
-    check_drafting_args,
     add_target_options,
-    choose_proposer,
-    drafter_factory_from_args,
+    draft_spec_from_args,
+    drafting_from_args,
     engine_options,
     load_target_from_args,
     note,
-    policy_from_args,
     resolve_dtype_arg,
-    verifier_from_args,
 )
 
 # An MT-bench-style coding question: answers quote the prompt's identifiers, as real ones do.
@@ -45,24 +42,24 @@ def run(args) -> int:
     from ..inference.engine.sampling import SamplingConfig
     from ..inference.engine.targets import eos_token_ids
 
-    check_drafting_args(args)
+    spec = draft_spec_from_args(args)
     if args.backend == "llama.cpp" and args.row_invariant:  # the default: row invariance is our torch kernels'
         args.row_invariant = False
         note("llama.cpp backend: ggml's kernels, which are not row-invariant; plain decoding on the same backend "
              "is the reference (docs/llamacpp-backend.md)")
     note(f"loading {args.target} ({resolve_dtype_arg(args)}, {args.threads} threads); the first run dequantizes it (~20 s)")
     loaded = load_target_from_args(args)
-    proposer, head, message = choose_proposer(args, loaded.name)
-    factory, model = drafter_factory_from_args(args, loaded, SamplingConfig(), proposer, head)
-    note(message)  # once the drafter is built: a head that cannot draft is the only line
-    verifier = verifier_from_args(args, loaded, model)  # --backend llama.cpp: libllama verifies
+    drafting = drafting_from_args(args, spec, loaded, SamplingConfig())  # --backend llama.cpp: libllama verifies
+    note(drafting.message)  # once the drafter is built: a head that cannot draft is the only line
+    factory, model, verifier, proposer, head = (drafting.factory, drafting.model, drafting.verifier,
+                                                drafting.spec.proposer, drafting.spec.head)
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
         eos_token_ids=eos_token_ids(model, loaded.tokenizer),
         keep_text=True,
         progress=False,
         info={"target": loaded.name, "proposer": proposer, "head": head, "backend": args.backend},
-        policy=policy_from_args(args, verifier, factory()),  # --num-draft auto
+        policy=drafting.policy,  # --sizing policy
         engine=engine_options(args),
         verifier=None if verifier is model else verifier,
     )

@@ -5,18 +5,15 @@ import sys
 from pathlib import Path
 
 from . import (
+    draft_spec_from_args,
+    drafting_from_args,
     add_proposer_options,
     add_sampling_options,
     add_target_options,
     add_typical_option,
-    check_drafting_args,
-    choose_proposer,
-    drafter_factory_from_args,
     load_target_from_args,
     note,
     engine_options,
-    policy_from_args,
-    verifier_from_args,
     sampling_from_args,
     typical_from_args,
 )
@@ -77,14 +74,12 @@ def run(args) -> int:
     if missing:
         raise FileNotFoundError(f"no image file at {missing[0]}")
     check_stop_strings(args.stop)
-    check_drafting_args(args)
+    spec = draft_spec_from_args(args)
     sampling = sampling_from_args(args)
     loaded = load_target_from_args(args)
-    proposer, head, message = choose_proposer(args, loaded.name)
-    factory, model = drafter_factory_from_args(args, loaded, sampling, proposer, head)
-    note(message)  # once the drafter is built: a head that cannot draft is the only line
-    drafter, tokenizer = factory(), loaded.tokenizer
-    verifier = verifier_from_args(args, loaded, model)
+    drafting = drafting_from_args(args, spec, loaded, sampling)
+    note(drafting.message)  # once the drafter is built: a head that cannot draft is the only line
+    drafter, tokenizer, model, verifier = drafting.factory(), loaded.tokenizer, drafting.model, drafting.verifier
     device = next(model.parameters()).device
     images = None
     if args.image:
@@ -101,7 +96,7 @@ def run(args) -> int:
         stop_strings=tuple(args.stop),
         seed=args.seed,
         typical=typical_from_args(args),
-        policy=policy_from_args(args, verifier, drafter),
+        policy=drafting.policy,
         **engine_options(args),
     )
     if config.lossy:

@@ -56,7 +56,7 @@ class BenchSettings:
     progress: bool = True  # tqdm bar over prompts (stderr)
     repetition_ngram: int = 4
     info: dict = field(default_factory=dict)  # recorded verbatim under report["settings"]
-    policy: object = None  # a SpeculationPolicy (`--num-draft auto`), shared by every prompt's run
+    policy: object = None  # a SpeculationPolicy (`--sizing policy`), shared by every prompt's run
     engine: dict = field(default_factory=dict)  # GenerationConfig's engine fields (static_cache, compile)
     # what verifies the trees when it is not the torch target (a LlamaCppTarget): then both sides
     # decode on it, plain being our engine with no drafting (the backend's own greedy decoding)

@@ -183,19 +183,23 @@ class EagleDrafter(FeatureBuffer):
 
     needs_last_hidden = False
 
-    def __init__(self, head, num_draft: int | str = 24, depth: int = 5, top_k: int = 6,
-                 verify_cost=None, extra_nodes: int = 0):
-        """num_draft: draft nodes per round, or "confidence": each round keeps the number of best
-        candidates that maximises expected tokens per second under `verify_cost` (a
-        cost.CostCurve measured on the target), counting `extra_nodes` that other drafters add."""
-        self.confidence_rule = num_draft == "confidence"
+    def __init__(self, head, num_draft: int | None = None, depth: int = 5, top_k: int = 6,
+                 sizing: str = "fixed", verify_cost=None, extra_nodes: int = 0):
+        """num_draft: draft nodes per round (default 24). sizing "confidence": each round keeps the
+        number of best candidates, up to num_draft (default: all of them), that maximises expected
+        tokens per second under `verify_cost` (a cost.CostCurve measured on the target), counting
+        `extra_nodes` that other drafters add."""
+        self.confidence_rule = sizing == "confidence"
         if self.confidence_rule:
             if verify_cost is None:
-                raise ValueError('num_draft="confidence" needs the target\'s measured verify_cost')
-            num_draft = top_k + (depth - 1) * top_k * top_k  # every candidate is eligible
-        if not isinstance(num_draft, int) or min(num_draft, depth, top_k) < 1:
-            raise ValueError(f'num_draft (an int or "confidence"), depth and top_k must be >= 1; got '
-                             f"{num_draft!r}, {depth}, {top_k}")
+                raise ValueError('sizing="confidence" needs the target\'s measured verify_cost')
+            if num_draft is None:
+                num_draft = top_k + (depth - 1) * top_k * top_k  # every candidate is eligible
+        elif sizing != "fixed":
+            raise ValueError(f'sizing is "fixed" or "confidence", got {sizing!r}')
+        num_draft = 24 if num_draft is None else num_draft
+        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or min(num_draft, depth, top_k) < 1:
+            raise ValueError(f"num_draft, depth and top_k must be whole numbers >= 1; got {num_draft!r}, {depth}, {top_k}")
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
         self.num_draft, self.depth, self.top_k = num_draft, depth, top_k
@@ -208,8 +212,8 @@ class EagleDrafter(FeatureBuffer):
         self.draft_ids = draft_ids_of(head)
 
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} tree", "num_draft": "confidence" if self.confidence_rule else self.num_draft,
-                "depth": self.depth, "top_k": self.top_k}
+        return {"kind": f"{self.head.kind} tree", "num_draft": self.num_draft,
+                "sizing": "confidence" if self.confidence_rule else "fixed", "depth": self.depth, "top_k": self.top_k}
 
     def limit(self, num_draft: int | None) -> None:
         """Draft at most `num_draft` nodes next round (None: the configured tree). Best-first nodes
@@ -333,18 +337,18 @@ class EagleDrafter(FeatureBuffer):
 _DECAY = 0.98  # per round, for the calibration sums of auto tree sizing (~50 rounds of memory)
 
 DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter settings measured best for this head
-# num_draft: draft nodes per round (`--num-draft`); lookup_nodes: the merged prompt lookup's own
+# num_draft: draft nodes per round (`--num-draft`); sizing: "fixed" or "confidence" (`--sizing`; the
+# load policy is the engine's, not a drafter setting); lookup_nodes: the merged prompt lookup's own
+_SHARED_KEYS = {"num_draft", "sizing", "lookup_nodes", "lookup_streak"}
 _DRAFTING_KEYS = {
-    "medusa": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
-    "hydra": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
-    "eagle": {"num_draft", "depth", "top_k", "lookup_nodes", "lookup_streak"},
-    "peagle": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
-    "dflash": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
-    "dspark": {"choices", "num_draft", "lookup_nodes", "lookup_streak"},
+    "medusa": {"choices", *_SHARED_KEYS},
+    "hydra": {"choices", *_SHARED_KEYS},
+    "eagle": {"depth", "top_k", *_SHARED_KEYS},
+    "peagle": {"choices", *_SHARED_KEYS},
+    "dflash": {"choices", *_SHARED_KEYS},
+    "dspark": {"choices", *_SHARED_KEYS},
 }
-# the drafter families whose num_draft may be "confidence": EAGLE's path probabilities, DSpark's
-# confidence head, each against the target's measured verify cost
-CONFIDENCE_FAMILIES = ("eagle", "dspark")
+DRAFTER_SIZINGS = ("fixed", "confidence")
 # num_draft's key before the draft size had one name (EAGLE's total_tokens, the others' num_nodes):
 # drafting.json files that hold it are read with a warning (`renamed_drafting_keys`)
 _OLD_NUM_DRAFT_KEY = {"eagle": "total_tokens"}  # every other family: "num_nodes"
@@ -370,8 +374,9 @@ def check_drafting_values(settings: dict, where: str) -> None:
         whole(key, 0)
     for key in ("depth", "top_k"):
         whole(key, 1)
-    if settings.get("num_draft") != "confidence":
-        whole("num_draft", 1)
+    whole("num_draft", 1)
+    if settings.get("sizing", "fixed") not in DRAFTER_SIZINGS:
+        raise ValueError(f"{where}: sizing is one of {', '.join(DRAFTER_SIZINGS)}, got {settings['sizing']!r}")
     choices = settings.get("choices")
     # lists from JSON, tuples from Python callers
     if choices is not None and not (isinstance(choices, (list, tuple)) and all(
@@ -394,9 +399,18 @@ def drafting_defaults(path: Path, family: str) -> dict:
 
 
 def renamed_drafting_keys(settings: dict, family: str, where: str) -> dict:
-    """`settings` with the family's old name for num_draft (_OLD_NUM_DRAFT_KEY) renamed, with a
-    warning naming `where`; the old key beside num_draft is an error."""
+    """`settings` with the family's old name for num_draft (_OLD_NUM_DRAFT_KEY) renamed, and
+    num_draft "confidence" read as sizing "confidence", each with a warning naming `where`; the old
+    key beside the new one is an error."""
     settings, old = dict(settings), _OLD_NUM_DRAFT_KEY.get(family, "num_nodes")
+    if settings.get("num_draft") == "confidence":
+        if settings.get("sizing", "confidence") != "confidence":
+            raise ValueError(f"{where}: num_draft 'confidence' (the old spelling of sizing 'confidence') beside "
+                             f"sizing {settings['sizing']!r}")
+        warnings.warn(f"{where}: num_draft 'confidence' is now sizing 'confidence'; read as that (rename it to "
+                      "silence this)", stacklevel=3)
+        del settings["num_draft"]
+        settings["sizing"] = "confidence"
     if old in settings:
         if "num_draft" in settings:
             raise ValueError(f"{where}: both {old!r} and 'num_draft'; {old!r} is the old name of 'num_draft'")

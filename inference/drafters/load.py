@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...heads.formats import detect_layout, import_head
-from ...heads.config import drafter_family
+from ...heads.config import head_kind
 from ...heads.registry import load_head
 from ..engine.cost import measure_verify_cost
 from ..kernels.target_linears import dispatch_linears
-from .heads import (CONFIDENCE_FAMILIES, EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, check_drafting_values,
+from .heads import (EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, check_drafting_values,
                     drafting_defaults, renamed_drafting_keys)
 from .merged import MergedDrafter
 from .parallel import DFlashDrafter, DSparkDrafter, ParallelDrafter
@@ -21,12 +21,12 @@ def head_drafter(head, **settings):
     used as it is: no eval(), no linear dispatch, so a head still training can be replayed."""
     drafters = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter, "peagle": ParallelDrafter,
                 "dflash": DFlashDrafter, "dspark": DSparkDrafter}
-    return drafters[drafter_family(head.kind)](head, **settings)
+    return drafters[head_kind(head.kind).family](head, **settings)
 
 
 def chain_settings(kind: str, k: int) -> dict:
     """Drafter settings for a chain of k top-1 drafts, in the terms of `kind`'s drafter family."""
-    if drafter_family(kind) == "eagle":
+    if head_kind(kind).grows_tree:
         return {"num_draft": k, "depth": k, "top_k": 1}
     return {"choices": [[0] * d for d in range(1, k + 1)]}
 
@@ -47,7 +47,8 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
         head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
     dispatch_linears(head)  # draft steps multiply a few rows by every head weight (inference/kernels/target_linears.py)
-    family = drafter_family(head.kind)
+    kind = head_kind(head.kind)
+    family = kind.family
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     given = renamed_drafting_keys(given, family, f"{head.kind} drafter options")
     check_drafting_keys(given, family, f"{head.kind} drafter options")
@@ -55,12 +56,16 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     settings = {**drafting_defaults(Path(path), family), **given}
     lookup_nodes = settings.pop("lookup_nodes", 0)
     lookup_streak = settings.pop("lookup_streak", None)
-    if family in CONFIDENCE_FAMILIES and settings.get("num_draft") == "confidence":
+    if settings.pop("sizing", "fixed") == "confidence":
+        if not kind.sizes_itself:
+            raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {head.kind} heads take a "
+                             "number of nodes")
         # the verifier returns hidden states to these drafters, so time the forward that way
-        settings.update(verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
+        settings.update(sizing="confidence", verify_cost=measure_verify_cost(target, want_hidden=True),
+                        extra_nodes=lookup_nodes)
     drafter = head_drafter(head, **settings)
     if lookup_nodes > 0:
-        lookup = PromptLookupDrafter(length=lookup_nodes, num_draft=lookup_nodes, streak_draft=lookup_streak)
+        lookup = PromptLookupDrafter(num_draft=lookup_nodes, streak_draft=lookup_streak)
         # the lookup drafter caps its own tree (lookup_nodes, or lookup_streak on a streak)
         drafter = MergedDrafter([drafter, lookup], extra_nodes=None)
     return drafter, target

@@ -138,21 +138,24 @@ class DSparkDrafter(DFlashDrafter):
     distribution its parent's: a node at depth d takes rank r of U_{d-1} + W2 W1[parent token].
     At most `block_size` deep (every slot drafts).
 
-    num_draft "confidence": the confidence head sets the verify length. Each node's chance of
+    sizing "confidence": the confidence head sets the verify length. Each node's chance of
     acceptance is the product of c along its path (c from its slot's state and its parent token);
     the round keeps the best nodes, as many as maximise expected tokens per second under the
     target's measured `verify_cost` (inference/engine/cost.py best_node_count, the paper's
     prefix scheduler for one sequence). Which nodes are verified never changes what is accepted."""
 
-    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int | str | None = None,
-                 verify_cost=None, extra_nodes: int = 0):
-        self.confidence_rule = num_draft == "confidence"
+    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int | None = None,
+                 sizing: str = "fixed", verify_cost=None, extra_nodes: int = 0):
+        """num_draft: the static tree's draft nodes; with sizing "confidence" the candidates
+        (default: every node of the static tree)."""
+        self.confidence_rule = sizing == "confidence"
         if self.confidence_rule:
             if verify_cost is None:
-                raise ValueError('num_draft="confidence" needs the target\'s measured verify_cost')
+                raise ValueError('sizing="confidence" needs the target\'s measured verify_cost')
             if head.confidence_head is None:
-                raise ValueError('num_draft="confidence" needs a dspark head with a confidence head')
-            num_draft = None  # every node of the static tree is a candidate
+                raise ValueError('sizing="confidence" needs a dspark head with a confidence head')
+        elif sizing != "fixed":
+            raise ValueError(f'sizing is "fixed" or "confidence", got {sizing!r}')
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
         depth = head.block_size
@@ -163,8 +166,7 @@ class DSparkDrafter(DFlashDrafter):
 
     def describe(self) -> dict:
         out = super().describe()
-        if self.confidence_rule:
-            out["num_draft"] = "confidence"
+        out["sizing"] = "confidence" if self.confidence_rule else "fixed"
         return out
 
     def propose(self) -> DraftTree:

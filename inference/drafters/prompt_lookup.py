@@ -75,13 +75,15 @@ def trie_tree(root: int, branches: list[list[int]], num_draft: int) -> tuple[lis
 
 
 class PromptLookupDrafter(DrafterBase):
-    def __init__(self, length: int = 10, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
+    def __init__(self, length: int | None = None, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
                  num_draft: int | None = None, streak_draft: int | None = None):
-        """length: tokens per continuation; num_draft: draft nodes per round, the merged trie's size
-        (default 2 * length). streak_draft: after a round that accepted `length` or more of this
-        drafter's tokens, draft one continuation (the most recent match) this long (None or
-        <= length: off)."""
+        """num_draft: draft nodes per round, the merged trie's size (default 2 * length); length:
+        tokens per continuation (default 10, at most num_draft). streak_draft: after a round that
+        accepted `length` or more of this drafter's tokens, draft one continuation (the most recent
+        match) this long (None or <= length: off)."""
         super().__init__()
+        if length is None:
+            length = 10 if num_draft is None else min(10, num_draft)
         if length < 1 or min_ngram < 1 or max_ngram < min_ngram:
             raise ValueError("need length >= 1 and 1 <= min_ngram <= max_ngram")
         self.length = length

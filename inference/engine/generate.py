@@ -49,7 +49,7 @@ class GenerationConfig:
     profile: bool = False  # synchronise the device around each phase so `timings` are exact
     # LOSSY, opt-in: Medusa's typical acceptance instead of the exact rule (sampling only)
     typical: TypicalAcceptance | None = None
-    # speculation by load (`--num-draft auto`): cuts every row's tree to the node count that pays
+    # speculation by load (`--sizing policy`): cuts every row's tree to the node count that pays
     # at this batch size, down to plain decoding (inference/engine/policy.py); None: verify whole trees
     policy: SpeculationPolicy | None = None
     # the target's linears on the faster CPU kernel per row count while we decode

@@ -1,4 +1,4 @@
-"""Speculation by load (`--num-draft auto`): how many draft nodes each row verifies this round,
+"""Speculation by load (`--sizing policy`): how many draft nodes each row verifies this round,
 down to none (plain decoding), so that the batch emits the most tokens per second.
 
 A batch's trees are padded to one node count N (inference/engine/tree.py `pad_trees`), so a round costs

@@ -6,7 +6,7 @@ Batch 1, greedy, the first turns of MT-bench rendered with the target's chat tem
 as inference/bench/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype and thread count for all:
   - transformers `generate()`;
   - ours with no drafting (the same engine, root-only trees), ours speculative with the shipped head's
-    fixed tree, and ours with the load policy (`--num-draft auto`: each round's node count from
+    fixed tree, and ours with the load policy (`--sizing policy`: each round's node count from
     the measured forward cost, down to plain decoding);
   - llama.cpp plain decoding (llama-completion) and with its own n-gram drafting
     (llama-speculative-simple --spec-type ngram-simple), built by `make llamacpp`
@@ -80,7 +80,7 @@ def main() -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from drafthead.commands import POLICY_TOKEN_COUNTS
+    from drafthead.draft_spec import POLICY_TOKEN_COUNTS
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.engine.drafter import RootOnlyDrafter
     from drafthead.inference.engine.cost import measure_verify_cost

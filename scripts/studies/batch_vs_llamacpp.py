@@ -70,7 +70,7 @@ def main() -> int:
     parser.add_argument("--out", default="out/batch-llamacpp")
     args = parser.parse_args()
 
-    from drafthead.commands import POLICY_TOKEN_COUNTS
+    from drafthead.draft_spec import POLICY_TOKEN_COUNTS
     from drafthead.drafters import build_drafter
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
     from drafthead.inference.engine.cost import measure_verify_cost

@@ -1,5 +1,5 @@
 """Tokens/s against batch size: plain batched generate(), our engine with no drafting, the shipped
-head's fixed tree and the load policy (`--num-draft auto`), in one run, batch by batch interleaved.
+head's fixed tree and the load policy (`--sizing policy`), in one run, batch by batch interleaved.
 
     .venv/bin/python scripts/studies/bench_batch.py --batch-sizes 1,2,4,8,16 --limit 16 --max-new-tokens 128 \
         --dtype bfloat16 --out out/batch
@@ -29,7 +29,7 @@ def main() -> int:
     parser.add_argument("--out", default="out/batch")
     args = parser.parse_args()
 
-    from drafthead.commands import POLICY_TOKEN_COUNTS
+    from drafthead.draft_spec import POLICY_TOKEN_COUNTS
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.bench.batch import format_batch_table, run_batch_bench
     from drafthead.inference.bench.run import BenchSettings

@@ -140,7 +140,7 @@ def study_steps(kind: str, preset: str, head: list[str], steps: int, s_step: flo
 
 
 def confidence_bench(kind: str, final: Path, args) -> dict:
-    """A DSpark head's bench with the confidence head sizing each round (`--num-draft confidence`):
+    """A DSpark head's bench with the confidence head sizing each round (`--sizing confidence`):
     tau, tokens/s and the mean number of drafts it verified, on torch and on the llama.cpp backend
     where `make llamacpp` built it."""
     from drafthead.heads.io import read_json
@@ -154,7 +154,7 @@ def confidence_bench(kind: str, final: Path, args) -> dict:
         try:
             run([BIN / "drafthead", "bench", "--head", final, "--dtype", "float32", "--threads", args.threads,
                  "--limit", args.prompts, "--max-new-tokens", args.max_new_tokens, "--lookup-nodes", 0,
-                 "--num-draft", "confidence", "--backend", backend, "--no-progress", "--out", bench],
+                 "--sizing", "confidence", "--backend", backend, "--no-progress", "--out", bench],
                 Path(args.work) / f"{kind}-confidence-{backend}.log")
         except SystemExit as e:
             out[f"confidence_{backend}"] = {"error": str(e)[:300]}

@@ -1,0 +1,84 @@
+"""DraftSpec (drafthead/draft_spec.py): the one home of how a round drafts. The CLI's spellings map
+to one spec, bad settings fail before any model loads, and each proposer gets its options from
+one translation."""
+from argparse import Namespace
+from types import SimpleNamespace
+
+import pytest
+
+from drafthead.cli import build_parser
+from drafthead.draft_spec import DraftSpec
+from tests.tiny import tiny_causal_lm
+
+
+def spec_of(*argv: str) -> DraftSpec:
+    return DraftSpec.from_args(build_parser()[0].parse_args(["generate", "--prompt", "hi", *argv]))
+
+
+def test_the_cli_spellings_map_to_one_spec():
+    assert spec_of() == DraftSpec()
+    assert spec_of("--num-draft", "auto") == spec_of("--sizing", "policy") == DraftSpec(sizing="policy")
+    assert spec_of("--num-draft", "confidence") == DraftSpec(sizing="confidence")
+    assert spec_of("--num-draft", "12", "--sizing", "confidence") == DraftSpec(num_draft=12, sizing="confidence")
+    assert spec_of("--head", "h", "--tree-depth", "3", "--tree-branch", "2", "--lookup-nodes", "4",
+                   "--lookup-streak", "0") == DraftSpec(head="h", depth=3, branch=2, lookup_nodes=4, lookup_streak=0)
+    with pytest.raises(ValueError, match="contradicts --sizing fixed"):
+        spec_of("--num-draft", "auto", "--sizing", "fixed")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"lookup_nodes": -1}, "--lookup-nodes must be a whole number >= 0"),
+    ({"lookup_streak": -2}, "--lookup-streak must be"),
+    ({"num_draft": 0}, "--num-draft must be a whole number >= 1"),
+    ({"depth": 0}, "--depth must be"),
+    ({"sizing": "sometimes"}, "unknown sizing"),
+    ({"proposer": "oracle"}, "unknown proposer"),
+    ({"backend": "onnx"}, "unknown backend"),
+    ({"proposer": "prompt-lookup", "sizing": "confidence"}, "not prompt-lookup drafts"),
+    ({"proposer": "draft-model"}, "needs --draft-model"),
+    ({"proposer": "prompt-lookup", "depth": 3}, "--depth is a head drafter's setting"),
+])
+def test_settings_no_drafter_can_take_fail_at_once(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DraftSpec(**fields)
+
+
+def test_each_proposer_gets_its_options_from_one_translation():
+    assert DraftSpec(proposer="prompt-lookup", num_draft=7, lookup_streak=0).drafter_options() == \
+        {"num_draft": 7, "streak_draft": 0}
+    heads = DraftSpec(proposer="heads", head="h", num_draft=9, depth=3, branch=2, lookup_nodes=0)
+    assert heads.drafter_options() == {"num_draft": 9, "depth": 3, "top_k": 2, "lookup_nodes": 0}
+    # unset fields stay out, so drafting.json keeps them; the load policy is the engine's, and the
+    # drafter drafts its fixed tree under it
+    assert DraftSpec(proposer="heads", head="h").drafter_options() == {}
+    assert DraftSpec(proposer="heads", head="h", sizing="policy").drafter_options() == {"sizing": "fixed"}
+    assert DraftSpec(proposer="heads", head="h", sizing="confidence").drafter_options() == {"sizing": "confidence"}
+    assert DraftSpec(proposer="draft-model", draft_model="m", num_draft=3).drafter_options() == {"num_draft": 3}
+    with pytest.raises(ValueError, match="resolve"):
+        DraftSpec().drafter_options()
+
+
+def test_build_gives_the_factory_model_verifier_and_policy():
+    """Prompt lookup on a tiny target: fixed sizing has no policy; `--sizing policy` times the
+    target's forward and gives a load policy; the torch backend verifies with the model itself."""
+    target = tiny_causal_lm("llama", layers=1)
+    loaded = SimpleNamespace(name="tiny-no-head", model=target, tokenizer=None)
+    lines = []
+    fixed = DraftSpec(num_draft=6).build(loaded, note=lines.append)
+    assert fixed.spec.proposer == "prompt-lookup" and fixed.policy is None
+    assert fixed.model is target and fixed.verifier is target
+    assert fixed.factory() is not fixed.factory() and fixed.factory().num_draft == 6  # fresh state per prompt
+    policy = DraftSpec(proposer="prompt-lookup", sizing="policy").build(loaded, note=lines.append)
+    assert policy.policy is not None and any("timing the target's forward" in line for line in lines)
+
+
+def test_data_regenerate_spells_sizing_the_same_way():
+    from drafthead.commands.data import _regenerate_sizing
+
+    def sizing(**kw):
+        return _regenerate_sizing(Namespace(**{"sizing": None, "num_draft": None, **kw}))
+
+    assert sizing() == "policy" and sizing(num_draft="whole") == "fixed" and sizing(sizing="fixed") == "fixed"
+    assert sizing(num_draft="auto", sizing="policy") == "policy"
+    with pytest.raises(ValueError, match="contradicts"):
+        sizing(num_draft="whole", sizing="policy")
