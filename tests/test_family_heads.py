@@ -26,7 +26,7 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-from drafthead.heads.formats import _FORMAT_KINDS, ENGINES, export_head
+from drafthead.heads.formats import consumer, export_head, formats_for
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter
@@ -166,7 +166,7 @@ FLAG_KEYS = {"eagle31": {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weig
 
 
 def export_formats(kind: str) -> list[str]:
-    return [fmt for fmt, kinds in _FORMAT_KINDS.items() if kind in kinds]
+    return formats_for(kind)
 
 
 def written(out) -> tuple[dict, dict[str, tuple[int, ...]]]:
@@ -318,7 +318,7 @@ def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kin
             with pytest.raises(ValueError) as refused:
                 export_head(tmp_path / "head", out, fmt, target_model=target)
             message = str(refused.value)
-            assert "\n" not in message and message.startswith(ENGINES[fmt]) and why in message, message
+            assert "\n" not in message and message.startswith(consumer(fmt)) and why in message, message
             continue
         export_head(tmp_path / "head", out, fmt, target_model=target)
         cfg, shapes = written(out)
@@ -408,7 +408,7 @@ def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_
         with pytest.raises(ValueError) as refused:
             export_head(folder, tmp_path / fmt, fmt)
         message = str(refused.value)
-        assert "\n" not in message and message.startswith(f"{ENGINES[fmt]} serves a Llama draft layer") and "qwen3" in message
+        assert "\n" not in message and message.startswith(f"{consumer(fmt)} serves a Llama draft layer") and "qwen3" in message
     out = export_head(folder, tmp_path / "speculators", "speculators", target_model=target)
     cfg, shapes = written(out)
     assert cfg["transformer_layer_config"]["model_type"] == "qwen3" and "layers.0.self_attn.q_norm.weight" in shapes

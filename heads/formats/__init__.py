@@ -26,41 +26,49 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..config import DRAFT_OWN_FIELDS, config_from_dict, with_draft_layer
+from ..config import DRAFT_OWN_FIELDS, config_from_dict, head_kind, with_draft_layer
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
     write_json, write_safetensors
 from ..outdir import check_distinct, check_output, fresh_folder
 from . import dflash, dspark, eagle1, eagle3, gguf_eagle3, medusa, mtp, speculators
-from .common import ID_OFFSETS, ForeignHead, drafthead_block, drop_zero_extra, dtype_name, layer_field_diffs, read_config, \
-    read_weights, served_layer_refusal
+from .common import Export, ExportJob, ForeignHead, Layout, drafthead_block, drop_zero_extra, dtype_name, \
+    layer_field_diffs, read_config, served_layer_refusal
 
-EXPORT_FORMATS = ("ours", "vllm", "speculators", "sglang", "llama.cpp", "eagle", "medusa", "dflash", "dspark", "mtp")
+# The format modules, each declaring the layouts it reads (LAYOUTS) and the exports it writes
+# (EXPORTS; heads/formats/common.py); a layout is detected in this order, a file's first.
+_MODULES = (gguf_eagle3, speculators, dflash, dspark, medusa, eagle3, eagle1, mtp)
+LAYOUTS: dict[str, Layout] = {layout.name: layout for m in _MODULES for layout in getattr(m, "LAYOUTS", ())}
+_EXPORTS: tuple[Export, ...] = tuple(e for m in _MODULES for e in getattr(m, "EXPORTS", ()))
+EXPORT_FORMATS = ("ours", *dict.fromkeys(e.format for e in _EXPORTS))
 CONVENTIONS = ("vllm", "sglang", "eagle")
 IDENTITY_VOCAB_KEYS = ("d2t", "t2d")  # EAGLE-3's draft-vocab maps, the identity when Vd == V
 
-# Which kinds each engine format can carry.
-EAGLE3_KINDS = ("eagle3", "eagle31", "peagle")  # one head module (heads/eagle3.py), flags and P-EAGLE's extras aside
-# The head kind each foreign layout is read into (the flags of an EAGLE-3.1 checkpoint ride on
-# eagle3); the speculators layout says its own (`layout_kind`).
-LAYOUT_KINDS = {"speculators": "eagle3", "eagle3-research": "eagle3", "llama.cpp-gguf": "eagle3",
-                "eagle1": "eagle1", "medusa": "medusa1", "medusa-vllm": "medusa1", "dflash": "dflash",
-                "dspark": "dspark"}
-_FORMAT_KINDS = {
-    "vllm": ("eagle3", "eagle31", "eagle1"),  # vLLM takes P-EAGLE through the speculators layout only
-    "speculators": EAGLE3_KINDS + ("dspark",),
-    "sglang": ("eagle3", "eagle1"),
-    "llama.cpp": ("eagle3",),
-    "eagle": ("eagle1",),
-    "medusa": ("medusa1",),
-    "dflash": ("dflash",),
-    "dspark": ("dspark",),
-    "mtp": ("mtp",),
-}
-# The consumer each export format is for, as refusals name it.
-ENGINES = {"vllm": "vLLM", "speculators": "speculators", "sglang": "SGLang", "llama.cpp": "llama.cpp",
-           "eagle": "upstream EAGLE", "medusa": "upstream Medusa", "dflash": "vLLM's, SGLang's and z-lab's DFlash",
-           "dspark": "vLLM's and llama.cpp's DSpark", "mtp": "vLLM's and SGLang's MTP"}
+
+def format_kinds(fmt: str) -> tuple[str, ...]:
+    """The head kinds export format `fmt` carries."""
+    return tuple(k for e in _EXPORTS if e.format == fmt for k in e.kinds)
+
+
+def formats_for(kind: str) -> list[str]:
+    """The export formats a `kind` head can be written in ("ours" aside)."""
+    return list(dict.fromkeys(e.format for e in _EXPORTS if kind in e.kinds))
+
+
+def consumer(fmt: str) -> str:
+    """Whose code loads export format `fmt`, as refusals name it."""
+    return next(e.consumer for e in _EXPORTS if e.format == fmt)
+
+
+def _export_of(fmt: str, kind: str) -> Export:
+    """The Export that writes a `kind` head in `fmt`, or a one-line refusal saying where it can go."""
+    if head_kind(kind).adapts_target:
+        raise ValueError(f"a {kind} head changes the target (LoRA adapter); no engine format carries the adapter")
+    for e in _EXPORTS:
+        if e.format == fmt and kind in e.kinds:
+            return e
+    raise ValueError(f"--format {fmt} carries {' / '.join(format_kinds(fmt))} heads, not {kind} "
+                     f"(a {kind} head exports as: {', '.join(formats_for(kind)) or 'ours only'})")
 
 
 # ----------------------------------------------------------------------------- export
@@ -100,63 +108,27 @@ def _write_export(head_dir: Path, out_dir: Path, fmt: str, config, meta: dict, s
         write_json(out_dir / CONFIG_NAME, {**meta, "dtype": dtype_name(state)})
         return
 
-    kinds = _FORMAT_KINDS[fmt]
-    if config.kind == "medusa2":
-        raise ValueError("a medusa2 head changes the target (LoRA adapter); no engine format carries the adapter")
-    if config.kind not in kinds:
-        fits = [f for f, ks in _FORMAT_KINDS.items() if config.kind in ks]
-        raise ValueError(f"--format {fmt} carries {' / '.join(kinds)} heads, not {config.kind} "
-                         f"(a {config.kind} head exports as: {', '.join(fits) or 'ours only'})")
-    # Medusa heads embed no token: nothing to serve differently; an MTP head is the target's own layer
-    if config.kind not in ("medusa1", "hydra", "mtp"):
-        refusal = served_layer_refusal(config, ENGINES[fmt], fmt)
+    export = _export_of(fmt, config.kind)
+    if export.served_layer:
+        refusal = served_layer_refusal(config, export.consumer, fmt)
         if refusal is not None:
             raise ValueError(refusal)
     if target_model is not None:
         diffs = identity_diff(config.target, identify_target(target_model))
         if diffs:
             raise HeadTargetMismatch("target_model is not this head's target:\n  " + "\n  ".join(diffs))
-
-    def target_tensor(get):
-        """A target tensor the layout stores a copy of: in the target's dtype unless `dtype` was asked."""
-        if target_model is None:
-            return None
-        w = get(target_model).weight
-        return w if dtype is None else w.to(dtype)
-
-    if config.kind in EAGLE3_KINDS and config.draft_vocab_size == config.vocab_size:
+    if head_kind(config.kind).draft_vocab and config.draft_vocab_size == config.vocab_size:
         # a full draft vocabulary maps every id to itself: the engines then build no d2t / t2d
         # (vLLM refuses them as unknown parameters), and the import restores the identity
         state = {k: v for k, v in state.items() if k not in IDENTITY_VOCAB_KEYS}
-    verifier = None if target_model is None else str(getattr(target_model.config, "_name_or_path", "") or "") or None
-    if config.kind == "dspark" and fmt == "speculators":
-        cfg, tensors = dspark.to_speculators(config, meta, state, verifier,
-                                             None if target_model is None else getattr(target_model.config, "architectures", None))
-    elif config.kind in EAGLE3_KINDS and fmt == "speculators":
-        cfg, tensors = speculators.to_speculators(config, meta, state, target_tensor(lambda m: m.get_input_embeddings()),
-                                                  verifier)
-    elif config.kind in EAGLE3_KINDS:
-        cfg, tensors = eagle3.to_engine(fmt, config, meta, state)
-    elif config.kind == "dflash":
-        cfg, tensors = dflash.to_engine(config, meta, state)
-    elif config.kind == "dspark":  # --format dspark
-        cfg, tensors = dspark.to_engine(config, meta, state)
-    elif config.kind == "mtp":
-        cfg, tensors = mtp.to_engine(config, state, target_model)
-    elif config.kind == "eagle1":
-        cfg, tensors = eagle1.to_engine(fmt, config, meta, state, target_tensor(lambda m: m.get_input_embeddings()))
-    else:
-        cfg, tensors = medusa.to_upstream(config, meta, state, target_tensor(lambda m: m.get_output_embeddings()),
-                                          config.target.name)
+    cfg, tensors = export.write(ExportJob(fmt, config, meta, state, target_model, dtype))
     cfg["torch_dtype"] = dtype_name(tensors)
     cfg["drafthead"] = drafthead_block(meta)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if fmt == "eagle":
-        _atomic_torch_save(out_dir / "pytorch_model.bin", tensors)
-    elif fmt == "medusa":
-        _atomic_torch_save(out_dir / "medusa_lm_head.pt", tensors)
+    if export.weights.endswith(".safetensors"):
+        write_safetensors(out_dir / export.weights, tensors, {"format": "pt"})
     else:
-        write_safetensors(out_dir / WEIGHTS_NAME, tensors, {"format": "pt"})
+        _atomic_torch_save(out_dir / export.weights, tensors)
     write_json(out_dir / CONFIG_NAME, cfg)  # last: the folder is complete once this exists
 
 
@@ -171,39 +143,27 @@ def _atomic_torch_save(path: Path, tensors: dict) -> None:
 
 
 def detect_layout(src_dir) -> str:
-    """Which layout a folder (or a llama.cpp .gguf file) holds: "ours", "speculators", "medusa",
-    "medusa-vllm", "eagle3-research", "eagle1", "dflash", "dspark" or "llama.cpp-gguf"."""
+    """Which layout a folder (or a llama.cpp .gguf file) holds: "ours" or a name of LAYOUTS."""
     src = Path(src_dir)
-    if gguf_eagle3.is_layout(src):
-        return "llama.cpp-gguf"
+    for layout in LAYOUTS.values():
+        if layout.on_file and layout.detect(src, None):
+            return layout.name
     if not src.is_dir():
         raise HeadFormatError(f"head directory {src} does not exist")
     cfg = read_config(src)
     if cfg.get("format") == FORMAT:
         return "ours"
-    if speculators.is_layout(cfg):
-        return "speculators"
-    if dflash.is_layout(cfg):
-        return "dflash"
-    if dspark.is_layout(cfg):
-        return "dspark"
-    if medusa.is_upstream(cfg) or any((src / n).is_file() for n in medusa.UPSTREAM_WEIGHTS):
-        return "medusa"
-    if medusa.is_vllm(cfg):
-        return "medusa-vllm"
-    if eagle3.is_layout(cfg):
-        return "eagle3-research"
-    if eagle1.is_layout(cfg):
-        return "eagle1"
+    for layout in LAYOUTS.values():
+        if not layout.on_file and layout.detect(src, cfg):
+            return layout.name
     raise HeadFormatError(f"cannot tell which head layout {src} holds (architectures={cfg.get('architectures')}); "
                           "known: ours, speculators, EAGLE-3 research, EAGLE-1, Medusa, DFlash, DSpark")
 
 
 def layout_kind(src_dir, layout: str) -> str:
     """The head kind a foreign folder in `layout` is read into (before reading its weights)."""
-    if layout == "speculators":
-        return speculators.kind_of(read_config(Path(src_dir)))
-    return LAYOUT_KINDS[layout]
+    entry = LAYOUTS[layout]
+    return entry.kind(None if entry.on_file else read_config(Path(src_dir)))
 
 
 def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:
@@ -214,45 +174,18 @@ def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:
         raise ValueError(f"{src} is already a drafthead head folder")
     if convention is not None and convention not in CONVENTIONS:
         raise HeadFormatError(f"unknown convention {convention!r} (known: {', '.join(CONVENTIONS)})")
-    if layout == "llama.cpp-gguf":
-        return gguf_eagle3.read(src)
+    entry = LAYOUTS[layout]
+    if entry.on_file:
+        return entry.read(src, None, convention)
     cfg = read_config(src)
+    foreign = entry.read(src, cfg, convention)
     ours = cfg.get("drafthead")
-    if layout == "medusa":
-        foreign = medusa.read_upstream(src, cfg, read_weights(src, medusa.UPSTREAM_WEIGHTS))
-    elif layout == "medusa-vllm":
-        foreign = medusa.read_vllm(src, cfg, read_weights(src))
-    elif layout == "speculators" and cfg.get("speculators_model_type") == "dspark":
-        foreign = dspark.read_speculators(src, cfg, read_weights(src))
-    elif layout == "speculators":
-        foreign = speculators.read(src, cfg, read_weights(src))
-    elif layout == "dflash":
-        foreign = dflash.read(src, cfg, read_weights(src))
-    elif layout == "dspark":
-        foreign = dspark.read(src, cfg, read_weights(src))
-    elif layout == "eagle3-research":
-        if ours is not None:  # our own export: the config below says how the ids are counted
-            convention = convention or _our_export_convention(cfg, ours)
-        foreign = eagle3.read(src, cfg, read_weights(src), convention)
-    else:
-        if ours is not None:
-            convention = convention or "vllm"
-        foreign = eagle1.read(src, cfg, read_weights(src), convention)
     if ours is not None:
         foreign.config = ours["config"]
         if ours["config"].get("share_lm_head"):  # our Medusa head read the target's LM head: the copies must be it
             for key in [k for k in foreign.state if k.startswith("lm_heads.")]:
                 foreign.target_copies[key] = foreign.state.pop(key)
     return foreign
-
-
-def _our_export_convention(cfg: dict, ours: dict) -> str:
-    ids = (cfg.get("eagle_config") or {}).get(eagle3.IDS_KEY, cfg.get(eagle3.IDS_KEY))
-    layers = list(ours["config"].get("aux_layers") or [])
-    for name, offset in ID_OFFSETS.items():
-        if ids is not None and [i + offset for i in ids] == layers:
-            return name
-    raise HeadFormatError(f"aux ids {ids} match neither convention for the recorded layers {layers}")
 
 
 def import_head(src_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None,
@@ -282,7 +215,7 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     else:
         overrides = dict(foreign.overrides)
         _drop_target_rope(overrides, target_model)
-        if foreign.kind in ("eagle1", *EAGLE3_KINDS) and overrides.get("draft_layer", "llama") == "llama":
+        if head_kind(foreign.kind).engine_layer and overrides.get("draft_layer", "llama") == "llama":
             overrides.update(_own_layer_fields(foreign.layer_fields, target_model))
         config = make_config(foreign.kind, target_model, tokenizer, name, **overrides)
     family_layer = foreign.layer_fields.get("model_type", "llama")
@@ -296,11 +229,9 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
         raise HeadFormatError(f"{src}: the checkpoint's decoder layer is not the target family's:\n  " + "\n  ".join(diffs))
     expected = head.state_dict()
     state = dict(foreign.state)
-    if foreign.kind in EAGLE3_KINDS:  # the engines' Llama layer has an o_proj bias where Qwen2's has none
+    if head_kind(foreign.kind).draft_vocab:  # the engines' Llama layer has an o_proj bias where Qwen2's has none
         drop_zero_extra(expected, state, eagle3.O_BIAS, src, "the target family's attention has no o_proj bias")
-    elif foreign.kind == "eagle1":  # SGLang's EAGLE-1 fc always has a bias
-        drop_zero_extra(expected, state, "fc.bias", src, "this head's fc has none")
-    if foreign.kind in EAGLE3_KINDS and config.draft_vocab_size == config.vocab_size:
+    if head_kind(foreign.kind).draft_vocab and config.draft_vocab_size == config.vocab_size:
         for key in IDENTITY_VOCAB_KEYS:  # left out for a full vocabulary: our fresh head holds the identity
             state.setdefault(key, expected[key])
     check_state_dict(expected, state, where=f"in {src}")

@@ -1,9 +1,11 @@
-"""What every foreign layout shares: reading its files, the aux-layer id conventions, the
-`drafthead` provenance block, and the record an importer hands back (docs/formats.md)."""
+"""What every foreign layout shares: what a format module declares (the layouts it reads, the
+exports it writes), reading its files, the aux-layer id conventions, the `drafthead` provenance
+block, and the record an importer hands back (docs/formats.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -14,6 +16,9 @@ from ..io import CONFIG_NAME, FORMAT, HeadFormatError, drafthead_version, read_j
 #   vllm:   the same numbers (vLLM, speculators, llama.cpp, drafthead)
 #   sglang: one lower: SGLang adds 1 to every id before capturing (SGLang, SpecForge)
 ID_OFFSETS = {"vllm": 0, "sglang": 1}
+
+# The speculators release whose layout our `speculators` exports write (EAGLE-3 and DSpark alike).
+SPECULATORS_VERSION = "0.9.0"
 
 # Files a foreign head keeps its weights in, in the order they are looked for.
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
@@ -42,6 +47,62 @@ class ForeignHead:
     layer_fields: dict = field(default_factory=dict)  # the decoder layer's config as the checkpoint states it
     # rows of a target copy that are the head's own (P-EAGLE's mask-token row), not compared with the target
     copy_rows_own: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A published layout one format module reads. `detect(src, cfg)` says whether the folder
+    `src` with config.json `cfg` holds it (for an `on_file` layout, `src` is a file and `cfg` None);
+    `kind(cfg)` is the head kind it is read into, before its weights are; `read(src, cfg,
+    convention)` translates it (a ForeignHead), or refuses it in one line."""
+    name: str
+    detect: Callable[[Path, dict | None], bool]
+    kind: Callable[[dict | None], str]
+    read: Callable[[Path, dict | None, str | None], ForeignHead]
+    on_file: bool = False
+
+
+@dataclass(frozen=True)
+class ExportJob:
+    """One head to write in one export format: our config, folder metadata and tensors (cast to
+    the asked dtype), and the head's target when the caller gave it."""
+    fmt: str
+    config: object
+    meta: dict
+    state: dict[str, torch.Tensor]
+    target_model: object = None
+    dtype: torch.dtype | None = None
+
+    def target_tensor(self, get) -> torch.Tensor | None:
+        """A target tensor the layout stores a copy of (`get(model)` is a module with a weight), in
+        the target's dtype unless a dtype was asked; None without a target."""
+        if self.target_model is None:
+            return None
+        w = get(self.target_model).weight
+        return w if self.dtype is None else w.to(self.dtype)
+
+    @property
+    def verifier(self) -> str | None:
+        """The target's name or path, as consumers that record their verifier store it."""
+        if self.target_model is None:
+            return None
+        return str(getattr(self.target_model.config, "_name_or_path", "") or "") or None
+
+
+@dataclass(frozen=True)
+class Export:
+    """An export format (`--format NAME`) for some head kinds, as one module writes it: `write(job)`
+    returns (config.json dict, tensors). `consumer` names the code that loads it (refusals start
+    with it; docs/formats.md has the versions each was checked against). `weights`: the file the
+    tensors go to (.safetensors, else torch.save). `served_layer`: the head's draft layer must be
+    one the consumer builds (served_layer_refusal); False where the head embeds no draft layer of
+    its own choosing (Medusa, a target's own MTP layer)."""
+    format: str
+    kinds: tuple[str, ...]
+    consumer: str
+    write: Callable[[ExportJob], tuple[dict, dict]]
+    weights: str = "model.safetensors"
+    served_layer: bool = True
 
 
 # Decoder-layer fields that change the maths without changing any tensor's shape, or that must

@@ -15,7 +15,7 @@ minus one (vLLM adds the one back; SGLang captures "before layer id + 1", the sa
 from __future__ import annotations
 
 from ..io import HeadFormatError
-from .common import ForeignHead, layer_config, rope_fields, rope_parameters_of
+from .common import Export, ForeignHead, Layout, layer_config, read_weights, rope_fields, rope_parameters_of
 
 ARCH = "DFlashDraftModel"
 QWEN3_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -80,3 +80,9 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
     state = {k.removeprefix("model."): v for k, v in state.items()}
     notes = [f"target_layer_ids {list(ids)} (layer outputs) -> output_hidden_states {list(overrides['aux_layers'])}"]
     return ForeignHead("dflash", "dflash", overrides, state, notes=notes, layer_fields=cfg)
+
+
+LAYOUTS = (Layout("dflash", lambda src, cfg: is_layout(cfg), lambda cfg: "dflash",
+                  lambda src, cfg, convention: read(src, cfg, read_weights(src))),)
+EXPORTS = (Export("dflash", ("dflash",), "vLLM's, SGLang's and z-lab's DFlash",
+                  lambda job: to_engine(job.config, job.meta, job.state)),)

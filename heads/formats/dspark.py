@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..io import HeadFormatError
 from . import dflash
-from .common import ForeignHead
+from .common import SPECULATORS_VERSION, Export, ForeignHead, Layout, read_weights
 
 ARCH = "Qwen3DSparkModel"
 
@@ -54,7 +54,6 @@ def to_speculators(config, meta: dict, state: dict, verifier: str | None = None,
     """speculators' DSpark layout: its config keys (as DSparkDraftModel.save_pretrained writes
     them, fixture `speculators-dspark`) over the native tensors; no embedding, LM head or d2t / t2d
     (a full vocabulary: speculators reads them from the verifier)."""
-    from .speculators import VERSION
 
     native, tensors = to_engine(config, meta, state)
     layer = {k: v for k, v in native.items() if k in dflash.QWEN3_FIELDS or k in ("rope_theta", "rope_scaling")}
@@ -64,7 +63,7 @@ def to_speculators(config, meta: dict, state: dict, verifier: str | None = None,
     cfg = {
         "architectures": ["DSparkDraftModel"],
         "speculators_model_type": "dspark",
-        "speculators_version": VERSION,
+        "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
             "algorithm": "dspark",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size, "accept_tolerance": 0.0,
@@ -132,3 +131,16 @@ def read_speculators(src, cfg: dict, state: dict) -> ForeignHead:
     foreign = read(src, native, state)
     foreign.layout = "speculators"
     return foreign
+
+
+def _write_speculators(job) -> tuple[dict, dict]:
+    architectures = None if job.target_model is None else getattr(job.target_model.config, "architectures", None)
+    return to_speculators(job.config, job.meta, job.state, job.verifier, architectures)
+
+
+# speculators' DSpark layout is detected as speculators' (heads/formats/speculators.py reads it here)
+LAYOUTS = (Layout("dspark", lambda src, cfg: is_layout(cfg), lambda cfg: "dspark",
+                  lambda src, cfg, convention: read(src, cfg, read_weights(src))),)
+EXPORTS = (Export("dspark", ("dspark",), "vLLM's and llama.cpp's DSpark",
+                  lambda job: to_engine(job.config, job.meta, job.state)),
+           Export("speculators", ("dspark",), "speculators", _write_speculators))

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..io import HeadFormatError
-from .common import ForeignHead, layer_config, need_convention, rope_fields, rope_parameters_of
+from .common import Export, ForeignHead, Layout, drop_zero_extra, layer_config, need_convention, read_weights, rope_fields, \
+    rope_parameters_of
 
 # draft-layer family -> the architecture the config names, per format (docs/formats.md "The draft
 # layer per target family"): vLLM prefixes "Eagle" itself (EagleLlamaForCausalLM), SGLang loads the
@@ -106,3 +107,21 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
     overrides["rope_parameters"] = rope
     return ForeignHead("eagle1", "eagle1", overrides, state, copies, notes=notes, layer_fields=cfg)
 
+
+def _read(src, cfg: dict, convention: str | None) -> ForeignHead:
+    ours = cfg.get("drafthead")
+    if ours is not None:  # our own export counts aux ids as vLLM does
+        convention = convention or "vllm"
+    foreign = read(src, cfg, read_weights(src), convention)
+    if ours is not None and not ours["config"].get("fc_bias", False):  # SGLang's EAGLE-1 fc always has a bias
+        drop_zero_extra({}, foreign.state, "fc.bias", src, "this head's fc has none")
+    return foreign
+
+
+def _write(job) -> tuple[dict, dict]:
+    return to_engine(job.fmt, job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_input_embeddings()))
+
+
+LAYOUTS = (Layout("eagle1", lambda src, cfg: is_layout(cfg), lambda cfg: "eagle1", _read),)
+EXPORTS = (Export("vllm", ("eagle1",), "vLLM", _write), Export("sglang", ("eagle1",), "SGLang", _write),
+           Export("eagle", ("eagle1",), "upstream EAGLE", _write, weights="pytorch_model.bin"))

@@ -19,8 +19,8 @@ import torch
 
 from ..config import engine_layer_problem
 from ..io import HeadFormatError
-from .common import ForeignHead, ids_from_ours, ids_to_ours, layer_config, llama_layer_fields, need_convention, \
-    rope_parameters_of
+from .common import ID_OFFSETS, Export, ForeignHead, Layout, ids_from_ours, ids_to_ours, layer_config, \
+    llama_layer_fields, need_convention, read_weights, rope_parameters_of
 
 ARCH = "LlamaForCausalLMEagle3"
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -143,3 +143,28 @@ def _foreign(src, cfg: dict, state: dict, overrides: dict, notes: list[str]) -> 
         copies["embed_tokens.weight"] = state.pop("embed_tokens.weight")
     return ForeignHead("eagle3-research", "eagle3", overrides, state, copies, notes=notes, layer_fields=cfg)
 
+
+def _read_research(src, cfg: dict, convention: str | None) -> ForeignHead:
+    ours = cfg.get("drafthead")
+    if ours is not None:  # our own export: the config says how its ids are counted
+        convention = convention or _our_export_convention(cfg, ours)
+    return read(src, cfg, read_weights(src), convention)
+
+
+def _our_export_convention(cfg: dict, ours: dict) -> str:
+    ids = (cfg.get("eagle_config") or {}).get(IDS_KEY, cfg.get(IDS_KEY))
+    layers = list(ours["config"].get("aux_layers") or [])
+    for name, offset in ID_OFFSETS.items():
+        if ids is not None and [i + offset for i in ids] == layers:
+            return name
+    raise HeadFormatError(f"aux ids {ids} match neither convention for the recorded layers {layers}")
+
+
+def _write(job) -> tuple[dict, dict]:
+    return to_engine(job.fmt, job.config, job.meta, job.state)
+
+
+LAYOUTS = (Layout("eagle3-research", lambda src, cfg: is_layout(cfg), lambda cfg: "eagle3", _read_research),)
+EXPORTS = (Export("vllm", ("eagle3", "eagle31"), "vLLM", _write),  # vLLM takes P-EAGLE through speculators only
+           Export("sglang", ("eagle3",), "SGLang", _write),
+           Export("llama.cpp", ("eagle3",), "llama.cpp", _write))

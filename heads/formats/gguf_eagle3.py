@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..io import HeadFormatError, read_gguf
-from .common import ForeignHead
+from .common import ForeignHead, Layout
 
 # GGUF tensor -> our EAGLE-3 key (before the q/k un-permute)
 NAMES = {
@@ -103,3 +103,7 @@ def read(src: Path) -> ForeignHead:
     notes = [f"llama.cpp GGUF: target layers {list(overrides['aux_layers'])} (vLLM's numbering), q/k un-permuted, "
              "d2t converted from absolute ids"]
     return ForeignHead("llama.cpp-gguf", "eagle3", overrides, state, copies, notes=notes, layer_fields=layer)
+
+
+LAYOUTS = (Layout("llama.cpp-gguf", lambda src, cfg: is_layout(src), lambda cfg: "eagle3",
+                  lambda src, cfg, convention: read(src), on_file=True),)

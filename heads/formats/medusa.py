@@ -17,7 +17,7 @@ import re
 import torch
 
 from ..io import HeadFormatError
-from .common import ForeignHead
+from .common import Export, ForeignHead, Layout, read_weights
 
 UPSTREAM_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 _UPSTREAM_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
@@ -87,3 +87,16 @@ def read_vllm(src, cfg: dict, state: dict) -> ForeignHead:
         copies["lm_head.weight"] = state.pop("lm_heads.0.weight")  # must equal the target's own LM head
     overrides = {"num_heads": int(cfg["num_heads"]), "num_layers": int(cfg["num_hidden_layers"]), "share_lm_head": shared}
     return ForeignHead("medusa-vllm", "medusa1", overrides, state, copies)
+
+
+def _write(job) -> tuple[dict, dict]:
+    return to_upstream(job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_output_embeddings()),
+                       job.config.target.name)
+
+
+LAYOUTS = (Layout("medusa", lambda src, cfg: is_upstream(cfg) or any((src / n).is_file() for n in UPSTREAM_WEIGHTS),
+                  lambda cfg: "medusa1",
+                  lambda src, cfg, convention: read_upstream(src, cfg, read_weights(src, UPSTREAM_WEIGHTS))),
+           Layout("medusa-vllm", lambda src, cfg: is_vllm(cfg), lambda cfg: "medusa1",
+                  lambda src, cfg, convention: read_vllm(src, cfg, read_weights(src))))
+EXPORTS = (Export("medusa", ("medusa1",), "upstream Medusa", _write, weights="medusa_lm_head.pt", served_layer=False),)

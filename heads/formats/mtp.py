@@ -15,6 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from ..mtp import checkpoint_tensors
+from .common import Export
 
 
 def to_engine(config, state: dict, target_model: nn.Module | None) -> tuple[dict, dict]:
@@ -30,3 +31,7 @@ def to_engine(config, state: dict, target_model: nn.Module | None) -> tuple[dict
         # bias only for this `topk_method` (DeepSeek-V3's own configs say it; transformers' drop it)
         cfg.setdefault("topk_method", "noaux_tc")
     return cfg, checkpoint_tensors(state, config.checkpoint_layer, target_model)
+
+
+EXPORTS = (Export("mtp", ("mtp",), "vLLM's and SGLang's MTP", lambda job: to_engine(job.config, job.state, job.target_model),
+                  served_layer=False),)

@@ -22,14 +22,14 @@ from __future__ import annotations
 import torch
 
 from ..io import HeadFormatError
+from . import dspark
 from .eagle3 import check_engine_layers
-from .common import FAMILY_LAYER_FORMATS, ForeignHead, layer_config, llama_layer_fields, refuse_unknown, \
-    rope_parameters_of
+from .common import FAMILY_LAYER_FORMATS, SPECULATORS_VERSION, Export, ForeignHead, Layout, layer_config, llama_layer_fields, read_weights, \
+    refuse_unknown, rope_parameters_of
 
 MODEL_TYPES = {"eagle3": "eagle3", "eagle31": "eagle3", "peagle": "peagle"}  # our kind -> theirs
 # theirs -> its architecture; each of their types is read into our kind of the same name
 ARCHITECTURES = {"eagle3": "Eagle3Speculator", "peagle": "PEagleSpeculator"}
-VERSION = "0.9.0"
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 # Boolean layer flags, their default when absent (speculators' own config class) and our field
 FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -91,7 +91,7 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
     cfg = {
         "architectures": [ARCHITECTURES[model_type]],
         "speculators_model_type": model_type,
-        "speculators_version": VERSION,
+        "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
             "algorithm": model_type,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "accept_tolerance": 0.0,
@@ -165,3 +165,17 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
         notes.append(f"P-EAGLE: mask token {mask_id}, {overrides['parallel_depth']} tokens per forward")
     return ForeignHead("speculators", model_type, overrides, ours, copies, notes=notes, layer_fields=layer,
                        copy_rows_own=skipped_rows)
+
+
+def _read(src, cfg: dict, convention: str | None) -> ForeignHead:
+    reader = dspark.read_speculators if cfg.get("speculators_model_type") == "dspark" else read
+    return reader(src, cfg, read_weights(src))
+
+
+def _write(job) -> tuple[dict, dict]:
+    return to_speculators(job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_input_embeddings()),
+                          job.verifier)
+
+
+LAYOUTS = (Layout("speculators", lambda src, cfg: is_layout(cfg), kind_of, _read),)
+EXPORTS = (Export("speculators", ("eagle3", "eagle31", "peagle"), "speculators", _write),)  # DSpark's: dspark.py
