@@ -1,0 +1,55 @@
+"""Our heads drafting inside transformers' own `model.generate(...)` through its custom_generate
+hook (drafthead/hf_generate.py): the same output as our engine and as plain greedy decoding."""
+import pytest
+import torch
+
+from drafthead.heads.registry import build_head, make_config
+from drafthead.hf_generate import CUSTOM_GENERATE
+from drafthead.inference.drafters.load import load_head_drafter
+from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
+
+HOOK = {"custom_generate": CUSTOM_GENERATE, "trust_remote_code": True}
+
+
+def hf_speculative(model, prompt, **kw):
+    """transformers' generate() with our loop: the new tokens of each row."""
+    out = model.generate(prompt, **HOOK, do_sample=False, eos_token_id=None, pad_token_id=2, **kw)
+    return out[:, prompt.shape[1]:]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa1"])
+def test_a_head_drafts_inside_transformers_generate_exactly(tmp_path, kind):
+    target = tiny_causal_lm("llama", layers=2)
+    folder = build_head(make_config(kind, target, None, name="tiny"), target).save_pretrained(tmp_path / kind)
+    prompt = repetitive_prompt(96, seed=3)
+    new = hf_speculative(target, prompt, draft_head=str(folder), max_new_tokens=14, num_draft=6)
+    assert new[0].tolist() == plain_greedy(target, prompt, 14)
+    drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", num_draft=6)
+    ours = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=14))
+    assert new[0].tolist() == ours.new_tokens[0].tolist()
+
+
+def test_a_ragged_batch_and_prompt_lookup_through_the_hook():
+    """No head: prompt lookup drafts. Two left-padded prompts: each row equals its own plain output,
+    and generate()'s shape holds (the padded prompts, then the new tokens)."""
+    target = tiny_causal_lm("qwen2", layers=2)
+    a, b = repetitive_prompt(96, seed=1), repetitive_prompt(96, length=8, seed=2)
+    prompt = torch.full((2, a.shape[1]), 2)
+    mask = torch.zeros_like(prompt)
+    prompt[0], mask[0] = a[0], 1
+    prompt[1, -b.shape[1]:], mask[1, -b.shape[1]:] = b[0], 1
+    out = target.generate(prompt, attention_mask=mask, **HOOK, do_sample=False, eos_token_id=None, pad_token_id=2,
+                          max_new_tokens=10, proposer="prompt-lookup")
+    assert out.shape == (2, prompt.shape[1] + 10) and torch.equal(out[:, : prompt.shape[1]], prompt)
+    assert out[0, prompt.shape[1]:].tolist() == plain_greedy(target, a, 10)
+    assert out[1, prompt.shape[1]:].tolist() == plain_greedy(target, b, 10)
+
+
+def test_what_the_loop_cannot_honour_is_refused_in_one_line():
+    target = tiny_causal_lm("llama", layers=1)
+    prompt = repetitive_prompt(96)
+    for kw, message in (({"num_beams": 2}, "num_beams"), ({"return_dict_in_generate": True}, "sequences only"),
+                        ({"frobnicate": 1}, "does not take frobnicate"), ({"sizing": "sometimes"}, "unknown sizing")):
+        with pytest.raises(ValueError, match=message):
+            target.generate(prompt, **HOOK, max_new_tokens=4, **kw)
