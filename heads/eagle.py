@@ -298,6 +298,7 @@ class DecoderHeadBase(DraftHeadBase):
 
 
 class Eagle1Head(DecoderHeadBase):
+    config: Eagle1Config
     def __init__(self, config: Eagle1Config, target_model: nn.Module) -> None:
         super().__init__()
         self.config = config

@@ -138,6 +138,7 @@ class Eagle3DecoderLayer(nn.Module):
 
 
 class Eagle3Head(DecoderHeadBase):
+    config: Eagle3Config
     def __init__(self, config: Eagle3Config, target_model: nn.Module) -> None:
         super().__init__()
         self.config = config

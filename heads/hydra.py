@@ -25,6 +25,7 @@ from .medusa import MedusaHead
 
 
 class HydraHead(MedusaHead):
+    config: HydraConfig
     def __init__(self, config: HydraConfig, target_model: nn.Module | None = None) -> None:
         super().__init__(config)
         H = config.hidden_size

@@ -40,6 +40,7 @@ class ResidualBlock(nn.Module):
 
 
 class MedusaHead(DraftHeadBase):
+    config: MedusaConfig
     def __init__(self, config: MedusaConfig) -> None:
         super().__init__()
         self.config = config

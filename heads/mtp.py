@@ -90,6 +90,7 @@ def _target_tensor(target_model: nn.Module, which: str) -> torch.Tensor:
 
 
 class MTPHead(Eagle1Head):
+    config: MTPConfig
     def __init__(self, config: MTPConfig, target_model: nn.Module) -> None:
         layout = mtp_layout(target_model)  # refuses a family whose MTP layer we do not read, before building
         super().__init__(config, target_model)

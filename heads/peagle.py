@@ -71,6 +71,7 @@ def parallel_attention_mask(T: int, columns: list[torch.Tensor], dtype: torch.dt
 
 
 class PEagleHead(Eagle3Head):
+    config: PEagleConfig
     def __init__(self, config: PEagleConfig, target_model: nn.Module) -> None:
         super().__init__(config, target_model)
         H, n_feat = config.hidden_size, len(config.feature_layers)

@@ -135,7 +135,8 @@ def _external(engines, args, loaded, prompts, settings, report) -> dict:
 
     encoded = [encode_chat(loaded.tokenizer, p) for p in prompts]
     texts = [loaded.tokenizer.decode(ids[0]) for ids in encoded]
-    rows, skipped = {}, {}
+    rows: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
     if "llama.cpp" in engines:
         rows.update(_llamacpp_rows(args, loaded, texts, settings, skipped))
     if "vllm" in engines:
@@ -160,7 +161,7 @@ def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
     head = settings.info.get("head")
     layout, kind = head_layout(Path(head)) if head else (None, None)
     # a head of ours that llama.cpp's converter takes also drafts in llama.cpp's own speculative tool
-    eagle3 = Path(head) if layout == "ours" and "llama.cpp" in formats_for(kind) else None
+    eagle3 = Path(head) if layout == "ours" and "llama.cpp" in formats_for(str(kind)) else None
     return tools.compare_rows(Path(loaded.path), args.gguf_type or DTYPE_GGUF[args.dtype], texts,
                               settings.max_new_tokens, args.threads or torch_threads(), eagle3_head=eagle3,
                               progress=settings.progress)
@@ -194,7 +195,7 @@ def check_report_paths(args) -> None:
 
     given = {option: path for option, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot))
              if path is not None}
-    seen = {}
+    seen: dict[Path, str] = {}
     for option, path in given.items():
         if Path(path).exists() and Path(path).is_dir():
             raise ValueError(f"{option} {path} is a folder: name the file to write")

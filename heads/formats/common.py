@@ -56,9 +56,9 @@ class Layout:
     `kind(cfg)` is the head kind it is read into, before its weights are; `read(src, cfg,
     convention)` translates it (a ForeignHead), or refuses it in one line."""
     name: str
-    detect: Callable[[Path, dict | None], bool]
-    kind: Callable[[dict | None], str]
-    read: Callable[[Path, dict | None, str | None], ForeignHead]
+    detect: Callable[..., bool]
+    kind: Callable[..., str]
+    read: Callable[..., ForeignHead]
     on_file: bool = False
 
 

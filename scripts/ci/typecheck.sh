@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# mypy over the installed package's layout. pyproject.toml maps drafthead.heads, .train, .inference
+# and .configs to folders at the repo root (package-dir), which static tools cannot follow through
+# the editable install; so this builds the package's tree as symlinks under build/typecheck and
+# checks that. Settings: pyproject.toml [tool.mypy].
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+root=build/typecheck
+rm -rf "$root" && mkdir -p "$root/drafthead"
+for entry in drafthead/*; do
+  case "$(basename "$entry")" in __pycache__) continue ;; esac
+  ln -s "$PWD/$entry" "$root/drafthead/"
+done
+for package in heads train inference configs; do ln -s "$PWD/$package" "$root/drafthead/$package"; done
+cd "$root" && exec "${MYPY:-../../.venv/bin/mypy}" --config-file ../../pyproject.toml -p drafthead
