@@ -36,9 +36,11 @@ demo: setup
 test: setup
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto -m "not llamacpp and not vllm" tests
 
-# pycodestyle and pyflakes over everything Python here (pyproject.toml [tool.ruff]); CI runs it
+# pycodestyle and pyflakes over everything Python here, and its format (pyproject.toml [tool.ruff];
+# `.venv/bin/ruff format .` applies it); CI runs it
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # mypy over the package as it installs (scripts/ci/typecheck.sh; settings and the modules not yet
 # checked in pyproject.toml [tool.mypy]); CI runs it

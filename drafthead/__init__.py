@@ -9,6 +9,7 @@ tree-speculative generation.
 The names below are imported lazily (PEP 562), so importing a subpackage such as
 drafthead.heads does not pull in transformers and the whole inference stack.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """`python -m drafthead ...` and `accelerate launch -m drafthead train --config ...`: the CLI."""
+
 import sys
 
 from drafthead.cli import main

@@ -3,6 +3,7 @@
 Expected errors (bad input the user can fix) print one line, `drafthead: error: ...`, and exit 2,
 without a traceback; set DRAFTHEAD_TRACEBACK=1 to see it anyway.
 """
+
 from __future__ import annotations
 
 import argparse

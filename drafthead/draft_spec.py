@@ -13,6 +13,7 @@ drafter factory, the model to decode with, the verifier and the load policy.
 A head folder's `drafting.json` gives the defaults the spec's unset fields keep
 (inference/drafters/heads.py).
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,6 +33,7 @@ class Drafting:
     """What `DraftSpec.build` returns: `factory()` gives a drafter with fresh state per prompt;
     `model` is the target to decode with (a Medusa-2 head merges its LoRA into it); `verifier`
     runs the tree forwards (`model`, or a llama.cpp target); `policy` is the load policy or None."""
+
     spec: DraftSpec
     factory: Callable[[], Any]
     model: Any
@@ -65,8 +67,7 @@ class DraftSpec:
         for name, low in (("num_draft", 1), ("depth", 1), ("branch", 1), ("lookup_nodes", 0), ("lookup_streak", 0)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"--{name.replace('_', '-')} must be a whole number >= {low}"
-                                 f"{' (0: off)' if low == 0 else ''}, got {value!r}")
+                raise ValueError(f"--{name.replace('_', '-')} must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, got {value!r}")
         if self.sizing == "confidence" and self.proposer not in (None, "heads"):
             raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks, not {self.proposer} drafts")
         if self.proposer == "draft-model" and self.draft_model is None:
@@ -86,11 +87,19 @@ class DraftSpec:
             if sizing not in (None, implied):
                 raise ValueError(f"--num-draft {num_draft} means --sizing {implied}; it contradicts --sizing {sizing}")
             num_draft, sizing = None, implied
-        return cls(proposer=getattr(args, "proposer", None), head=getattr(args, "head", None),
-                   draft_model=getattr(args, "draft_model", None), num_draft=num_draft, sizing=sizing,
-                   depth=getattr(args, "tree_depth", None), branch=getattr(args, "tree_branch", None),
-                   lookup_nodes=getattr(args, "lookup_nodes", None), lookup_streak=getattr(args, "lookup_streak", None),
-                   backend=getattr(args, "backend", "torch"), gguf_type=getattr(args, "gguf_type", None))
+        return cls(
+            proposer=getattr(args, "proposer", None),
+            head=getattr(args, "head", None),
+            draft_model=getattr(args, "draft_model", None),
+            num_draft=num_draft,
+            sizing=sizing,
+            depth=getattr(args, "tree_depth", None),
+            branch=getattr(args, "tree_branch", None),
+            lookup_nodes=getattr(args, "lookup_nodes", None),
+            lookup_streak=getattr(args, "lookup_streak", None),
+            backend=getattr(args, "backend", "torch"),
+            gguf_type=getattr(args, "gguf_type", None),
+        )
 
     def resolve(self, target_name: str) -> tuple[DraftSpec, str]:
         """(this spec with its proposer and head chosen for `target_name`, a line saying what
@@ -105,21 +114,17 @@ class DraftSpec:
             else:
                 shipped = default_head_path(target_name)
                 if shipped is not None:
-                    return (replace(self, proposer="heads", head=str(shipped)),
-                            f"drafting with the head shipped for {target_name} ({shipped})")
+                    return (replace(self, proposer="heads", head=str(shipped)), f"drafting with the head shipped for {target_name} ({shipped})")
                 if self.sizing == "confidence":  # prompt lookup cannot size itself
-                    raise ValueError(f"sizing 'confidence' needs an EAGLE or DSpark head, and none ships for "
-                                     f"{target_name}: pass --head DIR")
-                return (replace(self, proposer="prompt-lookup"),
-                        f"no trained head ships for {target_name} yet: drafting with prompt lookup")
+                    raise ValueError(f"sizing 'confidence' needs an EAGLE or DSpark head, and none ships for {target_name}: pass --head DIR")
+                return (replace(self, proposer="prompt-lookup"), f"no trained head ships for {target_name} yet: drafting with prompt lookup")
         if proposer == "heads" and head is None:
             shipped = default_head_path(target_name)
             if shipped is None:
                 raise ValueError(f"no head ships for {target_name}; pass --head DIR")
             head = str(shipped)
         spec = replace(self, proposer=proposer, head=head)
-        what = {"heads": f"the head at {head}", "draft-model": f"draft model {self.draft_model}",
-                "prompt-lookup": "prompt lookup"}
+        what = {"heads": f"the head at {head}", "draft-model": f"draft model {self.draft_model}", "prompt-lookup": "prompt lookup"}
         return spec, f"drafting with {what[proposer]}"
 
     def drafter_options(self) -> dict:
@@ -129,8 +134,13 @@ class DraftSpec:
         if self.proposer == "prompt-lookup":
             options = {"num_draft": self.num_draft, "streak_draft": self.lookup_streak}
         elif self.proposer == "heads":
-            options = {"num_draft": self.num_draft, "depth": self.depth, "top_k": self.branch,
-                       "lookup_nodes": self.lookup_nodes, "lookup_streak": self.lookup_streak}
+            options = {
+                "num_draft": self.num_draft,
+                "depth": self.depth,
+                "top_k": self.branch,
+                "lookup_nodes": self.lookup_nodes,
+                "lookup_streak": self.lookup_streak,
+            }
             if self.sizing is not None:  # the load policy is the engine's: the drafter drafts its fixed tree
                 options["sizing"] = "fixed" if self.sizing == "policy" else self.sizing
         elif self.proposer == "draft-model":
@@ -139,8 +149,16 @@ class DraftSpec:
             raise ValueError("resolve() the spec before building: its proposer is not chosen")
         return {k: v for k, v in options.items() if v is not None}
 
-    def build(self, loaded, *, sampling=None, seed: int | None = None, threads: int | None = None,
-              row_invariant: bool = False, note: Callable[[str], None] | None = None) -> Drafting:
+    def build(
+        self,
+        loaded,
+        *,
+        sampling=None,
+        seed: int | None = None,
+        threads: int | None = None,
+        row_invariant: bool = False,
+        note: Callable[[str], None] | None = None,
+    ) -> Drafting:
         """The drafter factory, decoding model, verifier and load policy for `loaded` (a
         LoadedTarget); the spec is resolved first if it was not. `note` gets status lines."""
         note = note or _stderr
@@ -162,8 +180,10 @@ class DraftSpec:
         if self.backend != "llama.cpp":
             return model
         if model is not loaded.model:
-            raise ValueError("this head adapts the target (Medusa-2's LoRA), and the llama.cpp backend's GGUF holds "
-                             "the target without it: run it on --backend torch")
+            raise ValueError(
+                "this head adapts the target (Medusa-2's LoRA), and the llama.cpp backend's GGUF holds "
+                "the target without it: run it on --backend torch"
+            )
         return llamacpp_target(loaded, self.gguf_type, threads, note)
 
     @staticmethod
@@ -178,9 +198,11 @@ class DraftSpec:
         counts = [n for n in POLICY_TOKEN_COUNTS if context + n <= limit] or [1, 2]
         note("sizing policy: timing the target's forward at " + ", ".join(map(str, counts)) + " tokens")
         want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-        return SpeculationPolicy(measure_verify_cost(verifier, counts, context=context, want_hidden=want_hidden,
-                                                     feature_layers=drafter.feature_layers,
-                                                     row_invariant=row_invariant))
+        return SpeculationPolicy(
+            measure_verify_cost(
+                verifier, counts, context=context, want_hidden=want_hidden, feature_layers=drafter.feature_layers, row_invariant=row_invariant
+            )
+        )
 
 
 def _stderr(message: str) -> None:
@@ -201,5 +223,4 @@ def llamacpp_target(loaded, gguf_type: str | None, threads: int | None, note: Ca
     gguf_type = gguf_type or DTYPE_GGUF[str(parameter.dtype).removeprefix("torch.")]
     (note or _stderr)(f"llama.cpp backend: the target as a {gguf_type} GGUF (made once by llama.cpp's converter)")
     path = target_gguf(loaded.path, gguf_type)
-    return LlamaCppTarget(path, loaded.model.config, threads=threads or torch.get_num_threads(),
-                          feature_dtype=parameter.dtype)
+    return LlamaCppTarget(path, loaded.model.config, threads=threads or torch.get_num_threads(), feature_dtype=parameter.dtype)

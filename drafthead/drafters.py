@@ -7,6 +7,7 @@
 Drafter modules are imported lazily inside each branch, so `import drafthead` stays light and a
 proposer whose module is broken or absent only fails when asked for.
 """
+
 from __future__ import annotations
 
 import importlib.resources
@@ -74,8 +75,7 @@ def build_drafter(
         drafter, adapted = load_heads(head, target, tokenizer, num_draft=num_draft, **kw)
         if adapted is not target:
             raise DrafterError(
-                "this head adapts the target (Medusa-2 LoRA): use make_drafter_factory, which returns "
-                "the adapted target to decode with"
+                "this head adapts the target (Medusa-2 LoRA): use make_drafter_factory, which returns the adapted target to decode with"
             )
         return drafter
     raise DrafterError(f"unknown proposer '{proposer}': use one of {', '.join(PROPOSERS)}")
@@ -99,8 +99,7 @@ def make_drafter_factory(proposer: str, target, tokenizer, **kw) -> tuple[Callab
     return (lambda: build_drafter(proposer, target, tokenizer, **kw)), target
 
 
-def load_heads(head, target, tokenizer, *, num_draft: int | None = None, sizing: str | None = None,
-               target_name: str | None = None, **options):
+def load_heads(head, target, tokenizer, *, num_draft: int | None = None, sizing: str | None = None, target_name: str | None = None, **options):
     """(drafter, target) for a trained head folder; `num_draft` sets the draft nodes per round,
     `sizing` "confidence" lets an EAGLE or DSpark head size each round itself (None: drafting.json's)."""
     if head is None:
@@ -119,25 +118,26 @@ def load_heads(head, target, tokenizer, *, num_draft: int | None = None, sizing:
         except ValueError as e:
             raise DrafterError(f"{head}: {e}") from None
         if sizing == "confidence" and not spec.sizes_itself:
-            raise DrafterError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number "
-                               "of nodes")
+            raise DrafterError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number of nodes")
         options.update(num_draft=num_draft, sizing=sizing)
     if layout == "ours":
         return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)
     try:
         loaded = load_head_drafter(head, target, tokenizer, target_name=target_name, **options)
     except ConventionNeeded as e:  # --head has no --convention: the import command does
-        raise ConventionNeeded(f"{e}. Convert it once with `drafthead import {head} --convention ... --out DIR` "
-                               "and pass --head DIR") from e
-    print(f"drafthead: {head} is a {layout} checkpoint, read exactly into a {kind} head "
-          f"(`drafthead import` saves it as a drafthead head folder)", file=sys.stderr)
+        raise ConventionNeeded(f"{e}. Convert it once with `drafthead import {head} --convention ... --out DIR` and pass --head DIR") from e
+    print(
+        f"drafthead: {head} is a {layout} checkpoint, read exactly into a {kind} head (`drafthead import` saves it as a drafthead head folder)",
+        file=sys.stderr,
+    )
     return loaded
 
 
 def head_layout(head: Path) -> tuple[str, str | None]:
     """(layout, head kind) of the head folder `head`, ours or a foreign one, from its files alone."""
     from .heads.formats import detect_layout, layout_kind
-    from .heads.io import CONFIG_NAME, read_json
+    from .heads.io import CONFIG_NAME
+    from .heads.files import read_json
 
     layout = detect_layout(head)
     if layout == "ours":
@@ -188,9 +188,7 @@ def check_same_vocabulary(target, tokenizer, draft, draft_tokenizer=None) -> Non
     t_map, d_map = tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if t_map != d_map:
         differing = sorted(k for k in t_map.keys() | d_map.keys() if t_map.get(k) != d_map.get(k))
-        raise DrafterError(
-            f"draft and target tokenizers map {len(differing)} tokens differently (e.g. {differing[:3]})"
-        )
+        raise DrafterError(f"draft and target tokenizers map {len(differing)} tokens differently (e.g. {differing[:3]})")
     # A few hundred strings through each tokenizer's full pipeline (normaliser, pre-tokenizer, merges)
     probes = _VOCAB_PROBES + [tokenizer.decode([i]) for i in range(0, len(tokenizer), max(1, len(tokenizer) // 300))]
     for text in probes:

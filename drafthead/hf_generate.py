@@ -15,6 +15,7 @@ DraftSpec's (drafthead/draft_spec.py) under their Python names: `draft_head`, `p
 Sampling settings come from the generation config as `generate()` reads them (`do_sample`,
 `temperature`, `top_k`, `top_p`, `repetition_penalty`); `seed` seeds our sampler.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,13 +25,28 @@ from types import SimpleNamespace
 CUSTOM_GENERATE = str(Path(__file__).resolve().parent)
 
 # generate() arguments our loop has no counterpart for: refused in one line rather than ignored
-_UNSUPPORTED = ("logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "assistant_model",
-                "negative_prompt_ids", "negative_prompt_attention_mask")
+_UNSUPPORTED = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "assistant_model",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+)
 _DRAFTING = ("proposer", "draft_model", "num_draft", "sizing", "lookup_nodes", "lookup_streak", "depth", "branch")
 
 
-def generate(model, inputs=None, generation_config=None, streamer=None, attention_mask=None, tokenizer=None,
-             draft_head: str | None = None, seed: int | None = None, **kwargs):
+def generate(
+    model,
+    inputs=None,
+    generation_config=None,
+    streamer=None,
+    attention_mask=None,
+    tokenizer=None,
+    draft_head: str | None = None,
+    seed: int | None = None,
+    **kwargs,
+):
     """transformers' custom_generate entry point (module docstring): `model` is the target."""
     import torch
 
@@ -41,8 +57,7 @@ def generate(model, inputs=None, generation_config=None, streamer=None, attentio
 
     for name in _UNSUPPORTED:
         if kwargs.pop(name, None) is not None:
-            raise ValueError(f"drafthead's generate() takes no {name}: drop it, or call generate() without "
-                             "custom_generate")
+            raise ValueError(f"drafthead's generate() takes no {name}: drop it, or call generate() without custom_generate")
     kwargs.pop("synced_gpus", None)  # one process decodes its own batch
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None:
@@ -54,19 +69,29 @@ def generate(model, inputs=None, generation_config=None, streamer=None, attentio
     max_new = config.max_new_tokens
     if max_new is None:
         max_new = max(0, (config.max_length or 20) - input_ids.shape[1])
-    sampling = SamplingConfig(temperature=float(config.temperature or 1.0), top_k=int(config.top_k or 0),
-                              top_p=float(config.top_p or 1.0),
-                              repetition_penalty=float(config.repetition_penalty or 1.0)) \
-        if config.do_sample else SamplingConfig(repetition_penalty=float(config.repetition_penalty or 1.0))
+    sampling = (
+        SamplingConfig(
+            temperature=float(config.temperature or 1.0),
+            top_k=int(config.top_k or 0),
+            top_p=float(config.top_p or 1.0),
+            repetition_penalty=float(config.repetition_penalty or 1.0),
+        )
+        if config.do_sample
+        else SamplingConfig(repetition_penalty=float(config.repetition_penalty or 1.0))
+    )
     eos = config.eos_token_id
     eos = tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else eos_token_ids(model, tokenizer)
     name = Path(str(getattr(model.config, "_name_or_path", "") or "target")).name
-    drafting = spec.build(SimpleNamespace(name=name, model=model, tokenizer=tokenizer), sampling=sampling, seed=seed,
-                          note=lambda line: None)
-    result = speculative_generate(drafting.verifier, drafting.factory(), input_ids,
-                                  GenerationConfig(max_new_tokens=max_new, sampling=sampling, eos_token_ids=eos, seed=seed,
-                                                   policy=drafting.policy),
-                                  attention_mask=attention_mask, tokenizer=tokenizer, streamer=streamer)
+    drafting = spec.build(SimpleNamespace(name=name, model=model, tokenizer=tokenizer), sampling=sampling, seed=seed, note=lambda line: None)
+    result = speculative_generate(
+        drafting.verifier,
+        drafting.factory(),
+        input_ids,
+        GenerationConfig(max_new_tokens=max_new, sampling=sampling, eos_token_ids=eos, seed=seed, policy=drafting.policy),
+        attention_mask=attention_mask,
+        tokenizer=tokenizer,
+        streamer=streamer,
+    )
     rows = getattr(result, "rows", [result])
     pad = config.pad_token_id if config.pad_token_id is not None else (eos[0] if eos else 0)
     width = max(row.new_tokens.shape[1] for row in rows)

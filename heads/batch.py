@@ -3,6 +3,7 @@
 The trainer only sees these (docs/style.md 9): they come from the target inside the training step
 (online) or from shards captured ahead (`drafthead data capture`); trainer tests use random ones.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,8 +45,10 @@ class FeatureBatch:
         (a head's features plus L, the final state its soft targets come from)."""
         missing = sorted(set(layers) - set(self.hidden_states))
         if missing:
-            raise KeyError(f"{kind} needs hidden_states {sorted(set(layers))} (its features plus L for the soft "
-                           f"targets; config.train_hidden_layers); batch lacks {missing}")
+            raise KeyError(
+                f"{kind} needs hidden_states {sorted(set(layers))} (its features plus L for the soft "
+                f"targets; config.train_hidden_layers); batch lacks {missing}"
+            )
 
     def to(self, device) -> "FeatureBatch":
         return FeatureBatch(

@@ -10,6 +10,7 @@ decoder layers whose *input* is taken, which is the same number; SGLang counts o
 Every config records the `TargetIdentity` it was made for; the target's sizes are read from it
 rather than repeated (docs/style.md 12).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,6 +20,7 @@ from typing import ClassVar
 from .field_types import type_problems
 from .identity import TargetIdentity
 from .losses import check_loss
+
 
 def _from_dict(cls, d: dict):
     d = dict(d)
@@ -75,8 +77,7 @@ class _HeadConfig:
 
     def _need_target(self) -> TargetIdentity:
         if self.target is None:
-            raise ValueError(f"{type(self).__name__} has no target identity; make it with "
-                             "heads.registry.make_config(kind, target_model, tokenizer)")
+            raise ValueError(f"{type(self).__name__} has no target identity; make it with heads.registry.make_config(kind, target_model, tokenizer)")
         return self.target
 
     @property
@@ -143,7 +144,6 @@ class HydraConfig(MedusaConfig):
     """Hydra heads (Ankner et al. 2024): Medusa heads made sequentially dependent. Head k also
     reads the embeddings of the tokens between the target's state and the one it predicts, the
     pending token and the k tokens drafted before it (heads/hydra.py). No engine serves them."""
-
 
     kind: str = "hydra"
 
@@ -297,8 +297,7 @@ class Eagle3Config(_HeadConfig):
     cat(norm(embed), norm(hidden)) -> norm -> lm_head over a reduced draft vocabulary, trained with
     training-time test (unroll `ttt_steps` steps on its own hidden states, loss sum decay**i CE_i)."""
 
-    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp", "entropy_ramp", "entropy_start", "loss", "lk_eta",
-                                              "dpace_alpha")
+    LOSS_FIELDS: ClassVar[tuple[str, ...]] = ("ttt_steps", "ttt_decay", "ttt_ramp", "entropy_ramp", "entropy_start", "loss", "lk_eta", "dpace_alpha")
 
     kind: str = "eagle3"
     aux_layers: tuple[int, ...] | None = None  # None: default_eagle3_layers(L), filled in when target is set
@@ -391,7 +390,6 @@ class Eagle31Config(Eagle3Config):
     keeps deeper draft steps from drifting. Same head module and checkpoint layout as EAGLE-3 plus
     `fc_norm.{i}.weight`; the engines read both flags from the config (docs/formats.md)."""
 
-
     kind: str = "eagle31"
     fc_norm: bool = True
     norm_output: bool = True
@@ -425,8 +423,10 @@ class PEagleConfig(Eagle3Config):
         if not (0 < self.cod_min_ratio <= 1 and 0 < self.cod_ratio <= 1):
             raise ValueError(f"cod_ratio and cod_min_ratio must lie in (0, 1], got {self.cod_ratio}, {self.cod_min_ratio}")
         if self.mask_token_id is None:
-            raise ValueError("P-EAGLE needs mask_token_id: a target token id the text never uses (its embedding "
-                             "row carries the learned mask embedding in engine exports)")
+            raise ValueError(
+                "P-EAGLE needs mask_token_id: a target token id the text never uses (its embedding "
+                "row carries the learned mask embedding in engine exports)"
+            )
         if self.target is not None and not 0 <= self.mask_token_id < self.target.vocab_size:
             raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary (0..{self.target.vocab_size - 1})")
 
@@ -486,8 +486,7 @@ class DFlashConfig(_HeadConfig):
             raise ValueError(f"loss_decay_gamma must be > 0 or None, got {self.loss_decay_gamma}")
         self._check_loss()
         if self.mask_token_id is None:
-            raise ValueError(f"{self._name} needs mask_token_id: a target token id the text never uses (its embedding "
-                             "fills the mask positions)")
+            raise ValueError(f"{self._name} needs mask_token_id: a target token id the text never uses (its embedding fills the mask positions)")
         if self.target is not None:
             L = self.target.num_layers
             if L < 2:
@@ -495,15 +494,16 @@ class DFlashConfig(_HeadConfig):
             if self.aux_layers is None:
                 self.aux_layers = default_dflash_layers(L)
             if not 0 <= self.mask_token_id < self.target.vocab_size:
-                raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary "
-                                 f"(0..{self.target.vocab_size - 1})")
+                raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target vocabulary (0..{self.target.vocab_size - 1})")
         if self.aux_layers is not None:
             self.aux_layers = tuple(int(i) for i in self.aux_layers)
             if len(self.aux_layers) == 0:
                 raise ValueError("aux_layers must not be empty")
             if self.target is not None and any(not 1 <= i < self.target.num_layers for i in self.aux_layers):
-                raise ValueError(f"{self._name} aux_layers {self.aux_layers} must be decoder-layer outputs 1.."
-                                 f"{self.target.num_layers - 1} (the engines name no other)")
+                raise ValueError(
+                    f"{self._name} aux_layers {self.aux_layers} must be decoder-layer outputs 1.."
+                    f"{self.target.num_layers - 1} (the engines name no other)"
+                )
 
     _name: ClassVar[str] = "DFlash"
 
@@ -568,8 +568,10 @@ class DSparkConfig(DFlashConfig):
 
     def _check_loss(self) -> None:
         if self.loss not in DSPARK_LOSSES:
-            raise ValueError(f"a dspark head's loss is one of {', '.join(DSPARK_LOSSES)} (its three terms under the "
-                             f"decay or under D-PACE's weights), got {self.loss!r}")
+            raise ValueError(
+                f"a dspark head's loss is one of {', '.join(DSPARK_LOSSES)} (its three terms under the "
+                f"decay or under D-PACE's weights), got {self.loss!r}"
+            )
         check_loss("ce", self.lk_eta, self.dpace_alpha)
 
     @property
@@ -582,6 +584,7 @@ class HeadKind:
     """One head kind and what the rest of the code may ask of it, so that no caller compares kind
     names: the config class, the drafter family that drafts with it (a key of
     inference/drafters/heads.py _DRAFTING_KEYS) and its capabilities."""
+
     name: str
     config: type
     family: str
@@ -594,19 +597,21 @@ class HeadKind:
 
 # The head kinds: the one table the config, the registry (heads/registry.py: each kind's module),
 # the formats, the drafters (inference/drafters/load.py) and the CLI derive from.
-KINDS: dict[str, HeadKind] = {k.name: k for k in (
-    HeadKind("medusa1", MedusaConfig, "medusa"),
-    HeadKind("medusa2", MedusaConfig, "medusa", adapts_target=True),
-    HeadKind("hydra", HydraConfig, "hydra"),
-    HeadKind("eagle1", Eagle1Config, "eagle", sizes_itself=True, grows_tree=True, engine_layer=True),
-    HeadKind("eagle3", Eagle3Config, "eagle", sizes_itself=True, grows_tree=True, draft_vocab=True, engine_layer=True),
-    HeadKind("eagle31", Eagle31Config, "eagle", sizes_itself=True, grows_tree=True, draft_vocab=True,
-             engine_layer=True),
-    HeadKind("peagle", PEagleConfig, "peagle", draft_vocab=True, engine_layer=True),
-    HeadKind("dflash", DFlashConfig, "dflash"),
-    HeadKind("dspark", DSparkConfig, "dspark", sizes_itself=True),
-    HeadKind("mtp", MTPConfig, "eagle", sizes_itself=True, grows_tree=True),
-)}
+KINDS: dict[str, HeadKind] = {
+    k.name: k
+    for k in (
+        HeadKind("medusa1", MedusaConfig, "medusa"),
+        HeadKind("medusa2", MedusaConfig, "medusa", adapts_target=True),
+        HeadKind("hydra", HydraConfig, "hydra"),
+        HeadKind("eagle1", Eagle1Config, "eagle", sizes_itself=True, grows_tree=True, engine_layer=True),
+        HeadKind("eagle3", Eagle3Config, "eagle", sizes_itself=True, grows_tree=True, draft_vocab=True, engine_layer=True),
+        HeadKind("eagle31", Eagle31Config, "eagle", sizes_itself=True, grows_tree=True, draft_vocab=True, engine_layer=True),
+        HeadKind("peagle", PEagleConfig, "peagle", draft_vocab=True, engine_layer=True),
+        HeadKind("dflash", DFlashConfig, "dflash"),
+        HeadKind("dspark", DSparkConfig, "dspark", sizes_itself=True),
+        HeadKind("mtp", MTPConfig, "eagle", sizes_itself=True, grows_tree=True),
+    )
+}
 CONFIG_CLASSES: dict[str, type] = {name: kind.config for name, kind in KINDS.items()}
 
 

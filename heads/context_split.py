@@ -16,6 +16,7 @@ What weighs a row's positions together is computed over the whole row: LK^lambda
 group's mean acceptance, the entropy curriculum's cut from every rank's entropies
 (`gather_ragged`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,10 +55,10 @@ class ContextSplit:
         dist.all_gather(sizes, torch.tensor([local.numel()], device=local.device), group=self.group)
         width = max(int(n) for n in sizes)
         padded = torch.zeros(width, dtype=local.dtype, device=local.device)
-        padded[:local.numel()] = local.detach()
+        padded[: local.numel()] = local.detach()
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(parts, padded, group=self.group)
-        return [part[:int(n)] for part, n in zip(parts, sizes)]
+        return [part[: int(n)] for part, n in zip(parts, sizes)]
 
     def all_sum(self, value: torch.Tensor) -> torch.Tensor:
         """The sum over the group of a tensor that needs no gradient (counts, metrics)."""

@@ -24,6 +24,7 @@ one forward. Position k of the block is scored against the target's distribution
 (softmax of the LM head on the final normed state at a + k - 1), weighted exp(-(k - 1) / gamma),
 under soft CE or an LK loss (`loss`, heads/losses.py), or soft CE under D-PACE's weights (`loss: dpace`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,6 +54,7 @@ def dflash_layer_config(target_model: nn.Module, config: DFlashConfig) -> Qwen3C
 
     def own(name, default):
         return getattr(config, name) or default
+
     heads = own("num_attention_heads", cfg.num_attention_heads)
     rope = {"rope_type": "default", **config.rope_parameters} if config.rope_parameters else full_attention_rope(cfg)
     return Qwen3Config(
@@ -83,8 +85,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
-def sample_anchors(label_ok: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
-                   position_ids: torch.Tensor | None = None):
+def sample_anchors(label_ok: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None, position_ids: torch.Tensor | None = None):
     """Block anchors for training: (anchors [B, A] long, sorted; ok [B, A] bool).
 
     Position p can anchor a block when it has context before it (p >= 1) and the token after it is
@@ -118,8 +119,9 @@ def sample_anchors(label_ok: torch.Tensor, num_anchors: int, generator: torch.Ge
     return anchors, ok
 
 
-def block_attention_mask(T: int, anchors: torch.Tensor, block_size: int, dtype: torch.dtype,
-                         position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def block_attention_mask(
+    T: int, anchors: torch.Tensor, block_size: int, dtype: torch.dtype, position_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """Additive [B, 1, A * S, T + A * S] training mask: the keys are the T context positions, then
     the A blocks in order. A query of block j sees context positions < anchors[:, j] (the text
     committed before its pending token; in the anchor's own conversation when rows are packed,
@@ -218,8 +220,9 @@ class DFlashHead(DraftHeadBase):
         whose embedding row is zero, such as a padding row: the mask positions would read nothing."""
         mask_id = self.config.mask_token_id
         if not model.get_input_embeddings().weight[mask_id].detach().abs().sum() > 0:
-            raise ValueError(f"the target's embedding row of mask_token_id {mask_id} is zero (a padding row?): "
-                             "pick another token for the mask positions")
+            raise ValueError(
+                f"the target's embedding row of mask_token_id {mask_id} is zero (a padding row?): pick another token for the mask positions"
+            )
 
     @property
     def block_size(self) -> int:
@@ -233,8 +236,7 @@ class DFlashHead(DraftHeadBase):
     def fuse(self, features) -> torch.Tensor:
         """features: list of [B, T, H] at `feature_layers`, in that order -> c [B, T, H]."""
         if len(features) != len(self.config.feature_layers):
-            raise ValueError(f"DFlash fuses {len(self.config.feature_layers)} features "
-                             f"{self.config.feature_layers}, got {len(features)}")
+            raise ValueError(f"DFlash fuses {len(self.config.feature_layers)} features {self.config.feature_layers}, got {len(features)}")
         return self.hidden_norm(self.fc(torch.cat([f.to(self.dtype) for f in features], dim=-1)))
 
     def context(self, fused: torch.Tensor, position_ids: torch.Tensor) -> list[KV]:
@@ -338,8 +340,7 @@ def position_metrics(i: int, at: torch.Tensor, **per_element: torch.Tensor) -> d
     """{name_i: mean over the elements `at` [N] bool} for each per_element [N] tensor (0 where
     none), named loss_i for `ce`; num_labels (their count) for the first position."""
     n = int(at.sum())
-    out = {f"{'loss' if name == 'ce' else name}_{i}": (v[at].float().mean().item() if n else 0.0)
-           for name, v in per_element.items()}
+    out = {f"{'loss' if name == 'ce' else name}_{i}": (v[at].float().mean().item() if n else 0.0) for name, v in per_element.items()}
     if i == 0:
         out["num_labels"] = float(n)
     return out

@@ -10,6 +10,7 @@ Draft ids are assigned in increasing target id order, so `arange(size) + d2t` is
 increasing. An all-zero d2t (a known bug in released heads) is only valid when the draft vocab is
 exactly target ids 0..size-1; `validate_draft_vocab` checks the real property instead.
 """
+
 from __future__ import annotations
 
 from typing import Iterable
@@ -23,9 +24,7 @@ def count_tokens(input_ids: torch.Tensor, vocab_size: int, mask: torch.Tensor | 
     return torch.bincount(ids.reshape(-1).long().cpu(), minlength=vocab_size)[:vocab_size]
 
 
-def build_draft_vocab(
-    token_counts: torch.Tensor, size: int, always_include: Iterable[int] = ()
-) -> tuple[torch.Tensor, torch.Tensor]:
+def build_draft_vocab(token_counts: torch.Tensor, size: int, always_include: Iterable[int] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The `size` most frequent target tokens (ties: lower id first), plus `always_include` ids
     (EOS and other special tokens a draft must be able to propose) which take precedence.
 

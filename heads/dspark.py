@@ -23,6 +23,7 @@ the acceptance rate 1 - L1 / 2 (BCE of the confidence logit, the label detached)
 each term weighted exp(-k / loss_decay_gamma) at slot k and normalised by the weights' sum, or
 with `loss: dpace` weighted by D-PACE (heads/losses.py) per block.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,6 +68,7 @@ class ConfidenceHead(nn.Module):
 
 class DSparkHead(DFlashHead):
     config: DSparkConfig
+
     def __init__(self, config: DSparkConfig, target_model: nn.Module) -> None:
         super().__init__(config, target_model)
         V, H, r = config.vocab_size, config.hidden_size, config.markov_rank
@@ -140,7 +142,5 @@ class DSparkHead(DFlashHead):
         hits = logits.argmax(-1) == p.argmax(-1)
         metrics["loss"] = loss.item()
         for i in range(S):
-            metrics.update(position_metrics(i, k == i, ce=ce.detach(), acc=hits.float(), alpha=alpha, l1=l1.detach(),
-                                            conf=conf))
+            metrics.update(position_metrics(i, k == i, ce=ce.detach(), acc=hits.float(), alpha=alpha, l1=l1.detach(), conf=conf))
         return loss, metrics
-

@@ -29,6 +29,7 @@ Inference contract (what the EAGLE drafter calls):
     The head was trained attending over the whole prefix: build its masks without the target's
     sliding window (Mistral), whatever the target's own verification mask uses.
 """
+
 from __future__ import annotations
 
 import copy
@@ -39,8 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, \
-    LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .batch import FeatureBatch
 from .config import DRAFT_OWN_FIELDS, Eagle1Config
@@ -58,8 +58,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
     layers = getattr(dec, "layers", None)
     if layers is None or len(layers) == 0:
-        raise TypeError(f"cannot find decoder layers in {type(model).__name__}; EAGLE heads need a "
-                        "transformers decoder-only model with `.model.layers`")
+        raise TypeError(
+            f"cannot find decoder layers in {type(model).__name__}; EAGLE heads need a transformers decoder-only model with `.model.layers`"
+        )
     return layers
 
 
@@ -157,8 +158,7 @@ def family_layer_config(cfg, rope_parameters: dict | None = None, sizes: dict | 
     return cfg
 
 
-def draft_layer_config(model: nn.Module, rope_parameters: dict | None = None, draft_layer: str = "llama",
-                       sizes: dict | None = None):
+def draft_layer_config(model: nn.Module, rope_parameters: dict | None = None, draft_layer: str = "llama", sizes: dict | None = None):
     """The HF config the draft decoder layer is built from: `llama_layer_config` (draft_layer
     "llama") or `family_layer_config` ("target"). rope_parameters: the draft's own RoPE
     (transformers v5 `rope_parameters`), else the target's; sizes: as llama_layer_config's."""
@@ -196,8 +196,7 @@ def draft_layer_parts(model: nn.Module, draft_layer: str) -> DraftLayerParts:
         return DraftLayerParts(LlamaDecoderLayer, LlamaAttention, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding)
     # the first attention layer: a hybrid target's first layers may be recurrent ones
     family = next((layer for layer in decoder_layers(model) if hasattr(layer, "self_attn")), decoder_layers(model)[0])
-    return DraftLayerParts(type(family), type(family.self_attn), type(family.mlp), type(family.input_layernorm),
-                           type(target_rotary(model)))
+    return DraftLayerParts(type(family), type(family.self_attn), type(family.mlp), type(family.input_layernorm), type(target_rotary(model)))
 
 
 def cache_kwarg(fn) -> str:
@@ -227,8 +226,7 @@ def prepare_mask(mask: torch.Tensor | None, batch: int, q_len: int, past_len: in
     return mask.to(device).float().clamp(min=torch.finfo(dtype).min).to(dtype)
 
 
-def window_mask(mask: torch.Tensor, position_ids: torch.Tensor, window: int,
-                key_positions: torch.Tensor | None = None) -> torch.Tensor:
+def window_mask(mask: torch.Tensor, position_ids: torch.Tensor, window: int, key_positions: torch.Tensor | None = None) -> torch.Tensor:
     """Block keys `window` or more positions behind the query: additive mask [B, 1, T, K], query
     positions [B, T]. Without `key_positions` [B, K], a key's position is taken as its cache index:
     exact for the committed prefix (index == position), and for keys of the current tree or unroll,
@@ -299,6 +297,7 @@ class DecoderHeadBase(DraftHeadBase):
 
 class Eagle1Head(DecoderHeadBase):
     config: Eagle1Config
+
     def __init__(self, config: Eagle1Config, target_model: nn.Module) -> None:
         super().__init__()
         self.config = config

@@ -33,6 +33,7 @@ mode each unroll step's loss covers only its positions whose target distribution
 entropy, a share growing from `entropy_start` to 1 over the first `entropy_ramp` of the run
 (`entropy_curriculum`); accuracy is still reported over every position, and evaluation uses all.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,8 +46,17 @@ from .context_split import ContextSplit, pad_columns, pad_positions
 from .draft_vocab import build_draft_vocab, draft_target_ids, draft_vocab_from_ids, identity_draft_vocab
 from .eagle import DecoderHeadBase, cache_kwarg
 from .io import shift_left, shifted_labels
-from .losses import (acceptance_rate, distill_loss, dpace_chain_loss, entropy_of, label_confidence, lk_lambda, lk_lambda_of_mean,
-                     loss_chunk_rows, recompute_loss)
+from .losses import (
+    acceptance_rate,
+    distill_loss,
+    dpace_chain_loss,
+    entropy_of,
+    label_confidence,
+    lk_lambda,
+    lk_lambda_of_mean,
+    loss_chunk_rows,
+    recompute_loss,
+)
 from .packing import causal_within, row_positions
 from .ttt_attention import TTTMask, ttt_attention_for
 
@@ -71,8 +81,7 @@ def entropy_curriculum(entropy: torch.Tensor, ramp: float, progress: float, star
     return entropy <= entropy.kthvalue(k).values
 
 
-def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None,
-                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def ttt_attention_mask(T: int, step: int, dtype: torch.dtype, device=None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Additive [1, 1, T, (step + 1) * T] mask of training-time-test step `step` (0-based);
     [B, 1, T, (step + 1) * T] for packed rows (position_ids [B, T], heads/packing.py). The rule in
     dense form: training computes it chunk by chunk (heads/ttt_attention.py TTTMask), and the tests
@@ -106,8 +115,7 @@ class Eagle3DecoderLayer(nn.Module):
         for name in ("q_proj", "k_proj", "v_proj"):
             old = getattr(self.self_attn, name, None)
             if not isinstance(old, nn.Linear):
-                raise TypeError(f"{parts.attention.__name__} has no Linear {name}; "
-                                "EAGLE-3 needs separate q/k/v projections")
+                raise TypeError(f"{parts.attention.__name__} has no Linear {name}; EAGLE-3 needs separate q/k/v projections")
             setattr(self.self_attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
         self.mlp = parts.mlp(cfg)
         self.input_layernorm = parts.norm(H, eps=eps)  # on the token embedding
@@ -139,6 +147,7 @@ class Eagle3DecoderLayer(nn.Module):
 
 class Eagle3Head(DecoderHeadBase):
     config: Eagle3Config
+
     def __init__(self, config: Eagle3Config, target_model: nn.Module) -> None:
         super().__init__()
         self.config = config
@@ -171,8 +180,7 @@ class Eagle3Head(DecoderHeadBase):
         """[Vd] long: the target id of each draft id."""
         return draft_target_ids(self.d2t)
 
-    def init_from_target(self, model: nn.Module, token_counts: torch.Tensor | None = None,
-                         always_include=(), **kwargs) -> None:
+    def init_from_target(self, model: nn.Module, token_counts: torch.Tensor | None = None, always_include=(), **kwargs) -> None:
         """Choose the draft vocab from `token_counts` [V] (forcing `always_include`, e.g. EOS).
 
         lm_head and norm keep their fresh init: starting lm_head as the target's rows for the
@@ -182,8 +190,9 @@ class Eagle3Head(DecoderHeadBase):
         V, Vd = self.config.vocab_size, self.config.draft_vocab_size
         if Vd < V:
             if token_counts is None:
-                raise ValueError(f"EAGLE-3 with a draft vocab of {Vd} < {V} tokens needs token_counts "
-                                 "(heads.draft_vocab.count_tokens over the training data)")
+                raise ValueError(
+                    f"EAGLE-3 with a draft vocab of {Vd} < {V} tokens needs token_counts (heads.draft_vocab.count_tokens over the training data)"
+                )
             d2t, t2d = build_draft_vocab(token_counts, Vd, always_include)
             self.d2t.copy_(d2t)
             self.t2d.copy_(t2d)
@@ -191,8 +200,7 @@ class Eagle3Head(DecoderHeadBase):
     def fuse(self, features) -> torch.Tensor:
         """features: list of [B, T, H] at `feature_layers`, in that order -> [B, T, H]."""
         if len(features) != len(self.config.feature_layers):
-            raise ValueError(f"EAGLE-3 fuses {len(self.config.feature_layers)} features "
-                             f"{self.config.feature_layers}, got {len(features)}")
+            raise ValueError(f"EAGLE-3 fuses {len(self.config.feature_layers)} features {self.config.feature_layers}, got {len(features)}")
         feats = [f.to(self.dtype) for f in features]
         if self.fc_norm is not None:
             feats = [norm(f) for norm, f in zip(self.fc_norm, feats)]
@@ -225,8 +233,9 @@ class Eagle3Head(DecoderHeadBase):
         norm_output (EAGLE-3.1's post-norm hidden states)."""
         return self.norm(h) if self.config.norm_output else h
 
-    def ttt_unroll(self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int,
-                   position_ids: torch.Tensor | None = None, split: ContextSplit | None = None):
+    def ttt_unroll(
+        self, fused: torch.Tensor, input_ids: torch.Tensor, steps: int, position_ids: torch.Tensor | None = None, split: ContextSplit | None = None
+    ):
         """Yield the layer outputs [B, T, H] (pre-norm) of training-time-test steps 0..steps-1; the
         next step reads `feedback` of each.
 
@@ -266,8 +275,15 @@ class Eagle3Head(DecoderHeadBase):
             w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
             return torch.softmax(nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1).to(final.device)
 
-    def distill_rows(self, hidden: torch.Tensor, final: torch.Tensor, keep=None, count: int | None = None,
-                     split: ContextSplit | None = None, elements: bool = False) -> tuple[torch.Tensor, float, float]:
+    def distill_rows(
+        self,
+        hidden: torch.Tensor,
+        final: torch.Tensor,
+        keep=None,
+        count: int | None = None,
+        split: ContextSplit | None = None,
+        elements: bool = False,
+    ) -> tuple[torch.Tensor, float, float]:
         """One unroll step's loss over N positions: draft hidden states [N, H] against the target's
         distribution from `final` [N, H] (`_target_rows`), the mean of `config.loss` over the
         positions `keep(entropies [N]) -> bool [N]` keeps (None: all), with (alpha, top-1 agreement)
@@ -291,13 +307,18 @@ class Eagle3Head(DecoderHeadBase):
                     weights = kept.float() / kept.sum().clamp_min(1)
                 else:  # the cut over the whole row's positions, this rank's share of them kept
                     every = split.gather_ragged(entropy)
-                    kept = keep(torch.cat(every))[sum(e.numel() for e in every[:split.rank]):][:n]
+                    kept = keep(torch.cat(every))[sum(e.numel() for e in every[: split.rank]) :][:n]
                     weights = kept.float() / split.all_sum(kept.sum()).clamp_min(1)
         lam = None
         if cfg.loss == "lk_lambda" and (len(chunks) > 1 or split is not None):  # its weight is over all positions
             with torch.no_grad():
-                alpha = torch.cat([acceptance_rate(self._target_rows(final[a:b]), torch.softmax(self.logits(hidden[a:b]).float(), -1))
-                                   for a, b in chunks]) if n else hidden.new_zeros(0)
+                alpha = (
+                    torch.cat(
+                        [acceptance_rate(self._target_rows(final[a:b]), torch.softmax(self.logits(hidden[a:b]).float(), -1)) for a, b in chunks]
+                    )
+                    if n
+                    else hidden.new_zeros(0)
+                )
                 if split is None:
                     lam = lk_lambda(alpha, cfg.lk_eta)
                 else:  # the group's mean acceptance
@@ -369,8 +390,10 @@ class Eagle3Head(DecoderHeadBase):
             keep = lambda entropy: entropy_curriculum(entropy, cfg.entropy_ramp, self.train_progress, cfg.entropy_start)  # noqa: E731
         dpace = cfg.loss == "dpace"
         if dpace and (split is not None or keep is not None):
-            raise ValueError("loss dpace weighs each position's chain of unroll steps on one rank, over every labelled "
-                             "position: it does not combine with context_parallel > 1 or an entropy_ramp")
+            raise ValueError(
+                "loss dpace weighs each position's chain of unroll steps on one rank, over every labelled "
+                "position: it does not combine with context_parallel > 1 or an entropy_ramp"
+            )
         chains = []  # with loss dpace, per step: (cells, loss [N], confidence [N]); position t's chain is its steps
         for i, hidden in enumerate(self.ttt_unroll(fused, ids, steps, position_ids, split)):
             _, valid = shifted_labels(ids, loss_mask, attention_mask, 2 + i, position_ids)
@@ -378,13 +401,11 @@ class Eagle3Head(DecoderHeadBase):
             n = b_idx.numel()
             count = n if split is None else int(split.all_sum(torch.tensor(n, device=ids.device)))
             if dpace and count:
-                (each, conf), alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, t_idx + 1 + i],
-                                                             elements=True)
+                (each, conf), alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, t_idx + 1 + i], elements=True)
                 chains.append((b_idx * ids.shape[1] + t_idx, each, conf))
                 step_loss = each.detach().mean()
             elif count:  # the target's distribution for token t + 2 + i is read at t + 1 + i; every rank of a split row calls
-                step_loss, alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, lo - final_lo + t_idx + 1 + i], keep, count,
-                                                          split)
+                step_loss, alpha, acc = self.distill_rows(hidden[b_idx, t_idx], final[b_idx, lo - final_lo + t_idx + 1 + i], keep, count, split)
             else:
                 step_loss, alpha, acc = hidden.sum() * 0.0, 0.0, 0.0
             if not dpace:

@@ -5,6 +5,7 @@ does not check (the error would surface later as a TypeError deep in a forward).
 Annotations are read as the strings `from __future__ import annotations` leaves: alternatives
 split on "|", each one of the simple forms below; an unrecognised form is not checked.
 """
+
 from __future__ import annotations
 
 import dataclasses

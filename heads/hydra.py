@@ -13,6 +13,7 @@ a fresh Medusa head; training is teacher-forced (the real tokens stand in for th
 Medusa's loss, sum_k loss_decay**k * CE_k. Drafting (inference/drafters/heads.py HydraDrafter)
 grows a static tree depth by depth, each node's children read from its own path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,6 +27,7 @@ from .medusa import MedusaHead
 
 class HydraHead(MedusaHead):
     config: HydraConfig
+
     def __init__(self, config: HydraConfig, target_model: nn.Module | None = None) -> None:
         super().__init__(config)
         H = config.hidden_size

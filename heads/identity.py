@@ -4,6 +4,7 @@ A draft head is only meaningful on the exact target it was trained against: its 
 vocabulary and (for Medusa-2) its fine-tuned weights come from that model. The identity is recorded
 in every saved head's config and checked on load (`heads.registry.load_head`).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -131,16 +132,12 @@ def check_compatible(expected: TargetIdentity, actual: TargetIdentity) -> None:
     """Raise `HeadTargetMismatch` listing every differing field; only warn when the names differ."""
     diffs = identity_diff(expected, actual)
     if diffs:
-        raise HeadTargetMismatch(
-            f"this head was trained on target {expected.name!r} and cannot run on {actual.name!r}:\n  "
-            + "\n  ".join(diffs)
-        )
+        raise HeadTargetMismatch(f"this head was trained on target {expected.name!r} and cannot run on {actual.name!r}:\n  " + "\n  ".join(diffs))
     if expected.tokenizer_sha is not None and actual.tokenizer_sha is None:
         warnings.warn("the head records its tokenizer but none was given: tokenizer identity not checked", stacklevel=2)
     if expected.name != actual.name:
         warnings.warn(
-            f"head was trained on target {expected.name!r}, loading onto {actual.name!r} "
-            "(every structural field and the tokenizer match)",
+            f"head was trained on target {expected.name!r}, loading onto {actual.name!r} (every structural field and the tokenizer match)",
             stacklevel=2,
         )
 

@@ -20,6 +20,7 @@ renormalised p is at least the target's probability on every draft token, so q =
 draft that reaches the highest acceptance a draft over those tokens can (the target's mass on
 them), and alpha here overstates the engine's by at most the mass outside them.
 """
+
 from __future__ import annotations
 
 import math

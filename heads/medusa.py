@@ -11,6 +11,7 @@ trainable copy of the target LM head (Medusa's init) or the target's frozen LM h
 (`share_lm_head`). Module names match vLLM's Medusa layout (`blocks.{k}.layers.{l}`,
 `lm_heads.{k}`), so export is a rename-free copy.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,14 +42,13 @@ class ResidualBlock(nn.Module):
 
 class MedusaHead(DraftHeadBase):
     config: MedusaConfig
+
     def __init__(self, config: MedusaConfig) -> None:
         super().__init__()
         self.config = config
         H, V = config.hidden_size, config.vocab_size
         self.blocks = nn.ModuleList(ResidualBlock(H, config.num_layers) for _ in range(config.num_heads))
-        self.lm_heads = (
-            None if config.share_lm_head else nn.ModuleList(nn.Linear(H, V, bias=False) for _ in range(config.num_heads))
-        )
+        self.lm_heads = None if config.share_lm_head else nn.ModuleList(nn.Linear(H, V, bias=False) for _ in range(config.num_heads))
         self.refs = FrozenRefs()
 
     @property

@@ -17,6 +17,7 @@ transformers builds these targets without their MTP layer and skips those tensor
 they are read from the checkpoint's safetensors here (`read_mtp_layer`), and written back in
 its layout (`checkpoint_tensors`; heads/formats/mtp.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,6 +33,7 @@ from torch import nn
 from .config import MTPConfig
 from .eagle import Eagle1Head, decoder_layers
 from .identity import text_config
+
 
 @dataclass(frozen=True)
 class MTPLayout:
@@ -61,18 +63,28 @@ class MTPLayout:
 
 _NEXTN = dict(  # DeepSeek's names, which GLM-4.5 keeps
     prefix="model.layers.{layer}.",
-    own={"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "fc.weight",
-         "shared_head.norm.weight": "final_norm.weight"},
+    own={
+        "enorm.weight": "enorm.weight",
+        "hnorm.weight": "hnorm.weight",
+        "eh_proj.weight": "fc.weight",
+        "shared_head.norm.weight": "final_norm.weight",
+    },
     shared={"embed_tokens.weight": "embed", "shared_head.head.weight": "lm_head"},
-    zero_first_position=True)
+    zero_first_position=True,
+)
 LAYOUTS = {
     "deepseek_v3": MTPLayout(**_NEXTN),
     "glm4_moe": MTPLayout(**_NEXTN, recycle_normed=False),
     "qwen3_next": MTPLayout(
         prefix="mtp.",
-        own={"pre_fc_norm_embedding.weight": "enorm.weight", "pre_fc_norm_hidden.weight": "hnorm.weight",
-             "fc.weight": "fc.weight", "norm.weight": "final_norm.weight"},
-        block="layers.0."),
+        own={
+            "pre_fc_norm_embedding.weight": "enorm.weight",
+            "pre_fc_norm_hidden.weight": "hnorm.weight",
+            "fc.weight": "fc.weight",
+            "norm.weight": "final_norm.weight",
+        },
+        block="layers.0.",
+    ),
 }
 
 
@@ -91,6 +103,7 @@ def _target_tensor(target_model: nn.Module, which: str) -> torch.Tensor:
 
 class MTPHead(Eagle1Head):
     config: MTPConfig
+
     def __init__(self, config: MTPConfig, target_model: nn.Module) -> None:
         layout = mtp_layout(target_model)  # refuses a family whose MTP layer we do not read, before building
         super().__init__(config, target_model)
@@ -117,8 +130,11 @@ class MTPHead(Eagle1Head):
         if tensors:
             self.load_state_dict(head_state_from_checkpoint(tensors, model, self.layout), strict=True)
         else:  # a new layer, not the target's: what the user asked for only if they meant to train one
-            warnings.warn(f"{folder} holds no MTP layer ({prefix}*): this mtp head starts from a copy of the target's "
-                          "last decoder layer, not from a layer the target was trained with", stacklevel=2)
+            warnings.warn(
+                f"{folder} holds no MTP layer ({prefix}*): this mtp head starts from a copy of the target's "
+                "last decoder layer, not from a layer the target was trained with",
+                stacklevel=2,
+            )
 
     def step(self, fused, tokens, position_ids=None, cache=None, attention_mask=None, last_only=False):
         """(the next step's feature [B,T,H], logits [B,T,V] or, last_only, [B,1,V]): the layer's
@@ -138,8 +154,9 @@ class MTPHead(Eagle1Head):
             e = e.masked_fill((position_ids == 0)[..., None], 0.0)
         x = self.fc(torch.cat([self.enorm(e), self.hnorm(fused.to(self.dtype))], dim=-1))
         position_ids, mask, pos_emb = self._inputs(x, tokens, position_ids, cache, attention_mask)
-        out = self.layers[0](x, attention_mask=mask, position_ids=position_ids, position_embeddings=pos_emb,
-                             use_cache=cache is not None, **{self._cache_kw: cache})
+        out = self.layers[0](
+            x, attention_mask=mask, position_ids=position_ids, position_embeddings=pos_emb, use_cache=cache is not None, **{self._cache_kw: cache}
+        )
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -170,7 +187,7 @@ def read_mtp_layer(folder, prefix: str) -> dict[str, torch.Tensor]:
     for path in sorted(set(where.values())):
         with safe_open(str(path), "pt") as f:
             for k in (k for k, p in where.items() if p == path):
-                out[k[len(prefix):]] = f.get_tensor(k)
+                out[k[len(prefix) :]] = f.get_tensor(k)
     return out
 
 
@@ -181,8 +198,9 @@ def _fuse_experts(block: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     if not experts:
         return block
     out = {k: v for k, v in block.items() if not (k.startswith("mlp.experts.") and k.split(".")[2].isdigit())}
-    out["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([block[f"mlp.experts.{e}.gate_proj.weight"],
-                                                              block[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts])
+    out["mlp.experts.gate_up_proj"] = torch.stack(
+        [torch.cat([block[f"mlp.experts.{e}.gate_proj.weight"], block[f"mlp.experts.{e}.up_proj.weight"]]) for e in experts]
+    )
     out["mlp.experts.down_proj"] = torch.stack([block[f"mlp.experts.{e}.down_proj.weight"] for e in experts])
     return out
 
@@ -201,8 +219,7 @@ def _split_experts(block: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def head_state_from_checkpoint(tensors: dict[str, torch.Tensor], target_model: nn.Module,
-                               layout: MTPLayout) -> dict[str, torch.Tensor]:
+def head_state_from_checkpoint(tensors: dict[str, torch.Tensor], target_model: nn.Module, layout: MTPLayout) -> dict[str, torch.Tensor]:
     """An MTP layer's checkpoint tensors (names after its prefix) -> our head's state dict. Its
     copies of the target's embedding and LM head must equal the target's (the head uses the
     target's own)."""
@@ -210,11 +227,9 @@ def head_state_from_checkpoint(tensors: dict[str, torch.Tensor], target_model: n
     for name, which in shared.items():
         theirs = _target_tensor(target_model, which)
         if name in tensors and not torch.equal(tensors[name].to(theirs.dtype), theirs):
-            raise ValueError(f"the MTP layer's {name} is not the target's: this checkpoint's MTP layer was trained "
-                             "for another target")
+            raise ValueError(f"the MTP layer's {name} is not the target's: this checkpoint's MTP layer was trained for another target")
     state = {layout.own[k]: v for k, v in tensors.items() if k in layout.own}
-    block = {k[len(layout.block):]: v for k, v in tensors.items()
-             if k not in layout.own and k not in shared and k.startswith(layout.block)}
+    block = {k[len(layout.block) :]: v for k, v in tensors.items() if k not in layout.own and k not in shared and k.startswith(layout.block)}
     state.update({f"layers.0.{k}": v for k, v in _fuse_experts(block).items()})
     return state
 
@@ -228,7 +243,7 @@ def checkpoint_tensors(state: dict[str, torch.Tensor], layer: int, target_model:
     prefix = layout.layer_prefix(layer)
     ours = {v: k for k, v in layout.own.items()}
     out = {prefix + ours[k]: v for k, v in state.items() if k in ours}
-    block = _split_experts({k[len("layers.0."):]: v for k, v in state.items() if k.startswith("layers.0.")})
+    block = _split_experts({k[len("layers.0.") :]: v for k, v in state.items() if k.startswith("layers.0.")})
     out.update({prefix + layout.block + k: v for k, v in block.items()})
     out.update({prefix + name: _target_tensor(target_model, which) for name, which in (layout.shared or {}).items()})
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}

@@ -22,6 +22,7 @@ lock, temp files and folders beside the output are leftovers of a killed run, an
 --overwrite never deletes what a command reads or what no drafthead command writes
 (`check_replaceable`: a model with its tokenizer, a data file, the command's own inputs).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,9 @@ def is_empty(path: str | os.PathLike) -> bool:
     return path.stat().st_size == 0
 
 
-def check_output(path: str | os.PathLike, *, overwrite: bool, what: str = "output", own: Callable[[Path], bool] | None = None,
-                 hint: str = "") -> None:
+def check_output(
+    path: str | os.PathLike, *, overwrite: bool, what: str = "output", own: Callable[[Path], bool] | None = None, hint: str = ""
+) -> None:
     """Raise OutputExistsError when `path` holds something and `overwrite` is off. own(path): True
     for the command's own resumable work (a capture's shards, a regeneration's records), which it
     may continue. hint: words after "is not empty" saying why it cannot be continued."""
@@ -77,8 +79,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow", ".csv")  # training data files (train/sources.py reads them)
 
 
-def check_replaceable(path: str | os.PathLike, *, inputs=(), what: str = "output", own: Callable[[Path], bool] | None = None,
-                      own_files: tuple[str, ...] = ()) -> None:
+def check_replaceable(
+    path: str | os.PathLike, *, inputs=(), what: str = "output", own: Callable[[Path], bool] | None = None, own_files: tuple[str, ...] = ()
+) -> None:
     """Refuse --overwrite of `path` when deleting it would lose what the command reads or what no
     drafthead command writes: one of `inputs` (the source, the target, the data, the config; None
     skipped) is `path` or lies inside it; or `path` holds a model with its tokenizer, or a data
@@ -94,8 +97,7 @@ def check_replaceable(path: str | os.PathLike, *, inputs=(), what: str = "output
         src = Path(name).resolve()
         if src == here or here in src.parents:
             relation = "is" if src == here else "holds"
-            raise OutputExistsError(f"{what} {path} {relation} this command's input {name}: {OVERWRITE_FLAG} would "
-                                    "delete it; choose another path")
+            raise OutputExistsError(f"{what} {path} {relation} this command's input {name}: {OVERWRITE_FLAG} would delete it; choose another path")
     if not path.is_dir() or (own is not None and own(path)):
         return
     names = {p.name for p in path.iterdir()}
@@ -107,8 +109,9 @@ def check_replaceable(path: str | os.PathLike, *, inputs=(), what: str = "output
         if data:
             held = f"data ({', '.join(data[:3])})"
     if held:
-        raise OutputExistsError(f"{what} {path} holds {held} that no drafthead command wrote there: {OVERWRITE_FLAG} "
-                                "would delete it; choose another path")
+        raise OutputExistsError(
+            f"{what} {path} holds {held} that no drafthead command wrote there: {OVERWRITE_FLAG} would delete it; choose another path"
+        )
 
 
 class OutputLockedError(OutputExistsError):
@@ -141,8 +144,9 @@ def output_lock(path: str | os.PathLike, *, enabled: bool = True) -> Iterator[No
         except BlockingIOError:
             holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise OutputLockedError(f"{path} is being written by another drafthead process (pid {holder}): wait for it "
-                                    "to finish, or choose another path") from None
+            raise OutputLockedError(
+                f"{path} is being written by another drafthead process (pid {holder}): wait for it to finish, or choose another path"
+            ) from None
         # the holder before us unlinks the file as it lets go: a lock on that unlinked file
         # guards nothing, so lock the file that is there now
         try:
@@ -165,7 +169,7 @@ def output_lock(path: str | os.PathLike, *, enabled: bool = True) -> Iterator[No
 
 def remove_leftovers(path: str | os.PathLike) -> list[Path]:
     """Delete the temp files and folders a killed write of output `path` left beside it
-    (`.{name}.*.tmp`, from fresh_folder and heads/io.py's atomic_write); call it holding
+    (`.{name}.*.tmp`, from fresh_folder and heads/files.py's atomic_write); call it holding
     output_lock(path), which makes every such temp a leftover. Returns what was removed."""
     path = Path(path).absolute()
     if not path.parent.is_dir():

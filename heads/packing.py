@@ -11,6 +11,7 @@ see it are derived here, so every head keeps each conversation to itself from on
 
 `position_ids=None` stands for one conversation per row (positions 0..T-1), the padded layout.
 """
+
 from __future__ import annotations
 
 import torch

@@ -18,6 +18,7 @@ columns (`cod_columns`), so deep depths cost a fraction of a full unroll. Loss: 
 loss, `loss`: heads/losses.py) against the target's distribution (restricted to the draft vocab)
 summed over every kept element and divided by their number, as the reference trainers do (docs/formats.md "Parallel drafters").
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,7 @@ from .losses import distill_loss, dpace_chain_loss, label_confidence
 from .packing import causal_within, segment_ids
 
 
-def cod_columns(T: int, depths: int, ratio: float, min_ratio: float, generator: torch.Generator | None = None,
-                device=None) -> list[torch.Tensor]:
+def cod_columns(T: int, depths: int, ratio: float, min_ratio: float, generator: torch.Generator | None = None, device=None) -> list[torch.Tensor]:
     """Nested column subsets per depth: [0] all T columns, [d] a random subset of [d - 1] holding
     max(1, round(max(ratio**d, min_ratio) * T)) columns (never more than [d - 1] has), sorted."""
     kept = [torch.arange(T, device=device)]
@@ -45,8 +45,7 @@ def cod_columns(T: int, depths: int, ratio: float, min_ratio: float, generator: 
     return kept
 
 
-def parallel_attention_mask(T: int, columns: list[torch.Tensor], dtype: torch.dtype,
-                            position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def parallel_attention_mask(T: int, columns: list[torch.Tensor], dtype: torch.dtype, position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Additive [1, 1, n_d, T + n_1 + ... + n_d] mask for depth d = len(columns) - 1 >= 1;
     [B, 1, n_d, ...] for packed rows (position_ids [B, T], heads/packing.py).
 
@@ -58,9 +57,10 @@ def parallel_attention_mask(T: int, columns: list[torch.Tensor], dtype: torch.dt
     device = columns[0].device
     query = columns[-1]  # [n_d]
     key_col = torch.cat([torch.arange(T, device=device), *columns[1:]])
-    key_depth = torch.cat([torch.zeros(T, dtype=torch.long, device=device)]
-                          + [torch.full((c.numel(),), j + 1, dtype=torch.long, device=device)
-                             for j, c in enumerate(columns[1:])])
+    key_depth = torch.cat(
+        [torch.zeros(T, dtype=torch.long, device=device)]
+        + [torch.full((c.numel(),), j + 1, dtype=torch.long, device=device) for j, c in enumerate(columns[1:])]
+    )
     context = ((key_depth[None] == 0) & (key_col[None] <= query[:, None]))[None]  # [1, n_d, K]
     if position_ids is not None:
         seg = segment_ids(position_ids.to(device))  # [B, T]
@@ -72,14 +72,14 @@ def parallel_attention_mask(T: int, columns: list[torch.Tensor], dtype: torch.dt
 
 class PEagleHead(Eagle3Head):
     config: PEagleConfig
+
     def __init__(self, config: PEagleConfig, target_model: nn.Module) -> None:
         super().__init__(config, target_model)
         H, n_feat = config.hidden_size, len(config.feature_layers)
         self.mask_embedding = nn.Parameter(torch.zeros(H))  # target's row of mask_token_id at init
         self.mask_hidden = nn.Parameter(torch.randn(n_feat * H))  # the reference trainers' N(0, 1) init
 
-    def init_from_target(self, model: nn.Module, token_counts: torch.Tensor | None = None,
-                         always_include=(), **kwargs) -> None:
+    def init_from_target(self, model: nn.Module, token_counts: torch.Tensor | None = None, always_include=(), **kwargs) -> None:
         super().init_from_target(model, token_counts=token_counts, always_include=always_include, **kwargs)
         with torch.no_grad():
             row = model.get_input_embeddings().weight[self.config.mask_token_id]
@@ -96,8 +96,7 @@ class PEagleHead(Eagle3Head):
 
     def _mask_inputs(self, batch: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What n mask positions read: (embedding, fused feature), each [batch, n, H]."""
-        return (self.mask_embedding.to(self.dtype)[None, None].expand(batch, n, -1),
-                self.placeholder()[None, None].expand(batch, n, -1))
+        return (self.mask_embedding.to(self.dtype)[None, None].expand(batch, n, -1), self.placeholder()[None, None].expand(batch, n, -1))
 
     def _masked_hidden(self, batch: int, n: int, position_ids, cache, attention_mask) -> torch.Tensor:
         """The layer output [batch, n, H] of n mask positions at `position_ids` [batch, n]."""
@@ -119,7 +118,7 @@ class PEagleHead(Eagle3Head):
         positions = torch.cat([position_ids, last + torch.arange(1, k + 1, device=last.device)[None]], dim=1)
         position_ids, mask, pos_emb = self._inputs(e, positions, positions, cache, None)  # causal
         h = self.midlayer(e, hidden, mask, position_ids, pos_emb, cache)
-        return self.logits(h[:, T - 1:])
+        return self.logits(h[:, T - 1 :])
 
     def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
         """Soft CE over every kept (column, depth) element / their number (module docstring).

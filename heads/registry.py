@@ -1,5 +1,6 @@
 """Build and load heads by kind. The only place that maps a head config class (and so each kind of
 heads/config.py KINDS) to its module class."""
+
 from __future__ import annotations
 
 import warnings
@@ -8,14 +9,28 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .config import (CONFIG_CLASSES, KINDS, head_kind, DFlashConfig, DSparkConfig, Eagle1Config, Eagle3Config, Eagle31Config, HeadConfig,
-                     HydraConfig, MedusaConfig, MTPConfig, PEagleConfig)
+from .config import (
+    CONFIG_CLASSES,
+    KINDS,
+    head_kind,
+    DFlashConfig,
+    DSparkConfig,
+    Eagle1Config,
+    Eagle3Config,
+    Eagle31Config,
+    HeadConfig,
+    HydraConfig,
+    MedusaConfig,
+    MTPConfig,
+    PEagleConfig,
+)
 from .eagle import Eagle1Head, has_rope_decoder
 from .dflash import DFlashHead
 from .dspark import DSparkHead
 from .eagle3 import Eagle3Head
 from .identity import HeadTargetMismatch, check_compatible, eos_token_ids, identify_target, identity_diff
-from .io import ADAPTER_DIR, DraftHeadBase, HeadFormatError, check_state_dict, read_head_dir
+from .io import ADAPTER_DIR, DraftHeadBase, check_state_dict, read_head_dir
+from .files import HeadFormatError
 from .hydra import HydraHead
 from .medusa import MedusaHead
 from .mtp import MTPHead
@@ -23,8 +38,14 @@ from .peagle import PEagleHead
 
 # config class -> module class; Eagle31Config is the EAGLE-3 head with fc_norm and norm_output on
 _MODULES: dict[type, type[DraftHeadBase]] = {
-    MedusaConfig: MedusaHead, HydraConfig: HydraHead, Eagle1Config: Eagle1Head, Eagle3Config: Eagle3Head,
-    Eagle31Config: Eagle3Head, PEagleConfig: PEagleHead, DFlashConfig: DFlashHead, DSparkConfig: DSparkHead,
+    MedusaConfig: MedusaHead,
+    HydraConfig: HydraHead,
+    Eagle1Config: Eagle1Head,
+    Eagle3Config: Eagle3Head,
+    Eagle31Config: Eagle3Head,
+    PEagleConfig: PEagleHead,
+    DFlashConfig: DFlashHead,
+    DSparkConfig: DSparkHead,
     MTPConfig: MTPHead,
 }
 HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {name: _MODULES[kind.config] for name, kind in KINDS.items()}
@@ -45,8 +66,10 @@ def check_target_fits(kind: str, target_model: nn.Module) -> None:
     has none, naming the kinds that can train for it."""
     if HEAD_CLASSES[kind].needs_rope_decoder and not has_rope_decoder(target_model):
         fits = [k for k, cls in HEAD_CLASSES.items() if not cls.needs_rope_decoder]
-        raise ValueError(f"a {kind} head builds its draft layers from the target's RoPE decoder layer, and "
-                         f"{type(target_model).__name__} has none; for this target train one of: {', '.join(fits)}")
+        raise ValueError(
+            f"a {kind} head builds its draft layers from the target's RoPE decoder layer, and "
+            f"{type(target_model).__name__} has none; for this target train one of: {', '.join(fits)}"
+        )
 
 
 def target_dtype(model: nn.Module) -> torch.dtype:

@@ -16,6 +16,7 @@ Split across ranks (`TTTMask.split`, heads/context_split.py), each rank holds a 
 columns and of every step's keys: the block-0 keys are all-gathered, the diagonal ones are each
 column's own and stay local, and the mask keeps its global column numbers.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -91,8 +92,16 @@ def _chunk(q, k0, v0, kd, vd, spec: TTTMask, q0: int, scaling: float, softcap: f
     return out
 
 
-def ttt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: TTTMask,
-                  dropout: float = 0.0, scaling: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def ttt_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: TTTMask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, h, T, D], key/value [B, hkv, (i + 1) T, D]
     (block j = unroll step j's keys) -> ([B, T, h, Dv], None). With a split mask T is this rank's
     shard of columns, and block 0 is gathered from every rank."""
@@ -101,7 +110,7 @@ def ttt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     B, heads, T, D = query.shape
     kv_heads = key.shape[1]
     steps = key.shape[2] // T  # i + 1
-    scaling = D ** -0.5 if scaling is None else scaling
+    scaling = D**-0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
     q = query.view(B, kv_heads, heads // kv_heads, T, D)  # query head h reads key/value head h // g
     k0, v0 = key[:, :, :T], value[:, :, :T]
@@ -117,8 +126,17 @@ def ttt_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     outs = []
     for q0 in range(0, T, c):
         q1 = min(T, q0 + c)
-        args = (q[:, :, :, q0:q1], k0[:, :, :offset + q1], v0[:, :, :offset + q1], kd[:, :, :, q0:q1],
-                vd[:, :, :, q0:q1], attention_mask, offset + q0, scaling, softcap)
+        args = (
+            q[:, :, :, q0:q1],
+            k0[:, :, : offset + q1],
+            v0[:, :, : offset + q1],
+            kd[:, :, :, q0:q1],
+            vd[:, :, :, q0:q1],
+            attention_mask,
+            offset + q0,
+            scaling,
+            softcap,
+        )
         if c < T and torch.is_grad_enabled():
             outs.append(checkpoint(_chunk, *args, use_reentrant=False))
         else:

@@ -1,5 +1,6 @@
 """Running the CLI in-process and holding a refusal to one clear line: what the reliability tests
 and every test of a command's bad input check (docs/reliability.md)."""
+
 from __future__ import annotations
 
 from drafthead import cli
@@ -33,7 +34,7 @@ def assert_failed_late(code: int, err: str, *fragments: str) -> str:
     # "error:" (an error's own line, "ValueError: ..." too), not "error" (a tmp path may hold the word)
     assert sum("error:" in line.lower() for line in lines) == 1 and "Traceback" not in err, err
     # a progress bar the fault cut short leaves no newline before the error
-    line = lines[-1][lines[-1].index("drafthead: error: "):]
+    line = lines[-1][lines[-1].index("drafthead: error: ") :]
     for fragment in fragments:
         assert fragment in line, line
     return line

@@ -4,6 +4,7 @@ folders, as a user's local model would be.
 
 Everything is built in-process (no hub): a tokenizer trained on a few strings, random weights.
 """
+
 from __future__ import annotations
 
 import os
@@ -109,7 +110,6 @@ def save_tiny_vlm(folder: Path, seed: int = 0) -> Path:
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(folder)
-    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tokenizer,
-                                image_seq_length=4)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 28, "width": 28}), tokenizer=tokenizer, image_seq_length=4)
     processor.save_pretrained(folder)
     return folder

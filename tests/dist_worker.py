@@ -11,6 +11,7 @@ One launch trains, in turn:
   OUT/stream-ddp      the same config reading its data as a stream (data.streaming), past an epoch end.
 Every trainer builds its own fresh head from the same seed.
 """
+
 from __future__ import annotations
 
 import sys
@@ -57,20 +58,31 @@ def main(out: str, target: str, chats: str) -> None:
 
     out = Path(out)
     for parallelism in ("ddp", "fsdp"):  # ddp first: fsdp shards the target's layers for good
-        cfg = tiny_config(target, chats, out / parallelism, parallelism=parallelism, batch_size=2, max_steps=3,
-                          checkpoint_every=0, eval_every=0, warmup_steps=0)
+        cfg = tiny_config(
+            target, chats, out / parallelism, parallelism=parallelism, batch_size=2, max_steps=3, checkpoint_every=0, eval_every=0, warmup_steps=0
+        )
         loaded = load_target(cfg.target, dtype=cfg.target_dtype, threads=1)
         equal_length_trainer(cfg, loaded.model, loaded.tokenizer).fit(progress=False)
     for name, parallelism in (("cp", "ddp"), ("fsdp-cp", "fsdp")):
-        cfg = tiny_config(target, chats, out / name, context_parallel=2, parallelism=parallelism, batch_size=4,
-                          max_steps=3, checkpoint_every=0, eval_every=0, warmup_steps=0)
+        cfg = tiny_config(
+            target,
+            chats,
+            out / name,
+            context_parallel=2,
+            parallelism=parallelism,
+            batch_size=4,
+            max_steps=3,
+            checkpoint_every=0,
+            eval_every=0,
+            warmup_steps=0,
+        )
         loaded = load_target(cfg.target, dtype=cfg.target_dtype, threads=1)
         equal_length_trainer(cfg, loaded.model, loaded.tokenizer).fit(progress=False)
-    run_training(tiny_config(target, chats, out / "cli-fsdp", parallelism="fsdp", max_steps=8, checkpoint_every=1, eval_every=4),
-                 say=lambda message: None)
+    run_training(
+        tiny_config(target, chats, out / "cli-fsdp", parallelism="fsdp", max_steps=8, checkpoint_every=1, eval_every=4), say=lambda message: None
+    )
     stream = {"data.streaming": "true", "data.shuffle_buffer": 8}  # 48 chats - 8 eval: 5 batches of 2 x 4 per epoch
-    run_training(tiny_config(target, chats, out / "stream-ddp", max_steps=7, checkpoint_every=0, eval_every=7, **stream),
-                 say=lambda message: None)
+    run_training(tiny_config(target, chats, out / "stream-ddp", max_steps=7, checkpoint_every=0, eval_every=7, **stream), say=lambda message: None)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Rows for EAGLE-3 loss tests: random tokens with a tiny target's features, and a head's loss with
 its gradients (tests/test_ttt_attention.py, tests/test_context_parallel.py, tests/test_cuda.py)."""
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,7 @@ def samples_of(target, lengths, seed=0):
     for n in lengths:
         ids = torch.randint(3, V, (1, n), generator=g)
         hidden = target_features(target, ids, torch.ones(1, n, dtype=torch.long), (1, 2, 3, 4))
-        out.append({"input_ids": ids[0], "loss_mask": torch.ones(n, dtype=torch.bool),
-                    "hidden_states": {k: v[0] for k, v in hidden.items()}})
+        out.append({"input_ids": ids[0], "loss_mask": torch.ones(n, dtype=torch.bool), "hidden_states": {k: v[0] for k, v in hidden.items()}})
     return out
 
 

@@ -1,5 +1,6 @@
 """Every target linear forced onto one kernel, whatever this CPU's timings choose
 (tests/test_target_linears.py, tests/test_kernels.py)."""
+
 from __future__ import annotations
 
 from drafthead.inference.kernels import panel_kernel, target_linears

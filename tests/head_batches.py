@@ -1,5 +1,6 @@
 """Tiny random targets of vocabulary 128 and their feature batches (right padding, a hole in
 the labels): what the heads' loss tests run on (tests/test_heads.py, tests/test_losses.py)."""
+
 from __future__ import annotations
 
 import torch

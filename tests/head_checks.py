@@ -1,6 +1,7 @@
 """Heads drafting: each kind's drafter, a batch of the target's own continuations to train on, and
 the two exactness checks every head kind's cells run (its drafts equal a from-scratch
 recomputation; greedy decoding with it equals plain decoding, steered too)."""
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,14 @@ from drafthead.inference.engine.generate import GenerationConfig, speculative_ge
 from tests.oracle import assert_accepts_and_stays_exact
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
-KINDS = {"medusa1": {}, "hydra": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64}, "eagle31": {"draft_vocab_size": 64},
-         "peagle": {"draft_vocab_size": 64, "parallel_depth": 4, "mask_token_id": 2}}
+KINDS = {
+    "medusa1": {},
+    "hydra": {},
+    "eagle1": {},
+    "eagle3": {"draft_vocab_size": 64},
+    "eagle31": {"draft_vocab_size": 64},
+    "peagle": {"draft_vocab_size": 64, "parallel_depth": 4, "mask_token_id": 2},
+}
 
 
 def make_drafter(head):
@@ -88,14 +95,23 @@ def assert_greedy_equals_plain(target, drafter_of, max_new_tokens: int = 30, tre
     prompts = prompts_of((1, 6, 13), seed=2)
     ids, mask = left_padded(prompts)
     n = max_new_tokens * 2 // 3
-    batched = speculative_generate(target, drafter_of(num_draft=5), ids, GenerationConfig(max_new_tokens=n),
-                                   attention_mask=mask)
+    batched = speculative_generate(target, drafter_of(num_draft=5), ids, GenerationConfig(max_new_tokens=n), attention_mask=mask)
     references = [plain_greedy(target, p[None], n) for p in prompts]
     assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     # the same drafters steered to be accepted (tests/oracle.py): cache moves, catch-up, ragged rows
-    assert_accepts_and_stays_exact(target, drafter_of, prompt, plain_greedy(target, prompt, max_new_tokens), prompts,
-                                   references, ids, mask, max_new_tokens, n,
-                                   lambda new: GenerationConfig(max_new_tokens=new))
+    assert_accepts_and_stays_exact(
+        target,
+        drafter_of,
+        prompt,
+        plain_greedy(target, prompt, max_new_tokens),
+        prompts,
+        references,
+        ids,
+        mask,
+        max_new_tokens,
+        n,
+        lambda new: GenerationConfig(max_new_tokens=new),
+    )
 
 
 def outputs(head, target):
@@ -129,19 +145,16 @@ def element_loss(log_q, p, loss):
 
 def batch_drafters(target, family):
     """A drafter of every kind the batch tests decode with, for a tiny `family` target."""
-    head_e = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
-                        token_counts=torch.arange(96)).eval()
+    head_e = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target, token_counts=torch.arange(96)).eval()
     head_m = build_head(make_config("medusa1", target, None, name="tiny"), target).eval()
     return {
         "prompt-lookup": PromptLookupDrafter(length=6),
         "prompt-lookup-streak": PromptLookupDrafter(length=3, streak_draft=12),
-        "draft-model-tree": DraftModelDrafter(tiny_causal_lm(family, seed=7, layers=4),
-                                              choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]),
+        "draft-model-tree": DraftModelDrafter(tiny_causal_lm(family, seed=7, layers=4), choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]),
         "self-chain": DraftModelDrafter(target, num_draft=4),
         "eagle3": EagleDrafter(head_e, num_draft=10, depth=4, top_k=3),
         "medusa1": MedusaDrafter(head_m, num_draft=8),
-        "eagle3+lookup": MergedDrafter([EagleDrafter(head_e, num_draft=8, depth=3, top_k=3),
-                                        PromptLookupDrafter(length=4)], extra_nodes=4),
+        "eagle3+lookup": MergedDrafter([EagleDrafter(head_e, num_draft=8, depth=3, top_k=3), PromptLookupDrafter(length=4)], extra_nodes=4),
     }
 
 

@@ -1,6 +1,7 @@
 """How a checkpoint written by another package is compared with ours, shared by
 tests/test_interop_fixtures.py and `make interop` (scripts/interop/run.py), so both apply one set
 of rules. The inputs are tests/fixtures/interop/inputs.safetensors."""
+
 from __future__ import annotations
 
 import copy

@@ -1,6 +1,7 @@
 """The target's law over its first tokens after a prompt, exact and sampled: what every
 speculative-sampling test compares (tests/test_sampling_exactness.py and each family's and head
 kind's depth-2 cases)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -47,8 +48,7 @@ def exact_first_three(target, prompt, sampling):
         pairs = torch.cartesian_prod(torch.arange(VOCAB), torch.arange(VOCAB))  # [V*V, 2]
         three = torch.cat([prompt.repeat(VOCAB * VOCAB, 1), pairs], dim=1)
         p3 = probs(three).view(VOCAB, VOCAB, VOCAB)
-    return {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c])
-            for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)}
+    return {(a, b, c): float(p1[a] * p2[a, b] * p3[a, b, c]) for a in range(VOCAB) for b in range(VOCAB) for c in range(VOCAB)}
 
 
 def assert_static_tree_sampling_exact(drafter_of) -> None:
@@ -75,18 +75,16 @@ def assert_law_at_depth_two(target, drafter, prompt, sampling, copies: int = 10,
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
 
 
-def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: int = 10,
-                  policy_of=None) -> tuple[Counter, int]:
+def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: int = 10, policy_of=None) -> tuple[Counter, int]:
     """RUNS samples of the first `new_tokens` tokens after `prompt` [1, P], drawn `copies` rows at
     a time in one batch (each row its own drafter fork and draws): the joint counts and how many
     rows accepted a path of new_tokens - 1 drafts whole in their first round."""
     ids = prompt.repeat(copies, 1)
     counts, deep = Counter(), 0
     for run in range(RUNS // copies):
-        config = GenerationConfig(max_new_tokens=new_tokens, sampling=sampling, seed=run,
-                                  policy=None if policy_of is None else policy_of())
+        config = GenerationConfig(max_new_tokens=new_tokens, sampling=sampling, seed=run, policy=None if policy_of is None else policy_of())
         out = speculative_generate(target, drafter, ids, config, attention_mask=torch.ones_like(ids))
-        for row in (out.rows if copies > 1 else [out]):
+        for row in out.rows if copies > 1 else [out]:
             counts[tuple(row.new_tokens[0].tolist())] += 1
             deep += row.accepted_lengths[0] == new_tokens
     return counts, deep
@@ -108,8 +106,7 @@ def steered_case(case: str):
     if case in ("medusa1", "medusa2"):
         head = build_head(make_config(case, target, None, name="tiny", num_heads=2), target).eval()
         return target, MedusaDrafter(head, choices=[(0,), (1,), (0, 0), (1, 0)]), None
-    eagle1 = EagleDrafter(build_head(make_config("eagle1", target, None, name="tiny"), target).eval(),
-                          num_draft=6, depth=2, top_k=2)
+    eagle1 = EagleDrafter(build_head(make_config("eagle1", target, None, name="tiny"), target).eval(), num_draft=6, depth=2, top_k=2)
     if case == "eagle1":
         return target, eagle1, None
     if case == "policy":  # one policy over every run: its estimates carry over, as they do for a user

@@ -9,6 +9,7 @@ rewritten to the target's own greedy continuation, cut at the depth the test cho
 any tree the verifier is handed, so exactness must hold for these trees as for the head's own;
 only now the tests can count what was accepted.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -58,7 +59,7 @@ def known_continuation(sequences: list[list[int]]) -> Callable[[tuple[int, ...],
     def continuation(history: tuple[int, ...], n: int) -> list[int]:
         for seq in sequences:
             if tuple(seq[: len(history)]) == history:
-                ahead = list(seq[len(history): len(history) + n])
+                ahead = list(seq[len(history) : len(history) + n])
                 return ahead + [0] * (n - len(ahead))
         return [0] * n
 
@@ -136,8 +137,7 @@ class OracleDrafter(RowDrafter):
     target's continuation, cut at the depth `cut(row, round)` says. chain: the tree is first cut
     to its first chain, what a hybrid target verifies (inference/engine/hybrid_target.py)."""
 
-    def __init__(self, inner, continuation, vocab: int, cut: Cut = never, sequence: int = 0, last: bool = True,
-                 chain: bool = False):
+    def __init__(self, inner, continuation, vocab: int, cut: Cut = never, sequence: int = 0, last: bool = True, chain: bool = False):
         super().__init__(inner, sequence)
         self.continuation, self.vocab, self.cut, self.last, self.chain = continuation, vocab, cut, last, chain
         self.round = 0
@@ -183,9 +183,23 @@ def by_row(sequence: int, round_: int) -> int | None:
     return (None, 2, 1)[sequence % 3]
 
 
-def assert_accepts_and_stays_exact(target, drafter_of, prompt, reference: list[int], prompts, references,
-                                   ids, mask, max_new_tokens: int, ragged_new_tokens: int, generate_config,
-                                   vocab: int | None = None, chain: bool = False, images=None, batch_images=None) -> None:
+def assert_accepts_and_stays_exact(
+    target,
+    drafter_of,
+    prompt,
+    reference: list[int],
+    prompts,
+    references,
+    ids,
+    mask,
+    max_new_tokens: int,
+    ragged_new_tokens: int,
+    generate_config,
+    vocab: int | None = None,
+    chain: bool = False,
+    images=None,
+    batch_images=None,
+) -> None:
     """The oracle-steered `drafter_of()` decodes `prompt` to `reference` while accepting paths of
     depth >= 2 in at least two rounds, and the ragged batch `ids`/`mask` (rows `prompts`) to
     `references` while its rows accept different lengths (row b is cut as `by_row` says).
@@ -203,13 +217,18 @@ def assert_accepts_and_stays_exact(target, drafter_of, prompt, reference: list[i
     assert sum(n >= 2 for n in drafts) >= 2, f"accepted drafts per round {drafts}: fewer than two of depth >= 2"
     assert 0 in drafts[:-1], f"accepted drafts per round {drafts}: no rejected round"
 
-    batched = speculative_generate(target, OracleDrafter(drafter_of(), continuation, vocab, by_row, chain=chain), ids,
-                                   generate_config(ragged_new_tokens), attention_mask=mask, images=batch_images)
+    batched = speculative_generate(
+        target,
+        OracleDrafter(drafter_of(), continuation, vocab, by_row, chain=chain),
+        ids,
+        generate_config(ragged_new_tokens),
+        attention_mask=mask,
+        images=batch_images,
+    )
     assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     longest = [max(accepted_drafts(row)) for row in batched.rows]
     assert longest == [longest[0], 1, 0] and longest[0] >= 2, f"most drafts a round accepted, per row: {longest}"
-    _log_counts(deep=sum(n >= 2 for n in drafts), rounds=len(drafts), row_lengths=sorted({n for row in batched.rows
-                                                                                        for n in accepted_drafts(row)}))
+    _log_counts(deep=sum(n >= 2 for n in drafts), rounds=len(drafts), row_lengths=sorted({n for row in batched.rows for n in accepted_drafts(row)}))
 
 
 def _log_counts(**counts) -> None:

@@ -1,6 +1,7 @@
 """The load policy on injected costs, steered drafts and its three behaviours (drafts where
 drafting pays, decodes plainly where it does not, cuts trees to its count): what
 tests/test_policy.py, the negative controls and the llama.cpp backend's tests check it with."""
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,7 @@ STEEP = CostCurve((1, 16, 64), (0.010, 0.012, 0.048))  # a CPU: flat to 16 token
 def tiny_eagle_drafter():
     """(target, untrained EAGLE-3 head, its drafter: 10 nodes, depth 4, top-3) on a tiny Llama."""
     target = tiny_causal_lm("llama", layers=4)
-    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
-                      token_counts=torch.arange(96)).eval()
+    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target, token_counts=torch.arange(96)).eval()
     return target, head, EagleDrafter(head, num_draft=10, depth=4, top_k=3)
 
 
@@ -84,8 +84,7 @@ def policy_decoding(curve, draft_per_row: float, steered: bool, batch: int = 1, 
         drafter = unlimited(drafter)
     policy = RecordedCuts(curve, probe_every=3, draft_per_row=draft_per_row)
     ids, mask = left_padded(prompts)
-    out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=40, policy=policy),
-                               attention_mask=mask)
+    out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=40, policy=policy), attention_mask=mask)
     rows = [out] if batch == 1 else out.rows
     assert [r.new_tokens[0].tolist() for r in rows] == refs
     return rows, policy

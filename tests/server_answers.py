@@ -3,6 +3,7 @@ prompts keep its token ids, count the prompts as our chat template does, and equ
 greedy answers token for token or part only at a near-tie of our target's logits: two fp32 engines
 round apart, and where the two best tokens are closer than that the engines may pick apart
 (train/regenerate_compare.py)."""
+
 import json
 
 from drafthead.inference.bench.prompts import load_prompts
@@ -23,8 +24,9 @@ def assert_server_answers_are_ours(loaded, url, tmp_path, prompts: int, concurre
     convs = [{"id": p.id, "messages": p.chat_messages()} for p in load_prompts("mt-bench", prompts)]
     settings = RegenerateSettings(max_new_tokens=48, batch_size=1, target_name="smollm2-135m")
     theirs_path, ours_path = tmp_path / "server.jsonl", tmp_path / "ours.jsonl"
-    report, model = regenerate_from_servers(loaded.tokenizer, convs, theirs_path, settings,
-                                            ServerSettings(urls=(url,), concurrency=concurrency), progress=False)
+    report, model = regenerate_from_servers(
+        loaded.tokenizer, convs, theirs_path, settings, ServerSettings(urls=(url,), concurrency=concurrency), progress=False
+    )
     assert report.written == len(convs) and report.answers_with_ids == len(convs) and report.answers_without_ids == 0
     assert report.prompt_tokens_differ == 0  # the server renders the prompts as our template does
     regenerate(loaded.model, loaded.tokenizer, convs, ours_path, settings, progress=False)

@@ -1,4 +1,5 @@
 """Chi-square goodness of fit without scipy: p-value from torch's regularised gamma."""
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Acceptance rules: hand-made logits with known outcomes, slow twins, and exact distributions."""
+
 from collections import Counter
 
 import pytest
@@ -186,8 +187,13 @@ def test_typical_acceptance_is_opt_in_and_labelled_lossy():
         GenerationConfig(typical=TypicalAcceptance())
     target = tiny_causal_lm("llama")
     sampling = SamplingConfig(temperature=1.0)
-    exact = speculative_generate(target, PromptLookupDrafter(length=4), repetitive_prompt(96),
-                                 GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0))
-    lossy = speculative_generate(target, PromptLookupDrafter(length=4), repetitive_prompt(96),
-                                 GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0, typical=TypicalAcceptance()))
+    exact = speculative_generate(
+        target, PromptLookupDrafter(length=4), repetitive_prompt(96), GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0)
+    )
+    lossy = speculative_generate(
+        target,
+        PromptLookupDrafter(length=4),
+        repetitive_prompt(96),
+        GenerationConfig(max_new_tokens=12, sampling=sampling, seed=0, typical=TypicalAcceptance()),
+    )
     assert not exact.lossy and lossy.lossy and lossy.new_tokens.shape[1] == 12

@@ -1,6 +1,7 @@
 """Batch > 1: every row of a batched speculative decode is that prompt's own output, token for
 token in fp32 greedy and in distribution under sampling (at tree depth 2), whatever the other rows
 accept, however long their prompts and whenever they finish."""
+
 from collections import Counter
 
 import pytest
@@ -127,8 +128,7 @@ def test_batched_sampling_is_exact_per_row_at_depth_two(case):
     ids, mask = left_padded(prompts * COPIES, pad=0)
     counts, deep = [Counter(), Counter()], 0
     for run in range(BATCH_RUNS):
-        out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run),
-                                   attention_mask=mask)
+        out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run), attention_mask=mask)
         for b, row in enumerate(out.rows):
             counts[b % 2][tuple(row.new_tokens[0].tolist())] += 1
             deep += row.accepted_lengths[0] == 3
@@ -143,10 +143,21 @@ def test_batched_greedy_with_mixed_sliding_and_full_layers():
     different lengths past the window still equal their own plain greedy output."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    config = Gemma3TextConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=5,
-                              layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-                              max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    config = Gemma3TextConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=5,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     target = Gemma3ForCausalLM(config).eval().requires_grad_(False)

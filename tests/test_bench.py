@@ -1,5 +1,6 @@
 """The benchmark harness: pure metrics against hand-made cases and slow twins, then a real run on
 a tiny random target with prompt lookup (fp32 greedy: speculative output == plain output)."""
+
 from __future__ import annotations
 
 import json
@@ -50,9 +51,7 @@ def slow_repeated(tokens, n):
     return repeated, total
 
 
-@pytest.mark.parametrize(
-    "tokens", [[], [1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4], [7] * 9, list(range(20)) + list(range(10))]
-)
+@pytest.mark.parametrize("tokens", [[], [1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4], [7] * 9, list(range(20)) + list(range(10))])
 def test_repeated_ngrams_matches_slow_twin(tokens):
     assert repeated_ngrams(tokens, 4) == slow_repeated(tokens, 4)
 
@@ -123,9 +122,22 @@ def greedy_report(tiny):
 
 def test_report_has_every_key(greedy_report):
     for key in [
-        "tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "identical_fraction", "num_prompts",
-        "per_position_acceptance", "acceptance_length_histogram", "peak_rss_mb", "repetition",
-        "per_category_tau", "profile", "hf_prompt_lookup_tokens_per_s", "settings", "prompts", "ceiling",
+        "tau",
+        "tokens_per_s",
+        "baseline_tokens_per_s",
+        "speedup",
+        "identical_fraction",
+        "num_prompts",
+        "per_position_acceptance",
+        "acceptance_length_histogram",
+        "peak_rss_mb",
+        "repetition",
+        "per_category_tau",
+        "profile",
+        "hf_prompt_lookup_tokens_per_s",
+        "settings",
+        "prompts",
+        "ceiling",
         "divergences",
     ]:
         assert key in greedy_report, key
@@ -268,8 +280,7 @@ def test_batch_bench_rows_are_identical_and_the_report_adds_up(tiny):
     factory, _ = make_drafter_factory("prompt-lookup", tiny.model, tiny.tokenizer)
     policy = SpeculationPolicy(CostCurve((1, 8, 64), (0.01, 0.011, 0.05)), probe_every=4)
     settings = BenchSettings(max_new_tokens=24, eos_token_ids=eos_token_ids(tiny.model, tiny.tokenizer), progress=False)
-    report = run_batch_bench(tiny.model, tiny.tokenizer, {"fixed": (factory, None), "policy": (factory, policy)},
-                             PROMPTS, settings, batch_size=2)
+    report = run_batch_bench(tiny.model, tiny.tokenizer, {"fixed": (factory, None), "policy": (factory, policy)}, PROMPTS, settings, batch_size=2)
     assert report["num_prompts"] == 3 and set(report["methods"]) == {"fixed", "policy"}
     for name, method in report["methods"].items():
         records = report["prompts"][name]

@@ -1,4 +1,5 @@
 """Loss masks from the chat template: exactly the assistant texts plus their end-of-turn token."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -110,8 +111,7 @@ def test_without_a_template_the_plain_format_masks_answers_and_eos():
     plain.chat_template = None
     f = format_conversation(plain, CONV, 1000)
     eos = plain.eos_token
-    assert masked_runs(plain, f.input_ids, f.loss_mask) == [
-        "one two three four" + eos, "  leading spaces,\nnew line and ünïcode ✓ " + eos, "x" + eos]
+    assert masked_runs(plain, f.input_ids, f.loss_mask) == ["one two three four" + eos, "  leading spaces,\nnew line and ünïcode ✓ " + eos, "x" + eos]
     assert plain.decode(f.input_ids).startswith("You answer in lists.\n\ncontinue: one two\n\none two")
     assert stop_token_ids(plain) == [plain.eos_token_id]
     # generation sees exactly the training prefix of the first answer: the prompt and its blank line

@@ -4,6 +4,7 @@ Tolerance: zero (bitwise equal), single process, fp32 on CPU. The dummy head use
 the torch RNG must be restored; grad accumulation 2 over 5 batches per epoch makes steps straddle
 epoch boundaries, so the data position (epoch, batch index, sampler seed) must be restored too.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,6 +45,7 @@ def test_resume_is_exact(tmp_path):
 
     for (name, a), (_, c) in zip(head_a.state_dict().items(), head_c.state_dict().items()):
         assert torch.equal(a, c), name
+
     # the logged training losses after the resume point match the uninterrupted run's
     def losses(run):
         rows = [json.loads(x) for x in (tmp_path / run / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -1,4 +1,5 @@
 """The CLI: happy paths on a tiny target, and expected errors as one line with exit code 2."""
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,7 @@ def test_other_expected_errors(capsys, tiny_llama_dir, tmp_path):
     assert_one_line_error(code, err, "temperature")
     code, out, err = run_cli(capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(tmp_path / "missing.jsonl"))
     assert_one_line_error(code, err, "no prompt file")
-    code, out, err = run_cli(capsys, "bench", "--target", str(tiny_llama_dir), "--limit", "1", "--compare", "llama.cpp",
-                             "--temperature", "0.7")
+    code, out, err = run_cli(capsys, "bench", "--target", str(tiny_llama_dir), "--limit", "1", "--compare", "llama.cpp", "--temperature", "0.7")
     assert_one_line_error(code, err, "runs greedy decoding only")
 
 
@@ -97,7 +97,10 @@ def test_console_script_prints_one_line(tiny_llama_dir):
     script = Path(sys.executable).with_name("drafthead")  # installed by `pip install -e .`
     proc = subprocess.run(
         [str(script), "bench", "--target", "no-such-model", "--limit", "2"],
-        capture_output=True, text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -107,8 +110,16 @@ def test_console_script_prints_one_line(tiny_llama_dir):
 
 def test_generate_streams_and_reports(capsys, tiny_llama_dir):
     code, out, err = run_cli(
-        capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hello world, hello there",
-        "--max-new-tokens", "24", "--threads", "1",
+        capsys,
+        "generate",
+        "--target",
+        str(tiny_llama_dir),
+        "--prompt",
+        "hello world, hello there",
+        "--max-new-tokens",
+        "24",
+        "--threads",
+        "1",
     )
     assert code == 0
     assert "no trained head ships" in err and "prompt lookup" in err
@@ -121,9 +132,26 @@ def test_bench_writes_report_markdown_and_plot(capsys, tiny_llama_dir, tmp_path)
     prompts.write_text("".join(json.dumps({"prompt": t, "category": c}) + "\n" for t, c in [("hello world", "a"), ("one two three", "b")]))
     out_json, md, png = tmp_path / "r" / "report.json", tmp_path / "r.md", tmp_path / "r.png"
     code, out, err = run_cli(
-        capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--max-new-tokens", "16",
-        "--out", str(out_json), "--markdown", str(md), "--plot", str(png), "--compare", "hf-prompt-lookup",
-        "--no-progress", "--threads", "1", "--profile",
+        capsys,
+        "bench",
+        "--target",
+        str(tiny_llama_dir),
+        "--dataset",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(out_json),
+        "--markdown",
+        str(md),
+        "--plot",
+        str(png),
+        "--compare",
+        "hf-prompt-lookup",
+        "--no-progress",
+        "--threads",
+        "1",
+        "--profile",
     )
     assert code == 0, err
     report = json.loads(out_json.read_text())
@@ -141,8 +169,23 @@ def test_bench_batch_size_with_the_load_policy(capsys, tiny_llama_dir, tmp_path)
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello world", "one two three", "a b a b a")))
     out_json = tmp_path / "batch.json"
     code, out, err = run_cli(
-        capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--max-new-tokens", "12",
-        "--batch-size", "2", "--num-draft", "auto", "--out", str(out_json), "--no-progress", "--threads", "1",
+        capsys,
+        "bench",
+        "--target",
+        str(tiny_llama_dir),
+        "--dataset",
+        str(prompts),
+        "--max-new-tokens",
+        "12",
+        "--batch-size",
+        "2",
+        "--num-draft",
+        "auto",
+        "--out",
+        str(out_json),
+        "--no-progress",
+        "--threads",
+        "1",
     )
     assert code == 0, err
     report = json.loads(out_json.read_text())
@@ -188,9 +231,23 @@ def test_draft_model_proposer_end_to_end(capsys, tiny_llama_dir, tiny_qwen2_dir,
     prompts.write_text(json.dumps({"prompt": "hello world, hello there"}) + "\n")
     out_json = tmp_path / "report.json"
     code, out, err = run_cli(
-        capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--max-new-tokens", "16",
-        "--draft-model", str(tiny_qwen2_dir), "--num-draft", "3", "--out", str(out_json), "--no-progress",
-        "--threads", "1",
+        capsys,
+        "bench",
+        "--target",
+        str(tiny_llama_dir),
+        "--dataset",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--draft-model",
+        str(tiny_qwen2_dir),
+        "--num-draft",
+        "3",
+        "--out",
+        str(out_json),
+        "--no-progress",
+        "--threads",
+        "1",
     )
     assert code == 0, err
     assert f"draft model {tiny_qwen2_dir}" in err
@@ -257,8 +314,23 @@ def test_heads_proposer_end_to_end(capsys, tiny_llama_dir, tmp_path, kind):
     prompts.write_text(json.dumps({"prompt": "hello world, hello there"}) + "\n")
     out_json = tmp_path / "report.json"
     code, out, err = run_cli(
-        capsys, "bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--max-new-tokens", "16",
-        "--head", str(tmp_path / "head"), "--num-draft", "5", "--out", str(out_json), "--no-progress", "--threads", "1",
+        capsys,
+        "bench",
+        "--target",
+        str(tiny_llama_dir),
+        "--dataset",
+        str(prompts),
+        "--max-new-tokens",
+        "16",
+        "--head",
+        str(tmp_path / "head"),
+        "--num-draft",
+        "5",
+        "--out",
+        str(out_json),
+        "--no-progress",
+        "--threads",
+        "1",
     )
     assert code == 0, err
     report = json.loads(out_json.read_text())

@@ -2,13 +2,14 @@
 process of vLLM's Python, which runs vllm_child.py and writes its rows back. vLLM itself is
 replaced by a stub package on the child's PYTHONPATH, so this runs anywhere; an absent venv is a
 skip with its reason."""
+
 import sys
 import textwrap
 from pathlib import Path
 
 from drafthead.inference.bench import compare_vllm
 
-STUB = '''
+STUB = """
 class SamplingParams:
     def __init__(self, temperature, max_tokens, stop_token_ids=()):
         self.max_tokens = max_tokens
@@ -30,7 +31,7 @@ class LLM:
 
     def generate(self, prompts, params, use_tqdm=False):  # echoes the prompt's first tokens
         return [_Request(list(p["prompt_token_ids"][: params.max_tokens])) for p in prompts]
-'''
+"""
 
 
 def test_a_missing_vllm_venv_is_a_skip_with_its_reason(tmp_path, monkeypatch):

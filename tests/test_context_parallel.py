@@ -3,6 +3,7 @@ processes give the unsplit loss and gradients, the ranks' shares summed, within 
 row or packed rows, GQA, a sliding window, rows whose length the ranks do not divide (the last
 shard padded), one attention chunk or chunks of a few rows, and the losses that weigh a row's
 positions together (LK^lambda, the entropy curriculum)."""
+
 from __future__ import annotations
 
 import os
@@ -106,12 +107,19 @@ def test_a_split_that_does_not_divide_the_processes_is_refused_before_training(t
     from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
-    cfg = TrainConfig.from_dict(dict(
-        target="tiny", head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, report_to="none",
-        output_dir=str(tmp_path / "run"), context_parallel=2, batch_size=2, max_steps=1, checkpoint_every=0,
-        data={"source": "json", "path": str(write_tiny_jsonl(tmp_path / "chats.jsonl", 8)), "max_length": 32,
-              "eval_fraction": 0.0},
-    ))
+    cfg = TrainConfig.from_dict(
+        dict(
+            target="tiny",
+            head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2},
+            report_to="none",
+            output_dir=str(tmp_path / "run"),
+            context_parallel=2,
+            batch_size=2,
+            max_steps=1,
+            checkpoint_every=0,
+            data={"source": "json", "path": str(write_tiny_jsonl(tmp_path / "chats.jsonl", 8)), "max_length": 32, "eval_fraction": 0.0},
+        )
+    )
     trainer = build_trainer(cfg, tiny_target(tok), tok, target_name="tiny")
     with pytest.raises(ConfigError, match="context_parallel: 2 does not divide the 1 processes"):
         trainer.fit(progress=False)

@@ -1,5 +1,6 @@
 """Tree size from the measured verification cost: the choice rule against a brute-force twin,
 the cost curve, and EAGLE drafting with sizing="confidence" staying exact."""
+
 import json
 import math
 import random
@@ -74,8 +75,7 @@ def test_measure_verify_cost_on_a_tiny_target_leaves_no_trace():
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_confidence_tree_size_is_exact_and_adapts(family):
     target = tiny_causal_lm(family, layers=4)
-    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
-                      token_counts=torch.ones(96, dtype=torch.long))
+    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target, token_counts=torch.ones(96, dtype=torch.long))
     # a cost that rises steeply after 6 nodes: the drafter must never keep many more
     curve = CostCurve((1, 6, 7, 60), (0.01, 0.011, 0.05, 0.5))
     drafter = EagleDrafter(head, sizing="confidence", depth=3, top_k=3, verify_cost=curve)

@@ -12,6 +12,7 @@ set to cpu, so their code is exercised on every commit:
 - an EAGLE-3 training step on packed rows: the device's loss and gradients equal the CPU's;
 - what EAGLE-3's backward keeps grows linearly with the row (the long-context memory bound).
 """
+
 from __future__ import annotations
 
 import os
@@ -29,16 +30,25 @@ from tests.oracle import OracleDrafter, assert_accepts_and_stays_exact, by_row, 
 from tests.tiny import left_padded, plain_greedy, prompts_of, repetitive_prompt, tiny_causal_lm
 
 DEVICE = os.environ.get("DRAFTHEAD_TEST_DEVICE", "cuda")
-pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(),
-                                reason="no CUDA device (scripts/gpu/check.sh --dry-run runs these on the CPU)")
+pytestmark = pytest.mark.skipif(
+    DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu/check.sh --dry-run runs these on the CPU)"
+)
 NEW = 24
 
 
 def on_device(dtype=torch.float32):
     """A tiny Llama and an untrained EAGLE-3 head on DEVICE, a prompt and a ragged batch there."""
     target = tiny_causal_lm("llama", layers=4).to(DEVICE, dtype)
-    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64, aux_layers=(1, 2, 3)),
-                      target, token_counts=torch.arange(96), dtype=dtype).to(DEVICE).eval()
+    head = (
+        build_head(
+            make_config("eagle3", target, None, name="tiny", draft_vocab_size=64, aux_layers=(1, 2, 3)),
+            target,
+            token_counts=torch.arange(96),
+            dtype=dtype,
+        )
+        .to(DEVICE)
+        .eval()
+    )
     prompt = repetitive_prompt(96, seed=8).to(DEVICE)
     prompts = [p.to(DEVICE) for p in prompts_of((5, 9, 13), seed=2)]
     ids, mask = (t.to(DEVICE) for t in left_padded(prompts))
@@ -49,16 +59,28 @@ def test_tree_verify_with_accepted_paths_equals_plain_greedy_at_batch_1_and_ragg
     target, head, prompt, prompts, ids, mask = on_device()
     reference = plain_greedy(target, prompt, NEW)
     references = [plain_greedy(target, p[None], NEW) for p in prompts]
-    assert_accepts_and_stays_exact(target, lambda: head_drafter(head), prompt, reference, prompts, references, ids, mask,
-                                   NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new))
+    assert_accepts_and_stays_exact(
+        target,
+        lambda: head_drafter(head),
+        prompt,
+        reference,
+        prompts,
+        references,
+        ids,
+        mask,
+        NEW,
+        NEW,
+        lambda new: GenerationConfig(max_new_tokens=new),
+    )
 
 
 def test_bf16_decodes_accepts_and_keeps_rows_apart():
     target, head, prompt, prompts, ids, mask = on_device(torch.bfloat16)
     references = [plain_greedy(target, p[None], NEW) for p in prompts]
     continuation = known_continuation([p.tolist() + r for p, r in zip(prompts, references)])
-    out = speculative_generate(target, OracleDrafter(head_drafter(head), continuation, 96, by_row), ids,
-                               GenerationConfig(max_new_tokens=NEW), attention_mask=mask)
+    out = speculative_generate(
+        target, OracleDrafter(head_drafter(head), continuation, 96, by_row), ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask
+    )
     assert [row.new_tokens.shape[1] for row in out.rows] == [NEW] * 3
     assert max(n for row in out.rows for n in row.accepted_lengths) > 1  # drafts were accepted
     assert out.rows[2].new_tokens.device.type == torch.device(DEVICE).type
@@ -84,8 +106,9 @@ def test_what_the_backward_keeps_grows_linearly_on_the_device(monkeypatch):
 
     target = tiny_causal_lm("llama", vocab=V, layers=4, hidden=32)
     torch.manual_seed(0)
-    head = build_head(make_config("eagle3", target, None, name="tiny", ttt_steps=3), target,
-                      token_counts=torch.arange(V), dtype=torch.float32).train()
+    head = build_head(
+        make_config("eagle3", target, None, name="tiny", ttt_steps=3), target, token_counts=torch.arange(V), dtype=torch.float32
+    ).train()
     monkeypatch.setattr(ttt, "CHUNK_BYTES", 4 * 4 * 64 * 32)  # 32 query rows at T = 64
     samples = {T: collate(samples_of(target, (T,))) for T in (256, 1024)}
     head.to(DEVICE)

@@ -1,6 +1,7 @@
 """Local data formats through `datasets` (json, jsonl, parquet, csv, arrow, save_to_disk folders),
 one clear error per kind of bad data, the tokenization cache, and the streaming path (order,
 rank sharding, exact resume, held-out eval). docs/models-and-data.md, "Data formats and streaming"."""
+
 from __future__ import annotations
 
 import copy
@@ -19,19 +20,23 @@ from drafthead.train.sources import EmptySourceError, load_conversations, read_c
 from drafthead.train.streaming import TokenStream, rank_batches
 
 OPENAI = [
-    {"id": "o1", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"},
-                              {"role": "assistant", "content": "a1"}]},
-    {"id": "o2", "messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"},
-                              {"role": "user", "content": "q3"}, {"role": "assistant", "content": "a3"}]},
+    {"id": "o1", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]},
+    {
+        "id": "o2",
+        "messages": [
+            {"role": "user", "content": "q2"},
+            {"role": "assistant", "content": "a2"},
+            {"role": "user", "content": "q3"},
+            {"role": "assistant", "content": "a3"},
+        ],
+    },
 ]
-SHAREGPT = [{"id": "s1", "conversations": [{"from": "human", "value": "q4"}, {"from": "narrator", "value": "x"},
-                                           {"from": "gpt", "value": "a4"}]}]
+SHAREGPT = [{"id": "s1", "conversations": [{"from": "human", "value": "q4"}, {"from": "narrator", "value": "x"}, {"from": "gpt", "value": "a4"}]}]
 
 
 def chat(i: int) -> dict:
     """A conversation whose tokens are unique to `i` (the id is in both turns)."""
-    return {"id": f"c{i}", "messages": [{"role": "user", "content": f"continue: {i}"},
-                                        {"role": "assistant", "content": f"{i} one two three"}]}
+    return {"id": f"c{i}", "messages": [{"role": "user", "content": f"continue: {i}"}, {"role": "assistant", "content": f"{i} one two three"}]}
 
 
 def write_jsonl(path, records):
@@ -84,11 +89,20 @@ def test_every_local_format_gives_the_same_conversations(tmp_path):
     write_arrow(tmp_path / "a.arrow", records)
     table.save_to_disk(str(tmp_path / "saved"))
     datasets.DatasetDict({"train": table, "test": table.select([0])}).save_to_disk(str(tmp_path / "saved_dict"))
-    write_csv(tmp_path / "a.csv", ["id", "messages", "conversations"],
-              [[r["id"], json.dumps(r.get("messages", "")), json.dumps(r["conversations"]) if "conversations" in r else ""]
-               for r in records])
-    for name, fmt in [("a.json", "json"), ("a.jsonl", "json"), ("a.parquet", "parquet"), ("a.arrow", "arrow"),
-                      ("saved", "saved"), ("saved_dict", "saved"), ("a.csv", "csv")]:
+    write_csv(
+        tmp_path / "a.csv",
+        ["id", "messages", "conversations"],
+        [[r["id"], json.dumps(r.get("messages", "")), json.dumps(r["conversations"]) if "conversations" in r else ""] for r in records],
+    )
+    for name, fmt in [
+        ("a.json", "json"),
+        ("a.jsonl", "json"),
+        ("a.parquet", "parquet"),
+        ("a.arrow", "arrow"),
+        ("saved", "saved"),
+        ("saved_dict", "saved"),
+        ("a.csv", "csv"),
+    ]:
         ds, report = load_conversations("file", str(tmp_path / name), use_cache=False)
         assert rows_of(ds) == expected, name
         assert report.format == fmt and report.records_read == 3 and report.dropped_turns == {"unknown_role:narrator": 1}
@@ -97,12 +111,14 @@ def test_every_local_format_gives_the_same_conversations(tmp_path):
 
 
 def test_csv_prompt_response_columns(tmp_path):
-    path = write_csv(tmp_path / "pr.csv", ["id", "system", "prompt", "response"],
-                     [["1", "", "q1", "a1"], ["2", "be brief", "q2", "a2"], ["3", "", "q3", ""]])
+    path = write_csv(
+        tmp_path / "pr.csv", ["id", "system", "prompt", "response"], [["1", "", "q1", "a1"], ["2", "be brief", "q2", "a2"], ["3", "", "q3", ""]]
+    )
     ds, report = load_conversations("file", str(path), use_cache=False)
-    assert rows_of(ds) == [("1", [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]),
-                           ("2", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q2"},
-                                  {"role": "assistant", "content": "a2"}])]
+    assert rows_of(ds) == [
+        ("1", [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]),
+        ("2", [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]),
+    ]
     assert report.dropped_conversations == {"empty_assistant_turn": 1}
     assert report.first_dropped == {"empty_assistant_turn": "record 2 (id '3', keys: id, system, prompt, response)"}
 
@@ -140,7 +156,7 @@ def test_chunked_json_array_decoder_slow_twin(tmp_path, monkeypatch):
     """Read 5 characters at a time, the decoder sees records, strings and separators split at every
     possible place; cut at every position, it salvages what the whole-text decoder salvages."""
     monkeypatch.setattr(json_records, "_CHUNK", 5)
-    records = [chat(0), {"id": "tricky", "messages": [{"role": "user", "content": "],[{\"\\ ünï ✓"}]}, 12345, chat(1)]
+    records = [chat(0), {"id": "tricky", "messages": [{"role": "user", "content": '],[{"\\ ünï ✓'}]}, 12345, chat(1)]
     text = json.dumps(records, indent=1, ensure_ascii=False)
     path = tmp_path / "a.json"
     for cut in range(text.index("[") + 1, len(text) + 1):
@@ -173,8 +189,7 @@ def test_records_without_a_chat_field_name_the_file_and_first_record(tmp_path):
     with pytest.raises(EmptySourceError, match=r"text\.parquet: none of its 1 records.*record 0 \(keys: text\)"):
         load_conversations("file", str(tmp_path / "text.parquet"), use_cache=False)
     # some usable: the others are counted, with the first one named, and loading goes on
-    ds, report = load_conversations("json", str(write_jsonl(tmp_path / "mixed.jsonl", [{"x": 1}, chat(0), [1, 2]])),
-                                    use_cache=False)
+    ds, report = load_conversations("json", str(write_jsonl(tmp_path / "mixed.jsonl", [{"x": 1}, chat(0), [1, 2]])), use_cache=False)
     assert len(ds) == 1 and report.dropped_conversations == {"no_conversation_field": 2}
     assert report.first_dropped == {"no_conversation_field": "record 0 (keys: x)"}
     # every record dropped for a rule: the error names the commonest reason's first record
@@ -250,8 +265,8 @@ def rank_batches_slow(samples, batch_size, rank, world_size, skip):
     """Obviously right: every full chunk, rank's slice, minus the first `skip`."""
     samples = list(samples)
     n_chunks = len(samples) // (world_size * batch_size)
-    chunks = [samples[k * world_size * batch_size:(k + 1) * world_size * batch_size] for k in range(n_chunks)]
-    return [c[rank * batch_size:(rank + 1) * batch_size] for c in chunks][skip:]
+    chunks = [samples[k * world_size * batch_size : (k + 1) * world_size * batch_size] for k in range(n_chunks)]
+    return [c[rank * batch_size : (rank + 1) * batch_size] for c in chunks][skip:]
 
 
 def test_rank_batches_slow_twin():
@@ -259,8 +274,9 @@ def test_rank_batches_slow_twin():
         for batch_size, world_size in ((1, 1), (2, 1), (2, 3), (4, 2)):
             for rank in range(world_size):
                 for skip in (0, 1, 3):
-                    assert list(rank_batches(range(n), batch_size, rank, world_size, skip)) == \
-                        rank_batches_slow(range(n), batch_size, rank, world_size, skip)
+                    assert list(rank_batches(range(n), batch_size, rank, world_size, skip)) == rank_batches_slow(
+                        range(n), batch_size, rank, world_size, skip
+                    )
     with pytest.raises(ValueError):
         next(rank_batches(range(4), 2, rank=2, world_size=2))
 
@@ -322,8 +338,7 @@ def test_eval_samples_are_the_head_and_never_trained_on(stream_file, tiny_tokeni
 
 def test_streaming_reads_every_format_and_salvages_a_cut_array(tmp_path, tiny_tokenizer):
     records = [chat(i) for i in range(6)]
-    expected = [key(s) for b in TokenStream("json", str(write_jsonl(tmp_path / "a.jsonl", records)), tiny_tokenizer, 64).batches(1)
-                for s in b]
+    expected = [key(s) for b in TokenStream("json", str(write_jsonl(tmp_path / "a.jsonl", records)), tiny_tokenizer, 64).batches(1) for s in b]
     table = datasets.Dataset.from_list(records)
     table.to_parquet(str(tmp_path / "a.parquet"))
     table.save_to_disk(str(tmp_path / "saved"))

@@ -1,6 +1,7 @@
 """DFlash (heads/dflash.py, inference/drafters/parallel.py): the many-block training loss equals a
 slow block-by-block twin that drafts each block the way inference does, the cached drafter equals
 drafting from scratch, and decoding with it is exact (greedy at batch 1 and 3, sampling at depth 2)."""
+
 import math
 
 import pytest
@@ -148,6 +149,7 @@ def test_greedy_with_block_drafting_equals_plain_greedy(family):
 
 def test_block_tree_sampling_is_exact_at_depth_two():
     """A static tree over the block's positions: the joint law of three new tokens is the target's."""
+
     def drafter_of(target, choices):
         config = make_config("dflash", target, None, name="tiny", block_size=3, mask_token_id=VOCAB - 1)
         return DFlashDrafter(build_head(config, target).eval(), choices=choices)

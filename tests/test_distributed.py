@@ -1,10 +1,11 @@
 """Training on 2 CPU processes (gloo) and after real crashes (docs/scaling.md):
 
-  * DDP and FSDP runs end with one process's weights, with the same global batch;
-  * a 2-process FSDP run whose rank is SIGKILLed after a checkpoint resumes to the uninterrupted
-    run's weights, bit for bit, and only the main process writes;
-  * a single-process run SIGKILLed mid-run resumes bit-equal, in fp32 and under bf16 autocast.
+* DDP and FSDP runs end with one process's weights, with the same global batch;
+* a 2-process FSDP run whose rank is SIGKILLed after a checkpoint resumes to the uninterrupted
+  run's weights, bit for bit, and only the main process writes;
+* a single-process run SIGKILLed mid-run resumes bit-equal, in fp32 and under bf16 autocast.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,14 +26,32 @@ from tests.dist_worker import equal_length_trainer, tiny_config
 pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
 
 REPO = Path(__file__).resolve().parent.parent
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-          "--mixed_precision", "no", "--dynamo_backend", "no"]
+LAUNCH = [
+    sys.executable,
+    "-m",
+    "accelerate.commands.launch",
+    "--multi_gpu",
+    "--num_processes",
+    "2",
+    "--num_machines",
+    "1",
+    "--mixed_precision",
+    "no",
+    "--dynamo_backend",
+    "no",
+]
 KILLED_RUN = {"parallelism": "fsdp", "max_steps": 8, "checkpoint_every": 1, "eval_every": 4}  # as tests/dist_worker.py's cli-fsdp
 
 
 def env_for(tmp: Path) -> dict:
-    return dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", DRAFTHEAD_CACHE=str(tmp / "cache"), WANDB_MODE="disabled",
-                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return dict(
+        os.environ,
+        ACCELERATE_USE_CPU="1",
+        OMP_NUM_THREADS="1",
+        DRAFTHEAD_CACHE=str(tmp / "cache"),
+        WANDB_MODE="disabled",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -90,8 +109,14 @@ def two_process_runs(tiny_run_inputs):
     """OUT of one `accelerate launch` of tests/dist_worker.py (see its docstring)."""
     tmp, target, chats = tiny_run_inputs
     out = tmp / "worker"
-    proc = subprocess.run(LAUNCH + [str(REPO / "tests" / "dist_worker.py"), str(out), target, chats], cwd=REPO,
-                          env=env_for(tmp), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        LAUNCH + [str(REPO / "tests" / "dist_worker.py"), str(out), target, chats],
+        cwd=REPO,
+        env=env_for(tmp),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 

@@ -1,6 +1,7 @@
 """DraftSpec (drafthead/draft_spec.py): the one home of how a round drafts. The CLI's spellings map
 to one spec, bad settings fail before any model loads, and each proposer gets its options from
 one translation."""
+
 from argparse import Namespace
 from types import SimpleNamespace
 
@@ -20,32 +21,35 @@ def test_the_cli_spellings_map_to_one_spec():
     assert spec_of("--num-draft", "auto") == spec_of("--sizing", "policy") == DraftSpec(sizing="policy")
     assert spec_of("--num-draft", "confidence") == DraftSpec(sizing="confidence")
     assert spec_of("--num-draft", "12", "--sizing", "confidence") == DraftSpec(num_draft=12, sizing="confidence")
-    assert spec_of("--head", "h", "--tree-depth", "3", "--tree-branch", "2", "--lookup-nodes", "4",
-                   "--lookup-streak", "0") == DraftSpec(head="h", depth=3, branch=2, lookup_nodes=4, lookup_streak=0)
+    assert spec_of("--head", "h", "--tree-depth", "3", "--tree-branch", "2", "--lookup-nodes", "4", "--lookup-streak", "0") == DraftSpec(
+        head="h", depth=3, branch=2, lookup_nodes=4, lookup_streak=0
+    )
     with pytest.raises(ValueError, match="contradicts --sizing fixed"):
         spec_of("--num-draft", "auto", "--sizing", "fixed")
 
 
-@pytest.mark.parametrize("fields, message", [
-    ({"lookup_nodes": -1}, "--lookup-nodes must be a whole number >= 0"),
-    ({"lookup_streak": -2}, "--lookup-streak must be"),
-    ({"num_draft": 0}, "--num-draft must be a whole number >= 1"),
-    ({"depth": 0}, "--depth must be"),
-    ({"sizing": "sometimes"}, "unknown sizing"),
-    ({"proposer": "oracle"}, "unknown proposer"),
-    ({"backend": "onnx"}, "unknown backend"),
-    ({"proposer": "prompt-lookup", "sizing": "confidence"}, "not prompt-lookup drafts"),
-    ({"proposer": "draft-model"}, "needs --draft-model"),
-    ({"proposer": "prompt-lookup", "depth": 3}, "--depth is a head drafter's setting"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"lookup_nodes": -1}, "--lookup-nodes must be a whole number >= 0"),
+        ({"lookup_streak": -2}, "--lookup-streak must be"),
+        ({"num_draft": 0}, "--num-draft must be a whole number >= 1"),
+        ({"depth": 0}, "--depth must be"),
+        ({"sizing": "sometimes"}, "unknown sizing"),
+        ({"proposer": "oracle"}, "unknown proposer"),
+        ({"backend": "onnx"}, "unknown backend"),
+        ({"proposer": "prompt-lookup", "sizing": "confidence"}, "not prompt-lookup drafts"),
+        ({"proposer": "draft-model"}, "needs --draft-model"),
+        ({"proposer": "prompt-lookup", "depth": 3}, "--depth is a head drafter's setting"),
+    ],
+)
 def test_settings_no_drafter_can_take_fail_at_once(fields, message):
     with pytest.raises(ValueError, match=message):
         DraftSpec(**fields)
 
 
 def test_each_proposer_gets_its_options_from_one_translation():
-    assert DraftSpec(proposer="prompt-lookup", num_draft=7, lookup_streak=0).drafter_options() == \
-        {"num_draft": 7, "streak_draft": 0}
+    assert DraftSpec(proposer="prompt-lookup", num_draft=7, lookup_streak=0).drafter_options() == {"num_draft": 7, "streak_draft": 0}
     heads = DraftSpec(proposer="heads", head="h", num_draft=9, depth=3, branch=2, lookup_nodes=0)
     assert heads.drafter_options() == {"num_draft": 9, "depth": 3, "top_k": 2, "lookup_nodes": 0}
     # unset fields stay out, so drafting.json keeps them; the load policy is the engine's, and the

@@ -1,4 +1,5 @@
 """EAGLE-3's reduced draft vocabulary: hand-made counts, a slow twin, and the validity rule."""
+
 from __future__ import annotations
 
 import pytest

@@ -3,6 +3,7 @@ equals a slow block-by-block twin (under the decay and under D-PACE), the cached
 drafting from scratch, a tree node's candidates are its own parent's, decoding is exact (greedy at
 batch 1 and ragged 3 on every family, sampling at depth 2), and the confidence head changes how
 much is verified, never the output."""
+
 import json
 import math
 
@@ -13,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from drafthead.heads.config import DSparkConfig
 from drafthead.heads.formats import detect_layout, export_head, import_head
-from drafthead.heads.io import HeadFormatError
+from drafthead.heads.files import HeadFormatError
 from drafthead.heads.dflash import sample_anchors
 from drafthead.heads.losses import dpace_weights
 from drafthead.heads.registry import build_head, make_config
@@ -29,8 +30,7 @@ MASK = 95  # not 2, the tiny models' pad token: its embedding row is zero
 
 
 def dspark(target, block=4, rank=8, **extra):
-    config = make_config("dspark", target, None, name="tiny", block_size=block, mask_token_id=MASK, markov_rank=rank,
-                         **extra)
+    config = make_config("dspark", target, None, name="tiny", block_size=block, mask_token_id=MASK, markov_rank=rank, **extra)
     head = build_head(config, target)
     with torch.no_grad():  # a Markov bias large enough to change the drafts (it starts near zero)
         head.markov_head.markov_w1.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(5))
@@ -88,8 +88,7 @@ def test_loss_equals_the_block_by_block_twin(extra):
     assert torch.allclose(loss, want, atol=1e-5), (loss.item(), float(want))
     assert metrics["num_labels"] > 0 and {"acc_3", "alpha_3", "conf_3", "l1_0"} <= set(metrics)
     loss.backward()
-    for p in (head.fc.weight, head.markov_head.markov_w1.weight, head.markov_head.markov_w2.weight,
-              head.confidence_head.proj.weight):
+    for p in (head.fc.weight, head.markov_head.markov_w1.weight, head.markov_head.markov_w2.weight, head.confidence_head.proj.weight):
         assert p.grad is not None and p.grad.abs().sum() > 0
     assert head.refs.lm_head.weight.grad is None  # the target's LM head stays frozen
 
@@ -145,8 +144,7 @@ def test_a_nodes_candidates_are_its_own_parents():
     prompt = repetitive_prompt(96, seed=3)[:, :12]
     with torch.no_grad():
         out = target(prompt[:, :-1], output_hidden_states=True)
-        drafter.begin(prompt[:, :-1], TargetFeatures(out.hidden_states[-1], [out.hidden_states[i] for i in head.feature_layers]),
-                      prompt[:, -1])
+        drafter.begin(prompt[:, :-1], TargetFeatures(out.hidden_states[-1], [out.hidden_states[i] for i in head.feature_layers]), prompt[:, -1])
         tree = drafter.propose()
         context = head.context(head.fuse([out.hidden_states[i] for i in head.feature_layers]), torch.arange(11)[None])
         _, base = head.block_states(prompt[:, -1], 11, context)
@@ -165,6 +163,7 @@ def test_greedy_with_dspark_drafting_equals_plain_greedy(family):
 
 def test_block_tree_sampling_is_exact_at_depth_two():
     """A static tree over the block: the joint law of three new tokens is the target's."""
+
     def drafter_of(target, choices):
         config = make_config("dspark", target, None, name="tiny", block_size=2, mask_token_id=VOCAB - 1, markov_rank=4)
         return DSparkDrafter(build_head(config, target).eval(), choices=choices)
@@ -213,8 +212,7 @@ def test_confidence_rule_needs_a_cost_curve_and_a_confidence_head():
     head = dspark(target)
     with pytest.raises(ValueError, match="verify_cost"):
         DSparkDrafter(head, sizing="confidence")
-    config = make_config("dspark", target, None, name="tiny", mask_token_id=MASK, confidence_head=False,
-                         confidence_weight=0.0)
+    config = make_config("dspark", target, None, name="tiny", mask_token_id=MASK, confidence_head=False, confidence_weight=0.0)
     with pytest.raises(ValueError, match="confidence head"):
         DSparkDrafter(build_head(config, target), sizing="confidence", verify_cost=CostCurve((1, 2), (0.1, 0.2)))
 
@@ -240,8 +238,12 @@ def test_dspark_export_is_deepseeks_layout_and_reads_back(tmp_path):
     for (name, a), (_, b) in zip(head.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), name
     # DeepSeek's own files carry copies of the target's embedding and LM head: checked, then dropped
-    tensors.update({"embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
-                    "lm_head.weight": target.get_output_embeddings().weight.detach().clone()})
+    tensors.update(
+        {
+            "embed_tokens.weight": target.get_input_embeddings().weight.detach().clone(),
+            "lm_head.weight": target.get_output_embeddings().weight.detach().clone(),
+        }
+    )
     save_file(tensors, str(out / "model.safetensors"))
     assert torch.equal(import_head(out, target).markov_head.markov_w1.weight, head.markov_head.markov_w1.weight)
     tensors["lm_head.weight"] = tensors["lm_head.weight"] + 1

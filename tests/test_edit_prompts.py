@@ -1,5 +1,6 @@
 """The `edits` prompt set (train/edit_prompts.py): ShareGPT requests for an edit whose reference
 answer copies the prompt, each text once, and the rule that picks them."""
+
 from drafthead.train.edit_prompts import COPIED, EDITS, copied_share, edit_prompts, is_edit
 
 TEXT = " ".join(f"word{i}" for i in range(120))

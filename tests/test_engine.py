@@ -1,4 +1,5 @@
 """Speculative greedy == plain greedy (fp32) for every proposer, family, tree shape and stop rule."""
+
 import pytest
 import torch
 
@@ -82,8 +83,9 @@ def test_stop_string_cuts_after_the_completing_token():
     stop = tok.decode(reference[12:14])
     text = tok.decode(reference)
     expected_len = text.index(stop) + len(stop)
-    result = speculative_generate(target, DraftModelDrafter(target, num_draft=5), prompt,
-                                  GenerationConfig(max_new_tokens=40, stop_strings=(stop,)), tokenizer=tok)
+    result = speculative_generate(
+        target, DraftModelDrafter(target, num_draft=5), prompt, GenerationConfig(max_new_tokens=40, stop_strings=(stop,)), tokenizer=tok
+    )
     assert result.new_tokens[0].tolist() == reference[:expected_len]
     assert result.finish_reason == "stop_string"
 
@@ -92,8 +94,9 @@ def test_context_limit_is_respected():
     target = tiny_causal_lm("llama")
     prompt = repetitive_prompt(96, seed=2)  # 18 tokens
     reference = plain_greedy(target, prompt, 12)
-    result = speculative_generate(target, DraftModelDrafter(target, num_draft=5), prompt,
-                                  GenerationConfig(max_new_tokens=50, max_length=prompt.shape[1] + 12))
+    result = speculative_generate(
+        target, DraftModelDrafter(target, num_draft=5), prompt, GenerationConfig(max_new_tokens=50, max_length=prompt.shape[1] + 12)
+    )
     assert result.new_tokens[0].tolist() == reference
     assert result.finish_reason == "context"
 
@@ -102,8 +105,7 @@ def test_streaming_receives_every_token_in_order():
     target = tiny_causal_lm("llama")
     prompt = repetitive_prompt(96)
     pieces = []
-    result = speculative_generate(target, PromptLookupDrafter(), prompt, GenerationConfig(max_new_tokens=30),
-                                  on_tokens=pieces.append)
+    result = speculative_generate(target, PromptLookupDrafter(), prompt, GenerationConfig(max_new_tokens=30), on_tokens=pieces.append)
     assert sum(pieces, []) == result.new_tokens[0].tolist()
     assert [len(p) for p in pieces] == result.accepted_lengths
 
@@ -115,17 +117,15 @@ def test_repetition_penalty_greedy_matches_generate():
     cfg = GenerationConfig(max_new_tokens=30, sampling=SamplingConfig(repetition_penalty=1.3))
     for drafter in (PromptLookupDrafter(), DraftModelDrafter(target, choices=TREE, sampling=cfg.sampling)):
         result = speculative_generate(target, drafter, prompt, cfg)
-        assert result.new_tokens[0].tolist() == ref[0, prompt.shape[1]:].tolist()
+        assert result.new_tokens[0].tolist() == ref[0, prompt.shape[1] :].tolist()
 
 
 def test_bad_inputs_are_clear_errors():
     target = tiny_causal_lm("llama")
     with pytest.raises(ValueError, match="attention_mask"):
-        speculative_generate(target, PromptLookupDrafter(), torch.zeros(2, 5, dtype=torch.long), GenerationConfig(),
-                             attention_mask=torch.ones(2, 4))
+        speculative_generate(target, PromptLookupDrafter(), torch.zeros(2, 5, dtype=torch.long), GenerationConfig(), attention_mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match="one prompt at a time"):
-        speculative_generate(target, PromptLookupDrafter(), torch.zeros(2, 5, dtype=torch.long), GenerationConfig(),
-                             on_tokens=print)
+        speculative_generate(target, PromptLookupDrafter(), torch.zeros(2, 5, dtype=torch.long), GenerationConfig(), on_tokens=print)
     with pytest.raises(ValueError, match="empty prompt"):
         speculative_generate(target, PromptLookupDrafter(), torch.zeros(1, 0, dtype=torch.long), GenerationConfig())
     with pytest.raises(PromptTooLong):
@@ -147,6 +147,7 @@ def test_tree_forward_and_keep_path_equal_recomputation(family):
         target(prefix, **cache_kwargs(target, cache), use_cache=True)
         past = prefix.shape[1]
         from drafthead.inference.engine.verify import attention_masks
+
         mask = attention_masks(target.config, parents, past, torch.float32, 1)
         out = target(tokens, attention_mask=mask, position_ids=tree_position_ids(parents, past), **cache_kwargs(target, cache), use_cache=True)
         for node, path in {6: [0, 1, 3, 6], 4: [0, 1, 4], 5: [0, 2, 5]}.items():

@@ -7,6 +7,7 @@ and the load policy's cut. Each test runs the guard as it is, then with the mech
 by a plausible bug (monkeypatch), and expects the guard to fail; where a weaker guard would miss
 the bug (an untrained head that is never accepted), that is shown too.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -31,13 +32,22 @@ CHOICES = [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (1, 0, 0)]
 def setting():
     """A tiny Llama, an untrained EAGLE-3 head, a prompt and a ragged batch with their references."""
     target = tiny_causal_lm("llama", layers=4)
-    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64, aux_layers=(1, 2, 3)),
-                      target, token_counts=torch.arange(96)).eval()
+    head = build_head(
+        make_config("eagle3", target, None, name="tiny", draft_vocab_size=64, aux_layers=(1, 2, 3)), target, token_counts=torch.arange(96)
+    ).eval()
     prompt = repetitive_prompt(96, seed=8)
     prompts = prompts_of((5, 9, 13), seed=2)
     ids, mask = left_padded(prompts)
-    return dict(target=target, head=head, prompt=prompt, reference=plain_greedy(target, prompt, NEW), prompts=prompts,
-                references=[plain_greedy(target, p[None], NEW) for p in prompts], ids=ids, mask=mask)
+    return dict(
+        target=target,
+        head=head,
+        prompt=prompt,
+        reference=plain_greedy(target, prompt, NEW),
+        prompts=prompts,
+        references=[plain_greedy(target, p[None], NEW) for p in prompts],
+        ids=ids,
+        mask=mask,
+    )
 
 
 def medusa_of(target):
@@ -48,8 +58,19 @@ def medusa_of(target):
 
 def exact_when_accepted(s, drafter_of) -> None:
     """The guard: tests/oracle.py's accepted-drafts exactness check, at B=1 and ragged B=3."""
-    assert_accepts_and_stays_exact(s["target"], drafter_of, s["prompt"], s["reference"], s["prompts"], s["references"],
-                                   s["ids"], s["mask"], NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new))
+    assert_accepts_and_stays_exact(
+        s["target"],
+        drafter_of,
+        s["prompt"],
+        s["reference"],
+        s["prompts"],
+        s["references"],
+        s["ids"],
+        s["mask"],
+        NEW,
+        NEW,
+        lambda new: GenerationConfig(max_new_tokens=new),
+    )
 
 
 def exact_when_rejected(s, drafter_of) -> None:
@@ -111,8 +132,7 @@ def features_are_the_targets_own(s, policy=None) -> None:
     seen: list = []
     inner = EagleDrafter(s["head"], num_draft=8, depth=3, top_k=2)
     drafter = FeatureSpy(OracleDrafter(inner, continuation, 96, by_row), seen)
-    out = speculative_generate(target, drafter, s["ids"], GenerationConfig(max_new_tokens=NEW, policy=policy),
-                               attention_mask=s["mask"])
+    out = speculative_generate(target, drafter, s["ids"], GenerationConfig(max_new_tokens=NEW, policy=policy), attention_mask=s["mask"])
     assert max(max(row.accepted_lengths) for row in out.rows) >= 3  # paths of depth >= 2 were accepted
     for b, (prompt, row) in enumerate(zip(s["prompts"], out.rows)):
         text = torch.cat([prompt, row.new_tokens[0]])[None]
@@ -181,8 +201,7 @@ def test_a_residual_wrong_only_at_depth_two_is_caught(monkeypatch):
     monkeypatch.setattr(engine, "tree_rejection_sample", residual_ignored_at_depth_two)
     target, drafter, _ = steered_case("medusa1")
     with pytest.raises(AssertionError):
-        assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9),
-                                copies=50)
+        assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9), copies=50)
 
 
 def test_a_policy_that_never_drafts_or_never_cuts_is_caught(monkeypatch):
@@ -190,16 +209,23 @@ def test_a_policy_that_never_drafts_or_never_cuts_is_caught(monkeypatch):
     plainly where it does not, and verifies trees cut to its count. A policy that always decodes
     plainly, one that always verifies whole trees, and an engine that skips the cut each fail one."""
     from drafthead.inference.engine.policy import SpeculationPolicy
-    from tests.policy_checks import (assert_drafts_where_drafting_pays, assert_plain_where_drafting_does_not_pay,
-                                   assert_trees_are_cut_to_the_policys_count)
+    from tests.policy_checks import (
+        assert_drafts_where_drafting_pays,
+        assert_plain_where_drafting_does_not_pay,
+        assert_trees_are_cut_to_the_policys_count,
+    )
 
     always_plain = [(SpeculationPolicy, "plan", lambda self, batch: 1)]
-    always_whole = [(SpeculationPolicy, "plan", lambda self, batch: 0),
-                    (SpeculationPolicy, "cut", lambda self, trees: max(t.num_nodes for t in trees))]
+    always_whole = [
+        (SpeculationPolicy, "plan", lambda self, batch: 0),
+        (SpeculationPolicy, "cut", lambda self, trees: max(t.num_nodes for t in trees)),
+    ]
     no_cut = [(engine, "cut_tree", lambda tree, num_nodes: tree)]
-    for guard, patches in ((assert_drafts_where_drafting_pays, always_plain),
-                           (assert_plain_where_drafting_does_not_pay, always_whole),
-                           (assert_trees_are_cut_to_the_policys_count, no_cut)):
+    for guard, patches in (
+        (assert_drafts_where_drafting_pays, always_plain),
+        (assert_plain_where_drafting_does_not_pay, always_whole),
+        (assert_trees_are_cut_to_the_policys_count, no_cut),
+    ):
         with monkeypatch.context() as patch:
             for where, name, value in patches:
                 patch.setattr(where, name, value)

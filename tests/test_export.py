@@ -1,6 +1,7 @@
 """Export to the engine layouts (keys, shapes, dtypes, config) and import back; foreign-layout
 refusals. The layouts themselves are checked against the consumers' own code by `make interop`
 and against checkpoints the upstream packages wrote (tests/test_interop_fixtures.py)."""
+
 from __future__ import annotations
 
 import json
@@ -76,9 +77,7 @@ def test_eagle3_research_layouts(fmt, ids, tmp_path):
     assert shapes["d2t"] == (40,) and dtypes["d2t"] == "I64"
     assert shapes["t2d"] == (V,) and dtypes["t2d"] == "BOOL"
     assert shapes["midlayer.self_attn.q_proj.weight"] == (H, 2 * H)  # cat(embeds, hidden)
-    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
-        f"midlayer.{k}" for k in head.midlayer.state_dict()
-    }
+    expected = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {f"midlayer.{k}" for k in head.midlayer.state_dict()}
     assert set(shapes) == expected
     d2t = load_file(str(out / WEIGHTS_NAME))["d2t"]
     assert torch.equal(d2t, head.d2t) and bool(d2t.any())  # not the all-zero bug
@@ -291,8 +290,7 @@ def test_eagle1_upstream_layout(tmp_path):
     out = export_head(tmp_path / "h", tmp_path / "e", "eagle", target_model=target)
     assert not (out / WEIGHTS_NAME).exists()
     state = torch.load(out / "pytorch_model.bin", weights_only=True)
-    assert torch.equal(state["fc.bias"], torch.zeros(H)) and torch.equal(state["embed_tokens.weight"],
-                                                                         target.model.embed_tokens.weight)
+    assert torch.equal(state["fc.bias"], torch.zeros(H)) and torch.equal(state["embed_tokens.weight"], target.model.embed_tokens.weight)
     cfg = strip_provenance(out)
     assert cfg["bias"] is True and cfg["num_hidden_layers"] == 1
     back = import_head(out, target)

@@ -7,6 +7,7 @@ with `load_target`, as a user's model would be. Four layers each: Gemma-3 and gp
 two sliding and two full layers, Llama 4 its NoPE full-attention layer (layer 3), DeepSeek-V3 a
 dense layer and three MoE layers. Prompts are longer than the windows and chunks (8 positions).
 """
+
 from __future__ import annotations
 
 import logging
@@ -101,8 +102,7 @@ def test_greedy_equals_plain_greedy_in_every_family(family_target, family):
     ids, mask = left_padded(prompts)
     draft = tiny_causal_lm(family, vocab=vocab, seed=7, layers=2)
     for drafter, static in ((PromptLookupDrafter(length=6), True), (DraftModelDrafter(draft, choices=TREE), False)):
-        result = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static),
-                                      attention_mask=mask)
+        result = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static), attention_mask=mask)
         assert [row.new_tokens[0].tolist() for row in result.rows] == references, (family, type(drafter).__name__)
 
 
@@ -131,8 +131,7 @@ def test_llama4_temperature_is_exact_past_its_floor_scale():
         ancestors = ancestor_mask(parents)[None].expand(len(prompts), 7, 7)
         depths = node_depths(parents)[None].expand(len(prompts), 7)
         lengths = torch.tensor([p.numel() for p in prompts])
-        tree = forward_trees(target, cache, TreeBatch(tokens, ancestors, depths, [7] * len(prompts)), lengths,
-                             longest, want_hidden=False).logits
+        tree = forward_trees(target, cache, TreeBatch(tokens, ancestors, depths, [7] * len(prompts)), lengths, longest, want_hidden=False).logits
         for b, p in enumerate(prompts):
             for node in range(7):
                 path = ancestors[b, node].nonzero().flatten()  # root to node: parents come first
@@ -142,13 +141,13 @@ def test_llama4_temperature_is_exact_past_its_floor_scale():
     prompt = repetitive_prompt(vocab, length=14, seed=3)
     reference = plain_greedy(target, prompt, MAX_NEW)
     for static in (False, True):
-        result = speculative_generate(target, DraftModelDrafter(target, choices=TREE), prompt,
-                                      GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static))
+        result = speculative_generate(
+            target, DraftModelDrafter(target, choices=TREE), prompt, GenerationConfig(max_new_tokens=MAX_NEW, static_cache=static)
+        )
         assert result.new_tokens[0].tolist() == reference, static
     references = [plain_greedy(target, p[None], MAX_NEW) for p in prompts]
     ids, mask = left_padded(prompts)
-    result = speculative_generate(target, DraftModelDrafter(target, choices=TREE), ids,
-                                  GenerationConfig(max_new_tokens=MAX_NEW), attention_mask=mask)
+    result = speculative_generate(target, DraftModelDrafter(target, choices=TREE), ids, GenerationConfig(max_new_tokens=MAX_NEW), attention_mask=mask)
     assert [row.new_tokens[0].tolist() for row in result.rows] == references
 
 
@@ -172,8 +171,9 @@ def test_features_of_every_family_online_and_captured(family_target, family, tmp
     layers = sorted({*required_layers(make_config("eagle3", model), L), *required_layers(make_config("medusa1", model), L)})
     assert layers[-1] == L and len(layers) >= 2
     g = torch.Generator().manual_seed(0)
-    samples = [{"input_ids": torch.randint(3, text.vocab_size - 3, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.bool)}
-               for n in (13, 5, 9)]
+    samples = [
+        {"input_ids": torch.randint(3, text.vocab_size - 3, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.bool)} for n in (13, 5, 9)
+    ]
     batch = collate(samples)
     online = OnlineFeaturizer(model, layers)(batch).hidden_states
     with torch.no_grad():
@@ -228,8 +228,9 @@ def test_medusa_and_hydra_heads_train_and_decode_exactly(tiny_target_dir, family
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
 
     fresh = load_target(folder) if kind == "medusa2" else loaded  # the trained run left LoRA layers in its copy
-    drafter, target = load_head_drafter(result.final_dir, fresh.model, fresh.tokenizer, target_name=family,
-                                        choices=[(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    drafter, target = load_head_drafter(
+        result.final_dir, fresh.model, fresh.tokenizer, target_name=family, choices=[(0,), (1,), (0, 0), (0, 1), (1, 0)]
+    )
     vocab = target.config.get_text_config().vocab_size
     prompt = repetitive_prompt(vocab, length=14, seed=len(family))
     result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16))
@@ -240,8 +241,19 @@ def test_medusa_and_hydra_heads_train_and_decode_exactly(tiny_target_dir, family
     references = [plain_greedy(target, p[None], 16) for p in prompts]
     assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     # the same drafter steered to be accepted (tests/oracle.py): cache moves, ragged rows
-    assert_accepts_and_stays_exact(target, lambda: fork_drafter(drafter), prompt, plain_greedy(target, prompt, 16),
-                                   prompts, references, ids, mask, 16, 16, lambda new: GenerationConfig(max_new_tokens=new))
+    assert_accepts_and_stays_exact(
+        target,
+        lambda: fork_drafter(drafter),
+        prompt,
+        plain_greedy(target, prompt, 16),
+        prompts,
+        references,
+        ids,
+        mask,
+        16,
+        16,
+        lambda new: GenerationConfig(max_new_tokens=new),
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ scripts/interop/fixtures_*.py). vLLM and llama.cpp only read: their exports are 
 own code instead (READ_ONLY).
 Exactness of P-EAGLE and DFlash on every family: tests/test_peagle.py, tests/test_dflash.py.
 """
+
 from __future__ import annotations
 
 import functools
@@ -128,9 +129,9 @@ def test_qwen3_moe_eagle3_loss_is_finite_over_seeds(seed):
 @pytest.mark.parametrize("family", TARGETS)
 def test_greedy_equals_plain_at_batch_1_and_ragged_3(family, kind):
     head = head_of(family, kind).eval()
-    assert_greedy_equals_plain(target_of(family),
-                               lambda num_draft=8: EagleDrafter(head, num_draft=num_draft, depth=3, top_k=2),
-                               max_new_tokens=12, trees=(None,))
+    assert_greedy_equals_plain(
+        target_of(family), lambda num_draft=8: EagleDrafter(head, num_draft=num_draft, depth=3, top_k=2), max_new_tokens=12, trees=(None,)
+    )
 
 
 # ----------------------------------------------------------------------------- exports
@@ -204,8 +205,12 @@ def consumer_shapes(kind: str, fmt: str, cfg: dict) -> dict[str, tuple[int, ...]
         ids = cfg["aux_hidden_state_layer_ids"] if fmt == "speculators" else cfg["dflash_config"]["target_layer_ids"]
         H, n = layer_cfg["hidden_size"], len(ids)
         layers = [f"layers.{i}." for i in range(layer_cfg["num_hidden_layers"])]
-        shapes = {**layer_shapes(Qwen3Config, layer_cfg, Qwen3DecoderLayer, layers),
-                  "fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+        shapes = {
+            **layer_shapes(Qwen3Config, layer_cfg, Qwen3DecoderLayer, layers),
+            "fc.weight": (H, n * H),
+            "hidden_norm.weight": (H,),
+            "norm.weight": (H,),
+        }
         if kind == "dspark":  # vLLM's Qwen3DSparkModel and speculators' DSparkDraftModel: the Markov head, and
             # the confidence head when enabled
             V, r = layer_cfg["vocab_size"], cfg["markov_rank"]
@@ -233,8 +238,7 @@ def consumer_shapes(kind: str, fmt: str, cfg: dict) -> dict[str, tuple[int, ...]
     for name in ("q_proj", "k_proj", "v_proj"):  # EAGLE-3's attention reads cat(embedding, hidden)
         rows, _ = shapes[f"{layer}self_attn.{name}.weight"]
         shapes[f"{layer}self_attn.{name}.weight"] = (rows, 2 * H)
-    shapes.update({f"{layer}hidden_norm.weight": (H,), "fc.weight": (H, len(ids) * T), "norm.weight": (H,),
-                   "lm_head.weight": (D, H)})
+    shapes.update({f"{layer}hidden_norm.weight": (H,), "fc.weight": (H, len(ids) * T), "norm.weight": (H,), "lm_head.weight": (D, H)})
     if D < V:  # draft id -> target id offsets, and the target-vocab mask the engines skip by name
         shapes.update({"d2t": (D,), "t2d": (V,)})
     if fmt == "speculators":  # speculators stores the (target's) embedding; the engines share the target's
@@ -252,10 +256,24 @@ def consumer_shapes(kind: str, fmt: str, cfg: dict) -> dict[str, tuple[int, ...]
 # one the class fills with the producer's own value (its default); every key we add must be one
 # the consumer reads (a field of its class, a flag docs/formats.md names) or our `drafthead` block.
 CONFIG_CLASS = {"dflash": Qwen3Config, "medusa": PretrainedConfig, "speculators": PretrainedConfig}
-READ_KEYS = {"norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "mask_token_id", "bias",
-             "target_hidden_size", "draft_vocab_size", "eagle_config", "eagle_aux_hidden_state_layer_ids",
-             "medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "medusa_fc_bias",
-             "hidden_size", "vocab_size"}  # the last two: vLLM's Medusa config, which assumes 4096 without them
+READ_KEYS = {
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+    "mask_token_id",
+    "bias",
+    "target_hidden_size",
+    "draft_vocab_size",
+    "eagle_config",
+    "eagle_aux_hidden_state_layer_ids",
+    "medusa_num_heads",
+    "medusa_num_layers",
+    "base_model_name_or_path",
+    "medusa_fc_bias",
+    "hidden_size",
+    "vocab_size",
+}  # the last two: vLLM's Medusa config, which assumes 4096 without them
 # transformers 5's field -> its transformers 4 names, which every consumer's config class still reads
 SAME_FIELD = {"dtype": ("torch_dtype",), "rope_parameters": ("rope_theta", "rope_scaling")}
 OLD_NAMES = {old for names in SAME_FIELD.values() for old in names}
@@ -265,8 +283,13 @@ NOT_READ = {"transformers_version", "auto_map"}
 # what the consumers' own config classes give an absent key where transformers' class has no such
 # field: speculators' Eagle3 config (a training flag, untied embeddings, one full-attention layer)
 # and upstream EAGLE's transformers-4 config (no RoPE scaling)
-CONSUMER_DEFAULTS = {"embed_requires_grad": False, "tie_word_embeddings": False, "layer_types": ["full_attention"],
-                     "use_sliding_window": False, "rope_scaling": None}
+CONSUMER_DEFAULTS = {
+    "embed_requires_grad": False,
+    "tie_word_embeddings": False,
+    "layer_types": ["full_attention"],
+    "use_sliding_window": False,
+    "rope_scaling": None,
+}
 
 
 def inert(key: str, theirs: dict) -> bool:
@@ -323,8 +346,7 @@ def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kin
         export_head(tmp_path / "head", out, fmt, target_model=target)
         cfg, shapes = written(out)
         expected = consumer_shapes(kind, fmt, cfg)
-        assert set(shapes) == set(expected), \
-            f"{fmt}: unexpected {sorted(set(shapes) - set(expected))}, missing {sorted(set(expected) - set(shapes))}"
+        assert set(shapes) == set(expected), f"{fmt}: unexpected {sorted(set(shapes) - set(expected))}, missing {sorted(set(expected) - set(shapes))}"
         wrong = {k: (shapes[k], expected[k]) for k in shapes if shapes[k] != expected[k]}
         assert not wrong, f"{fmt}: (written, the consumer's) shapes differ: {wrong}"
         base = "eagle3" if kind in ("eagle31", "peagle") else kind
@@ -337,18 +359,22 @@ def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kin
         problems = config_key_differences(cfg, theirs, CONFIG_CLASS.get(fmt, LlamaConfig))
         if fmt == "speculators":  # the layer's own config inside it
             layer_class = Qwen3Config if theirs["transformer_layer_config"].get("model_type") == "qwen3" else LlamaConfig
-            problems += config_key_differences(cfg["transformer_layer_config"], theirs["transformer_layer_config"],
-                                               layer_class)
+            problems += config_key_differences(cfg["transformer_layer_config"], theirs["transformer_layer_config"], layer_class)
         assert not problems, f"{fmt} config against {fixture}'s: {problems}"
 
 
 # fixture -> (kind, format) of the layout its producer wrote, for the fixtures of that table
-FIXTURE_LAYOUTS = {"eagle1": ("eagle1", "eagle"), "medusa": ("medusa1", "medusa"), "dflash": ("dflash", "dflash"),
-                   "specforge-sglang": ("eagle3", "sglang"), "speculators-eagle3": ("eagle3", "speculators"),
-                   "speculators-eagle3-nbr": ("eagle3", "speculators"),
-                   "speculators-eagle3-train": ("eagle3", "speculators"),  # + input_norm (norm_before_fc)
-                   "speculators-eagle3-window": ("eagle3", "speculators"),
-                   "speculators-dspark": ("dspark", "speculators")}
+FIXTURE_LAYOUTS = {
+    "eagle1": ("eagle1", "eagle"),
+    "medusa": ("medusa1", "medusa"),
+    "dflash": ("dflash", "dflash"),
+    "specforge-sglang": ("eagle3", "sglang"),
+    "speculators-eagle3": ("eagle3", "speculators"),
+    "speculators-eagle3-nbr": ("eagle3", "speculators"),
+    "speculators-eagle3-train": ("eagle3", "speculators"),  # + input_norm (norm_before_fc)
+    "speculators-eagle3-window": ("eagle3", "speculators"),
+    "speculators-dspark": ("dspark", "speculators"),
+}
 
 
 @pytest.mark.parametrize("fixture", sorted(FIXTURE_LAYOUTS))
@@ -396,10 +422,11 @@ def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_
     (folder / CONFIG_NAME).write_text(json.dumps(meta))
     head, _ = load_head(folder, target, None, target_name="tiny-qwen3")
     assert head.config.draft_layer == "target" and "midlayer.self_attn.q_norm.weight" in head.state_dict()
-    assert_greedy_equals_plain(target, lambda num_draft=8: EagleDrafter(head, num_draft=num_draft, depth=3, top_k=2),
-                               max_new_tokens=12, trees=(None,))
+    assert_greedy_equals_plain(
+        target, lambda num_draft=8: EagleDrafter(head, num_draft=num_draft, depth=3, top_k=2), max_new_tokens=12, trees=(None,)
+    )
     from drafthead.heads.formats import import_head
-    from drafthead.heads.io import HeadFormatError
+    from drafthead.heads.files import HeadFormatError
     from tests.head_checks import outputs
 
     for fmt in export_formats("eagle3"):
@@ -477,14 +504,17 @@ def test_exports_for_an_mrope_target_state_the_plain_rope_its_head_drafts_with(f
     assert torch.equal(outputs(import_head(tmp_path / "eagle3-speculators", target), target), outputs(head, target))
 
 
-@pytest.mark.parametrize("family,fmt,own", [
-    # SpecForge's MoE configs pick their own MLP width (12288 for Qwen3-30B-A3B, whose config says 6144)
-    ("qwen3_moe", "vllm", {"intermediate_size": 48}),
-    # speculators' trainer gives the draft its verifier's activation (Gemma 3: GELU-tanh)
-    ("gemma3", "speculators", {"hidden_act": "gelu_pytorch_tanh"}),
-    # SpecForge's DeepSeek-V3 config states no head_dim: hidden / heads, not the MLA target's field
-    ("deepseek_v3", "sglang", {"head_dim": 8}),
-])
+@pytest.mark.parametrize(
+    "family,fmt,own",
+    [
+        # SpecForge's MoE configs pick their own MLP width (12288 for Qwen3-30B-A3B, whose config says 6144)
+        ("qwen3_moe", "vllm", {"intermediate_size": 48}),
+        # speculators' trainer gives the draft its verifier's activation (Gemma 3: GELU-tanh)
+        ("gemma3", "speculators", {"hidden_act": "gelu_pytorch_tanh"}),
+        # SpecForge's DeepSeek-V3 config states no head_dim: hidden / heads, not the MLA target's field
+        ("deepseek_v3", "sglang", {"head_dim": 8}),
+    ],
+)
 def test_a_producers_own_draft_layer_fields_are_kept_on_import(family, fmt, own, tmp_path):
     from drafthead.heads.formats import import_head
     from tests.head_checks import outputs
@@ -526,8 +556,7 @@ def test_specforge_to_hf_without_ids_reads_the_engines_default_capture_points(tm
     (folder / CONFIG_NAME).write_text(json.dumps(cfg))
     fixture_target = target_as_producer_saw(AutoModelForCausalLM.from_pretrained(ROOT / "target", dtype=torch.float32), folder)
     out, notes = import_to_folder(folder, tmp_path / "ours", fixture_target)
-    assert any("names no eagle_aux_hidden_state_layer_ids: read with the engines' default capture points" in n
-               for n in notes), notes
+    assert any("names no eagle_aux_hidden_state_layer_ids: read with the engines' default capture points" in n for n in notes), notes
     head, _ = load_head(out, fixture_target, None)
     assert head.config.feature_layers == default_eagle3_layers(fixture_target.config.num_hidden_layers)
 

@@ -1,4 +1,5 @@
 """Target features: online (inside the step) and captured (shards) feed the trainer the same batches."""
+
 from __future__ import annotations
 
 import json
@@ -100,10 +101,10 @@ def test_another_engines_features_are_what_the_capture_stores(setup):
         asked.append((input_ids.shape, tuple(layers)))
         return {k: 2 * v for k, v in target_features(model, input_ids, attention_mask, layers).items()}
 
-    capture_features(model, samples, LAYERS, tmp / "cap-engine", batch_size=4, shard_samples=8, dtype="float32",
-                     pad_token_id=tok.pad_token_id, featurize=engine)
-    capture_features(model, samples, LAYERS, tmp / "cap-torch", batch_size=4, shard_samples=8, dtype="float32",
-                     pad_token_id=tok.pad_token_id)
+    capture_features(
+        model, samples, LAYERS, tmp / "cap-engine", batch_size=4, shard_samples=8, dtype="float32", pad_token_id=tok.pad_token_id, featurize=engine
+    )
+    capture_features(model, samples, LAYERS, tmp / "cap-torch", batch_size=4, shard_samples=8, dtype="float32", pad_token_id=tok.pad_token_id)
     ours = CapturedFeatures(tmp / "cap-torch")
     theirs = CapturedFeatures(tmp / "cap-engine")
     assert len(asked) == 5 and all(layers == LAYERS for _, layers in asked)  # 20 samples in batches of 4
@@ -157,8 +158,7 @@ def test_cli_capture_then_train_on_captured_features(tmp_path, isolated_cache, c
     assert (tmp_path / "run" / "final" / "config.json").exists()
     assert "head saved to" in capsys.readouterr().out
     # features captured from other data are refused: the train/eval split would not match
-    rc = main(["train", *common, "data.limit=10", "features.mode=captured", f"features.path={tmp_path / 'feats'}",
-               f"output_dir={tmp_path / 'run2'}"])
+    rc = main(["train", *common, "data.limit=10", "features.mode=captured", f"features.path={tmp_path / 'feats'}", f"output_dir={tmp_path / 'run2'}"])
     assert rc == 2 and "capture again" in capsys.readouterr().err
     if not torch.cuda.is_available():  # capture runs on the GPU when there is one; asked for one without, it says so
         assert main(["data", "capture", *common, "--device", "cuda", "--out", str(tmp_path / "feats2")]) == 2

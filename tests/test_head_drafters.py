@@ -1,21 +1,21 @@
 """Trained and untrained heads as drafters: exact greedy output, and the EAGLE drafter's cached,
 tree-masked drafting equals a from-scratch recomputation."""
+
 import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.heads import EagleDrafter, best_static_tree
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
-from tests.head_checks import (KINDS, assert_drafts_match_recomputation, make_drafter,
-                               self_generated_batch, train_head)
+from tests.head_checks import KINDS, assert_drafts_match_recomputation, make_drafter, self_generated_batch, train_head
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
+
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_greedy_with_heads_equals_plain_greedy_untrained_and_trained(family, kind):
     target = tiny_causal_lm(family, layers=4)
-    head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target,
-                      token_counts=torch.ones(96, dtype=torch.long))
+    head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target, token_counts=torch.ones(96, dtype=torch.long))
     # the heads memorise the target's continuations of these prompts: trained tau must rise
     prompts = [repetitive_prompt(96, seed=100 + s)[:, :8] for s in (0, 1)]
     refs = [plain_greedy(target, p, 30) for p in prompts]
@@ -51,11 +51,9 @@ def slow_eagle_chain(head, target, history, depth):
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3", "eagle31"])
 def test_eagle_drafter_matches_recomputation_across_rounds(kind):
     target = tiny_causal_lm("llama", layers=4)
-    head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target,
-                      token_counts=torch.arange(96)).eval()
+    head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target, token_counts=torch.arange(96)).eval()
     drafter = EagleDrafter(head, num_draft=4, depth=4, top_k=1)  # top-1: a chain
-    assert_drafts_match_recomputation(target, drafter, lambda history: slow_eagle_chain(head, target, history, 4),
-                                      repetitive_prompt(96, seed=9))
+    assert_drafts_match_recomputation(target, drafter, lambda history: slow_eagle_chain(head, target, history, 4), repetitive_prompt(96, seed=9))
 
 
 def test_best_static_tree_prefers_likely_paths():
@@ -131,6 +129,7 @@ def test_eagle_tree_nodes_are_top_k_children_of_their_recomputed_parents():
     with torch.no_grad():
         out = target(prompt[:, :-1], output_hidden_states=True)
     from drafthead.inference.engine.drafter import TargetFeatures
+
     feats = TargetFeatures(drafter.feature_layers, tuple(out.hidden_states[i] for i in drafter.feature_layers))
     drafter.begin(prompt[:, :-1], feats, prompt[:, -1])
     with torch.inference_mode():

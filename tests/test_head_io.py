@@ -1,4 +1,5 @@
 """Saving and loading heads: round trips, bf16, target identity, and every bad-input case."""
+
 from __future__ import annotations
 
 import copy
@@ -78,9 +79,7 @@ def test_bf16_save(tok, tmp_path):
     assert dtypes.pop("d2t") == "I64" and dtypes.pop("t2d") == "BOOL"
     assert set(dtypes.values()) == {"BF16"}
     assert json.loads((tmp_path / "h" / CONFIG_NAME).read_text())["dtype"] == "bfloat16"
-    assert (tmp_path / "h" / WEIGHTS_NAME).stat().st_size < 0.6 * sum(
-        v.numel() * 4 for v in head.state_dict().values() if v.is_floating_point()
-    )
+    assert (tmp_path / "h" / WEIGHTS_NAME).stat().st_size < 0.6 * sum(v.numel() * 4 for v in head.state_dict().values() if v.is_floating_point())
     loaded, _ = load_head(tmp_path / "h", target, tok)  # cast to the fp32 target's dtype
     assert loaded.dtype == torch.float32
     torch.testing.assert_close(head_outputs(loaded, target), head_outputs(head, target), atol=0.1, rtol=0.05)
@@ -99,9 +98,9 @@ def test_save_is_atomic(tok, tmp_path, monkeypatch):
     def broken(*a, **k):
         raise OSError("disk full")
 
-    import drafthead.heads.io as io
+    import drafthead.heads.files as files
 
-    monkeypatch.setattr(io, "save_file", broken)
+    monkeypatch.setattr(files, "save_file", broken)
     with torch.no_grad():
         head.blocks[0].layers[0].weight.add_(1.0)
     with pytest.raises(OSError, match="disk full"):

@@ -2,6 +2,7 @@
 
 Tiny random Llama/Qwen2 targets (vocab 128, 4 layers, hidden 32) from tests/tiny.py.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,8 +28,7 @@ from tests.tiny import tiny_causal_lm
 FAMILIES = ("llama", "qwen2")
 
 
-HEAD_KW = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64, "ttt_steps": 3},
-           "eagle31": {"draft_vocab_size": 64, "ttt_steps": 3}}
+HEAD_KW = {"medusa1": {}, "eagle1": {}, "eagle3": {"draft_vocab_size": 64, "ttt_steps": 3}, "eagle31": {"draft_vocab_size": 64, "ttt_steps": 3}}
 
 
 def new_head(kind, target, batch=None, **kw):
@@ -441,11 +441,9 @@ def test_target_references_get_no_gradient_and_are_not_saved():
 def test_bf16_head_and_bf16_features():
     target = make_target()
     batch = make_batch(target)
-    bf16_batch = FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask,
-                              {k: v.bfloat16() for k, v in batch.hidden_states.items()})
+    bf16_batch = FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, {k: v.bfloat16() for k, v in batch.hidden_states.items()})
     for kind in ("medusa1", "eagle1", "eagle3"):
-        head = build_head(make_config(kind, target, **HEAD_KW[kind]), target, token_counts=counts_of(batch),
-                          dtype=torch.bfloat16)
+        head = build_head(make_config(kind, target, **HEAD_KW[kind]), target, token_counts=counts_of(batch), dtype=torch.bfloat16)
         assert head.dtype == torch.bfloat16
         loss, _ = head.compute_loss(bf16_batch)
         assert torch.isfinite(loss)

@@ -1,5 +1,6 @@
 """Our heads drafting inside transformers' own `model.generate(...)` through its custom_generate
 hook (drafthead/hf_generate.py): the same output as our engine and as plain greedy decoding."""
+
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ HOOK = {"custom_generate": CUSTOM_GENERATE, "trust_remote_code": True}
 def hf_speculative(model, prompt, **kw):
     """transformers' generate() with our loop: the new tokens of each row."""
     out = model.generate(prompt, **HOOK, do_sample=False, eos_token_id=None, pad_token_id=2, **kw)
-    return out[:, prompt.shape[1]:]
+    return out[:, prompt.shape[1] :]
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa1"])
@@ -38,18 +39,23 @@ def test_a_ragged_batch_and_prompt_lookup_through_the_hook():
     prompt = torch.full((2, a.shape[1]), 2)
     mask = torch.zeros_like(prompt)
     prompt[0], mask[0] = a[0], 1
-    prompt[1, -b.shape[1]:], mask[1, -b.shape[1]:] = b[0], 1
-    out = target.generate(prompt, attention_mask=mask, **HOOK, do_sample=False, eos_token_id=None, pad_token_id=2,
-                          max_new_tokens=10, proposer="prompt-lookup")
+    prompt[1, -b.shape[1] :], mask[1, -b.shape[1] :] = b[0], 1
+    out = target.generate(
+        prompt, attention_mask=mask, **HOOK, do_sample=False, eos_token_id=None, pad_token_id=2, max_new_tokens=10, proposer="prompt-lookup"
+    )
     assert out.shape == (2, prompt.shape[1] + 10) and torch.equal(out[:, : prompt.shape[1]], prompt)
-    assert out[0, prompt.shape[1]:].tolist() == plain_greedy(target, a, 10)
-    assert out[1, prompt.shape[1]:].tolist() == plain_greedy(target, b, 10)
+    assert out[0, prompt.shape[1] :].tolist() == plain_greedy(target, a, 10)
+    assert out[1, prompt.shape[1] :].tolist() == plain_greedy(target, b, 10)
 
 
 def test_what_the_loop_cannot_honour_is_refused_in_one_line():
     target = tiny_causal_lm("llama", layers=1)
     prompt = repetitive_prompt(96)
-    for kw, message in (({"num_beams": 2}, "num_beams"), ({"return_dict_in_generate": True}, "sequences only"),
-                        ({"frobnicate": 1}, "does not take frobnicate"), ({"sizing": "sometimes"}, "unknown sizing")):
+    for kw, message in (
+        ({"num_beams": 2}, "num_beams"),
+        ({"return_dict_in_generate": True}, "sequences only"),
+        ({"frobnicate": 1}, "does not take frobnicate"),
+        ({"sizing": "sometimes"}, "unknown sizing"),
+    ):
         with pytest.raises(ValueError, match=message):
             target.generate(prompt, **HOOK, max_new_tokens=4, **kw)

@@ -9,6 +9,7 @@ through `drafthead train`'s builder and decodes exactly with its head; sampling 
 law at depth 2. The negative controls take out each mechanism: the per-row rollback, the row by
 row prefill.
 """
+
 from __future__ import annotations
 
 import math
@@ -76,8 +77,9 @@ def test_greedy_equals_plain_greedy_in_every_hybrid_family(family):
         assert result.new_tokens[0].tolist() == reference, family
         batched = speculative_generate(target, drafter_of(), ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask)
         assert [row.new_tokens[0].tolist() for row in batched.rows] == references, family
-    assert_accepts_and_stays_exact(target, drafter_of, prompt, reference, prompts, references, ids, mask, NEW, NEW,
-                                   lambda new: GenerationConfig(max_new_tokens=new), chain=True)
+    assert_accepts_and_stays_exact(
+        target, drafter_of, prompt, reference, prompts, references, ids, mask, NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new), chain=True
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "lfm2"])
@@ -93,8 +95,12 @@ def test_discard_puts_every_row_back_to_its_state_before_the_verify(family):
         backend.start(prompts, (), False)
 
         def states():
-            return [t.clone() for layer in recurrent_layers(backend.cache)
-                    for t in (*layer.conv_states.values(), *layer.recurrent_states.values()) if t is not None]
+            return [
+                t.clone()
+                for layer in recurrent_layers(backend.cache)
+                for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
+                if t is not None
+            ]
 
         before = states()
         trees = [DraftTree(torch.tensor([[int(p[-1]), 5, 6, 7]]), chain_parents(3)) for p in prompts]
@@ -125,8 +131,9 @@ def test_prompts_of_one_token_start_from_empty_states(family):
     prompts = torch.tensor([[5], [9]])
     chain = [[0] * d for d in range(1, 6)]
     for ids in (prompts[:1], prompts):
-        result = speculative_generate(target, DraftModelDrafter(draft, choices=chain), ids, GenerationConfig(max_new_tokens=10),
-                                      attention_mask=torch.ones_like(ids))
+        result = speculative_generate(
+            target, DraftModelDrafter(draft, choices=chain), ids, GenerationConfig(max_new_tokens=10), attention_mask=torch.ones_like(ids)
+        )
         rows = result.rows if ids.shape[0] > 1 else [result]
         assert [row.new_tokens[0].tolist() for row in rows] == [plain_greedy(target, p[None], 10) for p in ids]
 
@@ -137,9 +144,20 @@ def _steered_ragged(target):
     ids, mask = left_padded(prompts)
     prompt = repetitive_prompt(V, length=14, seed=1)
     draft = tiny_causal_lm("llama", vocab=V, seed=7, layers=2)
-    assert_accepts_and_stays_exact(target, lambda: DraftModelDrafter(draft, choices=TREE), prompt, plain_greedy(target, prompt, NEW),
-                                   prompts, references, ids, mask, NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new),
-                                   chain=True)
+    assert_accepts_and_stays_exact(
+        target,
+        lambda: DraftModelDrafter(draft, choices=TREE),
+        prompt,
+        plain_greedy(target, prompt, NEW),
+        prompts,
+        references,
+        ids,
+        mask,
+        NEW,
+        NEW,
+        lambda new: GenerationConfig(max_new_tokens=new),
+        chain=True,
+    )
 
 
 def test_negative_control_one_rollback_for_the_whole_batch_is_not_exact(monkeypatch):
@@ -148,8 +166,7 @@ def test_negative_control_one_rollback_for_the_whole_batch_is_not_exact(monkeypa
     target = loud_recurrence()
     _steered_ragged(target)  # exact as built
     keep = recurrent.keep_states
-    monkeypatch.setattr("drafthead.inference.engine.hybrid_target.keep_states",
-                        lambda cache, accepted: keep(cache, [max(accepted)] * len(accepted)))
+    monkeypatch.setattr("drafthead.inference.engine.hybrid_target.keep_states", lambda cache, accepted: keep(cache, [max(accepted)] * len(accepted)))
     with pytest.raises(AssertionError):
         _steered_ragged(target)
 
@@ -184,8 +201,7 @@ def test_chain_sampling_is_exact_at_depth_two(family):
 
     target = tiny_causal_lm(family, vocab=VOCAB, seed=3, layers=LAYERS)
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])
-    assert_law_at_depth_two(target, PromptLookupDrafter(length=3), prompt, SamplingConfig(temperature=0.6), copies=50,
-                            chain=True)
+    assert_law_at_depth_two(target, PromptLookupDrafter(length=3), prompt, SamplingConfig(temperature=0.6), copies=50, chain=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +241,7 @@ def test_every_head_kind_trains_on_a_hybrid_target_and_decodes_exactly(tiny_targ
     from drafthead.heads.registry import HEAD_CLASSES
 
     from drafthead.inference.drafters.load import load_head_drafter
+
     folder = tiny_target_dir(family, layers=LAYERS)
     loaded = load_target(folder)
     head = {"kind": kind, **HEADS[kind]}
@@ -255,5 +272,17 @@ def test_every_head_kind_trains_on_a_hybrid_target_and_decodes_exactly(tiny_targ
     assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     from drafthead.inference.engine.drafter import fork_drafter
 
-    assert_accepts_and_stays_exact(target, lambda: fork_drafter(drafter), prompt, reference, prompts, references, ids, mask,
-                                   NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new), chain=True)
+    assert_accepts_and_stays_exact(
+        target,
+        lambda: fork_drafter(drafter),
+        prompt,
+        reference,
+        prompts,
+        references,
+        ids,
+        mask,
+        NEW,
+        NEW,
+        lambda new: GenerationConfig(max_new_tokens=new),
+        chain=True,
+    )

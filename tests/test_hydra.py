@@ -1,6 +1,7 @@
 """Hydra heads (heads/hydra.py, HydraDrafter): the loss equals a position-by-position twin, a
 fresh Hydra head is a fresh Medusa head, each drafted node reads its own path, and decoding is
 exact (greedy at batch 1 and 3, sampling at depth 2)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,8 +94,7 @@ def test_greedy_with_hydra_heads_equals_plain_greedy(family):
     assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 30), family
     prompts = prompts_of((1, 7, 15), seed=4)
     ids, mask = left_padded(prompts)
-    batched = speculative_generate(target, HydraDrafter(head, choices=CHOICES), ids, GenerationConfig(max_new_tokens=20),
-                                   attention_mask=mask)
+    batched = speculative_generate(target, HydraDrafter(head, choices=CHOICES), ids, GenerationConfig(max_new_tokens=20), attention_mask=mask)
     assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 20) for p in prompts]
 
 

@@ -8,6 +8,7 @@ lookup and a draft model, and steered to accept depth >= 2 with rows of differen
 tree's logits equal a plain forward over the prompt, its image and the path, and the controls
 take out each mechanism: Qwen's rope delta, Gemma's image token types.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,8 +21,7 @@ from drafthead.inference.engine.generate import GenerationConfig, speculative_ge
 from drafthead.inference.engine.torch_target import TorchTarget
 from drafthead.inference.engine.tree import DraftTree, chain_parents
 from tests.oracle import assert_accepts_and_stays_exact
-from tests.tiny import (MULTIMODAL, image_prompt, left_padded, plain_greedy_with_images, repetitive_prompt,
-                        tiny_causal_lm)
+from tests.tiny import MULTIMODAL, image_prompt, left_padded, plain_greedy_with_images, repetitive_prompt, tiny_causal_lm
 
 V, NEW = 96, 16
 FAMILIES = sorted(MULTIMODAL)
@@ -30,8 +30,11 @@ TREE = [[0], [1], [0, 0], [0, 0, 0], [0, 0, 0, 0]]
 
 def ragged_rows(family: str):
     """Three prompts: an image of 4x4 patches, a text-only one, an image of 2x4 patches (Qwen)."""
-    rows = [image_prompt(family, text=2, seed=2), (repetitive_prompt(V, length=8, seed=3)[0], None),
-            image_prompt(family, text=10, seed=10, grid=(1, 2, 4))]
+    rows = [
+        image_prompt(family, text=2, seed=2),
+        (repetitive_prompt(V, length=8, seed=3)[0], None),
+        image_prompt(family, text=10, seed=10, grid=(1, 2, 4)),
+    ]
     return [p for p, _ in rows], [im for _, im in rows]
 
 
@@ -49,12 +52,23 @@ def test_greedy_with_an_image_in_the_prompt_equals_plain_greedy(family):
     for drafter_of in (lambda: PromptLookupDrafter(length=4), lambda: DraftModelDrafter(draft, choices=TREE)):
         result = speculative_generate(target, drafter_of(), prompt[None], GenerationConfig(max_new_tokens=NEW), images=images)
         assert result.new_tokens[0].tolist() == reference
-        batched = speculative_generate(target, drafter_of(), ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask,
-                                       images=row_images)
+        batched = speculative_generate(target, drafter_of(), ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask, images=row_images)
         assert [row.new_tokens[0].tolist() for row in batched.rows] == references
-    assert_accepts_and_stays_exact(target, lambda: DraftModelDrafter(draft, choices=TREE), prompt[None], reference, prompts,
-                                   references, ids, mask, NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new),
-                                   images=images, batch_images=row_images)
+    assert_accepts_and_stays_exact(
+        target,
+        lambda: DraftModelDrafter(draft, choices=TREE),
+        prompt[None],
+        reference,
+        prompts,
+        references,
+        ids,
+        mask,
+        NEW,
+        NEW,
+        lambda new: GenerationConfig(max_new_tokens=new),
+        images=images,
+        batch_images=row_images,
+    )
 
 
 def _tree_logits(target, prompts, row_images, paths):
@@ -77,7 +91,7 @@ def _full_logits(target, prompt, images, path):
     else:
         kwargs["token_type_ids"] = types.long()
     with torch.no_grad():
-        return target(input_ids=ids, **kwargs).logits[0, prompt.numel() - 1:]
+        return target(input_ids=ids, **kwargs).logits[0, prompt.numel() - 1 :]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -93,15 +107,20 @@ def test_tree_logits_after_an_image_equal_a_plain_forward(family, monkeypatch):
     # controls: without Qwen's rope delta, or without Gemma's image token types, the logits move
     if media.uses_mrope(target):
         real = media.prefill_inputs
-        monkeypatch.setattr("drafthead.inference.engine.torch_target.prefill_inputs",
-                            lambda *a: (real(*a)[0], torch.zeros(len(a[1]), dtype=torch.long)))
+        monkeypatch.setattr(
+            "drafthead.inference.engine.torch_target.prefill_inputs", lambda *a: (real(*a)[0], torch.zeros(len(a[1]), dtype=torch.long))
+        )
     else:
         real = media.prefill_inputs
-        monkeypatch.setattr("drafthead.inference.engine.torch_target.prefill_inputs",
-                            lambda *a: ({k: v for k, v in real(*a)[0].items() if k != "token_type_ids"}, real(*a)[1]))
+        monkeypatch.setattr(
+            "drafthead.inference.engine.torch_target.prefill_inputs",
+            lambda *a: ({k: v for k, v in real(*a)[0].items() if k != "token_type_ids"}, real(*a)[1]),
+        )
     wrong = _tree_logits(target, prompts, row_images, paths)
-    gap = max(float((wrong[b, : len(path) + 1] - _full_logits(target, p, im, path)).abs().max())
-              for b, (p, im, path) in enumerate(zip(prompts, row_images, paths)))
+    gap = max(
+        float((wrong[b, : len(path) + 1] - _full_logits(target, p, im, path)).abs().max())
+        for b, (p, im, path) in enumerate(zip(prompts, row_images, paths))
+    )
     assert gap > 1e-3, gap
 
 
@@ -116,11 +135,9 @@ def test_images_that_do_not_fit_the_prompt_are_refused_in_one_line():
     ]
     for ids, im, message in cases:
         with pytest.raises(ValueError, match=message):
-            speculative_generate(target, PromptLookupDrafter(), ids[None], GenerationConfig(max_new_tokens=2),
-                                 images=[im])
+            speculative_generate(target, PromptLookupDrafter(), ids[None], GenerationConfig(max_new_tokens=2), images=[im])
     with pytest.raises(ValueError, match="takes no images"):
-        speculative_generate(tiny_causal_lm("llama", vocab=V), PromptLookupDrafter(), text[None],
-                             GenerationConfig(max_new_tokens=2), images=[images])
+        speculative_generate(tiny_causal_lm("llama", vocab=V), PromptLookupDrafter(), text[None], GenerationConfig(max_new_tokens=2), images=[images])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -133,9 +150,10 @@ def _layer_inputs(model, ids, kwargs):
     recorded hidden states must equal."""
     layers = model.get_decoder().layers
     seen = {}
-    hooks = [layer.register_forward_pre_hook(lambda mod, args, kw, i=i: seen.__setitem__(i, (args or (kw["hidden_states"],))[0]),
-                                             with_kwargs=True)
-             for i, layer in enumerate(layers)]
+    hooks = [
+        layer.register_forward_pre_hook(lambda mod, args, kw, i=i: seen.__setitem__(i, (args or (kw["hidden_states"],))[0]), with_kwargs=True)
+        for i, layer in enumerate(layers)
+    ]
     try:
         with torch.no_grad():
             model(input_ids=ids, **kwargs)
@@ -212,11 +230,11 @@ def test_every_head_kind_trains_on_rows_with_images_and_decodes_exactly(family, 
 
     target = tiny_causal_lm(family, vocab=V, layers=4)
     torch.manual_seed(0)
-    head = build_head(make_config(kind, target, None, name=f"tiny-{family}", **KINDS[kind]), target,
-                      token_counts=torch.arange(V), dtype=torch.float32)
+    head = build_head(
+        make_config(kind, target, None, name=f"tiny-{family}", **KINDS[kind]), target, token_counts=torch.arange(V), dtype=torch.float32
+    )
     prompts, row_images = ragged_rows(family)
-    samples = [{"input_ids": p, "loss_mask": torch.arange(p.numel()) >= p.numel() // 2, "images": im}
-               for p, im in zip(prompts, row_images)]
+    samples = [{"input_ids": p, "loss_mask": torch.arange(p.numel()) >= p.numel() // 2, "images": im} for p, im in zip(prompts, row_images)]
     batch = OnlineFeaturizer(target, head.config.train_hidden_layers)(collate(samples))
     head.train()
     opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-2)
@@ -234,12 +252,23 @@ def test_every_head_kind_trains_on_rows_with_images_and_decodes_exactly(family, 
     ids, mask = left_padded(prompts)
     own = speculative_generate(target, head_drafter(head), prompt[None], GenerationConfig(max_new_tokens=NEW), images=images)
     assert own.new_tokens[0].tolist() == reference  # the head's own drafts
-    batched = speculative_generate(target, head_drafter(head), ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask,
-                                   images=row_images)
+    batched = speculative_generate(target, head_drafter(head), ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask, images=row_images)
     assert [row.new_tokens[0].tolist() for row in batched.rows] == references
-    assert_accepts_and_stays_exact(target, lambda: head_drafter(head), prompt[None], reference, prompts, references,
-                                   ids, mask, NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new),
-                                   images=images, batch_images=row_images)
+    assert_accepts_and_stays_exact(
+        target,
+        lambda: head_drafter(head),
+        prompt[None],
+        reference,
+        prompts,
+        references,
+        ids,
+        mask,
+        NEW,
+        NEW,
+        lambda new: GenerationConfig(max_new_tokens=new),
+        images=images,
+        batch_images=row_images,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,11 +290,15 @@ def write_image_chats(folder, n: int = 8):
         name = f"img{i}.png"
         Image.fromarray((rng.random((40, 56, 3)) * 255).astype("uint8")).save(folder / name)
         ask = "<image>\nWhat is in this picture?" if i % 2 else "Describe the picture."
-        records.append({"id": f"c{i}", "image": name, "conversations": [
-            {"from": "human", "value": ask}, {"from": "gpt", "value": f"A picture of noise, number {i}."}]})
+        records.append(
+            {
+                "id": f"c{i}",
+                "image": name,
+                "conversations": [{"from": "human", "value": ask}, {"from": "gpt", "value": f"A picture of noise, number {i}."}],
+            }
+        )
     records.append({"id": "text", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello there"}]})
-    records.append({"id": "bad", "image": "missing.png", "conversations": [{"from": "human", "value": "<image> x"},
-                                                                          {"from": "gpt", "value": "y"}]})
+    records.append({"id": "bad", "image": "missing.png", "conversations": [{"from": "human", "value": "<image> x"}, {"from": "gpt", "value": "y"}]})
     path = folder / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
@@ -290,9 +323,15 @@ def test_image_chats_are_formatted_by_the_targets_processor_and_train(tmp_path):
 
     folder = save_tiny_vlm(tmp_path / "vlm")
     chats = write_image_chats(tmp_path)
-    config = TrainConfig.from_dict(dict(target=str(folder), head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2},
-                                        report_to="none", output_dir=str(tmp_path / "run"),
-                                        data={"source": "json", "path": str(chats), "max_length": 256, "eval_fraction": 0.0}))
+    config = TrainConfig.from_dict(
+        dict(
+            target=str(folder),
+            head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2},
+            report_to="none",
+            output_dir=str(tmp_path / "run"),
+            data={"source": "json", "path": str(chats), "max_length": 256, "eval_fraction": 0.0},
+        )
+    )
     loaded = load_target(folder)
     samples = token_samples(config, loaded.tokenizer)
     assert samples.source_report.dropped_conversations == {"image_missing": 1}
@@ -303,15 +342,17 @@ def test_image_chats_are_formatted_by_the_targets_processor_and_train(tmp_path):
         sample = samples.dataset[i]
         ids = sample["input_ids"]
         assert int((ids == image_id).sum()) == 4 and sample["images"].pixel_values.shape == (1, 3, 28, 28)
-        text = format_conversation(loaded.tokenizer, [{"role": "user", "content": "x"},
-                                                      {"role": "assistant", "content": f"A picture of noise, number {i}."}], 256)
+        text = format_conversation(
+            loaded.tokenizer, [{"role": "user", "content": "x"}, {"role": "assistant", "content": f"A picture of noise, number {i}."}], 256
+        )
         labelled = [int(t) for t, m in zip(text.input_ids, text.loss_mask) if m]
         assert ids[sample["loss_mask"]].tolist() == labelled  # the answer's tokens, nothing of the image
         torch.testing.assert_close(sample["images"].pixel_values, prompt_images(processor, [str(tmp_path / f"img{i}.png")]).pixel_values)
     assert "images" not in samples.dataset[8]  # the text-only record
 
-    result, losses = train_three_steps(folder, loaded, {"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, chats,
-                                       tmp_path / "run", "tiny-vlm", max_length=256)
+    result, losses = train_three_steps(
+        folder, loaded, {"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, chats, tmp_path / "run", "tiny-vlm", max_length=256
+    )
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), losses
     drafter, target = load_head_drafter(result.final_dir, loaded.model, loaded.tokenizer, target_name="tiny-vlm")
     sample = samples.dataset[1]
@@ -334,11 +375,17 @@ def test_chats_with_images_are_refused_in_one_line_where_not_built(tmp_path):
 
     folder = save_tiny_vlm(tmp_path / "vlm")
     with pytest.raises(ConfigError, match="medusa2 adapts the target on text rows"):
-        train_three_steps(folder, load_target(folder), {"kind": "medusa2", "num_heads": 2}, write_image_chats(tmp_path),
-                          tmp_path / "run", "tiny-vlm", max_length=256)
+        train_three_steps(
+            folder,
+            load_target(folder),
+            {"kind": "medusa2", "num_heads": 2},
+            write_image_chats(tmp_path),
+            tmp_path / "run",
+            "tiny-vlm",
+            max_length=256,
+        )
 
-    row = {"id": "a", "messages": [{"role": "user", "content": "<image> x"}, {"role": "assistant", "content": "y"}],
-           "images": ["/nonexistent.png"]}
+    row = {"id": "a", "messages": [{"role": "user", "content": "<image> x"}, {"role": "assistant", "content": "y"}], "images": ["/nonexistent.png"]}
     with pytest.raises(ValueError, match="has images: they need the target's processor"):
         format_row(None, row, 64)
     from tests.conftest import save_tiny_target
@@ -362,8 +409,25 @@ def test_generate_command_answers_a_prompt_with_an_image(tmp_path, capsys):
     folder = save_tiny_vlm(tmp_path / "vlm")
     picture = tmp_path / "pic.png"
     Image.fromarray((np.random.default_rng(1).random((30, 30, 3)) * 255).astype("uint8")).save(picture)
-    code = cli.main(["generate", "--target", str(folder), "--image", str(picture), "--prompt", "What is this?",
-                     "--proposer", "prompt-lookup", "--max-new-tokens", "12", "--dtype", "float32", "--threads", "1"])
+    code = cli.main(
+        [
+            "generate",
+            "--target",
+            str(folder),
+            "--image",
+            str(picture),
+            "--prompt",
+            "What is this?",
+            "--proposer",
+            "prompt-lookup",
+            "--max-new-tokens",
+            "12",
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+        ]
+    )
     out, _ = capsys.readouterr()
     assert code == 0
     loaded = load_target(folder)

@@ -5,6 +5,7 @@ producer's own forward on `inputs.safetensors` (`reference.safetensors`) and `me
 version, how its ids / RoPE are counted). The scripts that regenerate them run in the producers'
 own venvs: scripts/interop/fixtures_<package>.py (`make interop` builds those venvs).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,8 @@ FIXTURES = {
     "specforge-sglang": (".", "eagle3-research", "sglang"),
     "specforge-hf": (".", "eagle3-research", "sglang"),
 }
+
+
 @pytest.fixture(scope="module")
 def target():
     return AutoModelForCausalLM.from_pretrained(ROOT / "target", dtype=torch.float32).eval()
@@ -56,8 +59,9 @@ def test_upstream_checkpoint_imports_exactly(name, target, inputs):
     ours = our_outputs(head, inputs)
     assert set(reference) <= set(ours), f"{name}: reference holds {sorted(reference)}"
     for key, ref in reference.items():
-        torch.testing.assert_close(ours[key].float(), ref.float(), atol=2e-5, rtol=1e-5,
-                                   msg=lambda m: f"{name} ({meta['package']} {meta['version']}) {key}: {m}")
+        torch.testing.assert_close(
+            ours[key].float(), ref.float(), atol=2e-5, rtol=1e-5, msg=lambda m: f"{name} ({meta['package']} {meta['version']}) {key}: {m}"
+        )
 
 
 def test_dflash_checkpoint_drafts_and_decodes_as_its_producer(target):
@@ -78,7 +82,7 @@ def test_dflash_checkpoint_drafts_and_decodes_as_its_producer(target):
         fused = head.fuse([hs[i] for i in head.feature_layers])
         logits = head.draft_logits(ref["block"][:, 0], context.shape[1], head.context(fused, torch.arange(context.shape[1])[None]))
     torch.testing.assert_close(logits, ref["logits"], atol=2e-5, rtol=1e-5)
-    prompt, want = ref["prompt"], ref["output_ids"][0, ref["prompt"].shape[1]:]
+    prompt, want = ref["prompt"], ref["output_ids"][0, ref["prompt"].shape[1] :]
     result = speculative_generate(target, DFlashDrafter(head), prompt, GenerationConfig(max_new_tokens=len(want)))
     assert result.new_tokens[0].tolist() == want.tolist()
     rounds = result.accepted_lengths  # tokens each round emitted, the target's own included

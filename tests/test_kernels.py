@@ -1,6 +1,7 @@
 """Faster CPU linears for drafter heads: oneDNN-packed weights (inference/kernels/packed.py), weight
 panels (inference/kernels/panel_kernel.py), and the per-row-count choice between them and F.linear
 (inference/kernels/target_linears.py `dispatch_linears`)."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ def test_dispatched_bfloat16_linears_match_f_linear_and_keep_the_state_dict(kern
         if kernel == "packed":
             assert torch.equal(g, w)
         else:
-            assert torch.allclose(g.float(), w.float(), rtol=2 ** -7, atol=2 ** -7)
+            assert torch.allclose(g.float(), w.float(), rtol=2**-7, atol=2**-7)
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
 

@@ -3,6 +3,7 @@ rest; `train` imports `inference` and `heads`; `inference` imports `heads`; `hea
 itself; and no module imports itself back through a circle. Inside `inference`, each room (engine,
 drafters, kernels, servers, bench, llamacpp, vllm) imports only the rooms below it (ROOMS). Checked on every
 import statement, lazy ones inside functions included."""
+
 import ast
 from pathlib import Path
 
@@ -15,9 +16,15 @@ MAY_IMPORT = {"heads": {"heads"}, "inference": {"heads", "inference"}, "train": 
 SOURCE = {"heads": ROOT / "heads", "inference": ROOT / "inference", "train": ROOT / "train"}
 # inference's rooms and the rooms each may import: the CPU kernels know no engine; the engine knows
 # no drafter, backend or benchmark (it meets drafters through engine/drafter.py's interface)
-ROOMS = {"kernels": {"kernels"}, "servers": {"servers"}, "engine": {"engine", "kernels"},
-         "drafters": {"drafters", "engine", "kernels"}, "llamacpp": {"llamacpp", "engine", "kernels", "servers"},
-         "bench": {"bench", "engine", "kernels"}, "vllm": {"vllm", "bench", "engine", "kernels", "servers"}}
+ROOMS = {
+    "kernels": {"kernels"},
+    "servers": {"servers"},
+    "engine": {"engine", "kernels"},
+    "drafters": {"drafters", "engine", "kernels"},
+    "llamacpp": {"llamacpp", "engine", "kernels", "servers"},
+    "bench": {"bench", "engine", "kernels"},
+    "vllm": {"vllm", "bench", "engine", "kernels", "servers"},
+}
 
 
 def imported_names(path: Path, package: str) -> set[tuple[str, int]]:
@@ -72,8 +79,11 @@ def forbidden_imports(prefix: str, forbidden) -> list[str]:
     bad = []
     for name, path in module_files().items():
         if name.startswith(prefix):
-            bad += [f"{path.relative_to(ROOT)}:{line} imports {imp}"
-                    for imp, line in imported_names(path, package_of(name, path)) if forbidden(imp.split("."))]
+            bad += [
+                f"{path.relative_to(ROOT)}:{line} imports {imp}"
+                for imp, line in imported_names(path, package_of(name, path))
+                if forbidden(imp.split("."))
+            ]
     return sorted(bad)
 
 
@@ -87,8 +97,9 @@ def test_layer_imports_only_what_it_may(layer):
 @pytest.mark.parametrize("room", sorted(ROOMS))
 def test_inference_room_imports_only_the_rooms_below_it(room):
     assert (SOURCE["inference"] / room / "__init__.py").exists(), room
-    bad = forbidden_imports(f"drafthead.inference.{room}.", lambda parts: parts[1:2] == ["inference"]
-                            and (len(parts) == 2 or parts[2] not in ROOMS[room]))
+    bad = forbidden_imports(
+        f"drafthead.inference.{room}.", lambda parts: parts[1:2] == ["inference"] and (len(parts) == 2 or parts[2] not in ROOMS[room])
+    )
     assert not bad, "\n".join(bad)
 
 
@@ -102,8 +113,7 @@ def test_every_package_folder_is_listed_in_pyproject():
     tomllib = pytest.importorskip("tomllib")
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     roots = {"drafthead": ROOT / "drafthead", **{f"drafthead.{k}": v for k, v in SOURCE.items()}}
-    found = {".".join([dotted, *init.parent.relative_to(folder).parts])
-             for dotted, folder in roots.items() for init in folder.rglob("__init__.py")}
+    found = {".".join([dotted, *init.parent.relative_to(folder).parts]) for dotted, folder in roots.items() for init in folder.rglob("__init__.py")}
     assert found <= listed, sorted(found - listed)
 
 

@@ -7,6 +7,7 @@ These need libllama (`make llamacpp`), so they are the `llamacpp` marker's suite
 `make test-llamacpp` (docs/testing.md); `make test` runs the backend's pure rules
 (tests/test_llamacpp_sequences.py).
 """
+
 from collections import Counter
 
 import pytest
@@ -161,8 +162,9 @@ def test_sampled_tokens_follow_the_targets_law_at_depth_two(smollm2):
     counts, deep = Counter(), 0
     ids = prompt[None].repeat(copies, 1)
     for run in range(runs // copies):
-        out = speculative_generate(backend, head, ids, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run),
-                                   attention_mask=torch.ones_like(ids))
+        out = speculative_generate(
+            backend, head, ids, GenerationConfig(max_new_tokens=3, sampling=sampling, seed=run), attention_mask=torch.ones_like(ids)
+        )
         for row in out.rows:
             counts[tuple(row.new_tokens[0].tolist())] += 1
             deep += row.accepted_lengths[0] == 3
@@ -257,8 +259,9 @@ def test_heads_on_layer_inputs_decode_exactly_with_accepted_drafts(smollm2, kind
     batch = generate_batch(backend, drafter_of(head), prompts, settings(24))
     assert [r.new_tokens[0].tolist() for r in batch.rows] == plain
     ids, mask = left_padded(prompts)
-    assert_accepts_and_stays_exact(backend, lambda: drafter_of(head), prompts[0][None], plain[0], prompts, plain, ids,
-                                   mask, 24, 24, settings, vocab=backend.vocab_size)
+    assert_accepts_and_stays_exact(
+        backend, lambda: drafter_of(head), prompts[0][None], plain[0], prompts, plain, ids, mask, 24, 24, settings, vocab=backend.vocab_size
+    )
 
 
 def test_the_load_policy_drafts_when_it_pays_and_decodes_plainly_when_not(smollm2):
@@ -273,8 +276,10 @@ def test_the_load_policy_drafts_when_it_pays_and_decodes_plainly_when_not(smollm
     from tests.policy_checks import FLAT, STEEP, InjectedCosts
 
     loaded, backend, head, prompts = smollm2
-    settings = lambda policy: GenerationConfig(max_new_tokens=24, eos_token_ids=(loaded.tokenizer.eos_token_id,),  # noqa: E731
-                                               policy=policy)
+
+    def settings(policy):
+        return GenerationConfig(max_new_tokens=24, eos_token_ids=(loaded.tokenizer.eos_token_id,), policy=policy)
+
     plain = plain_outputs(backend, prompts, settings(None))
     continuation = known_continuation([p.tolist() + out for p, out in zip(prompts, plain)])
     pays = InjectedCosts(FLAT, probe_every=3, draft_per_row=0.0005)

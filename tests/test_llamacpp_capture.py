@@ -14,8 +14,17 @@ pytestmark = pytest.mark.llamacpp
 
 
 def test_llamacpp_capture_equals_ours_per_layer(tmp_path, capsys):
-    common = ["data", "capture", "--config", "eagle3", "target_dtype=float32", "features.dtype=float32", "data.limit=6",
-              "data.max_length=192", "threads=2"]
+    common = [
+        "data",
+        "capture",
+        "--config",
+        "eagle3",
+        "target_dtype=float32",
+        "features.dtype=float32",
+        "data.limit=6",
+        "data.max_length=192",
+        "threads=2",
+    ]
     ours, theirs = tmp_path / "torch", tmp_path / "llamacpp"
     assert run_cli(capsys, *common, "--out", ours)[0] == 0
     assert run_cli(capsys, *common, "--out", theirs, "--backend", "llama.cpp")[0] == 0

@@ -13,6 +13,7 @@ is compared with what our config states.
 
 Needs libllama and the converter (`make llamacpp`): the `llamacpp` marker's suite.
 """
+
 from __future__ import annotations
 
 import json

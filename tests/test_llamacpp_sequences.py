@@ -1,5 +1,6 @@
 """The tree -> llama.cpp sequence rules (inference/llamacpp/sequences.py): llama.cpp's own mask
 rule over those sequences is exactly the tree's ancestor mask."""
+
 import random
 
 import torch

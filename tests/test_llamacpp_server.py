@@ -8,6 +8,7 @@ fp32 greedy answers token for token, or part only at a near-tie of our target's 
 and torch round fp32 differently, and where the two best tokens are closer than that rounding the
 engines may pick apart (train/regenerate_compare.py). Marked `llamacpp` (`make test-llamacpp`).
 """
+
 import pytest
 
 from tests.server_answers import assert_server_answers_are_ours

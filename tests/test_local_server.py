@@ -1,6 +1,7 @@
 """Local servers (inference/servers/local.py), with a stand-in server made of the standard library:
 up inside the block, stopped after it, one line when it cannot start, and gone when the process
 that started it is killed with SIGKILL."""
+
 import os
 import signal
 import subprocess
@@ -62,15 +63,18 @@ def test_a_server_that_exits_or_never_answers_is_one_line(tmp_path):
         with local_server(lambda port: [sys.executable, "-c", "import sys; sys.exit(3)"], "stand-in", log=log):
             pass
     with pytest.raises(ServerStartError, match=r"within 1 s \(rc None"):
-        with local_server(lambda port: [sys.executable, "-c", "import time; time.sleep(60)"], "stand-in",
-                          ready_within=1):
+        with local_server(lambda port: [sys.executable, "-c", "import time; time.sleep(60)"], "stand-in", ready_within=1):
             pass
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl")
 def test_the_server_dies_with_a_killed_parent(script, tmp_path):
     pid_file = tmp_path / "server.pid"
-    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import subprocess, sys, time
         from pathlib import Path
         from drafthead.inference.servers import local
@@ -83,7 +87,9 @@ def test_the_server_dies_with_a_killed_parent(script, tmp_path):
         with local.local_server(lambda port: [sys.executable, {str(script)!r}, port], "stand-in"):
             Path({str(pid_file)!r}).write_text(str(started[0].pid))
             time.sleep(120)
-    """)])
+    """),
+        ]
+    )
     deadline = time.monotonic() + 60
     while not pid_file.exists() and time.monotonic() < deadline:
         time.sleep(0.1)

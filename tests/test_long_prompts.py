@@ -1,6 +1,7 @@
 """Long prompts from chats (train/long_prompts.py, `drafthead data long-prompts`): whole exchanges
 joined in order, each prompt within its token budget and past three quarters of it, ending on a
 question, no exchange used twice; bench reads the file."""
+
 import json
 
 import pytest
@@ -11,11 +12,17 @@ from drafthead.train.tiny import tiny_tokenizer
 
 
 def chats(n: int, words: int = 4):
-    return [{"id": str(i), "messages": [
-        {"role": "user", "content": f"question {i} " + "about numbers " * words},
-        {"role": "assistant", "content": f"answer {i} " + "one two three " * words},
-        {"role": "user", "content": f"and {i} again?"},  # no answer: never used
-    ]} for i in range(n)]
+    return [
+        {
+            "id": str(i),
+            "messages": [
+                {"role": "user", "content": f"question {i} " + "about numbers " * words},
+                {"role": "assistant", "content": f"answer {i} " + "one two three " * words},
+                {"role": "user", "content": f"and {i} again?"},  # no answer: never used
+            ],
+        }
+        for i in range(n)
+    ]
 
 
 def test_prompts_fill_their_budget_with_whole_exchanges_and_end_on_a_question():
@@ -50,8 +57,22 @@ def test_the_cli_writes_a_file_bench_reads_and_never_replaces_one(tmp_path, caps
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in chats(40)))
     out = tmp_path / "long.jsonl"
-    args = ["data", "long-prompts", "--source", "json", "--path", str(data), "--target", str(target), "--tokens", "600",
-            "--count", "2", "--out", str(out)]
+    args = [
+        "data",
+        "long-prompts",
+        "--source",
+        "json",
+        "--path",
+        str(data),
+        "--target",
+        str(target),
+        "--tokens",
+        "600",
+        "--count",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(args) == 0
     prompts = load_prompts(out)
     assert len(prompts) == 2 and prompts[0].messages[-1]["role"] == "user" and len(prompts[0].messages) > 3

@@ -1,6 +1,7 @@
 """LK losses (heads/losses.py): the vectorised objectives equal a plain-Python twin, hand-made p/q
 give the known acceptance rate, the gradient moves q toward p, the hybrid's weight has the paper's
 endpoints, and EAGLE-3's unrolled loss under each objective equals a position-by-position loop."""
+
 from __future__ import annotations
 
 import math
@@ -73,7 +74,7 @@ def test_gradient_steps_move_q_toward_p(loss):
     assert float(start.max()) < 0.3
 
     def step(lr):
-        grad, = torch.autograd.grad(distill_loss(logits, p, loss)[0].sum(), logits)
+        (grad,) = torch.autograd.grad(distill_loss(logits, p, loss)[0].sum(), logits)
         with torch.no_grad():
             logits.sub_(lr * grad)
 
@@ -94,7 +95,8 @@ def test_hybrid_weight_endpoints():
     assert distill_loss(far, p, "lk_lambda", 3.0)[0].item() == pytest.approx(kl_far.item(), rel=1e-6)
     mid = torch.tensor([[0.0, 1.0, 0.0, 1.0]])
     assert distill_loss(mid, p, "lk_lambda", 0.0)[0].item() == pytest.approx(
-        (distill_loss(mid, p, "ce")[0] - torch.special.entr(p).sum(-1)).item(), rel=1e-6)
+        (distill_loss(mid, p, "ce")[0] - torch.special.entr(p).sum(-1)).item(), rel=1e-6
+    )
     same = torch.log(torch.tensor([[0.7, 0.3, 1e-30, 1e-30]]))
     _, alpha = distill_loss(same, p, "lk_lambda", 3.0)
     assert alpha.item() == pytest.approx(1.0) and lk_lambda(alpha, 3.0) == pytest.approx(math.exp(-3.0))
@@ -128,8 +130,7 @@ def test_eagle3_unrolled_loss_equals_the_position_loop(loss):
     total, metrics = head.compute_loss(batch)
     with torch.no_grad():
         W = target.lm_head.weight[head.draft_target_ids]  # [Vd, H]
-        unrolled = list(head.ttt_unroll(head.fuse([batch.hidden_states[i] for i in head.feature_layers]),
-                                        batch.input_ids, 3))
+        unrolled = list(head.ttt_unroll(head.fuse([batch.hidden_states[i] for i in head.feature_layers]), batch.input_ids, 3))
         B, T = batch.input_ids.shape
         slow = 0.0
         chains = {}  # dpace: (b, t) -> [(step, objective, confidence)]
@@ -143,7 +144,8 @@ def test_eagle3_unrolled_loss_equals_the_position_loop(loss):
                         logits = head.logits(unrolled[i][b, t]).double()
                         pairs.append((logits.tolist(), p.tolist()))
                         chains.setdefault((b, t), []).append(
-                            (i, slow_objective(logits.tolist(), p.tolist(), "ce", 1.0), float(torch.softmax(logits, -1)[p.argmax()])))
+                            (i, slow_objective(logits.tolist(), p.tolist(), "ce", 1.0), float(torch.softmax(logits, -1)[p.argmax()]))
+                        )
             if loss == "dpace":
                 continue
             alphas = [slow_alpha(lg, p) for lg, p in pairs]
@@ -210,8 +212,11 @@ def test_dpace_chain_loss_equals_a_chain_by_chain_loop():
     got = dpace_chain_loss(list(zip(cells, each, conf)), 5, 0.3)
     total, chains = 0.0, 0
     for cell in range(5):
-        scored = [(k, float(e[list(c).index(cell)]), float(torch.exp(-e[list(c).index(cell)]) if q is None else q[list(c).index(cell)]))
-                  for k, (c, e, q) in enumerate(zip(cells, each, conf)) if cell in c.tolist()]
+        scored = [
+            (k, float(e[list(c).index(cell)]), float(torch.exp(-e[list(c).index(cell)]) if q is None else q[list(c).index(cell)]))
+            for k, (c, e, q) in enumerate(zip(cells, each, conf))
+            if cell in c.tolist()
+        ]
         if not scored:
             continue  # cell 3: no chain
         chains += 1
@@ -219,10 +224,16 @@ def test_dpace_chain_loss_equals_a_chain_by_chain_loop():
     assert chains == 4 and got.item() == pytest.approx(total / chains, rel=1e-6)
 
 
-@pytest.mark.parametrize("kind,extra", [("medusa1", {"num_heads": 1}), ("hydra", {"num_heads": 1}),
-                                        ("eagle3", {"draft_vocab_size": 64, "ttt_steps": 1}),
-                                        ("peagle", {"draft_vocab_size": 64, "parallel_depth": 1, "mask_token_id": 2}),
-                                        ("dflash", {"block_size": 2, "mask_token_id": 5})])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("medusa1", {"num_heads": 1}),
+        ("hydra", {"num_heads": 1}),
+        ("eagle3", {"draft_vocab_size": 64, "ttt_steps": 1}),
+        ("peagle", {"draft_vocab_size": 64, "parallel_depth": 1, "mask_token_id": 2}),
+        ("dflash", {"block_size": 2, "mask_token_id": 5}),
+    ],
+)
 def test_dpace_over_one_position_is_the_mean_loss(kind, extra):
     """With dpace_alpha 1 every smoothed confidence is 1, so a chain of one position weighs each
     element 1 and divides by their number: every kind's dpace path scores the same elements as its

@@ -1,4 +1,5 @@
 """Merged drafters: the trie union is right, and greedy output stays the target's."""
+
 import torch
 
 from drafthead.heads.registry import build_head, make_config
@@ -36,7 +37,8 @@ def test_merged_head_and_lookup_and_draft_model_are_exact():
             result = speculative_generate(target, MergedDrafter(drafters), prompt, GenerationConfig(max_new_tokens=40))
             assert result.new_tokens[0].tolist() == ref
         # uncapped: the lookup drafter caps itself, and grows its chain on a streak
-        streaky = MergedDrafter([EagleDrafter(head, num_draft=6, depth=3, top_k=2),
-                                 PromptLookupDrafter(length=3, num_draft=3, streak_draft=10)], extra_nodes=None)
+        streaky = MergedDrafter(
+            [EagleDrafter(head, num_draft=6, depth=3, top_k=2), PromptLookupDrafter(length=3, num_draft=3, streak_draft=10)], extra_nodes=None
+        )
         result = speculative_generate(target, streaky, prompt, GenerationConfig(max_new_tokens=40))
         assert result.new_tokens[0].tolist() == ref

@@ -7,6 +7,7 @@ The head read from a checkpoint holds its weights, computes the MTP forward as i
 chains), fine-tunes from them through `drafthead train`'s builder, and exports back to exactly the
 checkpoint's tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,9 +87,20 @@ def test_mtp_drafts_exactly_untrained(mtp_target):
     batched = speculative_generate(target, head_drafter(head), ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask)
     assert [row.new_tokens[0].tolist() for row in batched.rows] == references
     drafter = head_drafter(head)
-    assert_accepts_and_stays_exact(target, lambda: fork_drafter(drafter), prompt, reference, prompts, references, ids, mask,
-                                   NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new),
-                                   chain=target.config.model_type == "qwen3_next")
+    assert_accepts_and_stays_exact(
+        target,
+        lambda: fork_drafter(drafter),
+        prompt,
+        reference,
+        prompts,
+        references,
+        ids,
+        mask,
+        NEW,
+        NEW,
+        lambda new: GenerationConfig(max_new_tokens=new),
+        chain=target.config.model_type == "qwen3_next",
+    )
 
 
 def test_mtp_fine_tunes_from_the_checkpoints_layer_and_exports_back(mtp_target, tmp_path):
@@ -105,8 +117,9 @@ def test_mtp_fine_tunes_from_the_checkpoints_layer_and_exports_back(mtp_target, 
     assert set(written) == set(tensors) and all(torch.equal(written[k], tensors[k]) for k in tensors)
     written_config = json.loads((out / "config.json").read_text())
     on_disk = json.loads((folder / "config.json").read_text())  # the target's config as its folder has it
-    assert {k: v for k, v in written_config.items() if k not in ("topk_method", "torch_dtype", "drafthead")} == \
-        {k: v for k, v in on_disk.items() if k not in ("topk_method", "torch_dtype")}
+    assert {k: v for k, v in written_config.items() if k not in ("topk_method", "torch_dtype", "drafthead")} == {
+        k: v for k, v in on_disk.items() if k not in ("topk_method", "torch_dtype")
+    }
     assert written_config["num_nextn_predict_layers"] == 1
     bias = any(k.endswith("e_score_correction_bias") for k in tensors)  # DeepSeek's and GLM's routing
     assert written_config.get("topk_method") == ("noaux_tc" if bias else None)
@@ -120,8 +133,9 @@ def test_mtp_fine_tunes_from_the_checkpoints_layer_and_exports_back(mtp_target, 
     trained = drafter.head.fc.weight
     assert not torch.equal(trained, head.fc.weight)  # it trained, from the checkpoint's layer
     prompt = repetitive_prompt(96, length=14, seed=4)
-    assert speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=NEW)).new_tokens[0].tolist() == \
-        plain_greedy(target, prompt, NEW)
+    assert speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=NEW)).new_tokens[0].tolist() == plain_greedy(
+        target, prompt, NEW
+    )
 
 
 def test_a_checkpoint_without_its_mtp_layer_says_so(mtp_target, tmp_path):

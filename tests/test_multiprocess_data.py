@@ -7,6 +7,7 @@ file launches twice: once with rank 1 killed (SIGKILL) after its first shard, on
 capture and to regenerate. A regenerate killed mid-way is simulated in this process with two
 threads (WorkShare over a threading.Barrier), which runs the same code between the barriers.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,9 +64,22 @@ def _launch(tmp_path: Path, runs: list[list[str]], **env) -> subprocess.Complete
     script = tmp_path / "launched.py"
     script.write_text(LAUNCHED)
     cmd = [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_port", str(_free_port()), str(script), json.dumps(runs),
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        str(script),
+        json.dumps(runs),
     ]
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **env)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
@@ -84,13 +98,47 @@ def test_two_processes_write_what_one_does_and_a_killed_rank_reruns(tmp_path, ta
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 40)
 
     def capture(out):  # 40 samples, 5 shards of 8, batches of 4
-        return ["data", "capture", "--config", "tiny-eagle3", f"target={target}", f"data.path={chats}",
-                f"output_dir={tmp_path / 'run'}", "threads=1", "features.shard_samples=8", "--device", "cpu", "--out", str(out)]
+        return [
+            "data",
+            "capture",
+            "--config",
+            "tiny-eagle3",
+            f"target={target}",
+            f"data.path={chats}",
+            f"output_dir={tmp_path / 'run'}",
+            "threads=1",
+            "features.shard_samples=8",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
 
     def regen(out):  # 16 conversations (24 turns), 8 batches of 2
-        return ["data", "regenerate", "--target", str(target), "--source", "json", "--path", str(chats), "--limit", "16",
-                "--max-new-tokens", "6", "--batch-size", "2", "--dtype", "float32", "--threads", "1", "--device", "cpu",
-                "--out", str(out)]
+        return [
+            "data",
+            "regenerate",
+            "--target",
+            str(target),
+            "--source",
+            "json",
+            "--path",
+            str(chats),
+            "--limit",
+            "16",
+            "--max-new-tokens",
+            "6",
+            "--batch-size",
+            "2",
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
 
     one, two = tmp_path / "one", tmp_path / "two"
     threads = torch.get_num_threads()
@@ -103,8 +151,9 @@ def test_two_processes_write_what_one_does_and_a_killed_rank_reruns(tmp_path, ta
     killed = _launch(tmp_path, [capture(two)], KILL_RANK="1")
     assert killed.returncode != 0
     # missing shards 0..4 dealt round-robin: rank 1 wrote shard 1 and died starting shard 3
-    assert (two / "shard-00001.safetensors").exists() and not (two / "shard-00003.safetensors").exists(), \
+    assert (two / "shard-00001.safetensors").exists() and not (two / "shard-00003.safetensors").exists(), (
         killed.stdout[-3000:] + killed.stderr[-3000:]
+    )
     assert not (two / "index.json").exists()
     finished = _stamps(two)
 

@@ -2,6 +2,7 @@
 plan, the masks) each equal a slow twin written loop by loop; every head kind's loss and
 gradients on a packed batch equal those on the same samples one per row; the target's packed
 forward equals its forward on each conversation alone, and a target that mixes them is refused."""
+
 import copy
 import functools
 
@@ -153,8 +154,7 @@ KINDS = {
     "eagle3-window": {"draft_vocab_size": 64, "ttt_steps": 3, "aux_layers": (1, 2, 3), "sliding_window": 4},
     "eagle31": {"draft_vocab_size": 64, "ttt_steps": 2, "aux_layers": (1, 2, 3)},
     # every column at every depth, so that both layouts train on the same elements
-    "peagle": {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": V - 1, "aux_layers": (1, 2, 3),
-               "cod_ratio": 1.0, "cod_min_ratio": 1.0},
+    "peagle": {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": V - 1, "aux_layers": (1, 2, 3), "cod_ratio": 1.0, "cod_min_ratio": 1.0},
     "dflash": {"block_size": 4, "mask_token_id": V - 1, "num_anchors": 3},
 }
 

@@ -1,6 +1,7 @@
 """P-EAGLE (heads/peagle.py, inference/drafters/parallel.py): the COD-sampled loss equals a slow
 element-by-element twin that drafts each element the way inference does, the cached drafter
 equals drafting from scratch, and decoding with it is exact (greedy and sampling at depth 2)."""
+
 import json
 import pytest
 import torch
@@ -16,8 +17,7 @@ from tests.tiny import TARGETS, repetitive_prompt, tiny_causal_lm
 
 
 def peagle(target, depth=4, **extra):
-    config = make_config("peagle", target, None, name="tiny", draft_vocab_size=64, parallel_depth=depth,
-                         mask_token_id=2, **extra)
+    config = make_config("peagle", target, None, name="tiny", draft_vocab_size=64, parallel_depth=depth, mask_token_id=2, **extra)
     return build_head(config, target, token_counts=torch.arange(target.config.get_text_config().vocab_size))
 
 
@@ -59,8 +59,7 @@ def slow_loss(head, batch, seed):
                 label = t + 2 + d
                 if label >= T or not batch.loss_mask[b, label]:
                     continue
-                logits = head.parallel_draft(fused[b : b + 1, : t + 1], ids[b : b + 1, 1 : t + 2],
-                                             torch.arange(t + 1)[None], head.new_cache())
+                logits = head.parallel_draft(fused[b : b + 1, : t + 1], ids[b : b + 1, 1 : t + 2], torch.arange(t + 1)[None], head.new_cache())
                 log_q = torch.log_softmax(logits[0, d].float(), dim=-1)
                 total = total + element_loss(log_q, target_p[b, t + 1 + d], cfg.loss)
                 n += 1
@@ -117,6 +116,7 @@ def test_greedy_with_parallel_drafting_equals_plain_greedy(family):
 def test_parallel_tree_sampling_is_exact_at_depth_two():
     """A static tree over the parallel depths: the joint law of three new tokens is the target's
     (ten rows a batch)."""
+
     def drafter_of(target, choices):
         config = make_config("peagle", target, None, name="tiny", aux_layers=(1, 2, 3), parallel_depth=3, mask_token_id=2)
         return ParallelDrafter(build_head(config, target).eval(), choices=choices)
@@ -128,7 +128,7 @@ def test_speculators_export_carries_the_mask_row_and_placeholder_and_reads_back(
     from safetensors.torch import load_file
 
     from drafthead.heads.formats import export_head, import_head
-    from drafthead.heads.io import HeadFormatError
+    from drafthead.heads.files import HeadFormatError
 
     target = tiny_causal_lm("llama", layers=4)
     head = peagle(target, depth=3, aux_layers=(1, 2, 3))

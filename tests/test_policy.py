@@ -1,5 +1,6 @@
 """The load policy (inference/engine/policy.py): the rule's choices on known costs and gains, what a cut
 tree would have accepted, and exactness when it cuts trees or decodes plainly."""
+
 import math
 
 import torch
@@ -13,11 +14,18 @@ from drafthead.inference.engine.generate import GenerationConfig, speculative_ge
 from drafthead.inference.engine.policy import SpeculationPolicy, accepted_within, best_batch_node_count, cut_tree
 from drafthead.inference.engine.tree import DraftTree
 from drafthead.heads.registry import build_head, make_config
-from tests.policy_checks import (FLAT, STEEP, InjectedCosts, assert_drafts_where_drafting_pays,
-                                 assert_plain_where_drafting_does_not_pay, assert_trees_are_cut_to_the_policys_count,
-                                 tiny_eagle_drafter)
+from tests.policy_checks import (
+    FLAT,
+    STEEP,
+    InjectedCosts,
+    assert_drafts_where_drafting_pays,
+    assert_plain_where_drafting_does_not_pay,
+    assert_trees_are_cut_to_the_policys_count,
+    tiny_eagle_drafter,
+)
 from tests.tiny import left_padded, prompts_of
 from tests.tiny import plain_greedy, tiny_causal_lm
+
 
 def test_accepted_within_counts_the_surviving_prefix_of_the_path():
     path = [0, 2, 5, 9]
@@ -92,19 +100,20 @@ def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
     on STEEP, drafting costs as much as verifying 16 more tokens, so at batch 6 plain decoding wins
     once the first probe has been seen, whatever the machine."""
     target = tiny_causal_lm("llama", layers=4)
-    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
-                      token_counts=torch.arange(96)).eval()
+    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target, token_counts=torch.arange(96)).eval()
     prompts = prompts_of((3, 9, 14, 20, 6, 11), seed=5)
     refs = [plain_greedy(target, p[None], 30) for p in prompts]
     for curve in (FLAT, STEEP):
-        for drafter in (EagleDrafter(head, num_draft=10, depth=4, top_k=3), DraftModelDrafter(target, num_draft=4),
-                        MergedDrafter([EagleDrafter(head, num_draft=6, depth=3, top_k=2), PromptLookupDrafter(length=4)])):
+        for drafter in (
+            EagleDrafter(head, num_draft=10, depth=4, top_k=3),
+            DraftModelDrafter(target, num_draft=4),
+            MergedDrafter([EagleDrafter(head, num_draft=6, depth=3, top_k=2), PromptLookupDrafter(length=4)]),
+        ):
             for batch, fresh in ((1, True), (6, True), (6, False)):
                 cost = 0.0005 if curve is FLAT else 0.05  # seconds a row: cheap on FLAT, dear on STEEP
                 policy = InjectedCosts(curve, probe_every=3, draft_per_row=cost)
                 if not fresh:  # estimates from an earlier run: plain first, the first drafting round mid-sequence
-                    policy = InjectedCosts(curve, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7,
-                                           draft_per_row=cost)
+                    policy = InjectedCosts(curve, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7, draft_per_row=cost)
                 ids, mask = left_padded(prompts[:batch])
                 config = GenerationConfig(max_new_tokens=30, policy=policy)
                 out = speculative_generate(target, drafter, ids, config, attention_mask=mask)
@@ -123,16 +132,14 @@ def test_probes_back_off_while_plain_decoding_keeps_winning():
         n = policy.plan(16)
         d = n != 1
         drafted.append(d)
-        policy.observe([7 if d else 1] * 16, [[0, 1] if d else [0]] * 16, fixed_seconds=0.001,
-                       draft_seconds=16 * 0.002 if d else None, planned=n)
+        policy.observe([7 if d else 1] * 16, [[0, 1] if d else [0]] * 16, fixed_seconds=0.001, draft_seconds=16 * 0.002 if d else None, planned=n)
     assert [i for i, d in enumerate(drafted) if d] == [0, 32, 96, 224]
     policy.verify_cost, policy.draft_seconds = FLAT, {0: 1e-5}  # the load drops and drafting gets cheap
     for _ in range(300):
         n = policy.plan(16)
         d = n != 1
         drafted.append(d)
-        policy.observe([7 if d else 1] * 16, [[0, 1, 2] if d else [0]] * 16, fixed_seconds=0.001,
-                       draft_seconds=16 * 1e-5 if d else None, planned=n)
+        policy.observe([7 if d else 1] * 16, [[0, 1, 2] if d else [0]] * 16, fixed_seconds=0.001, draft_seconds=16 * 1e-5 if d else None, planned=n)
     assert all(drafted[300:])
 
 
@@ -144,8 +151,14 @@ def test_the_policys_num_draft_limit_does_not_outlive_its_run():
     original = drafter.limit
     drafter.limit = lambda n: (set_to.append(n), original(n))
     # estimates as if small trees had paid so far (slow to move), no probe due: the plan is a small tree
-    policy = SpeculationPolicy(CostCurve((1, 2, 64), (0.010, 0.0101, 0.2)), gain=[0.0, 0.9, 0.95], weight=[1.0, 1e3, 1e3],
-                               draft_seconds={0: 1e-4}, rounds=1, next_probe=10**9)
+    policy = SpeculationPolicy(
+        CostCurve((1, 2, 64), (0.010, 0.0101, 0.2)),
+        gain=[0.0, 0.9, 0.95],
+        weight=[1.0, 1e3, 1e3],
+        draft_seconds={0: 1e-4},
+        rounds=1,
+        next_probe=10**9,
+    )
     speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, policy=policy))
     assert any(n is not None for n in set_to)  # the run did limit the drafter
     assert drafter.num_draft_limit is None
@@ -182,8 +195,7 @@ def test_a_drafter_skipped_by_plain_rounds_catches_up_before_it_drafts():
     taken them all at once: its history is the committed text, pending token last, and it holds
     a feature for every committed position it has not fed to its head yet."""
     target = tiny_causal_lm("llama", layers=4)
-    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target,
-                      token_counts=torch.arange(96)).eval()
+    head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target, token_counts=torch.arange(96)).eval()
     seen = []
 
     class Watched(EagleDrafter):
@@ -195,12 +207,17 @@ def test_a_drafter_skipped_by_plain_rounds_catches_up_before_it_drafts():
     prompt = prompts_of((9,), seed=2)[0]
     for batch in (1, 3):
         seen.clear()
-        policy = InjectedCosts(STEEP, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7,
-                               draft_per_row=0.05)  # plain first, drafting again from round 7
+        policy = InjectedCosts(
+            STEEP, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7, draft_per_row=0.05
+        )  # plain first, drafting again from round 7
         ids = prompt[None].repeat(batch, 1)
-        out = speculative_generate(target, Watched(head, num_draft=6, depth=3, top_k=2), ids,
-                                   GenerationConfig(max_new_tokens=30, policy=policy),
-                                   attention_mask=torch.ones_like(ids))
+        out = speculative_generate(
+            target,
+            Watched(head, num_draft=6, depth=3, top_k=2),
+            ids,
+            GenerationConfig(max_new_tokens=30, policy=policy),
+            attention_mask=torch.ones_like(ids),
+        )
         row = out if batch == 1 else out.rows[0]
         text = prompt.tolist() + row.new_tokens[0].tolist()
         assert policy.decisions[0] == 1 and seen  # plain rounds first, then a drafting one

@@ -1,4 +1,5 @@
 """Prompt lookup's rules: periodic continuations, longest n-gram first, streaks."""
+
 import torch
 
 from drafthead.inference.engine.drafter import RoundStats

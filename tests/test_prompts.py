@@ -1,4 +1,5 @@
 """Prompt loading (MT-bench and JSONL forms), its errors, and chat encoding."""
+
 from __future__ import annotations
 
 import json
@@ -123,6 +124,5 @@ def test_encode_without_template_is_plain(tiny_tokenizer):
     plain.chat_template = None
     ids = encode_chat(plain, "hello world")
     assert plain.decode(ids[0]) == "hello world\n\n"  # the plain format's generation prompt: a blank line
-    two = Prompt(text="two", messages=({"role": "user", "content": "one"}, {"role": "assistant", "content": "1"},
-                                      {"role": "user", "content": "two"}))
+    two = Prompt(text="two", messages=({"role": "user", "content": "one"}, {"role": "assistant", "content": "1"}, {"role": "user", "content": "two"}))
     assert plain.decode(encode_chat(plain, two)[0]) == f"one\n\n1{plain.eos_token}\n\ntwo\n\n"

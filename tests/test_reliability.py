@@ -2,6 +2,7 @@
 and exit code 2 (or a refusal to overwrite), and nothing already on disk changes. The table of
 cases is docs/reliability.md; each row names its test here.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -56,6 +57,7 @@ def no_progress_bars(monkeypatch):
 
 def unchanged(*paths):
     """Context: hash `paths` before and after the block and assert every one is the same."""
+
     class Guard:
         def __enter__(self):
             self.before = [tree_hash(p) for p in paths]
@@ -180,18 +182,18 @@ def test_tiny_target_refuses_a_non_empty_folder_and_ctrl_c_leaves_nothing(tmp_pa
 
 
 def test_resume_changes_rule():
-    saved = {"lr": 0.001, "log_every": 10, "data": {"path": "a.jsonl", "limit": None, "num_proc": None},
-             "head": {"kind": "medusa1", "num_heads": 3}}
-    now = {"lr": 0.1, "log_every": 1, "data": {"path": "b.jsonl", "limit": None, "num_proc": 4},
-           "head": {"kind": "medusa1"}}
+    saved = {"lr": 0.001, "log_every": 10, "data": {"path": "a.jsonl", "limit": None, "num_proc": None}, "head": {"kind": "medusa1", "num_heads": 3}}
+    now = {"lr": 0.1, "log_every": 1, "data": {"path": "b.jsonl", "limit": None, "num_proc": 4}, "head": {"kind": "medusa1"}}
     refused, applied = resume_changes(saved, now)
     assert refused == ["data.path: 'a.jsonl' -> 'b.jsonl'", "head.num_heads: 3 -> '<unset>'", "lr: 0.001 -> 0.1"]
     assert applied == ["data.num_proc: None -> 4", "log_every: 10 -> 1"]
     assert resume_changes(saved, saved) == ([], [])
 
 
-@pytest.mark.parametrize("override,field", [("lr=0.1", "lr: 0.03 -> 0.1"), ("batch_size=2", "batch_size: 4 -> 2"),
-                                            ("data.path=other.jsonl", "data.path: None -> 'other.jsonl'")])
+@pytest.mark.parametrize(
+    "override,field",
+    [("lr=0.1", "lr: 0.03 -> 0.1"), ("batch_size=2", "batch_size: 4 -> 2"), ("data.path=other.jsonl", "data.path: None -> 'other.jsonl'")],
+)
 def test_resume_refuses_a_change_of_meaning(tmp_path, capsys, override, field):
     """Issue 28 cases 2 and 3; the override comes after --resume (argparse order)."""
     out, saved = trained_run(tmp_path)
@@ -232,8 +234,11 @@ def test_regenerate_refuses_a_file_it_did_not_write(tmp_path, capsys):
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 3)
     with unchanged(chats):
-        assert_refused(*run_cli(capsys, "data", "regenerate", "--target", "nothing", "--source", "json", "--path", chats,
-                                "--out", chats), "not a `data regenerate` output", "--overwrite")
+        assert_refused(
+            *run_cli(capsys, "data", "regenerate", "--target", "nothing", "--source", "json", "--path", chats, "--out", chats),
+            "not a `data regenerate` output",
+            "--overwrite",
+        )
 
 
 def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
@@ -245,8 +250,23 @@ def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, 
     monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [regenerate.Answer("", True)] * len(prompts))
     out = tmp_path / "regen.jsonl"
     with unchanged(chats):
-        code, err = run_cli(capsys, "data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats,
-                            "--out", out, "--max-new-tokens", "2", "--batch-size", "2")
+        code, err = run_cli(
+            capsys,
+            "data",
+            "regenerate",
+            "--target",
+            tiny_llama_dir,
+            "--source",
+            "json",
+            "--path",
+            chats,
+            "--out",
+            out,
+            "--max-new-tokens",
+            "2",
+            "--batch-size",
+            "2",
+        )
     assert_failed_late(code, err, "no record written", "empty_answers=2")
     assert sorted(p.name for p in tmp_path.iterdir() if p != isolated_cache) == ["chats.jsonl"]  # no output, temp or lock
 
@@ -260,8 +280,22 @@ def test_regenerate_overwrite_and_continue(tmp_path, capsys, monkeypatch, tiny_l
     out = tmp_path / "regen.jsonl"
     out.write_text('{"some": "user data"}\n')
     monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [regenerate.Answer("fine", True)] * len(prompts))
-    argv = ["data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats, "--out", out,
-            "--max-new-tokens", "2", "--batch-size", "2"]
+    argv = [
+        "data",
+        "regenerate",
+        "--target",
+        tiny_llama_dir,
+        "--source",
+        "json",
+        "--path",
+        chats,
+        "--out",
+        out,
+        "--max-new-tokens",
+        "2",
+        "--batch-size",
+        "2",
+    ]
     assert run_cli(capsys, *argv, "--overwrite")[0] == 0
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert [r["id"] for r in records] == ["tiny-0", "tiny-1"] and all("generation" in r for r in records)
@@ -317,8 +351,7 @@ def test_truncated_target_safetensors(target_copy, capsys, keep):
     data = weights.read_bytes()
     weights.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
     with unchanged(target_copy):
-        assert_refused(*run_cli(capsys, "generate", "--target", target_copy, "--prompt", "hi"),
-                       str(target_copy), "truncated or corrupt", "again")
+        assert_refused(*run_cli(capsys, "generate", "--target", target_copy, "--prompt", "hi"), str(target_copy), "truncated or corrupt", "again")
 
 
 def tiny_gguf(path: Path) -> bytes:
@@ -344,8 +377,7 @@ def test_truncated_gguf(tmp_path, capsys, isolated_cache, tiny_llama_dir, where)
     cut.write_bytes(data[:10] if where == "header" else data[:-100])
     with unchanged(cut):
         assert_refused(*run_cli(capsys, "generate", "--target", cut, "--prompt", "hi"), str(cut), "truncated")
-        assert_refused(*run_cli(capsys, "import", cut, "--target", tiny_llama_dir, "--out", tmp_path / "imported"),
-                       str(cut), "truncated")
+        assert_refused(*run_cli(capsys, "import", cut, "--target", tiny_llama_dir, "--out", tmp_path / "imported"), str(cut), "truncated")
     assert not (tmp_path / "imported").exists()
     assert not list(isolated_cache.rglob("*.safetensors"))  # nothing cached from it
 
@@ -357,13 +389,15 @@ def test_gpt2_target_with_an_eagle3_config_names_the_kinds_that_fit(tmp_path, ca
 
     tok = tiny_tokenizer()
     gpt2 = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=128,
-                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(gpt2)
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=128, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    ).save_pretrained(gpt2)
     tok.save_pretrained(gpt2)
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
     with unchanged(tmp_path):
-        code, err = run_cli(capsys, "train", "--config", "tiny-eagle3", f"target={gpt2}", f"data.path={chats}",
-                            f"output_dir={tmp_path / 'run'}", "max_steps=1")
+        code, err = run_cli(
+            capsys, "train", "--config", "tiny-eagle3", f"target={gpt2}", f"data.path={chats}", f"output_dir={tmp_path / 'run'}", "max_steps=1"
+        )
         assert_refused(code, err, "eagle3", "GPT2LMHeadModel", "medusa1", "hydra")
     assert "dflash" not in err and "eagle1" not in err.splitlines()[-1].split("one of:")[-1]
 
@@ -389,24 +423,25 @@ def test_non_utf8_files_are_named(tmp_path, capsys, tiny_llama_dir):
         assert_refused(*run_cli(capsys, "data", "inspect", "--source", "json", "--path", data), str(data), "not UTF-8")
         assert_refused(*run_cli(capsys, "train", "--config", yaml_file), str(yaml_file), "not UTF-8")
         assert_refused(*run_cli(capsys, "bench", "--target", tiny_llama_dir, "--dataset", prompts), str(prompts), "not UTF-8")
-        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", tmp_path / "x"),
-                       str(head / "config.json"), "not UTF-8")
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", tmp_path / "x"), str(head / "config.json"), "not UTF-8")
 
 
 def test_head_config_json_that_is_not_an_object(tmp_path, capsys):
     head = medusa_head_dir(tmp_path / "head")
     (head / "config.json").write_text("[1, 2]")
     with unchanged(tmp_path):
-        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", tmp_path / "x"),
-                       str(head / "config.json"), "not an object")
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", tmp_path / "x"), str(head / "config.json"), "not an object")
 
 
-@pytest.mark.parametrize("field,value,fragment", [
-    ("num_heads", "2", "num_heads: expected an integer, got '2'"),
-    ("loss_decay", "0.8", "loss_decay: expected a number, got '0.8'"),
-    ("share_lm_head", 0, "share_lm_head: expected true or false, got 0"),
-    ("target.hidden_size", "32", "hidden_size: expected an integer, got '32'"),
-])
+@pytest.mark.parametrize(
+    "field,value,fragment",
+    [
+        ("num_heads", "2", "num_heads: expected an integer, got '2'"),
+        ("loss_decay", "0.8", "loss_decay: expected a number, got '0.8'"),
+        ("share_lm_head", 0, "share_lm_head: expected true or false, got 0"),
+        ("target.hidden_size", "32", "hidden_size: expected an integer, got '32'"),
+    ],
+)
 def test_head_config_json_with_values_of_the_wrong_type(tmp_path, capsys, field, value, fragment):
     """A hand-edited config.json ("4" for 4): one line naming the file and the key, not a TypeError
     from inside a forward."""
@@ -419,8 +454,7 @@ def test_head_config_json_with_values_of_the_wrong_type(tmp_path, capsys, field,
     holder[key] = value
     (head / "config.json").write_text(json.dumps(meta))
     with unchanged(tmp_path):
-        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", tmp_path / "x"),
-                       str(head / "config.json"), fragment)
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", tmp_path / "x"), str(head / "config.json"), fragment)
 
 
 def test_first_contact_reaches_an_engine_layout(tmp_path, capsys):
@@ -440,8 +474,10 @@ def test_first_contact_reaches_an_engine_layout(tmp_path, capsys):
     assert cli.main([*argv, f"target={shallow}", f"data.path={shallow / 'chats.jsonl'}", f"output_dir={tmp_path / 'run2'}"]) == 0
     assert "note: this head will run in drafthead only, no engine export will take it" in capsys.readouterr().out
     with unchanged(tmp_path):
-        assert_refused(*run_cli(capsys, "export", tmp_path / "run2" / "final", "--format", "vllm", "--out", tmp_path / "x"),
-                       "retrain with aux_layers set to 3 distinct indices in 1..1")
+        assert_refused(
+            *run_cli(capsys, "export", tmp_path / "run2" / "final", "--format", "vllm", "--out", tmp_path / "x"),
+            "retrain with aux_layers set to 3 distinct indices in 1..1",
+        )
 
 
 def test_random_bytes_target_config_json(target_copy, capsys):
@@ -456,8 +492,9 @@ def test_missing_tokenizer_message_is_whole(target_copy, capsys):
         if p.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             p.unlink()
     with unchanged(target_copy):
-        line = assert_refused(*run_cli(capsys, "generate", "--target", target_copy, "--prompt", "hi"),
-                              str(target_copy), "no tokenizer", "save_pretrained")
+        line = assert_refused(
+            *run_cli(capsys, "generate", "--target", target_copy, "--prompt", "hi"), str(target_copy), "no tokenizer", "save_pretrained"
+        )
     assert not line.rstrip().endswith(":")
 
 
@@ -490,8 +527,9 @@ def test_read_only_output_folder(tmp_path, capsys, monkeypatch):
     locked.mkdir()
     refuse_writes_under(monkeypatch, locked)
     with unchanged(tmp_path):
-        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", locked / "out"),
-                       str(locked), "Permission denied", "permissions")
+        assert_refused(
+            *run_cli(capsys, "export", head, "--format", "medusa", "--out", locked / "out"), str(locked), "Permission denied", "permissions"
+        )
 
 
 def test_read_only_checkpoint_folder(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
@@ -502,14 +540,26 @@ def test_read_only_checkpoint_folder(tmp_path, capsys, monkeypatch, tiny_llama_d
     run_dir = tmp_path / "run"
     refuse_writes_under(monkeypatch, run_dir / "checkpoints")
     with unchanged(tmp_path):  # nothing made: no run folder, no lock file
-        assert_refused(*run_cli(capsys, *tiny_train(tiny_llama_dir, chats, run_dir, "max_steps=1", "checkpoint_every=1")),
-                       str(run_dir / "checkpoints"), "Permission denied")
+        assert_refused(
+            *run_cli(capsys, *tiny_train(tiny_llama_dir, chats, run_dir, "max_steps=1", "checkpoint_every=1")),
+            str(run_dir / "checkpoints"),
+            "Permission denied",
+        )
 
 
 def tiny_train(target, chats, out, *overrides) -> list:
     """argv of a tiny-medusa1 run of the target on the chats into `out` (seconds on a CPU)."""
-    return ["train", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}", f"output_dir={out}",
-            "eval_every=0", "data.eval_size=1", *overrides]
+    return [
+        "train",
+        "--config",
+        "tiny-medusa1",
+        f"target={target}",
+        f"data.path={chats}",
+        f"output_dir={out}",
+        "eval_every=0",
+        "data.eval_size=1",
+        *overrides,
+    ]
 
 
 def test_traceback_on_request(tmp_path, capsys, monkeypatch):
@@ -541,8 +591,22 @@ def tiny_run(tmp_path_factory, tiny_target_dir):
     root = tmp_path_factory.mktemp("tiny-run")
     target, chats = tiny_target_dir("llama"), write_tiny_jsonl(root / "chats.jsonl", 12)
     assert cli.main(tiny_train(target, chats, root / "run", "max_steps=2", "checkpoint_every=1")) == 0
-    assert cli.main(["data", "capture", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}",
-                     "data.eval_size=1", "--out", str(root / "features")]) == 0
+    assert (
+        cli.main(
+            [
+                "data",
+                "capture",
+                "--config",
+                "tiny-medusa1",
+                f"target={target}",
+                f"data.path={chats}",
+                "data.eval_size=1",
+                "--out",
+                str(root / "features"),
+            ]
+        )
+        == 0
+    )
     if not was_disabled:
         datasets.enable_progress_bars()
     return target, chats, root / "run", root / "features"
@@ -561,8 +625,11 @@ def test_damaged_checkpoint_on_resume(tmp_path, capsys, tiny_run, damaged):
     broken = latest_checkpoint(run) / damaged
     broken.write_bytes(broken.read_bytes()[:100])
     with unchanged(run, chats):
-        assert_refused(*run_cli(capsys, *tiny_train(target, chats, run, "max_steps=2", "checkpoint_every=1"), "--resume"),
-                       "step-00000002 is truncated or corrupt", "delete it")
+        assert_refused(
+            *run_cli(capsys, *tiny_train(target, chats, run, "max_steps=2", "checkpoint_every=1"), "--resume"),
+            "step-00000002 is truncated or corrupt",
+            "delete it",
+        )
 
 
 def test_python_m_drafthead_train_reports_the_same_way(tmp_path):
@@ -606,8 +673,7 @@ def test_stale_captured_features_are_refused(tmp_path, capsys, tiny_run, tiny_ta
         assert_refused(*run_cli(capsys, *train[:3], f"target={wider}", *train[4:]), "hidden_size: captured from 32")
     with chats.open("a") as f:
         f.write(chats.read_text().splitlines()[0].replace('"id": "tiny-0"', '"id": "edited"') + "\n")
-    capture = ["data", "capture", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}", "data.eval_size=1",
-               "--out", features]
+    capture = ["data", "capture", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}", "data.eval_size=1", "--out", features]
     with unchanged(features, chats):
         assert_refused(*run_cli(capsys, *train), f"content of {chats}", "--overwrite")
         assert_refused(*run_cli(capsys, *capture), "made from other data", "--overwrite")
@@ -628,15 +694,13 @@ def test_a_second_writer_of_one_output_is_refused(tmp_path, capsys, tiny_llama_d
         tiny_train(tiny_llama_dir, chats, out, "--overwrite"),
         ["export", head, "--format", "medusa", "--out", out, "--overwrite"],
         ["data", "tiny-target", "--out", out, "--overwrite"],
-        ["data", "capture", "--config", "tiny-medusa1", f"target={tiny_llama_dir}", f"data.path={chats}", "--out", out,
-         "--overwrite"],
+        ["data", "capture", "--config", "tiny-medusa1", f"target={tiny_llama_dir}", f"data.path={chats}", "--out", out, "--overwrite"],
         ["data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats, "--out", out, "--overwrite"],
     ]
     with output_lock(out):
         with unchanged(tmp_path):
             for argv in commands:
-                assert_refused(*run_cli(capsys, *argv), str(out), "being written by another drafthead process",
-                               f"pid {__import__('os').getpid()}")
+                assert_refused(*run_cli(capsys, *argv), str(out), "being written by another drafthead process", f"pid {__import__('os').getpid()}")
     assert not lock_file(out).exists()  # let go, the lock leaves nothing behind
 
 
@@ -652,8 +716,7 @@ def test_bench_refuses_to_replace_a_file(tmp_path, capsys):
         assert_refused(*run_cli(capsys, *bench, "--out", report), str(report), "--overwrite")
         assert_refused(*run_cli(capsys, *bench, "--markdown", report), str(report), "--overwrite")
         assert_refused(*run_cli(capsys, *bench, "--out", prompts, "--overwrite"), "is this command's input")
-        assert_refused(*run_cli(capsys, *bench, "--out", tmp_path / "a.md", "--markdown", tmp_path / "a.md"),
-                       "both name")
+        assert_refused(*run_cli(capsys, *bench, "--out", tmp_path / "a.md", "--markdown", tmp_path / "a.md"), "both name")
 
 
 def test_overwrite_never_deletes_a_model_data_or_the_inputs(tmp_path, capsys, target_copy):
@@ -670,26 +733,34 @@ def test_overwrite_never_deletes_a_model_data_or_the_inputs(tmp_path, capsys, ta
         assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, target_copy, "--overwrite")), "is this command's input")
         assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, data_dir, "--overwrite")), "holds this command's input")
         assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, other_data, "--overwrite")), "holds data (mine.jsonl)")
-        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", target_copy, "--overwrite"),
-                       "holds a model")
-        assert_refused(*run_cli(capsys, "data", "capture", "--config", "tiny-medusa1", f"target={target_copy}",
-                                f"data.path={chats}", "--out", data_dir, "--overwrite"), "holds this command's input")
+        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", target_copy, "--overwrite"), "holds a model")
+        assert_refused(
+            *run_cli(
+                capsys, "data", "capture", "--config", "tiny-medusa1", f"target={target_copy}", f"data.path={chats}", "--out", data_dir, "--overwrite"
+            ),
+            "holds this command's input",
+        )
         assert_refused(*run_cli(capsys, "data", "tiny-target", "--out", target_copy, "--overwrite"), "holds a model")
-        assert_refused(*run_cli(capsys, "data", "regenerate", "--target", target_copy, "--source", "json", "--path", chats,
-                                "--out", chats, "--overwrite"), "is this command's input")
+        assert_refused(
+            *run_cli(capsys, "data", "regenerate", "--target", target_copy, "--source", "json", "--path", chats, "--out", chats, "--overwrite"),
+            "is this command's input",
+        )
     tiny = tmp_path / "tiny"
     assert run_cli(capsys, "data", "tiny-target", "--out", tiny, "--chats", "2")[0] == 0
     assert run_cli(capsys, "data", "tiny-target", "--out", tiny, "--chats", "2", "--overwrite")[0] == 0  # its own
 
 
-@pytest.mark.parametrize("argv,fragments", [
-    (["--stop", ""], ['--stop ""', "first token"]),
-    (["--lookup-nodes", "-1"], ["--lookup-nodes must be a whole number >= 0"]),
-    (["--lookup-streak", "-2"], ["--lookup-streak must be a whole number >= 0"]),
-    (["--temperature", "nan"], ["temperature must be a number >= 0, got nan"]),
-    (["--temperature", "inf"], ["temperature must be a number >= 0, got inf"]),
-    (["--repetition-penalty", "nan"], ["repetition_penalty"]),
-])
+@pytest.mark.parametrize(
+    "argv,fragments",
+    [
+        (["--stop", ""], ['--stop ""', "first token"]),
+        (["--lookup-nodes", "-1"], ["--lookup-nodes must be a whole number >= 0"]),
+        (["--lookup-streak", "-2"], ["--lookup-streak must be a whole number >= 0"]),
+        (["--temperature", "nan"], ["temperature must be a number >= 0, got nan"]),
+        (["--temperature", "inf"], ["temperature must be a number >= 0, got inf"]),
+        (["--repetition-penalty", "nan"], ["repetition_penalty"]),
+    ],
+)
 def test_settings_are_checked_before_the_target_loads(tmp_path, capsys, argv, fragments):
     with unchanged(tmp_path):
         assert_refused(*run_cli(capsys, "generate", "--target", "nothing", "--prompt", "hi", *argv), *fragments)
@@ -700,23 +771,28 @@ def llama_head_dir(folder: Path, target_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = AutoModelForCausalLM.from_pretrained(target_dir)
-    head = build_head(make_config("medusa1", target, AutoTokenizer.from_pretrained(target_dir), name=target_dir.name,
-                                  num_heads=2), target)
+    head = build_head(make_config("medusa1", target, AutoTokenizer.from_pretrained(target_dir), name=target_dir.name, num_heads=2), target)
     return head.save_pretrained(folder)
 
 
-@pytest.mark.parametrize("drafting,fragments", [
-    ({"lookup_nodes": -1}, ["lookup_nodes must be a whole number >= 0", "got -1"]),
-    ({"lookup_streak": "8"}, ["lookup_streak must be a whole number", "got '8'"]),
-    ({"num_draft": 0}, ["num_draft must be a whole number >= 1"]),
-    ([1, 2], ["holds a JSON list, not an object"]),
-])
+@pytest.mark.parametrize(
+    "drafting,fragments",
+    [
+        ({"lookup_nodes": -1}, ["lookup_nodes must be a whole number >= 0", "got -1"]),
+        ({"lookup_streak": "8"}, ["lookup_streak must be a whole number", "got '8'"]),
+        ({"num_draft": 0}, ["num_draft must be a whole number >= 1"]),
+        ([1, 2], ["holds a JSON list, not an object"]),
+    ],
+)
 def test_bad_drafting_json_is_named(tmp_path, capsys, tiny_llama_dir, drafting, fragments):
     head = llama_head_dir(tmp_path / "head", tiny_llama_dir)
     (head / "drafting.json").write_text(json.dumps(drafting))
     with unchanged(tmp_path):
-        assert_refused(*run_cli(capsys, "generate", "--target", tiny_llama_dir, "--head", head, "--prompt", "hi",
-                                "--max-new-tokens", "2"), str(head / "drafting.json"), *fragments)
+        assert_refused(
+            *run_cli(capsys, "generate", "--target", tiny_llama_dir, "--head", head, "--prompt", "hi", "--max-new-tokens", "2"),
+            str(head / "drafting.json"),
+            *fragments,
+        )
 
 
 def test_keep_best_without_an_eval_split(tmp_path, capsys, tiny_llama_dir, isolated_cache):
@@ -728,8 +804,12 @@ def test_keep_best_without_an_eval_split(tmp_path, capsys, tiny_llama_dir, isola
     run = tmp_path / "run"
     no_eval = ["data.eval_fraction=0", "max_steps=1", "checkpoint_every=0"]
     with unchanged(chats):
-        assert_refused(*run_cli(capsys, *tiny_train(tiny_llama_dir, chats, run, *no_eval, "keep_best=tau_est")),
-                       "keep_best=tau_est needs held-out samples", "leave none for eval", "keep_best=none")
+        assert_refused(
+            *run_cli(capsys, *tiny_train(tiny_llama_dir, chats, run, *no_eval, "keep_best=tau_est")),
+            "keep_best=tau_est needs held-out samples",
+            "leave none for eval",
+            "keep_best=none",
+        )
     assert not run.exists()
     capsys.readouterr()
     assert cli.main([str(a) for a in tiny_train(tiny_llama_dir, chats, run, *no_eval)]) == 0
@@ -799,14 +879,35 @@ def test_disk_full_while_writing(tmp_path, capsys, full_disk, tiny_llama_dir, mo
         assert_disk_full(*run_cli(capsys, "data", "tiny-target", "--out", disk / "tiny"), disk)
         assert_disk_full(*run_cli(capsys, "export", head, "--format", "medusa", "--out", disk / "export"), disk)
         monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [regenerate.Answer("x" * 99, True)] * len(prompts))
-        assert_disk_full(*run_cli(capsys, "data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path",
-                                  chats, "--out", disk / "regen.jsonl", "--max-new-tokens", "2"), disk / "regen.jsonl")
+        assert_disk_full(
+            *run_cli(
+                capsys,
+                "data",
+                "regenerate",
+                "--target",
+                tiny_llama_dir,
+                "--source",
+                "json",
+                "--path",
+                chats,
+                "--out",
+                disk / "regen.jsonl",
+                "--max-new-tokens",
+                "2",
+            ),
+            disk / "regen.jsonl",
+        )
         disk = full_disk(4096)  # the capture's plan fits, its first shard does not
-        assert_disk_full(*run_cli(capsys, "data", "capture", "--config", "tiny-medusa1", f"target={tiny_llama_dir}",
-                                  f"data.path={chats}", "--out", disk / "features"), disk / "features")
+        assert_disk_full(
+            *run_cli(
+                capsys, "data", "capture", "--config", "tiny-medusa1", f"target={tiny_llama_dir}", f"data.path={chats}", "--out", disk / "features"
+            ),
+            disk / "features",
+        )
         disk = full_disk(16384)  # the run's config and log fit, its first checkpoint does not
-        assert_disk_full(*run_cli(capsys, *tiny_train(tiny_llama_dir, chats, disk / "run", "max_steps=1",
-                                                      "checkpoint_every=1")), disk / "run" / "checkpoints")
+        assert_disk_full(
+            *run_cli(capsys, *tiny_train(tiny_llama_dir, chats, disk / "run", "max_steps=1", "checkpoint_every=1")), disk / "run" / "checkpoints"
+        )
     assert not (disk / "run" / "final").exists()
 
 
@@ -825,8 +926,12 @@ def test_leftovers_of_killed_writes_are_removed(tmp_path, capsys, tiny_run):
     (features / "shard-00000.tmp").write_bytes(b"half")
     (features / ".index.json.x1y2.tmp").write_bytes(b"half")
     with unchanged(features / "shard-00000.safetensors"):
-        assert run_cli(capsys, "data", "capture", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}",
-                       "data.eval_size=1", "--out", features)[0] == 0
+        assert (
+            run_cli(
+                capsys, "data", "capture", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}", "data.eval_size=1", "--out", features
+            )[0]
+            == 0
+        )
     assert not list(features.glob("*.tmp"))
 
 
@@ -839,9 +944,6 @@ def test_paths_that_cannot_be_used(tmp_path, capsys, tiny_run):
     folder.mkdir()
     copied(chats, folder)
     with unchanged(tmp_path, run):
-        assert_refused(*run_cli(capsys, "export", run / "final", "--format", "medusa", "--out", note / "sub"),
-                       f"{note} is a file, not a folder")
-        assert_refused(*run_cli(capsys, "data", "inspect", "--source", "file", "--path", folder),
-                       str(folder), "save_to_disk", "join them into one")
-        assert_refused(*run_cli(capsys, "export", run, "--format", "medusa", "--out", tmp_path / "x"),
-                       "a training run's folder", str(run / "final"))
+        assert_refused(*run_cli(capsys, "export", run / "final", "--format", "medusa", "--out", note / "sub"), f"{note} is a file, not a folder")
+        assert_refused(*run_cli(capsys, "data", "inspect", "--source", "file", "--path", folder), str(folder), "save_to_disk", "join them into one")
+        assert_refused(*run_cli(capsys, "export", run, "--format", "medusa", "--out", tmp_path / "x"), "a training run's folder", str(run / "final"))

@@ -1,5 +1,6 @@
 """Replayed greedy rounds (inference/bench/replay.py) against the engine's own: the same accepted
 lengths, round for round, for trained heads of three drafter families and for prompt lookup."""
+
 import pytest
 import torch
 
@@ -29,8 +30,7 @@ def trained_drafter_factory(kind: str, target):
         head = build_head(make_config(kind, target, None, name="tiny", block_size=4, mask_token_id=95), target)
         head = train_head(head, self_generated_batch(target))
         return lambda: DFlashDrafter(head)
-    head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target,
-                      token_counts=torch.ones(96, dtype=torch.long))
+    head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target, token_counts=torch.ones(96, dtype=torch.long))
     head = train_head(head, self_generated_batch(target))
     return lambda: make_drafter(head)
 
@@ -64,7 +64,7 @@ class ChainOf(DrafterBase):
 
     def propose(self) -> DraftTree:
         n = self.history.shape[1]
-        chain = (self.truth[0, n: n + self.k] + self.offset) % 96
+        chain = (self.truth[0, n : n + self.k] + self.offset) % 96
         tokens = torch.cat([self.history[0, -1:], chain])[None]
         return DraftTree(tokens, torch.arange(-1, chain.numel()))
 
@@ -101,8 +101,9 @@ def test_tokens_past_end_are_the_targets_next_greedy_tokens_eos_or_not():
 
 def test_replay_refuses_bad_input():
     target = tiny_causal_lm("llama", layers=2)
-    head = build_head(make_config("eagle3", target, None, name="tiny", **KINDS["eagle3"]), target,
-                      token_counts=torch.ones(96, dtype=torch.long)).eval()
+    head = build_head(
+        make_config("eagle3", target, None, name="tiny", **KINDS["eagle3"]), target, token_counts=torch.ones(96, dtype=torch.long)
+    ).eval()
     sequence = repetitive_prompt(96, seed=1)
     with pytest.raises(ValueError, match="reads target features"):
         replay_greedy(make_drafter(head), sequence, 4)

@@ -2,6 +2,7 @@
 (train/best.py): a run on a tiny target logs the engine's chain and tree tau at every eval, the
 figures are the engine drafter's on the saved head, and keep_best keeps the step that scored
 highest, across a resume too."""
+
 from __future__ import annotations
 
 import json
@@ -39,13 +40,24 @@ def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it
 
     tok = tiny_tokenizer()
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 40)
-    cfg = TrainConfig.from_dict(dict(
-        target="tiny", head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, report_to="none",
-        output_dir=str(tmp_path / "run"),
-        data={"source": "json", "path": str(chats), "max_length": 64, "eval_fraction": 0.1, "eval_size": 4},
-        replay={"sequences": 3, "max_new_tokens": 12, "chain": 2}, keep_best="replay_tau",
-        batch_size=4, max_steps=6, eval_every=3, checkpoint_every=0, log_every=3, lr=1e-2, warmup_steps=1,
-    ))
+    cfg = TrainConfig.from_dict(
+        dict(
+            target="tiny",
+            head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2},
+            report_to="none",
+            output_dir=str(tmp_path / "run"),
+            data={"source": "json", "path": str(chats), "max_length": 64, "eval_fraction": 0.1, "eval_size": 4},
+            replay={"sequences": 3, "max_new_tokens": 12, "chain": 2},
+            keep_best="replay_tau",
+            batch_size=4,
+            max_steps=6,
+            eval_every=3,
+            checkpoint_every=0,
+            log_every=3,
+            lr=1e-2,
+            warmup_steps=1,
+        )
+    )
     target = tiny_target(tok)
     trainer = build_trainer(cfg, target, tok, target_name="tiny")
     result = trainer.fit(progress=False)
@@ -80,8 +92,13 @@ def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it
 
 def test_eval_records_keep_the_last_line_of_a_repeated_step_and_no_plot_without_evals(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    lines = [{"step": 2, "split": "eval", "tau_est": 1.1}, {"step": 2, "split": "train", "loss": 3.0},
-             {"event": "resume"}, {"step": 2, "split": "eval", "tau_est": 1.2}, {"step": 1, "split": "eval", "tau_est": 1.0}]
+    lines = [
+        {"step": 2, "split": "eval", "tau_est": 1.1},
+        {"step": 2, "split": "train", "loss": 3.0},
+        {"event": "resume"},
+        {"step": 2, "split": "eval", "tau_est": 1.2},
+        {"step": 1, "split": "eval", "tau_est": 1.0},
+    ]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert [(r["step"], r["tau_est"]) for r in eval_records(metrics)] == [(1, 1.0), (2, 1.2)]
     metrics.write_text(json.dumps(lines[1]) + "\n")
@@ -94,11 +111,17 @@ def test_a_chain_deeper_than_the_head_drafts_fails_before_training(tmp_path, iso
     from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
-    cfg = TrainConfig.from_dict(dict(
-        target="tiny", head={"kind": "medusa1", "num_heads": 2}, report_to="none", output_dir=str(tmp_path / "run"),
-        data={"source": "json", "path": str(write_tiny_jsonl(tmp_path / "chats.jsonl", 20)), "max_length": 64,
-              "eval_fraction": 0.1}, replay={"sequences": 2, "chain": 3}, max_steps=2,
-    ))
+    cfg = TrainConfig.from_dict(
+        dict(
+            target="tiny",
+            head={"kind": "medusa1", "num_heads": 2},
+            report_to="none",
+            output_dir=str(tmp_path / "run"),
+            data={"source": "json", "path": str(write_tiny_jsonl(tmp_path / "chats.jsonl", 20)), "max_length": 64, "eval_fraction": 0.1},
+            replay={"sequences": 2, "chain": 3},
+            max_steps=2,
+        )
+    )
     with pytest.raises(ConfigError, match="replay: tree depth 3 exceeds the 2 Medusa heads"):
         build_trainer(cfg, tiny_target(tok), tok)
 
@@ -120,8 +143,7 @@ def test_keep_best_keeps_the_step_with_the_highest_replayed_tau_across_a_resume(
     data = TrainData(train=samples[:40], eval=samples[40:])
 
     def trainer(replay):
-        cfg = config(tmp_path, max_steps=40, eval_every=10, checkpoint_every=10, keep_best="replay_tau",
-                     replay={"sequences": 1})
+        cfg = config(tmp_path, max_steps=40, eval_every=10, checkpoint_every=10, keep_best="replay_tau", replay={"sequences": 1})
         torch.manual_seed(0)
         return Trainer(cfg, DummyHead(), data, replay=replay)
 

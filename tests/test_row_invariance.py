@@ -10,6 +10,7 @@ batch, so bf16 speculative output equals our bf16 plain decoding token for token
     equals plain decoding through the same kernels at batch 1 and 3;
   * what it cannot run (attention sinks, the llama.cpp backend, a compiled forward) is refused.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -41,7 +42,7 @@ def test_panel_linears_give_a_row_the_same_bits_alone_and_among_17(dtype):
     x = torch.randn(17, 48).to(dtype)
     with torch.no_grad(), panel_linears(model):
         together = model(x)
-        alone = torch.cat([model(x[i:i + 1]) for i in range(17)])
+        alone = torch.cat([model(x[i : i + 1]) for i in range(17)])
     assert torch.equal(together, alone)
     assert all(type(m) is nn.Linear for m in model)  # the model's own layers are back
 
@@ -68,8 +69,15 @@ def test_attention_gives_a_row_the_same_bits_alone_and_among_17(softcap):
         for i in range(Tq):
             keys = seen[b, i].nonzero().squeeze(1)
             n = len(keys)
-            alone, _ = row_invariant_attention(module, q[b:b + 1, :, i:i + 1], k[b:b + 1, :, keys], v[b:b + 1, :, keys],
-                                               tree_mask(torch.ones(1, 1, n, dtype=torch.bool)), scaling=0.3, softcap=softcap)
+            alone, _ = row_invariant_attention(
+                module,
+                q[b : b + 1, :, i : i + 1],
+                k[b : b + 1, :, keys],
+                v[b : b + 1, :, keys],
+                tree_mask(torch.ones(1, 1, n, dtype=torch.bool)),
+                scaling=0.3,
+                softcap=softcap,
+            )
             assert torch.equal(together[b, i], alone[0, 0]), (b, i)
 
 
@@ -167,8 +175,25 @@ def test_bench_with_row_invariance_compares_against_our_plain_decoding(tmp_path,
     prompts.write_text("".join(json.dumps({"prompt": f"say {w} {w} {w} again"}) + "\n" for w in ("a", "bb", "ccc")))
     for extra in ([], ["--batch-size", "2"]):
         out = tmp_path / f"report{len(extra)}.json"
-        argv = ["bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--dtype", "bfloat16", "--threads", "1",
-                "--proposer", "prompt-lookup", "--max-new-tokens", "12", "--no-progress", "--row-invariant", "--out", str(out)]
+        argv = [
+            "bench",
+            "--target",
+            str(tiny_llama_dir),
+            "--dataset",
+            str(prompts),
+            "--dtype",
+            "bfloat16",
+            "--threads",
+            "1",
+            "--proposer",
+            "prompt-lookup",
+            "--max-new-tokens",
+            "12",
+            "--no-progress",
+            "--row-invariant",
+            "--out",
+            str(out),
+        ]
         assert cli.main(argv + extra) == 0, capsys.readouterr().err
         report = json.loads(out.read_text())
         assert report["settings"]["row_invariant"] is True

@@ -1,5 +1,6 @@
 """Logit processing equals transformers' own processors (so "the target's distribution" means
 what `generate(do_sample=True)` samples from)."""
+
 import pytest
 import torch
 from transformers.generation.logits_process import (

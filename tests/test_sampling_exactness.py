@@ -47,8 +47,7 @@ def test_deterministic_lookup_tree_sampling_is_exact():
 
 # (kind, sampling, lm_head scale): tiny_causal_lm's sharp logits (MIN_DEEP); for the penalty, also a
 # strong penalty, so that the law without it is far off (p ~ 1e-21 when checked)
-HEAD_CASES = [("eagle3", SamplingConfig(temperature=0.9), 1.0),
-              ("eagle31", SamplingConfig(temperature=1.0, repetition_penalty=3.0), 1.0)]
+HEAD_CASES = [("eagle3", SamplingConfig(temperature=0.9), 1.0), ("eagle31", SamplingConfig(temperature=1.0, repetition_penalty=3.0), 1.0)]
 
 
 @pytest.mark.parametrize("kind, sampling, lm_scale", HEAD_CASES)
@@ -70,8 +69,7 @@ def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
 @pytest.mark.parametrize("case", ["medusa1", "medusa2", "eagle1", "merged", "policy"])
 def test_every_drafter_keeps_the_targets_law_at_depth_two(case):
     target, drafter, policy_of = steered_case(case)
-    assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9),
-                            copies=50, policy_of=policy_of)
+    assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9), copies=50, policy_of=policy_of)
     if policy_of is not None:
         decisions = policy_of().decisions
         assert any(d > 1 for d in decisions), decisions  # rounds whose trees the policy cut to its node count

@@ -6,6 +6,7 @@ line, exit 2, answers already received kept) and a SIGKILLed run resumed.
 
 A real server (llama.cpp's llama-server) is tests/test_llamacpp_server.py, marked `llamacpp`.
 """
+
 from __future__ import annotations
 
 import json
@@ -115,8 +116,12 @@ class StubServer:
             choice["logprobs"] = {"content": [{"id": t, "token": self.tok.decode([t]), "logprob": 0.0} for t in served]}
         prompt = render_chat(self.tok, body["messages"], add_generation_prompt=True)
         prompt_tokens = len(self.tok(prompt, add_special_tokens=False)["input_ids"]) + self.prompt_offset
-        return {"object": "chat.completion", "model": self.model, "choices": [choice],
-                "usage": {"completion_tokens": len(served), "prompt_tokens": prompt_tokens}}
+        return {
+            "object": "chat.completion",
+            "model": self.model,
+            "choices": [choice],
+            "usage": {"completion_tokens": len(served), "prompt_tokens": prompt_tokens},
+        }
 
     def __enter__(self):
         threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
@@ -150,8 +155,7 @@ def records(path: Path) -> list[dict]:
 
 
 def test_root_url_takes_the_usual_spellings():
-    assert {root_url(u) for u in ("127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1/")} == {
-        "http://127.0.0.1:8000"}
+    assert {root_url(u) for u in ("127.0.0.1:8000", "http://127.0.0.1:8000/", "http://127.0.0.1:8000/v1/")} == {"http://127.0.0.1:8000"}
 
 
 @pytest.mark.parametrize("form", ["vllm", "llama"])
@@ -210,8 +214,7 @@ def test_reasoning_is_kept_or_stripped(tmp_path, tiny_tokenizer, form, reasoning
     out = tmp_path / "regen.jsonl"
     with StubServer(tiny_tokenizer, ids=form) as server:
         server.reasoning = True
-        report, _ = regenerate_from_servers(tiny_tokenizer, conversations(1), out, SETTINGS,
-                                            fast(server.url, reasoning=reasoning), progress=False)
+        report, _ = regenerate_from_servers(tiny_tokenizer, conversations(1), out, SETTINGS, fast(server.url, reasoning=reasoning), progress=False)
     answer = records(out)[0]["messages"][-1]
     if reasoning == "strip":
         assert answer == {"role": "assistant", "content": "question 0 turn 0"} and report.answers_without_ids == 1
@@ -224,8 +227,7 @@ def test_reasoning_is_kept_or_stripped(tmp_path, tiny_tokenizer, form, reasoning
 def test_several_servers_share_the_work_with_bounded_concurrency(tmp_path, tiny_tokenizer):
     out = tmp_path / "regen.jsonl"
     with StubServer(tiny_tokenizer, delay=0.05) as a, StubServer(tiny_tokenizer, delay=0.05) as b:
-        report, _ = regenerate_from_servers(tiny_tokenizer, conversations(16), out, SETTINGS,
-                                            fast(a.url, b.url, concurrency=3), progress=False)
+        report, _ = regenerate_from_servers(tiny_tokenizer, conversations(16), out, SETTINGS, fast(a.url, b.url, concurrency=3), progress=False)
     assert report.written == 16 and len(a.asked) + len(b.asked) == 16
     assert a.asked and b.asked
     assert 2 <= a.most_in_flight <= 3 and 2 <= b.most_in_flight <= 3
@@ -235,8 +237,9 @@ def test_several_servers_share_the_work_with_bounded_concurrency(tmp_path, tiny_
 def test_failed_requests_are_retried(tmp_path, tiny_tokenizer):
     with StubServer(tiny_tokenizer) as server:
         server.statuses = [503, 429]  # the first two requests of the run (the models list is a GET)
-        report, _ = regenerate_from_servers(tiny_tokenizer, conversations(3), tmp_path / "r.jsonl", SETTINGS,
-                                            fast(server.url, concurrency=1), progress=False)
+        report, _ = regenerate_from_servers(
+            tiny_tokenizer, conversations(3), tmp_path / "r.jsonl", SETTINGS, fast(server.url, concurrency=1), progress=False
+        )
     assert report.written == 3 and len(server.asked) == 3
 
 
@@ -245,24 +248,25 @@ def test_a_4xx_stops_the_run_and_keeps_what_was_answered(tmp_path, tiny_tokenize
     with StubServer(tiny_tokenizer) as server:
         server.fail_user = {"question 3 turn 0": 400}
         with pytest.raises(ServerError, match="HTTP 400: stub says 400"):
-            regenerate_from_servers(tiny_tokenizer, conversations(6), out, SETTINGS, fast(server.url, concurrency=1),
-                                    progress=False)
+            regenerate_from_servers(tiny_tokenizer, conversations(6), out, SETTINGS, fast(server.url, concurrency=1), progress=False)
         assert done_ids(out) == {"c0", "c1", "c2"}  # one worker: those before the refused one, none after
         server.fail_user = {}
-        report, _ = regenerate_from_servers(tiny_tokenizer, conversations(6), out, SETTINGS, fast(server.url),
-                                            progress=False)
+        report, _ = regenerate_from_servers(tiny_tokenizer, conversations(6), out, SETTINGS, fast(server.url), progress=False)
     assert report.already_done == 3 and report.written == 3
     assert sorted(server.asked) == sorted(f"question {i} turn 0" for i in range(6))  # none asked twice
 
 
-@pytest.mark.parametrize("case, match", [
-    ("down", "no answer"),
-    ("5xx", "HTTP 500: stub says 500 (after 3 tries)"),
-    ("model", f"serves {MODEL}, not other"),
-    ("malformed", "not a chat completion"),
-    ("not-json", "the reply is not JSON"),
-    ("tokenizer", "holds another tokenizer"),
-])
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("down", "no answer"),
+        ("5xx", "HTTP 500: stub says 500 (after 3 tries)"),
+        ("model", f"serves {MODEL}, not other"),
+        ("malformed", "not a chat completion"),
+        ("not-json", "the reply is not JSON"),
+        ("tokenizer", "holds another tokenizer"),
+    ],
+)
 def test_each_server_error_is_one_line_and_exit_2(tmp_path, capsys, tiny_tokenizer, tiny_llama_dir, case, match):
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(c) + "\n" for c in conversations(4)))
@@ -281,8 +285,26 @@ def test_each_server_error_is_one_line_and_exit_2(tmp_path, capsys, tiny_tokeniz
             server.bodies = {"question 2 turn 0": b"<html>bad gateway</html>"}
         elif case == "tokenizer":  # ids of another vocabulary: ours decodes them to other text
             server.answers = {"question 2 turn 0": ([i + 7 for i in tiny_tokenizer.encode("ok x")], "stop", "ok x")}
-        code, err = run_cli(capsys, "data", "regenerate", "--target", tiny_llama_dir, "--source", "json", "--path", chats,
-                            "--out", out, "--server", url, "--concurrency", "1", "--retries", "2", *extra)
+        code, err = run_cli(
+            capsys,
+            "data",
+            "regenerate",
+            "--target",
+            tiny_llama_dir,
+            "--source",
+            "json",
+            "--path",
+            chats,
+            "--out",
+            out,
+            "--server",
+            url,
+            "--concurrency",
+            "1",
+            "--retries",
+            "2",
+            *extra,
+        )
     assert_failed_late(code, err, match)  # after the data is read: a fault met at the first request
     if case in ("5xx", "malformed", "not-json", "tokenizer"):
         assert done_ids(out) == {"c0", "c1"}  # what came before the failure is kept
@@ -295,8 +317,23 @@ def test_a_sigkilled_run_resumes_with_nothing_lost_or_asked_twice(tmp_path, tiny
     chats = tmp_path / "chats.jsonl"
     chats.write_text("".join(json.dumps(c) + "\n" for c in conversations(n)))
     out = tmp_path / "regen.jsonl"
-    argv = [sys.executable, "-m", "drafthead", "data", "regenerate", "--target", str(tiny_llama_dir), "--source", "json",
-            "--path", str(chats), "--out", str(out), "--concurrency", "2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "drafthead",
+        "data",
+        "regenerate",
+        "--target",
+        str(tiny_llama_dir),
+        "--source",
+        "json",
+        "--path",
+        str(chats),
+        "--out",
+        str(out),
+        "--concurrency",
+        "2",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with StubServer(tiny_tokenizer, delay=0.1) as server:
         proc = subprocess.Popen(argv + ["--server", server.url], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -343,8 +380,15 @@ def test_a_parting_is_measured_by_our_targets_logit_gap(tiny_tokenizer):
     ours_ids, theirs_ids = [40, 41, 42, 43], [40, 41, 50, 43]
 
     def record(ids, second):
-        return {"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x", "token_ids": ids},
-                                        {"role": "user", "content": "r"}, {"role": "assistant", "content": "y", "token_ids": second}]}
+        return {
+            "id": "a",
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "x", "token_ids": ids},
+                {"role": "user", "content": "r"},
+                {"role": "assistant", "content": "y", "token_ids": second},
+            ],
+        }
 
     same = {"id": "b", "messages": [{"role": "user", "content": "s"}, {"role": "assistant", "content": "z", "token_ids": [7]}]}
     result = compare_regenerations(model, tok, [record(ours_ids, [1]), same], [record(theirs_ids, [2]), same])

@@ -1,5 +1,6 @@
 """The head shipped for the default target: it loads, matches SmolLM2-135M's fingerprint, drafts
 trees whose verified output is the target's own greedy output, and a damaged copy is refused."""
+
 import json
 import shutil
 
@@ -8,7 +9,7 @@ import torch
 
 from drafthead.drafters import default_head_path
 from drafthead.heads.identity import HeadTargetMismatch, identify_target
-from drafthead.heads.io import HeadFormatError
+from drafthead.heads.files import HeadFormatError
 from drafthead.inference.drafters.load import load_head_drafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.bench.prompts import encode_chat, load_prompts
@@ -50,7 +51,7 @@ def test_shipped_head_greedy_output_is_the_target_output(shipped, smollm2):
         ids = encode_chat(tok, prompt)
         ref = model.generate(ids, max_new_tokens=48, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
         result = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=48, eos_token_ids=eos))
-        assert result.new_tokens[0].tolist() == ref[0, ids.shape[1]:].tolist()
+        assert result.new_tokens[0].tolist() == ref[0, ids.shape[1] :].tolist()
         taus.append(result.tau)
     assert sum(taus) / len(taus) > 1.5  # a trained head, not noise
 

@@ -1,5 +1,6 @@
 """Conversation sources (ShareGPT salvage, both JSON forms, role mapping, drop counts, cache) and
 self-distillation regeneration (multi-turn feeding, resume, torn-line repair) with a stub model."""
+
 from __future__ import annotations
 
 import json
@@ -40,10 +41,19 @@ def test_truncated_array_is_salvaged_record_by_record(tmp_path):
 
 
 def test_both_forms_and_jsonl_normalise_to_messages(tmp_path):
-    openai = {"id": "o1", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"},
-                                       {"role": "assistant", "content": "a"}]}
-    share = {"id": "s1", "conversations": [{"from": "human", "value": "q2"}, {"from": "chatgpt", "value": "a2"},
-                                           {"from": "user", "value": "q3"}, {"from": "bard", "value": "a3"}]}
+    openai = {
+        "id": "o1",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+    }
+    share = {
+        "id": "s1",
+        "conversations": [
+            {"from": "human", "value": "q2"},
+            {"from": "chatgpt", "value": "a2"},
+            {"from": "user", "value": "q3"},
+            {"from": "bard", "value": "a3"},
+        ],
+    }
     (tmp_path / "a.json").write_text(json.dumps([openai, share]))
     (tmp_path / "a.jsonl").write_text(json.dumps(openai) + "\n" + json.dumps(share) + "\n")
     for name in ("a.json", "a.jsonl"):
@@ -56,16 +66,33 @@ def test_both_forms_and_jsonl_normalise_to_messages(tmp_path):
 
 
 def test_unknown_roles_and_invalid_conversations_are_counted():
-    ok, dropped, reason = normalize_record({"conversations": [{"from": "human", "value": "q"}, {"from": "narrator", "value": "x"},
-                                                              {"from": "gpt", "value": "a"}]})
+    ok, dropped, reason = normalize_record(
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "narrator", "value": "x"}, {"from": "gpt", "value": "a"}]}
+    )
     assert reason is None and [m["role"] for m in ok] == ["user", "assistant"] and dropped == {"unknown_role:narrator": 1}
     # dropping the unknown turn leaves two assistant turns in a row: the conversation is invalid
-    _, dropped, reason = normalize_record({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                                                        {"role": "tool", "content": "t"}, {"role": "assistant", "content": "b"}]})
+    _, dropped, reason = normalize_record(
+        {
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"},
+                {"role": "tool", "content": "t"},
+                {"role": "assistant", "content": "b"},
+            ]
+        }
+    )
     assert reason == "not_alternating" and dropped == {"unknown_role:tool": 1}
     # ShareGPT parts that start mid-answer lose the leading answer; a trailing question is cut
-    ok, dropped, reason = normalize_record({"conversations": [{"from": "gpt", "value": "tail"}, {"from": "human", "value": "q"},
-                                                              {"from": "gpt", "value": "a"}, {"from": "human", "value": "q2"}]})
+    ok, dropped, reason = normalize_record(
+        {
+            "conversations": [
+                {"from": "gpt", "value": "tail"},
+                {"from": "human", "value": "q"},
+                {"from": "gpt", "value": "a"},
+                {"from": "human", "value": "q2"},
+            ]
+        }
+    )
     assert reason is None and [m["content"] for m in ok] == ["q", "a"]
     assert dropped == {"leading_assistant": 1, "trailing_user": 1}
     assert normalize_record({"conversations": [{"from": "human", "value": "q"}]})[2] == "no_user_assistant_exchange"
@@ -73,8 +100,12 @@ def test_unknown_roles_and_invalid_conversations_are_counted():
 
 
 def test_report_counts_over_a_file(tmp_path):
-    records = [sharegpt_record(0), sharegpt_record(1, (("human", "q"), ("alien", "?"), ("gpt", "a"))),
-               sharegpt_record(2, (("gpt", "a"), ("gpt", "b"))), sharegpt_record(0)]  # r0 twice
+    records = [
+        sharegpt_record(0),
+        sharegpt_record(1, (("human", "q"), ("alien", "?"), ("gpt", "a"))),
+        sharegpt_record(2, (("gpt", "a"), ("gpt", "b"))),
+        sharegpt_record(0),
+    ]  # r0 twice
     (tmp_path / "c.json").write_text(json.dumps(records))
     ds, report = load_conversations("json", str(tmp_path / "c.json"), use_cache=False)
     assert len(ds) == 2 + 1  # r2 has no user turn
@@ -140,8 +171,15 @@ class StubTarget(torch.nn.Module):
 def test_regenerate_feeds_own_answers_and_resumes(tmp_path):
     tok = tiny_tokenizer()
     convs = [
-        {"id": "a", "messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "old"},
-                                 {"role": "user", "content": "two"}, {"role": "assistant", "content": "old"}]},
+        {
+            "id": "a",
+            "messages": [
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "two"},
+                {"role": "assistant", "content": "old"},
+            ],
+        },
         {"id": "b", "messages": [{"role": "user", "content": "three"}, {"role": "assistant", "content": "old"}]},
         {"id": "c", "messages": [{"role": "user", "content": "four"}, {"role": "assistant", "content": "old"}]},
     ]
@@ -191,11 +229,9 @@ def test_regenerate_keeps_the_targets_token_ids(tmp_path):
     assert tok.encode(tok.decode(split), add_special_tokens=False) != split
     cut = tok.encode("café", add_special_tokens=False)[:-1]
     plain = tok.encode("hello there", add_special_tokens=False)
-    convs = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "x"}]}
-             for i in range(3)]
+    convs = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "x"}]} for i in range(3)]
     out = tmp_path / "regen.jsonl"
-    report = regenerate(FixedAnswers(tok, [split, cut, plain]), tok, convs, out,
-                        RegenerateSettings(max_new_tokens=16, batch_size=1), progress=False)
+    report = regenerate(FixedAnswers(tok, [split, cut, plain]), tok, convs, out, RegenerateSettings(max_new_tokens=16, batch_size=1), progress=False)
     assert report.answers_with_ids == 3 and report.ids_retokenize_differ == 2 and report.answers_cut == 3
     answers = [json.loads(x)["messages"][1] for x in out.read_text().splitlines()]
     assert [a["token_ids"] for a in answers] == [split, cut, plain]
@@ -222,21 +258,29 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
     from tests.tiny import tiny_causal_lm
 
     tok = tiny_tokenizer()
-    target = tiny_causal_lm("llama", vocab=len(tok), layers=4, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id)
+    target = tiny_causal_lm(
+        "llama", vocab=len(tok), layers=4, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id
+    )
     if proposer.startswith("eagle3"):
         head = build_head(make_config("eagle3", target, tok, name="tiny"), target).eval()
         drafter = EagleDrafter(head, num_draft=8, depth=3, top_k=3)
     else:
         drafter = PromptLookupDrafter(length=4)
-    convs = [{"id": str(i), "messages": [{"role": "user", "content": text}, {"role": "assistant", "content": "x"},
-                                         {"role": "user", "content": "and then " * (i + 1)}]}
-             for i, text in enumerate(["hi", "tell me a story about a cat", "the the the the"])]
+    convs = [
+        {
+            "id": str(i),
+            "messages": [
+                {"role": "user", "content": text},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "and then " * (i + 1)},
+            ],
+        }
+        for i, text in enumerate(["hi", "tell me a story about a cat", "the the the the"])
+    ]
     plain, spec = tmp_path / "plain.jsonl", tmp_path / "spec.jsonl"
     regenerate(target, tok, convs, plain, RegenerateSettings(max_new_tokens=12, batch_size=1), progress=False)
     policy = SpeculationPolicy(lambda tokens: 1.0 + 0.05 * tokens, probe_every=2) if proposer.endswith("policy") else None
-    report = regenerate(target, tok, convs, spec, RegenerateSettings(max_new_tokens=12, batch_size=3), progress=False,
-                        drafter=drafter, policy=policy)
+    report = regenerate(target, tok, convs, spec, RegenerateSettings(max_new_tokens=12, batch_size=3), progress=False, drafter=drafter, policy=policy)
     assert report.written == 3 and report.turns_answered == 6
     assert spec.read_text() == plain.read_text()
     if policy is not None:

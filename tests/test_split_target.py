@@ -4,6 +4,7 @@ fp32 rounding: plain and packed rows, lengths the ranks do not divide, sliding w
 Gemma 3's alternating layers), attention sinks (gpt-oss), multi-head latent attention (DeepSeek-V3),
 M-RoPE positions (Qwen2.5-VL), and query chunks of a few rows. An EAGLE-3 loss on the split
 features equals the unsplit one; targets whose layers cannot be split are named."""
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,12 @@ LOSS_CASE = "mistral-window-packed-odd"
 
 def eagle3_head(target):
     torch.manual_seed(0)
-    return build_head(make_config("eagle3", target, None, name="tiny", ttt_steps=HALO, draft_layer="target"), target,
-                      token_counts=torch.arange(V), dtype=torch.float32).train()
+    return build_head(
+        make_config("eagle3", target, None, name="tiny", ttt_steps=HALO, draft_layer="target"),
+        target,
+        token_counts=torch.arange(V),
+        dtype=torch.float32,
+    ).train()
 
 
 def target_and_batch(family: str, packed: bool, lengths):
@@ -63,13 +68,13 @@ def worker(rank: int, size: int, port: int, out: str) -> None:
         for case, (family, packed, lengths, budget) in CASES.items():
             split_target.CHUNK_BYTES = budget or (64 << 20)
             target, batch = target_and_batch(family, packed, lengths)
-            results[case] = split_target_features(target, batch.input_ids, batch.attention_mask, LAYERS, ContextSplit(rank, size),
-                                                  batch.position_ids, final=FINAL, halo=HALO)
+            results[case] = split_target_features(
+                target, batch.input_ids, batch.attention_mask, LAYERS, ContextSplit(rank, size), batch.position_ids, final=FINAL, halo=HALO
+            )
         target, batch = target_and_batch(*CASES[LOSS_CASE][:3])
         head = eagle3_head(target)
         head.context_split = ContextSplit(rank, size)
-        local = FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, results[LOSS_CASE], batch.position_ids,
-                             split_columns=True)
+        local = FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, results[LOSS_CASE], batch.position_ids, split_columns=True)
         loss, grads = loss_and_grads(head, local)
         dist.all_reduce(loss)
         for g in grads.values():
@@ -97,7 +102,7 @@ def test_each_rank_gets_the_unsplit_states_of_its_columns(case, split_runs):
     for rank, got in enumerate(split_runs):
         for layer in LAYERS:
             width = S + (HALO if layer == FINAL else 0)
-            want = torch.nn.functional.pad(whole[layer], (0, 0, 0, 2 * S + HALO - T))[:, rank * S: rank * S + width]
+            want = torch.nn.functional.pad(whole[layer], (0, 0, 0, 2 * S + HALO - T))[:, rank * S : rank * S + width]
             assert got[case][layer].shape == want.shape, (layer, got[case][layer].shape, want.shape)
             torch.testing.assert_close(got[case][layer], want, rtol=1e-4, atol=1e-5, msg=f"{case} rank {rank} layer {layer}")
 

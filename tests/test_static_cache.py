@@ -2,6 +2,7 @@
 "Static cache"): the same tokens as plain greedy decoding, at batch 1 and with ragged rows, and
 a compiled graph reused across rounds and generations instead of recompiled. (The cache's
 per-node logits over rounds: tests/test_batch.py::test_ragged_cache_matches_recomputation.)"""
+
 import pytest
 import torch
 from torch._dynamo.utils import counters

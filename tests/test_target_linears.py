@@ -1,5 +1,6 @@
 """The target's linears dispatched by row count inside the engine (inference/kernels/target_linears.py),
 and the panel kernel it can dispatch to (inference/kernels/panel_kernel.py)."""
+
 import pytest
 import torch
 from torch import nn
@@ -8,8 +9,7 @@ from drafthead.inference.kernels import panel_kernel, target_linears
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
-from drafthead.inference.kernels.target_linears import (ROW_BUCKETS, RowDispatchLinear, engine_linears, fastest, fits_in_memory,
-                                                 kernel_for_rows)
+from drafthead.inference.kernels.target_linears import ROW_BUCKETS, RowDispatchLinear, engine_linears, fastest, fits_in_memory, kernel_for_rows
 from tests.tiny import left_padded, prompts_of
 from tests.tiny import FAMILIES, plain_greedy, repetitive_prompt, tiny_causal_lm
 from tests.forced_kernels import force_kernel
@@ -21,8 +21,22 @@ TREE = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)]
 def test_the_smallest_bucket_at_or_above_the_row_count_decides():
     choices = ("plain", "plain", "packed", "panel", "panel", "plain", "plain", "packed", "panel", "packed")  # 1, 2, 4, ... 512
     assert [kernel_for_rows(r, choices) for r in (1, 2, 3, 4, 5, 16, 17, 33, 64, 65, 128, 129, 256, 257, 512)] == [
-        "plain", "plain", "packed", "packed", "panel", "panel", "plain", "plain", "plain", "packed", "packed",
-        "panel", "panel", "packed", "packed"]
+        "plain",
+        "plain",
+        "packed",
+        "packed",
+        "panel",
+        "panel",
+        "plain",
+        "plain",
+        "plain",
+        "packed",
+        "packed",
+        "panel",
+        "panel",
+        "packed",
+        "packed",
+    ]
     assert ROW_BUCKETS[-1] == 512 and kernel_for_rows(513, choices) == "plain"  # past the last bucket: MKL's regime
     assert kernel_for_rows(4000, ("panel",) * len(ROW_BUCKETS)) == "plain"
 
@@ -115,8 +129,7 @@ def test_greedy_with_each_kernel_for_the_target_linears_equals_plain_greedy(fami
     # and at batch 3, prompts of different lengths: every row is its prompt's own plain output
     prompts = prompts_of((4, 11, 19), seed=3)
     ids, mask = left_padded(prompts)
-    batched = speculative_generate(target, DraftModelDrafter(target, choices=TREE), ids,
-                                   GenerationConfig(max_new_tokens=24), attention_mask=mask)
+    batched = speculative_generate(target, DraftModelDrafter(target, choices=TREE), ids, GenerationConfig(max_new_tokens=24), attention_mask=mask)
     assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 24) for p in prompts]
 
 
@@ -179,7 +192,7 @@ def test_panel_linear_equals_a_float64_matmul(out_features, in_features, bias, w
         want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
         scale = want.abs().max().item()
         # fp32 sums (1e-6 of the largest output); a bf16 input's output is rounded to bf16 once
-        tol = 1e-6 if x_dtype == torch.float32 else 2 ** -8
+        tol = 1e-6 if x_dtype == torch.float32 else 2**-8
         assert (got.double() - want).abs().max().item() <= tol * scale, rows
 
 

@@ -1,4 +1,5 @@
 """Target loading: local folders, built-in names with their dequantized cache, errors, EOS ids."""
+
 from __future__ import annotations
 
 import json

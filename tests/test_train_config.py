@@ -1,4 +1,5 @@
 """Run configs: typed dataclasses, YAML presets, key=value overrides, unknown keys rejected."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,8 +38,19 @@ def test_unknown_keys_name_the_key_and_the_valid_ones():
 
 
 def test_overrides_types_and_nesting(tmp_path):
-    cfg = load_config(None, ["lr=1e-3", "data.limit=7", "head={kind: eagle3, ttt_steps: 3}", "betas=[0.8, 0.9]",
-                             "max_steps=5", "clip_norm=null", "report_to=none", "lora.target_modules=[q_proj]"])
+    cfg = load_config(
+        None,
+        [
+            "lr=1e-3",
+            "data.limit=7",
+            "head={kind: eagle3, ttt_steps: 3}",
+            "betas=[0.8, 0.9]",
+            "max_steps=5",
+            "clip_norm=null",
+            "report_to=none",
+            "lora.target_modules=[q_proj]",
+        ],
+    )
     assert cfg.lr == 1e-3 and isinstance(cfg.lr, float)  # YAML reads 1e-3 as a string; coerced
     assert cfg.data.limit == 7 and cfg.head == {"kind": "eagle3", "ttt_steps": 3}
     assert cfg.betas == [0.8, 0.9] and cfg.clip_norm is None and cfg.lora.target_modules == ["q_proj"]
@@ -50,10 +62,15 @@ def test_overrides_types_and_nesting(tmp_path):
     assert cfg.head == {"kind": "medusa1", "num_heads": 5} and cfg.data.limit == 3 and cfg.data.max_length == 64
     base = {"a": {"b": 1}}
     assert apply_overrides(base, ["a.b=2"]) == {"a": {"b": 2}} and base == {"a": {"b": 1}}
-    for bad, pattern in [(["lr=fast"], "lr must be a number"), (["schedule=step"], "schedule must be one of"),
-                         (["batch_size=0"], "batch_size must be >= 1"), (["features.mode=captured"], "needs features.path"),
-                         (["data=3"], "data must be a mapping"), (["noequals"], "not key=value"),
-                         (["max_steps=null", "epochs=null"], "max_steps or epochs")]:
+    for bad, pattern in [
+        (["lr=fast"], "lr must be a number"),
+        (["schedule=step"], "schedule must be one of"),
+        (["batch_size=0"], "batch_size must be >= 1"),
+        (["features.mode=captured"], "needs features.path"),
+        (["data=3"], "data must be a mapping"),
+        (["noequals"], "not key=value"),
+        (["max_steps=null", "epochs=null"], "max_steps or epochs"),
+    ]:
         with pytest.raises(ConfigError, match=pattern):
             load_config(None, bad)
 
@@ -79,11 +96,13 @@ def test_smollm2_presets_mirror_the_dataclasses(name):
 
 
 def test_replay_and_keep_best_are_checked():
-    for bad, pattern in [(["replay.sequences=-1"], "replay.sequences must be >= 0"),
-                         (["replay.chain=0"], "replay.chain must be >= 1"),
-                         (["keep_best=acc_0"], "keep_best must be one of none, tau_est, replay_tau"),
-                         (["keep_best=replay_tau"], "needs replay.sequences > 0"),
-                         (["replay.sequences=4", "head.kind=medusa2"], "not supported for medusa2")]:
+    for bad, pattern in [
+        (["replay.sequences=-1"], "replay.sequences must be >= 0"),
+        (["replay.chain=0"], "replay.chain must be >= 1"),
+        (["keep_best=acc_0"], "keep_best must be one of none, tau_est, replay_tau"),
+        (["keep_best=replay_tau"], "needs replay.sequences > 0"),
+        (["replay.sequences=4", "head.kind=medusa2"], "not supported for medusa2"),
+    ]:
         with pytest.raises(ConfigError, match=pattern):
             load_config(None, bad)
     cfg = load_config("eagle3", ["keep_best=replay_tau"])

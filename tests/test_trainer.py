@@ -1,4 +1,5 @@
 """The trainer on a dummy head and random FeatureBatches (no target, no real head: docs/style.md 9)."""
+
 from __future__ import annotations
 
 import json
@@ -125,14 +126,21 @@ def test_refuses_to_overwrite_checkpoints_without_resume(tmp_path):
 # ---------------------------------------------------------------------------------------------- real heads
 
 
-@pytest.mark.parametrize("kind,extra", [("medusa1", {"num_heads": 2}), ("medusa2", {"num_heads": 2}),
-                                        ("hydra", {"num_heads": 2}), ("eagle1", {}),
-                                        ("eagle3", {"draft_vocab_size": 64, "ttt_steps": 2}),
-                                        ("eagle31", {"draft_vocab_size": 64, "ttt_steps": 2}),
-                                        ("peagle", {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": 0}),
-                                        ("dflash", {"block_size": 4, "mask_token_id": 3, "num_anchors": 8}),
-                                        ("dflash", {"block_size": 4, "mask_token_id": 3, "num_anchors": 8, "loss": "dpace"}),
-                                        ("dspark", {"block_size": 4, "mask_token_id": 3, "num_anchors": 8, "markov_rank": 16})])
+@pytest.mark.parametrize(
+    "kind,extra",
+    [
+        ("medusa1", {"num_heads": 2}),
+        ("medusa2", {"num_heads": 2}),
+        ("hydra", {"num_heads": 2}),
+        ("eagle1", {}),
+        ("eagle3", {"draft_vocab_size": 64, "ttt_steps": 2}),
+        ("eagle31", {"draft_vocab_size": 64, "ttt_steps": 2}),
+        ("peagle", {"draft_vocab_size": 64, "parallel_depth": 3, "mask_token_id": 0}),
+        ("dflash", {"block_size": 4, "mask_token_id": 3, "num_anchors": 8}),
+        ("dflash", {"block_size": 4, "mask_token_id": 3, "num_anchors": 8, "loss": "dpace"}),
+        ("dspark", {"block_size": 4, "mask_token_id": 3, "num_anchors": 8, "markov_rank": 16}),
+    ],
+)
 def test_real_heads_train_on_a_tiny_target(tmp_path, kind, extra, isolated_cache):
     """build_trainer end to end (chat data -> online features -> head) for every head kind: the
     loss falls, the final head reloads through heads.registry with the trained weights."""
@@ -142,11 +150,22 @@ def test_real_heads_train_on_a_tiny_target(tmp_path, kind, extra, isolated_cache
 
     tok = tiny_tokenizer()
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 60)
-    cfg = TrainConfig.from_dict(dict(
-        target="tiny", head={"kind": kind, **extra}, report_to="none", output_dir=str(tmp_path / "run"),
-        data={"source": "json", "path": str(chats), "max_length": 64, "eval_fraction": 0.1, "eval_size": 8},
-        batch_size=4, max_steps=16, eval_every=8, checkpoint_every=8, log_every=4, lr=1e-2, warmup_steps=1,
-    ))
+    cfg = TrainConfig.from_dict(
+        dict(
+            target="tiny",
+            head={"kind": kind, **extra},
+            report_to="none",
+            output_dir=str(tmp_path / "run"),
+            data={"source": "json", "path": str(chats), "max_length": 64, "eval_fraction": 0.1, "eval_size": 8},
+            batch_size=4,
+            max_steps=16,
+            eval_every=8,
+            checkpoint_every=8,
+            log_every=4,
+            lr=1e-2,
+            warmup_steps=1,
+        )
+    )
     trainer = build_trainer(cfg, tiny_target(tok), tok, target_name="tiny")
     result = trainer.fit(progress=False)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -193,11 +212,21 @@ def test_real_heads_train_in_bf16_autocast(tmp_path, kind, isolated_cache):
 
     tok = tiny_tokenizer()
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 24)
-    cfg = TrainConfig.from_dict(dict(
-        target="tiny", head={"kind": kind}, report_to="none", output_dir=str(tmp_path / "run"), mixed_precision="bf16",
-        data={"source": "json", "path": str(chats), "max_length": 48}, batch_size=4, max_steps=3, eval_every=3,
-        checkpoint_every=0, log_every=1,
-    ))
+    cfg = TrainConfig.from_dict(
+        dict(
+            target="tiny",
+            head={"kind": kind},
+            report_to="none",
+            output_dir=str(tmp_path / "run"),
+            mixed_precision="bf16",
+            data={"source": "json", "path": str(chats), "max_length": 48},
+            batch_size=4,
+            max_steps=3,
+            eval_every=3,
+            checkpoint_every=0,
+            log_every=1,
+        )
+    )
     trainer = build_trainer(cfg, tiny_target(tok), tok)
     result = trainer.fit(progress=False)
     assert all(p.dtype == torch.float32 for p in trainer.head.parameters())
@@ -217,17 +246,28 @@ def test_a_run_continues_from_a_saved_head_and_refuses_another_architecture(tmp_
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 24)
 
     def cfg(out: str, **kw) -> TrainConfig:
-        base = dict(target="tiny", head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, report_to="none",
-                    output_dir=str(tmp_path / out), data={"source": "json", "path": str(chats), "max_length": 48},
-                    batch_size=4, max_steps=3, eval_every=0, checkpoint_every=0, log_every=1, lr=1e-2)
+        base = dict(
+            target="tiny",
+            head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2},
+            report_to="none",
+            output_dir=str(tmp_path / out),
+            data={"source": "json", "path": str(chats), "max_length": 48},
+            batch_size=4,
+            max_steps=3,
+            eval_every=0,
+            checkpoint_every=0,
+            log_every=1,
+            lr=1e-2,
+        )
         return TrainConfig.from_dict({**base, **kw})
 
     first = build_trainer(cfg("first"), tiny_target(tok), tok).fit(progress=False)
     saved, _ = load_head(first.final_dir, tiny_target(tok), tok, dtype=torch.float32)
 
     bf16_target = tiny_target(tok).to(torch.bfloat16)
-    again = build_trainer(cfg("again", init_from=str(first.final_dir), head={"kind": "eagle3", "draft_vocab_size": 64,
-                                                                             "ttt_steps": 3}), bf16_target, tok)
+    again = build_trainer(
+        cfg("again", init_from=str(first.final_dir), head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 3}), bf16_target, tok
+    )
     assert again.head.config.ttt_steps == 3
     for (name, a), (_, b) in zip(again.head.state_dict().items(), saved.state_dict().items()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
@@ -236,8 +276,7 @@ def test_a_run_continues_from_a_saved_head_and_refuses_another_architecture(tmp_
         build_trainer(cfg("reseeded", init_from=str(first.final_dir), seed=1), tiny_target(tok), tok)
 
     with pytest.raises(ConfigError, match="draft_vocab_size: 32 != 64"):
-        build_trainer(cfg("other", init_from=str(first.final_dir), head={"kind": "eagle3", "draft_vocab_size": 32}),
-                      tiny_target(tok), tok)
+        build_trainer(cfg("other", init_from=str(first.final_dir), head={"kind": "eagle3", "draft_vocab_size": 32}), tiny_target(tok), tok)
     with pytest.raises(ConfigError, match="kind: eagle1 != eagle3"):
         build_trainer(cfg("kind", init_from=str(first.final_dir), head={"kind": "eagle1"}), tiny_target(tok), tok)
     with pytest.raises(ConfigError, match="not supported for medusa2"):
@@ -256,11 +295,21 @@ def test_streaming_run_reads_lazily_and_resumes_exactly(tmp_path, isolated_cache
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 30)
 
     def trainer(name):
-        cfg = TrainConfig.from_dict(dict(
-            target="tiny", head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2}, report_to="none",
-            output_dir=str(tmp_path / name), batch_size=4, max_steps=10, eval_every=5, checkpoint_every=4, log_every=1, lr=1e-2,
-            data={"source": "json", "path": str(chats), "max_length": 64, "eval_size": 6, "streaming": True, "shuffle_buffer": 8},
-        ))
+        cfg = TrainConfig.from_dict(
+            dict(
+                target="tiny",
+                head={"kind": "eagle3", "draft_vocab_size": 64, "ttt_steps": 2},
+                report_to="none",
+                output_dir=str(tmp_path / name),
+                batch_size=4,
+                max_steps=10,
+                eval_every=5,
+                checkpoint_every=4,
+                log_every=1,
+                lr=1e-2,
+                data={"source": "json", "path": str(chats), "max_length": 64, "eval_size": 6, "streaming": True, "shuffle_buffer": 8},
+            )
+        )
         return build_trainer(cfg, tiny_target(tok), tok, target_name="tiny")
 
     straight = trainer("straight")
@@ -275,8 +324,9 @@ def test_streaming_run_reads_lazily_and_resumes_exactly(tmp_path, isolated_cache
     for (name, a), (_, b) in zip(straight.head.state_dict().items(), resumed.head.state_dict().items()):
         assert torch.equal(a, b), name
     with pytest.raises(ConfigError, match="captured"):
-        TrainConfig.from_dict(dict(target="tiny", head={"kind": "eagle3"}, data={"streaming": True},
-                                   features={"mode": "captured", "path": str(tmp_path)}))
+        TrainConfig.from_dict(
+            dict(target="tiny", head={"kind": "eagle3"}, data={"streaming": True}, features={"mode": "captured", "path": str(tmp_path)})
+        )
 
 
 def test_auto_precision_follows_the_hardware():

@@ -1,4 +1,5 @@
 """Pure tree functions against slow, obviously-right references and hand-made trees."""
+
 import pytest
 import torch
 
@@ -87,6 +88,7 @@ def slow_batch_tree_mask(parents_per_row, prefix_lengths, past_len, window, chun
     n = max(len(p) for p in parents_per_row)
     allowed = torch.zeros(len(parents_per_row), n, past_len + n, dtype=torch.bool)
     for b, parents in enumerate(parents_per_row):
+
         def depth(i):
             return 0 if parents[i] < 0 else 1 + depth(parents[i])
 
@@ -111,8 +113,7 @@ def test_batch_tree_mask_matches_slow_twin(window, chunk):
     trees = [DraftTree(torch.zeros(1, k, dtype=torch.long), random_tree(k, seed)) for seed, k in enumerate((9, 4, 7))]
     batch = pad_trees(trees)
     lengths = [5, 11, 8]
-    mask = batch_tree_mask(batch.ancestors, batch.depths, torch.tensor(lengths), 11, torch.float32,
-                           sliding_window=window, chunk_size=chunk)
+    mask = batch_tree_mask(batch.ancestors, batch.depths, torch.tensor(lengths), 11, torch.float32, sliding_window=window, chunk_size=chunk)
     want = slow_batch_tree_mask([t.parents.tolist() for t in trees], lengths, 11, window, chunk)
     n = [t.num_nodes for t in trees]
     for b in range(3):  # padded query rows are not compared: their logits are never read

@@ -2,6 +2,7 @@
 mask it replaces (heads/eagle3.py ttt_attention_mask), in loss and gradients: one row or packed
 rows, GQA, a sliding window, one chunk or chunks of a few rows under checkpointing. And what it
 keeps for the backward grows linearly with the sequence, where the dense mask's grew with T^2."""
+
 from __future__ import annotations
 
 import pytest
@@ -17,7 +18,6 @@ from drafthead.train.features import collate
 from drafthead.train.packing import collate_packed
 from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
-
 
 
 def dense_unroll(self, fused, input_ids, steps, position_ids=None, split=None):

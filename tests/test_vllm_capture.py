@@ -5,6 +5,7 @@ masks, and per layer the same states up to two fp32 engines' rounding; the final
 unnormed last output through the target's final norm (inference/vllm/capture.py). Marked `vllm`
 (`make test-vllm`); the venv is $DRAFTHEAD_VLLM_VENV or the checkout's .venv-interop/vllm.
 """
+
 import json
 import time
 
@@ -17,8 +18,17 @@ pytestmark = pytest.mark.vllm
 
 
 def test_vllm_capture_equals_ours_per_layer(tmp_path, capsys):
-    common = ["data", "capture", "--config", "eagle3", "target_dtype=float32", "features.dtype=float32", "data.limit=6",
-              "data.max_length=192", "threads=2"]
+    common = [
+        "data",
+        "capture",
+        "--config",
+        "eagle3",
+        "target_dtype=float32",
+        "features.dtype=float32",
+        "data.limit=6",
+        "data.max_length=192",
+        "threads=2",
+    ]
     ours, theirs = tmp_path / "torch", tmp_path / "vllm"
     start = time.perf_counter()
     assert run_cli(capsys, *common, "--out", ours)[0] == 0

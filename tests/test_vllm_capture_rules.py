@@ -2,6 +2,7 @@
 our hidden-state indices as vLLM's aux-layer ids, one prompt's vLLM file as our features (the
 final state normed here, the others as they are), the venv looked up, and the child's protocol
 through a stub vLLM package, so the parent's side runs anywhere."""
+
 import json
 import sys
 import textwrap
@@ -43,14 +44,26 @@ def test_a_missing_venv_names_the_folder_and_the_fix(tmp_path, monkeypatch):
 
 
 def test_the_cli_says_a_missing_venv_in_one_line(tiny_target_dir, tmp_path, capsys):
-    code, err = run_cli(capsys, "data", "capture", "--config", "eagle3", f"target={tiny_target_dir()}",
-                        "data.limit=2", "--out", tmp_path / "out", "--backend", "vllm",
-                        "--vllm-venv", tmp_path / "no-venv")
+    code, err = run_cli(
+        capsys,
+        "data",
+        "capture",
+        "--config",
+        "eagle3",
+        f"target={tiny_target_dir()}",
+        "data.limit=2",
+        "--out",
+        tmp_path / "out",
+        "--backend",
+        "vllm",
+        "--vllm-venv",
+        tmp_path / "no-venv",
+    )
     assert_refused(code, err, "no vLLM venv there", "no-venv")
 
 
 STUB = {
-    "vllm/__init__.py": '''
+    "vllm/__init__.py": """
         import json, os
         from pathlib import Path
 
@@ -89,19 +102,19 @@ STUB = {
                     save_file({"hidden_states": hidden.contiguous().float(), "token_ids": ids}, path)
                     outs.append(_Out(path))
                 return outs
-        ''',
-    "vllm/inputs.py": '''
+        """,
+    "vllm/inputs.py": """
         def TokensPrompt(prompt_token_ids):
             return {"prompt_token_ids": prompt_token_ids}
-        ''',
-    "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py": '''
+        """,
+    "vllm/distributed/kv_transfer/kv_connector/v1/example_hidden_states_connector.py": """
         class ExampleHiddenStatesConnector:
             pass
 
 
         def extract_from_kv_cache(kv_cache, slot_mapping, num_tokens):
             raise AssertionError("the stub engine writes its files itself")
-        ''',
+        """,
 }
 
 
@@ -134,8 +147,12 @@ def stub_venv(tmp_path, monkeypatch):
         path = tmp_path / "stub" / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text))
-    for folder in ("vllm/distributed", "vllm/distributed/kv_transfer", "vllm/distributed/kv_transfer/kv_connector",
-                   "vllm/distributed/kv_transfer/kv_connector/v1"):
+    for folder in (
+        "vllm/distributed",
+        "vllm/distributed/kv_transfer",
+        "vllm/distributed/kv_transfer/kv_connector",
+        "vllm/distributed/kv_transfer/kv_connector/v1",
+    ):
         (tmp_path / "stub" / folder / "__init__.py").touch()
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
@@ -149,8 +166,7 @@ def test_batches_go_through_the_child_and_come_back_as_our_features(tmp_path, mo
     venv = stub_venv(tmp_path, monkeypatch)
     ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    with VllmTarget(tmp_path / "target", _Model(), dtype="float32", max_length=8, work=tmp_path / "work",
-                    venv=venv) as engine:
+    with VllmTarget(tmp_path / "target", _Model(), dtype="float32", max_length=8, work=tmp_path / "work", venv=venv) as engine:
         for _ in range(2):  # one engine, several batches
             features = engine.hidden_states(ids, mask, (1, 3))
         with pytest.raises(VllmError, match="started for layers"):
@@ -166,8 +182,7 @@ def test_batches_go_through_the_child_and_come_back_as_our_features(tmp_path, mo
 def test_a_failing_engine_is_one_line_naming_vllms_error_and_its_log(tmp_path, monkeypatch):
     venv = stub_venv(tmp_path, monkeypatch)
     monkeypatch.setenv("STUB_VLLM_FAILS", "1")
-    with VllmTarget(tmp_path / "target", _Model(), dtype="float32", max_length=8, work=tmp_path / "work",
-                    venv=venv) as engine:
+    with VllmTarget(tmp_path / "target", _Model(), dtype="float32", max_length=8, work=tmp_path / "work", venv=venv) as engine:
         with pytest.raises(VllmError, match=r"vLLM failed \(rc 1\): RuntimeError: stub engine refused the model") as e:
             engine.hidden_states(torch.tensor([[5]]), torch.tensor([[1]]), (1,))
     assert "\n" not in str(e.value) and str(engine.log) in str(e.value)

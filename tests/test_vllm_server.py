@@ -7,6 +7,7 @@ greedy answers token for token, or part only at a near-tie of our target's logit
 (train/regenerate_compare.py). A second server makes two-way data parallelism, and a rerun after
 the output was cut answers only what is missing. Marked `vllm` (`make test-vllm`, `make servers`).
 """
+
 import json
 
 import pytest

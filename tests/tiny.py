@@ -1,4 +1,5 @@
 """Tiny random causal LMs of several families, built in-process (docs/style.md 10)."""
+
 from __future__ import annotations
 
 import functools
@@ -36,30 +37,58 @@ FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": 8}),
     # q/k norms; head_dim is its own field (default 128), so it is set to hidden / heads
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
-    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
-                  {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, {"head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}),
     "mixtral": (MixtralConfig, MixtralForCausalLM, {"num_local_experts": 4, "num_experts_per_tok": 2}),
     # attention sinks, alternating sliding/full layers, MoE; no sdpa in transformers: eager
-    "gpt_oss": (GptOssConfig, GptOssForCausalLM,
-                {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
-                 "layer_types": None, "attn": "eager"}),
+    "gpt_oss": (
+        GptOssConfig,
+        GptOssForCausalLM,
+        {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8, "layer_types": None, "attn": "eager"},
+    ),
     # embedding scale, alternating local/global layers with two RoPE bases, final soft-capping
-    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM,
-               {"head_dim": 8, "sliding_window": 8, "layer_types": "alternate", "final_logit_softcapping": 30.0,
-                "query_pre_attn_scalar": 8}),
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        {"head_dim": 8, "sliding_window": 8, "layer_types": "alternate", "final_logit_softcapping": 30.0, "query_pre_attn_scalar": 8},
+    ),
     "phi3": (Phi3Config, Phi3ForCausalLM, {}),  # fused qkv_proj and gate_up_proj
     # MLA attention (low-rank q and kv, split rope/nope dims) and a routed MoE after a dense layer.
     # MLA has one K/V per query head (DeepSeek-V3: 128 and 128): transformers expands the latent to
     # every head, then repeats it heads / kv_heads times more whenever a mask is given
-    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM,
-                    {"num_key_value_heads": 4, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
-                     "v_head_dim": 8, "head_dim": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-                     "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "moe_intermediate_size": 16,
-                     "n_shared_experts": 1, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+    "deepseek_v3": (
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        {
+            "num_key_value_heads": 4,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 4,
+            "v_head_dim": 8,
+            "head_dim": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 16,
+            "n_shared_experts": 1,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    ),
     # MoE on every layer, chunked attention, NoPE layers, q/k norm
-    "llama4": (Llama4TextConfig, Llama4ForCausalLM,
-               {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 1, "intermediate_size_mlp": 64,
-                "attention_chunk_size": 8, "layer_types": None}),
+    "llama4": (
+        Llama4TextConfig,
+        Llama4ForCausalLM,
+        {
+            "head_dim": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 1,
+            "intermediate_size_mlp": 64,
+            "attention_chunk_size": 8,
+            "layer_types": None,
+        },
+    ),
 }
 
 
@@ -67,61 +96,149 @@ FAMILIES = {
 # attention layer, and so on ("recurrent_first"), unless the family lays its layers out itself.
 HYBRID = {
     # Gated DeltaNet and gated attention, MoE with a shared expert
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
-                   {"head_dim": 8, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
-                    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
-                    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "layer_types": "recurrent_first"}),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        {
+            "head_dim": 8,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+            "layer_types": "recurrent_first",
+        },
+    ),
     # Gated DeltaNet, dense
-    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
-                {"head_dim": 8, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
-                 "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "layer_types": "recurrent_first"}),
+    "qwen3_5": (
+        "Qwen3_5TextConfig",
+        "Qwen3_5ForCausalLM",
+        {
+            "head_dim": 8,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4,
+            "layer_types": "recurrent_first",
+        },
+    ),
     # Mamba-2 and attention, MoE (Granite 4; RoPE on, which transformers' default leaves off)
-    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
-                         {"position_embedding_type": "rope", "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1,
-                          "mamba_chunk_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
-                          "shared_intermediate_size": 16, "layer_types": "recurrent_first"}),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        {
+            "position_embedding_type": "rope",
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_d_state": 8,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 16,
+            "layer_types": "recurrent_first",
+        },
+    ),
     # Mamba-2 and attention side by side in every layer
-    "falcon_h1": ("FalconH1Config", "FalconH1ForCausalLM",
-                  {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1,
-                   "mamba_chunk_size": 16, "head_dim": 8, "mamba_d_ssm": 64}),
+    "falcon_h1": (
+        "FalconH1Config",
+        "FalconH1ForCausalLM",
+        {"mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16, "head_dim": 8, "mamba_d_ssm": 64},
+    ),
     # gated short convolutions (no recurrent state, only the window) and attention
     "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"layer_types": "conv_first"}),
     # Mamba-1 and attention (every second layer), MoE; no positional embedding at all (NoPE)
-    "jamba": ("JambaConfig", "JambaForCausalLM",
-              {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "num_experts": 4,
-               "mamba_d_state": 8, "mamba_expand": 2, "mamba_dt_rank": 4}),
+    "jamba": (
+        "JambaConfig",
+        "JambaForCausalLM",
+        {
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "expert_layer_period": 2,
+            "num_experts": 4,
+            "mamba_d_state": 8,
+            "mamba_expand": 2,
+            "mamba_dt_rank": 4,
+        },
+    ),
     # Mamba-2 and attention (IBM Bamba)
-    "bamba": ("BambaConfig", "BambaForCausalLM",
-              {"attn_layer_indices": [1, 3], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8,
-               "mamba_n_groups": 1, "mamba_chunk_size": 16}),
+    "bamba": (
+        "BambaConfig",
+        "BambaForCausalLM",
+        {"attn_layer_indices": [1, 3], "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16},
+    ),
     # Mamba-2, attention and MLP-only layers (NVIDIA Nemotron-H)
-    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
-                   {"layers_block_type": ["mamba", "attention", "mamba", "mlp"], "mamba_num_heads": 4, "mamba_head_dim": 16,
-                    "ssm_state_size": 8, "n_groups": 1, "chunk_size": 16, "head_dim": 8}),
+    "nemotron_h": (
+        "NemotronHConfig",
+        "NemotronHForCausalLM",
+        {
+            "layers_block_type": ["mamba", "attention", "mamba", "mlp"],
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 8,
+            "n_groups": 1,
+            "chunk_size": 16,
+            "head_dim": 8,
+        },
+    ),
     # Gated DeltaNet and attention (OLMo hybrid)
     "olmo_hybrid": ("OlmoHybridConfig", "OlmoHybridForCausalLM", {"layer_types": "recurrent_first"}),
     # Gated DeltaNet and gated attention, MoE (Qwen3.5 MoE)
-    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
-                    {"head_dim": 8, "linear_num_value_heads": 4, "linear_num_key_heads": 2, "linear_key_head_dim": 8,
-                     "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
-                     "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "layer_types": "recurrent_first"}),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        "Qwen3_5MoeForCausalLM",
+        {
+            "head_dim": 8,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 8,
+            "linear_value_head_dim": 8,
+            "linear_conv_kernel_dim": 4,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+            "layer_types": "recurrent_first",
+        },
+    ),
     # short convolutions and attention, MoE (LFM2 MoE)
-    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM",
-                 {"layer_types": "conv_first", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                  "num_dense_layers": 1}),
+    "lfm2_moe": (
+        "Lfm2MoeConfig",
+        "Lfm2MoeForCausalLM",
+        {"layer_types": "conv_first", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "num_dense_layers": 1},
+    ),
     # state-space models with no attention layer at all (eager: transformers gives them no sdpa path)
     "mamba": ("MambaConfig", "MambaForCausalLM", {"state_size": 8, "expand": 2, "attn": "eager"}),
-    "mamba2": ("Mamba2Config", "Mamba2ForCausalLM",
-               {"num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 1, "chunk_size": 16, "expand": 2, "attn": "eager"}),
+    "mamba2": (
+        "Mamba2Config",
+        "Mamba2ForCausalLM",
+        {"num_heads": 4, "head_dim": 16, "state_size": 8, "n_groups": 1, "chunk_size": 16, "expand": 2, "attn": "eager"},
+    ),
     "falcon_mamba": ("FalconMambaConfig", "FalconMambaForCausalLM", {"state_size": 8, "expand": 2, "attn": "eager"}),
 }
 
 
 # families only the MTP tests build (tests/test_mtp.py): GLM-4.5's MoE, its first layer dense
 OTHER = {
-    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
-                 {"head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
-                  "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        "Glm4MoeForCausalLM",
+        {
+            "head_dim": 8,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
 }
 
 
@@ -132,15 +249,23 @@ def _hybrid_family(name: str):
     return getattr(transformers, config), getattr(transformers, model), extra
 
 
-def tiny_causal_lm(family: str = "llama", vocab: int = 96, seed: int = 0, layers: int = 2, hidden: int = 32,
-                   dtype=torch.float32, attn: str = "sdpa", **overrides):
+def tiny_causal_lm(
+    family: str = "llama", vocab: int = 96, seed: int = 0, layers: int = 2, hidden: int = 32, dtype=torch.float32, attn: str = "sdpa", **overrides
+):
     if family in MULTIMODAL:
         return MULTIMODAL[family](vocab=vocab, seed=seed, layers=layers, hidden=hidden, **overrides)
     config_cls, model_cls, extra = FAMILIES[family] if family in FAMILIES else _hybrid_family(family)
     kwargs = dict(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
     )
     kwargs.update(extra)
     kwargs.update(overrides)
@@ -179,8 +304,8 @@ def left_padded(prompts: list[torch.Tensor], pad: int = 2) -> tuple[torch.Tensor
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for b, p in enumerate(prompts):
-        ids[b, width - p.numel():] = p
-        mask[b, width - p.numel():] = 1
+        ids[b, width - p.numel() :] = p
+        mask[b, width - p.numel() :] = 1
     return ids, mask
 
 
@@ -190,9 +315,8 @@ def prompts_of(lengths, seed=0) -> list[torch.Tensor]:
 
 def plain_greedy(model, prompt: torch.Tensor, max_new_tokens: int) -> list[int]:
     """The reference: transformers' own greedy generate, no EOS stopping."""
-    out = model.generate(prompt, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=2)
-    return out[0, prompt.shape[1]:].tolist()
+    out = model.generate(prompt, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2)
+    return out[0, prompt.shape[1] :].tolist()
 
 
 def tiny_gemma3_vlm(vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int = 32, **ids):
@@ -204,15 +328,30 @@ def tiny_gemma3_vlm(vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int
 
     ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, **ids}
     text = Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, head_dim=8, sliding_window=8,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        head_dim=8,
+        sliding_window=8,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
-        final_logit_softcapping=30.0, query_pre_attn_scalar=8, **ids,
+        final_logit_softcapping=30.0,
+        query_pre_attn_scalar=8,
+        **ids,
     )
-    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=28, patch_size=14)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=vocab - 1,
-                          boi_token_index=vocab - 3, eoi_token_index=vocab - 2, **ids)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=vocab - 1,
+        boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2,
+        **ids,
+    )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return frozen_and_sharpened(Gemma3ForConditionalGeneration(config))
@@ -224,8 +363,7 @@ def tiny_gemma3_vlm(vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int
 MROPE = {"rope_type": "default", "rope_theta": 100.0, "mrope_section": [2, 1, 1]}
 
 
-def tiny_qwen_vl(generation: str = "qwen2_5_vl", vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int = 32,
-                 **ids):
+def tiny_qwen_vl(generation: str = "qwen2_5_vl", vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int = 32, **ids):
     """A Qwen-VL-style multimodal target with multimodal RoPE (M-RoPE: position ids [3, B, T], one
     row per section): `qwen2_5_vl` (Qwen2_5_VLForConditionalGeneration, sections in contiguous
     blocks) or `qwen3_vl` (Qwen3VLForConditionalGeneration, sections interleaved, q/k norms, a
@@ -234,23 +372,41 @@ def tiny_qwen_vl(generation: str = "qwen2_5_vl", vocab: int = 96, seed: int = 0,
     take the top four ids of the vocabulary, which text prompts never use."""
     import transformers
 
-    classes = {"qwen2_5_vl": ("Qwen2_5_VL", {"fullatt_block_indexes": [0]}, {}),
-               "qwen3_vl": ("Qwen3VL", {"deepstack_visual_indexes": [0], "num_position_embeddings": 16},
-                            {"head_dim": hidden // 4})}
+    classes = {
+        "qwen2_5_vl": ("Qwen2_5_VL", {"fullatt_block_indexes": [0]}, {}),
+        "qwen3_vl": ("Qwen3VL", {"deepstack_visual_indexes": [0], "num_position_embeddings": 16}, {"head_dim": hidden // 4}),
+    }
     prefix, vision_extra, text_extra = classes[generation]
     ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, **ids}
     text = getattr(transformers, f"{prefix}TextConfig")(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rope_parameters=dict(MROPE),
-        **text_extra, **ids,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_parameters=dict(MROPE),
+        **text_extra,
+        **ids,
     )
     vision = getattr(transformers, f"{prefix}VisionConfig")(
-        depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=14, out_hidden_size=hidden,
+        depth=1,
+        hidden_size=16,
+        intermediate_size=32,
+        num_heads=2,
+        patch_size=14,
+        out_hidden_size=hidden,
         **vision_extra,
     )
     config = getattr(transformers, f"{prefix}Config")(
-        text_config=text, vision_config=vision, image_token_id=vocab - 1, video_token_id=vocab - 2,
-        vision_start_token_id=vocab - 4, vision_end_token_id=vocab - 3, **ids,
+        text_config=text,
+        vision_config=vision,
+        image_token_id=vocab - 1,
+        video_token_id=vocab - 2,
+        vision_start_token_id=vocab - 4,
+        vision_end_token_id=vocab - 3,
+        **ids,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
@@ -294,7 +450,7 @@ def image_prompt(family: str, text: int = 6, seed: int = 0, grid: tuple[int, int
     g = torch.Generator().manual_seed(seed)
     words = torch.randint(3, 88, (text + 3,), generator=g)
     tokens, images = tiny_image(family, seed, grid)
-    return torch.cat([words[: text // 2], tokens, words[text // 2:]]), images
+    return torch.cat([words[: text // 2], tokens, words[text // 2 :]]), images
 
 
 def plain_greedy_with_images(model, prompt: torch.Tensor, images, max_new_tokens: int) -> list[int]:
@@ -311,6 +467,14 @@ def plain_greedy_with_images(model, prompt: torch.Tensor, images, max_new_tokens
     else:
         kwargs["token_type_ids"] = types.long()
     # an explicit mask: generate would otherwise take a prompt token equal to the pad id for padding
-    out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]), max_new_tokens=max_new_tokens,
-                         min_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=2, **kwargs)
-    return out[0, prompt.numel():].tolist()
+    out = model.generate(
+        prompt[None],
+        attention_mask=torch.ones_like(prompt[None]),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=2,
+        **kwargs,
+    )
+    return out[0, prompt.numel() :].tolist()

@@ -7,6 +7,7 @@ transformers' own code, not with ours (tests/test_mtp.py, scripts/studies/mtp_fi
 - Qwen3-Next: the layer under `mtp.`, its block a full-attention MoE layer at `mtp.layers.0.`; a
   one-layer Qwen3-Next of that layer type is saved and its layer 0 becomes the block.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,26 +46,39 @@ def save_tiny_mtp_target(work: Path, family: str = "deepseek_v3", layers: int = 
     if family in ("deepseek_v3", "glm4_moe"):
         source = tiny_causal_lm(family, vocab=len(tokenizer), seed=seed, layers=layers + 1, **ids)
         index, prefix, block_prefix = layers, f"model.layers.{layers}.", f"model.layers.{layers}."
-        names = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "proj": "eh_proj.weight", "norm": "shared_head.norm.weight",
-                 "head": "shared_head.head.weight", "embed": "embed_tokens.weight"}
+        names = {
+            "enorm": "enorm.weight",
+            "hnorm": "hnorm.weight",
+            "proj": "eh_proj.weight",
+            "norm": "shared_head.norm.weight",
+            "head": "shared_head.head.weight",
+            "embed": "embed_tokens.weight",
+        }
         norm, zero_first = _rms, True
     else:
         source = tiny_causal_lm(family, vocab=len(tokenizer), seed=seed, layers=1, layer_types=["full_attention"], **ids)
         index, prefix, block_prefix = 0, "mtp.", "mtp.layers.0."
-        names = {"enorm": "pre_fc_norm_embedding.weight", "hnorm": "pre_fc_norm_hidden.weight", "proj": "fc.weight",
-                 "norm": "norm.weight", "head": None, "embed": None}
+        names = {
+            "enorm": "pre_fc_norm_embedding.weight",
+            "hnorm": "pre_fc_norm_hidden.weight",
+            "proj": "fc.weight",
+            "norm": "norm.weight",
+            "head": None,
+            "embed": None,
+        }
         norm, zero_first = (lambda x, w, eps: _rms(x, 1 + w, eps)), False
     source.save_pretrained(work / "source")
     taken = f"model.layers.{index}."
-    block = {block_prefix + k[len(taken):]: v for k, v in load_file(str(work / "source" / "model.safetensors")).items()
-             if k.startswith(taken)}
+    block = {block_prefix + k[len(taken) :]: v for k, v in load_file(str(work / "source" / "model.safetensors")).items() if k.startswith(taken)}
     target = load_target(folder).model
     g = torch.Generator().manual_seed(3)
     H = target.config.hidden_size
-    own = {prefix + names["enorm"]: 1 + 0.3 * torch.randn(H, generator=g),
-           prefix + names["hnorm"]: 1 + 0.3 * torch.randn(H, generator=g),
-           prefix + names["proj"]: 0.2 * torch.randn(H, 2 * H, generator=g),
-           prefix + names["norm"]: 1 + 0.3 * torch.randn(H, generator=g)}
+    own = {
+        prefix + names["enorm"]: 1 + 0.3 * torch.randn(H, generator=g),
+        prefix + names["hnorm"]: 1 + 0.3 * torch.randn(H, generator=g),
+        prefix + names["proj"]: 0.2 * torch.randn(H, 2 * H, generator=g),
+        prefix + names["norm"]: 1 + 0.3 * torch.randn(H, generator=g),
+    }
     if names["embed"]:
         own[prefix + names["embed"]] = target.get_input_embeddings().weight.detach().clone()
         own[prefix + names["head"]] = target.get_output_embeddings().weight.detach().clone()
@@ -72,6 +86,13 @@ def save_tiny_mtp_target(work: Path, family: str = "deepseek_v3", layers: int = 
     save_file({**weights, **block, **own}, str(folder / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    return MTPCheckpoint(folder, source.model.layers[index], source.model.rotary_emb, {**block, **own},
-                         {k: (prefix + v if v else None) for k, v in names.items()}, norm, zero_first,
-                         recycle_normed=family != "glm4_moe")
+    return MTPCheckpoint(
+        folder,
+        source.model.layers[index],
+        source.model.rotary_emb,
+        {**block, **own},
+        {k: (prefix + v if v else None) for k, v in names.items()},
+        norm,
+        zero_first,
+        recycle_normed=family != "glm4_moe",
+    )

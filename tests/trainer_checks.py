@@ -1,5 +1,6 @@
 """A dummy head on learnable random features, and a small run config: what the trainer's, the
 checkpoints' and the reliability tests train with, in seconds and without a target."""
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,18 @@ def random_samples(n: int, seed: int = 0, length: int | None = None) -> list[dic
 
 
 def config(tmp_path, **kw) -> TrainConfig:
-    base = dict(head={"kind": "medusa1"}, batch_size=4, lr=3e-2, max_steps=30, warmup_steps=2, log_every=5,
-                eval_every=10, checkpoint_every=10, output_dir=str(tmp_path / "run"), seed=0)
+    base = dict(
+        head={"kind": "medusa1"},
+        batch_size=4,
+        lr=3e-2,
+        max_steps=30,
+        warmup_steps=2,
+        log_every=5,
+        eval_every=10,
+        checkpoint_every=10,
+        output_dir=str(tmp_path / "run"),
+        seed=0,
+    )
     base.update(kw)
     return TrainConfig.from_dict(base)
 

@@ -10,6 +10,7 @@ conversations"), step memory and time with glibc's defaults / with the fixed thr
 2K tokens 647 / 269 MB, 13 / 19 s; 8K 2,702 / 1,605 MB, 71 / 98 s; 16K 6,536 / 3,568 MB,
 378 / 353-372 s. So training fixes it for rows of LONG_ROW_TOKENS or more only.
 """
+
 from __future__ import annotations
 
 import ctypes

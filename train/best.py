@@ -4,6 +4,7 @@ The folder is a head folder like `final` (loadable by bench, generate, export) p
 {"step", "metric", "value"}: the eval that put it there. A resumed run reads best.json first, so
 it replaces the head only with a better one.
 """
+
 from __future__ import annotations
 
 import json

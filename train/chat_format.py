@@ -26,6 +26,7 @@ the head must learn the tokens the target emitted. The ids are used when they de
 text the template renders for the answer (before its end-of-turn text); a template that rewrites
 answers (trims them, drops reasoning) gets the text re-tokenized, and the report counts those.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -104,7 +105,7 @@ def _answer_label_ids(tokenizer, span: str, ids: list[int]) -> list[int] | None:
     answer = decode_answer(tokenizer, ids)
     if not span.startswith(answer):
         return None
-    return list(ids) + _encode(tokenizer, span[len(answer):])
+    return list(ids) + _encode(tokenizer, span[len(answer) :])
 
 
 @dataclass
@@ -116,8 +117,7 @@ class FormattedChat:
     ids_unmatched: int = 0  # answers with ids whose rendered text differs: re-tokenized
 
 
-def format_conversation(tokenizer, messages: list[dict], max_length: int,
-                        answer_ids: list[list[int]] | None = None) -> FormattedChat:
+def format_conversation(tokenizer, messages: list[dict], max_length: int, answer_ids: list[list[int]] | None = None) -> FormattedChat:
     """Tokenize one conversation with the chat template; keep the first `max_length` tokens.
     answer_ids: per assistant message, the ids the target produced ([]: none; module docstring)."""
     text, spans = assistant_char_spans(tokenizer, messages)
@@ -158,9 +158,14 @@ class FormatReport:
         return asdict(self)
 
     def summary(self) -> str:
-        ids = (f", {self.answer_ids_kept} answers on the target's own token ids"
-               + (f" ({self.answer_ids_unmatched} re-tokenized: the template renders other text)"
-                  if self.answer_ids_unmatched else "")) if self.answer_ids_kept or self.answer_ids_unmatched else ""
+        ids = (
+            (
+                f", {self.answer_ids_kept} answers on the target's own token ids"
+                + (f" ({self.answer_ids_unmatched} re-tokenized: the template renders other text)" if self.answer_ids_unmatched else "")
+            )
+            if self.answer_ids_kept or self.answer_ids_unmatched
+            else ""
+        )
         return (
             f"formatted {self.kept}/{self.conversations} conversations, {self.tokens} tokens "
             f"({self.loss_tokens} assistant), {self.truncated} truncated, dropped {self.dropped or 'none'}{ids}"
@@ -175,17 +180,26 @@ def format_row(tokenizer, row: dict, max_length: int, processor=None) -> dict:
     images = row.get("images") or []
     if images:
         if processor is None:
-            raise ValueError(f"conversation {row.get('id')!r} has images: they need the target's processor "
-                             "(the cached data path loads it; streaming takes text rows only)")
+            raise ValueError(
+                f"conversation {row.get('id')!r} has images: they need the target's processor "
+                "(the cached data path loads it; streaming takes text rows only)"
+            )
         f = format_image_chat(processor, row["messages"], images, max_length, row.get("answer_token_ids"))
         return {**f, "n_ids_kept": 0, "n_ids_unmatched": 0}
     try:
         f = format_conversation(tokenizer, row["messages"], max_length, row.get("answer_token_ids"))
     except ChatTemplateError as e:
         raise ChatTemplateError(f"conversation {row.get('id')!r}: {e}") from e
-    return {"input_ids": f.input_ids, "loss_mask": f.loss_mask, "images": [], "truncated": f.truncated,
-            "n_loss": sum(f.loss_mask), "n_tokens": len(f.input_ids), "n_ids_kept": f.ids_kept,
-            "n_ids_unmatched": f.ids_unmatched}
+    return {
+        "input_ids": f.input_ids,
+        "loss_mask": f.loss_mask,
+        "images": [],
+        "truncated": f.truncated,
+        "n_loss": sum(f.loss_mask),
+        "n_tokens": len(f.input_ids),
+        "n_ids_kept": f.ids_kept,
+        "n_ids_unmatched": f.ids_unmatched,
+    }
 
 
 def has_loss(n_loss: int) -> bool:
@@ -217,8 +231,7 @@ def tokenize_conversations(
     def fmt(row, version=FORMAT_VERSION):  # a default value is hashed with the function: the version keys the cache
         return format_row(tokenizer, row, max_length, processor)
 
-    mapped = dataset.map(fmt, remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc,
-                         desc="chat template")
+    mapped = dataset.map(fmt, remove_columns=[c for c in dataset.column_names if c != "id"], num_proc=num_proc, desc="chat template")
     out = mapped.filter(has_loss, input_columns="n_loss", num_proc=num_proc, desc="drop samples without labels")
     report = FormatReport(conversations=len(mapped), kept=len(out), truncated=_column_sum(mapped, "truncated"))
     if len(out) < len(mapped):
@@ -246,8 +259,7 @@ def carry_labels(text_ids: list[int], text_mask: list[bool], ids: list[int]) -> 
     return mask
 
 
-def format_image_chat(processor, messages: list[dict], paths: list[str], max_length: int,
-                      answer_ids: list[list[int]] | None = None) -> dict:
+def format_image_chat(processor, messages: list[dict], paths: list[str], max_length: int, answer_ids: list[list[int]] | None = None) -> dict:
     """One conversation with images -> {input_ids, loss_mask, images, truncated, n_loss, n_tokens}.
     A cut at `max_length` inside an image's tokens moves before that image, and drops it and the
     images after it."""
@@ -267,8 +279,14 @@ def format_image_chat(processor, messages: list[dict], paths: list[str], max_len
     kept = [r for r in runs if r[1] <= cut]
     if len(kept) < len(runs) and runs[len(kept)][0] < cut:
         cut = runs[len(kept)][0]
-    return {"input_ids": ids[:cut], "loss_mask": mask[:cut], "images": paths[: len(kept)], "truncated": len(ids) > cut,
-            "n_loss": sum(mask[:cut]), "n_tokens": cut}
+    return {
+        "input_ids": ids[:cut],
+        "loss_mask": mask[:cut],
+        "images": paths[: len(kept)],
+        "truncated": len(ids) > cut,
+        "n_loss": sum(mask[:cut]),
+        "n_tokens": cut,
+    }
 
 
 def _runs(ids: list[int], token: int) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ A checkpoint is written into a temp folder and renamed into place, then `latest`
 atomically, so a crash mid-write leaves the previous checkpoint as the one `--resume` finds.
 Only the main process calls the writers (docs/style.md 8).
 """
+
 from __future__ import annotations
 
 import json
@@ -178,8 +179,10 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     # torch.load meets a damaged file as an unpickling, EOF or zip error (RuntimeError), safetensors
     # as a SafetensorError, the JSON state as a ValueError
     except (SafetensorError, RuntimeError, EOFError, pickle.UnpicklingError, ValueError, KeyError) as e:
-        raise ValueError(f"checkpoint {path} is truncated or corrupt ({' '.join(str(e).split())[:200]}): delete it to "
-                         f"resume from the one before (checkpoints/{LATEST} names the newest), or start anew") from e
+        raise ValueError(
+            f"checkpoint {path} is truncated or corrupt ({' '.join(str(e).split())[:200]}): delete it to "
+            f"resume from the one before (checkpoints/{LATEST} names the newest), or start anew"
+        ) from e
 
 
 def _load_checkpoint(path: Path, map_location) -> Checkpoint:

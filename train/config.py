@@ -7,6 +7,7 @@ options have one home.
     cfg = load_config("configs/eagle3.yaml", ["lr=3e-4", "data.limit=2000"])
     cfg = load_config("eagle3")   # a preset name: configs/eagle3.yaml
 """
+
 from __future__ import annotations
 
 import importlib.resources
@@ -21,7 +22,7 @@ from typing import Any
 import yaml
 
 from ..heads.config import KINDS
-from ..heads.io import not_utf8
+from ..heads.files import not_utf8
 from ..inference.engine.targets import DTYPES
 
 DTYPE_NAMES = tuple(DTYPES)
@@ -196,11 +197,15 @@ class TrainConfig:
         if len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers; got {self.betas}")
         if self.replay.sequences and self.joint_lora:
-            raise ConfigError("replay is not supported for medusa2: its target changes every step, so the greedy "
-                              "continuations replayed on would too; use replay.sequences=0")
+            raise ConfigError(
+                "replay is not supported for medusa2: its target changes every step, so the greedy "
+                "continuations replayed on would too; use replay.sequences=0"
+            )
         if self.data.streaming and self.features.mode == "captured":
-            raise ConfigError("data.streaming reads samples lazily while training; captured features are already on disk: "
-                              "use features.mode=online, or data.streaming=false")
+            raise ConfigError(
+                "data.streaming reads samples lazily while training; captured features are already on disk: "
+                "use features.mode=online, or data.streaming=false"
+            )
 
     @property
     def head_kind(self) -> str:
@@ -295,8 +300,7 @@ def _build(cls, data: Any, prefix: str):
     unknown = [k for k in data if k not in fields]
     if unknown:
         raise ConfigError(
-            f"unknown config key '{prefix}{unknown[0]}'; valid keys{' under ' + prefix.rstrip('.') if prefix else ''}: "
-            + ", ".join(fields)
+            f"unknown config key '{prefix}{unknown[0]}'; valid keys{' under ' + prefix.rstrip('.') if prefix else ''}: " + ", ".join(fields)
         )
     kwargs = {}
     for k, v in data.items():
@@ -327,8 +331,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         return key.split("."), yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
-                          "quote it") from None
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); quote it") from None
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -410,10 +413,22 @@ def head_config_dict(config: TrainConfig) -> dict:
 # field (data, features, batch, optimizer and schedule, target, head, LoRA, seed, init_from)
 # decides what the checkpoint's weights and optimizer state mean, so a change is refused
 # (docs/reliability.md "Resume"). A longer or shorter run stretches the LR schedule to the new end.
-RESUME_MAY_CHANGE = ("max_steps", "epochs", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_batches",
-                     "log_every", "report_to", "wandb_project", "run_name", "threads", "output_dir",
-                     "data.num_proc",  # processes for the chat-template map: the same samples either way
-                     "data.packing")  # the same conversations per step, laid out in fewer rows
+RESUME_MAY_CHANGE = (
+    "max_steps",
+    "epochs",
+    "checkpoint_every",
+    "keep_checkpoints",
+    "eval_every",
+    "eval_batches",
+    "log_every",
+    "report_to",
+    "wandb_project",
+    "run_name",
+    "threads",
+    "output_dir",
+    "data.num_proc",  # processes for the chat-template map: the same samples either way
+    "data.packing",
+)  # the same conversations per step, laid out in fewer rows
 
 
 def flatten(data: dict, prefix: str = "") -> dict:
@@ -457,8 +472,10 @@ def check_resume(saved: dict | None, config: TrainConfig, where: str) -> list[st
     if refused:
         raise ConfigError(
             f"--resume: {where} was written with another config; these fields change what the run means: "
-            + "; ".join(refused) + ". Resume with the saved values, or start a new phase from a saved head: "
-            "init_from=HEAD_DIR output_dir=NEW_DIR")
+            + "; ".join(refused)
+            + ". Resume with the saved values, or start a new phase from a saved head: "
+            "init_from=HEAD_DIR output_dir=NEW_DIR"
+        )
     return applied
 
 

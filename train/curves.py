@@ -7,6 +7,7 @@ over the whole run. Right panel, per depth at the last eval: the share of rounds
 as tau_est assumes it, prod_{j<=i} acc_j, against the replayed share `replay_acc_i`. A resumed run appends to metrics.jsonl, so the picture
 covers every sitting.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -50,8 +51,13 @@ def plot_eval_curves(metrics_file: str | Path, path: str | Path) -> Path | None:
     last = records[-1]
     accs = sorted((int(m.group(2)), v) for k, v in last.items() if (m := _DEPTH.match(k)) and m.group(1) == "acc")
     if accs:  # tau_est's assumption: draft i is kept with probability prod_{j<=i} acc_j
-        depths.plot([i for i, _ in accs], list(itertools.accumulate((v for _, v in accs), operator.mul)), "--",
-                    marker="o", label="prod of acc_j, j <= i (tau_est)")
+        depths.plot(
+            [i for i, _ in accs],
+            list(itertools.accumulate((v for _, v in accs), operator.mul)),
+            "--",
+            marker="o",
+            label="prod of acc_j, j <= i (tau_est)",
+        )
     replayed = sorted((int(m.group(2)), v) for k, v in last.items() if (m := _DEPTH.match(k)) and m.group(1) == "replay_acc")
     if replayed:
         depths.plot(*zip(*replayed), "-", marker="o", label="replay_acc_i")

@@ -8,6 +8,7 @@ when its first user turn asks for an edit near its start (`EDIT_VERBS`), holds t
 4-grams occur in the prompt. The set is the qualifying first turns in file order, each text once;
 it changes only with the ShareGPT package.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,7 +27,7 @@ SCAN = 20000  # ShareGPT conversations read at most (the package's file holds ab
 
 def fourgrams(text: str) -> set[tuple[str, ...]]:
     words = text.split()
-    return {tuple(words[i:i + 4]) for i in range(len(words) - 3)}
+    return {tuple(words[i : i + 4]) for i in range(len(words) - 3)}
 
 
 def copied_share(prompt: str, answer: str) -> float:
@@ -36,8 +37,11 @@ def copied_share(prompt: str, answer: str) -> float:
 
 
 def is_edit(prompt: str, answer: str) -> bool:
-    return (EDIT_CHARS[0] <= len(prompt) <= EDIT_CHARS[1] and EDIT_VERBS.search(prompt[:VERB_WITHIN]) is not None
-            and copied_share(prompt, answer) >= COPIED)
+    return (
+        EDIT_CHARS[0] <= len(prompt) <= EDIT_CHARS[1]
+        and EDIT_VERBS.search(prompt[:VERB_WITHIN]) is not None
+        and copied_share(prompt, answer) >= COPIED
+    )
 
 
 def edit_prompts(limit: int | None = None) -> list[Prompt]:
@@ -45,8 +49,13 @@ def edit_prompts(limit: int | None = None) -> list[Prompt]:
     out, seen = [], set()
     for chat in iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt"), SCAN):
         messages = chat["messages"]
-        if len(messages) >= 2 and messages[0]["role"] == "user" and messages[1]["role"] == "assistant" \
-                and messages[0]["content"] not in seen and is_edit(messages[0]["content"], messages[1]["content"]):
+        if (
+            len(messages) >= 2
+            and messages[0]["role"] == "user"
+            and messages[1]["role"] == "assistant"
+            and messages[0]["content"] not in seen
+            and is_edit(messages[0]["content"], messages[1]["content"])
+        ):
             seen.add(messages[0]["content"])
             out.append(Prompt(text=messages[0]["content"], category=EDITS, id=chat["id"]))
             if limit is not None and len(out) >= limit:

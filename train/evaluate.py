@@ -9,6 +9,7 @@ forward (the target's own token included, docs/acceptance.md convention) is
 It ignores the correlation between positions (a head that is right after a right one is more
 likely right), so it is a rough guide; the benchmark's measured tau is the real figure.
 """
+
 from __future__ import annotations
 
 import math

@@ -21,6 +21,7 @@ Several processes (`accelerate launch`, `torchrun`) share a capture shard by sha
 samples and batches are the same whichever process runs it, so the shards and the index are
 byte-identical to one process's (docs/launching.md "Data work on several processes").
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ from safetensors.torch import save_file
 
 from ..heads.batch import FeatureBatch
 from ..heads.identity import text_config
-from ..heads.io import read_json
+from ..heads.files import read_json
 from ..heads.outdir import reported_as
 from ..inference.engine.media import deepstack_inputs, forward_inputs, with_deepstack
 from ..inference.engine.targets import resolve_dtype
@@ -83,8 +84,7 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0) -> Feature
             if layer not in hidden:
                 hidden[layer] = torch.zeros((B, T, h.shape[-1]), dtype=h.dtype)  # [B, T, H]
             hidden[layer][b, :n] = h
-    return FeatureBatch(input_ids, attention_mask, loss_mask, hidden,
-                        images=images if any(im is not None for im in images) else None)
+    return FeatureBatch(input_ids, attention_mask, loss_mask, hidden, images=images if any(im is not None for im in images) else None)
 
 
 def token_sample(row: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -147,8 +147,14 @@ def target_mask_kwargs(model, attention_mask: torch.Tensor, position_ids: torch.
 
 
 @torch.no_grad()
-def target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[int],
-                    position_ids: torch.Tensor | None = None, images: Sequence | None = None) -> dict[int, torch.Tensor]:
+def target_features(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    layers: Sequence[int],
+    position_ids: torch.Tensor | None = None,
+    images: Sequence | None = None,
+) -> dict[int, torch.Tensor]:
     """{layer: [B, T, H]} target hidden states (output_hidden_states indices), without gradients.
 
     Runs only the decoder stack (`get_decoder()`), skipping the LM head: for SmolLM2 that head is
@@ -191,8 +197,7 @@ class OnlineFeaturizer:
 
     def __call__(self, batch: FeatureBatch) -> FeatureBatch:
         device = next(self.model.parameters()).device
-        hidden = target_features(self.model, batch.input_ids, batch.attention_mask, self.layers, batch.position_ids,
-                                 batch.images)
+        hidden = target_features(self.model, batch.input_ids, batch.attention_mask, self.layers, batch.position_ids, batch.images)
         return FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, hidden, batch.position_ids).to(device)
 
 
@@ -252,8 +257,10 @@ def capture_features(
     if plan_file.exists():
         changed = plan_changes(read_json(plan_file), plan)
         if changed:
-            raise ValueError(f"{out_dir} holds a capture made otherwise ({'; '.join(changed)}): pass --overwrite to "
-                             "capture again from scratch, or use another --out")
+            raise ValueError(
+                f"{out_dir} holds a capture made otherwise ({'; '.join(changed)}): pass --overwrite to "
+                "capture again from scratch, or use another --out"
+            )
     if share.is_main:
         remove_partial_shards(out_dir)
         write_atomically(plan_file, json.dumps(plan, indent=1))
@@ -266,8 +273,9 @@ def capture_features(
     for k, start, stop in bounds:
         path = out_dir / _shard_name(k)
         if k in mine:
-            tensors = _capture_shard(featurize or partial(target_features, model), samples, range(start, stop), layers,
-                                     batch_size, store_dtype, pad_token_id, progress)
+            tensors = _capture_shard(
+                featurize or partial(target_features, model), samples, range(start, stop), layers, batch_size, store_dtype, pad_token_id, progress
+            )
             tmp = path.with_suffix(".tmp")
             try:
                 with reported_as(path):
@@ -355,8 +363,10 @@ class CapturedFeatures(torch.utils.data.Dataset):
             raise FileNotFoundError(f"no captured features at {self.dir} (missing {INDEX_FILE}); run `drafthead data capture`")
         self.index = read_json(index_file)  # bad JSON or bytes: one line naming the file
         if self.index.get("version") != FORMAT_VERSION:
-            raise ValueError(f"{index_file}: format version {self.index.get('version')}, expected {FORMAT_VERSION}: capture "
-                             "again (`drafthead data capture --overwrite`), which records what the features were made from")
+            raise ValueError(
+                f"{index_file}: format version {self.index.get('version')}, expected {FORMAT_VERSION}: capture "
+                "again (`drafthead data capture --overwrite`), which records what the features were made from"
+            )
         self.layers: tuple[int, ...] = tuple(self.index["layers"])
         self.hidden_size: int = self.index["hidden_size"]
         self._starts = []  # first global sample index of each shard
@@ -385,8 +395,10 @@ class CapturedFeatures(torch.utils.data.Dataset):
             try:
                 self._handles[k] = safe_open(str(path), "pt")
             except SafetensorError as e:  # cut short or damaged after it was renamed into place
-                raise ValueError(f"captured shard {path} is truncated or corrupt ({e}): delete it and rerun "
-                                 "`drafthead data capture` with the same settings, which writes the missing shards") from e
+                raise ValueError(
+                    f"captured shard {path} is truncated or corrupt ({e}): delete it and rerun "
+                    "`drafthead data capture` with the same settings, which writes the missing shards"
+                ) from e
             self._offsets[k] = self._handles[k].get_tensor("offsets")
         return self._handles[k], self._offsets[k]
 

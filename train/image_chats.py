@@ -11,6 +11,7 @@ with the processor's placeholder for each image, the processor expands each plac
 image's tokens, and the labels (assistant tokens) are those of the text-only rendering, carried
 over to the expanded ids.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -94,8 +95,7 @@ def encode_image_prompt(processor, prompt: str, paths: list[str]):
     from ..inference.engine.media import PromptImages
 
     content = image_placeholder(processor) * len(paths) + "\n" + prompt
-    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                                   tokenize=False)
+    text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
     out = processor(text=[text], images=[open_images(paths)], add_special_tokens=False, return_tensors="pt")
     grid = out.get("image_grid_thw")
     return out["input_ids"], PromptImages(out["pixel_values"], grid if isinstance(grid, torch.Tensor) else None)

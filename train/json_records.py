@@ -3,6 +3,7 @@
 ShareGPT package file) keeps every complete record before the cut, and the cut is noted in the
 caller's SourceReport (train/source_report.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from ..heads.io import not_utf8
+from ..heads.files import not_utf8
 from .source_report import SourceReport
 
 _SEPARATOR = re.compile(r"[\s,]*")
@@ -67,8 +68,7 @@ def iter_json_array(f: TextIO, report: SourceReport, name: str = "") -> Iterator
                 if eof:
                     return cut(base + i)
                 if len(buf) - i > MAX_RECORD_CHARS:
-                    raise ValueError(f"{name}: the record at char {base + i} does not parse within "
-                                     f"{MAX_RECORD_CHARS} characters") from None
+                    raise ValueError(f"{name}: the record at char {base + i} does not parse within {MAX_RECORD_CHARS} characters") from None
             read(max(_CHUNK, len(buf) - i))  # doubles the pending text: linear in the record's size
         report.records_read += 1
         yield record

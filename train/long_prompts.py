@@ -3,6 +3,7 @@ multi-turn chat of about `tokens` tokens, ending on a user turn (docs/models-and
 prompts"). `bench --dataset FILE` and the tau-by-length study read them: a head trained on 2K-token
 rows is measured where its drafts sit 8K or 16K tokens deep.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Iterator

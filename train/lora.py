@@ -10,6 +10,7 @@ that no Linear of the target carries falls back to the Linears doing its job the
     k_proj, v_proj           MLA: kv_a_proj_with_mqa, kv_b_proj (joint low-rank keys and values)
     gate_proj, up_proj       Phi-3: gate_up_proj
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,8 +37,7 @@ def wrap_lora(target: nn.Module, lora) -> nn.Module:
     cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=modules, bias="none")
     if cfg.lora_dropout and _peft_targets_expert_parameters(cfg, target):
         # peft adapts fused experts through a parameter wrapper, which takes no dropout
-        log.warning("LoRA: %s's MoE experts are adapted as fused parameters, which take no dropout: lora dropout 0",
-                    target.config.model_type)
+        log.warning("LoRA: %s's MoE experts are adapted as fused parameters, which take no dropout: lora dropout 0", target.config.model_type)
         cfg.lora_dropout = 0.0
     return get_peft_model(target, cfg)
 
@@ -61,8 +61,7 @@ def _peft_targets_expert_parameters(cfg, model: nn.Module) -> bool:
 def resolve_names(present: set[str], names) -> dict[str, tuple[str, ...]]:
     """{requested name: the Linear names that carry its job in this target}: the name itself when
     some Linear carries it, else its EQUIVALENTS that do (empty when none does)."""
-    return {name: (name,) if name in present else tuple(n for n in EQUIVALENTS.get(name, ()) if n in present)
-            for name in names}
+    return {name: (name,) if name in present else tuple(n for n in EQUIVALENTS.get(name, ()) if n in present) for name in names}
 
 
 def lora_targets(model: nn.Module, names) -> list[str]:
@@ -76,12 +75,12 @@ def lora_targets(model: nn.Module, names) -> list[str]:
     wanted = {n for carried in resolved.values() for n in carried}
     found = [name for name, short in linears.items() if short in wanted]
     if not found:
-        raise ValueError(f"lora.target_modules {sorted(names)} name no Linear of this target; its Linears: "
-                         f"{', '.join(sorted(set(linears.values())))}")
+        raise ValueError(
+            f"lora.target_modules {sorted(names)} name no Linear of this target; its Linears: {', '.join(sorted(set(linears.values())))}"
+        )
     for name, carried in resolved.items():
         if not carried:
-            log.warning("LoRA: no Linear of this %s target does the job of %s: not adapted",
-                        model.config.model_type, name)
+            log.warning("LoRA: no Linear of this %s target does the job of %s: not adapted", model.config.model_type, name)
         elif carried != (name,):
             log.info("LoRA: %s is %s in this %s target", name, " + ".join(carried), model.config.model_type)
     return found

@@ -12,6 +12,7 @@ Errors: a failed request is retried with exponential backoff when trying again c
 connection, a timeout, HTTP 429 and 5xx); anything else, and the last failed try, raises
 ServerError, one line naming the server and what it said.
 """
+
 from __future__ import annotations
 
 import json
@@ -103,7 +104,7 @@ class ChatServer:
                 return why
             if attempt == self.settings.retries:
                 raise ServerError(f"{where}: {why} (after {attempt + 1} tries)")
-            self._sleep(self.settings.backoff * 2 ** attempt)
+            self._sleep(self.settings.backoff * 2**attempt)
         raise AssertionError("unreachable")
 
     def _try(self, where: str, data: bytes | None) -> dict | str:
@@ -137,8 +138,15 @@ class ChatServer:
         return data
 
     def chat(self, model: str, messages: list[dict], sampling: Sampling) -> ServedAnswer:
-        body = {"model": model, "messages": messages, "stream": False, **sampling.fields(),
-                "return_token_ids": True, "logprobs": True, "top_logprobs": 1}
+        body = {
+            "model": model,
+            "messages": messages,
+            "stream": False,
+            **sampling.fields(),
+            "return_token_ids": True,
+            "logprobs": True,
+            "top_logprobs": 1,
+        }
         return parse_chat_reply(self.request("/v1/chat/completions", body), f"{self.url}/v1/chat/completions")
 
 
@@ -182,8 +190,7 @@ def parse_chat_reply(reply: dict, where: str) -> ServedAnswer:
         if not isinstance(text, str) or not isinstance(reasoning, (str, type(None))):
             raise ValueError("content that is not text")
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
-        return ServedAnswer(text, choice.get("finish_reason"), _ids_of(choice), reasoning, usage.get("completion_tokens"),
-                            usage.get("prompt_tokens"))
+        return ServedAnswer(text, choice.get("finish_reason"), _ids_of(choice), reasoning, usage.get("completion_tokens"), usage.get("prompt_tokens"))
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
         raise ServerError(f"{where}: not a chat completion ({type(e).__name__}: {e}): {json.dumps(reply)[:160]}") from None
 

@@ -11,6 +11,7 @@ conversation can share a row with others instead of filling the rest of its own 
     collate_packed   samples -> FeatureBatch with position_ids
     packing_refusal  whether a target's own forward keeps packed conversations apart (online features)
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -73,8 +74,7 @@ def collate_packed(samples: Sequence[dict[str, Any]], capacity: int, pad_token_i
         parts = [samples[i] for i in row]
         sample = {key: torch.cat([torch.as_tensor(p[key]) for p in parts]) for key in ("input_ids", "loss_mask")}
         if parts[0].get("hidden_states"):
-            sample["hidden_states"] = {layer: torch.cat([p["hidden_states"][layer] for p in parts])
-                                       for layer in parts[0]["hidden_states"]}
+            sample["hidden_states"] = {layer: torch.cat([p["hidden_states"][layer] for p in parts]) for layer in parts[0]["hidden_states"]}
         joined.append(sample)
     batch = collate(joined, pad_token_id)
     width = batch.input_ids.shape[1]
@@ -110,6 +110,8 @@ def packing_refusal(model) -> str | None:
     gap, leak = _relative_gap(packed[PROBE_TOKENS:], alone), _relative_gap(leaky[PROBE_TOKENS:], alone)
     if gap <= 0.1 * leak:
         return None
-    return (f"the target ({type(model).__name__}) does not keep packed conversations apart in its forward: "
-            f"a conversation packed after another differs from it alone by {gap:.2g} (relative), "
-            "so its features would not be the unpacked ones")
+    return (
+        f"the target ({type(model).__name__}) does not keep packed conversations apart in its forward: "
+        f"a conversation packed after another differs from it alone by {gap:.2g} (relative), "
+        "so its features would not be the unpacked ones"
+    )

@@ -24,6 +24,7 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
                   time, the larger budget of the two;
                   Medusa (per token, per head): a residual block (4 H bytes) and the logits (8 V).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -90,8 +91,11 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
         steps=hcfg.num_heads if medusa else getattr(hcfg, "ttt_steps", 1),
         kind=hcfg.kind,
         tokens=config.batch_size * -(-config.data.max_length // config.context_parallel),  # a rank's columns
-        gathered_keys=(2 * config.batch_size * config.data.max_length * head.midlayer.self_attn.k_proj.out_features
-                       if config.context_parallel > 1 and hasattr(head, "midlayer") else 0),
+        gathered_keys=(
+            2 * config.batch_size * config.data.max_length * head.midlayer.self_attn.k_proj.out_features
+            if config.context_parallel > 1 and hasattr(head, "midlayer")
+            else 0
+        ),
     )
 
 
@@ -134,12 +138,16 @@ def plan_table(config: TrainConfig, target_config: str | Path, ranks: tuple[int,
     """The printed plan: one row per (strategy, ranks), GiB per rank."""
     shapes = run_shapes(config, target_config)
     head = f"{shapes.kind} head: {shapes.head_trainable / 1e6:.1f}M trainable parameters"
-    lines = [f"plan for {Path(target_config).stem} ({shapes.target_bytes / GIB:.1f} GiB at {config.target_dtype}), {head}, "
-             f"micro-batch {config.batch_size} x {config.data.max_length} tokens"
-             + (f" split across {config.context_parallel} ranks" if config.context_parallel > 1 else "") + f", {shapes.steps} "
-             f"{'heads' if shapes.kind.startswith('medusa') else 'TTT steps'}; GiB per rank:",
-             "", "| strategy | ranks | params | grads | optimizer | target | gathered | activations | total |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"plan for {Path(target_config).stem} ({shapes.target_bytes / GIB:.1f} GiB at {config.target_dtype}), {head}, "
+        f"micro-batch {config.batch_size} x {config.data.max_length} tokens"
+        + (f" split across {config.context_parallel} ranks" if config.context_parallel > 1 else "")
+        + f", {shapes.steps} "
+        f"{'heads' if shapes.kind.startswith('medusa') else 'TTT steps'}; GiB per rank:",
+        "",
+        "| strategy | ranks | params | grads | optimizer | target | gathered | activations | total |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for strategy in ("ddp", "fsdp"):
         for n in ranks:
             m = memory_per_rank(shapes, strategy, n)

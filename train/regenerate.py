@@ -25,6 +25,7 @@ rank folds the part files into the output, in input order, once all ranks are do
 batches as one process, so the same greedy answers (docs/launching.md "Data work on several
 processes"). A rerun after a rank died reads the part files' ids as done too.
 """
+
 from __future__ import annotations
 
 import json
@@ -214,13 +215,13 @@ class RegenerateSettings:
 
     def generation(self) -> dict:
         """The `generation` block of every record."""
-        return {"target": self.target_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                "top_p": self.top_p}
+        return {"target": self.target_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p}
 
 
 @torch.no_grad()
-def answer(model, tokenizer, prompts: list[str], settings: RegenerateSettings, *, stop_ids: list[int], pad_id: int,
-           drafter=None, policy=None, seed: int = 0) -> list[Answer]:
+def answer(
+    model, tokenizer, prompts: list[str], settings: RegenerateSettings, *, stop_ids: list[int], pad_id: int, drafter=None, policy=None, seed: int = 0
+) -> list[Answer]:
     """Batched generation -> one Answer per prompt: transformers `generate()` with
     left padding, or, given a drafter, our batched speculative decoding (the same answers under
     greedy, the same distribution under sampling; docs/trees.md "Batches"), with `policy` (a
@@ -252,10 +253,8 @@ def _answer_speculative(model, tokenizer, prompts, drafter, settings: Regenerate
 
     device = next(model.parameters()).device
     encoded = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"], device=device) for p in prompts]
-    sampling = (SamplingConfig(temperature=settings.temperature, top_p=settings.top_p) if settings.temperature > 0
-                else SamplingConfig())
-    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids),
-                              seed=seed, policy=policy)
+    sampling = SamplingConfig(temperature=settings.temperature, top_p=settings.top_p) if settings.temperature > 0 else SamplingConfig()
+    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids), seed=seed, policy=policy)
     result = generate_batch(model, drafter, encoded, config)
     return [_answer_of(tokenizer, row.new_tokens[0].tolist(), stop_ids) for row in result.rows]
 
@@ -289,8 +288,17 @@ class _Answerer:
             active, prompts = self._prompts(history, users, k, open_, report)
             if not active:
                 break
-            answers = answer(self.model, self.tokenizer, prompts, settings=self.settings, stop_ids=self.stop_ids,
-                             pad_id=self.pad_id, drafter=self.drafter, policy=self.policy, seed=seed + k)
+            answers = answer(
+                self.model,
+                self.tokenizer,
+                prompts,
+                settings=self.settings,
+                stop_ids=self.stop_ids,
+                pad_id=self.pad_id,
+                drafter=self.drafter,
+                policy=self.policy,
+                seed=seed + k,
+            )
             for i, reply in zip(active, answers):
                 open_[i] = add_turn(history[i], users[i][k], reply, self.tokenizer, report)
         return history
@@ -303,8 +311,10 @@ class _Answerer:
             if not open_[i] or k >= len(users[i]):
                 continue
             prompt = render_chat(self.tokenizer, history[i] + [{"role": "user", "content": users[i][k]}], add_generation_prompt=True)
-            if (self.limit is not None and len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-                    + self.settings.max_new_tokens > self.limit):
+            if (
+                self.limit is not None
+                and len(self.tokenizer(prompt, add_special_tokens=False)["input_ids"]) + self.settings.max_new_tokens > self.limit
+            ):
                 report.prompts_too_long += 1
                 open_[i] = False
                 continue

@@ -8,6 +8,7 @@ logit of the server's token, at that position, given the same prefix. A near-tie
 size of fp32/bf16 rounding, ~1e-3 to 1e-1) explains a parting; a large gap means the engines do
 not compute the same model (another template, weights or sampling).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

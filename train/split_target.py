@@ -18,6 +18,7 @@ EAGLE-3's loss at column t reads the target's final state at t + 1 + i for unrol
 final layer comes back with a halo: this rank's columns plus the next `halo` columns of the next
 rank (zeros past the row's end).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -64,9 +65,19 @@ def split_refusal(model) -> str | None:
     return None
 
 
-def split_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                    dropout: float = 0.0, scaling: float | None = None, sliding_window: int | None = None,
-                    softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
+def split_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs,
+):
     """transformers' attention-function signature: query [B, h, Tl, D] and key/value [B, hkv, Tl, D]
     of this rank's columns -> ([B, Tl, h, Dv], None), attending over the whole row's keys."""
     row = _ROW
@@ -77,7 +88,7 @@ def split_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
     keys, values = row.split.gather(key, dim=2), row.split.gather(value, dim=2)
     kv_heads = keys.shape[1]
     g = heads // kv_heads
-    scaling = D ** -0.5 if scaling is None else scaling
+    scaling = D**-0.5 if scaling is None else scaling
     q = query.reshape(B, kv_heads, g, Tl, D)
     c = max(1, min(Tl, CHUNK_BYTES // max(1, 4 * B * heads * keys.shape[2])))
     outs = []
@@ -92,12 +103,17 @@ def split_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
         if sliding_window is not None:
             allowed = allowed & (row.positions[:, rows, None] - row.positions[:, None, :end] < sliding_window)
         if softcap is None and s_aux is None:  # torch's fused kernel, at the target's dtype
-            out = F.scaled_dot_product_attention(query[:, :, q0:q1], keys[:, :, :end], values[:, :, :end],
-                                                 attn_mask=allowed[:, None], scale=scaling, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                query[:, :, q0:q1], keys[:, :, :end], values[:, :, :end], attn_mask=allowed[:, None], scale=scaling, enable_gqa=True
+            )
             outs.append(out.view(B, kv_heads, g, q1 - q0, -1))
             continue
-        scores = torch.matmul(q[:, :, :, q0:q1].reshape(B, kv_heads, g * (q1 - q0), D).float(),
-                              keys[:, :, :end].float().transpose(-1, -2)).view(B, kv_heads, g, q1 - q0, end) * scaling
+        scores = (
+            torch.matmul(q[:, :, :, q0:q1].reshape(B, kv_heads, g * (q1 - q0), D).float(), keys[:, :, :end].float().transpose(-1, -2)).view(
+                B, kv_heads, g, q1 - q0, end
+            )
+            * scaling
+        )
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
         scores = scores.masked_fill(~allowed[:, None, None], torch.finfo(scores.dtype).min)
@@ -132,9 +148,16 @@ def _attending_split(config, row: _Row):
 
 
 @torch.no_grad()
-def split_target_features(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: Sequence[int],
-                          split: ContextSplit, position_ids: torch.Tensor | None = None, final: int | None = None,
-                          halo: int = 0) -> dict[int, torch.Tensor]:
+def split_target_features(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    layers: Sequence[int],
+    split: ContextSplit,
+    position_ids: torch.Tensor | None = None,
+    final: int | None = None,
+    halo: int = 0,
+) -> dict[int, torch.Tensor]:
     """{layer: [B, S, H]}: train/features.py `target_features` of this rank's S = split.shard(T)
     columns of the rows (padded to S * size columns), layer `final` with `halo` more columns
     ([B, S + halo, H]: the next rank's first ones). Padding columns are zero, as there."""
@@ -151,8 +174,12 @@ def split_target_features(model, input_ids: torch.Tensor, attention_mask: torch.
     row = _Row(split, lo, real.bool(), positions, segment_ids(positions) if position_ids is not None else None)
     config = text_config(model)
     with _attending_split(config, row):
-        out = decoder(input_ids=ids[:, lo:hi], **target_mask_kwargs(model, real[:, lo:hi], positions[:, lo:hi]),
-                      output_hidden_states=list(layers), use_cache=False)
+        out = decoder(
+            input_ids=ids[:, lo:hi],
+            **target_mask_kwargs(model, real[:, lo:hi], positions[:, lo:hi]),
+            output_hidden_states=list(layers),
+            use_cache=False,
+        )
     local_real = real[:, lo:hi, None].bool()
     hidden = {layer: out.hidden_states[layer].masked_fill(~local_real, 0.0) for layer in layers}
     if final is not None and halo:
@@ -160,7 +187,7 @@ def split_target_features(model, input_ids: torch.Tensor, attention_mask: torch.
         k = min(halo, state.shape[1])  # k = S when the halo reaches past the next rank
         firsts = split.gather(state[:, :k], dim=1).split(k, dim=1)  # every rank's first k columns
         past_end = state.new_zeros(state.shape[0], halo, state.shape[2])
-        hidden[final] = torch.cat([state, torch.cat([*firsts[split.rank + 1:], past_end], dim=1)[:, :halo]], dim=1)
+        hidden[final] = torch.cat([state, torch.cat([*firsts[split.rank + 1 :], past_end], dim=1)[:, :halo]], dim=1)
     return hidden
 
 
@@ -175,6 +202,7 @@ class SplitFeaturizer:
     def __call__(self, batch: FeatureBatch) -> FeatureBatch:
         if batch.images is not None:
             raise ValueError("context_parallel splits text rows; rows with images are not built for it")
-        hidden = split_target_features(self.model, batch.input_ids, batch.attention_mask, self.layers, self.split,
-                                       batch.position_ids, final=self.final, halo=self.halo)
+        hidden = split_target_features(
+            self.model, batch.input_ids, batch.attention_mask, self.layers, self.split, batch.position_ids, final=self.final, halo=self.halo
+        )
         return FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, hidden, batch.position_ids, split_columns=True)

@@ -22,6 +22,7 @@ tokenization, and only a shared view lets all ranks agree on the epoch's end wit
 Resuming skips the batches already consumed by reading them again: exact, at the cost of
 re-tokenizing that part of the epoch.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -47,8 +48,7 @@ def rank_batches(samples: Iterable[T], batch_size: int, rank: int = 0, world_siz
     first `skip` chunks are read and dropped: resuming after `skip` consumed batches.
     """
     if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size or skip < 0:
-        raise ValueError(f"need batch_size >= 1, 0 <= rank < world_size, skip >= 0; got {batch_size=}, {rank=}, "
-                         f"{world_size=}, {skip=}")
+        raise ValueError(f"need batch_size >= 1, 0 <= rank < world_size, skip >= 0; got {batch_size=}, {rank=}, {world_size=}, {skip=}")
     chunk_size = world_size * batch_size
     chunk: list[T] = []
     k = 0
@@ -90,8 +90,7 @@ class TokenStream:
             raise FileNotFoundError(f"source file {self.file} does not exist")
         self.format = source_format(self.source, self.file)
         if self.eval_size < 0 or self.shuffle_buffer < 0 or (self.limit is not None and self.limit <= 0):
-            raise ValueError(f"need eval_size >= 0, shuffle_buffer >= 0, limit > 0; got {self.eval_size}, "
-                             f"{self.shuffle_buffer}, {self.limit}")
+            raise ValueError(f"need eval_size >= 0, shuffle_buffer >= 0, limit > 0; got {self.eval_size}, {self.shuffle_buffer}, {self.limit}")
 
     def samples(self) -> datasets.IterableDataset:
         """Rows {id, input_ids, loss_mask, ...} of every usable sample, in file order (a fresh pass, fresh `report`)."""
@@ -101,8 +100,9 @@ class TokenStream:
             _conversations, gen_kwargs={"file": str(self.file), "fmt": self.format, "report": self.report, "limit": self.limit}
         )
         tokenizer, max_length = self.tokenizer, self.max_length
-        return rows.map(lambda row: format_row(tokenizer, row, max_length),
-                        remove_columns=["messages", "answer_token_ids"]).filter(has_loss, input_columns="n_loss")
+        return rows.map(lambda row: format_row(tokenizer, row, max_length), remove_columns=["messages", "answer_token_ids"]).filter(
+            has_loss, input_columns="n_loss"
+        )
 
     def eval_samples(self) -> list[dict[str, torch.Tensor]]:
         """The first `eval_size` usable samples (fewer if the stream is shorter)."""
@@ -121,8 +121,9 @@ class TokenStream:
         """The samples after the eval set, in an order fixed by (seed, epoch)."""
         return map(token_sample, self._train_rows(seed, epoch))
 
-    def batches(self, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, epoch: int = 0,
-                skip: int = 0) -> Iterator[list[dict[str, torch.Tensor]]]:
+    def batches(
+        self, batch_size: int, *, rank: int = 0, world_size: int = 1, seed: int = 0, epoch: int = 0, skip: int = 0
+    ) -> Iterator[list[dict[str, torch.Tensor]]]:
         """This rank's batches (lists of samples) of one epoch, after `skip` batches already consumed
         (see `rank_batches`). Raises EmptySourceError, on every rank alike, when the epoch has no batch."""
         n = 0

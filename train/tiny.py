@@ -3,6 +3,7 @@
 For tests and smoke runs of the whole pipeline without a real model (docs/style.md 10): everything is
 built offline and deterministically from a seed.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,9 +64,7 @@ def tiny_tokenizer(vocab_size: int = 320):
     corpus = [m["content"] for conv in tiny_conversations(200, seed=1234) for m in conv]
     corpus += ["user", "assistant", "system", "Hello! How can I help?"]
     tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = TINY_CHAT_TEMPLATE
     return fast
 
@@ -100,8 +99,16 @@ TINY_FILE = "tiny-target.json"  # what made the folder: marks it as one `--overw
 TINY_LAYERS = 4
 
 
-def save_tiny_target(out_dir: str | Path, *, vocab_size: int = 320, hidden_size: int = 64, num_layers: int = TINY_LAYERS, seed: int = 0,
-                     chats: int = 0, overwrite: bool = False) -> Path:
+def save_tiny_target(
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 320,
+    hidden_size: int = 64,
+    num_layers: int = TINY_LAYERS,
+    seed: int = 0,
+    chats: int = 0,
+    overwrite: bool = False,
+) -> Path:
     """Save a tiny random target + tokenizer as a Hugging Face folder that `from_pretrained` loads,
     with `chats` synthetic chats in CHATS_FILE (none: 0). The folder appears whole or not at all,
     and a non-empty one is replaced only with `overwrite` (heads/outdir.py)."""

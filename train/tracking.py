@@ -4,6 +4,7 @@ at the end `output_dir/eval.png`, the eval curves (train/curves.py).
 Only the main process reports (docs/style.md 8); on other processes every method is a no-op.
 wandb runs offline unless the user set WANDB_MODE: nothing here reaches a server by default.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,9 +54,7 @@ class RunLog:
             id_file = self.dir / WANDB_ID_FILE  # the same wandb run continues after --resume
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id)
-            self.wandb = wandb.init(
-                project=project, name=run_name, id=run_id, resume="allow", dir=str(self.dir), config=config or {}
-            )
+            self.wandb = wandb.init(project=project, name=run_name, id=run_id, resume="allow", dir=str(self.dir), config=config or {})
 
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -10,6 +10,7 @@ batches_per_epoch`; epoch e is shuffled by a generator seeded with `sampler_seed
 checkpoint holding `micro_step`, the model/optimizer/scheduler states and every RNG state
 resumes exactly where the run stopped.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -155,8 +156,9 @@ class JointLoss(HeadLoss):
         labels, valid = shifted_labels(batch.input_ids, batch.loss_mask, batch.attention_mask, 1, batch.position_ids)
         logits = out.logits[valid].float()  # [N, V]: only labelled positions
         lm_loss = F.cross_entropy(logits, labels[valid]) if logits.shape[0] else logits.sum() * 0.0
-        feats = FeatureBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, {i: out.hidden_states[i] for i in self.layers},
-                             batch.position_ids)
+        feats = FeatureBatch(
+            batch.input_ids, batch.attention_mask, batch.loss_mask, {i: out.hidden_states[i] for i in self.layers}, batch.position_ids
+        )
         head_loss, metrics = self.head.compute_loss(feats)
         loss = self.lm_weight * lm_loss + self.head_weight * head_loss
         metrics = dict(metrics, head_loss=float(head_loss.detach()), lm_loss=float(lm_loss.detach()), loss=float(loss.detach()))
@@ -173,8 +175,10 @@ class JointLoss(HeadLoss):
         lora = {k[len("target.") :]: v for k, v in weights.items() if k.startswith("target.")}
         expected = {n for n, p in params.items() if p.requires_grad}
         if set(lora) != expected:
-            raise ValueError(f"checkpoint LoRA weights do not match the model: missing {sorted(expected - set(lora))[:3]}, "
-                             f"unexpected {sorted(set(lora) - expected)[:3]}")
+            raise ValueError(
+                f"checkpoint LoRA weights do not match the model: missing {sorted(expected - set(lora))[:3]}, "
+                f"unexpected {sorted(set(lora) - expected)[:3]}"
+            )
         with torch.no_grad():
             for n, v in lora.items():
                 params[n].copy_(v)
@@ -232,9 +236,18 @@ def make_accelerator(config: TrainConfig):
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, head: nn.Module, data: TrainData, *, accelerator=None, target: nn.Module | None = None,
-                 layers: tuple[int, ...] = (), frozen_target: nn.Module | None = None,
-                 replay: Callable[[nn.Module], dict[str, float]] | None = None):
+    def __init__(
+        self,
+        config: TrainConfig,
+        head: nn.Module,
+        data: TrainData,
+        *,
+        accelerator=None,
+        target: nn.Module | None = None,
+        layers: tuple[int, ...] = (),
+        frozen_target: nn.Module | None = None,
+        replay: Callable[[nn.Module], dict[str, float]] | None = None,
+    ):
         """head: a fresh (or to-be-resumed) head. target: the LoRA-wrapped target for medusa2
         (trained jointly; `layers` are the hidden states the head reads); None otherwise.
         frozen_target: the target behind `data.featurize`, sharded with the head under FSDP.
@@ -321,8 +334,7 @@ class Trainer:
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def fit(self, *, resume: bool = False, overwrite: bool = False, stop_after_steps: int | None = None,
-            progress: bool = True) -> TrainResult:
+    def fit(self, *, resume: bool = False, overwrite: bool = False, stop_after_steps: int | None = None, progress: bool = True) -> TrainResult:
         """Train to the configured length. resume: continue from the newest checkpoint in
         output_dir (a fresh start if there is none), whose config must agree with this one
         (train/config.py check_resume). overwrite: delete what output_dir holds first; without it
@@ -338,8 +350,7 @@ class Trainer:
         bpe = self.batches_per_epoch()
         n_train = bpe * cfg.batch_size * data_world if is_stream(self.data.train) else len(self.data.train)  # a stream: the samples used
         if bpe == 0:
-            raise ValueError(f"{n_train} training samples do not fill one batch of {cfg.batch_size} on {data_world} "
-                             "data-parallel process(es)")
+            raise ValueError(f"{n_train} training samples do not fill one batch of {cfg.batch_size} on {data_world} data-parallel process(es)")
         total = self.total_steps()
         ckpt, changes = self._start_point(out, resume=resume, overwrite=overwrite)
 
@@ -348,13 +359,25 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, partial(lr_factor, warmup_steps=cfg.warmup_steps, total_steps=total, schedule=cfg.schedule, min_ratio=cfg.min_lr_ratio)
         )
-        state = TrainState(sampler_seed=cfg.seed, world_size=world,
-                           parallelism=("fsdp" if self.fsdp else "ddp") + (f"+cp{cfg.context_parallel}" if cfg.context_parallel > 1 else ""))
+        state = TrainState(
+            sampler_seed=cfg.seed,
+            world_size=world,
+            parallelism=("fsdp" if self.fsdp else "ddp") + (f"+cp{cfg.context_parallel}" if cfg.context_parallel > 1 else ""),
+        )
         if ckpt is not None:
             state = self._restore(ckpt, optimizer, state)
 
-        log = RunLog(out, is_main=acc.is_main_process, total_steps=total, initial_step=state.step, report_to=cfg.report_to,
-                     project=cfg.wandb_project, run_name=cfg.run_name, config=cfg.to_dict(), progress=progress)
+        log = RunLog(
+            out,
+            is_main=acc.is_main_process,
+            total_steps=total,
+            initial_step=state.step,
+            report_to=cfg.report_to,
+            project=cfg.wandb_project,
+            run_name=cfg.run_name,
+            config=cfg.to_dict(),
+            progress=progress,
+        )
         if acc.is_main_process:
             out.mkdir(parents=True, exist_ok=True)
             cfg.save(out / CONFIG_FILE)
@@ -384,8 +407,9 @@ class Trainer:
                 done = state.step == total
 
                 if state.step % cfg.log_every == 0 or done:
-                    train_metrics = self._log_train(log, state, window, window_tokens, time.perf_counter() - window_start,
-                                                    window_steps, grad_norm, clock, bar_eval)
+                    train_metrics = self._log_train(
+                        log, state, window, window_tokens, time.perf_counter() - window_start, window_steps, grad_norm, clock, bar_eval
+                    )
                     window, window_tokens, window_start, window_steps = MetricMean(), 0, time.perf_counter(), 0
                 if self.data.eval is not None and len(self.data.eval) and ((cfg.eval_every and state.step % cfg.eval_every == 0) or done):
                     eval_metrics, bar_eval, best = self._eval(log, state.step, best)
@@ -424,8 +448,9 @@ class Trainer:
         cfg, cp = self.config, self.config.context_parallel
         replicas, replica = self.data_world()  # refuses a world that cp does not divide
         if not hasattr(self.head, "context_split"):
-            raise NotImplementedError(f"context_parallel splits EAGLE-3's training-time-test rows (eagle3, eagle31); "
-                                      f"{cfg.head['kind']} does not split them")
+            raise NotImplementedError(
+                f"context_parallel splits EAGLE-3's training-time-test rows (eagle3, eagle31); {cfg.head['kind']} does not split them"
+            )
         groups = [dist.new_group(list(range(g * cp, (g + 1) * cp))) for g in range(replicas)]  # every rank makes every group
         split = ContextSplit(self.accelerator.process_index % cp, cp, groups[replica])
         self.head.context_split = split
@@ -433,8 +458,9 @@ class Trainer:
         if isinstance(featurize, OnlineFeaturizer):  # online features: the target's forward is split too, where it can be
             refusal = split_refusal(featurize.model)
             if refusal is None:
-                self.data.featurize = SplitFeaturizer(featurize.model, featurize.layers, split, self.head.config.final_layer,
-                                                      halo=self.head.config.ttt_steps)
+                self.data.featurize = SplitFeaturizer(
+                    featurize.model, featurize.layers, split, self.head.config.final_layer, halo=self.head.config.ttt_steps
+                )
             self.target_forward = f"split across {cp} ranks" if refusal is None else f"whole on every rank: {refusal}"
 
     def _restore(self, ckpt: Checkpoint, optimizer, state: TrainState) -> TrainState:
@@ -447,8 +473,10 @@ class Trainer:
                 "the data order would differ; resume with the same number of processes"
             )
         if ckpt.state.parallelism != state.parallelism:
-            raise ValueError(f"checkpoint {ckpt.path} was written under {ckpt.state.parallelism}, this run is {state.parallelism}: "
-                             "their optimizer states are keyed differently; resume with the same parallelism")
+            raise ValueError(
+                f"checkpoint {ckpt.path} was written under {ckpt.state.parallelism}, this run is {state.parallelism}: "
+                "their optimizer states are keyed differently; resume with the same parallelism"
+            )
         if self.fsdp:
             sharding.load_gathered_state(self.module, optimizer, ckpt.weights, ckpt.optimizer_state)
         else:
@@ -460,28 +488,36 @@ class Trainer:
         restore_rng_state(ckpt.rng_states[acc.process_index])
         return ckpt.state
 
-    def _announce(self, log: RunLog, ckpt: Checkpoint | None, changes: list[str], state: TrainState, held: dict,
-                  *, n_train: int, bpe: int, total: int) -> None:
+    def _announce(
+        self, log: RunLog, ckpt: Checkpoint | None, changes: list[str], state: TrainState, held: dict, *, n_train: int, bpe: int, total: int
+    ) -> None:
         """The run's first event: start or resume, its size and what this rank holds."""
         acc, world = self.accelerator, self.accelerator.num_processes
         log.event(
             "resume" if ckpt is not None else "start",
             f"{'resuming from ' + str(ckpt.path) if ckpt is not None else 'training'}"
-            + (f" with changed settings ({'; '.join(changes)})" if changes else "") + f": world size {world} "
+            + (f" with changed settings ({'; '.join(changes)})" if changes else "")
+            + f": world size {world} "
             f"({acc.distributed_type}), device {acc.device}, {n_train} train samples, {bpe} batches/epoch/process, "
             f"{total} steps; {state.parallelism}: this rank holds "
             + ", ".join(f"{mine:,} of {whole:,} {part} parameters" for part, (mine, whole) in held.items())
             + (f"; the target's forward runs {self.target_forward}" if self.target_forward else ""),
-            world_size=world, distributed_type=str(acc.distributed_type), device=str(acc.device), parallelism=state.parallelism,
+            world_size=world,
+            distributed_type=str(acc.distributed_type),
+            device=str(acc.device),
+            parallelism=state.parallelism,
             mixed_precision=acc.mixed_precision,
             **{f"{part}_params_local": mine for part, (mine, _) in held.items()},
-            train_samples=n_train, eval_samples=len(self.data.eval) if self.data.eval is not None else 0,
-            batches_per_epoch=bpe, total_steps=total, step=state.step, changed_settings=changes,
+            train_samples=n_train,
+            eval_samples=len(self.data.eval) if self.data.eval is not None else 0,
+            batches_per_epoch=bpe,
+            total_steps=total,
+            step=state.step,
+            changed_settings=changes,
             target_forward=self.target_forward,
         )
 
-    def _micro_step(self, model, read: EpochReader, state: TrainState, bpe: int, window: MetricMean, clock: PhaseClock,
-                    last_ckpt, m: int) -> int:
+    def _micro_step(self, model, read: EpochReader, state: TrainState, bpe: int, window: MetricMean, clock: PhaseClock, last_ckpt, m: int) -> int:
         """Micro-batch m of grad_accum: forward and backward (gradients synchronised on the last);
         adds its metrics to `window`; returns its token count."""
         cfg, acc = self.config, self.accelerator
@@ -518,18 +554,39 @@ class Trainer:
         state.step += 1
         return grad_norm
 
-    def _log_train(self, log: RunLog, state: TrainState, window: MetricMean, window_tokens: int, elapsed: float,
-                   window_steps: int, grad_norm, clock: PhaseClock, bar_eval: dict) -> dict[str, float]:
+    def _log_train(
+        self,
+        log: RunLog,
+        state: TrainState,
+        window: MetricMean,
+        window_tokens: int,
+        elapsed: float,
+        window_steps: int,
+        grad_norm,
+        clock: PhaseClock,
+        bar_eval: dict,
+    ) -> dict[str, float]:
         """The training metrics of the steps since the last log line, over all processes."""
         acc = self.accelerator
         tokens = int(acc.reduce(torch.tensor(window_tokens, device=acc.device), "sum"))
         state.tokens += tokens
         metrics = summarize(reduce_means(acc, window))  # all processes' batches
-        metrics.update(lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm), tokens_per_s=tokens / max(elapsed, 1e-9),
-                       epoch=state.epoch, s_step=elapsed / window_steps, **clock.take(window_steps))
+        metrics.update(
+            lr=self.scheduler.get_last_lr()[0],
+            grad_norm=float(grad_norm),
+            tokens_per_s=tokens / max(elapsed, 1e-9),
+            epoch=state.epoch,
+            s_step=elapsed / window_steps,
+            **clock.take(window_steps),
+        )
         log.metrics(state.step, "train", metrics)
-        log.progress(state.step, loss=metrics.get("loss", float("nan")), acc_0=metrics.get("acc_0", float("nan")),
-                     tok_s=round(metrics["tokens_per_s"]), **bar_eval)
+        log.progress(
+            state.step,
+            loss=metrics.get("loss", float("nan")),
+            acc_0=metrics.get("acc_0", float("nan")),
+            tok_s=round(metrics["tokens_per_s"]),
+            **bar_eval,
+        )
         return metrics
 
     def _eval(self, log: RunLog, step: int, best: float | None) -> tuple[dict[str, float], dict[str, float], float | None]:
@@ -555,12 +612,13 @@ class Trainer:
         head_state = None
         if self.fsdp:  # gathered on every rank (a collective), written by the main one
             weights = sharding.gathered_weights(self.module)
-            head_state = {k[len("head."):]: v for k, v in weights.items() if k.startswith("head.")}
+            head_state = {k[len("head.") :]: v for k, v in weights.items() if k.startswith("head.")}
         if acc.is_main_process:
             with fresh_folder(final_dir, overwrite=True) as tmp:
                 self.head.save_pretrained(tmp, adapter_model=self.target, state=head_state)
-            log.event("end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir),
-                      **{f"eval_{k}": v for k, v in eval_metrics.items()})
+            log.event(
+                "end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir), **{f"eval_{k}": v for k, v in eval_metrics.items()}
+            )
         acc.wait_for_everyone()
         return final_dir
 
@@ -584,6 +642,7 @@ class Trainer:
             return None, []
         changes = check_resume(saved_run_config(existing, out / CONFIG_FILE), self.config, str(existing))
         return load_checkpoint(existing), changes
+
     def _save_best(self, step: int, value: float, log: RunLog) -> None:
         """The head as it is now in output_dir/best, with the eval that put it there (train/best.py)."""
         if not self.accelerator.is_main_process:
@@ -591,8 +650,14 @@ class Trainer:
         folder = Path(self.config.output_dir) / BEST_DIR
         self.head.save_pretrained(folder, adapter_model=self.target)
         write_record(folder, step, self.config.keep_best, value)
-        log.event("best", f"step {step}: {self.config.keep_best}={value:.4g}, the best so far: head saved to {folder}",
-                  step=step, metric=self.config.keep_best, value=value, path=str(folder))
+        log.event(
+            "best",
+            f"step {step}: {self.config.keep_best}={value:.4g}, the best so far: head saved to {folder}",
+            step=step,
+            metric=self.config.keep_best,
+            value=value,
+            path=str(folder),
+        )
 
     def _save_checkpoint(self, state: TrainState, optimizer, log: RunLog) -> Path:
         """Every process contributes its RNG state; the main process writes. Returns the folder."""
@@ -607,8 +672,14 @@ class Trainer:
             weights, optimizer_state = self.module.trainable_state(), optimizer.state_dict()
         if acc.is_main_process:
             path = save_checkpoint(
-                cfg.output_dir, state, weights, optimizer_state, self.scheduler.state_dict(), rng_states,
-                scaler_state=acc.scaler.state_dict() if acc.scaler is not None else None, keep=cfg.keep_checkpoints,
+                cfg.output_dir,
+                state,
+                weights,
+                optimizer_state,
+                self.scheduler.state_dict(),
+                rng_states,
+                scaler_state=acc.scaler.state_dict() if acc.scaler is not None else None,
+                keep=cfg.keep_checkpoints,
                 config=cfg.to_dict(),
             )
             log.event("checkpoint", step=state.step, path=str(path))
@@ -629,8 +700,7 @@ class Trainer:
             model, optimizer = self.accelerator.prepare(self.module, self.optimizer)
         parts = {"head": self.module, "target": self.frozen_target}
         # a DTensor's numel() is its whole (global) size, its local shard what this rank stores
-        held = {part: (sharding.local_numel(m.parameters()), sum(p.numel() for p in m.parameters()))
-                for part, m in parts.items() if m is not None}
+        held = {part: (sharding.local_numel(m.parameters()), sum(p.numel() for p in m.parameters())) for part, m in parts.items() if m is not None}
         return model, optimizer, held
 
     def _accumulating(self, model, accumulate: bool):
@@ -693,12 +763,16 @@ def check_output_dir(out: Path, existing: Path | None, *, resume: bool, overwrit
     if overwrite or (resume and existing is not None):
         return
     if existing is not None:
-        raise OutputExistsError(f"{out} already has checkpoints ({existing.name}): pass --resume to continue, "
-                                f"{OVERWRITE_FLAG} to replace the run, or use another output_dir")
+        raise OutputExistsError(
+            f"{out} already has checkpoints ({existing.name}): pass --resume to continue, "
+            f"{OVERWRITE_FLAG} to replace the run, or use another output_dir"
+        )
     if not is_empty(out):
         held = ", ".join(sorted(p.name for p in out.iterdir())[:4])
-        raise OutputExistsError(f"output_dir {out} holds another run's files ({held}) and no checkpoint to resume: "
-                                f"pass {OVERWRITE_FLAG} to replace it, or use another output_dir")
+        raise OutputExistsError(
+            f"output_dir {out} holds another run's files ({held}) and no checkpoint to resume: "
+            f"pass {OVERWRITE_FLAG} to replace it, or use another output_dir"
+        )
 
 
 def is_stream(train) -> bool:
@@ -726,8 +800,7 @@ class EpochReader:
 
     def _open(self, epoch: int, index: int):
         if is_stream(self.train):
-            return iter(self.train.batches(self.batch_size, rank=self.rank, world_size=self.world_size, seed=self.seed,
-                                           epoch=epoch, skip=index))
+            return iter(self.train.batches(self.batch_size, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=epoch, skip=index))
         batches = epoch_batches(len(self.train), self.batch_size, self.world_size, self.rank, self.seed, epoch)
         return ([self.train[i] for i in indices] for indices in batches[index:])
 

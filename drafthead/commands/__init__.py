@@ -3,6 +3,7 @@
 The options several commands share are defined once here, with the helpers that turn parsed
 arguments into the objects the library functions take (docs/style.md 7: parse, build, call).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,11 +70,19 @@ def add_target_options(parser: argparse.ArgumentParser, *, dtype: str = "float32
         default=DEFAULT_TARGET,
         help=f"built-in name (smollm2-135m, gemma3-270m), a local Hugging Face folder or a .gguf file (default {DEFAULT_TARGET})",
     )
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=dtype,
-                   help=f"target dtype; auto: bfloat16 where the device runs it natively, else float32 (default {dtype})")
-    g.add_argument("--round-weights", choices=("bfloat16",), default=None,
-                   help="round the target's weights to bf16 values, computed in --dtype: the model a bf16 "
-                        "checkpoint or bf16 GGUF holds; on CPU our engine then streams them as bf16")
+    g.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "auto"),
+        default=dtype,
+        help=f"target dtype; auto: bfloat16 where the device runs it natively, else float32 (default {dtype})",
+    )
+    g.add_argument(
+        "--round-weights",
+        choices=("bfloat16",),
+        default=None,
+        help="round the target's weights to bf16 values, computed in --dtype: the model a bf16 "
+        "checkpoint or bf16 GGUF holds; on CPU our engine then streams them as bf16",
+    )
     add_device_option(g)
     g.add_argument("--threads", type=_positive_int, default=threads, help="torch CPU threads")
 
@@ -94,9 +103,11 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None
 def add_overwrite_option(parser) -> None:
     from ..heads.outdir import OVERWRITE_FLAG
 
-    parser.add_argument(OVERWRITE_FLAG, action="store_true",
-                        help="replace a non-empty output: the new one is written beside it and swapped in whole "
-                             "(docs/reliability.md)")
+    parser.add_argument(
+        OVERWRITE_FLAG,
+        action="store_true",
+        help="replace a non-empty output: the new one is written beside it and swapped in whole (docs/reliability.md)",
+    )
 
 
 def add_device_option(parser) -> None:
@@ -113,42 +124,80 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
-    g.add_argument("--num-draft", type=_num_draft, default=None, metavar="N",
-                   help="draft nodes per round (default: the proposer's, or the head folder's drafting.json); "
-                        "with --sizing confidence, the most a round may keep")
-    g.add_argument("--sizing", choices=SIZINGS, default=None,
-                   help="how each round's tree is sized: fixed (every round the drafter's tree); policy: the node "
-                        "count, down to plain decoding, that pays at the batch size, from the target's measured "
-                        "forward cost; confidence (EAGLE and DSpark heads): the drafter's own estimate of "
-                        "acceptance against that cost (default: drafting.json's, else fixed). `--num-draft auto` "
-                        "and `--num-draft confidence` are read as --sizing policy and --sizing confidence")
-    g.add_argument("--lookup-nodes", type=int, default=None, metavar="N",
-                   help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the "
-                        "head folder's drafting.json, else 0)")
-    g.add_argument("--lookup-streak", type=int, default=None, metavar="N",
-                   help="prompt lookup (alone or merged into a head's tree): after a round that accepted a "
-                        "whole continuation, draft one N tokens long (0: off; default: drafting.json for heads, "
-                        "32 for prompt lookup alone)")
-    g.add_argument("--tree-depth", type=_positive_int, default=None, metavar="D",
-                   help="EAGLE heads: draft steps per round (default: drafting.json, else 5)")
-    g.add_argument("--tree-branch", type=_positive_int, default=None, metavar="K",
-                   help="EAGLE heads: children expanded per node and step (default: drafting.json, else 6)")
+    g.add_argument(
+        "--num-draft",
+        type=_num_draft,
+        default=None,
+        metavar="N",
+        help="draft nodes per round (default: the proposer's, or the head folder's drafting.json); "
+        "with --sizing confidence, the most a round may keep",
+    )
+    g.add_argument(
+        "--sizing",
+        choices=SIZINGS,
+        default=None,
+        help="how each round's tree is sized: fixed (every round the drafter's tree); policy: the node "
+        "count, down to plain decoding, that pays at the batch size, from the target's measured "
+        "forward cost; confidence (EAGLE and DSpark heads): the drafter's own estimate of "
+        "acceptance against that cost (default: drafting.json's, else fixed). `--num-draft auto` "
+        "and `--num-draft confidence` are read as --sizing policy and --sizing confidence",
+    )
+    g.add_argument(
+        "--lookup-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the head folder's drafting.json, else 0)",
+    )
+    g.add_argument(
+        "--lookup-streak",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompt lookup (alone or merged into a head's tree): after a round that accepted a "
+        "whole continuation, draft one N tokens long (0: off; default: drafting.json for heads, "
+        "32 for prompt lookup alone)",
+    )
+    g.add_argument(
+        "--tree-depth", type=_positive_int, default=None, metavar="D", help="EAGLE heads: draft steps per round (default: drafting.json, else 5)"
+    )
+    g.add_argument(
+        "--tree-branch",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="EAGLE heads: children expanded per node and step (default: drafting.json, else 6)",
+    )
     g = parser.add_argument_group("engine")
-    g.add_argument("--static-cache", action="store_true",
-                   help="a fixed-size KV cache for the target (no per-round reallocation)")
-    g.add_argument("--compile", action="store_true",
-                   help="torch.compile (inductor) the target's round forward, with a static cache (the first "
-                        "generation compiles: minutes on a small CPU; docs/trees.md \"Static cache\")")
-    g.add_argument("--row-invariant", action=argparse.BooleanOptionalAction, default=False,
-                   help="every verify forward row-invariant: a row's logits are the same bits alone or in a tree, so "
-                        "bf16 output equals plain decoding through the same kernels, which becomes the reference "
-                        "(CPU panel kernel; docs/acceptance.md \"Row invariance\")")
-    g.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
-                   help="the target's forward: torch (transformers), or llama.cpp's through libllama on a GGUF "
-                        "of the target (`make llamacpp` builds it; docs/llamacpp-backend.md). Drafters stay in torch")
-    g.add_argument("--gguf-type", choices=("f32", "bf16", "q8_0", "q4_0"), default=None,
-                   help="llama.cpp backend: the GGUF's weight type (default: the one --dtype holds, f32 or bf16); "
-                        "quantized types are a different model from the torch target, decoded exactly")
+    g.add_argument("--static-cache", action="store_true", help="a fixed-size KV cache for the target (no per-round reallocation)")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile (inductor) the target's round forward, with a static cache (the first "
+        'generation compiles: minutes on a small CPU; docs/trees.md "Static cache")',
+    )
+    g.add_argument(
+        "--row-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="every verify forward row-invariant: a row's logits are the same bits alone or in a tree, so "
+        "bf16 output equals plain decoding through the same kernels, which becomes the reference "
+        '(CPU panel kernel; docs/acceptance.md "Row invariance")',
+    )
+    g.add_argument(
+        "--backend",
+        choices=("torch", "llama.cpp"),
+        default="torch",
+        help="the target's forward: torch (transformers), or llama.cpp's through libllama on a GGUF "
+        "of the target (`make llamacpp` builds it; docs/llamacpp-backend.md). Drafters stay in torch",
+    )
+    g.add_argument(
+        "--gguf-type",
+        choices=("f32", "bf16", "q8_0", "q4_0"),
+        default=None,
+        help="llama.cpp backend: the GGUF's weight type (default: the one --dtype holds, f32 or bf16); "
+        "quantized types are a different model from the torch target, decoded exactly",
+    )
 
 
 def torch_threads() -> int:
@@ -159,9 +208,11 @@ def torch_threads() -> int:
 
 def engine_options(args) -> dict:
     """GenerationConfig's engine fields from --static-cache / --compile / --row-invariant."""
-    return {"static_cache": bool(getattr(args, "static_cache", False)),
-            "compile": "inductor" if getattr(args, "compile", False) else None,
-            "row_invariant": bool(getattr(args, "row_invariant", False))}
+    return {
+        "static_cache": bool(getattr(args, "static_cache", False)),
+        "compile": "inductor" if getattr(args, "compile", False) else None,
+        "row_invariant": bool(getattr(args, "row_invariant", False)),
+    }
 
 
 def add_sampling_options(parser: argparse.ArgumentParser, *, max_new_tokens: int = 256) -> None:
@@ -194,8 +245,9 @@ def load_target_from_args(args):
     from ..inference.engine.targets import load_target
 
     resolve_dtype_arg(args)
-    return load_target(args.target, dtype=args.dtype, device=resolve_device(args.device), threads=args.threads,
-                       round_weights=getattr(args, "round_weights", None))
+    return load_target(
+        args.target, dtype=args.dtype, device=resolve_device(args.device), threads=args.threads, round_weights=getattr(args, "round_weights", None)
+    )
 
 
 def resolve_dtype_arg(args) -> str:
@@ -210,15 +262,19 @@ def resolve_dtype_arg(args) -> str:
 def sampling_from_args(args):
     from ..inference.engine.sampling import SamplingConfig
 
-    return SamplingConfig(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty
-    )
+    return SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty)
 
 
 def add_typical_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--typical-acceptance", nargs="?", const="0.09,0.3", default=None, metavar="EPS,DELTA",
-                        help="LOSSY: Medusa's typical acceptance instead of the exact rule (sampling only; the output "
-                             "is no longer the target's distribution). Default thresholds 0.09,0.3")
+    parser.add_argument(
+        "--typical-acceptance",
+        nargs="?",
+        const="0.09,0.3",
+        default=None,
+        metavar="EPS,DELTA",
+        help="LOSSY: Medusa's typical acceptance instead of the exact rule (sampling only; the output "
+        "is no longer the target's distribution). Default thresholds 0.09,0.3",
+    )
 
 
 def typical_from_args(args):
@@ -244,8 +300,14 @@ def draft_spec_from_args(args):
 
 def drafting_from_args(args, spec, loaded, sampling=None):
     """spec.build for the loaded target, with the engine options the load policy's timing needs."""
-    return spec.build(loaded, sampling=sampling, seed=getattr(args, "seed", None), threads=args.threads,
-                      row_invariant=bool(getattr(args, "row_invariant", False)), note=note)
+    return spec.build(
+        loaded,
+        sampling=sampling,
+        seed=getattr(args, "seed", None),
+        threads=args.threads,
+        row_invariant=bool(getattr(args, "row_invariant", False)),
+        note=note,
+    )
 
 
 def note(message: str) -> None:

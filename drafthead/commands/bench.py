@@ -1,4 +1,5 @@
 """`drafthead bench`: plain generate() vs speculative decoding over a prompt set; JSON report."""
+
 from __future__ import annotations
 
 import json
@@ -22,22 +23,35 @@ from . import (
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark speculative decoding against plain generate()")
-    p.add_argument("--dataset", default="mt-bench",
-                   help="mt-bench; edits (ShareGPT requests whose answers copy the prompt: rewrite, fix, proofread; "
-                        "where prompt lookup pays); or a .jsonl prompt file (default mt-bench)")
+    p.add_argument(
+        "--dataset",
+        default="mt-bench",
+        help="mt-bench; edits (ShareGPT requests whose answers copy the prompt: rewrite, fix, proofread; "
+        "where prompt lookup pays); or a .jsonl prompt file (default mt-bench)",
+    )
     p.add_argument("--limit", type=int, default=None, help="first N prompts only")
     p.add_argument("--out", default=None, metavar="JSON", help="write the report here")
     p.add_argument("--plot", default=None, metavar="PNG", help="acceptance / tau / tokens-per-second figure")
     p.add_argument("--markdown", default=None, metavar="MD", help="write the summary table as Markdown")
     p.add_argument("--profile", action="store_true", help="exact per-phase engine timings (syncs the device)")
-    p.add_argument("--compare", choices=("hf-prompt-lookup", "llama.cpp", "vllm"), action="append", default=[],
-                   help="also time HF's own prompt lookup, or the same prompts through llama.cpp (plain and its "
-                        "n-gram drafting) / vLLM's CPU build, from their own venvs (`make interop`; greedy, batch 1)")
+    p.add_argument(
+        "--compare",
+        choices=("hf-prompt-lookup", "llama.cpp", "vllm"),
+        action="append",
+        default=[],
+        help="also time HF's own prompt lookup, or the same prompts through llama.cpp (plain and its "
+        "n-gram drafting) / vLLM's CPU build, from their own venvs (`make interop`; greedy, batch 1)",
+    )
     p.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up generation length (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--batch-size", type=int, default=None, metavar="B",
-                   help="decode B prompts at a time, plain batched generate() vs ours batched (and ours with no "
-                        "drafting); reports total tokens/s, per-row tau, identical share and peak RSS")
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        metavar="B",
+        help="decode B prompts at a time, plain batched generate() vs ours batched (and ours with no "
+        "drafting); reports total tokens/s, per-row tau, identical share and peak RSS",
+    )
     add_overwrite_option(p)
     add_target_options(p)
     add_proposer_options(p)
@@ -162,18 +176,29 @@ def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
     layout, kind = head_layout(Path(head)) if head else (None, None)
     # a head of ours that llama.cpp's converter takes also drafts in llama.cpp's own speculative tool
     eagle3 = Path(head) if layout == "ours" and "llama.cpp" in formats_for(str(kind)) else None
-    return tools.compare_rows(Path(loaded.path), args.gguf_type or DTYPE_GGUF[args.dtype], texts,
-                              settings.max_new_tokens, args.threads or torch_threads(), eagle3_head=eagle3,
-                              progress=settings.progress)
+    return tools.compare_rows(
+        Path(loaded.path),
+        args.gguf_type or DTYPE_GGUF[args.dtype],
+        texts,
+        settings.max_new_tokens,
+        args.threads or torch_threads(),
+        eagle3_head=eagle3,
+        progress=settings.progress,
+    )
 
 
 def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
     from ..inference.bench.compare_vllm import vllm_rows
 
     return vllm_rows(
-        Path(loaded.path), [ids[0].tolist() for ids in encoded], list(settings.eos_token_ids),
-        settings.max_new_tokens, args.dtype, args.threads or torch_threads(),
-        Path(args.out).parent / "engines" if args.out else Path("out/engines"))
+        Path(loaded.path),
+        [ids[0].tolist() for ids in encoded],
+        list(settings.eos_token_ids),
+        settings.max_new_tokens,
+        args.dtype,
+        args.threads or torch_threads(),
+        Path(args.out).parent / "engines" if args.out else Path("out/engines"),
+    )
 
 
 def _run_batched(args, model, tokenizer, factory, policy, prompts, settings) -> int:
@@ -193,8 +218,7 @@ def check_report_paths(args) -> None:
     of the bench's inputs (the --dataset file, the head), or names the same file as another."""
     from ..heads.outdir import check_output, check_replaceable
 
-    given = {option: path for option, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot))
-             if path is not None}
+    given = {option: path for option, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot)) if path is not None}
     seen: dict[Path, str] = {}
     for option, path in given.items():
         if Path(path).exists() and Path(path).is_dir():
@@ -209,6 +233,6 @@ def check_report_paths(args) -> None:
 
 def write_text(path: str, text: str) -> None:
     """A report file, whole or not at all (a temp file renamed in: Ctrl-C leaves the old one)."""
-    from ..heads.io import atomic_write
+    from ..heads.files import atomic_write
 
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

@@ -12,6 +12,7 @@
     accelerate launch --multi_gpu --num_processes 2 -m drafthead.cli data capture ...
 (docs/launching.md "Data work on several processes").
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,13 +22,26 @@ import os
 from pathlib import Path
 
 from ..draft_spec import llamacpp_target
-from . import (_non_negative_int, _positive_float, _positive_int, add_device_option, add_overwrite_option,
-               add_target_options, load_target_from_args, note, resolve_device)
+from . import (
+    _non_negative_int,
+    _positive_float,
+    _positive_int,
+    add_device_option,
+    add_overwrite_option,
+    add_target_options,
+    load_target_from_args,
+    note,
+    resolve_device,
+)
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("data", help="load, regenerate (self-distill) and capture training data",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "data",
+        help="load, regenerate (self-distill) and capture training data",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
 
     def source_options(q):
@@ -52,49 +66,77 @@ def add_parser(subparsers) -> None:
     q.add_argument("--max-turns", type=_positive_int, default=None, help="answer at most this many user turns")
     q.add_argument("--max-prompt-tokens", type=_positive_int, default=None, help="stop a conversation whose prompt grows past this")
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--speculative", action="store_true",
-                   help="answer through our batched speculative decoding with the target's shipped head (or --head)")
+    q.add_argument(
+        "--speculative", action="store_true", help="answer through our batched speculative decoding with the target's shipped head (or --head)"
+    )
     q.add_argument("--head", default=None, metavar="DIR", help="with --speculative: this head instead of the shipped one")
-    q.add_argument("--sizing", choices=("policy", "fixed"), default=None,
-                   help="with --speculative: policy (default), the load policy sizes each round's trees down to plain "
-                        "decoding by the measured forward cost (a whole tree at batch 48 costs more than it "
-                        "gains on a CPU); fixed: the head's whole trees every round")
-    q.add_argument("--num-draft", choices=("auto", "whole"), default=None,
-                   help="the old spelling of --sizing: auto is policy, whole is fixed")
-    g = q.add_argument_group("serving engine (docs/models-and-data.md \"Regenerating through a server\")")
-    g.add_argument("--server", nargs="+", default=None, metavar="URL",
-                   help="OpenAI-compatible chat-completions servers (vLLM, SGLang, llama-server) that serve the "
-                        "target, http://host:port; several share the work. --target then gives only the tokenizer")
+    q.add_argument(
+        "--sizing",
+        choices=("policy", "fixed"),
+        default=None,
+        help="with --speculative: policy (default), the load policy sizes each round's trees down to plain "
+        "decoding by the measured forward cost (a whole tree at batch 48 costs more than it "
+        "gains on a CPU); fixed: the head's whole trees every round",
+    )
+    q.add_argument("--num-draft", choices=("auto", "whole"), default=None, help="the old spelling of --sizing: auto is policy, whole is fixed")
+    g = q.add_argument_group('serving engine (docs/models-and-data.md "Regenerating through a server")')
+    g.add_argument(
+        "--server",
+        nargs="+",
+        default=None,
+        metavar="URL",
+        help="OpenAI-compatible chat-completions servers (vLLM, SGLang, llama-server) that serve the "
+        "target, http://host:port; several share the work. --target then gives only the tokenizer",
+    )
     g.add_argument("--model", default=None, help="the served model's name (default: the one model the servers list)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a bearer token "
-                                                                                 "(default: $OPENAI_API_KEY)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a bearer token (default: $OPENAI_API_KEY)")
     g.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight per server (default 8)")
-    g.add_argument("--retries", type=_non_negative_int, default=4,
-                   help="tries again after a failed request (no connection, HTTP 429/5xx), 1 s then doubling (default 4)")
+    g.add_argument(
+        "--retries",
+        type=_non_negative_int,
+        default=4,
+        help="tries again after a failed request (no connection, HTTP 429/5xx), 1 s then doubling (default 4)",
+    )
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds for one answer (default 600)")
-    g.add_argument("--reasoning", choices=("keep", "strip"), default="keep",
-                   help="a reasoning text the server returns apart: keep it in the record (the token ids cover "
-                        "it) or strip it and keep the answer's text alone (default keep)")
+    g.add_argument(
+        "--reasoning",
+        choices=("keep", "strip"),
+        default="keep",
+        help="a reasoning text the server returns apart: keep it in the record (the token ids cover "
+        "it) or strip it and keep the answer's text alone (default keep)",
+    )
 
     q = sub.add_parser("capture", help="write the target features a run config needs to shards")
     q.add_argument("--config", required=True, help="run config (target, head, data) or preset name")
     q.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    q.add_argument("--out", default=None, help="shard folder (default: the config's features.path; a rerun keeps its "
-                                                 "complete shards)")
+    q.add_argument("--out", default=None, help="shard folder (default: the config's features.path; a rerun keeps its complete shards)")
     add_overwrite_option(q)
     q.add_argument("--batch-size", type=_positive_int, default=None, help="default: the config's batch_size")
     add_device_option(q)  # the target's dtype and threads come from the config
-    q.add_argument("--backend", choices=("torch", "llama.cpp", "vllm"), default="torch",
-                   help="the target's forward: torch, or llama.cpp's through libllama on a GGUF of the target "
-                        "(`make llamacpp`; the layer inputs it returns are the hidden states; docs/llamacpp-backend.md), "
-                        "or vLLM's CPU build through its extract_hidden_states method, in a child process of "
-                        "vLLM's venv (docs/models-and-data.md \"Capturing through vLLM\")")
-    q.add_argument("--vllm-venv", default=None, metavar="DIR",
-                   help="with --backend vllm: vLLM's venv (default: $DRAFTHEAD_VLLM_VENV, else .venv-interop/vllm "
-                        "in the checkout, as scripts/interop/setup_vllm.sh makes it)")
-    q.add_argument("--vllm-kv-cache-gib", type=_positive_float, default=1.0, metavar="GIB",
-                   help="with --backend vllm: memory for vLLM's KV cache, which also holds the captured states "
-                        "until they are written (default 1: ~19k SmolLM2 fp32 tokens in flight)")
+    q.add_argument(
+        "--backend",
+        choices=("torch", "llama.cpp", "vllm"),
+        default="torch",
+        help="the target's forward: torch, or llama.cpp's through libllama on a GGUF of the target "
+        "(`make llamacpp`; the layer inputs it returns are the hidden states; docs/llamacpp-backend.md), "
+        "or vLLM's CPU build through its extract_hidden_states method, in a child process of "
+        'vLLM\'s venv (docs/models-and-data.md "Capturing through vLLM")',
+    )
+    q.add_argument(
+        "--vllm-venv",
+        default=None,
+        metavar="DIR",
+        help="with --backend vllm: vLLM's venv (default: $DRAFTHEAD_VLLM_VENV, else .venv-interop/vllm "
+        "in the checkout, as scripts/interop/setup_vllm.sh makes it)",
+    )
+    q.add_argument(
+        "--vllm-kv-cache-gib",
+        type=_positive_float,
+        default=1.0,
+        metavar="GIB",
+        help="with --backend vllm: memory for vLLM's KV cache, which also holds the captured states "
+        "until they are written (default 1: ~19k SmolLM2 fp32 tokens in flight)",
+    )
 
     q = sub.add_parser("long-prompts", help="join whole chat turns into long multi-turn prompts (a JSONL file for bench)")
     source_options(q)
@@ -106,8 +148,9 @@ def add_parser(subparsers) -> None:
     q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
     q.add_argument("--chats", type=_positive_int, default=200)
-    q.add_argument("--layers", type=_positive_int, default=None,
-                   help="decoder layers (default 4: the fewest whose EAGLE-3 heads every engine export takes)")
+    q.add_argument(
+        "--layers", type=_positive_int, default=None, help="decoder layers (default 4: the fewest whose EAGLE-3 heads every engine export takes)"
+    )
     q.add_argument("--seed", type=int, default=0)
     add_overwrite_option(q)
 
@@ -184,17 +227,19 @@ def _regenerate(args) -> int:
     say = _main_note(share)
     out = Path(args.out)
     if args.server and (args.speculative or args.head or share.world > 1):
-        raise ValueError("--server answers through the servers: drop --speculative / --head, and run one process "
-                         "(more servers or --concurrency share the work)")
-    check_output(out, overwrite=args.overwrite, what="output", own=is_regenerated,
-                 hint=" and is not a `data regenerate` output to continue")
+        raise ValueError(
+            "--server answers through the servers: drop --speculative / --head, and run one process (more servers or --concurrency share the work)"
+        )
+    check_output(out, overwrite=args.overwrite, what="output", own=is_regenerated, hint=" and is not a `data regenerate` output to continue")
     _clear_for_overwrite([out, *part_files(out)] if args.overwrite else [], share)
     ds, source_report = load_conversations(args.source, args.path, args.limit)
     say(source_report.summary())
     with_images = sum(1 for row in ds["images"] if row)
     if with_images:
-        raise ValueError(f"data regenerate answers text prompts; {with_images} conversations of {args.path or args.source} "
-                         "have images (not built): train on their own answers instead")
+        raise ValueError(
+            f"data regenerate answers text prompts; {with_images} conversations of {args.path or args.source} "
+            "have images (not built): train on their own answers instead"
+        )
     if args.server:
         return _regenerate_from_servers(args, ds, out)
     return _regenerate_locally(args, ds, out, share, say)
@@ -204,8 +249,14 @@ def _settings(args, target_name):
     from ..train.regenerate import RegenerateSettings
 
     return RegenerateSettings(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, batch_size=args.batch_size,
-        max_prompt_tokens=args.max_prompt_tokens, max_turns=args.max_turns, seed=args.seed, target_name=target_name,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        batch_size=args.batch_size,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_turns=args.max_turns,
+        seed=args.seed,
+        target_name=target_name,
     )
 
 
@@ -216,8 +267,9 @@ def _check_written(report, out: Path) -> None:
     if report.already_done + report.written == 0:
         if is_empty(out):
             clear_output(out)  # the file opened for appending, with nothing in it
-        raise ValueError(f"{out}: no record written ({report.summary()}): the target answered no turn; "
-                         "check the target, its chat template and --max-new-tokens")
+        raise ValueError(
+            f"{out}: no record written ({report.summary()}): the target answered no turn; check the target, its chat template and --max-new-tokens"
+        )
 
 
 def _regenerate_from_servers(args, ds, out: Path) -> int:
@@ -228,20 +280,31 @@ def _regenerate_from_servers(args, ds, out: Path) -> int:
     from ..train.regenerate_server import regenerate_from_servers
 
     tokenizer, name = load_tokenizer(args.target)
-    server = ServerSettings(urls=tuple(args.server), model=args.model, api_key=args.api_key, concurrency=args.concurrency,
-                            retries=args.retries, timeout=args.request_timeout, reasoning=args.reasoning)
+    server = ServerSettings(
+        urls=tuple(args.server),
+        model=args.model,
+        api_key=args.api_key,
+        concurrency=args.concurrency,
+        retries=args.retries,
+        timeout=args.request_timeout,
+        reasoning=args.reasoning,
+    )
     start = time.perf_counter()
     report, model = regenerate_from_servers(tokenizer, ds, out, _settings(args, name), server)
     seconds = time.perf_counter() - start
     _check_written(report, out)
     print(f"{out}: {report.summary()}")
-    print(f"served by {model} on {len(args.server)} server(s): {report.answer_tokens} answer tokens in {seconds:.1f} s "
-          f"({report.answer_tokens / max(seconds, 1e-9):.1f} tokens/s)")
+    print(
+        f"served by {model} on {len(args.server)} server(s): {report.answer_tokens} answer tokens in {seconds:.1f} s "
+        f"({report.answer_tokens / max(seconds, 1e-9):.1f} tokens/s)"
+    )
     if report.answers_without_ids:
         print(f"{report.answers_without_ids} answers came without token ids: stored as text, re-tokenized in training")
     if report.prompt_tokens_differ:
-        print(f"{report.prompt_tokens_differ} prompts were counted otherwise by the server than by {name}'s chat "
-              "template and tokenizer: check that it serves the same template")
+        print(
+            f"{report.prompt_tokens_differ} prompts were counted otherwise by the server than by {name}'s chat "
+            "template and tokenizer: check that it serves the same template"
+        )
     return 0
 
 
@@ -265,10 +328,11 @@ def _regenerate_locally(args, ds, out: Path, share, say) -> int:
         spec = DraftSpec(proposer="heads", head=args.head, sizing=_regenerate_sizing(args))
         drafting = spec.build(loaded, threads=args.threads, note=say)
         drafter, model, policy = drafting.factory(), drafting.model, drafting.policy
-        say(f"answering through speculative decoding with the head at {drafting.spec.head}"
-            + (", trees sized by the load policy" if policy is not None else ", whole trees"))
-    report = regenerate(model, loaded.tokenizer, ds, args.out, _settings(args, loaded.name), drafter=drafter,
-                        policy=policy, share=share)
+        say(
+            f"answering through speculative decoding with the head at {drafting.spec.head}"
+            + (", trees sized by the load policy" if policy is not None else ", whole trees")
+        )
+    report = regenerate(model, loaded.tokenizer, ds, args.out, _settings(args, loaded.name), drafter=drafter, policy=policy, share=share)
     if share.is_main:
         _check_written(report, out)
     elif report.already_done + report.written == 0:
@@ -281,7 +345,7 @@ def _regenerate_locally(args, ds, out: Path, share, say) -> int:
 def _capture(args) -> int:
     from tqdm.auto import tqdm
 
-    from ..heads.io import read_json
+    from ..heads.files import read_json
     from ..heads.outdir import check_output, check_replaceable, output_lock
     from ..inference.engine.targets import load_target
     from ..train.config import load_config
@@ -292,27 +356,38 @@ def _capture(args) -> int:
     out = args.out or config.features.path
     if not out:
         raise ValueError("pass --out DIR or set features.path in the config")
-    check_output(out, overwrite=args.overwrite, what="capture folder", own=lambda p: (p / CAPTURE_PLAN).exists(),
-                 hint=" and holds no capture to continue")
+    check_output(
+        out, overwrite=args.overwrite, what="capture folder", own=lambda p: (p / CAPTURE_PLAN).exists(), hint=" and holds no capture to continue"
+    )
     if args.overwrite:
         check_replaceable(out, inputs=[config.data.path, config.target, config.init_from, args.config], what="capture folder")
     elif (Path(out) / CAPTURE_PLAN).exists():  # a rerun continues it: only if made from the same data
         changed = stale_capture(read_json(Path(out) / CAPTURE_PLAN).get("meta", {}), config)
         if changed:
-            raise ValueError(f"{out} holds a capture made from other data ({'; '.join(changed)}): pass --overwrite "
-                             "to capture again from scratch, or use another --out")
+            raise ValueError(
+                f"{out} holds a capture made from other data ({'; '.join(changed)}): pass --overwrite "
+                "to capture again from scratch, or use another --out"
+            )
     share = _work_share()
     with output_lock(out, enabled=share.is_main):
         _clear_for_overwrite([Path(out)] if args.overwrite else [], share)
-        loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share),
-                             threads=config.threads)
+        loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share), threads=config.threads)
         engine = llamacpp_target(loaded, None, config.threads, note) if args.backend == "llama.cpp" else None
         with _vllm_engine(args, loaded, config) as vllm:
             bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
             try:
-                index = capture_from_config(config, loaded.model, loaded.tokenizer, out, target_name=loaded.name,
-                                            batch_size=args.batch_size, progress=bar.update,
-                                            say=_main_note(share), share=share, engine=engine or vllm)
+                index = capture_from_config(
+                    config,
+                    loaded.model,
+                    loaded.tokenizer,
+                    out,
+                    target_name=loaded.name,
+                    batch_size=args.batch_size,
+                    progress=bar.update,
+                    say=_main_note(share),
+                    share=share,
+                    engine=engine or vllm,
+                )
             finally:
                 bar.close()
     if share.is_main:
@@ -335,16 +410,22 @@ def _vllm_engine(args, loaded, config):
     if next(loaded.model.parameters()).device.type != "cpu":
         raise ValueError("--backend vllm runs vLLM's CPU build: drop --device")
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
-    with VllmTarget(loaded.path, loaded.model, dtype=dtype, max_length=config.data.max_length, venv=args.vllm_venv,
-                    threads=config.threads or torch_threads(),
-                    kv_cache_bytes=int(args.vllm_kv_cache_gib * (1 << 30))) as engine:
+    with VllmTarget(
+        loaded.path,
+        loaded.model,
+        dtype=dtype,
+        max_length=config.data.max_length,
+        venv=args.vllm_venv,
+        threads=config.threads or torch_threads(),
+        kv_cache_bytes=int(args.vllm_kv_cache_gib * (1 << 30)),
+    ) as engine:
         note(f"vLLM backend: the target through vLLM's extract_hidden_states, {dtype}; its log: {engine.log}")
         yield engine
     shutil.rmtree(engine.work, ignore_errors=True)
 
 
 def _long_prompts(args) -> int:
-    from ..heads.io import atomic_write
+    from ..heads.files import atomic_write
     from ..heads.outdir import output_lock
     from ..inference.engine.targets import load_tokenizer
     from ..train.long_prompts import long_chats
@@ -361,8 +442,7 @@ def _long_prompts(args) -> int:
     tokenizer, _ = load_tokenizer(args.target)
     file = resolve_source(args.source, args.path)
     report = SourceReport(source=args.source)
-    prompts = long_chats(iter_conversations(file, source_format(args.source, file), report, args.limit), tokenizer,
-                         args.tokens, args.count)
+    prompts = long_chats(iter_conversations(file, source_format(args.source, file), report, args.limit), tokenizer, args.tokens, args.count)
 
     def write(tmp):
         with open(tmp, "w", encoding="utf-8") as f:

@@ -1,5 +1,6 @@
 """`drafthead export HEAD_DIR --format FMT --out DIR`: write a trained head in the layout a serving
 engine loads (the work is `heads.formats.export_head`; docs/formats.md lists the layouts)."""
+
 from __future__ import annotations
 
 from . import add_overwrite_option, note
@@ -20,7 +21,7 @@ def add_parser(subparsers) -> None:
         "--target",
         default=None,
         help="the head's target (name or folder), for layouts that store a copy of its tensors: speculators and "
-             "eagle (embed_tokens), medusa with a shared LM head, mtp (the target's config, embedding and LM head)",
+        "eagle (embed_tokens), medusa with a shared LM head, mtp (the target's config, embedding and LM head)",
     )
 
 
@@ -58,5 +59,4 @@ def check_run_folder(head_dir: str) -> None:
     if folder.is_dir() and not (folder / CONFIG_NAME).exists():
         heads = [p for p in (folder / FINAL_DIR, folder / BEST_DIR) if (p / CONFIG_NAME).exists()]
         if heads:
-            raise ValueError(f"{folder} is a training run's folder, not a head: export its head, "
-                             + " or ".join(str(p) for p in heads))
+            raise ValueError(f"{folder} is a training run's folder, not a head: export its head, " + " or ".join(str(p) for p in heads))

@@ -1,4 +1,5 @@
 """`drafthead generate`: answer one prompt with speculative decoding, streaming the text."""
+
 from __future__ import annotations
 
 import sys
@@ -23,9 +24,13 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser("generate", help="answer one prompt with speculative decoding (streams the text)")
     p.add_argument("--prompt", required=True, help="the user message (the chat template is applied)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
-    p.add_argument("--image", action="append", default=[], metavar="PATH",
-                   help="an image before the prompt's text, for a vision-language target folder (repeatable; "
-                        "its processor renders them)")
+    p.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an image before the prompt's text, for a vision-language target folder (repeatable; its processor renders them)",
+    )
     add_target_options(p)
     add_proposer_options(p)
     add_sampling_options(p)
@@ -107,8 +112,5 @@ def run(args) -> int:
     seconds = time.perf_counter() - start
     printer.finish()
     n = result.new_tokens.shape[1]
-    note(
-        f"tau {result.tau:.2f} ({n} tokens in {result.num_rounds} target forwards), "
-        f"{n / seconds:.1f} tokens/s, finish: {result.finish_reason}"
-    )
+    note(f"tau {result.tau:.2f} ({n} tokens in {result.num_rounds} target forwards), {n / seconds:.1f} tokens/s, finish: {result.finish_reason}")
     return 0

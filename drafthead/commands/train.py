@@ -3,6 +3,7 @@
 Also what `accelerate launch -m drafthead train ...` runs (drafthead/__main__.py): the same
 arguments, one process per device, each loading the target on its own device.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,19 +15,30 @@ from . import add_overwrite_option
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="a YAML run config or a preset name (configs/NAME.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. lr=3e-4 data.limit=2000 head.num_heads=3")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the newest checkpoint in output_dir; its config must agree, except logging, "
-                             "eval and checkpoint cadence, max_steps/epochs and wandb (docs/reliability.md)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in output_dir; its config must agree, except logging, "
+        "eval and checkpoint cadence, max_steps/epochs and wandb (docs/reliability.md)",
+    )
     add_overwrite_option(parser)
-    parser.add_argument("--plan", default=None, metavar="CONFIG_JSON",
-                        help="do not train: print per-rank memory under DDP and FSDP for this target config.json "
-                             "(e.g. configs/targets/llama-3.1-8b.json), built on the meta device")
+    parser.add_argument(
+        "--plan",
+        default=None,
+        metavar="CONFIG_JSON",
+        help="do not train: print per-rank memory under DDP and FSDP for this target config.json "
+        "(e.g. configs/targets/llama-3.1-8b.json), built on the meta device",
+    )
     parser.add_argument("--ranks", default="1,8,64", help="with --plan: rank counts (default 1,8,64)")
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a draft head on the target (runs under accelerate launch too)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "train",
+        help="train a draft head on the target (runs under accelerate launch too)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
 
 

@@ -18,6 +18,7 @@ draft GGUF, the old vLLM Medusa layout and SpecForge's `to_hf` output. Where a l
 RoPE it ran, `convention` must (vllm / sglang / eagle); nothing is guessed. Every tensor lands in our
 head exactly or the import is refused naming it.
 """
+
 from __future__ import annotations
 
 import shutil
@@ -28,12 +29,22 @@ from torch import nn
 
 from ..config import DRAFT_OWN_FIELDS, config_from_dict, head_kind, with_draft_layer
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
-from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, HeadFormatError, check_state_dict, read_head_dir, \
-    write_json, write_safetensors
+from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, check_state_dict, read_head_dir
+from ..files import HeadFormatError, write_json, write_safetensors
 from ..outdir import check_distinct, check_output, fresh_folder
 from . import dflash, dspark, eagle1, eagle3, gguf_eagle3, medusa, mtp, speculators
-from .common import Export, ExportJob, ForeignHead, Layout, drafthead_block, drop_zero_extra, dtype_name, \
-    layer_field_diffs, read_config, served_layer_refusal
+from .common import (
+    Export,
+    ExportJob,
+    ForeignHead,
+    Layout,
+    drafthead_block,
+    drop_zero_extra,
+    dtype_name,
+    layer_field_diffs,
+    read_config,
+    served_layer_refusal,
+)
 
 # The format modules, each declaring the layouts it reads (LAYOUTS) and the exports it writes
 # (EXPORTS; heads/formats/common.py); a layout is detected in this order, a file's first.
@@ -67,15 +78,18 @@ def _export_of(fmt: str, kind: str) -> Export:
     for e in _EXPORTS:
         if e.format == fmt and kind in e.kinds:
             return e
-    raise ValueError(f"--format {fmt} carries {' / '.join(format_kinds(fmt))} heads, not {kind} "
-                     f"(a {kind} head exports as: {', '.join(formats_for(kind)) or 'ours only'})")
+    raise ValueError(
+        f"--format {fmt} carries {' / '.join(format_kinds(fmt))} heads, not {kind} "
+        f"(a {kind} head exports as: {', '.join(formats_for(kind)) or 'ours only'})"
+    )
 
 
 # ----------------------------------------------------------------------------- export
 
 
-def export_head(head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None,
-                target_model: nn.Module | None = None, overwrite: bool = False) -> Path:
+def export_head(
+    head_dir, out_dir, fmt: str, *, dtype: torch.dtype | None = None, target_model: nn.Module | None = None, overwrite: bool = False
+) -> Path:
     """Write `head_dir` (our format) to `out_dir` in layout `fmt` (EXPORT_FORMATS).
 
     dtype: cast floating tensors (e.g. torch.bfloat16). target_model: needed where the layout stores
@@ -133,7 +147,7 @@ def _write_export(head_dir: Path, out_dir: Path, fmt: str, config, meta: dict, s
 
 
 def _atomic_torch_save(path: Path, tensors: dict) -> None:
-    from ..io import atomic_write
+    from ..files import atomic_write
 
     cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     atomic_write(path, lambda tmp: torch.save(cpu, tmp))
@@ -156,8 +170,10 @@ def detect_layout(src_dir) -> str:
     for layout in LAYOUTS.values():
         if not layout.on_file and layout.detect(src, cfg):
             return layout.name
-    raise HeadFormatError(f"cannot tell which head layout {src} holds (architectures={cfg.get('architectures')}); "
-                          "known: ours, speculators, EAGLE-3 research, EAGLE-1, Medusa, DFlash, DSpark")
+    raise HeadFormatError(
+        f"cannot tell which head layout {src} holds (architectures={cfg.get('architectures')}); "
+        "known: ours, speculators, EAGLE-3 research, EAGLE-1, Medusa, DFlash, DSpark"
+    )
 
 
 def layout_kind(src_dir, layout: str) -> str:
@@ -188,14 +204,12 @@ def read_foreign(src_dir, convention: str | None = None) -> ForeignHead:
     return foreign
 
 
-def import_head(src_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None,
-                convention: str | None = None):
+def import_head(src_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None, convention: str | None = None):
     """Read a head in any known layout onto `target_model` -> the head, bound to the target."""
     return _import(src_dir, target_model, tokenizer, target_name, convention)[0]
 
 
-def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None,
-            convention: str | None = None):
+def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None, convention: str | None = None):
     """-> (head, notes: what the import decided, the ForeignHead read; None for our own folders).
 
     Our own folders load as `load_head` does. Foreign ones: the layout is translated
@@ -219,10 +233,13 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
             overrides.update(_own_layer_fields(foreign.layer_fields, target_model))
         config = make_config(foreign.kind, target_model, tokenizer, name, **overrides)
     family_layer = foreign.layer_fields.get("model_type", "llama")
-    if family_layer != "llama" and getattr(config, "draft_layer", None) == "target" \
-            and family_layer != config.target.model_type:  # a family's own layer (Llama-labelled ones: Qwen2, Mistral)
-        raise HeadFormatError(f"{src}: the checkpoint's draft layer is {family_layer}'s, which drafthead builds only "
-                              f"on a {family_layer} target, not on this {config.target.model_type} one")
+    if (
+        family_layer != "llama" and getattr(config, "draft_layer", None) == "target" and family_layer != config.target.model_type
+    ):  # a family's own layer (Llama-labelled ones: Qwen2, Mistral)
+        raise HeadFormatError(
+            f"{src}: the checkpoint's draft layer is {family_layer}'s, which drafthead builds only "
+            f"on a {family_layer} target, not on this {config.target.model_type} one"
+        )
     head = _new_module(config, target_model)
     diffs = layer_field_diffs(foreign.layer_fields, getattr(head, "_layer_cfg", None))
     if diffs:
@@ -268,8 +285,7 @@ def _own_layer_fields(stated: dict, target_model: nn.Module) -> dict:
         # a Llama config without head_dim means hidden / heads to every consumer (LlamaConfig's
         # default), e.g. SpecForge's DeepSeek-V3 config: 56 heads of 128, the MLA target's are 64
         stated["head_dim"] = int(stated["hidden_size"]) // int(stated["num_attention_heads"])
-    return {name: stated[name] for name in DRAFT_OWN_FIELDS
-            if stated.get(name) is not None and stated[name] != getattr(built, name)}
+    return {name: stated[name] for name in DRAFT_OWN_FIELDS if stated.get(name) is not None and stated[name] != getattr(built, name)}
 
 
 def _check_target_copies(copies: dict, target_model: nn.Module, src, own_rows: dict | None = None) -> None:
@@ -279,21 +295,31 @@ def _check_target_copies(copies: dict, target_model: nn.Module, src, own_rows: d
         ref = target_model.get_input_embeddings() if "embed_tokens" in key else target_model.get_output_embeddings()
         own = ref.weight.detach().to("cpu")
         if tuple(stored.shape) != tuple(own.shape):
-            raise HeadFormatError(f"{src}: {key} has shape {tuple(stored.shape)}, the target's {tuple(own.shape)}: "
-                                  "this head was made for another target")
+            raise HeadFormatError(
+                f"{src}: {key} has shape {tuple(stored.shape)}, the target's {tuple(own.shape)}: this head was made for another target"
+            )
         rows = list((own_rows or {}).get(key, ()))
         if rows:  # compare everything else: the head's rows set to the target's own
             stored = stored.clone()
             stored[rows] = own[rows].to(stored.dtype)
         if not torch.equal(stored.to(own.dtype), own) and not torch.equal(stored, own.to(stored.dtype)):
             diff = (stored.float() - own.float()).abs().max().item()
-            raise HeadFormatError(f"{src}: {key} differs from the target's (max abs diff {diff:.3g}); drafthead reads "
-                                  "it from the target, so this head was trained against another one")
+            raise HeadFormatError(
+                f"{src}: {key} differs from the target's (max abs diff {diff:.3g}); drafthead reads "
+                "it from the target, so this head was trained against another one"
+            )
 
 
-def import_to_folder(src_dir, out_dir, target_model: nn.Module, tokenizer=None, target_name: str | None = None,
-                     convention: str | None = None, dtype: torch.dtype | None = None,
-                     overwrite: bool = False) -> tuple[Path, list[str]]:
+def import_to_folder(
+    src_dir,
+    out_dir,
+    target_model: nn.Module,
+    tokenizer=None,
+    target_name: str | None = None,
+    convention: str | None = None,
+    dtype: torch.dtype | None = None,
+    overwrite: bool = False,
+) -> tuple[Path, list[str]]:
     """`drafthead import`: a foreign layout -> one of our head folders. The weights are saved in
     `dtype`, by default the dtype they were stored in (so a bf16 checkpoint stays bit-exact).
     `out_dir` may not be `src_dir`, and a non-empty one is refused unless `overwrite`; it appears

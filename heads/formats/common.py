@@ -1,6 +1,7 @@
 """What every foreign layout shares: what a format module declares (the layouts it reads, the
 exports it writes), reading its files, the aux-layer id conventions, the `drafthead` provenance
 block, and the record an importer hands back (docs/formats.md)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,7 +10,8 @@ from typing import Callable
 
 import torch
 
-from ..io import CONFIG_NAME, FORMAT, HeadFormatError, drafthead_version, read_json, read_safetensors
+from ..io import CONFIG_NAME, FORMAT, drafthead_version
+from ..files import HeadFormatError, read_json, read_safetensors
 
 # How a checkpoint numbers the target hidden states an EAGLE-3 head fuses. Ours (heads/config.py)
 # are transformers `output_hidden_states` indices: id i = the input of decoder layer i.
@@ -55,6 +57,7 @@ class Layout:
     `src` with config.json `cfg` holds it (for an `on_file` layout, `src` is a file and `cfg` None);
     `kind(cfg)` is the head kind it is read into, before its weights are; `read(src, cfg,
     convention)` translates it (a ForeignHead), or refuses it in one line."""
+
     name: str
     detect: Callable[..., bool]
     kind: Callable[..., str]
@@ -66,6 +69,7 @@ class Layout:
 class ExportJob:
     """One head to write in one export format: our config, folder metadata and tensors (cast to
     the asked dtype), and the head's target when the caller gave it."""
+
     fmt: str
     config: object
     meta: dict
@@ -97,6 +101,7 @@ class Export:
     tensors go to (.safetensors, else torch.save). `served_layer`: the head's draft layer must be
     one the consumer builds (served_layer_refusal); False where the head embeds no draft layer of
     its own choosing (Medusa, a target's own MTP layer)."""
+
     format: str
     kinds: tuple[str, ...]
     consumer: str
@@ -107,8 +112,7 @@ class Export:
 
 # Decoder-layer fields that change the maths without changing any tensor's shape, or that must
 # agree with the target's for our layer (built from the target's config) to be the checkpoint's.
-CHECKED_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-                        "head_dim", "hidden_act", "rms_norm_eps")
+CHECKED_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps")
 
 
 def layer_field_diffs(stated: dict, built) -> list[str]:
@@ -118,8 +122,10 @@ def layer_field_diffs(stated: dict, built) -> list[str]:
     out = []
     types = stated.get("layer_types") or []
     if any(t != "full_attention" for t in types) or stated.get("use_sliding_window"):
-        out.append(f"layer_types {types} / use_sliding_window {stated.get('use_sliding_window')}: the checkpoint's "
-                   "draft layer attends a sliding window this layout's reader does not carry over")
+        out.append(
+            f"layer_types {types} / use_sliding_window {stated.get('use_sliding_window')}: the checkpoint's "
+            "draft layer attends a sliding window this layout's reader does not carry over"
+        )
     for name in CHECKED_LAYER_FIELDS:
         mine = getattr(built, name, None)
         if name not in stated or stated[name] is None or mine is None:
@@ -174,16 +180,17 @@ def ids_to_ours(ids, convention: str) -> tuple[int, ...]:
 def ids_from_ours(layers, convention: str) -> list[int]:
     out = [int(i) - ID_OFFSETS[convention] for i in layers]
     if any(i < 0 for i in out):
-        raise ValueError(f"aux layers {tuple(layers)} cannot be written in {convention}'s convention "
-                         "(it cannot name the embedding output)")
+        raise ValueError(f"aux layers {tuple(layers)} cannot be written in {convention}'s convention (it cannot name the embedding output)")
     return out
 
 
 def refuse_unknown(meta: dict, field_name: str, supported, where: str) -> None:
     """A config flag whose value we cannot run exactly: refuse, naming it."""
     if field_name in meta and meta[field_name] not in supported:
-        raise HeadFormatError(f"{where}: {field_name}={meta[field_name]!r} is not supported "
-                              f"(drafthead runs {', '.join(map(repr, supported))}); refusing rather than approximating")
+        raise HeadFormatError(
+            f"{where}: {field_name}={meta[field_name]!r} is not supported "
+            f"(drafthead runs {', '.join(map(repr, supported))}); refusing rather than approximating"
+        )
 
 
 def dtype_name(state: dict[str, torch.Tensor]) -> str:
@@ -194,8 +201,7 @@ def dtype_name(state: dict[str, torch.Tensor]) -> str:
 def drafthead_block(meta: dict) -> dict:
     """Provenance written into every export's config.json: HF-style config loaders keep unknown
     keys, and an import back into drafthead uses it to check the target identity."""
-    return {"format": FORMAT, "drafthead_version": meta.get("drafthead_version", drafthead_version()),
-            "config": meta["config"]}
+    return {"format": FORMAT, "drafthead_version": meta.get("drafthead_version", drafthead_version()), "config": meta["config"]}
 
 
 def rope_fields(layer_cfg: dict) -> dict:
@@ -235,9 +241,19 @@ def layer_config(meta: dict) -> dict:
 
 # Llama config fields the engines' draft layers read, copied from our draft layer's HF config.
 LLAMA_FIELDS = (
-    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "hidden_act", "rms_norm_eps", "max_position_embeddings", "bos_token_id", "eos_token_id",
-    "pad_token_id", "initializer_range", "mlp_bias",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "initializer_range",
+    "mlp_bias",
 )
 
 
@@ -273,11 +289,14 @@ def served_layer_refusal(config, engine: str, fmt: str = "") -> str | None:
     family = config.target.model_type
     act = getattr(config, "hidden_act", None)
     if act not in (None, "silu") and fmt != "speculators":
-        return (f"{engine}'s Llama draft MLP runs SiLU only and refuses {act} at load; this head's layer uses it "
-                "(its producer copied the target's): export it with --format speculators")
-    if getattr(config, "draft_layer", "llama") == "target" and family not in LLAMA_LIKE_FAMILIES \
-            and family not in FAMILY_LAYER_FORMATS.get(fmt, ()):
-        return (f"{engine} serves a Llama draft layer, but this head keeps its {family} target's own layer "
-                "(saved with draft_layer=target), whose extra or fused tensors it would drop or miss: "
-                "retrain it with draft_layer=llama")
+        return (
+            f"{engine}'s Llama draft MLP runs SiLU only and refuses {act} at load; this head's layer uses it "
+            "(its producer copied the target's): export it with --format speculators"
+        )
+    if getattr(config, "draft_layer", "llama") == "target" and family not in LLAMA_LIKE_FAMILIES and family not in FAMILY_LAYER_FORMATS.get(fmt, ()):
+        return (
+            f"{engine} serves a Llama draft layer, but this head keeps its {family} target's own layer "
+            "(saved with draft_layer=target), whose extra or fused tensors it would drop or miss: "
+            "retrain it with draft_layer=llama"
+        )
     return None

@@ -11,13 +11,13 @@ Upstream EAGLE runs its RoPE with base 10000 whatever its config says, so a chec
 for a target with another base is read with base 10000 (convention "eagle"), and we refuse to
 export a head to it unless the head's own base is 10000.
 """
+
 from __future__ import annotations
 
 import torch
 
-from ..io import HeadFormatError
-from .common import Export, ForeignHead, Layout, drop_zero_extra, layer_config, need_convention, read_weights, rope_fields, \
-    rope_parameters_of
+from ..files import HeadFormatError
+from .common import Export, ForeignHead, Layout, drop_zero_extra, layer_config, need_convention, read_weights, rope_fields, rope_parameters_of
 
 # draft-layer family -> the architecture the config names, per format (docs/formats.md "The draft
 # layer per target family"): vLLM prefixes "Eagle" itself (EagleLlamaForCausalLM), SGLang loads the
@@ -28,8 +28,16 @@ SERVED = {
     "eagle": {"llama": "LlamaForCausalLM"},
 }
 UPSTREAM_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
-_DROP = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype", "torch_dtype",
-         "output_hidden_states", "use_cache", "rope_parameters")
+_DROP = (
+    "transformers_version",
+    "_name_or_path",
+    "_model_name_or_path",
+    "dtype",
+    "torch_dtype",
+    "output_hidden_states",
+    "use_cache",
+    "rope_parameters",
+)
 
 
 def _base_config(meta: dict) -> dict:
@@ -48,13 +56,17 @@ def _base_config(meta: dict) -> dict:
 def to_engine(fmt: str, config, meta: dict, state: dict, target_embed: torch.Tensor | None) -> tuple[dict, dict]:
     """fmt "vllm" | "sglang": the engines' layout (safetensors, no embeddings); "eagle": upstream's."""
     if config.input_layernorm:
-        raise ValueError("EAGLE-1 checkpoints have no input_layernorm on layer 0; this head keeps one "
-                         "(Eagle1Config.input_layernorm=True) and would run differently there")
+        raise ValueError(
+            "EAGLE-1 checkpoints have no input_layernorm on layer 0; this head keeps one "
+            "(Eagle1Config.input_layernorm=True) and would run differently there"
+        )
     cfg, tensors = _base_config(meta), dict(state)
     family = cfg.get("model_type", "llama")
     if family not in SERVED[fmt]:
-        raise ValueError(f"{fmt}'s EAGLE-1 drafters are {', '.join(SERVED[fmt])} layers; this head keeps its "
-                         f"{family} target's own layer (draft_layer=target): retrain it with draft_layer=llama")
+        raise ValueError(
+            f"{fmt}'s EAGLE-1 drafters are {', '.join(SERVED[fmt])} layers; this head keeps its "
+            f"{family} target's own layer (draft_layer=target): retrain it with draft_layer=llama"
+        )
     cfg["architectures"] = [SERVED[fmt][family]]
     if fmt == "sglang":
         # SGLang's fc always has a bias, random unless the file holds one: write a zero one
@@ -62,14 +74,14 @@ def to_engine(fmt: str, config, meta: dict, state: dict, target_embed: torch.Ten
         return cfg, tensors
     if fmt != "eagle":
         if "fc.bias" in tensors and bool(tensors["fc.bias"].abs().max() > 0):
-            raise ValueError(f"{fmt}'s EAGLE-1 fc has no bias and drops one silently; this head's fc.bias is non-zero: "
-                             "export it with --format eagle")
+            raise ValueError(f"{fmt}'s EAGLE-1 fc has no bias and drops one silently; this head's fc.bias is non-zero: export it with --format eagle")
         tensors.pop("fc.bias", None)  # zero: dropping it is exact
         return cfg, tensors
     rope = rope_parameters_of(cfg) or {}
     if rope.get("rope_type", "default") != "default" or float(rope.get("rope_theta", 10000.0)) != 10000.0:
-        raise ValueError(f"upstream EAGLE runs RoPE with base 10000 whatever its config says; this head uses "
-                         f"{rope} and would draft differently there (rope_theta)")
+        raise ValueError(
+            f"upstream EAGLE runs RoPE with base 10000 whatever its config says; this head uses {rope} and would draft differently there (rope_theta)"
+        )
     if target_embed is None:
         raise ValueError("upstream EAGLE stores the target's embed_tokens in the checkpoint: pass the target")
     tensors["embed_tokens.weight"] = target_embed.detach().to("cpu")  # exact; upstream casts the draft to the base's dtype
@@ -90,16 +102,19 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
         copies["embed_tokens.weight"] = state.pop("embed_tokens.weight")
     overrides = {"fc_bias": "fc.bias" in state}
     if cfg.get("bias") is not None and bool(cfg["bias"]) != overrides["fc_bias"]:
-        raise HeadFormatError(f"{src}: config says bias={cfg['bias']} but fc.bias is "
-                              f"{'present' if overrides['fc_bias'] else 'absent'}")
+        raise HeadFormatError(f"{src}: config says bias={cfg['bias']} but fc.bias is {'present' if overrides['fc_bias'] else 'absent'}")
     if "layers.0.input_layernorm.weight" in state:
         overrides["input_layernorm"] = True
     stated = rope_parameters_of(cfg)
     notes = []
     if stated is not None and stated != UPSTREAM_ROPE:
-        convention = need_convention(convention, ("eagle", "vllm"), f"{src} is an EAGLE-1 checkpoint whose config "
-                                     f"states RoPE {stated}; upstream EAGLE ran it with base 10000 regardless "
-                                     "(eagle), vLLM and SGLang with the stated one (vllm)")
+        convention = need_convention(
+            convention,
+            ("eagle", "vllm"),
+            f"{src} is an EAGLE-1 checkpoint whose config "
+            f"states RoPE {stated}; upstream EAGLE ran it with base 10000 regardless "
+            "(eagle), vLLM and SGLang with the stated one (vllm)",
+        )
         rope = UPSTREAM_ROPE if convention == "eagle" else stated
         notes.append(f"RoPE {rope} ({convention}'s convention)")
     else:
@@ -123,5 +138,8 @@ def _write(job) -> tuple[dict, dict]:
 
 
 LAYOUTS = (Layout("eagle1", lambda src, cfg: is_layout(cfg), lambda cfg: "eagle1", _read),)
-EXPORTS = (Export("vllm", ("eagle1",), "vLLM", _write), Export("sglang", ("eagle1",), "SGLang", _write),
-           Export("eagle", ("eagle1",), "upstream EAGLE", _write, weights="pytorch_model.bin"))
+EXPORTS = (
+    Export("vllm", ("eagle1",), "vLLM", _write),
+    Export("sglang", ("eagle1",), "SGLang", _write),
+    Export("eagle", ("eagle1",), "upstream EAGLE", _write, weights="pytorch_model.bin"),
+)

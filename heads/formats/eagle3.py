@@ -13,14 +13,26 @@ we do, SGLang one lower (`ID_OFFSETS`). The engines' layer is Llama's, whose `at
 bias on q/k/v *and* o_proj: for families with q/k/v bias but no o_proj bias (Qwen2) a zero
 `o_proj.bias` is written, which is exact; llama.cpp's converter takes no attention bias at all.
 """
+
 from __future__ import annotations
 
 import torch
 
 from ..config import engine_layer_problem
-from ..io import HeadFormatError
-from .common import ID_OFFSETS, Export, ForeignHead, Layout, ids_from_ours, ids_to_ours, layer_config, \
-    llama_layer_fields, need_convention, read_weights, rope_parameters_of
+from ..files import HeadFormatError
+from .common import (
+    ID_OFFSETS,
+    Export,
+    ForeignHead,
+    Layout,
+    ids_from_ours,
+    ids_to_ours,
+    layer_config,
+    llama_layer_fields,
+    need_convention,
+    read_weights,
+    rope_parameters_of,
+)
 
 ARCH = "LlamaForCausalLMEagle3"
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -44,12 +56,15 @@ def to_engine(fmt: str, config, meta: dict, state: dict) -> tuple[dict, dict]:
     convention, top_level, readable = VARIANTS[fmt]
     check_engine_layers(config)
     if config.sliding_window is not None:
-        raise ValueError(f"this head's draft layer attends a sliding window of {config.sliding_window}, which the "
-                         "research layout cannot say: export it with --format speculators")
+        raise ValueError(
+            f"this head's draft layer attends a sliding window of {config.sliding_window}, which the "
+            "research layout cannot say: export it with --format speculators"
+        )
     unread = [f for f in FLAGS if getattr(config, f) and f not in readable]
     if unread:
-        raise ValueError(f"this head sets {', '.join(unread)}, which {fmt} does not read from this layout: "
-                         "export it with --format speculators or vllm")
+        raise ValueError(
+            f"this head sets {', '.join(unread)}, which {fmt} does not read from this layout: export it with --format speculators or vllm"
+        )
     qkv_bias = "midlayer.self_attn.q_proj.bias" in state
     if qkv_bias and fmt == "llama.cpp":
         raise ValueError("llama.cpp's EAGLE-3 converter takes no attention biases; this head's family has q/k/v biases")
@@ -59,16 +74,18 @@ def to_engine(fmt: str, config, meta: dict, state: dict) -> tuple[dict, dict]:
         tensors[O_BIAS] = torch.zeros(o.shape[0], dtype=o.dtype)
     ids = ids_from_ours(config.feature_layers, convention)
     cfg = llama_layer_fields(layer_config(meta))
-    cfg.update({
-        "architectures": [ARCH],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "vocab_size": config.vocab_size,
-        "draft_vocab_size": config.draft_vocab_size,
-        "target_hidden_size": config.hidden_size,
-        "attention_bias": qkv_bias,
-        "tie_word_embeddings": False,
-    })
+    cfg.update(
+        {
+            "architectures": [ARCH],
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "vocab_size": config.vocab_size,
+            "draft_vocab_size": config.draft_vocab_size,
+            "target_hidden_size": config.hidden_size,
+            "attention_bias": qkv_bias,
+            "tie_word_embeddings": False,
+        }
+    )
     if top_level:
         cfg[IDS_KEY] = ids
     else:
@@ -82,8 +99,10 @@ def check_engine_layers(config) -> None:
     with the way out."""
     problem = engine_layer_problem(config.feature_layers, config.final_layer)
     if problem is not None:
-        raise ValueError(f"{problem}: retrain with aux_layers set to 3 distinct indices in 1..{config.final_layer - 1} "
-                         "(a target of 4 layers or more has them; the default picks them)")
+        raise ValueError(
+            f"{problem}: retrain with aux_layers set to 3 distinct indices in 1..{config.final_layer - 1} "
+            "(a target of 4 layers or more has them; the default picks them)"
+        )
 
 
 def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
@@ -92,25 +111,32 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
     if nested is not None and top is not None and list(nested) != list(top):
         raise HeadFormatError(f"{src}: eagle_config.{IDS_KEY}={nested} and top-level {IDS_KEY}={top} disagree")
     ids = nested if nested is not None else top
-    overrides = {"draft_vocab_size": int(cfg.get("draft_vocab_size", cfg.get("vocab_size"))),
-                 # absent flags: the readers' default (False in vLLM's, SGLang's and llama.cpp's research readers)
-                 **{f: bool(cfg.get(f, False)) for f in FLAGS}}
+    overrides = {
+        "draft_vocab_size": int(cfg.get("draft_vocab_size", cfg.get("vocab_size"))),
+        # absent flags: the readers' default (False in vLLM's, SGLang's and llama.cpp's research readers)
+        **{f: bool(cfg.get(f, False)) for f in FLAGS},
+    }
     nested_fc = (cfg.get("eagle_config") or {}).get("norm_before_fc")
     if nested_fc is not None:
         overrides["norm_before_fc"] = bool(nested_fc)
     notes = []
     if ids is None:
         return _default_capture_points(src, cfg, state, overrides, convention)
-    convention = need_convention(convention, ("vllm", "sglang"), f"{src} is an EAGLE-3 research checkpoint, whose "
-                                 "aux-layer ids vLLM-side producers (vLLM, speculators, llama.cpp) and SGLang-side "
-                                 "producers (SGLang, SpecForge) number differently")
+    convention = need_convention(
+        convention,
+        ("vllm", "sglang"),
+        f"{src} is an EAGLE-3 research checkpoint, whose "
+        "aux-layer ids vLLM-side producers (vLLM, speculators, llama.cpp) and SGLang-side "
+        "producers (SGLang, SpecForge) number differently",
+    )
     if convention == "sglang" and "norm_output" in cfg:
-        raise HeadFormatError(f"{src}: norm_output={cfg['norm_output']!r} means two things on the SGLang side: SpecForge "
-                              "reads it as 'norm before lm_head' (default true), SGLang as EAGLE-3.1's normed feedback "
-                              "(default false); drop the key if the head was trained by SpecForge")
+        raise HeadFormatError(
+            f"{src}: norm_output={cfg['norm_output']!r} means two things on the SGLang side: SpecForge "
+            "reads it as 'norm before lm_head' (default true), SGLang as EAGLE-3.1's normed feedback "
+            "(default false); drop the key if the head was trained by SpecForge"
+        )
     overrides["aux_layers"] = ids_to_ours(ids, convention)
-    notes.append(f"aux-layer ids {list(ids)} read in {convention}'s convention -> output_hidden_states "
-                 f"{list(overrides['aux_layers'])}")
+    notes.append(f"aux-layer ids {list(ids)} read in {convention}'s convention -> output_hidden_states {list(overrides['aux_layers'])}")
     return _foreign(src, cfg, state, overrides, notes)
 
 
@@ -121,19 +147,22 @@ def _default_capture_points(src, cfg: dict, state: dict, overrides: dict, conven
     whatever the producer's numbering. (On a target of fewer than 7 layers the formula repeats a
     layer, which no engine fuses, so no such checkpoint runs anywhere; ours differ there.)"""
     if "norm_output" in cfg and convention != "vllm":
-        raise HeadFormatError(f"{src}: names no aux-layer ids and sets norm_output={cfg['norm_output']!r}, which "
-                              "SpecForge and SGLang read differently: say the producer with convention= / --convention")
+        raise HeadFormatError(
+            f"{src}: names no aux-layer ids and sets norm_output={cfg['norm_output']!r}, which "
+            "SpecForge and SGLang read differently: say the producer with convention= / --convention"
+        )
     overrides["aux_layers"] = None  # filled in from the target: default_eagle3_layers(L)
-    notes = [f"config.json names no {IDS_KEY}: read with the engines' default capture points, the inputs of "
-             "target layers [2, L//2, L-3]"]
+    notes = [f"config.json names no {IDS_KEY}: read with the engines' default capture points, the inputs of target layers [2, L//2, L-3]"]
     return _foreign(src, cfg, state, overrides, notes)
 
 
 def _foreign(src, cfg: dict, state: dict, overrides: dict, notes: list[str]) -> ForeignHead:
     target_hidden = cfg.get("target_hidden_size")
     if target_hidden is not None and int(target_hidden) != int(cfg.get("hidden_size", target_hidden)):
-        raise HeadFormatError(f"{src}: target_hidden_size {target_hidden} != hidden_size {cfg.get('hidden_size')}: "
-                              "a draft narrower than its target cannot be represented")
+        raise HeadFormatError(
+            f"{src}: target_hidden_size {target_hidden} != hidden_size {cfg.get('hidden_size')}: "
+            "a draft narrower than its target cannot be represented"
+        )
     rope = rope_parameters_of(cfg)
     if rope is not None:
         overrides["rope_parameters"] = rope
@@ -165,6 +194,8 @@ def _write(job) -> tuple[dict, dict]:
 
 
 LAYOUTS = (Layout("eagle3-research", lambda src, cfg: is_layout(cfg), lambda cfg: "eagle3", _read_research),)
-EXPORTS = (Export("vllm", ("eagle3", "eagle31"), "vLLM", _write),  # vLLM takes P-EAGLE through speculators only
-           Export("sglang", ("eagle3",), "SGLang", _write),
-           Export("llama.cpp", ("eagle3",), "llama.cpp", _write))
+EXPORTS = (
+    Export("vllm", ("eagle3", "eagle31"), "vLLM", _write),  # vLLM takes P-EAGLE through speculators only
+    Export("sglang", ("eagle3",), "SGLang", _write),
+    Export("llama.cpp", ("eagle3",), "llama.cpp", _write),
+)

@@ -6,6 +6,7 @@ layer's hyper-parameters, and tensors under llama.cpp names: q/k rows permuted i
 RoPE order, `d2t` as absolute target ids, no `t2d`. Only unquantized tensors (F32 / F16 / BF16) can
 be read back exactly; anything else is refused.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..io import HeadFormatError, read_gguf
+from ..files import HeadFormatError, read_gguf
 from .common import ForeignHead, Layout
 
 # GGUF tensor -> our EAGLE-3 key (before the q/k un-permute)
@@ -97,13 +98,16 @@ def read(src: Path) -> ForeignHead:
         "norm_before_fc": bool(field("norm_before_fc", False)),
         "rope_parameters": {"rope_type": "default", "rope_theta": float(field("rope.freq_base"))},
     }
-    layer = {"hidden_size": int(field("embedding_length")), "intermediate_size": int(field("feed_forward_length")),
-             "num_attention_heads": n_head, "num_key_value_heads": n_kv, "head_dim": int(field("attention.key_length")),
-             "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon"))}
-    notes = [f"llama.cpp GGUF: target layers {list(overrides['aux_layers'])} (vLLM's numbering), q/k un-permuted, "
-             "d2t converted from absolute ids"]
+    layer = {
+        "hidden_size": int(field("embedding_length")),
+        "intermediate_size": int(field("feed_forward_length")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": int(field("attention.key_length")),
+        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
+    }
+    notes = [f"llama.cpp GGUF: target layers {list(overrides['aux_layers'])} (vLLM's numbering), q/k un-permuted, d2t converted from absolute ids"]
     return ForeignHead("llama.cpp-gguf", "eagle3", overrides, state, copies, notes=notes, layer_fields=layer)
 
 
-LAYOUTS = (Layout("llama.cpp-gguf", lambda src, cfg: is_layout(src), lambda cfg: "eagle3",
-                  lambda src, cfg, convention: read(src), on_file=True),)
+LAYOUTS = (Layout("llama.cpp-gguf", lambda src, cfg: is_layout(src), lambda cfg: "eagle3", lambda src, cfg, convention: read(src), on_file=True),)

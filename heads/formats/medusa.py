@@ -10,13 +10,14 @@ Old vLLM Medusa layout (read only; no current engine loads it): config `model_ty
 `num_heads`, `num_hidden_layers`; keys `blocks.{h}.layers.{l}.weight|bias`, `lm_heads.{h}.weight`
 (our own names), `original_lm_head: true` when every head shares one LM head.
 """
+
 from __future__ import annotations
 
 import re
 
 import torch
 
-from ..io import HeadFormatError
+from ..files import HeadFormatError
 from .common import Export, ForeignHead, Layout, read_weights
 
 UPSTREAM_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -36,8 +37,10 @@ def to_upstream(config, meta: dict, state: dict, target_lm_head: torch.Tensor | 
     for h in range(K):  # upstream builds a head's blocks as `[ResBlock(H)] * L`: one module L times
         blocks = [(state[f"blocks.{h}.layers.{j}.weight"], state[f"blocks.{h}.layers.{j}.bias"]) for j in range(L)]
         if any(not (torch.equal(w, blocks[0][0]) and torch.equal(b, blocks[0][1])) for w, b in blocks[1:]):
-            raise ValueError(f"upstream Medusa shares one residual block's weights across a head's {L} blocks; this "
-                             f"head's blocks differ (head {h}), so it would run differently there: use num_layers=1")
+            raise ValueError(
+                f"upstream Medusa shares one residual block's weights across a head's {L} blocks; this "
+                f"head's blocks differ (head {h}), so it would run differently there: use num_layers=1"
+            )
     out = {}
     for h in range(K):
         for j in range(L):
@@ -45,15 +48,20 @@ def to_upstream(config, meta: dict, state: dict, target_lm_head: torch.Tensor | 
             out[f"{h}.{j}.linear.bias"] = state[f"blocks.{h}.layers.{j}.bias"]
         if config.share_lm_head:
             if target_lm_head is None:
-                raise ValueError("this Medusa head reads the target's LM head, which upstream Medusa stores in every "
-                                 "head: pass the target")
+                raise ValueError("this Medusa head reads the target's LM head, which upstream Medusa stores in every head: pass the target")
             out[f"{h}.{L}.weight"] = target_lm_head.detach().to("cpu", out[f"{h}.0.linear.weight"].dtype)
         else:
             out[f"{h}.{L}.weight"] = state[f"lm_heads.{h}.weight"]
     # hidden_size / vocab_size / medusa_fc_bias: vLLM 0.32 also loads this layout (it remaps the keys)
     # and would otherwise assume hidden 4096 and drop the biases silently
-    cfg = {"medusa_num_heads": K, "medusa_num_layers": L, "base_model_name_or_path": base_name,
-           "hidden_size": config.hidden_size, "vocab_size": config.vocab_size, "medusa_fc_bias": True}
+    cfg = {
+        "medusa_num_heads": K,
+        "medusa_num_layers": L,
+        "base_model_name_or_path": base_name,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "medusa_fc_bias": True,
+    }
     return cfg, out
 
 
@@ -90,13 +98,16 @@ def read_vllm(src, cfg: dict, state: dict) -> ForeignHead:
 
 
 def _write(job) -> tuple[dict, dict]:
-    return to_upstream(job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_output_embeddings()),
-                       job.config.target.name)
+    return to_upstream(job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_output_embeddings()), job.config.target.name)
 
 
-LAYOUTS = (Layout("medusa", lambda src, cfg: is_upstream(cfg) or any((src / n).is_file() for n in UPSTREAM_WEIGHTS),
-                  lambda cfg: "medusa1",
-                  lambda src, cfg, convention: read_upstream(src, cfg, read_weights(src, UPSTREAM_WEIGHTS))),
-           Layout("medusa-vllm", lambda src, cfg: is_vllm(cfg), lambda cfg: "medusa1",
-                  lambda src, cfg, convention: read_vllm(src, cfg, read_weights(src))))
+LAYOUTS = (
+    Layout(
+        "medusa",
+        lambda src, cfg: is_upstream(cfg) or any((src / n).is_file() for n in UPSTREAM_WEIGHTS),
+        lambda cfg: "medusa1",
+        lambda src, cfg, convention: read_upstream(src, cfg, read_weights(src, UPSTREAM_WEIGHTS)),
+    ),
+    Layout("medusa-vllm", lambda src, cfg: is_vllm(cfg), lambda cfg: "medusa1", lambda src, cfg, convention: read_vllm(src, cfg, read_weights(src))),
+)
 EXPORTS = (Export("medusa", ("medusa1",), "upstream Medusa", _write, weights="medusa_lm_head.pt", served_layer=False),)

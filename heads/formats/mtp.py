@@ -7,6 +7,7 @@ loads it: DeepSeek's `scoring_func`, `topk_method` and YaRN `rope_scaling`, Qwen
 `full_attention_interval`), with `num_nextn_predict_layers: 1`. Serve it as the speculative model beside
 the target, or copy its tensors into the target's checkpoint in place of the old MTP layer.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,7 @@ from .common import Export
 def to_engine(config, state: dict, target_model: nn.Module | None) -> tuple[dict, dict]:
     """(config.json, tensors) of the layout."""
     if target_model is None:
-        raise ValueError("--format mtp writes the target's config and its embedding and LM head copies: "
-                         "it needs the target (--target)")
+        raise ValueError("--format mtp writes the target's config and its embedding and LM head copies: it needs the target (--target)")
     on_disk = Path(str(getattr(target_model.config, "_name_or_path", "") or "")) / "config.json"
     cfg = json.loads(on_disk.read_text()) if on_disk.is_file() else target_model.config.to_dict()
     cfg["num_nextn_predict_layers"] = 1  # the one layer written here
@@ -33,5 +33,4 @@ def to_engine(config, state: dict, target_model: nn.Module | None) -> tuple[dict
     return cfg, checkpoint_tensors(state, config.checkpoint_layer, target_model)
 
 
-EXPORTS = (Export("mtp", ("mtp",), "vLLM's and SGLang's MTP", lambda job: to_engine(job.config, job.state, job.target_model),
-                  served_layer=False),)
+EXPORTS = (Export("mtp", ("mtp",), "vLLM's and SGLang's MTP", lambda job: to_engine(job.config, job.state, job.target_model), served_layer=False),)

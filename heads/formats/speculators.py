@@ -17,15 +17,26 @@ P-EAGLE (`speculators_model_type` "peagle", docs/formats.md "Parallel drafters")
 [1, 1, n x H], and the learned mask embedding travels as `embed_tokens`' row `mask_token_id`
 (that row alone differs from the target's).
 """
+
 from __future__ import annotations
 
 import torch
 
-from ..io import HeadFormatError
+from ..files import HeadFormatError
 from . import dspark
 from .eagle3 import check_engine_layers
-from .common import FAMILY_LAYER_FORMATS, SPECULATORS_VERSION, Export, ForeignHead, Layout, layer_config, llama_layer_fields, read_weights, \
-    refuse_unknown, rope_parameters_of
+from .common import (
+    FAMILY_LAYER_FORMATS,
+    SPECULATORS_VERSION,
+    Export,
+    ForeignHead,
+    Layout,
+    layer_config,
+    llama_layer_fields,
+    read_weights,
+    refuse_unknown,
+    rope_parameters_of,
+)
 
 MODEL_TYPES = {"eagle3": "eagle3", "eagle31": "eagle3", "peagle": "peagle"}  # our kind -> theirs
 # theirs -> its architecture; each of their types is read into our kind of the same name
@@ -51,11 +62,10 @@ def kind_of(cfg: dict) -> str:
 
 def tensor_name(ours: str) -> str:
     """A head tensor's name in the speculators layout: our `midlayer.*` is its `layers.0.*`."""
-    return _PREFIX_THEIRS + ours[len(_PREFIX_OURS):] if ours.startswith(_PREFIX_OURS) else ours
+    return _PREFIX_THEIRS + ours[len(_PREFIX_OURS) :] if ours.startswith(_PREFIX_OURS) else ours
 
 
-def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor | None,
-                   verifier: str | None = None) -> tuple[dict, dict]:
+def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor | None, verifier: str | None = None) -> tuple[dict, dict]:
     """verifier: where speculators' loader finds the target (it reads the verifier's config and
     weights when it loads the draft); default the target's recorded name."""
     check_engine_layers(config)
@@ -80,13 +90,20 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
     # the layer type speculators builds: Llama's, or a family's own it serves (FAMILY_LAYER_FORMATS)
     family = config.target.model_type if config.draft_layer == "target" else "llama"
     family = family if family in FAMILY_LAYER_FORMATS["speculators"] else "llama"
-    layer.update({"architectures": [LAYER_ARCHITECTURES[family]], "model_type": family, "num_hidden_layers": 1,
-                  "vocab_size": config.vocab_size, "attention_bias": False, "tie_word_embeddings": False})
+    layer.update(
+        {
+            "architectures": [LAYER_ARCHITECTURES[family]],
+            "model_type": family,
+            "num_hidden_layers": 1,
+            "vocab_size": config.vocab_size,
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+        }
+    )
     if family != "llama":  # Qwen3's layer reads its attention type from layer_types
         layer["layer_types"] = ["full_attention"]
     if config.sliding_window is not None:
-        layer.update({"layer_types": ["sliding_attention"], "sliding_window": config.sliding_window,
-                      "use_sliding_window": True})
+        layer.update({"layer_types": ["sliding_attention"], "sliding_window": config.sliding_window, "use_sliding_window": True})
     target = config.target
     cfg = {
         "architectures": [ARCHITECTURES[model_type]],
@@ -94,8 +111,9 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
         "speculators_version": SPECULATORS_VERSION,
         "speculators_config": {
             "algorithm": model_type,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "accept_tolerance": 0.0,
-                                  "verifier_accept_k": 1}],
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": speculative_tokens, "accept_tolerance": 0.0, "verifier_accept_k": 1}
+            ],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier or target.name, "architectures": list(lc.get("architectures") or [])},
         },
@@ -113,13 +131,16 @@ def to_speculators(config, meta: dict, state: dict, target_embed: torch.Tensor |
 def read(src, cfg: dict, state: dict) -> ForeignHead:
     model_type = cfg.get("speculators_model_type")
     if model_type not in ARCHITECTURES:
-        raise HeadFormatError(f"{src}: speculators_model_type {model_type!r} is not supported "
-                              f"(drafthead reads {', '.join(map(repr, ARCHITECTURES))})")
+        raise HeadFormatError(
+            f"{src}: speculators_model_type {model_type!r} is not supported (drafthead reads {', '.join(map(repr, ARCHITECTURES))})"
+        )
     for flag in FLAGS:
         refuse_unknown(cfg, flag, (True, False), str(src))
     if "norm_before_residual" not in cfg:
-        raise HeadFormatError(f"{src}: the config does not say norm_before_residual, and the consumers disagree on "
-                              "its default (speculators' config class: False, vLLM's reader: True); write it explicitly")
+        raise HeadFormatError(
+            f"{src}: the config does not say norm_before_residual, and the consumers disagree on "
+            "its default (speculators' config class: False, vLLM's reader: True); write it explicitly"
+        )
     layer = cfg.get("transformer_layer_config")
     if not isinstance(layer, dict):
         raise HeadFormatError(f"{src}: speculators config has no transformer_layer_config")
@@ -128,11 +149,15 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
         raise HeadFormatError(f"{src}: speculators config names no {IDS_KEY}")
     family = layer.get("model_type", "llama")
     if family not in ("llama", *FAMILY_LAYER_FORMATS["speculators"]):
-        raise HeadFormatError(f"{src}: transformer_layer_config model_type {family!r}: speculators builds llama or "
-                              f"{', '.join(FAMILY_LAYER_FORMATS['speculators'])} draft layers")
-    overrides = {"aux_layers": tuple(int(i) for i in ids),
-                 "draft_vocab_size": int(cfg.get("draft_vocab_size", layer.get("vocab_size"))),
-                 **{flag: bool(cfg.get(flag, False)) for flag in FLAGS}}
+        raise HeadFormatError(
+            f"{src}: transformer_layer_config model_type {family!r}: speculators builds llama or "
+            f"{', '.join(FAMILY_LAYER_FORMATS['speculators'])} draft layers"
+        )
+    overrides = {
+        "aux_layers": tuple(int(i) for i in ids),
+        "draft_vocab_size": int(cfg.get("draft_vocab_size", layer.get("vocab_size"))),
+        **{flag: bool(cfg.get(flag, False)) for flag in FLAGS},
+    }
     if family != "llama":
         overrides["draft_layer"] = "target"  # the target family's own layer (checked against the target on import)
     rope = rope_parameters_of(layer)
@@ -146,15 +171,13 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
         layer = {k: v for k, v in layer.items() if k not in ("layer_types", "use_sliding_window")}
     theirs = dict(state)
     copies = {k: theirs.pop(k) for k in ("embed_tokens.weight",) if k in theirs}
-    ours = {(_PREFIX_OURS + k[len(_PREFIX_THEIRS):] if k.startswith(_PREFIX_THEIRS) else k): v for k, v in theirs.items()}
-    notes = [f"aux-layer ids {list(ids)} (speculators numbers them as vLLM does); "
-             + ", ".join(f"{flag}={overrides[flag]}" for flag in FLAGS)]
+    ours = {(_PREFIX_OURS + k[len(_PREFIX_THEIRS) :] if k.startswith(_PREFIX_THEIRS) else k): v for k, v in theirs.items()}
+    notes = [f"aux-layer ids {list(ids)} (speculators numbers them as vLLM does); " + ", ".join(f"{flag}={overrides[flag]}" for flag in FLAGS)]
     skipped_rows = {}
     if model_type == "peagle":
         mask_id = cfg.get("mask_token_id")
         if not isinstance(mask_id, int) or "embed_tokens.weight" not in copies:
-            raise HeadFormatError(f"{src}: a P-EAGLE checkpoint needs mask_token_id and embed_tokens.weight (the mask "
-                                  "token's trained row)")
+            raise HeadFormatError(f"{src}: a P-EAGLE checkpoint needs mask_token_id and embed_tokens.weight (the mask token's trained row)")
         if "mask_hidden" not in ours:
             raise HeadFormatError(f"{src}: a P-EAGLE checkpoint needs mask_hidden (the learned feature placeholder)")
         ours["mask_hidden"] = ours["mask_hidden"].reshape(-1)
@@ -163,8 +186,7 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
         proposals = (cfg.get("speculators_config") or {}).get("proposal_methods") or [{}]
         overrides.update(mask_token_id=mask_id, parallel_depth=int(proposals[0].get("speculative_tokens", 1)))
         notes.append(f"P-EAGLE: mask token {mask_id}, {overrides['parallel_depth']} tokens per forward")
-    return ForeignHead("speculators", model_type, overrides, ours, copies, notes=notes, layer_fields=layer,
-                       copy_rows_own=skipped_rows)
+    return ForeignHead("speculators", model_type, overrides, ours, copies, notes=notes, layer_fields=layer, copy_rows_own=skipped_rows)
 
 
 def _read(src, cfg: dict, convention: str | None) -> ForeignHead:
@@ -173,8 +195,7 @@ def _read(src, cfg: dict, convention: str | None) -> ForeignHead:
 
 
 def _write(job) -> tuple[dict, dict]:
-    return to_speculators(job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_input_embeddings()),
-                          job.verifier)
+    return to_speculators(job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_input_embeddings()), job.verifier)
 
 
 LAYOUTS = (Layout("speculators", lambda src, cfg: is_layout(cfg), kind_of, _read),)

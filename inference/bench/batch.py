@@ -15,6 +15,7 @@ from what speculation adds). Wall times include the prefill on every side.
     identical_to_batched_plain_fraction   the same against the row of the batched `generate()` run
     peak_rss_mb         peak process RSS during each side's calls
 """
+
 from __future__ import annotations
 
 import time
@@ -36,8 +37,8 @@ def left_pad(prompts: Sequence[torch.Tensor], pad: int) -> tuple[torch.Tensor, t
     ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=prompts[0].device)
     mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
-        ids[b, width - p.shape[1]:] = p[0]
-        mask[b, width - p.shape[1]:] = 1
+        ids[b, width - p.shape[1] :] = p[0]
+        mask[b, width - p.shape[1] :] = 1
     return ids, mask
 
 
@@ -59,9 +60,16 @@ def _timed(fn, device, memory: PeakMemory):
     return out, seconds
 
 
-def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], object], object]], prompts: Sequence[Prompt],
-                    settings: BenchSettings, batch_size: int, engine_plain: bool = True,
-                    check_identity: bool = True) -> dict:
+def run_batch_bench(
+    target,
+    tokenizer,
+    methods: dict[str, tuple[Callable[[], object], object]],
+    prompts: Sequence[Prompt],
+    settings: BenchSettings,
+    batch_size: int,
+    engine_plain: bool = True,
+    check_identity: bool = True,
+) -> dict:
     """The report dict at `batch_size` (module docstring) for each method name -> (drafter
     factory, SpeculationPolicy or None). A policy's estimates carry over from batch to batch."""
     if batch_size < 1:
@@ -78,8 +86,7 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
     engine_plain = engine_plain and not ours_plain
 
     def ours(ids, mask, drafter, n, seed, policy):
-        config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, policy=policy,
-                                  **settings.engine)
+        config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, policy=policy, **settings.engine)
         prompts_b = [row[m.bool()] for row, m in zip(ids, mask)]
         with torch.inference_mode():
             return generate_batch(verifier or target, drafter, prompts_b, config, tokenizer=tokenizer)
@@ -92,9 +99,9 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
         config = hf_generation_config(settings.sampling, n, eos, pad)
         with torch.inference_mode():
             out = target.generate(ids, attention_mask=mask, generation_config=config)
-        return [until_eos(row, eos) for row in out[:, ids.shape[1]:].tolist()]
+        return [until_eos(row, eos) for row in out[:, ids.shape[1] :].tolist()]
 
-    groups = [encoded[i: i + batch_size] for i in range(0, len(encoded), batch_size)]
+    groups = [encoded[i : i + batch_size] for i in range(0, len(encoded), batch_size)]
     if settings.warmup_tokens > 0:
         ids, mask = left_pad(groups[0], pad)
         plain(ids, mask, settings.warmup_tokens, settings.seed)
@@ -130,13 +137,19 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
             sides[name][1] += seconds
             for b, (row, ref) in enumerate(zip(spec.rows, plain_rows)):
                 tokens = row.new_tokens[0].tolist()
-                records[name].append({
-                    "prompt_tokens": group[b].shape[1], "new_tokens": len(tokens), "plain_new_tokens": len(ref),
-                    "tau": row.tau, "rounds": row.num_rounds,
-                    "identical": None if alone[b] is None else tokens == alone[b],
-                    "identical_to_batched_plain": tokens == ref,
-                    "finish_reason": row.finish_reason, "accepted_lengths": row.accepted_lengths,
-                })
+                records[name].append(
+                    {
+                        "prompt_tokens": group[b].shape[1],
+                        "new_tokens": len(tokens),
+                        "plain_new_tokens": len(ref),
+                        "tau": row.tau,
+                        "rounds": row.num_rounds,
+                        "identical": None if alone[b] is None else tokens == alone[b],
+                        "identical_to_batched_plain": tokens == ref,
+                        "finish_reason": row.finish_reason,
+                        "accepted_lengths": row.accepted_lengths,
+                    }
+                )
         for k, m in memories.items():
             peak[k] = max(peak[k], m.rss_mb)
     rate = {k: (t / s if s else 0.0) for k, (t, s) in sides.items()}
@@ -145,8 +158,7 @@ def run_batch_bench(target, tokenizer, methods: dict[str, tuple[Callable[[], obj
         "num_prompts": len(encoded),
         "baseline_tokens_per_s": rate["plain"],
         "engine_plain_tokens_per_s": rate["engine_plain"] if engine_plain else None,
-        "methods": {name: _method_summary(records[name], rate[name], rate["plain"], forwards[name], policy)
-                    for name, (_, policy) in methods.items()},
+        "methods": {name: _method_summary(records[name], rate[name], rate["plain"], forwards[name], policy) for name, (_, policy) in methods.items()},
         "peak_rss_mb": {k: round(v, 1) for k, v in peak.items() if v},
         "settings": _settings_record(target, settings, len(prompts)),
         "prompts": records,
@@ -164,7 +176,9 @@ def _method_summary(records: list[dict], rate: float, baseline: float, forwards:
         "identical_fraction": sum(checked) / len(checked) if checked else None,
         "identical_to_batched_plain_fraction": sum(r["identical_to_batched_plain"] for r in records) / len(records),
         "num_forwards": forwards,
-        "policy": None if policy is None else {
+        "policy": None
+        if policy is None
+        else {
             "mean_nodes": sum(policy.decisions) / max(1, len(policy.decisions)),
             "plain_rounds": sum(1 for d in policy.decisions if d == 1) / max(1, len(policy.decisions)),
         },
@@ -174,18 +188,18 @@ def _method_summary(records: list[dict], rate: float, baseline: float, forwards:
 def format_batch_table(report: dict) -> str:
     """Terminal summary of a batch report."""
     plain = plain_label(report["settings"])
-    lines = [f"batch {report['batch_size']}, {report['num_prompts']} prompts:",
-             f"  {plain:<20} {report['baseline_tokens_per_s']:8.1f} tokens/s"]
+    lines = [f"batch {report['batch_size']}, {report['num_prompts']} prompts:", f"  {plain:<20} {report['baseline_tokens_per_s']:8.1f} tokens/s"]
     if report.get("engine_plain_tokens_per_s"):
         lines.append(f"  ours, no drafting    {report['engine_plain_tokens_per_s']:8.1f} tokens/s")
     for name, m in report["methods"].items():
         same = m["identical_fraction"]
-        lines.append(f"  ours, {name:<14} {m['tokens_per_s']:8.1f} tokens/s  ({m['speedup']:.2f}x), tau {m['tau']:.2f}, "
-                     f"identical to batch-1 plain: {'-' if same is None else f'{100 * same:.0f}%'}, "
-                     f"to batched plain: {100 * m['identical_to_batched_plain_fraction']:.0f}%")
+        lines.append(
+            f"  ours, {name:<14} {m['tokens_per_s']:8.1f} tokens/s  ({m['speedup']:.2f}x), tau {m['tau']:.2f}, "
+            f"identical to batch-1 plain: {'-' if same is None else f'{100 * same:.0f}%'}, "
+            f"to batched plain: {100 * m['identical_to_batched_plain_fraction']:.0f}%"
+        )
         if m["policy"]:
             p = m["policy"]
-            lines.append(f"    policy: {p['mean_nodes']:.1f} nodes a row per round on average, "
-                         f"plain in {100 * p['plain_rounds']:.0f}% of rounds")
+            lines.append(f"    policy: {p['mean_nodes']:.1f} nodes a row per round on average, plain in {100 * p['plain_rounds']:.0f}% of rounds")
     lines.append("  peak RSS: " + ", ".join(f"{k} {v:.0f} MB" for k, v in report["peak_rss_mb"].items()))
     return "\n".join(lines)

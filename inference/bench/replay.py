@@ -19,6 +19,7 @@ Engines count their rounds differently (docs/acceptance.md "Counting as vLLM doe
 names the two rules that matter, and `VLLM` replays the steps vLLM's own metrics count, step for
 step.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,25 +66,24 @@ def sequence_hidden_states(target, sequence: torch.Tensor, drafters) -> tuple[to
         return target(input_ids=sequence, output_hidden_states=True).hidden_states
 
 
-def greedy_continuations(target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_ids=(),
-                         batch_size: int = 16, on_batch=None, engine_linears: bool = True) -> list[list[int]]:
+def greedy_continuations(
+    target, prompts: list[torch.Tensor], max_new_tokens: int, eos_token_ids=(), batch_size: int = 16, on_batch=None, engine_linears: bool = True
+) -> list[list[int]]:
     """Each prompt's ([1, P] ids) plain greedy continuation by our engine, up to `max_new_tokens`
     or an EOS (kept), `batch_size` prompts a batch: the text every replay of that prompt is of.
     on_batch(done): called after each batch with the number of prompts done. engine_linears: as
     GenerationConfig's (False: no CPU kernel to build, for a few short continuations)."""
-    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=tuple(eos_token_ids),
-                              engine_linears=engine_linears)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=tuple(eos_token_ids), engine_linears=engine_linears)
     out = []
     for start in range(0, len(prompts), batch_size):
-        result = generate_batch(target, RootOnlyDrafter(), [p[0] for p in prompts[start: start + batch_size]], config)
+        result = generate_batch(target, RootOnlyDrafter(), [p[0] for p in prompts[start : start + batch_size]], config)
         out += [row.new_tokens[0].tolist() for row in result.rows]
         if on_batch is not None:
             on_batch(len(out))
     return out
 
 
-def tokens_past_end(target, sequences: list[torch.Tensor], count: int, batch_size: int = 16,
-                    engine_linears: bool = True) -> list[list[int]]:
+def tokens_past_end(target, sequences: list[torch.Tensor], count: int, batch_size: int = 16, engine_linears: bool = True) -> list[list[int]]:
     """The target's next `count` greedy tokens after each [1, T] sequence, EOS or not: what an
     engine that verifies its whole chain at the answer's end (Counting.whole_chain_at_end) checks
     the last round's drafts against."""
@@ -100,8 +100,9 @@ def kept_hidden_states(target, sequence: torch.Tensor, drafters) -> list | None:
     return [h if i in wanted else None for i, h in enumerate(hidden)]
 
 
-def replay_greedy(drafter, sequence: torch.Tensor, prompt_len: int, hidden_states=None, end: int | None = None,
-                  counting: Counting = DRAFTHEAD) -> list[int]:
+def replay_greedy(
+    drafter, sequence: torch.Tensor, prompt_len: int, hidden_states=None, end: int | None = None, counting: Counting = DRAFTHEAD
+) -> list[int]:
     """Tokens per round (the target's own included) when `drafter` drafts for the greedy decoding
     whose answer is sequence[0, prompt_len:end], counted by `counting`'s rules.
 
@@ -147,8 +148,16 @@ def replay_greedy(drafter, sequence: torch.Tensor, prompt_len: int, hidden_state
             path = torch.tensor(result.path, device=device)
             kept = torch.arange(pos, pos + len(result.path), device=device)  # their positions in the sequence
             depths = depth[path].tolist()
-            drafter.commit(tree.tokens[:, path], None if hidden_states is None else features(kept),
-                           torch.tensor([result.next_token], device=device),
-                           RoundStats(num_draft=tree.num_draft, num_accepted=len(result.path) - 1,
-                                      depth=int(depth.max()), accepted_depths=depths[1:], path=list(result.path)))
+            drafter.commit(
+                tree.tokens[:, path],
+                None if hidden_states is None else features(kept),
+                torch.tensor([result.next_token], device=device),
+                RoundStats(
+                    num_draft=tree.num_draft,
+                    num_accepted=len(result.path) - 1,
+                    depth=int(depth.max()),
+                    accepted_depths=depths[1:],
+                    path=list(result.path),
+                ),
+            )
             pos += len(result.path)

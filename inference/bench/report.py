@@ -2,6 +2,7 @@
 
 Only presentation lives here; every number is computed in run.py.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -74,29 +75,36 @@ def _summary_lines(report: dict) -> list[str]:
         f"target {s.get('target', '?')} ({s.get('model_dtype', '?')}, {s.get('device', '?')}, "
         f"{s.get('torch_threads', '?')} threads), {report['num_prompts']} prompts, "
         f"max_new_tokens {s.get('max_new_tokens', '?')}, temperature {s.get('sampling', {}).get('temperature', '?')}",
-        f"repeated {rep['ngram']}-grams in outputs: plain {100 * rep['plain']:.1f}%, "
-        f"speculative {100 * rep['speculative']:.1f}%",
+        f"repeated {rep['ngram']}-grams in outputs: plain {100 * rep['plain']:.1f}%, speculative {100 * rep['speculative']:.1f}%",
     ]
     if rss:
         ratio = "-" if rss.get("ratio") is None else f"{rss['ratio']:.3f}"
         lines.append(f"peak RSS: plain {rss['plain']:.0f} MB, speculative {rss['speculative']:.0f} MB (ratio {ratio})")
     div = report.get("divergences")
     if div and div["count"]:
-        lines.append(f"outputs differing from plain: {div['count']}, of which near-ties "
-                     f"(logits within {div['near_tie_gap']} of each other): {div['near_ties']}")
+        lines.append(
+            f"outputs differing from plain: {div['count']}, of which near-ties "
+            f"(logits within {div['near_tie_gap']} of each other): {div['near_ties']}"
+        )
         ex = div["example"]
         if ex and "gap" in ex:
-            lines.append(f"  e.g. at token {ex['position']} after {ex['context'][-40:]!r}: plain {ex['plain_token']!r} "
-                         f"({ex['plain_logit']:.3f}) vs speculative {ex['speculative_token']!r} ({ex['speculative_logit']:.3f})")
+            lines.append(
+                f"  e.g. at token {ex['position']} after {ex['context'][-40:]!r}: plain {ex['plain_token']!r} "
+                f"({ex['plain_logit']:.3f}) vs speculative {ex['speculative_token']!r} ({ex['speculative_logit']:.3f})"
+            )
     if s.get("backend") == "llama.cpp":
-        lines.append("llama.cpp's forward rounds a token differently alone and among a tree's nodes (measured: "
-                     "docs/llamacpp-backend.md \"Exactness\"): outputs may part from plain at near-ties, in bf16 "
-                     "far more often than in f32")
+        lines.append(
+            "llama.cpp's forward rounds a token differently alone and among a tree's nodes (measured: "
+            'docs/llamacpp-backend.md "Exactness"): outputs may part from plain at near-ties, in bf16 '
+            "far more often than in f32"
+        )
     ceiling = report.get("ceiling")
     if ceiling:
-        lines.append(f"against the ceiling: a verify forward costs {ceiling['verify_in_plain_steps']:.2f} plain steps, "
-                     f"a whole round {ceiling['round_in_plain_steps']:.2f}: tau / verify = "
-                     f"{ceiling['verify_only_ceiling']:.2f}x, tau / round = {ceiling['round_cost_speedup']:.2f}x")
+        lines.append(
+            f"against the ceiling: a verify forward costs {ceiling['verify_in_plain_steps']:.2f} plain steps, "
+            f"a whole round {ceiling['round_in_plain_steps']:.2f}: tau / verify = "
+            f"{ceiling['verify_only_ceiling']:.2f}x, tau / round = {ceiling['round_cost_speedup']:.2f}x"
+        )
     ppa = report["per_position_acceptance"]
     if ppa:
         lines.append("accepted >= d drafts: " + ", ".join(f"d{d + 1} {100 * a:.0f}%" for d, a in enumerate(ppa[:8])))
@@ -109,9 +117,11 @@ def difference_warning(report: dict) -> str | None:
     identical = report.get("identical_fraction", 1.0)
     if identical >= 1.0 or "shared_speedup" not in report:
         return None
-    return (f"outputs differ from {plain_label(report.get('settings', {}))} on {100 * (1 - identical):.0f}% of prompts: "
-            f"the speedup below compares different texts; over the text both sides share it is "
-            f"{report['shared_speedup']:.2f}x")
+    return (
+        f"outputs differ from {plain_label(report.get('settings', {}))} on {100 * (1 - identical):.0f}% of prompts: "
+        f"the speedup below compares different texts; over the text both sides share it is "
+        f"{report['shared_speedup']:.2f}x"
+    )
 
 
 def format_table(report: dict, profile: bool = False) -> str:
@@ -131,8 +141,7 @@ def format_table(report: dict, profile: bool = False) -> str:
         out.append("tau by category: " + ", ".join(f"{c} {t:.2f}" for c, t in cats.items()))
     by_context = report.get("tau_by_context", {})
     if len(by_context) > 1:
-        out.append("tau by context length: " + ", ".join(f">={e} {b['tau']:.2f} ({b['rounds']} rounds)"
-                                                        for e, b in by_context.items()))
+        out.append("tau by context length: " + ", ".join(f">={e} {b['tau']:.2f} ({b['rounds']} rounds)" for e, b in by_context.items()))
     if profile:
         out.append("engine time: " + _profile_text(report))
     return "\n".join(out)
@@ -148,7 +157,7 @@ def _profile_text(report: dict) -> str:
 def render_markdown(report: dict) -> str:
     """The same summary as a Markdown table plus notes (for READMEs and PR descriptions)."""
     warning = difference_warning(report)
-    out = ([f"**{warning}**", ""] if warning else [])
+    out = [f"**{warning}**", ""] if warning else []
     out += ["| " + " | ".join(HEADER) + " |", "| " + " | ".join(["---"] + ["---:"] * (len(HEADER) - 1)) + " |"]
     out += ["| " + " | ".join(_cells(r)) + " |" for r in method_rows(report)]
     out += [""] + [f"- {line}" for line in _summary_lines(report)]

@@ -21,6 +21,7 @@ Definitions (one home; report.py only renders them):
     repetition              share of repeated n-grams (n=4) in outputs: docs/cpu-measurements.md asks for
                             it, since n-gram drafting thrives on repetitive text
 """
+
 from __future__ import annotations
 
 import os
@@ -391,8 +392,9 @@ def run_bench(
     peaks = _MemoryPeaks(device)
     bar = tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", disable=not settings.progress)
     for i, (prompt, ids) in enumerate(bar):
-        record = _bench_prompt(target, tokenizer, drafter_factory, ids, new_token_limit(ids), settings.seed + i if sampled else None,
-                               settings, eos, pad, peaks)
+        record = _bench_prompt(
+            target, tokenizer, drafter_factory, ids, new_token_limit(ids), settings.seed + i if sampled else None, settings, eos, pad, peaks
+        )
         records.append({"id": prompt.id, "category": prompt.category, **record})
         running = summarize(records, settings)
         bar.set_postfix(tau=f"{running['tau']:.2f}", speedup=f"{running['speedup']:.2f}x")
@@ -430,24 +432,38 @@ class _MemoryPeaks:
         return out
 
 
-def _bench_prompt(target, tokenizer, drafter_factory, ids: torch.Tensor, n: int, seed: int | None, settings: BenchSettings,
-                  eos: tuple, pad: int, peaks: _MemoryPeaks) -> dict:
+def _bench_prompt(
+    target,
+    tokenizer,
+    drafter_factory,
+    ids: torch.Tensor,
+    n: int,
+    seed: int | None,
+    settings: BenchSettings,
+    eos: tuple,
+    pad: int,
+    peaks: _MemoryPeaks,
+) -> dict:
     """One prompt, `n` new tokens: plain `generate()`, ours with a fresh drafter and (optionally)
     transformers' prompt lookup, in that order; its record (with `_tokens` for the summary)."""
     device = ids.device
     mem_plain, mem_spec, mem_hf = PeakMemory(device), PeakMemory(device), PeakMemory(device)
-    config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed,
-                              profile=settings.profile, policy=settings.policy, **settings.engine)
+    config = GenerationConfig(
+        max_new_tokens=n,
+        sampling=settings.sampling,
+        eos_token_ids=eos,
+        seed=seed,
+        profile=settings.profile,
+        policy=settings.policy,
+        **settings.engine,
+    )
     verifier = settings.verifier
     plain_clock, spec_clock = TokenClock(), TokenClock()
     if verifier is None and not settings.engine.get("row_invariant"):
-        plain_tokens, plain_s = _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain,
-                                             plain_clock)
+        plain_tokens, plain_s = _hf_generate(target, ids, hf_generation_config(settings.sampling, n, eos, pad), seed, mem_plain, plain_clock)
     else:  # plain decoding through the same kernels: the reference a row-invariant or llama.cpp run matches
-        plain_config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed,
-                                        **settings.engine)
-        plain, plain_s = _spec_generate(verifier or target, RootOnlyDrafter(), ids, plain_config, tokenizer, mem_plain,
-                                        plain_clock)
+        plain_config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, **settings.engine)
+        plain, plain_s = _spec_generate(verifier or target, RootOnlyDrafter(), ids, plain_config, tokenizer, mem_plain, plain_clock)
         plain_tokens = plain.new_tokens[0].tolist()
     result, spec_s = _spec_generate(verifier or target, drafter_factory(), ids, config, tokenizer, mem_spec, spec_clock)
     spec_tokens = result.new_tokens[0].tolist()
@@ -469,8 +485,7 @@ def _bench_prompt(target, tokenizer, drafter_factory, ids: torch.Tensor, n: int,
         "plain_seconds_shared": plain_clock.seconds_to(shared),
         "seconds_shared": spec_clock.seconds_to(shared),
         # (the torch target's logits: a llama.cpp verifier's own are not at hand)
-        "divergence": None if diff is None or verifier is not None else divergence_detail(
-            target, tokenizer, ids, plain_tokens, spec_tokens, diff),
+        "divergence": None if diff is None or verifier is not None else divergence_detail(target, tokenizer, ids, plain_tokens, spec_tokens, diff),
         "finish_reason": result.finish_reason,
         "accepted_lengths": list(result.accepted_lengths),
         "drafted": list(result.drafted),

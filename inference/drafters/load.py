@@ -1,5 +1,6 @@
 """A head folder -> its drafter: the head loaded (our layout) or imported (a published one), then
 wrapped in the drafter of its family with the folder's drafting settings (drafting.json)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,8 +10,7 @@ from ...heads.config import head_kind
 from ...heads.registry import load_head
 from ..engine.cost import measure_verify_cost
 from ..kernels.target_linears import dispatch_linears
-from .heads import (EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, check_drafting_values,
-                    drafting_defaults, renamed_drafting_keys)
+from .heads import EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, check_drafting_values, drafting_defaults, renamed_drafting_keys
 from .merged import MergedDrafter
 from .parallel import DFlashDrafter, DSparkDrafter, ParallelDrafter
 from .prompt_lookup import PromptLookupDrafter
@@ -19,8 +19,14 @@ from .prompt_lookup import PromptLookupDrafter
 def head_drafter(head, **settings):
     """`head` in its family's drafter, built with `settings` (that drafter's options). The head is
     used as it is: no eval(), no linear dispatch, so a head still training can be replayed."""
-    drafters = {"medusa": MedusaDrafter, "hydra": HydraDrafter, "eagle": EagleDrafter, "peagle": ParallelDrafter,
-                "dflash": DFlashDrafter, "dspark": DSparkDrafter}
+    drafters = {
+        "medusa": MedusaDrafter,
+        "hydra": HydraDrafter,
+        "eagle": EagleDrafter,
+        "peagle": ParallelDrafter,
+        "dflash": DFlashDrafter,
+        "dspark": DSparkDrafter,
+    }
     return drafters[head_kind(head.kind).family](head, **settings)
 
 
@@ -58,11 +64,9 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     lookup_streak = settings.pop("lookup_streak", None)
     if settings.pop("sizing", "fixed") == "confidence":
         if not kind.sizes_itself:
-            raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {head.kind} heads take a "
-                             "number of nodes")
+            raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {head.kind} heads take a number of nodes")
         # the verifier returns hidden states to these drafters, so time the forward that way
-        settings.update(sizing="confidence", verify_cost=measure_verify_cost(target, want_hidden=True),
-                        extra_nodes=lookup_nodes)
+        settings.update(sizing="confidence", verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
     drafter = head_drafter(head, **settings)
     if lookup_nodes > 0:
         lookup = PromptLookupDrafter(num_draft=lookup_nodes, streak_draft=lookup_streak)

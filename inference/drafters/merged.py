@@ -4,6 +4,7 @@ Typical use: a trained head plus prompt lookup, which wins on text that repeats 
 itself (code, lists, quotes) where a head is unsure. The verifier still sees one DraftTree, so
 exactness is unchanged; only deterministic trees (no draft_probs) can be merged.
 """
+
 from __future__ import annotations
 
 import torch
@@ -83,8 +84,11 @@ class MergedDrafter:
         return MergedDrafter([fork_drafter(d) for d in self.drafters], self.extra_nodes)
 
     def describe(self) -> dict:
-        return {"kind": "merged", "extra_nodes": self.extra_nodes,
-                "drafters": [d.describe() if hasattr(d, "describe") else {"kind": type(d).__name__} for d in self.drafters]}
+        return {
+            "kind": "merged",
+            "extra_nodes": self.extra_nodes,
+            "drafters": [d.describe() if hasattr(d, "describe") else {"kind": type(d).__name__} for d in self.drafters],
+        }
 
     def _features_for(self, drafter, features: TargetFeatures | None) -> TargetFeatures | None:
         if features is None or not (drafter.feature_layers or drafter.needs_last_hidden):

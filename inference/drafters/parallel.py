@@ -18,6 +18,7 @@ the tokens drafted before it, so the tree is Medusa's: a static tree of per-dept
 (`choices`; the default is the chain of top-1 tokens, what vLLM and SGLang draft). Any tree of
 them is verified exactly like every other, since the rule needs no draft probabilities.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,8 +48,7 @@ class StaticTreeMixin:
         self.num_draft_limit = num_draft
 
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} parallel", "num_draft": int(self.shape.parents.shape[0]) - 1,
-                "depth": self.shape.depth}
+        return {"kind": f"{self.head.kind} parallel", "num_draft": int(self.shape.parents.shape[0]) - 1, "depth": self.shape.depth}
 
     def _tree(self, root: torch.Tensor, logits: torch.Tensor) -> DraftTree:
         """root [1, 1] and per-depth logits [1, K, V'] (V' draft ids, mapped by `_to_target`)."""
@@ -144,8 +144,15 @@ class DSparkDrafter(DFlashDrafter):
     target's measured `verify_cost` (inference/engine/cost.py best_node_count, the paper's
     prefix scheduler for one sequence). Which nodes are verified never changes what is accepted."""
 
-    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int | None = None,
-                 sizing: str = "fixed", verify_cost=None, extra_nodes: int = 0):
+    def __init__(
+        self,
+        head,
+        choices: Sequence[Sequence[int]] | None = None,
+        num_draft: int | None = None,
+        sizing: str = "fixed",
+        verify_cost=None,
+        extra_nodes: int = 0,
+    ):
         """num_draft: the static tree's draft nodes; with sizing "confidence" the candidates
         (default: every node of the static tree)."""
         self.confidence_rule = sizing == "confidence"

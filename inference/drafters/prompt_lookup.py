@@ -11,6 +11,7 @@ Two additions for text that copies itself (small models loop; lists and code rep
   * streaks: after a round that accepted a whole continuation, the next round drafts a longer
     one (`streak_draft`), since copying tends to go on; the first miss returns to `length`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ from ..engine.tree import DraftTree
 def periodic_continuation(history: list[int], start: int, length: int) -> list[int]:
     """Up to `length` tokens that follow history[:start], extended past the end of `history`
     as a repetition of history[start:] (the text since the match repeats itself)."""
-    cont = history[start:start + length]
+    cont = history[start : start + length]
     period = len(history) - start
     while 0 < len(cont) < length and period > 0:
         cont.append(cont[len(cont) - period])
@@ -35,12 +36,12 @@ def find_continuations(history: list[int], max_ngram: int, min_ngram: int, lengt
     `length` tokens long (see `periodic_continuation`)."""
     end = len(history)
     for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
-        suffix = history[end - n:]
+        suffix = history[end - n :]
         found: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
         # scan right to left: recent text predicts best; the suffix itself sits at end - n
         for start in range(end - n - 1, -1, -1):
-            if history[start:start + n] == suffix:
+            if history[start : start + n] == suffix:
                 cont = periodic_continuation(history, start + n, length)
                 key = tuple(cont)
                 if cont and key not in seen:
@@ -75,8 +76,15 @@ def trie_tree(root: int, branches: list[list[int]], num_draft: int) -> tuple[lis
 
 
 class PromptLookupDrafter(DrafterBase):
-    def __init__(self, length: int | None = None, max_ngram: int = 3, min_ngram: int = 1, max_matches: int = 4,
-                 num_draft: int | None = None, streak_draft: int | None = None):
+    def __init__(
+        self,
+        length: int | None = None,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        max_matches: int = 4,
+        num_draft: int | None = None,
+        streak_draft: int | None = None,
+    ):
         """num_draft: draft nodes per round, the merged trie's size (default 2 * length); length:
         tokens per continuation (default 10, at most num_draft). streak_draft: after a round that
         accepted `length` or more of this drafter's tokens, draft one continuation (the most recent
@@ -95,9 +103,15 @@ class PromptLookupDrafter(DrafterBase):
         self.on_streak = False
 
     def describe(self) -> dict:
-        return {"kind": "prompt-lookup", "length": self.length, "num_draft": self.num_draft,
-                "max_ngram": self.max_ngram, "min_ngram": self.min_ngram, "max_matches": self.max_matches,
-                "streak_draft": self.streak_draft}
+        return {
+            "kind": "prompt-lookup",
+            "length": self.length,
+            "num_draft": self.num_draft,
+            "max_ngram": self.max_ngram,
+            "min_ngram": self.min_ngram,
+            "max_matches": self.max_matches,
+            "streak_draft": self.streak_draft,
+        }
 
     def begin(self, tokens, features, pending) -> None:
         super().begin(tokens, features, pending)
@@ -110,8 +124,7 @@ class PromptLookupDrafter(DrafterBase):
     def propose(self) -> DraftTree:
         history = self.history[0].tolist()
         # on a streak: one continuation (the most recent match), streak_draft long
-        length, matches, num_draft = ((self.streak_draft, 1, self.streak_draft) if self.on_streak
-                                      else (self.length, self.max_matches, self.num_draft))
+        length, matches, num_draft = (self.streak_draft, 1, self.streak_draft) if self.on_streak else (self.length, self.max_matches, self.num_draft)
         branches = find_continuations(history, self.max_ngram, self.min_ngram, length, matches)
         tokens, parents = trie_tree(history[-1], branches, num_draft)
         device = self.history.device

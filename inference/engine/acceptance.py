@@ -4,6 +4,7 @@ Notation follows the papers: `p` is the target's processed next-token distributi
 `q` the drafter's, `x` a drafted token. Every function returns the accepted path (node indices,
 root first) and the one token the target adds after it (correction or bonus).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -144,8 +145,9 @@ class TypicalAcceptance:
             raise ValueError(f"typical acceptance needs 0 < epsilon <= 1 and delta > 0, got {self.epsilon}, {self.delta}")
 
 
-def typical_accept(tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, rule: TypicalAcceptance,
-                   generator: torch.Generator | None = None) -> Acceptance:
+def typical_accept(
+    tokens: torch.Tensor, parents: torch.Tensor, p: torch.Tensor, rule: TypicalAcceptance, generator: torch.Generator | None = None
+) -> Acceptance:
     """LOSSY tree acceptance by `TypicalAcceptance`. tokens, parents: [N]; p: [N, V] the target's
     processed distributions at the nodes. The deepest node whose whole path passes is kept (first
     index among equals); the token after it is sampled from p there."""

@@ -12,6 +12,7 @@ A dynamic layer's tensors are cut to the kept length; a static layer's never cha
 compiled forward needs fixed addresses and shapes): its write position, transformers'
 `cumulative_length`, is set back to the kept length instead, and the slots after it are stale.
 """
+
 from __future__ import annotations
 
 import inspect

@@ -12,6 +12,7 @@ several (docs/cpu-measurements.md "Our round forward by engine setting", which a
 compiling does not speed this CPU's rounds up: they are bound by the weights' bytes). Prefill
 runs eagerly (its length is the prompt's).
 """
+
 from __future__ import annotations
 
 import weakref

@@ -12,6 +12,7 @@ with a_i the estimated acceptance probability of the i-th best candidate node (E
 accepted iff its whole path is, so a_i ~ its path's cumulative draft probability), `extra` nodes
 other drafters add (merged prompt lookup), and `fixed` the per-round time outside verification.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -80,8 +81,14 @@ def sync_device(device: torch.device) -> None:
 
 @torch.inference_mode()
 def measure_verify_cost(
-    target, node_counts: Sequence[int] = DEFAULT_NODE_COUNTS, context: int = 128, repeats: int = 5,
-    want_hidden: bool = True, linears: bool = True, feature_layers: Sequence[int] = (), row_invariant: bool = False,
+    target,
+    node_counts: Sequence[int] = DEFAULT_NODE_COUNTS,
+    context: int = 128,
+    repeats: int = 5,
+    want_hidden: bool = True,
+    linears: bool = True,
+    feature_layers: Sequence[int] = (),
+    row_invariant: bool = False,
 ) -> CostCurve:
     """Time the target's tree forward at each node count after `context` cached tokens (median of
     `repeats`, one untimed warm-up each), through the backend the decode loop drives (a
@@ -99,8 +106,7 @@ def measure_verify_cost(
         backend.start([prompt], tuple(feature_layers) if want_hidden else (), False, max(node_counts))
         for n in node_counts:
             # a chain: the shape of the tree does not change the cost
-            tree = DraftTree(torch.randint(0, backend.vocab_size, (1, n), generator=generator).to(device),
-                             chain_parents(n - 1, device=device))
+            tree = DraftTree(torch.randint(0, backend.vocab_size, (1, n), generator=generator).to(device), chain_parents(n - 1, device=device))
             times = []
             for r in range(repeats + 1):
                 sync_device(device)

@@ -16,6 +16,7 @@ verified tree. A drafter sees the same sequence:
 Optional: `limit(num_draft | None)`: the load policy (inference/engine/policy.py) says how many draft nodes
 the next tree needs, so a drafter that can stop early (EAGLE) drafts less; None lifts the limit.
 """
+
 from __future__ import annotations
 
 import copy

@@ -14,6 +14,7 @@ A batch runs the same loop with one drafter and one tree per row: the trees are 
 node count and verified in one forward, each row accepts by itself and keeps its own path, and a
 row that finishes leaves the batch (docs/trees.md "Batches").
 """
+
 from __future__ import annotations
 
 import time
@@ -137,8 +138,9 @@ def node_seen(history_seen: torch.Tensor, tokens: torch.Tensor, parents: torch.T
     return on_path | history_seen[:, None, :]
 
 
-def accept_tree(tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, history_seen, generator,
-                typical: TypicalAcceptance | None = None) -> Acceptance:
+def accept_tree(
+    tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, history_seen, generator, typical: TypicalAcceptance | None = None
+) -> Acceptance:
     """Apply the exact rule (or, when asked, the LOSSY typical rule) to one row's tree (batch 1).
     logits: [1, N, V] target logits at the tree nodes."""
     tokens, parents = tree.tokens[0], tree.parents
@@ -250,8 +252,7 @@ def speculative_generate(
         images = [images]
     if len(prompts) > 1 and (streamer is not None or on_tokens is not None):
         raise ValueError("streaming (streamer, on_tokens) takes one prompt at a time")
-    result = generate_batch(target, drafter, prompts, config, images=images, tokenizer=tokenizer, streamer=streamer,
-                            on_tokens=on_tokens)
+    result = generate_batch(target, drafter, prompts, config, images=images, tokenizer=tokenizer, streamer=streamer, on_tokens=on_tokens)
     if len(prompts) > 1:
         return result
     row = result.rows[0]
@@ -259,8 +260,9 @@ def speculative_generate(
     return row
 
 
-def generate_batch(target, drafter, prompts: list[torch.Tensor], config: GenerationConfig, *, images=None, tokenizer=None,
-                   streamer=None, on_tokens=None) -> BatchGenerationResult:
+def generate_batch(
+    target, drafter, prompts: list[torch.Tensor], config: GenerationConfig, *, images=None, tokenizer=None, streamer=None, on_tokens=None
+) -> BatchGenerationResult:
     """The decode loop over prompts [P_b] of any lengths; row 0 drafts with `drafter`, row b > 0
     with `fork_drafter(drafter)` (shared weights, its own state)."""
     max_len = context_limit(target.config, config.max_length)
@@ -308,15 +310,13 @@ def _seen_vocab(target, config: GenerationConfig) -> int | None:
     return target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config") else target.config.vocab_size
 
 
-def _decoding(backend, drafter, config: GenerationConfig, max_len: int | None, device: torch.device, tokenizer,
-              on_tokens, streamer) -> _Decoding:
+def _decoding(backend, drafter, config: GenerationConfig, max_len: int | None, device: torch.device, tokenizer, on_tokens, streamer) -> _Decoding:
     """What every round reads; its clock starts now, when the rounds do."""
     generator = None if config.seed is None else torch.Generator().manual_seed(config.seed)
     rules = StopRules(tuple(config.eos_token_ids), tuple(config.stop_strings), config.max_new_tokens)
     decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-    return _Decoding(backend, config, want_hidden, generator, rules, decode, on_tokens, streamer,
-                     _Clock(device, config.profile), max_len, device)
+    return _Decoding(backend, config, want_hidden, generator, rules, decode, on_tokens, streamer, _Clock(device, config.profile), max_len, device)
 
 
 def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_seconds: float) -> BatchGenerationResult:
@@ -325,7 +325,9 @@ def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_s
         rows=[
             GenerationResult(
                 new_tokens=torch.tensor([row.emitted], dtype=torch.long, device=run.device),
-                accepted_lengths=row.accepted_lengths, finish_reason=row.finish or "length", lossy=lossy,
+                accepted_lengths=row.accepted_lengths,
+                finish_reason=row.finish or "length",
+                lossy=lossy,
                 drafted=row.drafted,
             )
             for row in rows
@@ -338,8 +340,7 @@ def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_s
     )
 
 
-def _prefill(backend, prompts: list[torch.Tensor], drafters: list, max_new_tokens: int,
-             seen_vocab: int | None, images=None) -> list[_Row]:
+def _prefill(backend, prompts: list[torch.Tensor], drafters: list, max_new_tokens: int, seen_vocab: int | None, images=None) -> list[_Row]:
     """Every prompt but its last token through the target at once (the backend's `start`); each
     drafter begins on its prompt's features. Returns the rows, ready to decode.
     seen_vocab: track the tokens each row has seen (a repetition penalty), over this vocabulary."""
@@ -393,8 +394,7 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
                 _catch_up(row)
             drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
         else:  # plain decoding this round: each tree is its root
-            drafts = [(DraftTree(torch.tensor([[row.pending]], device=device), torch.tensor([-1], device=device)), None)
-                      for row in active]
+            drafts = [(DraftTree(torch.tensor([[row.pending]], device=device), torch.tensor([-1], device=device)), None) for row in active]
         if policy is not None and drafting:
             keep = policy.cut([tree for tree, _ in drafts])
             drafts = [(cut_tree(tree, keep), kept_nodes) for tree, kept_nodes in drafts]
@@ -410,8 +410,7 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
         verify_end = time.perf_counter()
 
         results = [
-            accept_tree(tree, verification.logits[b : b + 1, : tree.num_nodes], config.sampling, row.seen, run.generator,
-                        config.typical)
+            accept_tree(tree, verification.logits[b : b + 1, : tree.num_nodes], config.sampling, row.seen, run.generator, config.typical)
             for b, (row, tree) in enumerate(zip(active, trees))
         ]
         clock.lap("accept")
@@ -422,9 +421,13 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
         for b, (row, (tree, kept_nodes), result) in enumerate(zip(active, drafts, results)):
             _advance(run, row, b, tree, kept_nodes, result, verification, not drafting)
         if policy is not None:
-            policy.observe([t.num_nodes for t in trees], [r.path for r in results],
-                           fixed_seconds=time.perf_counter() - verify_end,
-                           draft_seconds=draft_seconds if drafting else None, planned=planned)
+            policy.observe(
+                [t.num_nodes for t in trees],
+                [r.path for r in results],
+                fixed_seconds=time.perf_counter() - verify_end,
+                draft_seconds=draft_seconds if drafting else None,
+                planned=planned,
+            )
         clock.lap("other")
     return num_forwards
 
@@ -440,21 +443,32 @@ def _plain_stretch(run: _Decoding, active: list[_Row], max_depth: int) -> int:
     Returns the forwards it ran: 0 (nothing done) where that does not hold."""
     row, config = active[0], run.config
     greedy_run = getattr(run.backend, "greedy_run", None)
-    if (greedy_run is None or len(active) != 1 or not isinstance(row.drafter, RootOnlyDrafter) or config.policy is not None
-            or not config.sampling.greedy or row.seen is not None or run.rules.stop_strings or run.want_hidden or max_depth < 0):
+    if (
+        greedy_run is None
+        or len(active) != 1
+        or not isinstance(row.drafter, RootOnlyDrafter)
+        or config.policy is not None
+        or not config.sampling.greedy
+        or row.seen is not None
+        or run.rules.stop_strings
+        or run.want_hidden
+        or max_depth < 0
+    ):
         return 0
     streaming = run.on_tokens is not None or run.streamer is not None
     pending = row.pending
-    tokens = greedy_run(pending, row.length, min(max_depth + 1, STREAM_CHUNK) if streaming else max_depth + 1,
-                        run.rules.eos_token_ids)
+    tokens = greedy_run(pending, row.length, min(max_depth + 1, STREAM_CHUNK) if streaming else max_depth + 1, run.rules.eos_token_ids)
     run.clock.lap("verify")
     kept = _emit(run, row, tokens)
     row.accepted_lengths.extend([1] * len(kept))
     row.drafted.extend([0] * len(kept))
     _stream(run, kept)
-    row.drafter.commit(torch.tensor([[pending] + tokens[:-1]], device=run.device), None,
-                       torch.tensor([tokens[-1]], device=run.device),
-                       RoundStats(num_draft=0, num_accepted=0, depth=0, path=[0], skipped=False))
+    row.drafter.commit(
+        torch.tensor([[pending] + tokens[:-1]], device=run.device),
+        None,
+        torch.tensor([tokens[-1]], device=run.device),
+        RoundStats(num_draft=0, num_accepted=0, depth=0, path=[0], skipped=False),
+    )
     row.length += len(tokens)
     row.pending = tokens[-1]
     return len(tokens)
@@ -467,7 +481,7 @@ def _emit(run: _Decoding, row: _Row, tokens: list[int]) -> list[int]:
     row.emitted.extend(tokens)
     stop = first_stop(row.emitted, before, run.rules, run.decode)
     if stop is not None:
-        del row.emitted[stop[0]:]
+        del row.emitted[stop[0] :]
         row.finish = stop[1]
     return row.emitted[before:]
 
@@ -498,8 +512,7 @@ def _leave(backend, active: list[_Row], limits: list[int]):
     return active, [limits[i] for i in keep]
 
 
-def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance, verification,
-             skipped: bool) -> None:
+def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance, verification, skipped: bool) -> None:
     """Emit row b's accepted tokens, apply the stop rules and move its drafter on."""
     path_tokens = tree.tokens[0, result.path].tolist()
     round_tokens = path_tokens[1:] + [result.next_token]
@@ -516,8 +529,7 @@ def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, res
         return
     path_index = torch.tensor(result.path, device=device)
     drafter = row.drafter
-    round_features = select_features(verification.hidden_states, drafter.feature_layers, drafter.needs_last_hidden,
-                                     path_index, row=b)
+    round_features = select_features(verification.hidden_states, drafter.feature_layers, drafter.needs_last_hidden, path_index, row=b)
     if skipped:  # a plain round: the drafter catches up when it next drafts
         row.deferred.append((tree.tokens[:, path_index], round_features, torch.tensor([result.next_token], device=device)))
         return
@@ -527,11 +539,15 @@ def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, res
         tree.tokens[:, path_index],
         round_features,
         torch.tensor([result.next_token], device=device),
-        RoundStats(num_draft=tree.num_draft, num_accepted=len(result.path) - 1,
-                   depth=int(depth_of.max()), accepted_depths=depths[1:],
-                   # in the drafter's own numbering, before limit_depth
-                   path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path],
-                   skipped=skipped),
+        RoundStats(
+            num_draft=tree.num_draft,
+            num_accepted=len(result.path) - 1,
+            depth=int(depth_of.max()),
+            accepted_depths=depths[1:],
+            # in the drafter's own numbering, before limit_depth
+            path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path],
+            skipped=skipped,
+        ),
     )
 
 

@@ -11,6 +11,7 @@ The same five steps as TorchTarget, with three differences:
 
 The attention layers' K/V are kept exactly as TorchTarget keeps them (cache.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,8 +26,7 @@ from .verify import Verification
 class HybridTarget(TorchTarget):
     recurrent = True  # check_tree_mask_support: recurrent layer types verify chains here
 
-    def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0,
-              images=None):
+    def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0, images=None):
         """Prefill every prompt but its last token, one row at a time, then stack the rows: K/V
         right-padded to the longest (TorchTarget's layout), recurrent states side by side.
         Returns the forwards' hidden states (all L + 1, [B, P - 1, H], zero past a row's end) or None."""
@@ -42,17 +42,25 @@ class HybridTarget(TorchTarget):
             if p.numel() == 1:
                 hidden.append(None)
                 continue
-            out = self.model(input_ids=p[None, :-1], **cache_kwargs(self.model, cache), use_cache=True,
-                             output_hidden_states=want_hidden, logits_to_keep=1)
+            out = self.model(
+                input_ids=p[None, :-1], **cache_kwargs(self.model, cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
+            )
             hidden.append(out.hidden_states)
         self.cache = stack_rows(caches, self.slots)
         if self.slots == 0 or not want_hidden:
             return None
         like = next(h for h in hidden if h is not None)
         return tuple(
-            torch.cat([torch.nn.functional.pad(h[i], (0, 0, 0, self.slots - h[i].shape[1])) if h is not None
-                       else like[i].new_zeros(1, self.slots, like[i].shape[-1]) for h in hidden])
-            for i in range(len(like)))
+            torch.cat(
+                [
+                    torch.nn.functional.pad(h[i], (0, 0, 0, self.slots - h[i].shape[1]))
+                    if h is not None
+                    else like[i].new_zeros(1, self.slots, like[i].shape[-1])
+                    for h in hidden
+                ]
+            )
+            for i in range(len(like))
+        )
 
     def fit(self, tree: DraftTree, rows: int) -> DraftTree:
         """The tree's chain through every depth's first child: a recurrent state follows one path."""

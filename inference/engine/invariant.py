@@ -21,6 +21,7 @@ The prompt's prefill is shared by plain and speculative decoding alike, so it ke
 attention; only verify forwards swap it (TorchTarget.verify). The linears are swapped for the
 whole generation (TorchTarget.engine_context), the prefill's included.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,9 +41,17 @@ def visible_keys(mask: torch.Tensor) -> torch.Tensor:
     return seen[:, 0]
 
 
-def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                            softcap: float | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def row_invariant_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, h, Tq, D], key/value [B, hkv, Tk, D]
     -> ([B, Tq, h, Dv], None). Each query row on its own, in fp32, over exactly the keys it sees in
     key order (the row_attention kernel, inference/kernels/csrc/row_attention.cpp)."""
@@ -53,9 +62,14 @@ def row_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.T
     if not panel_kernel.load():
         raise ValueError(f"row-invariant attention needs the CPU kernels, which are unavailable: {panel_kernel.why_unavailable()}")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = torch.ops.drafthead_attention.row_attention(query.float(), key.float(), value.float(),
-                                                      visible_keys(attention_mask)[..., : key.shape[2]].contiguous(),
-                                                      float(scaling), float(softcap or 0.0))
+    out = torch.ops.drafthead_attention.row_attention(
+        query.float(),
+        key.float(),
+        value.float(),
+        visible_keys(attention_mask)[..., : key.shape[2]].contiguous(),
+        float(scaling),
+        float(softcap or 0.0),
+    )
     return out.to(query.dtype), None
 
 

@@ -11,6 +11,7 @@ It takes the processor's pixel inputs, and which tokens are image tokens:
 Tree verification adds each row's delta to its positions (prefix length + depth + delta), and
 every other part of a round is unchanged: image tokens are committed prefix.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -80,12 +81,12 @@ def rope_positions(model, ids: torch.Tensor, row: PromptImages | None) -> tuple[
     if row is None or row.image_grid_thw is None:
         return torch.arange(ids.numel(), device=ids.device).expand(3, -1), 0
     positions, deltas = model.model.get_rope_index(
-        ids[None], mm_token_type_ids=token_types(model.config, ids[None]), image_grid_thw=row.image_grid_thw.to(ids.device))
+        ids[None], mm_token_type_ids=token_types(model.config, ids[None]), image_grid_thw=row.image_grid_thw.to(ids.device)
+    )
     return positions[:, 0], int(deltas.reshape(-1)[0])
 
 
-def prefill_inputs(model, prompts: list[torch.Tensor], images: list[PromptImages | None] | None,
-                   width: int) -> tuple[dict, torch.Tensor]:
+def prefill_inputs(model, prompts: list[torch.Tensor], images: list[PromptImages | None] | None, width: int) -> tuple[dict, torch.Tensor]:
     """The prefill forward's image arguments for right-padded rows of `width` tokens (each prompt
     but its last token), and each row's position offset [B] for the rounds after it. The images
     are the ones `check_images` passed (generate_batch checks them before any forward)."""
@@ -100,7 +101,7 @@ def prefill_inputs(model, prompts: list[torch.Tensor], images: list[PromptImages
             rows, delta = rope_positions(model, p, row)
             n = p.numel() - 1
             positions[:, b, :n] = rows[:, :n]
-            positions[:, b, n:] = rows[:, n - 1: n] + 1 + torch.arange(width - n, device=device) if n else 0
+            positions[:, b, n:] = rows[:, n - 1 : n] + 1 + torch.arange(width - n, device=device) if n else 0
             offsets[b] = delta
         kwargs["position_ids"] = positions
     else:

@@ -30,6 +30,7 @@ accepted drafts per row and round, which no drafter we measure reaches. Without 
 probe of a batch of 16 on a CPU verified ~1,000 tokens, about 8 plain rounds of time in one round.
 docs/trees.md "Batches" has the derivation.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,8 +53,13 @@ def accepted_within(path: Sequence[int], cut: int) -> int:
     return sum(1 for node in path[1:] if node <= cut)
 
 
-def best_batch_node_count(gains: Sequence[Sequence[float]], verify_cost: Callable[[int], float], fixed_cost: float,
-                          draft_cost: float | Callable[[int], float], max_nodes: int) -> int:
+def best_batch_node_count(
+    gains: Sequence[Sequence[float]],
+    verify_cost: Callable[[int], float],
+    fixed_cost: float,
+    draft_cost: float | Callable[[int], float],
+    max_nodes: int,
+) -> int:
     """N (1 <= N <= max_nodes) maximising the batch's expected tokens per second (module docstring).
 
     gains[b][n]: expected draft tokens row b accepts with n draft nodes (gains[b][0] == 0; past the
@@ -143,8 +149,7 @@ class SpeculationPolicy:
         count N to draft for (drafters with `limit` stop at N - 1 draft nodes)."""
         if self.probing():
             return 0
-        n = best_batch_node_count([self.gain] * batch, self.verify_cost, self.fixed_seconds,
-                                  self._draft_cost(batch), len(self.gain))
+        n = best_batch_node_count([self.gain] * batch, self.verify_cost, self.fixed_seconds, self._draft_cost(batch), len(self.gain))
         if self.rounds == self.last_probe + 1:  # the first decision after a probe sets the next gap
             gap = self.probe_gap or self.probe_every
             self.probe_gap = self.probe_every if n > 1 else min(self.max_probe_every, 2 * gap)
@@ -162,8 +167,9 @@ class SpeculationPolicy:
             return self.probe_size(len(trees), largest)
         return best_batch_node_count([self.gain] * len(trees), self.verify_cost, self.fixed_seconds, 0.0, largest)
 
-    def observe(self, sizes: Sequence[int], paths: Sequence[Sequence[int]], fixed_seconds: float,
-                draft_seconds: float | None, planned: int = 0) -> None:
+    def observe(
+        self, sizes: Sequence[int], paths: Sequence[Sequence[int]], fixed_seconds: float, draft_seconds: float | None, planned: int = 0
+    ) -> None:
         """After a round: row b verified sizes[b] nodes and accepted paths[b]; the round spent
         fixed_seconds outside verify and drafting, and draft_seconds drafting for `planned` nodes
         (None: it did not draft)."""

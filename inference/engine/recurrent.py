@@ -15,6 +15,7 @@ appends a chain of N nodes; each row then keeps the state after its own accepted
 Only chains: a state follows one sequence, so branches of a tree would each need their own
 (the trade-off is written in docs/trees.md). The attention layers' K/V are cache.py's concern.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,8 +69,7 @@ def stack_rows(caches: list[Cache], slots: int) -> Cache:
     K/V right-padded with zeros to `slots` (hidden by the mask), recurrent states stacked. A row
     that prefilled nothing gets zero states, which is what transformers starts a sequence from.
     Returns the first prefilled cache, filled in place (it carries the layers' initialised flags)."""
-    filled = [c for c in caches if c.get_seq_length() > 0 or any(
-        layer.is_conv_states_initialized[0] for layer in recurrent_layers(c))]
+    filled = [c for c in caches if c.get_seq_length() > 0 or any(layer.is_conv_states_initialized[0] for layer in recurrent_layers(c))]
     if not filled:
         return caches[0]
     base = filled[0]
@@ -77,22 +77,23 @@ def stack_rows(caches: list[Cache], slots: int) -> Cache:
         rows = [c.layers[i] for c in caches]
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             for s in _states(layer):
-                for name, ready in (("conv_states", layer.is_conv_states_initialized),
-                                    ("recurrent_states", layer.is_recurrent_states_initialized)):
+                for name, ready in (("conv_states", layer.is_conv_states_initialized), ("recurrent_states", layer.is_recurrent_states_initialized)):
                     if not ready[s]:
                         continue
                     like = getattr(layer, name)[s]
-                    getattr(layer, name)[s] = torch.cat([
-                        getattr(row, name)[s] if getattr(row, name)[s] is not None else torch.zeros_like(like)
-                        for row in rows])
+                    getattr(layer, name)[s] = torch.cat(
+                        [getattr(row, name)[s] if getattr(row, name)[s] is not None else torch.zeros_like(like) for row in rows]
+                    )
                 layer.has_previous_state[s] = True
         if has_kv(layer):
+
             def padded(row, name):
                 if not has_kv(row):  # a row that prefilled nothing
                     like = getattr(layer, name)
                     return like.new_zeros(1, like.shape[1], slots, like.shape[3])
                 t = getattr(row, name)
                 return torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2]))
+
             layer.keys, layer.values = (torch.cat([padded(row, name) for row in rows]) for name in ("keys", "values"))
     return base
 
@@ -121,7 +122,7 @@ def keep_states(cache: Cache, accepted: list[int]) -> None:
                 if layer.drafthead_from_empty[s]:
                     full = torch.nn.functional.pad(full, (k, 0))
                 start = torch.as_tensor(accepted, device=full.device)
-                index = (start[:, None] + torch.arange(k, device=full.device))  # [B, K]
+                index = start[:, None] + torch.arange(k, device=full.device)  # [B, K]
                 index = index.view(index.shape[0], *([1] * (full.dim() - 2)), k).expand(*full.shape[:-1], k)
                 layer.conv_states[s] = full.gather(-1, index).contiguous()
             if layer.is_recurrent_states_initialized[s]:
@@ -135,8 +136,7 @@ def keep_states(cache: Cache, accepted: list[int]) -> None:
 
 def rewind(cache: Cache) -> None:
     """Every row back to its state before the recorded forward."""
-    states = [t for layer in recurrent_layers(cache) for t in (*layer.conv_states.values(), *layer.recurrent_states.values())
-              if t is not None]
+    states = [t for layer in recurrent_layers(cache) for t in (*layer.conv_states.values(), *layer.recurrent_states.values()) if t is not None]
     if states:
         keep_states(cache, [0] * states[0].shape[0])  # [B, ...]: every state has a row per batch row
 
@@ -145,7 +145,9 @@ def select_state_rows(cache: Cache, rows: list[int]) -> None:
     """Keep batch rows `rows` (in that order) of every recurrent state. In place."""
     for layer in recurrent_layers(cache):
         for s in _states(layer):
-            for states, ready in ((layer.conv_states, layer.is_conv_states_initialized),
-                                  (layer.recurrent_states, layer.is_recurrent_states_initialized)):
+            for states, ready in (
+                (layer.conv_states, layer.is_conv_states_initialized),
+                (layer.recurrent_states, layer.is_recurrent_states_initialized),
+            ):
                 if ready[s]:
                     states[s] = states[s][torch.as_tensor(rows, device=states[s].device)]

@@ -3,6 +3,7 @@
 Order and semantics follow transformers' `generate()`: repetition penalty, then temperature,
 top-k, top-p. Temperature 0 means greedy: the distribution is a point mass on the argmax.
 """
+
 from __future__ import annotations
 
 import math

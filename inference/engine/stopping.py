@@ -1,4 +1,5 @@
 """Stop conditions, as pure functions over the stream of emitted tokens."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,7 @@ def check_stop_strings(stop_strings) -> None:
     """Refuse an empty stop string: "" is in every text, so it would end the output after its
     first token."""
     if any(s == "" for s in stop_strings):
-        raise ValueError('--stop "": an empty stop string matches any text and would stop after the first token; '
-                         "pass the text to stop at")
+        raise ValueError('--stop "": an empty stop string matches any text and would stop after the first token; pass the text to stop at')
 
 
 def first_stop(emitted: list[int], start: int, rules: StopRules, decode=None) -> tuple[int, str] | None:

@@ -6,6 +6,7 @@ template) under the cache; later loads read that folder in about a second.
 
 Nothing here fetches from a model hub: every `from_pretrained` runs with `local_files_only=True`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -24,8 +25,8 @@ import torch
 from safetensors import SafetensorError
 
 from ...heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
-from ...heads.io import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
-from ...heads.io import read_gguf
+from ...heads.files import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
+from ...heads.files import read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -221,8 +222,9 @@ def _load_tokenizer(folder: Path):
     if not (folder / "config.json").is_file():
         raise TargetError(f"{folder} is not a Hugging Face model folder (no config.json)")
     if not any((folder / name).exists() for name in TOKENIZER_FILES):
-        raise TargetError(f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the model's "
-                          "tokenizer into it (tokenizer.save_pretrained)")
+        raise TargetError(
+            f"{folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save the model's tokenizer into it (tokenizer.save_pretrained)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
@@ -259,8 +261,7 @@ def _load_model(folder: Path, dtype: torch.dtype):
     except (OSError, ValueError) as e:
         raise TargetError(f"cannot load a causal LM from {folder}: {_first_line(e)}") from e
     except SafetensorError as e:
-        raise TargetError(f"{folder}: a weights file is truncated or corrupt ({_first_line(e)}): save or copy the "
-                          "model again") from e
+        raise TargetError(f"{folder}: a weights file is truncated or corrupt ({_first_line(e)}): save or copy the model again") from e
     return model
 
 
@@ -308,9 +309,7 @@ def _builtin_folder(target: BuiltinTarget) -> Path:
     try:
         importlib.metadata.distribution(target.package)
     except importlib.metadata.PackageNotFoundError:
-        raise TargetError(
-            f"target '{target.name}' needs the package {target.package}: {target.install}"
-        ) from None
+        raise TargetError(f"target '{target.name}' needs the package {target.package}: {target.install}") from None
 
     def locate(scratch: Path) -> Path:
         try:

@@ -12,6 +12,7 @@ not the one plain decoding gives its position. `true_position_temperature` multi
 layer's query projection by s(position) / s(p) for one forward, so the queries carry s(position);
 below floor_scale - 1 both factors are exactly 1 and nothing is installed.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,8 +29,7 @@ def _nope_attentions(target) -> list:
     found once per target: the forwards past floor_scale - 1 each need them."""
     if target not in _NOPE:
         # use_rope is the config's no_rope_layers entry, 0 or 1
-        _NOPE[target] = [m for m in target.modules()
-                         if hasattr(m, "floor_scale") and hasattr(m, "q_proj") and not m.use_rope]
+        _NOPE[target] = [m for m in target.modules() if hasattr(m, "floor_scale") and hasattr(m, "q_proj") and not m.use_rope]
     return _NOPE[target]
 
 
@@ -55,13 +55,14 @@ def true_position_temperature(target, cache, position_ids: torch.Tensor):
     handles = []
     try:
         for attn in layers:
+
             def rescale(module, args, output, attn=attn):
                 # p as the attention computes it, before this forward's K/V join the cache
                 seen = cache.get_seq_length(attn.layer_idx)
                 assumed = torch.arange(n, device=output.device) + seen
-                ratio = (temperature(position_ids, attn.floor_scale, attn.attn_scale)
-                         / temperature(assumed, attn.floor_scale, attn.attn_scale))
+                ratio = temperature(position_ids, attn.floor_scale, attn.attn_scale) / temperature(assumed, attn.floor_scale, attn.attn_scale)
                 return output * ratio.to(output.dtype)[..., None]
+
             handles.append(attn.q_proj.register_forward_hook(rescale))
         yield
     finally:

@@ -10,6 +10,7 @@ loop (inference/engine/generate.py) calls:
     discard(length)         forget the last trees and every position from `length` on (row 0):
                             what timing a forward needs after each try (cost.py)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,7 @@ class TorchTarget:
             return panel_linears(self.model)
         return engine_linears(self.model, enabled)
 
-    def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0,
-              images=None):
+    def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0, images=None):
         """Prefill every prompt but its last token at once, right-padded to the longest: row b's
         K/V land in slots [0, P_b - 1) and a causal mask never lets them see the padding after them.
         images: one media.PromptImages or None per prompt, for a vision-language target.
@@ -65,8 +65,9 @@ class TorchTarget:
             padded[b, : p.numel() - 1] = p[:-1]
         want_hidden = bool(feature_layers) or need_last
         with deepstack_inputs(self.model) as deepstack:
-            out = self.model(input_ids=padded, **media, **cache_kwargs(self.model, self.cache), use_cache=True,
-                             output_hidden_states=want_hidden, logits_to_keep=1)
+            out = self.model(
+                input_ids=padded, **media, **cache_kwargs(self.model, self.cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
+            )
         return with_deepstack(out.hidden_states, deepstack)
 
     def fit(self, tree: DraftTree, rows: int) -> DraftTree:
@@ -80,8 +81,16 @@ class TorchTarget:
         prefix = torch.tensor(lengths, device=trees[0].tokens.device)
         attention = invariant_attention(self.model) if self.row_invariant else contextlib.nullcontext()
         with attention:
-            return forward_trees(self.model, self.cache, pad_trees(trees), prefix, self.slots, want_hidden,
-                                 forward=None if self.static is None else self.static.forward, position_offsets=self.offsets)
+            return forward_trees(
+                self.model,
+                self.cache,
+                pad_trees(trees),
+                prefix,
+                self.slots,
+                want_hidden,
+                forward=None if self.static is None else self.static.forward,
+                position_offsets=self.offsets,
+            )
 
     @property
     def device(self) -> torch.device:

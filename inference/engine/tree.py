@@ -4,6 +4,7 @@ Node 0 is the root: the pending token, whose K/V is not yet in the target cache.
 topological order (`parents[i] < i`), so a single forward pass over `tokens` with the tree mask
 gives, at node i, the target's distribution for the token after the path root..i.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 The target is an unmodified transformers causal LM; the tree goes in through `position_ids`
 (prefix length + depth) and a 4-D additive attention mask.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,7 @@ def check_tree_mask_support(config, recurrent: bool = False) -> None:
     impl = getattr(config, "_attn_implementation", None) or "eager"
     if impl not in _MASK_ATTN:
         raise TreeMaskUnsupported(
-            f"attention implementation {impl!r} cannot take a tree mask; load the target with "
-            f"attn_implementation='sdpa' or 'eager'"
+            f"attention implementation {impl!r} cannot take a tree mask; load the target with attn_implementation='sdpa' or 'eager'"
         )
     if getattr(config, "is_encoder_decoder", False):
         raise TreeMaskUnsupported(f"{config.model_type}: encoder-decoder targets are not supported")
@@ -103,12 +103,20 @@ def attention_masks(config, parents: torch.Tensor, past_len: int, dtype: torch.d
     """The mask for one tree shared by the batch, every row holding all `past_len` cached positions."""
     n = parents.shape[0]
     lengths = torch.full((batch,), past_len, dtype=torch.long, device=parents.device)
-    return batch_attention_masks(config, ancestor_mask(parents)[None].expand(batch, n, n),
-                                 node_depths(parents)[None].expand(batch, n), lengths, past_len, dtype)
+    return batch_attention_masks(
+        config, ancestor_mask(parents)[None].expand(batch, n, n), node_depths(parents)[None].expand(batch, n), lengths, past_len, dtype
+    )
 
 
-def batch_attention_masks(config, ancestors: torch.Tensor, depths: torch.Tensor, prefix_lengths: torch.Tensor,
-                          past_len: int, dtype: torch.dtype, kv_length: int | None = None):
+def batch_attention_masks(
+    config,
+    ancestors: torch.Tensor,
+    depths: torch.Tensor,
+    prefix_lengths: torch.Tensor,
+    past_len: int,
+    dtype: torch.dtype,
+    kv_length: int | None = None,
+):
     """The tree mask in the form the target's family takes: one [B, 1, N, past+N] tensor (or
     [B, 1, N, kv_length] for a static cache) where every layer attends alike, or a {layer type:
     mask} dict where layer types differ (Gemma-3 and gpt-oss: sliding and full; Llama 4: chunked
@@ -118,8 +126,7 @@ def batch_attention_masks(config, ancestors: torch.Tensor, depths: torch.Tensor,
     def mask(rule: dict) -> torch.Tensor:
         key = tuple(sorted((k, v) for k, v in rule.items() if v is not None))
         if key not in built:  # layer types with the same rule share one tensor
-            built[key] = batch_tree_mask(ancestors, depths, prefix_lengths, past_len, dtype, kv_length=kv_length,
-                                         **dict(key))
+            built[key] = batch_tree_mask(ancestors, depths, prefix_lengths, past_len, dtype, kv_length=kv_length, **dict(key))
         return built[key]
 
     masks = {kind: None if rule is None else mask(rule) for kind, rule in mask_rules(config).items()}
@@ -142,14 +149,21 @@ def forward_tree(target, cache, tokens: torch.Tensor, parents: torch.Tensor, pas
     accepted path)."""
     batch, n = tokens.shape
     parents = parents.to(tokens.device)
-    trees = TreeBatch(tokens, ancestor_mask(parents)[None].expand(batch, n, n),
-                      node_depths(parents)[None].expand(batch, n), [n] * batch)
+    trees = TreeBatch(tokens, ancestor_mask(parents)[None].expand(batch, n, n), node_depths(parents)[None].expand(batch, n), [n] * batch)
     lengths = torch.full((batch,), past_len, dtype=torch.long, device=tokens.device)
     return forward_trees(target, cache, trees, lengths, past_len, want_hidden)
 
 
-def forward_trees(target, cache, trees: TreeBatch, prefix_lengths: torch.Tensor, past_len: int,
-                  want_hidden: bool, forward=None, position_offsets: torch.Tensor | None = None) -> Verification:
+def forward_trees(
+    target,
+    cache,
+    trees: TreeBatch,
+    prefix_lengths: torch.Tensor,
+    past_len: int,
+    want_hidden: bool,
+    forward=None,
+    position_offsets: torch.Tensor | None = None,
+) -> Verification:
     """Run the target over each row's tree after its own `prefix_lengths[b]` committed tokens, all
     rows in one forward; the cache holds `past_len` slots per row (docs/trees.md "Batches").
     A node sits at position prefix_lengths[b] + depth. `forward`: the callable that runs the
@@ -157,8 +171,7 @@ def forward_trees(target, cache, trees: TreeBatch, prefix_lengths: torch.Tensor,
     position_offsets [B]: added to each row's positions (a Qwen-VL row's rope delta after an image
     in its prompt, media.py); the masks stay in slots."""
     dtype = next(target.parameters()).dtype
-    mask = batch_attention_masks(target.config, trees.ancestors, trees.depths, prefix_lengths, past_len, dtype,
-                                 kv_length=cache_capacity(cache))
+    mask = batch_attention_masks(target.config, trees.ancestors, trees.depths, prefix_lengths, past_len, dtype, kv_length=cache_capacity(cache))
     position_ids = prefix_lengths[:, None] + trees.depths
     if position_offsets is not None:
         position_ids = position_ids + position_offsets[:, None]
@@ -174,8 +187,7 @@ def forward_trees(target, cache, trees: TreeBatch, prefix_lengths: torch.Tensor,
     return Verification(out.logits, out.hidden_states if want_hidden else None)
 
 
-def select_features(hidden_states, layers: tuple[int, ...], need_last: bool, index=None,
-                    row: int | None = None) -> TargetFeatures | None:
+def select_features(hidden_states, layers: tuple[int, ...], need_last: bool, index=None, row: int | None = None) -> TargetFeatures | None:
     """Pick the drafter's feature layers (and the final normed state) at positions `index` (a tensor or slice),
     of batch row `row` only (kept as a batch of one) when given. Only the picked layers are
     sliced: a forward returns all L + 1 hidden states, and a round visits every row."""
@@ -184,7 +196,7 @@ def select_features(hidden_states, layers: tuple[int, ...], need_last: bool, ind
 
     def pick(h):
         if row is not None:
-            h = h[row: row + 1]
+            h = h[row : row + 1]
         return h if index is None else h[:, index]
 
     return TargetFeatures(

@@ -1,5 +1,6 @@
 """Which machine this is: what timings measured here are keyed by (inference/kernels/target_linears.py's
 calibration cache) and what every report records."""
+
 from __future__ import annotations
 
 import functools

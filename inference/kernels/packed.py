@@ -16,6 +16,7 @@ Packing is inference-only (a packed layer falls back to `F.linear` whenever auto
 CPU-only, and checked on a probe input at pack time: a build or dtype where the packed kernel is
 missing or disagrees keeps the plain layer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,8 +46,7 @@ class PackedLinear(nn.Module):
         # (`.to()` moves the Parameters, never the packed copy)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return False
-        return (x.dtype == self.weight.dtype == self.packed_dtype
-                and x.device.type == self.weight.device.type == "cpu")
+        return x.dtype == self.weight.dtype == self.packed_dtype and x.device.type == self.weight.device.type == "cpu"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._packed_applies(x):

@@ -9,6 +9,7 @@ FMA. Where it cannot be built or loaded, `why_unavailable()` says why and the en
 kernels (inference/kernels/target_linears.py); nothing else changes. DRAFTHEAD_PANEL_KERNEL=0 keeps the
 engine off it (`enabled()`); `load()` still builds it, so its own tests run with the switch off too.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,8 +61,14 @@ def load() -> bool:
                 from torch.utils.cpp_extension import load as build
 
                 _ensure_ninja_on_path()
-                build("drafthead_panel_linear", [str(SOURCE), str(ATTENTION_SOURCE)], is_python_module=False, verbose=False,
-                      extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                build(
+                    "drafthead_panel_linear",
+                    [str(SOURCE), str(ATTENTION_SOURCE)],
+                    is_python_module=False,
+                    verbose=False,
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"],
+                )
                 torch.ops.drafthead_panel.linear  # noqa: B018  (raises if the library did not register)
                 torch.ops.drafthead_attention.row_attention  # noqa: B018
             except Exception as error:  # a missing compiler or ninja, a failed build: keep the other kernels

@@ -41,6 +41,7 @@ forward over 17 rows already rounds differently from a one-row step. The guarant
 docs/acceptance.md states: fp32 greedy output equals plain greedy output token for token, which
 the tests assert with each kernel forced on.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -58,7 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...heads.io import atomic_write, cache_root
+from ...heads.files import atomic_write, cache_root
 from . import panel_kernel
 from .packed import pack_linear
 from .machine import cpu_model
@@ -67,7 +68,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WIN_MARGIN = 0.9  # another kernel replaces F.linear where it takes under 90% of F.linear's time
 STREAM_BYTES = 64 << 20  # calibrate over at least this many bytes of weights: more than a CPU's cache
 STREAM_ROWS = 32  # up to this many rows a call streams its weight; past it the arithmetic dominates
-CALIBRATION_FILE = "linears-calibration.json"  # under heads.io.cache_root() / "kernels"
+CALIBRATION_FILE = "linears-calibration.json"  # under heads.files.cache_root() / "kernels"
 
 
 def kernel_for_rows(rows: int, choices: tuple[str, ...], buckets: tuple[int, ...] = ROW_BUCKETS) -> str:
@@ -143,9 +144,21 @@ def calibrate(layers: list[dict]) -> tuple[str, ...]:
     DRAFTHEAD_RECALIBRATE=1 measures again (a measurement taken while the machine was busy)."""
     linear = layers[0]["plain"]
     panel = layers[0].get("panel")
-    key = json.dumps([cpu_model(), torch.__version__, torch.get_num_threads(), linear.in_features, linear.out_features,
-                      str(linear.weight.dtype), linear.bias is not None, None if panel is None else str(panel.panels.dtype),
-                      layers[0].get("packed") is not None, _kernel_source_tag(), ROW_BUCKETS])
+    key = json.dumps(
+        [
+            cpu_model(),
+            torch.__version__,
+            torch.get_num_threads(),
+            linear.in_features,
+            linear.out_features,
+            str(linear.weight.dtype),
+            linear.bias is not None,
+            None if panel is None else str(panel.panels.dtype),
+            layers[0].get("packed") is not None,
+            _kernel_source_tag(),
+            ROW_BUCKETS,
+        ]
+    )
     if key not in _CALIBRATION:
         stored = None if os.environ.get("DRAFTHEAD_RECALIBRATE") == "1" else _stored_calibration().get(key)
         if stored is not None and len(stored) == len(ROW_BUCKETS):
@@ -251,10 +264,14 @@ def _build(target: nn.Module) -> dict[str, RowDispatchLinear]:
     with_packed = fits_in_memory(2 * weight_bytes, memory)
     groups: dict[tuple, list[tuple[str, dict]]] = {}
     for name, module in named:
-        kernels = {"plain": module, "packed": pack_linear(module, rows_hint=16) if with_packed else None,
-                   "panel": _panel_layer(module)}
-        shape = (module.in_features, module.out_features, module.bias is not None, module.weight.dtype,
-                 None if kernels["panel"] is None else kernels["panel"].panels.dtype)
+        kernels = {"plain": module, "packed": pack_linear(module, rows_hint=16) if with_packed else None, "panel": _panel_layer(module)}
+        shape = (
+            module.in_features,
+            module.out_features,
+            module.bias is not None,
+            module.weight.dtype,
+            None if kernels["panel"] is None else kernels["panel"].panels.dtype,
+        )
         groups.setdefault(shape, []).append((name, kernels))
     layers = {}
     for members in groups.values():
@@ -282,9 +299,13 @@ def dispatch_linears(module: nn.Module) -> int:
 
 def _weights_key(target: nn.Module) -> tuple:
     param = next(target.parameters())
-    return (param.device, param.dtype, torch.get_num_threads(),
-            # _version counts in-place writes (load_state_dict copies into the same storage)
-            tuple((m.weight.data_ptr(), m.weight._version) for m in target.modules() if type(m) is nn.Linear))
+    return (
+        param.device,
+        param.dtype,
+        torch.get_num_threads(),
+        # _version counts in-place writes (load_state_dict copies into the same storage)
+        tuple((m.weight.data_ptr(), m.weight._version) for m in target.modules() if type(m) is nn.Linear),
+    )
 
 
 _ATTR = "_drafthead_engine_linears"
@@ -333,11 +354,11 @@ def panel_linears(target: nn.Module):
     cannot run (not a CPU, another dtype, no AVX2 build)."""
     param = next(target.parameters())
     if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"row-invariant decoding runs on the CPU panel kernel, in float32 or bfloat16; "
-                         f"this target is {param.dtype} on {param.device.type}")
+        raise ValueError(
+            f"row-invariant decoding runs on the CPU panel kernel, in float32 or bfloat16; this target is {param.dtype} on {param.device.type}"
+        )
     if not panel_kernel.enabled():
-        raise ValueError(f"row-invariant decoding needs the panel kernel, which is unavailable: "
-                         f"{panel_kernel.why_unavailable()}")
+        raise ValueError(f"row-invariant decoding needs the panel kernel, which is unavailable: {panel_kernel.why_unavailable()}")
     key = _weights_key(target)
     cached = getattr(target, _PANELS_ATTR, None)
     if cached is None or cached[0] != key:

@@ -4,6 +4,7 @@ f32 or bf16, and its quantizer (llama_model_quantize, through the shim) makes q8
 the f32 file. Each file is made once per target folder and type, into a cache folder, and made
 again when the target's weights are newer (docs/llamacpp-backend.md).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ...heads.io import cache_root
+from ...heads.files import cache_root
 from . import lib as _lib
 
 # GGUF type -> llama.h `enum llama_ftype` for the quantizer (None: the converter writes it)

@@ -5,6 +5,7 @@ build/libllama/lib/, or wherever DRAFTHEAD_LIBLLAMA names the folder holding
 libdrafthead_llama.so. Calls that take structs by value go through that small shim (shim.cpp);
 the rest are libllama's C API as llama.h declares it (docs/llamacpp-backend.md).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -55,11 +56,12 @@ _SIGNATURES = {
     # shim.c
     "dh_init": ([ctypes.c_bool], None),
     "dh_load_model": ([ctypes.c_char_p], ctypes.c_void_p),
-    "dh_new_context": ([ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_bool,
-                        ctypes.c_int], ctypes.c_void_p),
+    "dh_new_context": ([ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_bool, ctypes.c_int], ctypes.c_void_p),
     "dh_decode": ([ctypes.c_void_p, ctypes.POINTER(LlamaBatch)], ctypes.c_int32),
-    "dh_greedy": ([ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, c_int32_p, ctypes.c_int32,
-                   c_int32_p], ctypes.c_int32),
+    "dh_greedy": (
+        [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, c_int32_p, ctypes.c_int32, c_int32_p],
+        ctypes.c_int32,
+    ),
     "dh_quantize": ([ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int], ctypes.c_uint),
     "dh_set_layer_inp": ([ctypes.c_void_p, ctypes.c_uint, ctypes.c_bool], None),
     "dh_get_layer_inp": ([ctypes.c_void_p, ctypes.c_uint], c_float_p),
@@ -89,8 +91,9 @@ def load():
     initialised once per process."""
     path = library_dir() / SHIM
     if not path.exists():
-        raise LibllamaMissing(f"llama.cpp backend not built: no {path} (run `make llamacpp`, or point "
-                              f"DRAFTHEAD_LIBLLAMA at the folder holding {SHIM})")
+        raise LibllamaMissing(
+            f"llama.cpp backend not built: no {path} (run `make llamacpp`, or point DRAFTHEAD_LIBLLAMA at the folder holding {SHIM})"
+        )
     try:
         libs = (ctypes.CDLL(str(path)), ctypes.CDLL(str(path.with_name("libllama.so"))))
     except OSError as e:

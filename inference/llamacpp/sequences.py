@@ -14,6 +14,7 @@ Node i then sees node j iff j lies on the path from the root to leaf seq_id[0] o
 include it) at a depth <= depth(i): exactly i's ancestors and itself. `sequence_mask` applies
 llama.cpp's rule to these sets, and the tests check it equals the tree's ancestor mask.
 """
+
 from __future__ import annotations
 
 
@@ -73,5 +74,4 @@ def sequence_mask(parents: list[int]) -> list[list[bool]]:
     """[N][N]: may node i see node j under llama.cpp's rule with this module's sequences."""
     sets = leaf_sets(parents)
     depth = depths_of(parents)
-    return [[sets[i][0] in sets[j] and depth[j] <= depth[i] for j in range(len(parents))]
-            for i in range(len(parents))]
+    return [[sets[i][0] in sets[j] and depth[j] <= depth[i] for j in range(len(parents))] for i in range(len(parents))]

@@ -15,6 +15,7 @@ of the target's layers, HF `hidden_states[i]` = llama.cpp's layer input i) come 
 and so does the final normed state (HF `hidden_states[-1]`, key -1: llama.cpp's token embeddings
 output, the tensor its LM head multiplies) for the heads that read it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,10 @@ class LlamaCppTarget:
 
     def __init__(self, gguf: str | Path, config, *, threads: int = 2, feature_dtype: torch.dtype = torch.float32):
         if has_recurrent_layers(config):  # before anything loads: a refusal costs nothing
-            raise LlamaCppError(f"{gguf}: {config.model_type} has recurrent layers, whose states this backend's "
-                                "tree rounds would branch: decode it on the torch backend (docs/trees.md \"Hybrid targets\")")
+            raise LlamaCppError(
+                f"{gguf}: {config.model_type} has recurrent layers, whose states this backend's "
+                'tree rounds would branch: decode it on the torch backend (docs/trees.md "Hybrid targets")'
+            )
         self.lib = _lib.load()
         self.path = Path(gguf)
         if not self.path.is_file():
@@ -67,8 +70,10 @@ class LlamaCppTarget:
         self.hidden_size = self.lib.llama_model_n_embd(self.model)
         self.vocab_size = self.lib.llama_vocab_n_tokens(self.lib.llama_model_get_vocab(self.model))
         if (self.num_layers, self.hidden_size) != (text.num_hidden_layers, text.hidden_size):
-            raise LlamaCppError(f"{self.path}: {self.num_layers} layers of width {self.hidden_size}, but the target's "
-                                f"config has {text.num_hidden_layers} of {text.hidden_size}: another model's GGUF")
+            raise LlamaCppError(
+                f"{self.path}: {self.num_layers} layers of width {self.hidden_size}, but the target's "
+                f"config has {text.num_hidden_layers} of {text.hidden_size}: another model's GGUF"
+            )
         self.ctx = None
         self.context = 0  # KV cells of the current context, shared by every row and tree
         self.threads = threads
@@ -96,8 +101,7 @@ class LlamaCppTarget:
     def engine_context(self, enabled: bool):
         return contextlib.nullcontext()
 
-    def start(self, prompts: list[torch.Tensor], feature_layers: tuple[int, ...], need_last: bool,
-              max_new_tokens: int = 0):
+    def start(self, prompts: list[torch.Tensor], feature_layers: tuple[int, ...], need_last: bool, max_new_tokens: int = 0):
         """Empty the cache and run every prompt but its last token, row b as sequence b.
         Returns {hidden-state index: [B, P - 1, H]} for the drafters (padded rows), or None."""
         if len(prompts) > MAX_SEQUENCES // 2:
@@ -106,8 +110,9 @@ class LlamaCppTarget:
         self.lib.llama_memory_clear(self.memory, True)
         wanted = tuple(sorted(set(feature_layers)))
         if any(layer > self.num_layers for layer in wanted):
-            raise NotImplementedError(f"features {wanted}: llama.cpp returns hidden states 0..{self.num_layers} "
-                                      f"(the inputs of its layers and the final normed state)")
+            raise NotImplementedError(
+                f"features {wanted}: llama.cpp returns hidden states 0..{self.num_layers} (the inputs of its layers and the final normed state)"
+            )
         layer_inputs = {layer for layer in wanted if layer < self.num_layers}
         for layer in {i for i in self._features if 0 <= i < self.num_layers} | layer_inputs:
             self.lib.dh_set_layer_inp(self.ctx, layer, layer in layer_inputs)
@@ -118,19 +123,19 @@ class LlamaCppTarget:
         self._rows = list(range(len(prompts)))
         self._first_leaf = len(prompts)  # leaf sequences follow every row's, even after rows leave
         longest = max(p.numel() for p in prompts) - 1
-        hidden = {i: torch.zeros(len(prompts), longest, self.hidden_size, dtype=self.feature_dtype)
-                  for i in self._features} if self._features else None
+        hidden = (
+            {i: torch.zeros(len(prompts), longest, self.hidden_size, dtype=self.feature_dtype) for i in self._features} if self._features else None
+        )
         tokens, where = [], []
         for b, p in enumerate(prompts):
             ids = p[:-1].tolist()
             tokens += [(t, pos, [b]) for pos, t in enumerate(ids)]
             where += [(b, pos) for pos in range(len(ids))]
         for start in range(0, len(tokens), BATCH_TOKENS):
-            self._run_chunk(tokens[start:start + BATCH_TOKENS], where[start:start + BATCH_TOKENS], None, hidden)
+            self._run_chunk(tokens[start : start + BATCH_TOKENS], where[start : start + BATCH_TOKENS], None, hidden)
         return hidden
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
         """{layer: [B, T, H]} HF `hidden_states[layer]` of every real token of right-padded rows, zero
         at padding: what `data capture --engine llama.cpp` stores (train/features.py
         target_features gives the same from torch). One row at a time, each from an empty cache."""
@@ -158,12 +163,14 @@ class LlamaCppTarget:
         if len(trees) == 1 and width <= BATCH_TOKENS:  # one call fills every entry: the copied outputs are the result
             nodes, _ = self._place(trees[0], lengths[0], 0, self._first_leaf)
             out = self._decode(nodes, outputs=True)
-            hidden = ({i: h[None] for i, h in self._layer_inputs(len(nodes)).items()}
-                      if want_hidden and self._features else None)
+            hidden = {i: h[None] for i, h in self._layer_inputs(len(nodes)).items()} if want_hidden and self._features else None
             return Verification(out[None], hidden)
         logits = torch.zeros(len(trees), width, self.vocab_size)
-        hidden = ({i: torch.zeros(len(trees), width, self.hidden_size, dtype=self.feature_dtype)
-                   for i in self._features} if want_hidden and self._features else None)
+        hidden = (
+            {i: torch.zeros(len(trees), width, self.hidden_size, dtype=self.feature_dtype) for i in self._features}
+            if want_hidden and self._features
+            else None
+        )
         next_leaf = self._first_leaf
         where: list[tuple[int, int]] = []  # (row b, node) of each entry of the chunk being built
         chunk: list[tuple[int, int, list[int]]] = []  # (token, position, sequence ids)
@@ -217,11 +224,11 @@ class LlamaCppTarget:
         chosen, stopping after one in `stop`. The cache is left as n plain rounds leave it."""
         out = (ctypes.c_int32 * n)()
         stops = (ctypes.c_int32 * max(1, len(stop)))(*stop)
-        done = self.lib.dh_greedy(self.ctx, token, length, self._rows[0], n, ctypes.cast(stops, _lib.c_int32_p), len(stop),
-                                  ctypes.cast(out, _lib.c_int32_p))
+        done = self.lib.dh_greedy(
+            self.ctx, token, length, self._rows[0], n, ctypes.cast(stops, _lib.c_int32_p), len(stop), ctypes.cast(out, _lib.c_int32_p)
+        )
         if done < 0:
-            raise LlamaCppError(f"llama_decode returned {-1 - done} in a run of plain rounds (1: no room in the KV cache of "
-                                f"{self.context})")
+            raise LlamaCppError(f"llama_decode returned {-1 - done} in a run of plain rounds (1: no room in the KV cache of {self.context})")
         self._leaves = {}
         return list(out[:done])
 
@@ -266,8 +273,7 @@ class LlamaCppTarget:
             self.lib.llama_free(self.ctx)
             self.ctx = None
         size = -(-cells // 1024) * 1024
-        self.ctx = self.lib.dh_new_context(self.model, size, BATCH_TOKENS, MAX_SEQUENCES, self.threads, False,
-                                           FLASH_ATTENTION)
+        self.ctx = self.lib.dh_new_context(self.model, size, BATCH_TOKENS, MAX_SEQUENCES, self.threads, False, FLASH_ATTENTION)
         if not self.ctx:
             raise LlamaCppError(f"{self.path}: llama.cpp could not make a context of {size} cells")
         self.context = size
@@ -283,13 +289,21 @@ class LlamaCppTarget:
         seq_arrays = [(ctypes.c_int32 * len(s))(*s) for _, _, s in tokens]
         seq_id = (_lib.c_int32_p * n)(*[ctypes.cast(a, _lib.c_int32_p) for a in seq_arrays])
         flags = (ctypes.c_int8 * n)(*([1 if outputs else 0] * n))
-        batch = _lib.LlamaBatch(n, ctypes.cast(token, _lib.c_int32_p), None, ctypes.cast(pos, _lib.c_int32_p),
-                                ctypes.cast(n_seq, _lib.c_int32_p), ctypes.cast(seq_id, ctypes.POINTER(_lib.c_int32_p)),
-                                ctypes.cast(flags, ctypes.POINTER(ctypes.c_int8)))
+        batch = _lib.LlamaBatch(
+            n,
+            ctypes.cast(token, _lib.c_int32_p),
+            None,
+            ctypes.cast(pos, _lib.c_int32_p),
+            ctypes.cast(n_seq, _lib.c_int32_p),
+            ctypes.cast(seq_id, ctypes.POINTER(_lib.c_int32_p)),
+            ctypes.cast(flags, ctypes.POINTER(ctypes.c_int8)),
+        )
         rc = self.lib.dh_decode(self.ctx, ctypes.byref(batch))
         if rc != 0:
-            raise LlamaCppError(f"llama_decode returned {rc} for {n} tokens (1: no room in the KV cache of "
-                                f"{self.context}; < 0: the batch is invalid; DRAFTHEAD_LLAMA_VERBOSE=1 says more)")
+            raise LlamaCppError(
+                f"llama_decode returned {rc} for {n} tokens (1: no room in the KV cache of "
+                f"{self.context}; < 0: the batch is invalid; DRAFTHEAD_LLAMA_VERBOSE=1 says more)"
+            )
         if not outputs:
             return None
         ptr = self.lib.llama_get_logits(self.ctx)

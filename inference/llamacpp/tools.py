@@ -6,6 +6,7 @@ tool's own timers of the whole generation, prefill included and model load exclu
 timed.
 `llama_server` runs its OpenAI-compatible server, which `data regenerate --server` asks.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,8 +33,7 @@ def tool(name: str) -> Path:
 
 
 def _common(threads: int, context: int) -> list[str]:
-    return ["-t", str(threads), "-tb", str(threads), "-c", str(context), "--temp", "0", "--top-k", "1",
-            "--seed", "0", "--no-escape"]
+    return ["-t", str(threads), "-tb", str(threads), "-c", str(context), "--temp", "0", "--top-k", "1", "--seed", "0", "--no-escape"]
 
 
 def _number(pattern: str, log: str, name: str) -> float:
@@ -51,8 +51,7 @@ def _run(cmd: list) -> subprocess.CompletedProcess:
 
 
 def plain(gguf: Path, text: str, n: int, threads: int, context: int = 4096) -> dict:
-    done = _run([tool("llama-completion"), "-m", gguf, "-p", text, "-n", n, "-no-cnv", "--no-display-prompt",
-                 *_common(threads, context)])
+    done = _run([tool("llama-completion"), "-m", gguf, "-p", text, "-n", n, "-no-cnv", "--no-display-prompt", *_common(threads, context)])
     log = done.stderr
     # its "total time": prompt, decode steps, sampling and the rest of its loop, model load
     # excluded: the wall clock ours is timed by
@@ -72,15 +71,31 @@ def _speculative(gguf: Path, text: str, n: int, threads: int, extra: list, conte
 
 
 def ngram(gguf: Path, text: str, n: int, threads: int, context: int = 4096) -> dict:
-    return _speculative(gguf, text, n, threads, ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"],
-                        context)
+    return _speculative(gguf, text, n, threads, ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3"], context)
 
 
 def eagle3(gguf: Path, draft: Path, text: str, n: int, threads: int, k: int = 4, context: int = 4096) -> dict:
-    return _speculative(gguf, text, n, threads,
-                        ["-md", draft, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(k),
-                         "--spec-draft-p-min", "0", "--spec-draft-threads", str(threads),
-                         "--spec-draft-threads-batch", str(threads)], context)
+    return _speculative(
+        gguf,
+        text,
+        n,
+        threads,
+        [
+            "-md",
+            draft,
+            "--spec-type",
+            "draft-eagle3",
+            "--spec-draft-n-max",
+            str(k),
+            "--spec-draft-p-min",
+            "0",
+            "--spec-draft-threads",
+            str(threads),
+            "--spec-draft-threads-batch",
+            str(threads),
+        ],
+        context,
+    )
 
 
 def head_gguf(head: Path, target_folder: Path, out: Path) -> Path:
@@ -93,8 +108,11 @@ def head_gguf(head: Path, target_folder: Path, out: Path) -> Path:
     folder = out.with_suffix(".export")
     export_head(head, folder, "llama.cpp", overwrite=True)
     tmp = out.with_suffix(".tmp")
-    done = subprocess.run([sys.executable, str(converter()), str(folder), "--target-model-dir", str(target_folder),
-                           "--outtype", "f32", "--outfile", str(tmp)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, str(converter()), str(folder), "--target-model-dir", str(target_folder), "--outtype", "f32", "--outfile", str(tmp)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise ConversionError(f"llama.cpp's converter failed on the head export {folder}:\n{done.stderr[-600:]}")
@@ -102,8 +120,16 @@ def head_gguf(head: Path, target_folder: Path, out: Path) -> Path:
     return out
 
 
-def compare_rows(target_folder: Path, gguf_type: str, texts: list[str], n: int, threads: int,
-                 eagle3_head: Path | None = None, work: Path | None = None, progress: bool = True) -> dict:
+def compare_rows(
+    target_folder: Path,
+    gguf_type: str,
+    texts: list[str],
+    n: int,
+    threads: int,
+    eagle3_head: Path | None = None,
+    work: Path | None = None,
+    progress: bool = True,
+) -> dict:
     """{engine name: one record per text}: llama.cpp plain, its n-gram drafting and (given an
     EAGLE-3 head of ours) its draft-eagle3, prompt by prompt on the target's GGUF."""
     from tqdm.auto import tqdm
@@ -111,8 +137,7 @@ def compare_rows(target_folder: Path, gguf_type: str, texts: list[str], n: int, 
     from .convert import target_gguf
 
     gguf = target_gguf(target_folder, gguf_type)
-    runs = {PLAIN_ROW: lambda text: plain(gguf, text, n, threads),
-            NGRAM_ROW: lambda text: ngram(gguf, text, n, threads)}
+    runs = {PLAIN_ROW: lambda text: plain(gguf, text, n, threads), NGRAM_ROW: lambda text: ngram(gguf, text, n, threads)}
     if eagle3_head is not None:
         draft = head_gguf(eagle3_head, target_folder, (work or gguf.parent) / f"head-{Path(eagle3_head).name}.gguf")
         runs[EAGLE3_ROW] = lambda text: eagle3(gguf, draft, text, n, threads)
@@ -124,13 +149,15 @@ def compare_rows(target_folder: Path, gguf_type: str, texts: list[str], n: int, 
 
 
 @contextmanager
-def llama_server(gguf: Path, *, threads: int, context: int = 4096, slots: int = 1, log: Path | None = None,
-                 ready_within: float = 120.0):
+def llama_server(gguf: Path, *, threads: int, context: int = 4096, slots: int = 1, log: Path | None = None, ready_within: float = 120.0):
     """llama-server on 127.0.0.1 serving `gguf`, up (its /health answers 200) inside the block, which
     gets its URL; stopped on the way out. --jinja: the GGUF's own chat template, rendered as the
     tokenizer's is; `slots` requests are answered at once, each with context // slots positions."""
-    cmd = lambda port: [tool("llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", port,  # noqa: E731
-                        "-t", threads, "-tb", threads, "-c", context, "-np", slots, "--jinja", "--no-webui",
-                        "--seed", "0"]
+
+    flags = ["-t", threads, "-tb", threads, "-c", context, "-np", slots, "--jinja", "--no-webui", "--seed", "0"]
+
+    def cmd(port):
+        return [tool("llama-server"), "-m", gguf, "--host", "127.0.0.1", "--port", port, *flags]
+
     with local_server(cmd, "llama-server", log=log, ready_within=ready_within) as url:
         yield url

@@ -1,5 +1,6 @@
 """A server process on a free port of 127.0.0.1, up (its /health answers 200) inside a block and
 stopped on the way out, whatever the block does."""
+
 from __future__ import annotations
 
 import ctypes
@@ -42,22 +43,33 @@ def _stop_with_parent() -> None:
 
 
 @contextmanager
-def local_server(command: Callable[[int], Sequence], name: str, *, log: Path | None = None, env: dict | None = None,
-                 ready_within: float = 120.0, stop_within: float = 30.0):
+def local_server(
+    command: Callable[[int], Sequence],
+    name: str,
+    *,
+    log: Path | None = None,
+    env: dict | None = None,
+    ready_within: float = 120.0,
+    stop_within: float = 30.0,
+):
     """Runs command(port) on a free port; the block gets the base URL once /health answers. On the
     way out the process gets SIGTERM, and SIGKILL after `stop_within` seconds; on Linux it also gets
     SIGTERM when this process dies without reaching that point (a kill -9)."""
     port = free_port()
     out = open(log, "w") if log else subprocess.DEVNULL
-    proc = subprocess.Popen([str(c) for c in command(port)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                            preexec_fn=_stop_with_parent if sys.platform == "linux" else None)
+    proc = subprocess.Popen(
+        [str(c) for c in command(port)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        preexec_fn=_stop_with_parent if sys.platform == "linux" else None,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + ready_within
         while not healthy(url):
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise ServerStartError(f"{name} did not come up on {url} within {ready_within:.0f} s "
-                                       f"(rc {proc.poll()}; log: {log or 'none'})")
+                raise ServerStartError(f"{name} did not come up on {url} within {ready_within:.0f} s (rc {proc.poll()}; log: {log or 'none'})")
             time.sleep(0.2)
         yield url
     finally:

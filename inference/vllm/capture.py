@@ -11,6 +11,7 @@ Ids: vLLM's `eagle_aux_hidden_state_layer_ids` count as our `output_hidden_state
 At i = L (after the last layer) vLLM gives the *unnormed* output, while our index L is the final
 *normed* state; so L is asked for as vLLM's L and the target's own final norm is applied here.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,13 +46,16 @@ def vllm_layer_ids(layers, num_layers: int) -> list[int]:
     ids = sorted({int(i) for i in layers})
     bad = [i for i in ids if not 0 <= i <= num_layers]
     if bad:
-        raise ValueError(f"hidden-state indices {bad}: vLLM's extract_hidden_states gives 0..{num_layers} "
-                         f"(the inputs of the {num_layers} decoder layers, and the last layer's output)")
+        raise ValueError(
+            f"hidden-state indices {bad}: vLLM's extract_hidden_states gives 0..{num_layers} "
+            f"(the inputs of the {num_layers} decoder layers, and the last layer's output)"
+        )
     return ids
 
 
-def as_our_features(hidden: torch.Tensor, ids: list[int], layers, num_layers: int,
-                    final_norm: Callable[[torch.Tensor], torch.Tensor]) -> dict[int, torch.Tensor]:
+def as_our_features(
+    hidden: torch.Tensor, ids: list[int], layers, num_layers: int, final_norm: Callable[[torch.Tensor], torch.Tensor]
+) -> dict[int, torch.Tensor]:
     """One prompt's vLLM file -> {layer: [T, H]}. hidden: [T, len(ids), H], column k holding id
     ids[k]; at L the unnormed output goes through the target's final norm (the LM head's input)."""
     out = {}
@@ -69,8 +73,7 @@ def final_norm_of(model) -> torch.nn.Module:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
     norm = getattr(decoder, "norm", None)
     if norm is None:
-        raise ValueError(f"{type(model).__name__}: no final norm at get_decoder().norm, which --backend vllm "
-                         "applies to vLLM's unnormed last state")
+        raise ValueError(f"{type(model).__name__}: no final norm at get_decoder().norm, which --backend vllm applies to vLLM's unnormed last state")
     return norm
 
 
@@ -79,8 +82,7 @@ def venv_python(venv: str | Path | None) -> Path:
     folder = Path(venv or os.environ.get(VENV_ENV) or DEFAULT_VENV)
     python = folder / "bin" / "python"
     if not python.exists():
-        raise VllmError(f"{folder}: no vLLM venv there (make one with scripts/interop/setup_vllm.sh, "
-                        f"or point --vllm-venv / ${VENV_ENV} at one)")
+        raise VllmError(f"{folder}: no vLLM venv there (make one with scripts/interop/setup_vllm.sh, or point --vllm-venv / ${VENV_ENV} at one)")
     return python
 
 
@@ -92,8 +94,18 @@ class VllmTarget:
     child's log and vLLM's files.
     """
 
-    def __init__(self, target_dir: str | Path, model, *, dtype: str, max_length: int, work: str | Path | None = None,
-                 venv: str | Path | None = None, threads: int = 1, kv_cache_bytes: int = KV_CACHE_BYTES):
+    def __init__(
+        self,
+        target_dir: str | Path,
+        model,
+        *,
+        dtype: str,
+        max_length: int,
+        work: str | Path | None = None,
+        venv: str | Path | None = None,
+        threads: int = 1,
+        kv_cache_bytes: int = KV_CACHE_BYTES,
+    ):
         self.python = venv_python(venv)
         self.kv_cache_bytes = kv_cache_bytes
         self.work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="drafthead-vllm-"))
@@ -115,15 +127,25 @@ class VllmTarget:
         files = self.work / "hidden_states"
         files.mkdir(parents=True, exist_ok=True)
         spec = self.work / "vllm_capture_spec.json"
-        spec.write_text(json.dumps({"target": str(self.target_dir), "dtype": self.dtype, "ids": self.ids,
-                                    "max_model_len": self.max_model_len, "kv_cache_bytes": self.kv_cache_bytes,
-                                    "out": str(files)}))
+        spec.write_text(
+            json.dumps(
+                {
+                    "target": str(self.target_dir),
+                    "dtype": self.dtype,
+                    "ids": self.ids,
+                    "max_model_len": self.max_model_len,
+                    "kv_cache_bytes": self.kv_cache_bytes,
+                    "out": str(files),
+                }
+            )
+        )
         # the connector is loaded by module name inside vLLM's worker: this folder goes on its path
         env = child_env(self.python, self.threads)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(CHILD.parent), env.get("PYTHONPATH")]))
         with open(self.log, "w") as log:
-            self.child = subprocess.Popen([str(self.python), str(CHILD), str(spec)], env=env, stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=log, text=True)
+            self.child = subprocess.Popen(
+                [str(self.python), str(CHILD), str(spec)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
         self._answer("ready")
 
     def _answer(self, key: str):
@@ -139,8 +161,7 @@ class VllmTarget:
         errors = [s for s in lines if "Error" in s or "error" in s]
         return (errors or lines or ["no output"])[-1]
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
         """{layer: [B, T, H]} HF `hidden_states[layer]` of every real token of right-padded rows,
         zero at padding (train/features.py target_features gives the same from torch)."""
         if self.child is None:
@@ -159,8 +180,7 @@ class VllmTarget:
             os.remove(path)
             if saved["token_ids"].tolist() != ids:
                 raise VllmError(f"{path}: vLLM saved the states of other tokens than row {b} of the batch")
-            for layer, state in as_our_features(saved["hidden_states"], self.ids, layers, self.num_layers,
-                                                self.final_norm).items():
+            for layer, state in as_our_features(saved["hidden_states"], self.ids, layers, self.num_layers, self.final_norm).items():
                 out[layer][b, : len(ids)] = state.to(self.feature_dtype)
         return out
 

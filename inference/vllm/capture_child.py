@@ -14,6 +14,7 @@ runs those prompts (one token generated each, greedy) and is answered on stdout 
 and `token_ids` [T]. The first stdout line is {"ready": vLLM's version}. Everything vLLM prints
 goes to stderr, so stdout carries only these lines.
 """
+
 import fcntl
 import json
 import os
@@ -22,8 +23,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-    ExampleHiddenStatesConnector, extract_from_kv_cache)
+from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import ExampleHiddenStatesConnector, extract_from_kv_cache
 
 
 class _Written:
@@ -73,13 +73,27 @@ def main(spec_path: str) -> int:
     from vllm.inputs import TokensPrompt
 
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(model=spec["target"], tokenizer=spec["target"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
-              seed=0, kv_cache_memory_bytes=spec["kv_cache_bytes"], enforce_eager=True, enable_prefix_caching=False,
-              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": spec["ids"]}}},
-              kv_transfer_config={"kv_connector": "CpuHiddenStatesConnector",
-                                  "kv_connector_module_path": Path(__file__).stem, "kv_role": "kv_producer",
-                                  "kv_connector_extra_config": {"shared_storage_path": spec["out"]}})
+    llm = LLM(
+        model=spec["target"],
+        tokenizer=spec["target"],
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        seed=0,
+        kv_cache_memory_bytes=spec["kv_cache_bytes"],
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": spec["ids"]}},
+        },
+        kv_transfer_config={
+            "kv_connector": "CpuHiddenStatesConnector",
+            "kv_connector_module_path": Path(__file__).stem,
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": spec["out"]},
+        },
+    )
     params = SamplingParams(temperature=0.0, max_tokens=1)
     reply.write(json.dumps({"ready": __version__}) + "\n")
     for line in sys.stdin:

@@ -12,6 +12,7 @@ chunks. A length whose step would start after --budget-s seconds of the sweep is
 that runs out of memory is reported as such; the sweep goes on to its summary either way.
 `--dry-run`: two short lengths on the CPU (tests/test_gpu_check.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,12 @@ def step(head, target, config, T: int, device: str) -> dict:
     peak = torch.cuda.max_memory_allocated() if cuda else 0
     del optimizer, hidden, batch
     head.zero_grad(set_to_none=True)
-    return {"step_mb": round((peak - before) / 2**20, 1), "seconds": round(seconds, 2), "tokens_per_s": round(T / seconds, 1),
-            "loss": round(float(loss.detach()), 5)}
+    return {
+        "step_mb": round((peak - before) / 2**20, 1),
+        "seconds": round(seconds, 2),
+        "tokens_per_s": round(T / seconds, 1),
+        "loss": round(float(loss.detach()), 5),
+    }
 
 
 def planned_mb(head, config, T: int) -> float:
@@ -57,9 +62,18 @@ def planned_mb(head, config, T: int) -> float:
     from drafthead.train.plan import RunShapes, activation_bytes
 
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
-    shapes = RunShapes(target_bytes=0, largest_layer_bytes=0, layers_bytes=0, head_trainable=trainable, head_frozen_bytes=0,
-                       hidden=config.hidden_size, draft_vocab=config.draft_vocab_size, steps=config.ttt_steps, kind="eagle3",
-                       tokens=T)
+    shapes = RunShapes(
+        target_bytes=0,
+        largest_layer_bytes=0,
+        layers_bytes=0,
+        head_trainable=trainable,
+        head_frozen_bytes=0,
+        hidden=config.hidden_size,
+        draft_vocab=config.draft_vocab_size,
+        steps=config.ttt_steps,
+        kind="eagle3",
+        tokens=T,
+    )
     return round((activation_bytes(shapes) + 12 * trainable) / 2**20, 1)
 
 

@@ -10,6 +10,7 @@ Why no weights: SmolLM2-135M's are 270 MB in bf16, four times what one run may c
 memory depend on the target's shapes, not its values; exactness on the device is checked by
 tests/test_cuda.py on tiny targets, and acceptance by the CPU's runs on the real weights.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,30 @@ from pathlib import Path
 # against the image's own packages (its tokenizers 0.23.2 caps huggingface_hub below 2.0, so
 # tokenizers travels too). wandb stays behind (22 MB; the check logs with report_to=none).
 WANTED = ("transformers==5.25.0", "huggingface_hub==2.4.0", "datasets==5.2.0", "gguf==0.19.0")
-IMAGE_HAS = {"numpy", "pandas", "pyarrow", "safetensors", "typer", "pydantic", "pydantic_core", "rich",
-             "pygments", "markdown_it_py", "mdurl", "shellingham", "annotated_doc", "annotated_types", "typing_inspection",
-             "torch", "triton", "sympy", "networkx", "jinja2", "markupsafe", "mpmath"}
+IMAGE_HAS = {
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "safetensors",
+    "typer",
+    "pydantic",
+    "pydantic_core",
+    "rich",
+    "pygments",
+    "markdown_it_py",
+    "mdurl",
+    "shellingham",
+    "annotated_doc",
+    "annotated_types",
+    "typing_inspection",
+    "torch",
+    "triton",
+    "sympy",
+    "networkx",
+    "jinja2",
+    "markupsafe",
+    "mpmath",
+}
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + ["manylinux2014_x86_64", "manylinux1_x86_64"]
 
 
@@ -70,8 +92,26 @@ def stage_wheels(folder: Path, python_version: str) -> None:
 
     platforms = [arg for platform in PLATFORMS for arg in ("--platform", platform)]
     with tempfile.TemporaryDirectory() as every:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--only-binary", ":all:", "--python-version",
-                        python_version, "--implementation", "cp", *platforms, "-d", every, *WANTED], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--only-binary",
+                ":all:",
+                "--python-version",
+                python_version,
+                "--implementation",
+                "cp",
+                *platforms,
+                "-d",
+                every,
+                *WANTED,
+            ],
+            check=True,
+        )
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         for wheel in Path(every).glob("*.whl"):

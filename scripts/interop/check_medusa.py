@@ -19,6 +19,7 @@ medusa_num_layers > 1 distinct block tensors cannot all survive loading).
 Writes PREFIX.safetensors {logits [K, 1, T, V] = medusa_head[k](inputs["hidden"])} and PREFIX.json;
 prints the JSON on one line.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -71,27 +72,30 @@ class StandInBase(nn.Module):
 
 
 def main() -> int:
-    args = harness_args("base = the package's KV Llama loaded from --target", 'logits')
+    args = harness_args("base = the package's KV Llama loaded from --target", "logits")
     dtype = getattr(torch, args.dtype)
-    res: dict = {"consumer": "medusa-llm", "version": md.version("medusa-llm"), "torch": torch.__version__,
-                 "transformers": md.version("transformers"), "head": str(args.head),
-                 "base": "KVLlamaForCausalLM.from_pretrained(target)" if args.full else "stand-in (target lm_head only)",
-                 "ok": False}
+    res: dict = {
+        "consumer": "medusa-llm",
+        "version": md.version("medusa-llm"),
+        "torch": torch.__version__,
+        "transformers": md.version("transformers"),
+        "head": str(args.head),
+        "base": "KVLlamaForCausalLM.from_pretrained(target)" if args.full else "stand-in (target lm_head only)",
+        "ok": False,
+    }
     try:
         import medusa.model.medusa_model as mm
 
         files = sorted(os.listdir(args.head))
         res["files"] = files
         if "medusa_lm_head.pt" not in files:
-            raise FileNotFoundError("medusa-llm 0.1 loads only medusa_lm_head.pt (MedusaModel.from_pretrained); "
-                                    "folder has " + ", ".join(files))
+            raise FileNotFoundError("medusa-llm 0.1 loads only medusa_lm_head.pt (MedusaModel.from_pretrained); folder has " + ", ".join(files))
         notes = []
         stub_tokenizer(mm, notes)
         mcfg = mm.MedusaConfig.from_pretrained(str(args.head))
         raw = json.loads((args.head / "config.json").read_text())
         res["config"] = {k: raw.get(k) for k in ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path")}
-        res["config_defaults_used"] = [k for k in ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path")
-                                       if k not in raw]
+        res["config_defaults_used"] = [k for k in ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path") if k not in raw]
         if args.full:
             base = mm.KVLlamaForCausalLM.from_pretrained(str(args.target), torch_dtype=dtype)
         else:
@@ -102,16 +106,18 @@ def main() -> int:
             raise TypeError("medusa_lm_head.pt is not a flat tensor state dict")
         inc = model.medusa_head.load_state_dict(state, strict=False)
         loaded = model.medusa_head.state_dict()
-        mismatched = [k for k, v in state.items()
-                      if k in loaded and (loaded[k].shape != v.shape or not torch.equal(loaded[k].to(v.dtype), v))]
-        res.update({
-            "keys": {k: list(v.shape) for k, v in state.items()},
-            "dtypes": sorted({str(v.dtype) for v in state.values()}),
-            "missing_keys": list(inc.missing_keys), "unexpected_keys": list(inc.unexpected_keys),
-            "tensors_not_as_loaded": mismatched,
-            "resblocks_shared": bool(mcfg.medusa_num_layers > 1 and model.medusa_head[0][0] is model.medusa_head[0][1]),
-            "notes": notes,
-        })
+        mismatched = [k for k, v in state.items() if k in loaded and (loaded[k].shape != v.shape or not torch.equal(loaded[k].to(v.dtype), v))]
+        res.update(
+            {
+                "keys": {k: list(v.shape) for k, v in state.items()},
+                "dtypes": sorted({str(v.dtype) for v in state.values()}),
+                "missing_keys": list(inc.missing_keys),
+                "unexpected_keys": list(inc.unexpected_keys),
+                "tensors_not_as_loaded": mismatched,
+                "resblocks_shared": bool(mcfg.medusa_num_layers > 1 and model.medusa_head[0][0] is model.medusa_head[0][1]),
+                "notes": notes,
+            }
+        )
         model.medusa_head.eval()
         inp = load_file(str(args.inputs))
         with torch.no_grad():

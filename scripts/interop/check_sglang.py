@@ -49,6 +49,7 @@ hidden / logits (SGLang draft on them), e2e_hidden / e2e_logits, captured (SGLan
 concatenated); with --inputs also inputs_hidden / inputs_logits (SGLang draft on that file's
 input_ids + features3), so a driver in our venv can compare with our head.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -136,17 +137,30 @@ def init_sglang(target: str, head: str, algorithm: str = "EAGLE3"):
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, get_server_args, publish, reset_context
     from sglang.srt.server_args import ServerArgs
 
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                 distributed_init_method="file://" + tempfile.mktemp(prefix="sgl_dist_"))
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo", distributed_init_method="file://" + tempfile.mktemp(prefix="sgl_dist_")
+    )
     reset_context()
     # a hybrid target's prefix cache keeps Mamba state snapshots, which SGLang validates as CUDA-only;
     # no request is served here, so the radix cache is off for such targets
     layer_types = set(json.loads((Path(target) / "config.json").read_text()).get("layer_types") or ())
     hybrid = bool(layer_types & {"linear_attention", "mamba", "conv", "hybrid"})
-    publish(ServerArgs(model_path=target, speculative_algorithm=algorithm, speculative_draft_model_path=head,
-                       device="cpu", dtype="float32", tp_size=1, pp_size=1, ep_size=1, disable_cuda_graph=True,
-                       disable_radix_cache=hybrid),
-            role="test", ranks=SpawnRanks(world_rank=0))
+    publish(
+        ServerArgs(
+            model_path=target,
+            speculative_algorithm=algorithm,
+            speculative_draft_model_path=head,
+            device="cpu",
+            dtype="float32",
+            tp_size=1,
+            pp_size=1,
+            ep_size=1,
+            disable_cuda_graph=True,
+            disable_radix_cache=hybrid,
+        ),
+        role="test",
+        ranks=SpawnRanks(world_rank=0),
+    )
     if parallel_state._WORLD is not None:
         get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
@@ -161,12 +175,18 @@ class Extend:
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
         self.rtp = ReqToTokenPool(size=1, max_context_len=T + 8, device="cpu", enable_memory_saver=False)
-        self.kvp = MHATokenToKVPool(size=T + 16, page_size=1, dtype=dtype, head_num=cfg.num_key_value_heads,
-                                    head_dim=getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),
-                                    layer_num=num_layers, device="cpu", enable_memory_saver=False,
-                                    enable_alt_stream=False)
-        self.backend = TorchNativeAttnBackend(types.SimpleNamespace(device="cpu", req_to_token_pool=self.rtp,
-                                                                    token_to_kv_pool=self.kvp))
+        self.kvp = MHATokenToKVPool(
+            size=T + 16,
+            page_size=1,
+            dtype=dtype,
+            head_num=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),
+            layer_num=num_layers,
+            device="cpu",
+            enable_memory_saver=False,
+            enable_alt_stream=False,
+        )
+        self.backend = TorchNativeAttnBackend(types.SimpleNamespace(device="cpu", req_to_token_pool=self.rtp, token_to_kv_pool=self.kvp))
         self.T = T
 
     def run(self, module, input_ids, spec_hidden=None):
@@ -177,9 +197,17 @@ class Extend:
         locs = torch.arange(1, T + 1, dtype=torch.int64)
         self.rtp.req_to_token[0, :T] = locs.to(self.rtp.req_to_token.dtype)
         i32 = lambda v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
-        fb = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=input_ids,
-                          req_pool_indices=i32([0]), seq_lens=i32([T]), seq_lens_cpu=i32([T]), out_cache_loc=locs,
-                          seq_lens_sum=T, positions=torch.arange(T, dtype=torch.int64))
+        fb = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=1,
+            input_ids=input_ids,
+            req_pool_indices=i32([0]),
+            seq_lens=i32([T]),
+            seq_lens_cpu=i32([T]),
+            out_cache_loc=locs,
+            seq_lens_sum=T,
+            positions=torch.arange(T, dtype=torch.int64),
+        )
         fb.extend_prefix_lens, fb.extend_prefix_lens_cpu = i32([0]), [0]
         fb.extend_seq_lens, fb.extend_seq_lens_cpu, fb.extend_num_tokens = i32([T]), [T], T
         if spec_hidden is not None:
@@ -200,7 +228,7 @@ def _rope(x, pos, theta):  # x [T, heads, d], neox (rotate-half) layout
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     ang = pos.double()[:, None] * inv[None]
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1).float()[:, None], torch.cat([ang.sin(), ang.sin()], -1).float()[:, None]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
@@ -217,21 +245,19 @@ def reference_eagle3(sd: dict, cfg, embed: torch.Tensor, ids: torch.Tensor, feat
     hd = getattr(cfg, "head_dim", cfg.hidden_size // nh)
     T = ids.shape[0]
     fused = feats.float() @ g("fc.weight").T
-    x = torch.cat([_rms(embed[ids].float(), g(pre + "input_layernorm.weight"), eps),
-                   _rms(fused, g(pre + "hidden_norm.weight"), eps)], -1)
+    x = torch.cat([_rms(embed[ids].float(), g(pre + "input_layernorm.weight"), eps), _rms(fused, g(pre + "hidden_norm.weight"), eps)], -1)
     pos = torch.arange(T)
     q = _rope((x @ g(pre + "self_attn.q_proj.weight").T).view(T, nh, hd), pos, theta)
     k = _rope((x @ g(pre + "self_attn.k_proj.weight").T).view(T, nkv, hd), pos, theta)
     v = (x @ g(pre + "self_attn.v_proj.weight").T).view(T, nkv, hd)
     rep = nh // nkv
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    att = torch.einsum("qhd,khd->hqk", q, k) / hd ** 0.5
+    att = torch.einsum("qhd,khd->hqk", q, k) / hd**0.5
     att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf")).softmax(-1)
     o = torch.einsum("hqk,khd->qhd", att, v).reshape(T, nh * hd) @ g(pre + "self_attn.o_proj.weight").T
     h = fused + o
     y = _rms(h, g(pre + "post_attention_layernorm.weight"), eps)
-    h = h + (F.silu(y @ g(pre + "mlp.gate_proj.weight").T) * (y @ g(pre + "mlp.up_proj.weight").T)) @ \
-        g(pre + "mlp.down_proj.weight").T
+    h = h + (F.silu(y @ g(pre + "mlp.gate_proj.weight").T) * (y @ g(pre + "mlp.up_proj.weight").T)) @ g(pre + "mlp.down_proj.weight").T
     return h, _rms(h, g("norm.weight"), eps) @ g("lm_head.weight").T
 
 
@@ -247,8 +273,7 @@ def expected_params(sd: dict) -> dict:
         out.setdefault(full, []).append(src)
     merged = {}
     for full, srcs in out.items():
-        for a, parts in ((".qkv_proj.", (".q_proj.", ".k_proj.", ".v_proj.")),
-                         (".gate_up_proj.", (".gate_proj.", ".up_proj."))):
+        for a, parts in ((".qkv_proj.", (".q_proj.", ".k_proj.", ".v_proj.")), (".gate_up_proj.", (".gate_proj.", ".up_proj."))):
             if any(p in full for p in parts):
                 for p in parts:
                     full = full.replace(p, a)
@@ -263,8 +288,14 @@ def param_report(model, sd: dict) -> tuple[list, list]:
     rows, used = [], set()
     for name, p in params.items():
         srcs = exp.get(name, [])
-        row = {"param": name, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", ""),
-               "from": srcs, "landed": False, "max_abs_diff": None}
+        row = {
+            "param": name,
+            "shape": list(p.shape),
+            "dtype": str(p.dtype).replace("torch.", ""),
+            "from": srcs,
+            "landed": False,
+            "max_abs_diff": None,
+        }
         if srcs:
             srcs = sorted(srcs, key=lambda s: next((v for k, v in order.items() if k in s), 0))
             want = torch.cat([sd[s].float() for s in srcs], 0)
@@ -286,8 +317,7 @@ def match_indices(captured, hf_hidden):
     for c in captured:
         diffs = [(c.float() - hs[0].float()).abs().max().item() for hs in hf_hidden]
         j = min(range(len(diffs)), key=diffs.__getitem__)
-        res.append({"hf_index": j, "max_abs_diff": diffs[j],
-                    "next_best": sorted(diffs)[1] if len(diffs) > 1 else None})
+        res.append({"hf_index": j, "max_abs_diff": diffs[j], "next_best": sorted(diffs)[1] if len(diffs) > 1 else None})
     return res
 
 
@@ -296,8 +326,7 @@ def prompt_ids(target: str, n_random: int = 12):
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(target)
-        ids = tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}],
-                                      add_generation_prompt=True, tokenize=True)
+        ids = tok.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}], add_generation_prompt=True, tokenize=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         return torch.tensor(ids, dtype=torch.int64).flatten(), "chat template prompt"
     except Exception as e:  # the fixture target has no tokenizer
@@ -317,9 +346,14 @@ def loader_summary(rows: list, dropped: list, sd: dict, hot_token_id: dict | Non
     if "d2t" in sd and hot_token_id and hot_token_id["equals_d2t_plus_arange"]:
         mapped.append("d2t")
     from_target = [r["param"] for r in rows if not r["from"] and r["param"] == "model.embed_tokens.weight"]
-    return {"mapped": mapped, "missing": [r["param"] for r in rows if not r["from"] and r["param"] not in from_target],
-            "unexpected": dropped, "skipped": [n for n in ("t2d",) if n in sd], "from_target": from_target,
-            "not_intact": [r["param"] for r in rows if r["from"] and not r["landed"]]}
+    return {
+        "mapped": mapped,
+        "missing": [r["param"] for r in rows if not r["from"] and r["param"] not in from_target],
+        "unexpected": dropped,
+        "skipped": [n for n in ("t2d",) if n in sd],
+        "from_target": from_target,
+        "not_intact": [r["param"] for r in rows if r["from"] and not r["landed"]],
+    }
 
 
 def target_capture(res: dict, tmc, ids_to_capture, ids, hs, target: str):
@@ -372,8 +406,7 @@ def main():
         res["versions"] = {p: md.version(p) for p in ("sglang", "torch", "transformers")}
         sa = init_sglang(args.target, args.head)
         from sglang.srt.configs.model_config import ModelConfig
-        from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import \
-            resolve_spec_aux_hidden_state_config
+        from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import resolve_spec_aux_hidden_state_config
         from sglang.srt.model_loader.utils import set_default_torch_dtype
         from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
         from sglang.srt.models.llama_eagle3 import LlamaForCausalLMEagle3
@@ -381,13 +414,15 @@ def main():
 
         # (a) config + ids the way the target's model runner resolves them
         tmc = ModelConfig.from_server_args(sa)
-        aux = resolve_spec_aux_hidden_state_config(server_args=sa, model_config=tmc,
-                                                   spec_algorithm=SpeculativeAlgorithm.EAGLE3, is_draft_worker=False)
+        aux = resolve_spec_aux_hidden_state_config(
+            server_args=sa, model_config=tmc, spec_algorithm=SpeculativeAlgorithm.EAGLE3, is_draft_worker=False
+        )
         dmc = aux.draft_model_config
         dcfg = dmc.hf_config
         L = tmc.hf_config.num_hidden_layers
         res["draft_config_as_read"] = {
-            "architectures": dcfg.architectures, "model_dtype": str(dmc.dtype),
+            "architectures": dcfg.architectures,
+            "model_dtype": str(dmc.dtype),
             "eagle_config": getattr(dcfg, "eagle_config", None),
             "top_level_eagle_aux_hidden_state_layer_ids": getattr(dcfg, "eagle_aux_hidden_state_layer_ids", None),
             "draft_vocab_size": getattr(dcfg, "draft_vocab_size", "MISSING"),
@@ -395,7 +430,8 @@ def main():
             "num_aux_hidden_states": getattr(dcfg, "num_aux_hidden_states", None),
             "rope_parameters": getattr(dcfg, "rope_parameters", None),
             "tie_word_embeddings": dcfg.tie_word_embeddings,
-            "norm_before_fc": getattr(dcfg, "norm_before_fc", None), "fc_norm": getattr(dcfg, "fc_norm", None),
+            "norm_before_fc": getattr(dcfg, "norm_before_fc", None),
+            "fc_norm": getattr(dcfg, "fc_norm", None),
             "norm_output": getattr(dcfg, "norm_output", None),
             "norm_before_residual (not read by SGLang)": getattr(dcfg, "norm_before_residual", None),
         }
@@ -408,8 +444,7 @@ def main():
             draft = LlamaForCausalLMEagle3(dcfg).eval()
         # SGLang's loader reads every *.safetensors in the folder; a fixture's reference.safetensors is ours,
         # not part of the checkpoint, so it is left out (its names would be dropped silently anyway)
-        files = sorted(f for f in glob.glob(os.path.join(args.head, "*.safetensors"))
-                       if os.path.basename(f) != "reference.safetensors")
+        files = sorted(f for f in glob.glob(os.path.join(args.head, "*.safetensors")) if os.path.basename(f) != "reference.safetensors")
         draft.load_weights(safetensors_weights_iterator(files))
         sd = {}
         for f in files:
@@ -418,9 +453,17 @@ def main():
         res["params"] = rows
         res["export_tensors_dropped_by_sglang"] = dropped
         ht = draft.hot_token_id
-        res["hot_token_id"] = None if ht is None else {
-            "len": int(ht.numel()), "equals_d2t_plus_arange": bool(torch.equal(ht, sd["d2t"] + torch.arange(ht.numel()))),
-            "min": int(ht.min()), "max": int(ht.max()), "unique": bool(ht.unique().numel() == ht.numel())}
+        res["hot_token_id"] = (
+            None
+            if ht is None
+            else {
+                "len": int(ht.numel()),
+                "equals_d2t_plus_arange": bool(torch.equal(ht, sd["d2t"] + torch.arange(ht.numel()))),
+                "min": int(ht.min()),
+                "max": int(ht.max()),
+                "unique": bool(ht.unique().numel() == ht.numel()),
+            }
+        )
         if "t2d" in sd and ht is not None:
             t2d = sd["t2d"].bool()
             res["hot_token_id"]["t2d_consistent"] = bool(t2d.sum().item() == ht.numel() and t2d[ht].all().item())
@@ -446,14 +489,17 @@ def main():
         captured = target_capture(res, tmc, aux.eagle_aux_hidden_state_layer_ids, ids, hs, args.target)
         n_aux = draft.model.num_aux_hidden_states
         if captured is not None and len(captured) != n_aux:
-            res["notes"].append(f"SGLang's target captured {len(captured)} aux tensors for layers_to_capture "
-                                f"{res['layers_to_capture']} (its layers are 0..{L - 1}; an index >= {L} is never "
-                                f"reached), the draft's fc wants {n_aux}: SGLang would fail at runtime")
+            res["notes"].append(
+                f"SGLang's target captured {len(captured)} aux tensors for layers_to_capture "
+                f"{res['layers_to_capture']} (its layers are 0..{L - 1}; an index >= {L} is never "
+                f"reached), the draft's fc wants {n_aux}: SGLang would fail at runtime"
+            )
         dh = (json.loads((Path(args.head) / "config.json").read_text()).get("drafthead") or {}).get("config", {})
         trained = list(dh.get("aux_layers") or res.get("layers_to_capture") or [])
         res["trained_hidden_state_indices"] = trained
-        res["trained_indices_source"] = "drafthead.config.aux_layers" if dh.get("aux_layers") else \
-            "layers_to_capture (no drafthead block: what SGLang's code asks for)"
+        res["trained_indices_source"] = (
+            "drafthead.config.aux_layers" if dh.get("aux_layers") else "layers_to_capture (no drafthead block: what SGLang's code asks for)"
+        )
         res["ids_match_training"] = None if captured is None else res["captured_hidden_state_indices"] == trained
 
         # (c) SGLang's draft forward vs the plain-torch reference
@@ -464,44 +510,48 @@ def main():
             h_norm, aux_out = Extend(dcfg, dcfg.num_hidden_layers, T).run(draft.model, tok, feats)
             logits = F.linear(h_norm, draft.lm_head.weight)
             ref_h, ref_logits = reference_eagle3(sd, dcfg, embed, tok, feats)
-            res["draft_max_abs_diff"] = {"hidden": (aux_out[0] - ref_h).abs().max().item(),
-                                         "logits": (logits - ref_logits).abs().max().item()}
+            res["draft_max_abs_diff"] = {"hidden": (aux_out[0] - ref_h).abs().max().item(), "logits": (logits - ref_logits).abs().max().item()}
             res["max_abs_diff"] = res["draft_max_abs_diff"]["logits"]
             out_t.update(input_ids=tok[None], features3=feats[None], hidden=aux_out[0][None], logits=logits[None])
             if captured is not None and len(captured) == n_aux:
-                e_norm, e_aux = Extend(dcfg, dcfg.num_hidden_layers, T).run(draft.model, tok,
-                                                                            torch.cat(captured, -1)[:T])
+                e_norm, e_aux = Extend(dcfg, dcfg.num_hidden_layers, T).run(draft.model, tok, torch.cat(captured, -1)[:T])
                 e_logits = F.linear(e_norm, draft.lm_head.weight)
-                res["e2e_max_abs_diff"] = {"hidden": (e_aux[0] - ref_h).abs().max().item(),
-                                           "logits": (e_logits - ref_logits).abs().max().item()}
+                res["e2e_max_abs_diff"] = {"hidden": (e_aux[0] - ref_h).abs().max().item(), "logits": (e_logits - ref_logits).abs().max().item()}
                 res["e2e_argmax_agreement"] = (e_logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-                out_t.update(e2e_hidden=e_aux[0][None], e2e_logits=e_logits[None],
-                             captured=torch.cat(captured, -1)[None])
-        res["forward"] = ("SGLang LlamaModel.forward (llama_eagle3.py) ran on CPU with the torch_native "
-                          "attention backend, EXTEND batch; rotary/RMSNorm/SiluAndMul on their native torch paths")
+                out_t.update(e2e_hidden=e_aux[0][None], e2e_logits=e_logits[None], captured=torch.cat(captured, -1)[None])
+        res["forward"] = (
+            "SGLang LlamaModel.forward (llama_eagle3.py) ran on CPU with the torch_native "
+            "attention backend, EXTEND batch; rotary/RMSNorm/SiluAndMul on their native torch paths"
+        )
         if args.inputs:
             inp = load_file(args.inputs)
             ii, f3 = inp["input_ids"][0], inp["features3"][0]
             n, a = Extend(dcfg, dcfg.num_hidden_layers, ii.numel()).run(draft.model, ii, f3)
             out_t.update(inputs_hidden=a[0][None], inputs_logits=F.linear(n, draft.lm_head.weight)[None])
             rh, rl = reference_eagle3(sd, dcfg, embed, ii, f3)
-            res["inputs_max_abs_diff_vs_reference"] = {"hidden": (a[0] - rh).abs().max().item(),
-                                                       "logits": (F.linear(n, draft.lm_head.weight) - rl).abs().max().item()}
+            res["inputs_max_abs_diff_vs_reference"] = {
+                "hidden": (a[0] - rh).abs().max().item(),
+                "logits": (F.linear(n, draft.lm_head.weight) - rl).abs().max().item(),
+            }
             if args.reference:  # e.g. an upstream fixture's reference.safetensors
                 ref = load_file(args.reference)
                 res["inputs_max_abs_diff_vs_given_reference"] = {
                     k: (v[0].float() - ref[k][0].float()).abs().max().item()
                     for k, v in (("hidden", a[0][None]), ("logits", F.linear(n, draft.lm_head.weight)[None]))
-                    if k in ref}
+                    if k in ref
+                }
         bad = [r["param"] for r in rows if r["from"] and not r["landed"]]
         e2e = res.get("e2e_max_abs_diff", {}).get("logits")
-        capture = (f"layers_to_capture {res['layers_to_capture']} -> HF hidden_states "
-                   f"{res['captured_hidden_state_indices']}" if captured is not None else
-                   f"SGLang's target did not run ({res['target_error']['stage']}: {res['target_error']['error'][:200]})")
-        res["note"] = (f"ids {aux.eagle_aux_hidden_state_layer_ids} -> {capture}; weights "
-                       f"{'all landed' if weights_ok else 'NOT all landed: ' + str(bad + dropped)}; "
-                       f"e2e logits diff {'n/a' if e2e is None else format(e2e, '.3g')}"
-                       + ("; " + "; ".join(res["notes"]) if res["notes"] else ""))
+        capture = (
+            f"layers_to_capture {res['layers_to_capture']} -> HF hidden_states {res['captured_hidden_state_indices']}"
+            if captured is not None
+            else f"SGLang's target did not run ({res['target_error']['stage']}: {res['target_error']['error'][:200]})"
+        )
+        res["note"] = (
+            f"ids {aux.eagle_aux_hidden_state_layer_ids} -> {capture}; weights "
+            f"{'all landed' if weights_ok else 'NOT all landed: ' + str(bad + dropped)}; "
+            f"e2e logits diff {'n/a' if e2e is None else format(e2e, '.3g')}" + ("; " + "; ".join(res["notes"]) if res["notes"] else "")
+        )
     except Exception as e:
         import traceback
 
@@ -510,8 +560,9 @@ def main():
     res["seconds"] = round(time.time() - t0, 1)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     if out_t:
-        save_file({k: v.detach().float().contiguous() if v.is_floating_point() else v.contiguous()
-                   for k, v in out_t.items()}, args.out + ".safetensors")
+        save_file(
+            {k: v.detach().float().contiguous() if v.is_floating_point() else v.contiguous() for k, v in out_t.items()}, args.out + ".safetensors"
+        )
     Path(args.out + ".json").write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(res, default=str))
 

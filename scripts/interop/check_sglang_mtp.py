@@ -14,6 +14,7 @@ not zero: a norm weight stored as zeros would look untouched). PREFIX.json:
 class, per export tensor the parameters it landed in and whether its values sit there intact,
 missing (parameters no tensor reached), dropped (tensors that reached none).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,9 +76,13 @@ def main() -> int:
                 if landed:
                     per_tensor[n] = {"params": landed, "intact": True, "with": [m for m in alone if m != n]}
         reached = {n for r in per_tensor.values() for n in r["params"]}
-        res.update(loaded=True, per_tensor=per_tensor, missing=sorted(set(params) - reached),
-                   dropped=sorted(n for n, r in per_tensor.items() if not r["params"]),
-                   not_intact=sorted(n for n, r in per_tensor.items() if r["params"] and not r["intact"]))
+        res.update(
+            loaded=True,
+            per_tensor=per_tensor,
+            missing=sorted(set(params) - reached),
+            dropped=sorted(n for n, r in per_tensor.items() if not r["params"]),
+            not_intact=sorted(n for n, r in per_tensor.items() if r["params"] and not r["intact"]),
+        )
     except Exception as e:
         import traceback
 

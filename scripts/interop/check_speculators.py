@@ -23,6 +23,7 @@ Stages (each recorded in PREFIX.json; one JSON summary line is printed last):
      PREFIX.safetensors. Column t pairs token x_{t+1} with feature f_t (our convention, and
      speculators' shift_batch's).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,20 +40,22 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--head", required=True, help="folder in speculators format (config.json + model.safetensors)")
     ap.add_argument("--inputs", required=True, help="inputs.safetensors (input_ids, features3)")
     ap.add_argument("--out", required=True, help="output prefix: PREFIX.safetensors + PREFIX.json")
-    ap.add_argument("--target", default=None,
-                    help="local verifier folder; replaces speculators_config.verifier.name_or_path "
-                         "for the harness load (default: keep the folder's value)")
-    ap.add_argument("--reference", default=None,
-                    help="optional safetensors with hidden/logits to compare against")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "keep"],
-                    help="cast the loaded model before the forward (default float32)")
-    ap.add_argument("--convert-research", action="store_true",
-                    help="convert a vLLM-research layout with speculators' Eagle3Converter first")
-    ap.add_argument("--norm-before-residual", action="store_true",
-                    help="with --convert-research: pass norm_before_residual=True to the converter")
-    ap.add_argument("--aux-ids", type=int, nargs="*", default=None,
-                    help="with --convert-research: eagle_aux_hidden_state_layer_ids for the converter "
-                         "(it ignores the research config's nested eagle_config)")
+    ap.add_argument(
+        "--target",
+        default=None,
+        help="local verifier folder; replaces speculators_config.verifier.name_or_path for the harness load (default: keep the folder's value)",
+    )
+    ap.add_argument("--reference", default=None, help="optional safetensors with hidden/logits to compare against")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "keep"], help="cast the loaded model before the forward (default float32)")
+    ap.add_argument("--convert-research", action="store_true", help="convert a vLLM-research layout with speculators' Eagle3Converter first")
+    ap.add_argument("--norm-before-residual", action="store_true", help="with --convert-research: pass norm_before_residual=True to the converter")
+    ap.add_argument(
+        "--aux-ids",
+        type=int,
+        nargs="*",
+        default=None,
+        help="with --convert-research: eagle_aux_hidden_state_layer_ids for the converter (it ignores the research config's nested eagle_config)",
+    )
     ap.add_argument("--allow-hub", action="store_true", help="do not set HF_HUB_OFFLINE=1")
     return ap.parse_args()
 
@@ -85,10 +88,21 @@ def main() -> int:
         "ok": False,
     }
     raw = json.loads((head / "config.json").read_text())
-    result["raw_config"] = {k: raw.get(k) for k in (
-        "speculators_model_type", "speculators_version", "architectures", "draft_vocab_size",
-        "eagle_aux_hidden_state_layer_ids", "norm_before_residual", "norm_before_fc", "fc_norm",
-        "norm_output", "target_hidden_size")}
+    result["raw_config"] = {
+        k: raw.get(k)
+        for k in (
+            "speculators_model_type",
+            "speculators_version",
+            "architectures",
+            "draft_vocab_size",
+            "eagle_aux_hidden_state_layer_ids",
+            "norm_before_residual",
+            "norm_before_fc",
+            "fc_norm",
+            "norm_output",
+            "target_hidden_size",
+        )
+    }
     result["raw_config"]["verifier"] = (raw.get("speculators_config") or {}).get("verifier")
     with safe_open(str(head / "model.safetensors"), framework="pt") as f:
         file_keys = {k: [list(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()] for k in f.keys()}
@@ -107,15 +121,22 @@ def main() -> int:
     try:
         if "speculators_model_type" not in raw:
             if not args.convert_research:
-                raise RuntimeError("no speculators_model_type: not a speculators checkpoint "
-                                   "(pass --convert-research to try speculators' Eagle3Converter)")
+                raise RuntimeError(
+                    "no speculators_model_type: not a speculators checkpoint (pass --convert-research to try speculators' Eagle3Converter)"
+                )
             if not args.target:
                 raise RuntimeError("--convert-research needs --target (the converter reads the verifier)")
             from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+
             load_dir = Path(tempfile.mkdtemp(prefix="spec_conv_"))
-            Eagle3Converter().convert(str(head), str(load_dir), args.target, validate=False,
-                                      norm_before_residual=args.norm_before_residual,
-                                      eagle_aux_hidden_state_layer_ids=args.aux_ids)
+            Eagle3Converter().convert(
+                str(head),
+                str(load_dir),
+                args.target,
+                validate=False,
+                norm_before_residual=args.norm_before_residual,
+                eagle_aux_hidden_state_layer_ids=args.aux_ids,
+            )
             result["converted_to"] = str(load_dir)
             result["converted_config"] = json.loads((load_dir / "config.json").read_text())
         cfg = Eagle3SpeculatorConfig.from_pretrained(str(load_dir))
@@ -139,16 +160,25 @@ def main() -> int:
     result["loaded_config"] = {
         "draft_vocab_size": c.draft_vocab_size,
         "eagle_aux_hidden_state_layer_ids (after resolve)": c.eagle_aux_hidden_state_layer_ids,
-        "norm_before_residual": c.norm_before_residual, "norm_before_fc": c.norm_before_fc,
-        "fc_norm": c.fc_norm, "norm_output": c.norm_output,
-        "layer_model_type": tl.model_type, "layer_config_class": type(tl).__name__,
-        "hidden_size": tl.hidden_size, "intermediate_size": tl.intermediate_size,
-        "num_hidden_layers": tl.num_hidden_layers, "num_attention_heads": tl.num_attention_heads,
-        "num_key_value_heads": tl.num_key_value_heads, "head_dim": getattr(tl, "head_dim", None),
-        "vocab_size": tl.vocab_size, "rms_norm_eps": tl.rms_norm_eps,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.norm_before_fc,
+        "fc_norm": c.fc_norm,
+        "norm_output": c.norm_output,
+        "layer_model_type": tl.model_type,
+        "layer_config_class": type(tl).__name__,
+        "hidden_size": tl.hidden_size,
+        "intermediate_size": tl.intermediate_size,
+        "num_hidden_layers": tl.num_hidden_layers,
+        "num_attention_heads": tl.num_attention_heads,
+        "num_key_value_heads": tl.num_key_value_heads,
+        "head_dim": getattr(tl, "head_dim", None),
+        "vocab_size": tl.vocab_size,
+        "rms_norm_eps": tl.rms_norm_eps,
         "rope_parameters": getattr(tl, "rope_parameters", None),
-        "layer_types": getattr(tl, "layer_types", None), "sliding_window": getattr(tl, "sliding_window", None),
-        "max_position_embeddings": tl.max_position_embeddings, "hidden_act": tl.hidden_act,
+        "layer_types": getattr(tl, "layer_types", None),
+        "sliding_window": getattr(tl, "sliding_window", None),
+        "max_position_embeddings": tl.max_position_embeddings,
+        "hidden_act": tl.hidden_act,
         "verifier": c.speculators_config.verifier.model_dump(),
         "speculative_tokens": [p.speculative_tokens for p in c.speculators_config.proposal_methods],
     }
@@ -162,20 +192,20 @@ def main() -> int:
     result["keys"] = {
         "missing_in_file": sorted(model_keys - set(file_keys)),
         "unexpected_in_file": sorted(set(file_keys) - model_keys),
-        "nan_params": sorted(n for n, p in model.named_parameters()
-                             if p.is_floating_point() and torch.isnan(p).any() and n in model_keys),
+        "nan_params": sorted(n for n, p in model.named_parameters() if p.is_floating_point() and torch.isnan(p).any() and n in model_keys),
         # speculators 0.9.0 + transformers 5.19: a key absent from the file (e.g. embed_tokens,
         # which its own Eagle3Converter omits) comes up all-zero, not NaN, so the
         # copy-from-verifier fallback never fires.
-        "all_zero_params": sorted(n for n, p in model.named_parameters()
-                                  if n in model_keys and p.is_floating_point() and not p.any()),
+        "all_zero_params": sorted(n for n, p in model.named_parameters() if n in model_keys and p.is_floating_point() and not p.any()),
     }
     if getattr(model, "d2t", None) is not None:
         ids = torch.arange(model.d2t.numel()) + model.d2t.cpu()
         t2d = model.t2d.cpu()
         result["vocab_map"] = {
-            "d2t_dtype": str(model.d2t.dtype), "t2d_dtype": str(t2d.dtype),
-            "t2d_sum": int(t2d.sum()), "draft_ids_in_range": bool(ids.min() >= 0 and ids.max() < t2d.numel()),
+            "d2t_dtype": str(model.d2t.dtype),
+            "t2d_dtype": str(t2d.dtype),
+            "t2d_sum": int(t2d.sum()),
+            "draft_ids_in_range": bool(ids.min() >= 0 and ids.max() < t2d.numel()),
             "t2d_matches_d2t": bool(torch.equal(torch.zeros_like(t2d).index_fill(0, ids, True), t2d)),
             "first_target_ids": ids[:8].tolist(),
         }
@@ -186,12 +216,19 @@ def main() -> int:
     T = ids_in.shape[1]
     feats = inp["features3"].to(model.fc.weight.dtype)
     got: dict = {}
-    hooks = [model.layers[-1].register_forward_hook(lambda m, a, o: got.__setitem__("hidden", o.detach())),
-             model.lm_head.register_forward_hook(lambda m, a, o: got.__setitem__("logits", o.detach()))]
+    hooks = [
+        model.layers[-1].register_forward_hook(lambda m, a, o: got.__setitem__("hidden", o.detach())),
+        model.lm_head.register_forward_hook(lambda m, a, o: got.__setitem__("logits", o.detach())),
+    ]
     try:
         with torch.no_grad():
-            model(hidden_states=feats, input_ids=ids_in, document_ids=torch.zeros(1, T, dtype=torch.long),
-                  position_ids=torch.arange(T)[None], ttt_steps=1)
+            model(
+                hidden_states=feats,
+                input_ids=ids_in,
+                document_ids=torch.zeros(1, T, dtype=torch.long),
+                position_ids=torch.arange(T)[None],
+                ttt_steps=1,
+            )
     except Exception as e:  # noqa: BLE001
         result["forward"] = {"ok": False, **short_exc(e)}
         return finish(args, result)
@@ -201,16 +238,19 @@ def main() -> int:
     out = {k: got[k].float().contiguous() for k in ("hidden", "logits")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     save_file(out, f"{args.out}.safetensors")
-    result["forward"] = {"ok": True, "hidden_shape": list(out["hidden"].shape),
-                         "logits_shape": list(out["logits"].shape),
-                         "hidden_absmax": float(out["hidden"].abs().max()),
-                         "argmax_draft_ids": out["logits"].argmax(-1)[0].tolist(),
-                         "fed": "hidden_states=features3, input_ids=input_ids, document_ids=zeros, "
-                                "position_ids=arange(T), ttt_steps=1, attn=eager"}
+    result["forward"] = {
+        "ok": True,
+        "hidden_shape": list(out["hidden"].shape),
+        "logits_shape": list(out["logits"].shape),
+        "hidden_absmax": float(out["hidden"].abs().max()),
+        "argmax_draft_ids": out["logits"].argmax(-1)[0].tolist(),
+        "fed": "hidden_states=features3, input_ids=input_ids, document_ids=zeros, position_ids=arange(T), ttt_steps=1, attn=eager",
+    }
     if args.reference:
         ref = load_file(args.reference)
-        result["vs_reference"] = {k: float((out[k] - ref[k].float()).abs().max())
-                                  for k in ("hidden", "logits") if k in ref and ref[k].shape == out[k].shape}
+        result["vs_reference"] = {
+            k: float((out[k] - ref[k].float()).abs().max()) for k in ("hidden", "logits") if k in ref and ref[k].shape == out[k].shape
+        }
     result["ok"] = True
     return finish(args, result)
 

@@ -13,6 +13,7 @@ the verifier (`from_verifier`: embed_tokens, lm_head, verifier_*). Last, its own
 (`confidence_head(cat(hidden, embedding))`) on --inputs (prev [N] ids, hidden [N, H], with N a
 multiple of the block) against ours (bias [N, V], confidence [N]). Writes PREFIX.json and prints it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,11 +54,17 @@ def main() -> None:
         emb = model.markov_head.prev_embeddings(prev)
         bias = model.markov_head.block_bias(prev_token_ids=prev, hidden_states=hidden, prev_emb=emb)
         logit = model.confidence_head(torch.cat([hidden, emb.to(hidden.dtype)], dim=-1))
-    out = {"version": md.version("speculators"), "tensors": len(tensors), "mapped": len(mapped), "changed": changed,
-           "unexpected": unexpected, "missing": missing,
-           "from_verifier": sorted(k for k in params if k not in tensors and k.startswith(FROM_VERIFIER)),
-           "markov_bias_max_diff": float((bias.reshape(n, -1).float() - ref["bias"]).abs().max()),
-           "confidence_max_diff": float((torch.sigmoid(logit).reshape(n).float() - ref["confidence"]).abs().max())}
+    out = {
+        "version": md.version("speculators"),
+        "tensors": len(tensors),
+        "mapped": len(mapped),
+        "changed": changed,
+        "unexpected": unexpected,
+        "missing": missing,
+        "from_verifier": sorted(k for k in params if k not in tensors and k.startswith(FROM_VERIFIER)),
+        "markov_bias_max_diff": float((bias.reshape(n, -1).float() - ref["bias"]).abs().max()),
+        "confidence_max_diff": float((torch.sigmoid(logit).reshape(n).float() - ref["confidence"]).abs().max()),
+    }
     Path(f"{args.out}.json").write_text(json.dumps(out, indent=1))
     print(json.dumps(out))
 

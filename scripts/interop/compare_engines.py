@@ -19,6 +19,7 @@ wall around the call, llama.cpp by its own prompt and decode timers (model load 
 wall to wall around each `generate` (engine start excluded). Engines that are not installed are
 skipped and named. Writes OUT/engines.json and OUT/engines.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,11 +33,19 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    p.add_argument("--llama-dtype", default=None, choices=("float32", "bfloat16"),
-                   help="llama.cpp's GGUF type (default: --dtype); each engine can run its own fastest")
-    p.add_argument("--round-weights", default=None, choices=("bfloat16",),
-                   help="ours and transformers run the target's weights rounded to bf16 values in --dtype: the "
-                        "weights llama.cpp's bf16 GGUF holds (inference/engine/targets.py round_to_bfloat16)")
+    p.add_argument(
+        "--llama-dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="llama.cpp's GGUF type (default: --dtype); each engine can run its own fastest",
+    )
+    p.add_argument(
+        "--round-weights",
+        default=None,
+        choices=("bfloat16",),
+        help="ours and transformers run the target's weights rounded to bf16 values in --dtype: the "
+        "weights llama.cpp's bf16 GGUF holds (inference/engine/targets.py round_to_bfloat16)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="hf,ours,llama.cpp,vllm")
     p.add_argument("--out", default="out/engines")
@@ -112,8 +121,9 @@ def main() -> int:
             skipped["llama.cpp"], llama = llama, None
     config = GenerationConfig(max_new_tokens=n, eos_token_ids=tuple(eos))
     policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
-    policy_config = GenerationConfig(max_new_tokens=n, eos_token_ids=tuple(eos),
-                                     policy=SpeculationPolicy(measure_verify_cost(model, POLICY_TOKEN_COUNTS)))
+    policy_config = GenerationConfig(
+        max_new_tokens=n, eos_token_ids=tuple(eos), policy=SpeculationPolicy(measure_verify_cost(model, POLICY_TOKEN_COUNTS))
+    )
     hf_config = hf_generation_config(SamplingConfig(), n, eos, tokenizer.pad_token_id)
 
     def timed(fn):
@@ -131,14 +141,18 @@ def main() -> int:
             if "hf" in engines:
                 res, s = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=hf_config))
                 rows.setdefault("transformers generate()", []).append(
-                    {"tokens": res.shape[1] - ids.shape[1], "seconds": s, "token_ids": res[0, ids.shape[1]:].tolist()})
+                    {"tokens": res.shape[1] - ids.shape[1], "seconds": s, "token_ids": res[0, ids.shape[1] :].tolist()}
+                )
             if "ours" in engines:
-                for name, run_drafter, run_config in (("ours, no drafting", RootOnlyDrafter(), config),
-                                                      ("ours, shipped head + lookup", drafter, config),
-                                                      ("ours, load policy", policy_drafter, policy_config)):
+                for name, run_drafter, run_config in (
+                    ("ours, no drafting", RootOnlyDrafter(), config),
+                    ("ours, shipped head + lookup", drafter, config),
+                    ("ours, load policy", policy_drafter, policy_config),
+                ):
                     res, s = timed(lambda: speculative_generate(model, run_drafter, ids, run_config))
-                    rows.setdefault(name, []).append({"tokens": res.new_tokens.shape[1], "seconds": s,
-                                                      "rounds": res.num_rounds, "token_ids": res.new_tokens[0].tolist()})
+                    rows.setdefault(name, []).append(
+                        {"tokens": res.new_tokens.shape[1], "seconds": s, "rounds": res.num_rounds, "token_ids": res.new_tokens[0].tolist()}
+                    )
         if llama is not None:
             add_llama_rows(rows, llama, text, n, args.threads)
     if "vllm" in engines:
@@ -153,16 +167,21 @@ def main() -> int:
             s["tau"] = s["tokens"] / sum(r["rounds"] for r in rows[name])
         if reference and all("token_ids" in r for r in rows[name]):  # greedy output equal to ours without drafting
             s["identical"] = sum(r["token_ids"] == ref["token_ids"] for r, ref in zip(rows[name], reference))
-    report = {"settings": vars(args) | {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, "summary": summary,
-              "skipped": skipped, "rows": rows}
+    report = {"settings": vars(args) | {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, "summary": summary, "skipped": skipped, "rows": rows}
     (out / "engines.json").write_text(json.dumps(report, indent=1) + "\n")
     rounded = f" with weights rounded to {args.round_weights}" if args.round_weights else ""
-    lines = [f"SmolLM2-135M, {args.dtype}{rounded} (llama.cpp {args.llama_dtype or args.dtype}), {args.threads} threads, batch 1, greedy, "
-             f"{len(encoded)} MT-bench first turns, "
-             f"at most {n} new tokens; tokens/s with prefill; identical: prompts whose output equals ours without drafting.",
-             "", "| engine | tokens | tokens/s | tau | identical |", "| --- | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | {_cell(s, 'tau', '.2f')} | {_cell(s, 'identical', 'd')} |"
-              for name, s in summary.items()]
+    lines = [
+        f"SmolLM2-135M, {args.dtype}{rounded} (llama.cpp {args.llama_dtype or args.dtype}), {args.threads} threads, batch 1, greedy, "
+        f"{len(encoded)} MT-bench first turns, "
+        f"at most {n} new tokens; tokens/s with prefill; identical: prompts whose output equals ours without drafting.",
+        "",
+        "| engine | tokens | tokens/s | tau | identical |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    lines += [
+        f"| {name} | {s['tokens']} | {s['tokens_per_s']:.1f} | {_cell(s, 'tau', '.2f')} | {_cell(s, 'identical', 'd')} |"
+        for name, s in summary.items()
+    ]
     lines += [f"- skipped {k}: {v}" for k, v in skipped.items()]
     (out / "engines.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

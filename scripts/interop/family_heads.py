@@ -8,6 +8,7 @@ and vLLM pad an LM head to), nudged off its initial values so that a tensor drop
 could not pass for a zero or a copied one, and, when asked, fitted for a few steps to the target's
 own answers so that the engines' acceptance can be compared with ours above zero.
 """
+
 from __future__ import annotations
 
 import sys
@@ -48,8 +49,7 @@ def family_head(family: str, work: Path, draft_layer: str = "llama", vocab_from=
     if not answers:
         counts = torch.arange(model.config.vocab_size)
     torch.manual_seed(0)
-    config = make_config("eagle3", model, None, name=f"tiny-{family}", aux_layers=AUX_LAYERS,
-                         draft_vocab_size=DRAFT_VOCAB, draft_layer=draft_layer)
+    config = make_config("eagle3", model, None, name=f"tiny-{family}", aux_layers=AUX_LAYERS, draft_vocab_size=DRAFT_VOCAB, draft_layer=draft_layer)
     head = build_head(config, model, token_counts=counts, dtype=torch.float32)
     with torch.no_grad():
         for p in head.parameters():
@@ -66,8 +66,9 @@ def greedy_answer(model, tokenizer, prompt, max_new_tokens: int = 32) -> tuple[t
 
     ids = encode_chat(tokenizer, prompt)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=model.config.pad_token_id)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=model.config.pad_token_id
+        )
     return out, ids.shape[1]
 
 
@@ -82,8 +83,7 @@ def fit(head, model, answers, steps: int, lr: float = 3e-3) -> None:
     batches = []
     for ids, start in answers:
         mask = torch.ones_like(ids)
-        batches.append(FeatureBatch(ids, mask, torch.arange(ids.shape[1])[None] >= start,
-                                    target_features(model, ids, mask, layers)))
+        batches.append(FeatureBatch(ids, mask, torch.arange(ids.shape[1])[None] >= start, target_features(model, ids, mask, layers)))
     optimizer = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=lr)
     head.train()
     for step in range(steps):

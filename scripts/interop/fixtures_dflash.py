@@ -18,6 +18,7 @@ The forward is called as dflash_generate calls it (target_hidden = the target's 
 [k + 1] for each target_layer_id, concatenated; noise_embedding = the target's embedding of the
 block; position ids spanning context then block).
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -55,10 +56,18 @@ def main() -> None:
     target = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32, attn_implementation="sdpa").eval()
     tc = target.config
     config = Qwen3Config(
-        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=96, num_hidden_layers=1,
-        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
-        rms_norm_eps=1e-6, max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        tie_word_embeddings=False, layer_types=["full_attention"],
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=96,
+        num_hidden_layers=1,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.head_dim,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        tie_word_embeddings=False,
+        layer_types=["full_attention"],
     )
     config.architectures = ["DFlashDraftModel"]
     config.block_size = BLOCK
@@ -77,23 +86,38 @@ def main() -> None:
     target_hidden = extract_context_feature(hs, LAYER_IDS)  # [1, 8, 3H]
     block = torch.tensor([[17] + [MASK] * (BLOCK - 1)])
     noise = target.get_input_embeddings()(block)
-    hidden = model(target_hidden=target_hidden, noise_embedding=noise,
-                   position_ids=torch.arange(n + BLOCK)[None], use_cache=False)
+    hidden = model(target_hidden=target_hidden, noise_embedding=noise, position_ids=torch.arange(n + BLOCK)[None], use_cache=False)
     logits = target.lm_head(hidden[:, 1:])  # [1, 3, V]
 
     dm._cuda_time = __import__("time").perf_counter  # its timing sync is CUDA-only (stats only)
     prompt = context.clone()
     stats = dflash_generate(model, target, prompt, 20, None, temperature=0.0, return_stats=True)
-    save_file({"context": context, "block": block, "logits": logits.contiguous(), "prompt": prompt,
-               "output_ids": stats.output_ids.contiguous(),
-               "acceptance_lengths": torch.tensor(stats.acceptance_lengths)}, str(OUT / "reference.safetensors"))
-    (OUT / "meta.json").write_text(json.dumps({
-        "package": "dflash", "version": md.version("dflash"),
-        "writer": "dflash.model.DFlashDraftModel.save_pretrained",
-        "versions": {p: md.version(p) for p in ("torch", "transformers")},
-        "target": "../target", "seed": SEED,
-        "reference": "DFlashDraftModel.forward as dflash_generate calls it; dflash_generate greedy, 20 tokens",
-    }, indent=2) + "\n")
+    save_file(
+        {
+            "context": context,
+            "block": block,
+            "logits": logits.contiguous(),
+            "prompt": prompt,
+            "output_ids": stats.output_ids.contiguous(),
+            "acceptance_lengths": torch.tensor(stats.acceptance_lengths),
+        },
+        str(OUT / "reference.safetensors"),
+    )
+    (OUT / "meta.json").write_text(
+        json.dumps(
+            {
+                "package": "dflash",
+                "version": md.version("dflash"),
+                "writer": "dflash.model.DFlashDraftModel.save_pretrained",
+                "versions": {p: md.version(p) for p in ("torch", "transformers")},
+                "target": "../target",
+                "seed": SEED,
+                "reference": "DFlashDraftModel.forward as dflash_generate calls it; dflash_generate greedy, 20 tokens",
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {OUT}: acceptance_lengths {stats.acceptance_lengths}")
 
 

@@ -16,6 +16,7 @@ What upstream code is used:
     default position ids (0..7) and default mask (causal), as topK_genrate's first call does
     after its `input_ids = input_ids[:, 1:]` shift.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -90,8 +91,7 @@ def main() -> int:
         base_used = float(rot.base)
         from eagle.model.cnets import LlamaRotaryEmbedding
 
-        prepared.layers[0].self_attn.rotary_emb = LlamaRotaryEmbedding(
-            rot.dim, max_position_embeddings=config.max_position_embeddings, base=100000.0)
+        prepared.layers[0].self_attn.rotary_emb = LlamaRotaryEmbedding(rot.dim, max_position_embeddings=config.max_position_embeddings, base=100000.0)
         hidden_1e5 = prepared(hidden_states=inp["feature"].float(), input_ids=inp["input_ids"])
         prepared.layers[0].self_attn.rotary_emb = rot
     save_file({"hidden": hidden.contiguous()}, str(OUT / "reference.safetensors"))
@@ -101,12 +101,13 @@ def main() -> int:
         "package": "eagle-llm",
         "version": md.version("eagle-llm"),
         "writer": "eagle.model.cnets.Model(EConfig, bias=True) saved by accelerate.Accelerator.save_state "
-                  "(accelerate 0.21.0, as eagle/train/main.py) -> pytorch_model.bin; config.json by "
-                  "EConfig.save_pretrained",
+        "(accelerate 0.21.0, as eagle/train/main.py) -> pytorch_model.bin; config.json by "
+        "EConfig.save_pretrained",
         "aux_id_convention": None,
         "notes": (
-            "EAGLE-1 draft for the fixture target (hidden 64, 4 heads, 2 kv heads). Keys: " + ", ".join(sorted(sd)) +
-            ". fc.weight [64,128] takes cat(embed(x_{t+1}), f_t) (embed first); fc.bias present (bias default "
+            "EAGLE-1 draft for the fixture target (hidden 64, 4 heads, 2 kv heads). Keys: "
+            + ", ".join(sorted(sd))
+            + ". fc.weight [64,128] takes cat(embed(x_{t+1}), f_t) (embed first); fc.bias present (bias default "
             "True; config.json has no 'bias' key); layer 0 has no input_layernorm; embed_tokens.weight is a copy "
             "of the target's. config.json keeps the target's rope_theta 1e5 (as copied base configs do) but "
             f"upstream's rotary ignores it: reference computed with base {base_used:g} (cnets.LlamaAttention."
@@ -117,10 +118,19 @@ def main() -> int:
         ),
     }
     (OUT / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(json.dumps({"out": str(OUT), "accelerate_wrote": written, "keys": len(sd),
-                      "rope_base": base_used, "hidden_abs_mean": float(hidden.abs().mean()),
-                      "max_diff_vs_base_1e5": float((hidden_1e5 - hidden).abs().max()),
-                      "bytes": sum(f.stat().st_size for f in OUT.iterdir())}))
+    print(
+        json.dumps(
+            {
+                "out": str(OUT),
+                "accelerate_wrote": written,
+                "keys": len(sd),
+                "rope_base": base_used,
+                "hidden_abs_mean": float(hidden.abs().mean()),
+                "max_diff_vs_base_1e5": float((hidden_1e5 - hidden).abs().max()),
+                "bytes": sum(f.stat().st_size for f in OUT.iterdir()),
+            }
+        )
+    )
     return 0
 
 

@@ -22,6 +22,7 @@ SentencePiece model trained here (char model, padded by the converter to the 256
 --probes additionally converts two variants (nested-only aux ids; attention biases) and reports what
 the converter and the loader do with them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,12 +51,28 @@ H, FF, NH, NKV, HD, V, VD = 64, 128, 4, 2, 16, 256, 64
 
 def head_config(aux_top=True, bias=False) -> dict:
     cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-        "hidden_size": H, "intermediate_size": FF, "num_attention_heads": NH, "num_key_value_heads": NKV,
-        "head_dim": HD, "num_hidden_layers": 1, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 256, "rope_theta": 100000.0, "vocab_size": V, "draft_vocab_size": VD,
-        "target_hidden_size": H, "attention_bias": bias, "mlp_bias": False, "tie_word_embeddings": False,
-        "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": FF,
+        "num_attention_heads": NH,
+        "num_key_value_heads": NKV,
+        "head_dim": HD,
+        "num_hidden_layers": 1,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 256,
+        "rope_theta": 100000.0,
+        "vocab_size": V,
+        "draft_vocab_size": VD,
+        "target_hidden_size": H,
+        "attention_bias": bias,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        "torch_dtype": "float32",
     }
     if aux_top:
         cfg["eagle_aux_hidden_state_layer_ids"] = AUX_IDS
@@ -113,15 +130,26 @@ def tokenizer_target(tmp: Path) -> Path:
     import io
 
     import sentencepiece as spm
+
     d = tmp / "target-with-tokenizer"
     d.mkdir()
     for f in TARGET.iterdir():
         (d / f.name).symlink_to(f.resolve())
     text = ["the quick brown fox jumps over the lazy dog 0123456789"] * 8
     buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(sentence_iterator=iter(text), model_writer=buf, model_type="char",
-                                   vocab_size=64, hard_vocab_limit=False, num_threads=1,
-                                   unk_id=0, bos_id=-1, eos_id=1, pad_id=2, minloglevel=2)
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(text),
+        model_writer=buf,
+        model_type="char",
+        vocab_size=64,
+        hard_vocab_limit=False,
+        num_threads=1,
+        unk_id=0,
+        bos_id=-1,
+        eos_id=1,
+        pad_id=2,
+        minloglevel=2,
+    )
     (d / "tokenizer.model").write_bytes(buf.getvalue())
     return d
 
@@ -137,14 +165,36 @@ def build_ref() -> None:
     src = Path(__file__).with_name("llamacpp_eagle3_ref.cpp")
     if REF_BIN.exists() and REF_BIN.stat().st_mtime > src.stat().st_mtime:
         return
-    libs = [BUILD / "common" / "libllama-common.a", BUILD / "common" / "libllama-common-base.a",
-            BUILD / "src" / "libllama.a",
-            BUILD / "ggml" / "src" / "libggml.a", BUILD / "ggml" / "src" / "libggml-cpu.a",
-            BUILD / "ggml" / "src" / "libggml-base.a"]
+    libs = [
+        BUILD / "common" / "libllama-common.a",
+        BUILD / "common" / "libllama-common-base.a",
+        BUILD / "src" / "libllama.a",
+        BUILD / "ggml" / "src" / "libggml.a",
+        BUILD / "ggml" / "src" / "libggml-cpu.a",
+        BUILD / "ggml" / "src" / "libggml-base.a",
+    ]
     extra = sorted((BUILD / "vendor").rglob("*.a")) if (BUILD / "vendor").exists() else []
-    cmd = ["nice", "-n", "10", "g++", "-O2", "-std=c++17", str(src), "-o", str(REF_BIN),
-           f"-I{SRC / 'include'}", f"-I{SRC / 'common'}", f"-I{SRC / 'src'}", f"-I{SRC / 'ggml' / 'include'}",
-           *map(str, libs), *map(str, extra), *map(str, libs), "-fopenmp", "-lpthread", "-ldl"]
+    cmd = [
+        "nice",
+        "-n",
+        "10",
+        "g++",
+        "-O2",
+        "-std=c++17",
+        str(src),
+        "-o",
+        str(REF_BIN),
+        f"-I{SRC / 'include'}",
+        f"-I{SRC / 'common'}",
+        f"-I{SRC / 'src'}",
+        f"-I{SRC / 'ggml' / 'include'}",
+        *map(str, libs),
+        *map(str, extra),
+        *map(str, libs),
+        "-fopenmp",
+        "-lpthread",
+        "-ldl",
+    ]
     subprocess.run(cmd, check=True)
 
 
@@ -152,18 +202,23 @@ def run_ref(target_gguf: Path, draft_gguf: Path, feats: np.ndarray, ids: np.ndar
     T = ids.shape[0]
     (tmp / "feats.f32").write_bytes(feats.astype(np.float32).tobytes())
     (tmp / "ids.i32").write_bytes(ids.astype(np.int32).tobytes())
-    p = subprocess.run([str(REF_BIN), str(target_gguf), str(draft_gguf), str(tmp / "feats.f32"),
-                        str(tmp / "ids.i32"), str(T), str(tmp / "ref")], capture_output=True, text=True)
+    p = subprocess.run(
+        [str(REF_BIN), str(target_gguf), str(draft_gguf), str(tmp / "feats.f32"), str(tmp / "ids.i32"), str(T), str(tmp / "ref")],
+        capture_output=True,
+        text=True,
+    )
     if p.returncode != 0:
         return None, p.stderr
     n_embd, n_vocab, _ = map(int, p.stdout.split())
 
     def rd(name, n):
         return np.frombuffer((tmp / f"ref.{name}.f32").read_bytes(), dtype=np.float32).reshape(T, n)
+
     return (rd("g", n_embd), rd("hidden", n_embd), rd("logits", n_vocab)), p.stderr
 
 
 # --- reading the GGUF back into our layout, and our maths, as a check of what the findings say
+
 
 def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     o, i = w.shape
@@ -172,6 +227,7 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def read_gguf_head(path: Path) -> dict[str, torch.Tensor]:
     from gguf import GGUFReader
+
     t = {x.name: np.array(x.data) for x in GGUFReader(str(path)).tensors}
     sd = {
         "fc.weight": t["fc.weight"],
@@ -211,16 +267,17 @@ def our_forward(sd, embed, feats, ids, eps=1e-5, theta=100000.0):
     cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
 
     def rot(t):
-        a, b = t[..., : HD // 2], t[..., HD // 2:]
+        a, b = t[..., : HD // 2], t[..., HD // 2 :]
         return t * cos + torch.cat([-b, a], -1) * sin
+
     q, k = rot(q), rot(k)
     k, v = k.repeat_interleave(NH // NKV, 0), v.repeat_interleave(NH // NKV, 0)
-    att = (q @ k.transpose(-1, -2)) / HD ** 0.5
+    att = (q @ k.transpose(-1, -2)) / HD**0.5
     att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
     o = (att @ v).transpose(0, 1).reshape(T, NH * HD) @ d["midlayer.self_attn.o_proj.weight"].T
     h = g + o
     m = rms(h, d["midlayer.post_attention_layernorm.weight"])
-    m = (torch.nn.functional.silu(m @ d["midlayer.mlp.gate_proj.weight"].T) * (m @ d["midlayer.mlp.up_proj.weight"].T))
+    m = torch.nn.functional.silu(m @ d["midlayer.mlp.gate_proj.weight"].T) * (m @ d["midlayer.mlp.up_proj.weight"].T)
     h = h + m @ d["midlayer.mlp.down_proj.weight"].T
     logits = rms(h, d["norm.weight"]) @ d["lm_head.weight"].T
     return g, h, logits
@@ -231,6 +288,7 @@ def main() -> int:
     ap.add_argument("--probes", action="store_true")
     a = ap.parse_args()
     import gguf
+
     inputs = load_file(str(FIX / "inputs.safetensors"))
     feats = inputs["features3"][0].numpy()
     ids = inputs["input_ids"][0].numpy()
@@ -248,8 +306,7 @@ def main() -> int:
             print(p.stderr[-3000:], file=sys.stderr)
             return 1
         shutil.copy(tmp / "draft.gguf", OUT / "draft.gguf")
-        conv_log = [ln.split(":", 2)[-1].replace(str(tmp), "<scratch>") for ln in p.stderr.splitlines()
-                    if "EAGLE-3" in ln or "-->" in ln]
+        conv_log = [ln.split(":", 2)[-1].replace(str(tmp), "<scratch>") for ln in p.stderr.splitlines() if "EAGLE-3" in ln or "-->" in ln]
         p = convert(tgt_tok, tmp / "target.gguf")
         if p.returncode != 0:
             print(p.stderr[-3000:], file=sys.stderr)
@@ -264,26 +321,43 @@ def main() -> int:
         abs_ids = sd["d2t"].numpy() + np.arange(VD)
         logits_ref = logits_full[:, abs_ids]
         outside = np.delete(logits_full, abs_ids, axis=1)
-        save_file({"fused": torch.from_numpy(g_ref.copy())[None], "hidden": torch.from_numpy(h_ref.copy())[None],
-                   "logits": torch.from_numpy(logits_ref.copy())[None]}, str(OUT / "reference.safetensors"))
+        save_file(
+            {
+                "fused": torch.from_numpy(g_ref.copy())[None],
+                "hidden": torch.from_numpy(h_ref.copy())[None],
+                "logits": torch.from_numpy(logits_ref.copy())[None],
+            },
+            str(OUT / "reference.safetensors"),
+        )
 
         # check: GGUF read back (unpermuted) + our maths == llama.cpp
         back = read_gguf_head(OUT / "draft.gguf")
         g_o, h_o, l_o = our_forward(back, embed, torch.from_numpy(feats), torch.from_numpy(ids).long())
         same = {k: bool(torch.equal(back[k].to(sd[k].dtype), sd[k])) for k in back}
-        diffs = {"fused": float(np.abs(g_o.numpy() - g_ref).max()), "hidden": float(np.abs(h_o.numpy() - h_ref).max()),
-                 "logits": float(np.abs(l_o.numpy() - logits_ref).max())}
-        print(json.dumps({"readback_equal_source": same, "max_abs_diff_ours_vs_llamacpp": diffs,
-                          "logits_outside_draft_vocab_all_neg_inf": bool(np.all(np.isneginf(outside)))}))
+        diffs = {
+            "fused": float(np.abs(g_o.numpy() - g_ref).max()),
+            "hidden": float(np.abs(h_o.numpy() - h_ref).max()),
+            "logits": float(np.abs(l_o.numpy() - logits_ref).max()),
+        }
+        print(
+            json.dumps(
+                {
+                    "readback_equal_source": same,
+                    "max_abs_diff_ours_vs_llamacpp": diffs,
+                    "logits_outside_draft_vocab_all_neg_inf": bool(np.all(np.isneginf(outside))),
+                }
+            )
+        )
 
         reader = gguf.GGUFReader(str(OUT / "draft.gguf"))
-        tensors = {x.name: {"type": x.tensor_type.name, "ne": [int(n) for n in x.shape],
-                            "numpy_shape": list(np.array(x.data).shape)} for x in reader.tensors}
+        tensors = {
+            x.name: {"type": x.tensor_type.name, "ne": [int(n) for n in x.shape], "numpy_shape": list(np.array(x.data).shape)} for x in reader.tensors
+        }
         meta = {
             "package": "llama.cpp (vendored in llama-cpp-python sdist)",
             "version": "llama-cpp-python==0.3.36 (vendored llama.cpp: build 0 / commit unknown, no .git in the sdist); gguf-py 0.19.0",
             "writer": "convert_hf_to_gguf.py <this folder> --target-model-dir <fixture target + scratch tokenizer.model> "
-                      "--outtype f32 (conversion/llama.py LlamaModel, MODEL_ARCH.EAGLE3)",
+            "--outtype f32 (conversion/llama.py LlamaModel, MODEL_ARCH.EAGLE3)",
             "aux_id_convention": "vllm",
             "eagle_aux_hidden_state_layer_ids": AUX_IDS,
             "gguf_target_layers": list(reader.fields["eagle3.target_layers"].contents()),
@@ -320,15 +394,18 @@ def main() -> int:
 def probes(tmp: Path, tgt_tok: Path, feats, ids) -> dict:
     """What the converter/loader do with a nested-only aux-id config and with attention biases."""
     from gguf import GGUFReader
+
     res = {}
     d = tmp / "probe-nested"
     write_head(d, head_config(aux_top=False), head_tensors())
     p = convert(d, tmp / "probe-nested.gguf", tgt_tok)
     res["nested_only_ids"] = {
         "convert_rc": p.returncode,
-        "gguf_target_layers": (list(GGUFReader(str(tmp / "probe-nested.gguf")).fields["eagle3.target_layers"].contents())
-                               if p.returncode == 0 else None),
-        "log": [ln.replace(str(tmp), "<scratch>") for ln in p.stderr.splitlines() if "target_layers" in ln]}
+        "gguf_target_layers": (
+            list(GGUFReader(str(tmp / "probe-nested.gguf")).fields["eagle3.target_layers"].contents()) if p.returncode == 0 else None
+        ),
+        "log": [ln.replace(str(tmp), "<scratch>") for ln in p.stderr.splitlines() if "target_layers" in ln],
+    }
     d = tmp / "probe-bias"
     write_head(d, head_config(bias=True), head_tensors(bias=True))
     p = convert(d, tmp / "probe-bias.gguf", tgt_tok)

@@ -16,6 +16,7 @@ What upstream code is used:
     `MedusaConfig(...).save_pretrained(dir)` (config.json).
   * reference: `torch.stack([medusa_head[i](hidden) for i ...])`, the loop in MedusaModel.forward, float32.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -49,9 +50,9 @@ def main() -> int:
         for h in range(K):
             seq = model.medusa_head[h]
             for j in range(L):
-                seq[j].linear.weight.copy_(torch.randn(H, H, generator=g) / H ** 0.5)
+                seq[j].linear.weight.copy_(torch.randn(H, H, generator=g) / H**0.5)
                 seq[j].linear.bias.copy_(0.1 * torch.randn(H, generator=g))
-            seq[L].weight.copy_(torch.randn(V, H, generator=g) / H ** 0.5)
+            seq[L].weight.copy_(torch.randn(V, H, generator=g) / H**0.5)
     model.eval()
 
     if OUT.exists():
@@ -72,11 +73,12 @@ def main() -> int:
         "package": "medusa-llm",
         "version": md.version("medusa-llm"),
         "writer": "medusa.model.medusa_model.MedusaModel(...).medusa_head.state_dict() via torch.save -> "
-                  "medusa_lm_head.pt; MedusaConfig.save_pretrained -> config.json (as medusa/train/train.py)",
+        "medusa_lm_head.pt; MedusaConfig.save_pretrained -> config.json (as medusa/train/train.py)",
         "aux_id_convention": None,
         "notes": (
-            f"K={K} heads, medusa_num_layers={L}, hidden {H}, vocab {V}, float32. Keys: " + ", ".join(sorted(sd)) +
-            ". Head h = Sequential(ResBlock x L, Linear(H, V, bias=False)); ResBlock(x) = x + SiLU(linear(x)) with "
+            f"K={K} heads, medusa_num_layers={L}, hidden {H}, vocab {V}, float32. Keys: "
+            + ", ".join(sorted(sd))
+            + ". Head h = Sequential(ResBlock x L, Linear(H, V, bias=False)); ResBlock(x) = x + SiLU(linear(x)) with "
             "linear bias. Random seeded weights replace MedusaModel's init (zero ResBlock weight, target lm_head "
             "copies). reference logits [K,1,8,V] = medusa_head[k](inputs['hidden']). config.json "
             f"base_model_name_or_path is repo-root relative ({BASE_NAME}). torch {torch.__version__}, transformers "
@@ -84,9 +86,17 @@ def main() -> int:
         ),
     }
     (OUT / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    print(json.dumps({"out": str(OUT), "keys": {k: list(v.shape) for k, v in sd.items()},
-                      "logits_shape": list(logits.shape), "logits_abs_mean": float(logits.abs().mean()),
-                      "bytes": sum(f.stat().st_size for f in OUT.iterdir())}))
+    print(
+        json.dumps(
+            {
+                "out": str(OUT),
+                "keys": {k: list(v.shape) for k, v in sd.items()},
+                "logits_shape": list(logits.shape),
+                "logits_abs_mean": float(logits.abs().mean()),
+                "bytes": sum(f.stat().st_size for f in OUT.iterdir()),
+            }
+        )
+    )
     return 0
 
 

@@ -37,6 +37,7 @@ and fused feature features3[t] (of position t), positions 0..T-1, causal, no KV 
 TORCHDYNAMO_DISABLE=1: SpecForge's LlamaRMSNorm.forward is wrapped in @torch.compile; compiling it
 on this CPU box costs time and changes nothing in the maths, so dynamo is off (eager).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -157,25 +158,36 @@ def specforge_reference(folder: Path, target_dir: Path, inputs: dict) -> dict:
         config = AutoDraftModelConfig.from_file(str(folder / "config.json"))
     draft = AutoDraftModel.from_config(config).float().eval()
     files = load_file(str(folder / "model.safetensors"))
-    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v
-                                                 for k, v in files.items()}, strict=False)
+    missing, unexpected = draft.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in files.items()}, strict=False)
     assert not unexpected and set(missing) <= {"embed_tokens.weight"}, (missing, unexpected)
     if "embed_tokens.weight" not in files:
         draft.load_embedding(str(target_dir))
     ids, feats = inputs["input_ids"], inputs["features3"].float()
     B, T = ids.shape
     hidden = draft.project_hidden_states(feats)
-    mask = draft.prepare_decoder_attention_mask(attention_mask=torch.ones(B, T, dtype=torch.bool),
-                                                hidden_states=hidden, batch_size=B, seq_length=T,
-                                                past_key_values_length=0)
+    mask = draft.prepare_decoder_attention_mask(
+        attention_mask=torch.ones(B, T, dtype=torch.bool), hidden_states=hidden, batch_size=B, seq_length=T, past_key_values_length=0
+    )
     pos = torch.arange(T)[None]
-    h = draft.backbone(input_embeds=draft.embed_input_ids(ids).to(hidden.dtype), hidden_states=hidden,
-                       cache_hidden=[[], []], attention_mask=mask, position_ids=pos, past_key_values=None,
-                       use_cache=True)
+    h = draft.backbone(
+        input_embeds=draft.embed_input_ids(ids).to(hidden.dtype),
+        hidden_states=hidden,
+        cache_hidden=[[], []],
+        attention_mask=mask,
+        position_ids=pos,
+        past_key_values=None,
+        use_cache=True,
+    )
     # the one-shot path (no TTT cache) must agree: SpecForge's own sdpa branch
-    h2 = draft.backbone(input_embeds=draft.embed_input_ids(ids).to(hidden.dtype), hidden_states=hidden,
-                        cache_hidden=None, attention_mask=mask, position_ids=pos, past_key_values=None,
-                        use_cache=False)
+    h2 = draft.backbone(
+        input_embeds=draft.embed_input_ids(ids).to(hidden.dtype),
+        hidden_states=hidden,
+        cache_hidden=None,
+        attention_mask=mask,
+        position_ids=pos,
+        past_key_values=None,
+        use_cache=False,
+    )
     assert (h - h2).abs().max().item() < 1e-5, "SpecForge's cached and uncached sdpa paths disagree"
     return {"hidden": h.float().contiguous(), "logits": draft.compute_logits(h).float().contiguous()}, draft
 
@@ -205,15 +217,17 @@ def main():
         cfg_path = tmp / "draft_config.json"
         cfg_path.write_text(json.dumps(draft_config(target_cfg, aux_ids, args.draft_vocab), indent=2))
         model, _ = seeded_draft(cfg_path, target_dir, args.seed)
-        state = {"strategy": "eagle3",
-                 "draft_state_dict": {k: v.clone() for k, v in model.state_dict().items() if "embed" not in k.lower()}}
+        state = {"strategy": "eagle3", "draft_state_dict": {k: v.clone() for k, v in model.state_dict().items() if "embed" not in k.lower()}}
         torch.save(state, tmp / "training_state.pt")
         jobs = {
-            "specforge-sglang": ("specforge.export.to_sglang.export_to_sglang",
-                                 lambda d: export_to_sglang(str(tmp / "training_state.pt"), str(cfg_path), str(d))),
-            "specforge-hf": ("specforge.export.to_hf.export_to_hf (embedding_source = fixture target)",
-                             lambda d: export_to_hf(str(tmp / "training_state.pt"), str(cfg_path), str(d),
-                                                    embedding_source=str(target_dir))),
+            "specforge-sglang": (
+                "specforge.export.to_sglang.export_to_sglang",
+                lambda d: export_to_sglang(str(tmp / "training_state.pt"), str(cfg_path), str(d)),
+            ),
+            "specforge-hf": (
+                "specforge.export.to_hf.export_to_hf (embedding_source = fixture target)",
+                lambda d: export_to_hf(str(tmp / "training_state.pt"), str(cfg_path), str(d), embedding_source=str(target_dir)),
+            ),
         }
         for name, (writer, run) in jobs.items():
             out = out_root / name
@@ -228,8 +242,7 @@ def main():
             save_file(ref, str(out / "reference.safetensors"))
             w = load_file(str(out / "model.safetensors"))
             d2t, t2d = w["d2t"], w["t2d"]
-            valid = bool(t2d.sum().item() == d2t.numel()
-                         and torch.equal(torch.nonzero(t2d).flatten(), d2t + torch.arange(d2t.numel())))
+            valid = bool(t2d.sum().item() == d2t.numel() and torch.equal(torch.nonzero(t2d).flatten(), d2t + torch.arange(d2t.numel())))
             cfg_out = json.loads((out / "config.json").read_text())
             meta = {
                 "package": "specforge",
@@ -255,9 +268,14 @@ def main():
             }
             (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
             size = sum(f.stat().st_size for f in out.iterdir())
-            summary[name] = {"files": sorted(f.name for f in out.iterdir()), "bytes": size, "keys": sorted(w),
-                             "d2t_t2d_valid": valid, "hidden_abs_mean": ref["hidden"].abs().mean().item(),
-                             "logits_std": ref["logits"].std().item()}
+            summary[name] = {
+                "files": sorted(f.name for f in out.iterdir()),
+                "bytes": size,
+                "keys": sorted(w),
+                "d2t_t2d_valid": valid,
+                "hidden_abs_mean": ref["hidden"].abs().mean().item(),
+                "logits_std": ref["logits"].std().item(),
+            }
     print(json.dumps(summary))
 
 

@@ -26,6 +26,7 @@ speculators' own batch shift (models/eagle3/data.py shift_batch) produces the sa
 override with 0..T-1. hidden/logits are captured by forward hooks on layers[-1] and lm_head
 during that call (forward itself returns only argmax draft tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,15 +53,11 @@ DRAFT_VOCAB = 64
 SEED = 1234
 
 VARIANTS = {
-    "speculators-eagle3": dict(norm_before_residual=False, norm_before_fc=False,
-                               fc_norm=False, norm_output=False),
-    "speculators-eagle3-nbr": dict(norm_before_residual=True, norm_before_fc=False,
-                                   fc_norm=False, norm_output=False),
-    "speculators-eagle3-train": dict(norm_before_residual=True, norm_before_fc=True,
-                                     fc_norm=False, norm_output=True),
+    "speculators-eagle3": dict(norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False),
+    "speculators-eagle3-nbr": dict(norm_before_residual=True, norm_before_fc=False, fc_norm=False, norm_output=False),
+    "speculators-eagle3-train": dict(norm_before_residual=True, norm_before_fc=True, fc_norm=False, norm_output=True),
     # the trainer's sliding-window draft layer, with a window short enough for 8 inputs to cross it
-    "speculators-eagle3-window": dict(norm_before_residual=True, norm_before_fc=False,
-                                      fc_norm=False, norm_output=False, sliding_window=3),
+    "speculators-eagle3-window": dict(norm_before_residual=True, norm_before_fc=False, fc_norm=False, norm_output=False, sliding_window=3),
 }
 
 
@@ -100,15 +97,27 @@ def build(name: str, flags: dict, gen: torch.Generator) -> Path:
     flags = dict(flags)
     window = flags.pop("sliding_window", None)  # None: the full-attention layer
     tl_config = create_transformer_layer_config(
-        verifier_name_or_path=verifier_path(), num_layers=1, draft_arch="llama",
-        hidden_act="silu", sliding_window=window or 2048, full_attention_indices=[] if window else [0])
+        verifier_name_or_path=verifier_path(),
+        num_layers=1,
+        draft_arch="llama",
+        hidden_act="silu",
+        sliding_window=window or 2048,
+        full_attention_indices=[] if window else [0],
+    )
     d2t, t2d = make_mapping(gen)
     # from_training_args: the trainer's own constructor; it copies embed_tokens (and lm_head
     # rows t2d, which randomize() then replaces) from the verifier folder.
     model = Eagle3DraftModel.from_training_args(
-        verifier_config=tl_config, t2d=t2d, d2t=d2t,
-        verifier_name_or_path=verifier_path(), target_layer_ids=AUX_IDS,
-        draft_vocab_size=DRAFT_VOCAB, ttt_steps=3, draft_attn_impl="eager", **flags)
+        verifier_config=tl_config,
+        t2d=t2d,
+        d2t=d2t,
+        verifier_name_or_path=verifier_path(),
+        target_layer_ids=AUX_IDS,
+        draft_vocab_size=DRAFT_VOCAB,
+        ttt_steps=3,
+        draft_attn_impl="eager",
+        **flags,
+    )
     randomize(model, gen)
     model.save_pretrained(str(out))
     # save_pretrained also drops config.py, a verbatim copy of speculators' own
@@ -135,8 +144,7 @@ def run_forward(model: Eagle3DraftModel, inputs: dict) -> dict[str, torch.Tensor
     h1 = model.layers[-1].register_forward_hook(lambda m, a, o: got.__setitem__("hidden", o.detach().clone()))
     h2 = model.lm_head.register_forward_hook(lambda m, a, o: got.__setitem__("logits", o.detach().clone()))
     try:
-        model(hidden_states=feats, input_ids=ids, document_ids=torch.zeros(1, T, dtype=torch.long),
-              position_ids=torch.arange(T)[None], ttt_steps=1)
+        model(hidden_states=feats, input_ids=ids, document_ids=torch.zeros(1, T, dtype=torch.long), position_ids=torch.arange(T)[None], ttt_steps=1)
     finally:
         h1.remove()
         h2.remove()
@@ -165,9 +173,9 @@ def main() -> None:
             "package": "speculators",
             "version": version,
             "writer": "speculators.models.eagle3.Eagle3DraftModel.from_training_args(...)"
-                      ".save_pretrained (transformer_layer_config from "
-                      "speculators.train.cli.create_transformer_layer_config, d2t/t2d from "
-                      "speculators.train.vocab_mapping.build_vocab_mappings_from_distribution)",
+            ".save_pretrained (transformer_layer_config from "
+            "speculators.train.cli.create_transformer_layer_config, d2t/t2d from "
+            "speculators.train.vocab_mapping.build_vocab_mappings_from_distribution)",
             "aux_id_convention": "vllm",
             "flags": flags,
             "eagle_aux_hidden_state_layer_ids": AUX_IDS,
@@ -183,17 +191,15 @@ def main() -> None:
                 "the repo-relative path tests/fixtures/interop/target: load with cwd = repo root. "
                 "save_pretrained's config.py (a copy of speculators' eagle3 config source, "
                 "named by auto_map) was deleted; loading does not need it."
-                + (" norm_before_fc: input_norm.weight [192] RMSNorm on the fc input."
-                   if flags["norm_before_fc"] else "")
-                + (" norm_output: the next TTT step would get norm(hidden); not exercised "
-                   "(one step)." if flags["norm_output"] else "")
+                + (" norm_before_fc: input_norm.weight [192] RMSNorm on the fc input." if flags["norm_before_fc"] else "")
+                + (" norm_output: the next TTT step would get norm(hidden); not exercised (one step)." if flags["norm_output"] else "")
             ),
         }
         (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         size = sum(p.stat().st_size for p in out.iterdir())
-        print(json.dumps({"fixture": name, "bytes": size,
-                          "hidden_absmax": float(ref["hidden"].abs().max()),
-                          "logits_std": float(ref["logits"].std())}))
+        print(
+            json.dumps({"fixture": name, "bytes": size, "hidden_absmax": float(ref["hidden"].abs().max()), "logits_std": float(ref["logits"].std())})
+        )
 
 
 if __name__ == "__main__":

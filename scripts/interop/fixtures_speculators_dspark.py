@@ -42,6 +42,7 @@ k, i.e. the anchor for slot 0):
   confidence        = torch.sigmoid(confidence_logit)
 all flattened back to [8, ...].
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -66,9 +67,14 @@ MASK_TOKEN_ID = 255  # target: bos 0, eos 1, pad 2; 255 is an ordinary id
 BLOCK_SIZE = 4
 MARKOV_RANK = 8
 SEED = 4321
-FLAGS = dict(block_size=BLOCK_SIZE, sample_from_anchor=True, markov_rank=MARKOV_RANK,
-             markov_head_type="vanilla", enable_confidence_head=True,
-             confidence_head_with_markov=True)
+FLAGS = dict(
+    block_size=BLOCK_SIZE,
+    sample_from_anchor=True,
+    markov_rank=MARKOV_RANK,
+    markov_head_type="vanilla",
+    enable_confidence_head=True,
+    confidence_head_with_markov=True,
+)
 FROZEN = ("embed_tokens", "lm_head", "verifier_")
 
 
@@ -96,14 +102,20 @@ def randomize(model: DSparkDraftModel, gen: torch.Generator) -> list[str]:
 
 def build(gen: torch.Generator) -> tuple[DSparkDraftModel, list[str]]:
     tl_config = create_transformer_layer_config(
-        verifier_name_or_path=verifier_path(), num_layers=1, draft_arch="qwen3",
-        hidden_act="silu", sliding_window=2048, full_attention_indices=[0])
+        verifier_name_or_path=verifier_path(), num_layers=1, draft_arch="qwen3", hidden_act="silu", sliding_window=2048, full_attention_indices=[0]
+    )
     vocab = tl_config.vocab_size
     model = DSparkDraftModel.from_training_args(
-        verifier_config=tl_config, t2d=None, d2t=None,
-        verifier_name_or_path=verifier_path(), target_layer_ids=AUX_IDS,
-        draft_vocab_size=vocab, mask_token_id=MASK_TOKEN_ID, draft_attn_impl="eager",
-        **FLAGS)
+        verifier_config=tl_config,
+        t2d=None,
+        d2t=None,
+        verifier_name_or_path=verifier_path(),
+        target_layer_ids=AUX_IDS,
+        draft_vocab_size=vocab,
+        mask_token_id=MASK_TOKEN_ID,
+        draft_attn_impl="eager",
+        **FLAGS,
+    )
     return model, randomize(model, gen)
 
 
@@ -117,8 +129,7 @@ def reference(model: DSparkDraftModel, gen: torch.Generator) -> dict[str, torch.
     hidden = torch.randn(n, H, generator=gen)
     prev_b, hidden_b = prev.view(-1, BLOCK_SIZE), hidden.view(-1, BLOCK_SIZE, H)
     emb = model.markov_head.prev_embeddings(prev_b)
-    bias = model.markov_head.block_bias(prev_token_ids=prev_b, hidden_states=hidden_b,
-                                        prev_emb=emb)
+    bias = model.markov_head.block_bias(prev_token_ids=prev_b, hidden_states=hidden_b, prev_emb=emb)
     logit = model.confidence_head(torch.cat([hidden_b, emb.to(hidden_b.dtype)], dim=-1))
     return {
         "prev": prev.long().contiguous(),
@@ -155,8 +166,8 @@ def main() -> None:
         "package": "speculators",
         "version": md.version("speculators"),
         "writer": "speculators.models.dspark.DSparkDraftModel.from_training_args(...)"
-                  ".save_pretrained (transformer_layer_config from "
-                  "speculators.train.cli.create_transformer_layer_config, draft_arch=qwen3)",
+        ".save_pretrained (transformer_layer_config from "
+        "speculators.train.cli.create_transformer_layer_config, draft_arch=qwen3)",
         "aux_id_convention": "vllm",
         "aux_hidden_state_layer_ids": AUX_IDS,
         "mask_token_id": MASK_TOKEN_ID,
@@ -178,9 +189,11 @@ def main() -> None:
     }
     (OUT / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     size = sum(p.stat().st_size for p in OUT.iterdir())
-    print(json.dumps({"fixture": OUT.name, "bytes": size,
-                      "bias_std": float(ref["bias"].std()),
-                      "confidence": [round(float(c), 4) for c in ref["confidence"]]}))
+    print(
+        json.dumps(
+            {"fixture": OUT.name, "bytes": size, "bias_std": float(ref["bias"].std()), "confidence": [round(float(c), 4) for c in ref["confidence"]]}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Small helpers the consumer harnesses share. Plain Python on purpose: each harness runs in its
 consumer's own venv (scripts/interop/setup_<name>.sh) and imports this file from beside it."""
+
 from __future__ import annotations
 
 import argparse

@@ -5,6 +5,7 @@
 The target's rope_theta is 1e5 (not Llama's 1e4) on purpose: a producer that ignores the target's
 RoPE base (upstream EAGLE-1) then writes a head that must be imported with its own base.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,20 @@ ROOT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "interop"
 
 def main() -> None:
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        max_position_embeddings=256, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
@@ -37,12 +49,15 @@ def main() -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     g = torch.Generator().manual_seed(1)
     T, H = 8, config.hidden_size
-    save_file({
-        "input_ids": torch.randint(3, config.vocab_size, (1, T), generator=g),
-        "features3": torch.randn(1, T, 3 * H, generator=g),
-        "feature": torch.randn(1, T, H, generator=g),
-        "hidden": torch.randn(1, T, H, generator=g),
-    }, str(ROOT / "inputs.safetensors"))
+    save_file(
+        {
+            "input_ids": torch.randint(3, config.vocab_size, (1, T), generator=g),
+            "features3": torch.randn(1, T, 3 * H, generator=g),
+            "feature": torch.randn(1, T, H, generator=g),
+            "hidden": torch.randn(1, T, H, generator=g),
+        },
+        str(ROOT / "inputs.safetensors"),
+    )
 
 
 if __name__ == "__main__":

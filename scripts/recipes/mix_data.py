@@ -10,6 +10,7 @@ LM head), so original answers still teach it; they add diversity at no generatio
 the first mix's extras, ids kept). Order and count stay those of the first mix, so a run with the
 same seed holds out the same prompts: a continuation's eval stays clean.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ def main() -> None:
     conversations, _ = read_conversations(sharegpt_path(), limit=args.skip + 4 * args.extra)
     lo, hi = args.answer_chars
     extra = []
-    for i, conv in enumerate(conversations[args.skip:]):
+    for i, conv in enumerate(conversations[args.skip :]):
         turns = first_turn(conv["messages"])
         if turns and len(turns[0]["content"]) < args.max_prompt_chars and lo < len(turns[1]["content"]) < hi:
             extra.append({"id": f"sharegpt-{conv.get('id') or i}", "messages": turns})

@@ -11,6 +11,7 @@ Greedy; each side stops at the target's EOS tokens or at --max-new-tokens. "iden
 share of prompts whose output equals our batch-1 plain decoding. Writes OUT/batch.json and
 OUT/batch.md. Needs `make llamacpp`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,11 @@ from pathlib import Path
 def server_outputs(url: str, prompts: list[list[int]], n: int, concurrency: int) -> tuple[list[list[int]], float]:
     """Every prompt through llama-server's /completion, `concurrency` requests in flight; the new
     token ids of each and the wall seconds of the whole set."""
+
     def one(ids: list[int]) -> list[int]:
-        body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
-                           "return_tokens": True, "seed": 0}).encode()
+        body = json.dumps(
+            {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1, "cache_prompt": False, "return_tokens": True, "seed": 0}
+        ).encode()
         request = urllib.request.Request(f"{url}/completion", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=600) as response:
             return json.loads(response.read())["tokens"]
@@ -46,7 +49,7 @@ def ours(backend, make_drafter, prompts, n: int, batch: int, eos, policy=None) -
     config = GenerationConfig(max_new_tokens=n, eos_token_ids=eos, policy=policy)
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
-        result = generate_batch(backend, make_drafter(), [torch.tensor(p) for p in prompts[i:i + batch]], config)
+        result = generate_batch(backend, make_drafter(), [torch.tensor(p) for p in prompts[i : i + batch]], config)
         outputs += [row.new_tokens[0].tolist() for row in result.rows]
     return outputs, time.perf_counter() - start
 
@@ -55,7 +58,7 @@ def until_eos(tokens: list[int], eos) -> list[int]:
     """A server's tokens cut after the first EOS (it may stop there or print it; ours keeps it)."""
     for i, t in enumerate(tokens):
         if t in eos:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens
 
 
@@ -102,12 +105,22 @@ def main() -> int:
         plain, plain_s = ours(backend, RootOnlyDrafter, prompts, n, batch, eos)
         lookup = lambda: build_drafter("prompt-lookup", loaded.model, loaded.tokenizer)  # noqa: E731
         spec, spec_s = ours(backend, lookup, prompts, n, batch, eos, SpeculationPolicy(curve))
-        for name, outputs, seconds in (("llama-server", served, served_s), ("ours plain", plain, plain_s),
-                                       ("ours prompt lookup + policy", spec, spec_s)):
+        for name, outputs, seconds in (
+            ("llama-server", served, served_s),
+            ("ours plain", plain, plain_s),
+            ("ours prompt lookup + policy", spec, spec_s),
+        ):
             tokens = sum(len(o) for o in outputs)
-            rows.append({"batch": batch, "engine": name, "tokens": tokens, "seconds": round(seconds, 2),
-                         "tokens_per_s": round(tokens / seconds, 1),
-                         "identical": sum(o == r for o, r in zip(outputs, reference)) / len(prompts)})
+            rows.append(
+                {
+                    "batch": batch,
+                    "engine": name,
+                    "tokens": tokens,
+                    "seconds": round(seconds, 2),
+                    "tokens_per_s": round(tokens / seconds, 1),
+                    "identical": sum(o == r for o, r in zip(outputs, reference)) / len(prompts),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -115,8 +128,10 @@ def main() -> int:
     lines = ["| batch | engine | tokens/s | vs llama-server | identical to our batch-1 plain |", "| ---: | --- | ---: | ---: | ---: |"]
     for row in rows:
         base = next(r for r in rows if r["batch"] == row["batch"] and r["engine"] == "llama-server")
-        lines.append(f"| {row['batch']} | {row['engine']} | {row['tokens_per_s']} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-                     f"{row['identical']:.0%} |")
+        lines.append(
+            f"| {row['batch']} | {row['engine']} | {row['tokens_per_s']} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+            f"{row['identical']:.0%} |"
+        )
     (out / "batch.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -6,6 +6,7 @@ head's fixed tree and the load policy (`--sizing policy`), in one run, batch by 
 
 writes out/batch/batch.json, batch.md (the table) and batch.png (the plot docs/results.md shows).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,12 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=16, help="MT-bench prompts (the first N)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
-    parser.add_argument("--round-weights", default=None, choices=("bfloat16",),
-                        help="the target's weights rounded to bf16 values (inference/engine/targets.py round_to_bfloat16)")
+    parser.add_argument(
+        "--round-weights",
+        default=None,
+        choices=("bfloat16",),
+        help="the target's weights rounded to bf16 values (inference/engine/targets.py round_to_bfloat16)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--identity", action="store_true", help="also compare every row with its batch-1 plain output")
     parser.add_argument("--methods", default="fixed tree,policy", help="which of: fixed tree, policy")
@@ -44,10 +49,17 @@ def main() -> int:
     policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
     curve = measure_verify_cost(model, POLICY_TOKEN_COUNTS, want_hidden=True)
     prompts = load_prompts("mt-bench", args.limit)
-    settings = BenchSettings(max_new_tokens=args.max_new_tokens, eos_token_ids=eos_token_ids(model, loaded.tokenizer),
-                             info={"target": "smollm2-135m", "dtype": args.dtype, "round_weights": args.round_weights,
-                                   "threads": args.threads,
-                                   "verify_cost": {"tokens": curve.nodes, "seconds": curve.seconds}})
+    settings = BenchSettings(
+        max_new_tokens=args.max_new_tokens,
+        eos_token_ids=eos_token_ids(model, loaded.tokenizer),
+        info={
+            "target": "smollm2-135m",
+            "dtype": args.dtype,
+            "round_weights": args.round_weights,
+            "threads": args.threads,
+            "verify_cost": {"tokens": curve.nodes, "seconds": curve.seconds},
+        },
+    )
     reports = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         methods = {"fixed tree": (lambda: drafter, None), "policy": (lambda: policy_drafter, SpeculationPolicy(curve))}
@@ -66,22 +78,27 @@ def main() -> int:
 
 def markdown(reports: list[dict], args) -> str:
     names = list(reports[0]["methods"])
-    lines = [f"SmolLM2-135M, {args.dtype}, {args.threads} threads, {reports[0]['num_prompts']} MT-bench prompts x "
-             f"{args.max_new_tokens} tokens, greedy; tokens/s of all rows together, prefill included; "
-             f"CPU: {reports[0]['settings'].get('cpu_model', '?')}.", "",
-             "| batch | plain generate() | ours, no drafting | " + " | ".join(f"{n} (tau)" for n in names) + " | identical |",
-             "| ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |"]
+    lines = [
+        f"SmolLM2-135M, {args.dtype}, {args.threads} threads, {reports[0]['num_prompts']} MT-bench prompts x "
+        f"{args.max_new_tokens} tokens, greedy; tokens/s of all rows together, prefill included; "
+        f"CPU: {reports[0]['settings'].get('cpu_model', '?')}.",
+        "",
+        "| batch | plain generate() | ours, no drafting | " + " | ".join(f"{n} (tau)" for n in names) + " | identical |",
+        "| ---: | ---: | ---: | " + " | ".join("---:" for _ in names) + " | --- |",
+    ]
     for r in reports:
         cells = []
         for name in names:
             m = r["methods"][name]
-            extra = "" if not m["policy"] else (f", {m['policy']['mean_nodes']:.1f} nodes/row, "
-                                                f"{100 * m['policy']['plain_rounds']:.0f}% plain rounds")
+            extra = "" if not m["policy"] else (f", {m['policy']['mean_nodes']:.1f} nodes/row, {100 * m['policy']['plain_rounds']:.0f}% plain rounds")
             cells.append(f"{m['tokens_per_s']:.1f} ({m['tau']:.2f}{extra})")
         same = [r["methods"][n]["identical_fraction"] for n in names]
         same_text = "-" if None in same else f"{100 * min(same):.0f}%"
-        lines.append(f"| {r['batch_size']} | {r['baseline_tokens_per_s']:.1f} | {r['engine_plain_tokens_per_s']:.1f} | "
-                     + " | ".join(cells) + f" | {same_text} |")
+        lines.append(
+            f"| {r['batch_size']} | {r['baseline_tokens_per_s']:.1f} | {r['engine_plain_tokens_per_s']:.1f} | "
+            + " | ".join(cells)
+            + f" | {same_text} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ weights stream from memory as in a forward rather than sitting in cache; best of
 passes, in microseconds per call, kernels interleaved. Prints a Markdown table
 (docs/cpu-measurements.md "Panel linears").
 """
+
 from __future__ import annotations
 
 import argparse

@@ -23,6 +23,7 @@ Settings are interleaved repeat by repeat, so drift on a shared machine hits all
 median per (setting, N) is reported, with the compile seconds of the first calls. Prints a
 Markdown table (ms per round, and tokens/s of a plain round for N = 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--round-weights", default=None, choices=("bfloat16",),
-                   help="the target's weights rounded to bf16 values (inference/engine/targets.py round_to_bfloat16)")
+    p.add_argument(
+        "--round-weights",
+        default=None,
+        choices=("bfloat16",),
+        help="the target's weights rounded to bf16 values (inference/engine/targets.py round_to_bfloat16)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=256, help="cached tokens before the round")
     p.add_argument("--nodes", default="1,8,17,32")
@@ -70,8 +75,7 @@ def main(argv=None) -> int:
     names = args.settings.split(",")
     g = torch.Generator().manual_seed(0)
     context = torch.randint(100, 5000, (1, args.context), generator=g)
-    trees = {n: pad_trees([DraftTree(torch.randint(100, 5000, (1, n), generator=g), chain_parents(n - 1))])
-             for n in nodes}
+    trees = {n: pad_trees([DraftTree(torch.randint(100, 5000, (1, n), generator=g), chain_parents(n - 1))]) for n in nodes}
     lengths = torch.tensor([args.context])
     states = {}
     for name in names:
@@ -103,8 +107,10 @@ def main(argv=None) -> int:
             for name in names:
                 times[(name, n)].append(one_round(name, n))
     ms = {key: 1000 * statistics.median(v) for key, v in times.items()}
-    lines = ["| setting | " + " | ".join(f"N={n} ms" for n in nodes) + " | first calls s |",
-             "| --- | " + " | ".join("---:" for _ in nodes) + " | ---: |"]
+    lines = [
+        "| setting | " + " | ".join(f"N={n} ms" for n in nodes) + " | first calls s |",
+        "| --- | " + " | ".join("---:" for _ in nodes) + " | ---: |",
+    ]
     for name in names:
         cells = " | ".join(f"{ms[(name, n)]:.1f}" for n in nodes)
         lines.append(f"| {name} | {cells} | {sum(first[(name, n)] for n in nodes):.1f} |")
@@ -112,9 +118,18 @@ def main(argv=None) -> int:
     print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({
-            "settings": vars(args), "median_ms": {f"{k[0]}@{k[1]}": v for k, v in ms.items()},
-            "first_call_s": {f"{k[0]}@{k[1]}": v for k, v in first.items()}, "table": table}, indent=1) + "\n")
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "settings": vars(args),
+                    "median_ms": {f"{k[0]}@{k[1]}": v for k, v in ms.items()},
+                    "first_call_s": {f"{k[0]}@{k[1]}": v for k, v in first.items()},
+                    "table": table,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

@@ -6,6 +6,7 @@ identical and, for each conversation that parts, where and by what logit gap of 
     python scripts/studies/compare_regenerated.py --target smollm2-135m out/ours.jsonl out/server.jsonl \\
         --json out/parity.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,13 @@ def main() -> None:
     comparison = compare_regenerations(loaded.model, loaded.tokenizer, read(args.ours), read(args.theirs))
     print(comparison.summary())
     for parting in comparison.partings:
-        print(f"  {parting.id} turn {parting.turn}: token {parting.position}, ours {parting.ours} vs "
-              f"{parting.theirs}, logit gap {parting.gap:.4f}")
+        print(f"  {parting.id} turn {parting.turn}: token {parting.position}, ours {parting.ours} vs {parting.theirs}, logit gap {parting.gap:.4f}")
     if args.json:
-        args.json.write_text(json.dumps({"answers": comparison.answers, "identical": comparison.identical,
-                                         "partings": [q.to_dict() for q in comparison.partings]}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"answers": comparison.answers, "identical": comparison.identical, "partings": [q.to_dict() for q in comparison.partings]}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

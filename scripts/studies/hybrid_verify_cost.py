@@ -10,6 +10,7 @@ Speculation pays where a verify of N nodes costs much less than N plain steps.
 
     .venv/bin/python scripts/studies/hybrid_verify_cost.py --threads 2 --context 256
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,18 +24,34 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-SIZES = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-             num_key_value_heads=3, max_position_embeddings=8192, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+SIZES = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
 
 
 def targets():
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     llama = LlamaConfig(**SIZES)
-    hybrid = Qwen3_5TextConfig(**SIZES, head_dim=64, linear_num_value_heads=8, linear_num_key_heads=4,
-                               linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
-                               layer_types=["full_attention" if i % 4 == 3 else "linear_attention"
-                                            for i in range(SIZES["num_hidden_layers"])])
+    hybrid = Qwen3_5TextConfig(
+        **SIZES,
+        head_dim=64,
+        linear_num_value_heads=8,
+        linear_num_key_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(SIZES["num_hidden_layers"])],
+    )
     out = {}
     for name, cls, config in (("llama", LlamaForCausalLM, llama), ("qwen3_5 hybrid", Qwen3_5ForCausalLM, hybrid)):
         config._attn_implementation = "sdpa"
@@ -66,8 +83,7 @@ def main() -> int:
         cells = [f"{m:.1f} ms ({x:.2f})" for m, x in zip(r["ms"], r["plain_steps"])]
         print(f"| {name} | {' | '.join(cells)} |")
     if args.out:
-        Path(args.out).write_text(json.dumps({"context": args.context, "threads": args.threads, "nodes": nodes,
-                                              "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"context": args.context, "threads": args.threads, "nodes": nodes, "rows": rows}, indent=1))
     return 0
 
 

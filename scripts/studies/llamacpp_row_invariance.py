@@ -5,6 +5,7 @@ prompts of 40-131 tokens, against one-token forwards of the spine; docs/llamacpp
 
     .venv/bin/python scripts/studies/llamacpp_row_invariance.py bf16   # or f32
 """
+
 import sys
 from pathlib import Path
 
@@ -36,7 +37,18 @@ for trial in range(8):
         backend.keep([[0]], [length])
         length += 1
     alone = torch.stack(alone)
-    results.append((bool(torch.equal(together, alone)), float((together - alone).abs().max()),
-                    int((together.argmax(-1) != alone.argmax(-1)).sum())))
-print(gguf, "bitwise equal:", sum(r[0] for r in results), "of", len(results), "trials;",
-      "max abs logit diff:", max(r[1] for r in results), "; argmax flips:", sum(r[2] for r in results), "of", 5 * len(results))
+    results.append((bool(torch.equal(together, alone)), float((together - alone).abs().max()), int((together.argmax(-1) != alone.argmax(-1)).sum())))
+print(
+    gguf,
+    "bitwise equal:",
+    sum(r[0] for r in results),
+    "of",
+    len(results),
+    "trials;",
+    "max abs logit diff:",
+    max(r[1] for r in results),
+    "; argmax flips:",
+    sum(r[2] for r in results),
+    "of",
+    5 * len(results),
+)

@@ -10,6 +10,7 @@ With --context-parallel N, N processes (gloo) take the same row, each its 1/N of
 (heads/context_split.py), with --threads split between them; each reports its own peak. The
 target's forward is split as well (train/split_target.py). EAGLE-3 only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,8 +62,7 @@ def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int
     if split is None:
         hidden = target_features(target, ids, mask, config.train_hidden_layers)
     else:  # the target's forward split too (train/split_target.py), as `drafthead train` runs it
-        hidden = split_target_features(target, ids, mask, config.train_hidden_layers, split, final=config.final_layer,
-                                       halo=config.ttt_steps)
+        hidden = split_target_features(target, ids, mask, config.train_hidden_layers, split, final=config.final_layer, halo=config.ttt_steps)
     batch = FeatureBatch(ids, mask, torch.ones(1, T, dtype=torch.bool), hidden, split_columns=split is not None)
     loss, _ = head.compute_loss(batch)
     loss.backward()
@@ -74,14 +74,33 @@ def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int
         dist.destroy_process_group()
     # `train --plan`'s model of the same step: activations, plus the gradients and AdamW's two
     # moments that appear during it (the parameters were there before)
-    shapes = RunShapes(target_bytes=0, largest_layer_bytes=0, layers_bytes=0, head_trainable=sum(p.numel() for p in params),
-                       head_frozen_bytes=0, hidden=config.hidden_size, draft_vocab=getattr(config, "draft_vocab_size", config.vocab_size),
-                       steps=getattr(config, "ttt_steps", 1), kind=kind, tokens=T)
+    shapes = RunShapes(
+        target_bytes=0,
+        largest_layer_bytes=0,
+        layers_bytes=0,
+        head_trainable=sum(p.numel() for p in params),
+        head_frozen_bytes=0,
+        hidden=config.hidden_size,
+        draft_vocab=getattr(config, "draft_vocab_size", config.vocab_size),
+        steps=getattr(config, "ttt_steps", 1),
+        kind=kind,
+        tokens=T,
+    )
     planned = (activation_bytes(shapes) + 12 * shapes.head_trainable) / 2**20
-    return {"kind": kind, "tokens": T, "rank": rank, "context_parallel": size, "peak_rss_mb": peak, "rss_before_step_mb": before,
-            "step_mb": peak - before,
-            "planned_step_mb": planned, "planned_over_measured": planned / (peak - before) if peak > before else None,
-            "seconds": seconds, "tokens_per_s": T / seconds, "loss": float(loss)}
+    return {
+        "kind": kind,
+        "tokens": T,
+        "rank": rank,
+        "context_parallel": size,
+        "peak_rss_mb": peak,
+        "rss_before_step_mb": before,
+        "step_mb": peak - before,
+        "planned_step_mb": planned,
+        "planned_over_measured": planned / (peak - before) if peak > before else None,
+        "seconds": seconds,
+        "tokens_per_s": T / seconds,
+        "loss": float(loss),
+    }
 
 
 def rss_mb() -> float:
@@ -107,14 +126,36 @@ def main() -> None:
     threads = max(1, args.threads // size)
     for T in args.lengths:
         port = free_port()
-        children = [subprocess.Popen([sys.executable, __file__, "--kind", args.kind, "--threads", str(threads), "--one", str(T),
-                                      "--rank", str(r), "--context-parallel", str(size), "--port", str(port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(size)]
+        children = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--kind",
+                    args.kind,
+                    "--threads",
+                    str(threads),
+                    "--one",
+                    str(T),
+                    "--rank",
+                    str(r),
+                    "--context-parallel",
+                    str(size),
+                    "--port",
+                    str(port),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(size)
+        ]
         for child in children:
             out, err = child.communicate()
             line = out.strip().splitlines()[-1] if child.returncode == 0 and out.strip() else None
-            print(line or json.dumps({"kind": args.kind, "tokens": T, "failed": child.returncode,
-                                      "stderr": err.strip().splitlines()[-1:]}), flush=True)
+            print(
+                line or json.dumps({"kind": args.kind, "tokens": T, "failed": child.returncode, "stderr": err.strip().splitlines()[-1:]}), flush=True
+            )
 
 
 if __name__ == "__main__":

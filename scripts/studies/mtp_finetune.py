@@ -11,6 +11,7 @@ MTP drafts per round (the MTP layer run again on its own output, as vLLM's deeps
 
     .venv/bin/python scripts/studies/mtp_finetune.py --family deepseek_v3 --steps 300 --threads 2
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,7 @@ def tau(target, head, prompts, references, chain: int, n: int) -> float:
 
     emitted = rounds = 0
     for p, ref in zip(prompts, references):
-        out = speculative_generate(target, head_drafter(head, **chain_settings("mtp", chain)), p[None],
-                                   GenerationConfig(max_new_tokens=n))
+        out = speculative_generate(target, head_drafter(head, **chain_settings("mtp", chain)), p[None], GenerationConfig(max_new_tokens=n))
         assert out.new_tokens[0].tolist() == ref.tolist()  # exact, trained or not
         emitted += sum(out.accepted_lengths)
         rounds += len(out.accepted_lengths)
@@ -71,11 +71,13 @@ def main() -> int:
     vocab = target.config.vocab_size
     prompts = [torch.randint(3, vocab, (12,), generator=g) for _ in range(args.train + args.eval)]
     continuations = answers(target, prompts, args.new_tokens)
-    train = [{"input_ids": torch.cat([p, c]), "loss_mask": torch.arange(len(p) + len(c)) >= len(p)}
-             for p, c in zip(prompts[: args.train], continuations[: args.train])]
+    train = [
+        {"input_ids": torch.cat([p, c]), "loss_mask": torch.arange(len(p) + len(c)) >= len(p)}
+        for p, c in zip(prompts[: args.train], continuations[: args.train])
+    ]
 
     head = build_head(make_config("mtp", target, loaded.tokenizer), target, dtype=torch.float32)
-    held_out = prompts[args.train:], continuations[args.train:]
+    held_out = prompts[args.train :], continuations[args.train :]
     before = tau(target, head.eval(), *held_out, args.chain, args.new_tokens)
 
     featurize = OnlineFeaturizer(target, head.config.train_hidden_layers)
@@ -90,8 +92,17 @@ def main() -> int:
         opt.step()
         losses.append(loss.item())
     after = tau(target, head.eval(), *held_out, args.chain, args.new_tokens)
-    result = {"family": args.family, "tau_before": before, "tau_after": after, "loss_first": losses[0], "loss_last": losses[-1],
-              "steps": args.steps, "chain": args.chain, "train": args.train, "eval": args.eval}
+    result = {
+        "family": args.family,
+        "tau_before": before,
+        "tau_after": after,
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "steps": args.steps,
+        "chain": args.chain,
+        "train": args.train,
+        "eval": args.eval,
+    }
     print(json.dumps(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

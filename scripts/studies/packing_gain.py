@@ -11,6 +11,7 @@ training epoch is, the share of token slots that hold a real token when each mic
 target's forward, the head's loss and its backward; tokens/s counts real tokens only. The two
 layouts train on the same conversations, so their losses agree (printed beside the times).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,8 +69,10 @@ def main(argv=None) -> int:
     samples = token_samples(cfg, loaded.tokenizer).dataset
     order = epoch_batches(len(samples), 1, 1, 0, cfg.seed, 0)  # one epoch's shuffle
     lengths = [len(samples[i]["input_ids"]) for (i,) in order]
-    print(f"{cpu_model()}, {args.threads} thread(s); {len(lengths)} ShareGPT conversations cut to {capacity} tokens: "
-          f"mean {sum(lengths) / len(lengths):.0f}, {sum(n == capacity for n in lengths)} at the cut")
+    print(
+        f"{cpu_model()}, {args.threads} thread(s); {len(lengths)} ShareGPT conversations cut to {capacity} tokens: "
+        f"mean {sum(lengths) / len(lengths):.0f}, {sum(n == capacity for n in lengths)} at the cut"
+    )
     print("\n| conversations per micro-batch | real tokens / slots, one per row | packed | slots saved |")
     print("| ---: | ---: | ---: | ---: |")
     for b in (2, 4, 8, 16):
@@ -80,8 +83,9 @@ def main(argv=None) -> int:
         return 0
     hcfg = head_config(cfg, loaded.model, loaded.tokenizer, loaded.name)
     featurize = OnlineFeaturizer(loaded.model, required_layers(hcfg, hcfg.final_layer))
-    head = new_or_saved_head(cfg, hcfg, loaded.model, loaded.tokenizer, loaded.name, lambda m: None,
-                             lambda: samples.token_counts(hcfg.vocab_size)).train()
+    head = new_or_saved_head(
+        cfg, hcfg, loaded.model, loaded.tokenizer, loaded.name, lambda m: None, lambda: samples.token_counts(hcfg.vocab_size)
+    ).train()
     layouts = {"one per row": lambda s: collate(s), "packed": lambda s: collate_packed(s, capacity)}
     seconds = dict.fromkeys(layouts, 0.0)
     tokens, losses = 0, {name: [] for name in layouts}
@@ -101,8 +105,7 @@ def main(argv=None) -> int:
                 losses[name].append(loss.item())
         if k:
             tokens += sum(len(s["input_ids"]) for s in chunk)
-    print(f"\n{args.batches} micro-batches of {args.batch_size} conversations ({tokens} real tokens), "
-          f"{args.config} head, online features, fp32:")
+    print(f"\n{args.batches} micro-batches of {args.batch_size} conversations ({tokens} real tokens), {args.config} head, online features, fp32:")
     print("| layout | s | tokens/s | mean loss |")
     print("| --- | ---: | ---: | ---: |")
     for name in layouts:

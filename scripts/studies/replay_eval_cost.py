@@ -6,6 +6,7 @@ reports for the shipped EAGLE-3 head, with the eagle3 preset's replay settings (
 The first eval also decodes the held-out prompts and runs the target over them once; later evals
 only replay. docs/training.md "Replayed acceptance" quotes its output.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,7 @@ def main(argv=None) -> int:
     samples = token_samples(cfg, loaded.tokenizer).dataset
     _, eval_idx = split_indices(len(samples), cfg.data.eval_fraction, cfg.data.eval_size, cfg.seed)
     head, _ = load_head(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer, dtype=torch.float32)
-    replay = ReplayEval(loaded.model, torch.utils.data.Subset(samples, eval_idx), cfg.replay,
-                        eos_token_ids(loaded.model, loaded.tokenizer))
+    replay = ReplayEval(loaded.model, torch.utils.data.Subset(samples, eval_idx), cfg.replay, eos_token_ids(loaded.model, loaded.tokenizer))
     start = time.perf_counter()
     replay(head)
     first = time.perf_counter() - start
@@ -43,8 +43,10 @@ def main(argv=None) -> int:
     metrics = replay(head)
     later = time.perf_counter() - start
     held_out = replay.held_out(())
-    print(f"{len(held_out)} held-out prompts ({sum(h.prompt_len for h in held_out)} prompt tokens, "
-          f"{sum(h.end - h.prompt_len for h in held_out)} continuation tokens), {args.threads} thread(s)")
+    print(
+        f"{len(held_out)} held-out prompts ({sum(h.prompt_len for h in held_out)} prompt tokens, "
+        f"{sum(h.end - h.prompt_len for h in held_out)} continuation tokens), {args.threads} thread(s)"
+    )
     print(f"first eval {first:.1f} s (decode + target features + replay), later evals {later:.1f} s (replay)")
     print(", ".join(f"{k}={v:.3g}" for k, v in metrics.items()))
     return 0

@@ -18,6 +18,7 @@ vLLM folder is its export) as a chain of the same length on each served answer
 It prints and writes per-position acceptance and tau for each, vLLM's measured figures, and how
 many requests and steps the vllm counting reproduces exactly.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,16 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.vllm}: no per-request steps (rerun check_vllm.py, which records them)")
     chain = served["num_spec_tokens"]
     loaded = load_target(args.target, dtype=served["dtype"], threads=args.threads)
-    drafter, _ = load_heads(args.head or default_head_path(args.target), loaded.model, loaded.tokenizer,
-                            num_draft=chain, depth=chain, top_k=1, lookup_nodes=0, lookup_streak=0)
+    drafter, _ = load_heads(
+        args.head or default_head_path(args.target),
+        loaded.model,
+        loaded.tokenizer,
+        num_draft=chain,
+        depth=chain,
+        top_k=1,
+        lookup_nodes=0,
+        lookup_streak=0,
+    )
     answers = [(torch.tensor([p + a]), len(p)) for p, a in zip(served["prompt_token_ids"], served["spec_token_ids"])]
     past = tokens_past_end(loaded.model, [s for s, _ in answers], chain)
     counted = {DRAFTHEAD.name: [], VLLM.name: []}
@@ -69,18 +78,35 @@ def main(argv=None) -> int:
         equal_steps += sum(a == b for a, b in zip(ours, theirs))
         if ours != theirs:
             at = next((k for k, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
-            partings.append({"request": i, "step": at, "replayed": ours[at: at + 4], "vllm": theirs[at: at + 4],
-                             "replayed_steps": len(ours), "vllm_steps": len(theirs)})
+            partings.append(
+                {
+                    "request": i,
+                    "step": at,
+                    "replayed": ours[at : at + 4],
+                    "vllm": theirs[at : at + 4],
+                    "replayed_steps": len(ours),
+                    "vllm_steps": len(theirs),
+                }
+            )
     metrics = served["metrics"]
-    vllm_measured = {"tau": 1 + metrics["num_accepted_tokens"] / metrics["num_drafts"],
-                     "acceptance": [x / metrics["num_drafts"] for x in metrics["num_accepted_tokens_per_pos"]],
-                     "steps": metrics["num_drafts"]}
-    report = {"vllm_file": args.vllm, "dtype": served["dtype"], "chain": chain, "prompts": len(answers),
-              "max_tokens": served["max_tokens"], "vllm_measured": vllm_measured,
-              "replayed": {name: {"tau": tau_of(a), "acceptance": per_position_acceptance(a, chain), "steps": len(a)}
-                           for name, a in counted.items()},
-              "requests_equal_step_for_step": equal_requests, "steps_equal": equal_steps, "steps": all_steps,
-              "partings": partings}
+    vllm_measured = {
+        "tau": 1 + metrics["num_accepted_tokens"] / metrics["num_drafts"],
+        "acceptance": [x / metrics["num_drafts"] for x in metrics["num_accepted_tokens_per_pos"]],
+        "steps": metrics["num_drafts"],
+    }
+    report = {
+        "vllm_file": args.vllm,
+        "dtype": served["dtype"],
+        "chain": chain,
+        "prompts": len(answers),
+        "max_tokens": served["max_tokens"],
+        "vllm_measured": vllm_measured,
+        "replayed": {name: {"tau": tau_of(a), "acceptance": per_position_acceptance(a, chain), "steps": len(a)} for name, a in counted.items()},
+        "requests_equal_step_for_step": equal_requests,
+        "steps_equal": equal_steps,
+        "steps": all_steps,
+        "partings": partings,
+    }
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     fmt = lambda r: f"tau {r['tau']:.4f}  acceptance {', '.join(f'{x:.4f}' for x in r['acceptance'])}  steps {r['steps']}"  # noqa: E731
     print(f"vLLM measured          {fmt(vllm_measured)}")

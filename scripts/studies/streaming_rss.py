@@ -19,6 +19,7 @@ and on a --small-mb file of the same records, for comparison:
 
 The file goes to --dir (default /tmp) and is deleted at the end unless --keep.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,9 +33,11 @@ import tempfile
 import time
 from pathlib import Path
 
-WORDS = ("the a of to and in is it that for on with as was at by be this from or an are not but have you "
-         "model token draft head target tree verify accept reject sample cache layer hidden state batch loss "
-         "python data stream memory file record chat user assistant answer question because which would there").split()
+WORDS = (
+    "the a of to and in is it that for on with as was at by be this from or an are not but have you "
+    "model token draft head target tree verify accept reject sample cache layer hidden state batch loss "
+    "python data stream memory file record chat user assistant answer question because which would there"
+).split()
 
 
 def synthetic_lines(n_distinct: int, seed: int = 0) -> list[str]:
@@ -45,8 +48,7 @@ def synthetic_lines(n_distinct: int, seed: int = 0) -> list[str]:
     for _ in range(n_distinct):
         messages = []
         for _ in range(rng.randint(1, 2)):
-            messages += [{"role": "user", "content": text(rng.randint(20, 120))},
-                         {"role": "assistant", "content": text(rng.randint(150, 400))}]
+            messages += [{"role": "user", "content": text(rng.randint(20, 120))}, {"role": "assistant", "content": text(rng.randint(150, 400))}]
         lines.append(json.dumps({"id": "{ID}", "messages": messages}))
     return lines
 
@@ -110,8 +112,14 @@ def measure_stream(path: str, samples: int, max_length: int, batch_size: int) ->
     seconds = time.time() - t
     # the shuffle buffer and the eval set are read (and tokenized) ahead of the samples yielded
     tokenized = stream.report.conversations + 64
-    return {"samples": n, "tokens": tokens, "tokenized": tokenized, "seconds": seconds,
-            "tokenized_per_s": tokenized / seconds, "rss_after_tokenizer_mb": base}
+    return {
+        "samples": n,
+        "tokens": tokens,
+        "tokenized": tokenized,
+        "seconds": seconds,
+        "tokenized_per_s": tokenized / seconds,
+        "rss_after_tokenizer_mb": base,
+    }
 
 
 def measure_load(path: str) -> dict:
@@ -150,20 +158,34 @@ def child(args) -> None:
     import datasets
 
     datasets.disable_progress_bars()
-    what = {"baseline": lambda: measure_baseline(args.child_path),
-            "read": lambda: measure_read(args.child_path),
-            "stream": lambda: measure_stream(args.child_path, args.samples, args.max_length, args.batch_size),
-            "load": lambda: measure_load(args.child_path),
-            "cached": lambda: measure_cached(args.child_path, args.max_length),
-            "list": lambda: measure_list(args.child_path)}[args.child]
+    what = {
+        "baseline": lambda: measure_baseline(args.child_path),
+        "read": lambda: measure_read(args.child_path),
+        "stream": lambda: measure_stream(args.child_path, args.samples, args.max_length, args.batch_size),
+        "load": lambda: measure_load(args.child_path),
+        "cached": lambda: measure_cached(args.child_path, args.max_length),
+        "list": lambda: measure_list(args.child_path),
+    }[args.child]
     result = what()
     result["peak_rss_mb"] = peak_rss_mb()
     print(json.dumps(result))
 
 
 def run_child(kind: str, path: Path, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", kind, "--child-path", str(path), "--samples", str(args.samples),
-           "--max-length", str(args.max_length), "--batch-size", str(args.batch_size)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--child-path",
+        str(path),
+        "--samples",
+        str(args.samples),
+        "--max-length",
+        str(args.max_length),
+        "--batch-size",
+        str(args.batch_size),
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
     return json.loads(out.stdout.strip().splitlines()[-1])
 

@@ -17,6 +17,7 @@ Writes WORK/greedy-<N>x<T>.json (the continuations, reused by later runs), WORK/
 WORK/bench-80.md (the table: tau, acceptance per chain position, drafting ms per round) and, with
 the study's WORK/study.json, WORK/bench-80.png (tau against training minutes per kind).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,14 @@ def cached_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, 
         cached = json.loads(path.read_text())
         if cached["settings"] == key:
             return cached["continuations"]
-    out = greedy_continuations(loaded.model, prompts, max_new_tokens, eos_token_ids(loaded.model, loaded.tokenizer),
-                               batch_size, on_batch=lambda done: print(f"[greedy] {done}/{len(prompts)} prompts", flush=True))
+    out = greedy_continuations(
+        loaded.model,
+        prompts,
+        max_new_tokens,
+        eos_token_ids(loaded.model, loaded.tokenizer),
+        batch_size,
+        on_batch=lambda done: print(f"[greedy] {done}/{len(prompts)} prompts", flush=True),
+    )
     path.write_text(json.dumps({"settings": key, "continuations": out}) + "\n")
     return out
 
@@ -75,17 +82,25 @@ def main(argv=None) -> int:
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
     drafters = {}
     if args.shipped:
-        drafters[SHIPPED], _ = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer,
-                                          num_draft=args.chain, depth=args.chain, top_k=1, lookup_nodes=0,
-                                          lookup_streak=0)
+        drafters[SHIPPED], _ = load_heads(
+            default_head_path("smollm2-135m"),
+            loaded.model,
+            loaded.tokenizer,
+            num_draft=args.chain,
+            depth=args.chain,
+            top_k=1,
+            lookup_nodes=0,
+            lookup_streak=0,
+        )
     for kind, path in heads.items():
         drafter, target = load_heads(path, loaded.model, loaded.tokenizer)
         if target is not loaded.model:  # Medusa-2 adapts the target: its greedy output is another model's
             raise SystemExit(f"{kind}: its head changes the target (LoRA); replay it against its own target")
         drafters[kind] = drafter
     prompts = [encode_chat(loaded.tokenizer, prompt) for prompt in load_prompts("mt-bench", args.prompts)]
-    continuations = cached_continuations(loaded, prompts, args.max_new_tokens, args.batch_size,
-                                         work / f"greedy-{args.prompts}x{args.max_new_tokens}.json")
+    continuations = cached_continuations(
+        loaded, prompts, args.max_new_tokens, args.batch_size, work / f"greedy-{args.prompts}x{args.max_new_tokens}.json"
+    )
     sequences = [torch.cat([p, torch.tensor([c])], dim=1) for p, c in zip(prompts, continuations) if c]
     starts = [p.shape[1] for p, c in zip(prompts, continuations) if c]
     features = [kept_hidden_states(loaded.model, s, drafters.values()) for s in tqdm(sequences, desc="features")]
@@ -95,9 +110,16 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         for sequence, prompt_len, hidden in tqdm(list(zip(sequences, starts, features)), desc=name, unit="prompt"):
             accepted += replay_greedy(drafter, sequence, prompt_len, hidden)
-        rows.append({"head": name, "tau": tau_of(accepted), "rounds": len(accepted), "tokens": sum(accepted),
-                     "acceptance": per_position_acceptance(accepted, args.chain),
-                     "draft_ms_per_round": 1000 * (time.perf_counter() - start) / len(accepted)})
+        rows.append(
+            {
+                "head": name,
+                "tau": tau_of(accepted),
+                "rounds": len(accepted),
+                "tokens": sum(accepted),
+                "acceptance": per_position_acceptance(accepted, args.chain),
+                "draft_ms_per_round": 1000 * (time.perf_counter() - start) / len(accepted),
+            }
+        )
         (work / "bench-80.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1) + "\n")
         table = markdown(rows, args)
         (work / "bench-80.md").write_text(table + "\n")
@@ -127,8 +149,7 @@ def plot(study: list[dict], rows: list[dict], path: Path, args) -> None:
         ax.axhline(tau[SHIPPED], linestyle="--", color="gray", label=f"{SHIPPED}: {tau[SHIPPED]:.2f}")
     ax.set_xlabel("training minutes (2 CPU threads)")
     ax.set_ylabel("tau")
-    ax.set_title(f"tau per CPU-minute; stars: {args.prompts} MT-bench prompts x {args.max_new_tokens}, "
-                 f"chain of {args.chain} (replayed)", fontsize=9)
+    ax.set_title(f"tau per CPU-minute; stars: {args.prompts} MT-bench prompts x {args.max_new_tokens}, chain of {args.chain} (replayed)", fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -136,10 +157,13 @@ def plot(study: list[dict], rows: list[dict], path: Path, args) -> None:
 
 
 def markdown(rows: list[dict], args) -> str:
-    lines = [f"{args.prompts} MT-bench first turns x {args.max_new_tokens} tokens, float32, a chain of {args.chain} "
-             f"drafts, greedy rounds replayed on the target's own continuations ({rows[0]['tokens']} tokens).", "",
-             "| head | tau | acceptance per position | rounds | drafting ms per round |",
-             "| --- | ---: | --- | ---: | ---: |"]
+    lines = [
+        f"{args.prompts} MT-bench first turns x {args.max_new_tokens} tokens, float32, a chain of {args.chain} "
+        f"drafts, greedy rounds replayed on the target's own continuations ({rows[0]['tokens']} tokens).",
+        "",
+        "| head | tau | acceptance per position | rounds | drafting ms per round |",
+        "| --- | ---: | --- | ---: | ---: |",
+    ]
     for r in rows:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance"])
         lines.append(f"| {r['head']} | {r['tau']:.2f} | {acc} | {r['rounds']} | {r['draft_ms_per_round']:.1f} |")

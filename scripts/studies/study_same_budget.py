@@ -17,6 +17,7 @@ Writes WORK/study.json, WORK/study.md (the table) and WORK/study.png (held-out t
 training minutes per kind, with each kind's bench tau at its end). Nothing else should run meanwhile:
 the budget is wall-clock time on 2 threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,9 +59,20 @@ LR = 1.0e-3
 
 
 def train_overrides(work: Path, out: Path, threads: int) -> list[str]:
-    return ["data.source=json", f"data.path={work / 'mix.jsonl'}", "data.limit=null", "data.max_length=512",
-            "data.eval_size=48", f"features.path={work / 'features'}", f"threads={threads}", f"output_dir={out}",
-            "report_to=none", "epochs=null", f"lr={LR}", "replay.sequences=0"]
+    return [
+        "data.source=json",
+        f"data.path={work / 'mix.jsonl'}",
+        "data.limit=null",
+        "data.max_length=512",
+        "data.eval_size=48",
+        f"features.path={work / 'features'}",
+        f"threads={threads}",
+        f"output_dir={out}",
+        "report_to=none",
+        "epochs=null",
+        f"lr={LR}",
+        "replay.sequences=0",
+    ]
 
 
 def run(cmd: list, log: Path) -> float:
@@ -82,8 +94,10 @@ def pilot_s_step(name: str, preset: str, head: list[str], args) -> float:
     work = Path(args.work)
     pilot = work / f"{name}-pilot"
     common = ["--config", preset, *train_overrides(work, pilot, args.threads), *head]
-    run([BIN / "drafthead", "train", *common, "max_steps=4", "log_every=2", "eval_every=1000", "checkpoint_every=1000",
-         "warmup_steps=1"], work / f"{name}-pilot.log")
+    run(
+        [BIN / "drafthead", "train", *common, "max_steps=4", "log_every=2", "eval_every=1000", "checkpoint_every=1000", "warmup_steps=1"],
+        work / f"{name}-pilot.log",
+    )
     return [r["s_step"] for r in metrics(pilot) if r.get("split") == "train"][-1]  # the second window: warm
 
 
@@ -97,8 +111,7 @@ def study_kind(kind: str, args) -> dict:
     if any(h.startswith("head.ttt_ramp=") and float(h.split("=", 1)[1]) > 0 for h in head):
         # progressive TTT: depth d (1..3) takes RAMP / 3 of the steps, the whole unroll the rest; a
         # depth-1 pilot and linear interpolation price the ramp, so the budget buys its extra steps
-        s_one = pilot_s_step(f"{kind}-depth1", preset, [h for h in fixed if not h.startswith("head.ttt_steps")]
-                             + ["head.ttt_steps=1"], args)
+        s_one = pilot_s_step(f"{kind}-depth1", preset, [h for h in fixed if not h.startswith("head.ttt_steps")] + ["head.ttt_steps=1"], args)
         s_step = RAMP / 3 * (s_one + (s_one + s_step) / 2 + s_step) + (1 - RAMP) * s_step
     return study_steps(kind, preset, head, max(4, int(args.minutes * 60 / s_step)), s_step, args)
 
@@ -109,9 +122,23 @@ def study_steps(kind: str, preset: str, head: list[str], steps: int, s_step: flo
     work = Path(args.work)
     out = work / kind
     every = max(1, steps // 4)
-    train_s = run([BIN / "drafthead", "train", "--config", preset, *train_overrides(work, out, args.threads), *head,
-                   f"max_steps={steps}", f"warmup_steps={max(1, steps // 10)}", f"eval_every={every}",
-                   f"checkpoint_every={steps}", "log_every=5", "eval_batches=12"], work / f"{kind}-train.log")
+    train_s = run(
+        [
+            BIN / "drafthead",
+            "train",
+            "--config",
+            preset,
+            *train_overrides(work, out, args.threads),
+            *head,
+            f"max_steps={steps}",
+            f"warmup_steps={max(1, steps // 10)}",
+            f"eval_every={every}",
+            f"checkpoint_every={steps}",
+            "log_every=5",
+            "eval_batches=12",
+        ],
+        work / f"{kind}-train.log",
+    )
     rows = metrics(out)
     evals = [r for r in rows if r.get("split") == "eval"]
     if s_step is None:
@@ -121,19 +148,45 @@ def study_steps(kind: str, preset: str, head: list[str], steps: int, s_step: flo
 
     (final / "drafting.json").write_text(json.dumps(chain_settings(preset, args.chain)) + "\n")
     bench = work / f"{kind}-bench.json"
-    run([BIN / "drafthead", "bench", "--head", final, "--dtype", "float32", "--threads", args.threads,
-         "--limit", args.prompts, "--max-new-tokens", args.max_new_tokens, "--lookup-nodes", 0,
-         "--no-progress", "--out", bench], work / f"{kind}-bench.log")
+    run(
+        [
+            BIN / "drafthead",
+            "bench",
+            "--head",
+            final,
+            "--dtype",
+            "float32",
+            "--threads",
+            args.threads,
+            "--limit",
+            args.prompts,
+            "--max-new-tokens",
+            args.max_new_tokens,
+            "--lookup-nodes",
+            0,
+            "--no-progress",
+            "--out",
+            bench,
+        ],
+        work / f"{kind}-bench.log",
+    )
     report = json.loads(bench.read_text())
     last = evals[-1] if evals else {}
     accs = [last[f"acc_{i}"] for i in range(8) if f"acc_{i}" in last]
     return {
-        "kind": kind, "steps": steps, "s_step": s_step, "train_minutes": train_s / 60,
+        "kind": kind,
+        "steps": steps,
+        "s_step": s_step,
+        "train_minutes": train_s / 60,
         "eval_curve": [(e["step"] * s_step / 60, e.get("tau_est")) for e in evals],
-        "eval_acc": accs, "eval_tau_est": last.get("tau_est"),
-        "bench_tau": report["tau"], "bench_acceptance": report["per_position_acceptance"][: args.chain],
-        "tokens_per_s": report["tokens_per_s"], "baseline_tokens_per_s": report["baseline_tokens_per_s"],
-        "speedup": report["speedup"], "identical_fraction": report["identical_fraction"],
+        "eval_acc": accs,
+        "eval_tau_est": last.get("tau_est"),
+        "bench_tau": report["tau"],
+        "bench_acceptance": report["per_position_acceptance"][: args.chain],
+        "tokens_per_s": report["tokens_per_s"],
+        "baseline_tokens_per_s": report["baseline_tokens_per_s"],
+        "speedup": report["speedup"],
+        "identical_fraction": report["identical_fraction"],
         "draft_share": report["profile"]["fractions"].get("draft"),
         **(confidence_bench(kind, final, args) if preset == "dspark" else {}),
     }
@@ -143,7 +196,7 @@ def confidence_bench(kind: str, final: Path, args) -> dict:
     """A DSpark head's bench with the confidence head sizing each round (`--sizing confidence`):
     tau, tokens/s and the mean number of drafts it verified, on torch and on the llama.cpp backend
     where `make llamacpp` built it."""
-    from drafthead.heads.io import read_json
+    from drafthead.heads.files import read_json
     from drafthead.inference.drafters.load import chain_settings
 
     block = read_json(final / "config.json")["config"]["block_size"]  # every slot a candidate: the whole block
@@ -152,34 +205,63 @@ def confidence_bench(kind: str, final: Path, args) -> dict:
     for backend in ("torch", "llama.cpp"):
         bench = Path(args.work) / f"{kind}-confidence-{backend}.json"
         try:
-            run([BIN / "drafthead", "bench", "--head", final, "--dtype", "float32", "--threads", args.threads,
-                 "--limit", args.prompts, "--max-new-tokens", args.max_new_tokens, "--lookup-nodes", 0,
-                 "--sizing", "confidence", "--backend", backend, "--no-progress", "--out", bench],
-                Path(args.work) / f"{kind}-confidence-{backend}.log")
+            run(
+                [
+                    BIN / "drafthead",
+                    "bench",
+                    "--head",
+                    final,
+                    "--dtype",
+                    "float32",
+                    "--threads",
+                    args.threads,
+                    "--limit",
+                    args.prompts,
+                    "--max-new-tokens",
+                    args.max_new_tokens,
+                    "--lookup-nodes",
+                    0,
+                    "--sizing",
+                    "confidence",
+                    "--backend",
+                    backend,
+                    "--no-progress",
+                    "--out",
+                    bench,
+                ],
+                Path(args.work) / f"{kind}-confidence-{backend}.log",
+            )
         except SystemExit as e:
             out[f"confidence_{backend}"] = {"error": str(e)[:300]}
             continue
         report = json.loads(bench.read_text())
         drafted = [d for p in report["prompts"] for d in p["drafted"]]
-        out[f"confidence_{backend}"] = {"tau": report["tau"], "tokens_per_s": report["tokens_per_s"],
-                                        "baseline_tokens_per_s": report["baseline_tokens_per_s"],
-                                        "mean_verified_drafts": sum(drafted) / max(len(drafted), 1),
-                                        "identical_fraction": report["identical_fraction"]}
+        out[f"confidence_{backend}"] = {
+            "tau": report["tau"],
+            "tokens_per_s": report["tokens_per_s"],
+            "baseline_tokens_per_s": report["baseline_tokens_per_s"],
+            "mean_verified_drafts": sum(drafted) / max(len(drafted), 1),
+            "identical_fraction": report["identical_fraction"],
+        }
     return out
 
 
 def table(results: list[dict], args) -> str:
     budget = "steps" if args.steps else f"steps in {args.minutes:g} min"
-    lines = [f"| head | {budget} | held-out acc per depth | held-out tau_est | bench tau (chain "
-             f"{args.chain}) | acceptance per position | tokens/s (plain) | draft share |",
-             "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
+    lines = [
+        f"| head | {budget} | held-out acc per depth | held-out tau_est | bench tau (chain "
+        f"{args.chain}) | acceptance per position | tokens/s (plain) | draft share |",
+        "| --- | ---: | --- | ---: | ---: | --- | ---: | ---: |",
+    ]
     for r in results:
         accs = ", ".join(f"{a:.2f}" for a in r["eval_acc"])
         acc_pos = ", ".join(f"{a:.2f}" for a in r["bench_acceptance"])
         share = "-" if r["draft_share"] is None else f"{r['draft_share']:.0%}"
-        lines.append(f"| {r['kind']} | {r['steps']} ({r['s_step']:.1f} s/step) | {accs} | {r['eval_tau_est']:.2f} | "
-                     f"{r['bench_tau']:.2f} | {acc_pos} | {r['tokens_per_s']:.1f} ({r['baseline_tokens_per_s']:.1f}) | "
-                     f"{share} |")
+        lines.append(
+            f"| {r['kind']} | {r['steps']} ({r['s_step']:.1f} s/step) | {accs} | {r['eval_tau_est']:.2f} | "
+            f"{r['bench_tau']:.2f} | {acc_pos} | {r['tokens_per_s']:.1f} ({r['baseline_tokens_per_s']:.1f}) | "
+            f"{share} |"
+        )
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ replayed on it (inference/bench/replay.py): a chain of 3 counted as our engine a
 and the head's default tree. SmolLM2-135M's context is 8,192 positions, so prompt + answer stay
 within it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,14 +31,21 @@ def plot(rows: list[dict], path: str, chain: int) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     x = [sum(r["prompt_tokens"]) / len(r["prompt_tokens"]) for r in rows]
-    for key, label in (("tree_tau", "its default tree (no lookup nodes)"), ("chain_tau", f"chain of {chain}"),
-                       ("chain_vllm_tau", f"chain of {chain}, counted as vLLM")):
+    for key, label in (
+        ("tree_tau", "its default tree (no lookup nodes)"),
+        ("chain_tau", f"chain of {chain}"),
+        ("chain_vllm_tau", f"chain of {chain}, counted as vLLM"),
+    ):
         ax.plot(x, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log")
     ax.minorticks_off()
     ax.set_xticks(x, [f"{v / 1024:.1f}K" for v in x])
-    ax.set(xlabel="prompt tokens (mean of each length's prompts)", ylabel="tau (tokens per round)",
-           title="shipped SmolLM2 EAGLE-3 head (trained at 2K), long ShareGPT prompts", ylim=(1.0, None))
+    ax.set(
+        xlabel="prompt tokens (mean of each length's prompts)",
+        ylabel="tau (tokens per round)",
+        title="shipped SmolLM2 EAGLE-3 head (trained at 2K), long ShareGPT prompts",
+        ylim=(1.0, None),
+    )
     ax.title.set_fontsize(10)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -63,8 +71,7 @@ def main(argv=None) -> int:
 
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.bench.prompts import Prompt, encode_chat
-    from drafthead.inference.bench.replay import (DRAFTHEAD, VLLM, greedy_continuations, kept_hidden_states,
-                                                  replay_greedy, tokens_past_end)
+    from drafthead.inference.bench.replay import DRAFTHEAD, VLLM, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
     from drafthead.inference.bench.run import per_position_acceptance, tau_of
     from drafthead.inference.engine.targets import eos_token_ids, load_target
     from drafthead.train.long_prompts import long_chats
@@ -73,17 +80,14 @@ def main(argv=None) -> int:
 
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
     head = default_head_path("smollm2-135m")
-    chain, _ = load_heads(head, loaded.model, loaded.tokenizer, num_draft=args.chain, depth=args.chain, top_k=1,
-                          lookup_nodes=0, lookup_streak=0)
+    chain, _ = load_heads(head, loaded.model, loaded.tokenizer, num_draft=args.chain, depth=args.chain, top_k=1, lookup_nodes=0, lookup_streak=0)
     tree, _ = load_heads(head, loaded.model, loaded.tokenizer, lookup_nodes=0, lookup_streak=0)
     conversations = iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt"))
     rows = []
     for length in args.lengths:
         chats = long_chats(conversations, loaded.tokenizer, length, args.count)  # the stream goes on: no chat twice
-        prompts = [encode_chat(loaded.tokenizer, Prompt(text=c["messages"][-1]["content"], messages=tuple(c["messages"])))
-                   for c in chats]
-        answers = greedy_continuations(loaded.model, prompts, args.max_new_tokens, eos_token_ids(loaded.model, loaded.tokenizer),
-                                       batch_size=2)
+        prompts = [encode_chat(loaded.tokenizer, Prompt(text=c["messages"][-1]["content"], messages=tuple(c["messages"]))) for c in chats]
+        answers = greedy_continuations(loaded.model, prompts, args.max_new_tokens, eos_token_ids(loaded.model, loaded.tokenizer), batch_size=2)
         counted = {"chain": [], "chain_vllm": [], "tree": []}
         sequences = [torch.cat([p, torch.tensor([a])], dim=1) for p, a in zip(prompts, answers)]
         past = tokens_past_end(loaded.model, sequences, args.chain, batch_size=2)
@@ -94,11 +98,14 @@ def main(argv=None) -> int:
             counted["chain"] += replay_greedy(chain, sequence, n, hidden, end, DRAFTHEAD)
             counted["chain_vllm"] += replay_greedy(chain, sequence, n, hidden, end, VLLM)
             counted["tree"] += replay_greedy(tree, sequence, n, hidden, end, DRAFTHEAD)
-        row = {"length": length, "prompt_tokens": [p.shape[1] for p in prompts],
-               "answer_tokens": [a.shape[1] - p.shape[1] for p, a in zip(prompts, sequences)],
-               **{f"{k}_tau": tau_of(v) for k, v in counted.items()},
-               "chain_acceptance": per_position_acceptance(counted["chain"], args.chain),
-               "chain_rounds": len(counted["chain"])}
+        row = {
+            "length": length,
+            "prompt_tokens": [p.shape[1] for p in prompts],
+            "answer_tokens": [a.shape[1] - p.shape[1] for p, a in zip(prompts, sequences)],
+            **{f"{k}_tau": tau_of(v) for k, v in counted.items()},
+            "chain_acceptance": per_position_acceptance(counted["chain"], args.chain),
+            "chain_rounds": len(counted["chain"]),
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
         Path(args.out).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1) + "\n")

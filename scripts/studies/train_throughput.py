@@ -8,6 +8,7 @@ Runs the same short EAGLE-3 run (SmolLM2 target, ShareGPT, online features) as o
 It reads each run's metrics.jsonl and prints tokens/s and the seconds per step of every phase
 (train/tracking.py PhaseClock). The first log window holds warm-up and is left out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,25 @@ def launch(name: str, processes: int, overrides: list[str], out: Path) -> Path:
     if processes == 1:
         cmd = [sys.executable, "-m", "drafthead", "train", *args, "threads=2"]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "drafthead", "train", *args, "threads=1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(processes),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "-m",
+            "drafthead",
+            "train",
+            *args,
+            "threads=1",
+        ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, env=env, check=True)
     return run_dir
@@ -58,10 +76,23 @@ def main() -> int:
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="more run config overrides")
     args = parser.parse_args()
     out = Path(args.out)
-    base = [args.config, "features.mode=online", f"mixed_precision='{args.precision}'", f"target_dtype={args.target_dtype}",
-            "data.source=sharegpt", "data.limit=400",
-            f"data.max_length={args.max_length}", f"batch_size={args.batch_size}", f"max_steps={args.steps}",
-            f"log_every={args.log_every}", "checkpoint_every=0", "eval_every=0", "data.eval_size=8", "report_to=none", *args.overrides]
+    base = [
+        args.config,
+        "features.mode=online",
+        f"mixed_precision='{args.precision}'",
+        f"target_dtype={args.target_dtype}",
+        "data.source=sharegpt",
+        "data.limit=400",
+        f"data.max_length={args.max_length}",
+        f"batch_size={args.batch_size}",
+        f"max_steps={args.steps}",
+        f"log_every={args.log_every}",
+        "checkpoint_every=0",
+        "eval_every=0",
+        "data.eval_size=8",
+        "report_to=none",
+        *args.overrides,
+    ]
     plans = {"1proc": (1, []), "ddp2": (2, ["parallelism=ddp"]), "fsdp2": (2, ["parallelism=fsdp"])}
     results = {}
     for name in args.runs.split(","):
