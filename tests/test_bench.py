@@ -9,20 +9,16 @@ import pytest
 
 from drafthead.drafters import make_drafter_factory
 from drafthead.inference.bench.run import (
-    CONTEXT_BUCKETS,
-    tau_by_context,
     BenchSettings,
-    acceptance_histogram,
     divergence_detail,
     first_difference,
     is_near_tie,
-    per_position_acceptance,
     repeated_ngrams,
     repetition_fraction,
     run_bench,
     speed_ceiling,
-    tau_of,
 )
+from drafthead.inference.engine.rounds import CONTEXT_BUCKETS, acceptance_histogram, per_position_acceptance, tau_by_context, tau_of
 from drafthead.inference.bench.prompts import Prompt
 from drafthead.inference.bench.report import format_table, plot_report, render_markdown
 from drafthead.inference.engine.sampling import SamplingConfig

@@ -38,7 +38,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..inference.bench.prompts import render_chat
+from ..inference.engine.chat import render_chat
 from .chat_format import decode_answer, stop_token_ids
 from .workshare import WorkShare, write_atomically
 

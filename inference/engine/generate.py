@@ -18,11 +18,12 @@ row that finishes leaves the batch (docs/trees.md "Batches").
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 
+from .clock import PhaseClock
+from .rounds import tau_of
 from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
 from .drafter import RootOnlyDrafter, RoundStats, TargetFeatures, fork_drafter
 from .policy import SpeculationPolicy, cut_tree
@@ -96,7 +97,7 @@ class GenerationResult:
     @property
     def tau(self) -> float:
         """Mean tokens emitted per target forward in decoding (the target's own token included)."""
-        return sum(self.accepted_lengths) / max(1, len(self.accepted_lengths))
+        return tau_of(self.accepted_lengths)
 
 
 @dataclass
@@ -161,23 +162,6 @@ def accept_tree(
     return tree_rejection_sample(tokens.cpu(), parents.cpu(), p.cpu(), None if q is None else q.cpu(), generator)
 
 
-class _Clock:
-    """Accumulates wall time per phase; synchronises the device first when profiling."""
-
-    def __init__(self, device: torch.device, exact: bool):
-        self.totals: dict[str, float] = defaultdict(float)
-        self.sync = exact and device.type == "cuda"
-        self.device = device
-        self.last = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        if self.sync:
-            torch.cuda.synchronize(self.device)
-        now = time.perf_counter()
-        self.totals[phase] += now - self.last
-        self.last = now
-
-
 @dataclass
 class _Row:
     """One sequence of a batch while it decodes."""
@@ -209,7 +193,7 @@ class _Decoding:
     decode: object  # token ids -> text for stop strings, or None
     on_tokens: object
     streamer: object
-    clock: _Clock
+    clock: PhaseClock
     max_len: int | None  # the context limit
     device: torch.device
 
@@ -316,7 +300,9 @@ def _decoding(backend, drafter, config: GenerationConfig, max_len: int | None, d
     rules = StopRules(tuple(config.eos_token_ids), tuple(config.stop_strings), config.max_new_tokens)
     decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-    return _Decoding(backend, config, want_hidden, generator, rules, decode, on_tokens, streamer, _Clock(device, config.profile), max_len, device)
+    return _Decoding(
+        backend, config, want_hidden, generator, rules, decode, on_tokens, streamer, PhaseClock(device, sync=config.profile), max_len, device
+    )
 
 
 def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_seconds: float) -> BatchGenerationResult:
@@ -333,9 +319,9 @@ def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_s
             for row in rows
         ],
         num_forwards=num_forwards,
-        timings=dict(run.clock.totals),
+        timings=dict(run.clock.seconds),
         prefill_seconds=prefill_seconds,
-        decode_seconds=sum(run.clock.totals.values()),
+        decode_seconds=sum(run.clock.seconds.values()),
         lossy=lossy,
     )
 

@@ -42,7 +42,7 @@ def main(argv=None) -> int:
 
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.bench.replay import DRAFTHEAD, VLLM, kept_hidden_states, replay_greedy, tokens_past_end
-    from drafthead.inference.bench.run import per_position_acceptance, tau_of
+    from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
     from drafthead.inference.engine.targets import load_target
 
     served = json.loads(Path(args.vllm).read_text())

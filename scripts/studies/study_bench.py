@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     from tqdm.auto import tqdm
 
     from drafthead.drafters import default_head_path, load_heads
-    from drafthead.inference.bench.run import per_position_acceptance, tau_of
+    from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
     from drafthead.inference.bench.replay import kept_hidden_states, replay_greedy
     from drafthead.inference.engine.targets import load_target

@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from drafthead.drafters import default_head_path, load_heads
     from drafthead.inference.bench.prompts import Prompt, encode_chat
     from drafthead.inference.bench.replay import DRAFTHEAD, VLLM, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
-    from drafthead.inference.bench.run import per_position_acceptance, tau_of
+    from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
     from drafthead.inference.engine.targets import eos_token_ids, load_target
     from drafthead.train.long_prompts import long_chats
     from drafthead.train.source_report import SourceReport
