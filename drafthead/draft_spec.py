@@ -11,7 +11,7 @@ drafter factory, the model to decode with, the verifier and the load policy.
                          probabilities, DSpark's confidence head); num_draft, when given, caps it
 
 A head folder's `drafting.json` gives the defaults the spec's unset fields keep
-(inference/drafters/heads.py).
+(inference/drafters/head_drafters.py).
 """
 
 from __future__ import annotations

@@ -583,7 +583,7 @@ class DSparkConfig(DFlashConfig):
 class HeadKind:
     """One head kind and what the rest of the code may ask of it, so that no caller compares kind
     names: the config class, the drafter family that drafts with it (a key of
-    inference/drafters/heads.py _DRAFTING_KEYS) and its capabilities."""
+    inference/drafters/head_drafters.py _DRAFTING_KEYS) and its capabilities."""
 
     name: str
     config: type

@@ -10,7 +10,7 @@ pending token x_{t+1} (the target's own, from h_t) and the k drafted before it:
 
 E is the target's frozen input embedding. W_in starts as [I, 0, ..., 0], so a fresh Hydra head is
 a fresh Medusa head; training is teacher-forced (the real tokens stand in for the drafts) under
-Medusa's loss, sum_k loss_decay**k * CE_k. Drafting (inference/drafters/heads.py HydraDrafter)
+Medusa's loss, sum_k loss_decay**k * CE_k. Drafting (inference/drafters/head_drafters.py HydraDrafter)
 grows a static tree depth by depth, each node's children read from its own path.
 """
 

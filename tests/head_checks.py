@@ -9,7 +9,7 @@ import torch
 from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
-from drafthead.inference.drafters.heads import EagleDrafter, HydraDrafter, MedusaDrafter
+from drafthead.inference.drafters.head_drafters import EagleDrafter, HydraDrafter, MedusaDrafter
 from drafthead.inference.drafters.merged import MergedDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.drafters.parallel import ParallelDrafter

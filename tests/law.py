@@ -96,7 +96,7 @@ def steered_case(case: str):
     drafts with (an EAGLE-3 tree plus prompt lookup), and the load policy over EAGLE-1's trees
     (injected costs on which drafting pays, so its rounds cut trees and draft)."""
     from drafthead.heads import build_head, make_config
-    from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
+    from drafthead.inference.drafters.head_drafters import EagleDrafter, MedusaDrafter
     from drafthead.inference.drafters.merged import MergedDrafter
     from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
     from tests.policy_checks import FLAT, InjectedCosts

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.drafters.heads import EagleDrafter
+from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.inference.engine.cost import CostCurve
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.policy import SpeculationPolicy

@@ -10,7 +10,7 @@ import torch
 
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.engine.cost import CostCurve, best_node_count, measure_verify_cost
-from drafthead.inference.drafters.heads import EagleDrafter
+from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.inference.drafters.load import load_head_drafter
 from drafthead.inference.drafters.merged import MergedDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate

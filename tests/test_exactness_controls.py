@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.drafters.heads import EagleDrafter, MedusaDrafter
+from drafthead.inference.drafters.head_drafters import EagleDrafter, MedusaDrafter
 from drafthead.inference.engine import generate as engine
 from drafthead.inference.engine import torch_target
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate

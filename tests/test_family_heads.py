@@ -30,7 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 from drafthead.heads.formats import consumer, export_head, formats_for
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.drafters.heads import EagleDrafter
+from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.train.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate
 from tests.head_checks import assert_greedy_equals_plain
 from tests.interop import FIXTURES as ROOT

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.drafters.heads import EagleDrafter, best_static_tree
+from drafthead.inference.drafters.head_drafters import EagleDrafter, best_static_tree
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.head_checks import KINDS, assert_drafts_match_recomputation, make_drafter, self_generated_batch, train_head
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm

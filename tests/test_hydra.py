@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from drafthead.heads.registry import build_head, make_config
-from drafthead.inference.drafters.heads import HydraDrafter, MedusaDrafter
+from drafthead.inference.drafters.head_drafters import HydraDrafter, MedusaDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.sampling import SamplingConfig
 from tests.tiny import left_padded, prompts_of

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from drafthead.inference.drafters.heads import EagleDrafter
+from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.inference.drafters.parallel import DFlashDrafter, ParallelDrafter
 from drafthead.inference.engine.drafter import DrafterBase, RootOnlyDrafter
 from drafthead.inference.engine.generate import GenerationConfig, generate_batch, speculative_generate
@@ -179,7 +179,7 @@ def test_the_widest_tree_fit_allows_still_verifies_after_rows_leave(smollm2):
     backend.start(prompts, (), False, 8)
     backend.select_rows([2], [prompts[2].numel() - 1])
     star = DraftTree(torch.full((1, 301), 11), torch.tensor([-1] + [0] * 300))
-    tree = backend.fit(star, 1)
+    tree = backend.cut_to_capacity(star, 1)
     assert 1 < tree.num_nodes < star.num_nodes
     logits = backend.verify([tree], [prompts[2].numel() - 1], False).logits
     assert logits.shape == (1, tree.num_nodes, backend.vocab_size)
@@ -211,7 +211,7 @@ def test_heads_on_the_final_normed_state_decode_exactly(smollm2, kind):
     so drafts are verified and mostly rejected) the greedy output is the backend's plain output,
     at batch 1 and in the ragged batch of 3."""
     from drafthead.heads.registry import build_head, make_config
-    from drafthead.inference.drafters.heads import HydraDrafter, MedusaDrafter
+    from drafthead.inference.drafters.head_drafters import HydraDrafter, MedusaDrafter
 
     loaded, backend, _, prompts = smollm2
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
-from drafthead.inference.drafters.heads import EagleDrafter
+from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.bench.prompts import encode_chat, load_prompts

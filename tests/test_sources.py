@@ -253,7 +253,7 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
     under which some rounds draft and some decode plainly."""
     from drafthead.inference.engine.policy import SpeculationPolicy
     from drafthead.heads.registry import build_head, make_config
-    from drafthead.inference.drafters.heads import EagleDrafter
+    from drafthead.inference.drafters.head_drafters import EagleDrafter
     from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
     from tests.tiny import tiny_causal_lm
 

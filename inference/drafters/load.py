@@ -10,7 +10,15 @@ from ...heads.config import head_kind
 from ...heads.registry import load_head
 from ..engine.cost import measure_verify_cost
 from ..kernels.target_linears import dispatch_linears
-from .heads import EagleDrafter, HydraDrafter, MedusaDrafter, check_drafting_keys, check_drafting_values, drafting_defaults, renamed_drafting_keys
+from .head_drafters import (
+    EagleDrafter,
+    HydraDrafter,
+    MedusaDrafter,
+    check_drafting_keys,
+    check_drafting_values,
+    drafting_defaults,
+    renamed_drafting_keys,
+)
 from .merged import MergedDrafter
 from .parallel import DFlashDrafter, DSparkDrafter, ParallelDrafter
 from .prompt_lookup import PromptLookupDrafter

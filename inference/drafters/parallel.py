@@ -30,7 +30,7 @@ import torch
 from ..engine.cost import best_node_count, sync_device
 from ..engine.drafter import TargetFeatures
 from ..engine.tree import DraftTree, best_first, chain_choices, select_top_nodes
-from .heads import EagleDrafter, FeatureBuffer, draft_ids_of, static_tree_drafts, static_tree_shape
+from .head_drafters import EagleDrafter, FeatureBuffer, draft_ids_of, static_tree_drafts, static_tree_shape
 
 
 class StaticTreeMixin:

@@ -384,7 +384,7 @@ def _decode(run: _Decoding, active: list[_Row]) -> int:
         if policy is not None and drafting:
             keep = policy.cut([tree for tree, _ in drafts])
             drafts = [(cut_tree(tree, keep), kept_nodes) for tree, kept_nodes in drafts]
-        drafts = [(backend.fit(tree, len(active)), kept_nodes) for tree, kept_nodes in drafts]
+        drafts = [(backend.cut_to_capacity(tree, len(active)), kept_nodes) for tree, kept_nodes in drafts]
         draft_seconds = time.perf_counter() - round_start
         clock.lap("draft")
 

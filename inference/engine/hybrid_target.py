@@ -4,10 +4,10 @@ Nemotron-H, Falcon-H1, Jamba, Bamba, LFM2, OLMo hybrid; docs/trees.md "Hybrid ta
 
 The same five steps as TorchTarget, with three differences:
 
-    start    prefills row by row: right padding would run into a short row's recurrent state
-    fit      cuts each tree to a chain (its first child at every depth): one state per row
-    verify   records the states the chain passes through (recurrent.py), so that `keep` sets
-             each row to the state after its own accepted count
+    start            prefills row by row: right padding would run into a short row's recurrent state
+    cut_to_capacity  cuts each tree to a chain (its first child at every depth): one state per row
+    verify           records the states the chain passes through (recurrent.py), so that `keep`
+                     sets each row to the state after its own accepted count
 
 The attention layers' K/V are kept exactly as TorchTarget keeps them (cache.py).
 """
@@ -62,7 +62,7 @@ class HybridTarget(TorchTarget):
             for i in range(len(like))
         )
 
-    def fit(self, tree: DraftTree, rows: int) -> DraftTree:
+    def cut_to_capacity(self, tree: DraftTree, rows: int) -> DraftTree:
         """The tree's chain through every depth's first child: a recurrent state follows one path."""
         return tree.subtree(first_chain(tree.parents))
 

@@ -2,13 +2,13 @@
 five steps as the llama.cpp backend (inference/llamacpp/target.py), which is what the decode
 loop (inference/engine/generate.py) calls:
 
-    start(prompts)          prefill every prompt but its last token; the drafters' features
-    fit(tree, rows)         the tree cut to what the cache has room for
-    verify(trees, lengths)  one forward over every row's tree -> Verification
-    keep(paths, lengths)    keep each row's accepted nodes, drop the rest
-    select_rows(keep, ...)  rows that finished leave the cache
-    discard(length)         forget the last trees and every position from `length` on (row 0):
-                            what timing a forward needs after each try (cost.py)
+    start(prompts)               prefill every prompt but its last token; the drafters' features
+    cut_to_capacity(tree, rows)  the tree cut to what the cache has room for
+    verify(trees, lengths)       one forward over every row's tree -> Verification
+    keep(paths, lengths)         keep each row's accepted nodes, drop the rest
+    select_rows(keep, ...)       rows that finished leave the cache
+    discard(length)              forget the last trees and every position from `length` on (row 0):
+                                 what timing a forward needs after each try (cost.py)
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class TorchTarget:
             )
         return with_deepstack(out.hidden_states, deepstack)
 
-    def fit(self, tree: DraftTree, rows: int) -> DraftTree:
+    def cut_to_capacity(self, tree: DraftTree, rows: int) -> DraftTree:
         """A static cache has room for one tree of capacity - slots nodes (TREE_ROOM at the least):
         a bigger tree keeps its first nodes, as the policy's cut does."""
         if self.static is None:

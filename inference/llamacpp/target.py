@@ -150,7 +150,7 @@ class LlamaCppTarget:
                 out[layer][b, :n] = hidden[layer][0]
         return out
 
-    def fit(self, tree: DraftTree, rows: int) -> DraftTree:
+    def cut_to_capacity(self, tree: DraftTree, rows: int) -> DraftTree:
         """The tree cut to the leaves a row may use this round (each leaf is a sequence)."""
         allowance = (MAX_SEQUENCES - self._first_leaf) // max(1, rows)
         return cut_tree(tree, nodes_within(tree.parents.tolist(), allowance))
@@ -198,7 +198,7 @@ class LlamaCppTarget:
         else:
             seqs = list(range(next_leaf, next_leaf + n_leaves))
             if next_leaf + n_leaves > MAX_SEQUENCES:
-                raise LlamaCppError(f"{n_leaves} leaves do not fit the {MAX_SEQUENCES} sequences (use fit())")
+                raise LlamaCppError(f"{n_leaves} leaves do not fit the {MAX_SEQUENCES} sequences (use cut_to_capacity())")
             next_leaf += n_leaves
             for s in seqs:
                 self.lib.llama_memory_seq_cp(self.memory, row_seq, s, -1, -1)
