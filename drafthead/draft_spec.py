@@ -51,6 +51,7 @@ class DraftSpec:
     sizing: str | None = None  # SIZINGS; None: a head folder's drafting.json, else fixed
     depth: int | None = None  # EAGLE heads: draft steps per round
     branch: int | None = None  # EAGLE heads: children expanded per node and step
+    chain: int | None = None  # heads: a chain of `chain` top-1 drafts a round instead of the head's tree
     lookup_nodes: int | None = None  # heads: prompt-lookup nodes merged into each tree (0: off)
     lookup_streak: int | None = None  # prompt lookup: length of the draft after a wholly accepted one (0: off)
     backend: str = "torch"  # BACKENDS: the verifier's forward
@@ -64,7 +65,7 @@ class DraftSpec:
             raise ValueError(f"unknown sizing '{self.sizing}': use one of {', '.join(SIZINGS)}")
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend '{self.backend}': use one of {', '.join(BACKENDS)}")
-        for name, low in (("num_draft", 1), ("depth", 1), ("branch", 1), ("lookup_nodes", 0), ("lookup_streak", 0)):
+        for name, low in (("num_draft", 1), ("depth", 1), ("branch", 1), ("chain", 1), ("lookup_nodes", 0), ("lookup_streak", 0)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"--{name.replace('_', '-')} must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, got {value!r}")
@@ -72,7 +73,11 @@ class DraftSpec:
             raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks, not {self.proposer} drafts")
         if self.proposer == "draft-model" and self.draft_model is None:
             raise ValueError("--proposer draft-model needs --draft-model NAME")
-        heads_only = [name for name in ("depth", "branch", "lookup_nodes") if getattr(self, name) is not None]
+        if self.chain is not None and (self.num_draft, self.depth, self.branch) != (None, None, None):
+            raise ValueError("--chain K drafts K nodes a round, a chain: it takes no --num-draft, --tree-depth or --tree-branch")
+        if self.chain is not None and self.sizing == "confidence":
+            raise ValueError("--chain K is a fixed chain: it cannot be sized by the drafter's confidence")
+        heads_only = [name for name in ("depth", "branch", "chain", "lookup_nodes") if getattr(self, name) is not None]
         if heads_only and self.proposer not in (None, "heads"):
             raise ValueError(f"--{heads_only[0].replace('_', '-')} is a head drafter's setting, not {self.proposer}'s")
 
@@ -95,6 +100,7 @@ class DraftSpec:
             sizing=sizing,
             depth=getattr(args, "tree_depth", None),
             branch=getattr(args, "tree_branch", None),
+            chain=getattr(args, "chain", None),
             lookup_nodes=getattr(args, "lookup_nodes", None),
             lookup_streak=getattr(args, "lookup_streak", None),
             backend=getattr(args, "backend", "torch"),
@@ -138,6 +144,7 @@ class DraftSpec:
                 "num_draft": self.num_draft,
                 "depth": self.depth,
                 "top_k": self.branch,
+                "chain": self.chain,
                 "lookup_nodes": self.lookup_nodes,
                 "lookup_streak": self.lookup_streak,
             }

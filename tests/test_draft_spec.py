@@ -86,3 +86,24 @@ def test_data_regenerate_spells_sizing_the_same_way():
     assert sizing(num_draft="auto", sizing="policy") == "policy"
     with pytest.raises(ValueError, match="contradicts"):
         sizing(num_draft="whole", sizing="policy")
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa1"])
+def test_a_chain_replaces_the_heads_tree_in_its_drafters_terms(tmp_path, kind):
+    """`--chain K` (what vLLM and SGLang serve): K top-1 drafts a round, whatever drafting.json's
+    tree, written in each drafter family's own terms by the drafter layer's one chain translation."""
+    import json
+
+    from drafthead.heads.registry import build_head, make_config
+
+    target = tiny_causal_lm("llama", layers=2)
+    folder = build_head(make_config(kind, target, None, name="tiny"), target).save_pretrained(tmp_path / kind)
+    (folder / "drafting.json").write_text(json.dumps({"num_draft": 9}))
+    loaded = SimpleNamespace(name="tiny", model=target, tokenizer=None)
+    drafter = DraftSpec(head=str(folder), chain=3, lookup_nodes=0).build(loaded, note=lambda line: None).factory()
+    shape = drafter.describe()
+    assert shape["num_draft"] == 3 and shape.get("depth", 3) == 3 and shape.get("top_k", 1) == 1  # 3 deep, one wide
+    with pytest.raises(ValueError, match="takes no --num-draft"):
+        DraftSpec(head=str(folder), chain=3, num_draft=4)
+    with pytest.raises(ValueError, match="fixed chain"):
+        DraftSpec(head=str(folder), chain=3, sizing="confidence")

@@ -162,6 +162,13 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
         "--tree-depth", type=_positive_int, default=None, metavar="D", help="EAGLE heads: draft steps per round (default: drafting.json, else 5)"
     )
     g.add_argument(
+        "--chain",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="heads: a chain of K top-1 drafts a round instead of the head's tree (what vLLM and SGLang serve)",
+    )
+    g.add_argument(
         "--tree-branch",
         type=_positive_int,
         default=None,

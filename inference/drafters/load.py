@@ -48,7 +48,8 @@ def chain_settings(kind: str, k: int) -> dict:
 def load_head_drafter(path, target_model, tokenizer, target_name: str | None = None, **options):
     """Load a head folder for `target_model` and wrap it in the matching drafter.
 
-    Options override the folder's `drafting.json`. lookup_nodes > 0 merges that many
+    Options override the folder's `drafting.json`. chain=k drafts a chain of k top-1 drafts a
+    round instead of the head's tree (`chain_settings`: what vLLM and SGLang serve). lookup_nodes > 0 merges that many
     prompt-lookup nodes into every tree (MergedDrafter): n-gram continuations catch the text a
     model repeats, where a head is least sure; lookup_streak > lookup_nodes lets a continuation
     that was wholly accepted come back that long next round (PromptLookupDrafter.streak_draft).
@@ -64,10 +65,15 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     kind = head_kind(head.kind)
     family = kind.family
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
+    chain = given.pop("chain", None)
     given = renamed_drafting_keys(given, family, f"{head.kind} drafter options")
     check_drafting_keys(given, family, f"{head.kind} drafter options")
     check_drafting_values(given, f"{head.kind} drafter options")
     settings = {**drafting_defaults(Path(path), family), **given}
+    if chain is not None:  # the chain replaces the tree drafting.json describes, and sizes nothing itself
+        for key in ("choices", "num_draft", "depth", "top_k", "sizing"):
+            settings.pop(key, None)
+        settings.update(chain_settings(head.kind, chain))
     lookup_nodes = settings.pop("lookup_nodes", 0)
     lookup_streak = settings.pop("lookup_streak", None)
     if settings.pop("sizing", "fixed") == "confidence":

@@ -89,8 +89,7 @@ def main() -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from drafthead.draft_spec import POLICY_TOKEN_COUNTS
-    from drafthead.drafters import default_head_path, load_heads
+    from drafthead.draft_spec import POLICY_TOKEN_COUNTS, DraftSpec
     from drafthead.inference.engine.drafter import RootOnlyDrafter
     from drafthead.inference.engine.cost import measure_verify_cost
     from drafthead.inference.engine.drafter import fork_drafter
@@ -107,7 +106,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads, round_weights=args.round_weights)
     model, tokenizer = loaded.model, loaded.tokenizer
-    drafter, _ = load_heads(default_head_path("smollm2-135m"), model, tokenizer)
+    drafter = DraftSpec(proposer="heads").build(loaded).factory()
     eos = list(eos_token_ids(model, tokenizer))
     prompts = load_prompts("mt-bench", args.prompts)
     encoded = [encode_chat(tokenizer, p) for p in prompts]

@@ -34,8 +34,7 @@ def main() -> int:
     parser.add_argument("--out", default="out/batch")
     args = parser.parse_args()
 
-    from drafthead.draft_spec import POLICY_TOKEN_COUNTS
-    from drafthead.drafters import default_head_path, load_heads
+    from drafthead.draft_spec import POLICY_TOKEN_COUNTS, DraftSpec
     from drafthead.inference.bench.batch import format_batch_table, run_batch_bench
     from drafthead.inference.bench.run import BenchSettings
     from drafthead.inference.engine.cost import measure_verify_cost
@@ -45,7 +44,8 @@ def main() -> int:
     from drafthead.inference.engine.targets import eos_token_ids, load_target
 
     loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads, round_weights=args.round_weights)
-    drafter, model = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)
+    shipped = DraftSpec(proposer="heads").build(loaded)
+    drafter, model = shipped.factory(), shipped.model
     policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
     curve = measure_verify_cost(model, POLICY_TOKEN_COUNTS, want_hidden=True)
     prompts = load_prompts("mt-bench", args.limit)

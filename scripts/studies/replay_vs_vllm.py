@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     from tqdm.auto import tqdm
 
-    from drafthead.drafters import default_head_path, load_heads
+    from drafthead.draft_spec import DraftSpec
     from drafthead.inference.bench.replay import DRAFTHEAD, VLLM, kept_hidden_states, replay_greedy, tokens_past_end
     from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
     from drafthead.inference.engine.targets import load_target
@@ -51,16 +51,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.vllm}: no per-request steps (rerun check_vllm.py, which records them)")
     chain = served["num_spec_tokens"]
     loaded = load_target(args.target, dtype=served["dtype"], threads=args.threads)
-    drafter, _ = load_heads(
-        args.head or default_head_path(args.target),
-        loaded.model,
-        loaded.tokenizer,
-        num_draft=chain,
-        depth=chain,
-        top_k=1,
-        lookup_nodes=0,
-        lookup_streak=0,
-    )
+    drafter = DraftSpec(proposer="heads", head=args.head, chain=chain, lookup_nodes=0, lookup_streak=0).build(loaded).factory()
     answers = [(torch.tensor([p + a]), len(p)) for p, a in zip(served["prompt_token_ids"], served["spec_token_ids"])]
     past = tokens_past_end(loaded.model, [s for s, _ in answers], chain)
     counted = {DRAFTHEAD.name: [], VLLM.name: []}

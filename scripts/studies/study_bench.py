@@ -68,7 +68,7 @@ def main(argv=None) -> int:
 
     from tqdm.auto import tqdm
 
-    from drafthead.drafters import default_head_path, load_heads
+    from drafthead.draft_spec import DraftSpec
     from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
     from drafthead.inference.bench.replay import kept_hidden_states, replay_greedy
@@ -82,21 +82,13 @@ def main(argv=None) -> int:
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
     drafters = {}
     if args.shipped:
-        drafters[SHIPPED], _ = load_heads(
-            default_head_path("smollm2-135m"),
-            loaded.model,
-            loaded.tokenizer,
-            num_draft=args.chain,
-            depth=args.chain,
-            top_k=1,
-            lookup_nodes=0,
-            lookup_streak=0,
-        )
+        shipped = DraftSpec(proposer="heads", chain=args.chain, lookup_nodes=0, lookup_streak=0)
+        drafters[SHIPPED] = shipped.build(loaded).factory()
     for kind, path in heads.items():
-        drafter, target = load_heads(path, loaded.model, loaded.tokenizer)
-        if target is not loaded.model:  # Medusa-2 adapts the target: its greedy output is another model's
+        drafting = DraftSpec(head=str(path)).build(loaded)
+        if drafting.model is not loaded.model:  # Medusa-2 adapts the target: its greedy output is another model's
             raise SystemExit(f"{kind}: its head changes the target (LoRA); replay it against its own target")
-        drafters[kind] = drafter
+        drafters[kind] = drafting.factory()
     prompts = [encode_chat(loaded.tokenizer, prompt) for prompt in load_prompts("mt-bench", args.prompts)]
     continuations = cached_continuations(
         loaded, prompts, args.max_new_tokens, args.batch_size, work / f"greedy-{args.prompts}x{args.max_new_tokens}.json"

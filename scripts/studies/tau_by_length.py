@@ -69,7 +69,7 @@ def main(argv=None) -> int:
 
     from tqdm.auto import tqdm
 
-    from drafthead.drafters import default_head_path, load_heads
+    from drafthead.draft_spec import DraftSpec
     from drafthead.inference.bench.prompts import Prompt, encode_chat
     from drafthead.inference.bench.replay import DRAFTHEAD, VLLM, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
     from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
@@ -79,9 +79,8 @@ def main(argv=None) -> int:
     from drafthead.train.sources import iter_conversations, sharegpt_path
 
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
-    head = default_head_path("smollm2-135m")
-    chain, _ = load_heads(head, loaded.model, loaded.tokenizer, num_draft=args.chain, depth=args.chain, top_k=1, lookup_nodes=0, lookup_streak=0)
-    tree, _ = load_heads(head, loaded.model, loaded.tokenizer, lookup_nodes=0, lookup_streak=0)
+    chain = DraftSpec(proposer="heads", chain=args.chain, lookup_nodes=0, lookup_streak=0).build(loaded).factory()
+    tree = DraftSpec(proposer="heads", lookup_nodes=0, lookup_streak=0).build(loaded).factory()
     conversations = iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt"))
     rows = []
     for length in args.lengths:
