@@ -30,6 +30,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from drafthead.train.tiny import build_tiny, tiny_sizes
+
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
@@ -255,18 +257,7 @@ def tiny_causal_lm(
     if family in MULTIMODAL:
         return MULTIMODAL[family](vocab=vocab, seed=seed, layers=layers, hidden=hidden, **overrides)
     config_cls, model_cls, extra = FAMILIES[family] if family in FAMILIES else _hybrid_family(family)
-    kwargs = dict(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=2,
-    )
+    kwargs = dict(tiny_sizes(vocab, hidden, layers, max_positions=256), bos_token_id=0, eos_token_id=1, pad_token_id=2)
     kwargs.update(extra)
     kwargs.update(overrides)
     attn = kwargs.pop("attn", attn)
@@ -277,10 +268,7 @@ def tiny_causal_lm(
         kwargs["layer_types"] = [recurrent if i % 2 == 0 else "full_attention" for i in range(layers)]
     elif kwargs.get("layer_types") == "alternate":  # sliding, full, sliding, ...: tests cross both kinds
         kwargs["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-    config = config_cls(**kwargs)
-    config._attn_implementation = attn
-    torch.manual_seed(seed)
-    return frozen_and_sharpened(model_cls(config).to(dtype))
+    return frozen_and_sharpened(build_tiny(config_cls, model_cls, seed=seed, attn=attn, **kwargs).to(dtype))
 
 
 def frozen_and_sharpened(model):
@@ -328,13 +316,7 @@ def tiny_gemma3_vlm(vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int
 
     ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, **ids}
     text = Gemma3TextConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        **tiny_sizes(vocab, hidden, layers, max_positions=256),
         head_dim=8,
         sliding_window=8,
         layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)],
@@ -343,7 +325,11 @@ def tiny_gemma3_vlm(vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int
         **ids,
     )
     vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
-    config = Gemma3Config(
+    model = build_tiny(
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        seed=seed,
+        attn="sdpa",
         text_config=text,
         vision_config=vision,
         mm_tokens_per_image=4,
@@ -352,9 +338,7 @@ def tiny_gemma3_vlm(vocab: int = 96, seed: int = 0, layers: int = 4, hidden: int
         eoi_token_index=vocab - 2,
         **ids,
     )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return frozen_and_sharpened(Gemma3ForConditionalGeneration(config))
+    return frozen_and_sharpened(model)
 
 
 # mrope_section splits head_dim / 2 = 4 rotary frequencies into (time, height, width): every
@@ -379,13 +363,7 @@ def tiny_qwen_vl(generation: str = "qwen2_5_vl", vocab: int = 96, seed: int = 0,
     prefix, vision_extra, text_extra = classes[generation]
     ids = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, **ids}
     text = getattr(transformers, f"{prefix}TextConfig")(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
+        **tiny_sizes(vocab, hidden, layers, max_positions=256),
         rope_parameters=dict(MROPE),
         **text_extra,
         **ids,
@@ -399,7 +377,11 @@ def tiny_qwen_vl(generation: str = "qwen2_5_vl", vocab: int = 96, seed: int = 0,
         out_hidden_size=hidden,
         **vision_extra,
     )
-    config = getattr(transformers, f"{prefix}Config")(
+    model = build_tiny(
+        getattr(transformers, f"{prefix}Config"),
+        getattr(transformers, f"{prefix}ForConditionalGeneration"),
+        seed=seed,
+        attn="sdpa",
         text_config=text,
         vision_config=vision,
         image_token_id=vocab - 1,
@@ -408,9 +390,7 @@ def tiny_qwen_vl(generation: str = "qwen2_5_vl", vocab: int = 96, seed: int = 0,
         vision_end_token_id=vocab - 3,
         **ids,
     )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    return frozen_and_sharpened(getattr(transformers, f"{prefix}ForConditionalGeneration")(config))
+    return frozen_and_sharpened(model)
 
 
 # multimodal targets, built by their own functions; tiny_causal_lm and the saved-folder fixtures

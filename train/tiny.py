@@ -69,26 +69,39 @@ def tiny_tokenizer(vocab_size: int = 320):
     return fast
 
 
-def tiny_target(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
-    """A random LlamaForCausalLM sized to `tokenizer` (fp32, eval mode)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+def tiny_sizes(vocab_size: int, hidden_size: int, num_layers: int, max_positions: int) -> dict:
+    """The config sizes every tiny target shares, whatever its family: 4 attention heads over 2 KV
+    heads and an MLP twice the hidden width."""
+    return dict(
+        vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        max_position_embeddings=max_positions,
     )
+
+
+def build_tiny(config_cls, model_cls, *, seed: int = 0, attn: str | None = None, **config_kwargs):
+    """A random `model_cls` of `config_cls(**config_kwargs)`, initialised from `seed` (eval mode):
+    the one place a tiny model is built, for `data tiny-target` and for the tests' families."""
+    import torch
+
+    config = config_cls(**config_kwargs)
+    if attn is not None:
+        config._attn_implementation = attn
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    return model_cls(config).eval()
+
+
+def tiny_target(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int = 0):
+    """A random LlamaForCausalLM sized to `tokenizer` (fp32, eval mode)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ids = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    sizes = tiny_sizes(len(tokenizer), hidden_size, num_layers, max_positions=1024)
+    return build_tiny(LlamaConfig, LlamaForCausalLM, seed=seed, tie_word_embeddings=True, **sizes, **ids)
 
 
 CHATS_FILE = "chats.jsonl"
