@@ -31,7 +31,7 @@ def estimate_tau(accs: Iterable[float]) -> float:
 def accuracies(metrics: Mapping[str, float]) -> list[float]:
     """[acc_0, acc_1, ...] from a metrics dict, in order of k (stops at the first gap)."""
     found = {int(m.group(1)): v for k, v in metrics.items() if (m := _ACC.match(k))}
-    out = []
+    out: list = []
     while len(out) in found:
         out.append(float(found[len(out)]))
     return out

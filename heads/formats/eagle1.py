@@ -100,7 +100,7 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
     copies = {}
     if "embed_tokens.weight" in state:
         copies["embed_tokens.weight"] = state.pop("embed_tokens.weight")
-    overrides = {"fc_bias": "fc.bias" in state}
+    overrides: dict[str, object] = {"fc_bias": "fc.bias" in state}
     if cfg.get("bias") is not None and bool(cfg["bias"]) != overrides["fc_bias"]:
         raise HeadFormatError(f"{src}: config says bias={cfg['bias']} but fc.bias is {'present' if overrides['fc_bias'] else 'absent'}")
     if "layers.0.input_layernorm.weight" in state:

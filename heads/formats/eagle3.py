@@ -111,7 +111,7 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
     if nested is not None and top is not None and list(nested) != list(top):
         raise HeadFormatError(f"{src}: eagle_config.{IDS_KEY}={nested} and top-level {IDS_KEY}={top} disagree")
     ids = nested if nested is not None else top
-    overrides = {
+    overrides: dict[str, object] = {
         "draft_vocab_size": int(cfg.get("draft_vocab_size", cfg.get("vocab_size"))),
         # absent flags: the readers' default (False in vLLM's, SGLang's and llama.cpp's research readers)
         **{f: bool(cfg.get(f, False)) for f in FLAGS},

@@ -91,7 +91,7 @@ def read(src: Path) -> ForeignHead:
         if key in state:
             state[key] = unpermute(state[key], n)
     copies = {k: state.pop(k) for k in ("embed_tokens.weight",) if k in state}
-    overrides = {
+    overrides: dict = {
         "aux_layers": tuple(int(i) for i in field("target_layers")),
         "draft_vocab_size": int(state["lm_head.weight"].shape[0]) if "lm_head.weight" in state else int(field("vocab_size")),
         "norm_before_residual": bool(field("norm_before_residual", False)),

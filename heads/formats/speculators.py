@@ -153,7 +153,7 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
             f"{src}: transformer_layer_config model_type {family!r}: speculators builds llama or "
             f"{', '.join(FAMILY_LAYER_FORMATS['speculators'])} draft layers"
         )
-    overrides = {
+    overrides: dict[str, object] = {
         "aux_layers": tuple(int(i) for i in ids),
         "draft_vocab_size": int(cfg.get("draft_vocab_size", layer.get("vocab_size"))),
         **{flag: bool(cfg.get(flag, False)) for flag in FLAGS},
@@ -173,7 +173,7 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
     copies = {k: theirs.pop(k) for k in ("embed_tokens.weight",) if k in theirs}
     ours = {(_PREFIX_OURS + k[len(_PREFIX_THEIRS) :] if k.startswith(_PREFIX_THEIRS) else k): v for k, v in theirs.items()}
     notes = [f"aux-layer ids {list(ids)} (speculators numbers them as vLLM does); " + ", ".join(f"{flag}={overrides[flag]}" for flag in FLAGS)]
-    skipped_rows = {}
+    skipped_rows: dict[str, tuple[int, ...]] = {}
     if model_type == "peagle":
         mask_id = cfg.get("mask_token_id")
         if not isinstance(mask_id, int) or "embed_tokens.weight" not in copies:

