@@ -40,9 +40,9 @@ def type_problems(cls, d: dict) -> list[str]:
         if f.name not in d or not isinstance(f.type, str):
             continue
         alternatives = [a.strip() for a in f.type.split("|")]
-        checks = [_CHECKS.get(a) for a in alternatives]
-        if any(c is None for c in checks):  # a form this module does not know (a nested config)
+        if not all(a in _CHECKS for a in alternatives):  # a form this module does not know (a nested config)
             continue
+        checks = [_CHECKS[a] for a in alternatives]
         v = d[f.name]
         if not any(fits(v) for fits, _ in checks):
             wanted = " or ".join(name for _, name in checks)

@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import yaml
 
@@ -383,7 +383,7 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(str(not_utf8(path, e))) from None
 
 
-def load_config(name_or_path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+def load_config(name_or_path: str | Path | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     data: dict = {}
     if name_or_path is not None:
         path = resolve_config_path(name_or_path)
@@ -454,7 +454,8 @@ def resume_changes(saved: dict, now: dict) -> tuple[list[str], list[str]]:
     with (`saved`) and this run's (`now`), as 'key: old -> new' lines, split by `may_change`.
     A field missing on one side counts as changed."""
     a, b = flatten(saved), flatten(now)
-    refused, applied = [], []
+    refused: list[str] = []
+    applied: list[str] = []
     for key in sorted(set(a) | set(b)):
         old, new = a.get(key, "<unset>"), b.get(key, "<unset>")
         if old != new:

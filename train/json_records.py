@@ -52,7 +52,7 @@ def iter_json_array(f: TextIO, report: SourceReport, name: str = "") -> Iterator
     i += 1
     while True:
         while True:  # separators may continue into the next chunk
-            i = _SEPARATOR.match(buf, i).end()
+            i = _SEPARATOR.match(buf, i).end()  # type: ignore[union-attr]  # [\s,]* matches everywhere
             if i < len(buf) or not read():
                 break
         if i >= len(buf):  # no closing bracket: cut between records

@@ -72,7 +72,7 @@ def collate_packed(samples: Sequence[dict[str, Any]], capacity: int, pad_token_i
     joined = []
     for row in rows:
         parts = [samples[i] for i in row]
-        sample = {key: torch.cat([torch.as_tensor(p[key]) for p in parts]) for key in ("input_ids", "loss_mask")}
+        sample: dict[str, Any] = {key: torch.cat([torch.as_tensor(p[key]) for p in parts]) for key in ("input_ids", "loss_mask")}
         if parts[0].get("hidden_states"):
             sample["hidden_states"] = {layer: torch.cat([p["hidden_states"][layer] for p in parts]) for layer in parts[0]["hidden_states"]}
         joined.append(sample)

@@ -11,7 +11,7 @@ not compute the same model (another template, weights or sampling).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -36,10 +36,10 @@ class Parting:
 class Comparison:
     answers: int = 0  # answers compared (in conversations that both files hold)
     identical: int = 0
-    partings: list[Parting] | None = None
+    partings: list[Parting] = field(default_factory=list)
 
     def summary(self) -> str:
-        gaps = [p.gap for p in self.partings or []]
+        gaps = [p.gap for p in self.partings]
         worst = f", largest gap at a parting {max(gaps):.4f}" if gaps else ""
         return f"{self.identical}/{self.answers} answers identical token for token{worst}"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -74,7 +74,7 @@ class ExportJob:
     config: object
     meta: dict
     state: dict[str, torch.Tensor]
-    target_model: object = None
+    target_model: Any = None
     dtype: torch.dtype | None = None
 
     def target_tensor(self, get) -> torch.Tensor | None:

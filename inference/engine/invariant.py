@@ -84,7 +84,8 @@ def _register() -> None:
 
 def _configs(model: nn.Module) -> list:
     """The model's config and every sub-config that names an attention implementation."""
-    found, stack = [], [model.config]
+    found: list = []
+    stack: list = [model.config]
     while stack:
         cfg = stack.pop()
         if cfg is None or any(cfg is c for c in found):

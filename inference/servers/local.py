@@ -56,7 +56,8 @@ def local_server(
     way out the process gets SIGTERM, and SIGKILL after `stop_within` seconds; on Linux it also gets
     SIGTERM when this process dies without reaching that point (a kill -9)."""
     port = free_port()
-    out = open(log, "w") if log else subprocess.DEVNULL
+    log_file = open(log, "w") if log else None
+    out = log_file if log_file is not None else subprocess.DEVNULL
     proc = subprocess.Popen(
         [str(c) for c in command(port)],
         stdout=out,
@@ -79,5 +80,5 @@ def local_server(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        if log:
-            out.close()
+        if log_file is not None:
+            log_file.close()
