@@ -33,7 +33,8 @@ class FeatureBatch:
     @property
     def positions(self) -> torch.Tensor:
         """[B, T] long: `position_ids`, or 0..T-1 in every row."""
-        return row_positions(self.position_ids, *self.input_ids.shape, device=self.input_ids.device)
+        batch, length = self.input_ids.shape
+        return row_positions(self.position_ids, batch, length, device=self.input_ids.device)
 
     @property
     def labels_ok(self) -> torch.Tensor:

@@ -11,6 +11,7 @@ import hashlib
 import json
 import warnings
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 from torch import nn
 
@@ -51,7 +52,7 @@ class TargetIdentity:
         return cls(**d)
 
 
-def text_config(model: nn.Module):
+def text_config(model: Any):  # a transformers model
     """The decoder's config (multimodal wrappers nest it; plain causal LMs return themselves)."""
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -77,7 +78,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def identify_target(model: nn.Module, tokenizer=None, name: str | None = None) -> TargetIdentity:
+def identify_target(model: Any, tokenizer=None, name: str | None = None) -> TargetIdentity:
     """The identity of a loaded target. tokenizer None leaves `tokenizer_sha` unrecorded."""
     cfg = text_config(model)
     lm_head = model.get_output_embeddings()
