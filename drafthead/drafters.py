@@ -72,7 +72,7 @@ def build_drafter(
         sampling = kw.pop("sampling", None) or SamplingConfig()
         return DraftModelDrafter(model, num_draft=4 if num_draft is None else num_draft, sampling=sampling, **kw)
     if proposer == "heads":
-        drafter, adapted = load_heads(head, target, tokenizer, num_draft=num_draft, **kw)
+        drafter, adapted = head_folder_drafter(head, target, tokenizer, num_draft=num_draft, **kw)
         if adapted is not target:
             raise DrafterError(
                 "this head adapts the target (Medusa-2 LoRA): use make_drafter_factory, which returns the adapted target to decode with"
@@ -90,7 +90,7 @@ def make_drafter_factory(proposer: str, target, tokenizer, **kw) -> tuple[Callab
     built once and reused, since `begin()` starts its state afresh for every sequence.
     """
     if proposer == "heads":
-        drafter, target = load_heads(kw.pop("head", None), target, tokenizer, **kw)
+        drafter, target = head_folder_drafter(kw.pop("head", None), target, tokenizer, **kw)
         return (lambda: drafter), target
     if proposer == "draft-model" and kw.get("draft_model") is not None:
         loaded = _draft_model(kw.pop("draft_model"), target, tokenizer, kw.pop("draft_tokenizer", None))
@@ -99,7 +99,9 @@ def make_drafter_factory(proposer: str, target, tokenizer, **kw) -> tuple[Callab
     return (lambda: build_drafter(proposer, target, tokenizer, **kw)), target
 
 
-def load_heads(head, target, tokenizer, *, num_draft: int | None = None, sizing: str | None = None, target_name: str | None = None, **options):
+def head_folder_drafter(
+    head, target, tokenizer, *, num_draft: int | None = None, sizing: str | None = None, target_name: str | None = None, **options
+):
     """(drafter, target) for a trained head folder; `num_draft` sets the draft nodes per round,
     `sizing` "confidence" lets an EAGLE or DSpark head size each round itself (None: drafting.json's)."""
     if head is None:

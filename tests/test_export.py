@@ -411,7 +411,7 @@ def test_cli_export_and_import(tmp_path, capsys, tiny_target_dir):
 def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     """--head accepts a published layout: read exactly, said so, and greedy output stays the target's."""
     from drafthead import GenerationConfig, speculative_generate
-    from drafthead.drafters import load_heads
+    from drafthead.drafters import head_folder_drafter
     from drafthead.inference.engine.targets import load_target
     from tests.tiny import plain_greedy, repetitive_prompt
 
@@ -419,7 +419,7 @@ def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     saved_head("eagle3", loaded.model, tmp_path / "h", draft_vocab_size=40)
     out = export_head(tmp_path / "h", tmp_path / "s", "speculators", target_model=loaded.model)
     strip_provenance(out)
-    drafter, target = load_heads(out, loaded.model, loaded.tokenizer, lookup_nodes=0)
+    drafter, target = head_folder_drafter(out, loaded.model, loaded.tokenizer, lookup_nodes=0)
     assert "is a speculators checkpoint" in capsys.readouterr().err
     prompt = repetitive_prompt(len(loaded.tokenizer))
     result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, eos_token_ids=()))
@@ -427,7 +427,7 @@ def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     research = export_head(tmp_path / "h", tmp_path / "v", "vllm")
     strip_provenance(research)
     with pytest.raises(HeadFormatError, match="drafthead import"):
-        load_heads(research, loaded.model, loaded.tokenizer)
+        head_folder_drafter(research, loaded.model, loaded.tokenizer)
 
 
 def test_eagle31_kind_exports_where_the_flags_are_read(tmp_path):

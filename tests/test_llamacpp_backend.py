@@ -26,7 +26,7 @@ pytestmark = pytest.mark.llamacpp
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from drafthead.drafters import default_head_path, load_heads
+    from drafthead.drafters import default_head_path, head_folder_drafter
     from drafthead.inference.llamacpp.convert import target_gguf
     from drafthead.inference.llamacpp.target import LlamaCppTarget
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
@@ -34,7 +34,7 @@ def smollm2():
 
     loaded = load_target("smollm2-135m", dtype="float32")
     backend = LlamaCppTarget(target_gguf(loaded.path, "f32"), loaded.model.config, threads=2)
-    drafter, _ = load_heads(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)
+    drafter, _ = head_folder_drafter(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)
     prompts = [encode_chat(loaded.tokenizer, p)[0] for p in load_prompts("mt-bench", 3)]
     return loaded, backend, drafter, prompts
 
