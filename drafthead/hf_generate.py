@@ -33,6 +33,24 @@ _UNSUPPORTED = (
     "negative_prompt_ids",
     "negative_prompt_attention_mask",
 )
+# the generation settings this loop honours; any other one a caller sets is refused, not ignored
+_HONOURED = frozenset(
+    {
+        "max_new_tokens",
+        "max_length",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "repetition_penalty",
+        "eos_token_id",
+        "pad_token_id",
+        "bos_token_id",
+        "num_beams",
+        "return_dict_in_generate",
+        "use_cache",
+    }
+)
 _DRAFTING = ("proposer", "draft_model", "num_draft", "sizing", "lookup_nodes", "lookup_streak", "depth", "branch")
 
 
@@ -53,7 +71,6 @@ def generate(
     from .draft_spec import DraftSpec
     from .inference.engine.generate import GenerationConfig, speculative_generate
     from .inference.engine.sampling import SamplingConfig
-    from .inference.engine.targets import eos_token_ids
 
     for name in _UNSUPPORTED:
         if kwargs.pop(name, None) is not None:
@@ -79,8 +96,8 @@ def generate(
         if config.do_sample
         else SamplingConfig(repetition_penalty=float(config.repetition_penalty or 1.0))
     )
-    eos = config.eos_token_id
-    eos = tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else eos_token_ids(model, tokenizer)
+    eos = config.eos_token_id  # the model's own unless the caller set it; None: no stopping token
+    eos = tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else ()
     name = Path(str(getattr(model.config, "_name_or_path", "") or "target")).name
     drafting = spec.build(SimpleNamespace(name=name, model=model, tokenizer=tokenizer), sampling=sampling, seed=seed, note=lambda line: None)
     result = speculative_generate(
@@ -106,11 +123,17 @@ def _generation_config(model, generation_config, kwargs: dict):
     generation keywords of `kwargs` applied; those keywords are taken out of `kwargs`."""
     import copy
 
+    from transformers import GenerationConfig as HFGenerationConfig
+
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     unused = config.update(**kwargs)
+    defaults = HFGenerationConfig()
     for key in list(kwargs):
-        if key not in unused:
-            del kwargs[key]
+        if key in unused:
+            continue
+        if key not in _HONOURED and kwargs[key] != getattr(defaults, key, None):
+            raise ValueError(f"drafthead's generate() does not honour {key}={kwargs[key]!r}: drop it, or call generate() without custom_generate")
+        del kwargs[key]
     if (config.num_beams or 1) > 1:
         raise ValueError("drafthead's generate() decodes one hypothesis per prompt: num_beams must be 1")
     if config.return_dict_in_generate:

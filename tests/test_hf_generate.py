@@ -56,6 +56,20 @@ def test_what_the_loop_cannot_honour_is_refused_in_one_line():
         ({"return_dict_in_generate": True}, "sequences only"),
         ({"frobnicate": 1}, "does not take frobnicate"),
         ({"sizing": "sometimes"}, "unknown sizing"),
+        ({"min_new_tokens": 8}, "does not honour min_new_tokens"),
+        ({"no_repeat_ngram_size": 3}, "does not honour no_repeat_ngram_size"),
     ):
         with pytest.raises(ValueError, match=message):
             target.generate(prompt, **HOOK, max_new_tokens=4, **kw)
+
+
+def test_a_stopping_token_stops_it_where_it_stops_transformers():
+    """eos_token_id given to generate(): the output ends at its first occurrence, as plain
+    generate()'s does (our loop stops at the same token; the model's own EOS is not added)."""
+    target = tiny_causal_lm("llama", layers=2)
+    prompt = repetitive_prompt(96, seed=5)
+    free = target.generate(prompt, do_sample=False, max_new_tokens=14, eos_token_id=None, pad_token_id=2)[0, prompt.shape[1] :]
+    stop = int(free[5])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=14, eos_token_id=stop, pad_token_id=2)
+    ours = target.generate(prompt, **HOOK, do_sample=False, max_new_tokens=14, eos_token_id=stop, pad_token_id=2, proposer="prompt-lookup")
+    assert ours.tolist() == plain.tolist() and ours.shape[1] <= prompt.shape[1] + 6

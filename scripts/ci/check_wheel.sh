@@ -28,4 +28,18 @@ drafthead train --config tiny-eagle3 target=tiny data.path=tiny/chats.jsonl outp
 drafthead export run/final --format ours --out exported
 drafthead export run/final --format vllm --out exported-vllm  # the README's first path reaches an engine layout
 drafthead generate --target tiny --proposer heads --head exported --prompt "hello" --max-new-tokens 8 --dtype float32
+# transformers' generate() with the wheel's custom_generate folder: the head drafts, the output is plain greedy's
+python - <<'PY'
+from transformers import AutoModelForCausalLM
+from drafthead.hf_generate import CUSTOM_GENERATE
+
+model = AutoModelForCausalLM.from_pretrained("tiny").eval()
+ids = model.generation_config.bos_token_id
+prompt = __import__("torch").tensor([[ids, 10, 11, 12, 10, 11]])
+plain = model.generate(prompt, do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+ours = model.generate(prompt, do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0,
+                      custom_generate=CUSTOM_GENERATE, trust_remote_code=True, draft_head="exported")
+assert ours.shape == (1, 14), ours.shape
+assert ours.tolist() == plain.tolist(), (ours.tolist(), plain.tolist())
+PY
 echo "wheel check: ok ($(basename "$WHEEL"))"
