@@ -83,6 +83,9 @@ def main(out: str, target: str, chats: str) -> None:
     )
     stream = {"data.streaming": "true", "data.shuffle_buffer": 8}  # 48 chats - 8 eval: 5 batches of 2 x 4 per epoch
     run_training(tiny_config(target, chats, out / "stream-ddp", max_steps=7, checkpoint_every=0, eval_every=7, **stream), say=lambda message: None)
+    from drafthead.train.workshare import end_process_group
+
+    end_process_group()  # as the CLI does: a group left to interpreter shutdown can abort a finished rank
 
 
 if __name__ == "__main__":

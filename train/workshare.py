@@ -55,6 +55,29 @@ class WorkShare:
         return list(items)[self.rank :: self.world]
 
 
+def end_process_group() -> None:
+    """At the end of a job: the process group is destroyed when the process exits normally, before
+    the interpreter shuts down. Left to that shutdown, gloo's threads can abort a process whose
+    work is done and saved (exit -6, "terminate called without an active exception"). Not at once:
+    a process may run further jobs on the same group (the CLI's `main` called again)."""
+    global _END_REGISTERED
+    import atexit
+
+    if not _END_REGISTERED:
+        atexit.register(_destroy_process_group)
+        _END_REGISTERED = True
+
+
+_END_REGISTERED = False
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def detect_work_share(timeout_s: float = BARRIER_TIMEOUT_S) -> WorkShare:
     """The WorkShare of this process: torch.distributed's, when a group is set up or the launcher
     (`accelerate launch`, `torchrun`) set WORLD_SIZE > 1 with RANK and MASTER_ADDR/PORT; else alone.

@@ -156,9 +156,15 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from ..train.workshare import end_process_group
+
     if args.data_command == "regenerate":
-        return _regenerate_locked(args)
-    return {"inspect": _inspect, "capture": _capture, "tiny-target": _tiny, "long-prompts": _long_prompts}[args.data_command](args)
+        code = _regenerate_locked(args)
+    else:
+        code = {"inspect": _inspect, "capture": _capture, "tiny-target": _tiny, "long-prompts": _long_prompts}[args.data_command](args)
+
+    end_process_group()
+    return code
 
 
 def _regenerate_locked(args) -> int:

@@ -63,4 +63,7 @@ def run(args) -> int:
 
         if PartialState().is_main_process:
             print(f"head saved to {result.final_dir}")
+    from ..train.workshare import end_process_group
+
+    end_process_group()
     return 0
