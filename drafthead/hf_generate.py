@@ -51,7 +51,9 @@ _HONOURED = frozenset(
         "use_cache",
     }
 )
-_DRAFTING = ("proposer", "draft_model", "num_draft", "sizing", "lookup_nodes", "lookup_streak", "depth", "branch")
+# DraftSpec's fields a caller may not pass here: the head comes as `draft_head`, and the model
+# given is the verifier (no llama.cpp backend)
+_NOT_DRAFTING = frozenset({"head", "backend", "gguf_type"})
 
 
 def generate(
@@ -66,6 +68,8 @@ def generate(
     **kwargs,
 ):
     """transformers' custom_generate entry point (module docstring): `model` is the target."""
+    from dataclasses import fields
+
     import torch
 
     from .draft_spec import DraftSpec
@@ -79,7 +83,8 @@ def generate(
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
     if input_ids is None:
         raise ValueError("drafthead's generate() needs the prompt ids (inputs or input_ids)")
-    spec = DraftSpec(head=draft_head, **{name: kwargs.pop(name) for name in _DRAFTING if name in kwargs})
+    drafting_names = [f.name for f in fields(DraftSpec) if f.name not in _NOT_DRAFTING]
+    spec = DraftSpec(head=draft_head, **{name: kwargs.pop(name) for name in drafting_names if name in kwargs})
     config = _generation_config(model, generation_config, kwargs)
     if kwargs:
         raise ValueError(f"drafthead's generate() does not take {', '.join(sorted(kwargs))}")

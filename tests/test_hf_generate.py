@@ -29,6 +29,8 @@ def test_a_head_drafts_inside_transformers_generate_exactly(tmp_path, kind):
     drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", num_draft=6)
     ours = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=14))
     assert new[0].tolist() == ours.new_tokens[0].tolist()
+    # every DraftSpec setting by its Python name, `chain` included
+    assert hf_speculative(target, prompt, draft_head=str(folder), max_new_tokens=14, chain=3)[0].tolist() == new[0].tolist()
 
 
 def test_a_ragged_batch_and_prompt_lookup_through_the_hook():
