@@ -94,6 +94,18 @@ FAMILIES = {
 }
 
 
+# The Gated DeltaNet layers of the Qwen3-Next / Qwen3.5 families, and their MoE MLP
+GATED_DELTANET = {
+    "head_dim": 8,
+    "linear_num_value_heads": 4,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 8,
+    "linear_value_head_dim": 8,
+    "linear_conv_kernel_dim": 4,
+    "layer_types": "recurrent_first",
+}
+GATED_DELTANET_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16}
+
 # Hybrid targets (recurrent layers; inference/engine/hybrid_target.py): a recurrent layer, then an
 # attention layer, and so on ("recurrent_first"), unless the family lays its layers out itself.
 HYBRID = {
@@ -101,33 +113,13 @@ HYBRID = {
     "qwen3_next": (
         "Qwen3NextConfig",
         "Qwen3NextForCausalLM",
-        {
-            "head_dim": 8,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 8,
-            "linear_value_head_dim": 8,
-            "linear_conv_kernel_dim": 4,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16,
-            "shared_expert_intermediate_size": 16,
-            "layer_types": "recurrent_first",
-        },
+        {**GATED_DELTANET, **GATED_DELTANET_MOE},
     ),
     # Gated DeltaNet, dense
     "qwen3_5": (
         "Qwen3_5TextConfig",
         "Qwen3_5ForCausalLM",
-        {
-            "head_dim": 8,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 8,
-            "linear_value_head_dim": 8,
-            "linear_conv_kernel_dim": 4,
-            "layer_types": "recurrent_first",
-        },
+        GATED_DELTANET,
     ),
     # Mamba-2 and attention, MoE (Granite 4; RoPE on, which transformers' default leaves off)
     "granitemoehybrid": (
@@ -194,19 +186,7 @@ HYBRID = {
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
         "Qwen3_5MoeForCausalLM",
-        {
-            "head_dim": 8,
-            "linear_num_value_heads": 4,
-            "linear_num_key_heads": 2,
-            "linear_key_head_dim": 8,
-            "linear_value_head_dim": 8,
-            "linear_conv_kernel_dim": 4,
-            "num_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 16,
-            "shared_expert_intermediate_size": 16,
-            "layer_types": "recurrent_first",
-        },
+        {**GATED_DELTANET, **GATED_DELTANET_MOE},
     ),
     # short convolutions and attention, MoE (LFM2 MoE)
     "lfm2_moe": (
