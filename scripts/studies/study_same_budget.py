@@ -148,28 +148,7 @@ def study_steps(kind: str, preset: str, head: list[str], steps: int, s_step: flo
 
     (final / "drafting.json").write_text(json.dumps(chain_settings(preset, args.chain)) + "\n")
     bench = work / f"{kind}-bench.json"
-    run(
-        [
-            BIN / "drafthead",
-            "bench",
-            "--head",
-            final,
-            "--dtype",
-            "float32",
-            "--threads",
-            args.threads,
-            "--limit",
-            args.prompts,
-            "--max-new-tokens",
-            args.max_new_tokens,
-            "--lookup-nodes",
-            0,
-            "--no-progress",
-            "--out",
-            bench,
-        ],
-        work / f"{kind}-bench.log",
-    )
+    run(bench_command(final, bench, args), work / f"{kind}-bench.log")
     report = json.loads(bench.read_text())
     last = evals[-1] if evals else {}
     accs = [last[f"acc_{i}"] for i in range(8) if f"acc_{i}" in last]
@@ -192,6 +171,12 @@ def study_steps(kind: str, preset: str, head: list[str], steps: int, s_step: flo
     }
 
 
+def bench_command(head: Path, out: Path, args, *extra) -> list:
+    """`drafthead bench` of `head` on the study's prompts, fp32, no lookup nodes, report to `out`."""
+    sizes = ["--threads", args.threads, "--limit", args.prompts, "--max-new-tokens", args.max_new_tokens]
+    return [BIN / "drafthead", "bench", "--head", head, "--dtype", "float32", *sizes, "--lookup-nodes", 0, *extra, "--no-progress", "--out", out]
+
+
 def confidence_bench(kind: str, final: Path, args) -> dict:
     """A DSpark head's bench with the confidence head sizing each round (`--sizing confidence`):
     tau, tokens/s and the mean number of drafts it verified, on torch and on the llama.cpp backend
@@ -206,29 +191,7 @@ def confidence_bench(kind: str, final: Path, args) -> dict:
         bench = Path(args.work) / f"{kind}-confidence-{backend}.json"
         try:
             run(
-                [
-                    BIN / "drafthead",
-                    "bench",
-                    "--head",
-                    final,
-                    "--dtype",
-                    "float32",
-                    "--threads",
-                    args.threads,
-                    "--limit",
-                    args.prompts,
-                    "--max-new-tokens",
-                    args.max_new_tokens,
-                    "--lookup-nodes",
-                    0,
-                    "--sizing",
-                    "confidence",
-                    "--backend",
-                    backend,
-                    "--no-progress",
-                    "--out",
-                    bench,
-                ],
+                bench_command(final, bench, args, "--sizing", "confidence", "--backend", backend),
                 Path(args.work) / f"{kind}-confidence-{backend}.log",
             )
         except SystemExit as e:
