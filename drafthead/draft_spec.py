@@ -28,6 +28,19 @@ BACKENDS = ("torch", "llama.cpp")
 POLICY_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
+# `--num-draft` values that named a sizing before sizing had its own option
+OLD_SIZING_SPELLINGS = {"auto": "policy", "confidence": "confidence"}
+
+
+def sizing_of(sizing: str | None, old: str | None, spellings: dict[str, str]) -> str | None:
+    """--sizing, or the sizing an older `--num-draft` value spelled (`spellings`: value -> sizing);
+    the two saying different things is an error."""
+    implied = spellings.get(old) if old is not None else None
+    if sizing is not None and implied not in (None, sizing):
+        raise ValueError(f"--num-draft {old} means --sizing {implied}; it contradicts --sizing {sizing}")
+    return sizing or implied
+
+
 @dataclass(frozen=True)
 class Drafting:
     """What `DraftSpec.build` returns: `factory()` gives a drafter with fresh state per prompt;
@@ -87,11 +100,8 @@ class DraftSpec:
         `--num-draft auto` and `--num-draft confidence` are read as `--sizing policy` and
         `--sizing confidence`, the spelling they had before sizing had its own option."""
         num_draft, sizing = getattr(args, "num_draft", None), getattr(args, "sizing", None)
-        if num_draft in ("auto", "confidence"):
-            implied = {"auto": "policy", "confidence": "confidence"}[num_draft]
-            if sizing not in (None, implied):
-                raise ValueError(f"--num-draft {num_draft} means --sizing {implied}; it contradicts --sizing {sizing}")
-            num_draft, sizing = None, implied
+        if num_draft in OLD_SIZING_SPELLINGS:
+            num_draft, sizing = None, sizing_of(sizing, num_draft, OLD_SIZING_SPELLINGS)
         return cls(
             proposer=getattr(args, "proposer", None),
             head=getattr(args, "head", None),

@@ -166,10 +166,6 @@ READ_ONLY = {
 FLAG_KEYS = {"eagle31": {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}, "peagle": {"mask_hidden"}}
 
 
-def export_formats(kind: str) -> list[str]:
-    return formats_for(kind)
-
-
 def written(out) -> tuple[dict, dict[str, tuple[int, ...]]]:
     cfg = json.loads((out / CONFIG_NAME).read_text())
     weights = next(out / name for name in (WEIGHTS_NAME, "pytorch_model.bin", "medusa_lm_head.pt") if (out / name).exists())
@@ -334,7 +330,7 @@ def test_exports_write_what_the_consumer_loads_or_refuse_in_one_line(family, kin
     head = head_of(family, kind)
     head.save_pretrained(tmp_path / "head")
     target = target_of(family)
-    for fmt in export_formats(kind):
+    for fmt in formats_for(kind):
         out = tmp_path / fmt
         why = expected_refusal(target, fmt)
         if why is not None:
@@ -429,7 +425,7 @@ def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_
     from drafthead.heads.files import HeadFormatError
     from tests.head_checks import outputs
 
-    for fmt in export_formats("eagle3"):
+    for fmt in formats_for("eagle3"):
         if fmt == "speculators":
             continue
         with pytest.raises(ValueError) as refused:

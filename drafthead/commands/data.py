@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from ..draft_spec import llamacpp_target
+from ..draft_spec import llamacpp_target, sizing_of
 from . import (
     _non_negative_int,
     _positive_float,
@@ -316,10 +316,7 @@ def _regenerate_from_servers(args, ds, out: Path) -> int:
 
 def _regenerate_sizing(args) -> str:
     """--sizing, or what the old --num-draft auto|whole spelled; the load policy by default."""
-    implied = {"auto": "policy", "whole": "fixed", None: None}[args.num_draft]
-    if args.sizing is not None and implied not in (None, args.sizing):
-        raise ValueError(f"--num-draft {args.num_draft} means --sizing {implied}; it contradicts --sizing {args.sizing}")
-    return args.sizing or implied or "policy"
+    return sizing_of(args.sizing, args.num_draft, {"auto": "policy", "whole": "fixed"}) or "policy"
 
 
 def _regenerate_locally(args, ds, out: Path, share, say) -> int:
