@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .field_types import type_problems
 from .identity import TargetIdentity
@@ -45,6 +45,14 @@ class _HeadConfig:
     # fields that shape only the training loss, not the weights: a run may change them when it
     # continues from a saved head (TrainConfig.init_from)
     LOSS_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    if TYPE_CHECKING:  # what every subclass declares (as dataclass fields or properties)
+        __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+        kind: str
+        target: TargetIdentity | None
+
+        @property
+        def feature_layers(self) -> tuple[int, ...]: ...
 
     @classmethod
     def from_dict(cls, d: dict):
@@ -163,7 +171,7 @@ def saved_draft_layer(config: dict) -> str | None:
     """The draft layer a saved EAGLE head's config dict implies when it predates the `draft_layer`
     field: those heads were built from their target family's own layer, which is the engines' Llama
     layer exactly for Llama targets. None: not an EAGLE head, or the field is there."""
-    cls = CONFIG_CLASSES.get(config.get("kind"))
+    cls = CONFIG_CLASSES.get(config.get("kind", ""))
     if cls is None or "draft_layer" in config or "draft_layer" not in {f.name for f in dataclasses.fields(cls)}:
         return None
     return "llama" if (config.get("target") or {}).get("model_type", "llama") == "llama" else "target"
@@ -586,7 +594,7 @@ class HeadKind:
     inference/drafters/head_drafters.py _DRAFTING_KEYS) and its capabilities."""
 
     name: str
-    config: type
+    config: type[_HeadConfig]
     family: str
     adapts_target: bool = False  # carries a LoRA adapter merged into the target (Medusa-2)
     sizes_itself: bool = False  # sizing "confidence": the drafter estimates acceptance (EAGLE's paths, DSpark's head)
@@ -612,7 +620,7 @@ KINDS: dict[str, HeadKind] = {
         HeadKind("mtp", MTPConfig, "eagle", sizes_itself=True, grows_tree=True),
     )
 }
-CONFIG_CLASSES: dict[str, type] = {name: kind.config for name, kind in KINDS.items()}
+CONFIG_CLASSES: dict[str, type[_HeadConfig]] = {name: kind.config for name, kind in KINDS.items()}
 
 
 def head_kind(name: str) -> HeadKind:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Iterable, cast
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,7 @@ from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs
 from .losses import distill_loss, dpace_weights, label_confidence
 from .packing import row_positions, same_segment_shift, segment_ids
+from .target_parts import input_embeddings
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, each [B, kv_heads, n, head_dim]
 
@@ -147,6 +149,7 @@ class DFlashAttention(nn.Module):
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
         H, d = cfg.hidden_size, cfg.head_dim
+        assert cfg.num_key_value_heads is not None  # Qwen3Config fills a None in from num_attention_heads
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
         self.q_proj = nn.Linear(H, self.heads * d, bias=False)
         self.k_proj = nn.Linear(H, self.kv_heads * d, bias=False)
@@ -196,6 +199,7 @@ class DFlashLayer(nn.Module):
 
 class DFlashHead(DraftHeadBase):
     config: DFlashConfig
+    _rotary: Qwen3RotaryEmbedding  # set with object.__setattr__, outside nn.Module's registry (__init__)
     draft_to_target = None  # drafts score the target's whole vocabulary through its LM head
     needs_rope_decoder = True  # its layers are sized from a Llama-style RoPE decoder's config (intermediate_size...)
 
@@ -219,7 +223,7 @@ class DFlashHead(DraftHeadBase):
         """Nothing to copy (the embedding and LM head stay the target's); refuse a mask token
         whose embedding row is zero, such as a padding row: the mask positions would read nothing."""
         mask_id = self.config.mask_token_id
-        if not model.get_input_embeddings().weight[mask_id].detach().abs().sum() > 0:
+        if not input_embeddings(model).weight[mask_id].detach().abs().sum() > 0:
             raise ValueError(
                 f"the target's embedding row of mask_token_id {mask_id} is zero (a padding row?): pick another token for the mask positions"
             )
@@ -242,11 +246,13 @@ class DFlashHead(DraftHeadBase):
     def context(self, fused: torch.Tensor, position_ids: torch.Tensor) -> list[KV]:
         """Each layer's keys/values of committed positions: fused [B, n, H] at position_ids [B, n]."""
         cos, sin = self._cos_sin(fused, position_ids)
-        return [layer.self_attn.keys_values(fused, cos, sin) for layer in self.layers]
+        return [layer.self_attn.keys_values(fused, cos, sin) for layer in cast(Iterable[DFlashLayer], self.layers)]
 
     def block_tokens(self, first: torch.Tensor) -> torch.Tensor:
         """first [...] (each block's pending token) -> [..., S]: it, then S - 1 mask tokens."""
-        masks = first.new_full((*first.shape, self.block_size - 1), self.config.mask_token_id)
+        mask_id = self.config.mask_token_id
+        assert mask_id is not None  # DFlashConfig refuses None
+        masks = first.new_full((*first.shape, self.block_size - 1), mask_id)
         return torch.cat([first[..., None], masks], dim=-1)
 
     def block_hidden(self, tokens, position_ids, context: list[KV], mask=None) -> torch.Tensor:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -43,19 +44,20 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from .batch import FeatureBatch
-from .config import DRAFT_OWN_FIELDS, Eagle1Config
+from .config import DRAFT_OWN_FIELDS, Eagle1Config, Eagle3Config
 from .identity import text_config
 from .io import DraftHeadBase, FrozenRefs, shift_left, shifted_labels
 from .losses import distill_loss
 from .packing import causal_within
 from .ttt_attention import TTTMask
+from .target_parts import decoder_of
 
 # ----------------------------------------------------------------------------- shared plumbing
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The target's decoder blocks (`model.model.layers` for Llama/Qwen2/Mistral/Gemma...)."""
-    dec = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    dec = decoder_of(model)
     layers = getattr(dec, "layers", None)
     if layers is None or len(layers) == 0:
         raise TypeError(
@@ -68,7 +70,7 @@ def _rope_decoder(model: nn.Module) -> nn.Module | None:
     """The target's RoPE decoder (a rotary embedding beside its `layers`), looked for through
     `get_decoder()` and `.model` (some families' get_decoder() returns the model itself); None
     for a target without one (GPT-2's learned positions, NoPE targets such as Jamba)."""
-    candidates = [model.get_decoder() if hasattr(model, "get_decoder") else None, getattr(model, "model", None)]
+    candidates = [decoder_of(model), getattr(model, "model", None)]
     return next((dec for dec in candidates if _rotary_of(dec) is not None and bool(getattr(dec, "layers", None))), None)
 
 
@@ -91,7 +93,9 @@ def target_rotary(model: nn.Module) -> nn.Module:
     dec = _rope_decoder(model)
     if dec is None:
         raise TypeError(f"{type(model).__name__} has no `rotary_emb`; EAGLE heads need a RoPE decoder")
-    return _rotary_of(dec)
+    rotary = _rotary_of(dec)
+    assert rotary is not None  # _rope_decoder picks a decoder that has one
+    return rotary
 
 
 # RoPE fields a Llama draft layer cannot run: it rotates the whole head with one table
@@ -242,7 +246,14 @@ def window_mask(mask: torch.Tensor, position_ids: torch.Tensor, window: int, key
 class DecoderHeadBase(DraftHeadBase):
     """Shared by EAGLE-1/3: target references, RoPE, cache handling."""
 
+    config: Eagle1Config | Eagle3Config
+    _rotary: nn.Module  # set with object.__setattr__, outside nn.Module's registry (_init_decoder_common)
     needs_rope_decoder = True  # its draft layer is a copy of the target's kind (has_rope_decoder)
+
+    if TYPE_CHECKING:  # each head's own: None, or its [Vd] draft-to-target offsets
+
+        @property
+        def draft_to_target(self) -> torch.Tensor | None: ...
 
     def _init_decoder_common(self, target_model: nn.Module) -> None:
         self.refs = FrozenRefs()

@@ -36,6 +36,8 @@ entropy, a share growing from `entropy_start` to 1 over the first `entropy_ramp`
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -147,6 +149,8 @@ class Eagle3DecoderLayer(nn.Module):
 
 class Eagle3Head(DecoderHeadBase):
     config: Eagle3Config
+    d2t: torch.Tensor  # buffers (register_buffer in __init__)
+    t2d: torch.Tensor
 
     def __init__(self, config: Eagle3Config, target_model: nn.Module) -> None:
         super().__init__()
@@ -272,8 +276,32 @@ class Eagle3Head(DecoderHeadBase):
         """The target's distribution [.., Vd] (restricted to the draft vocab, renormalised) for the
         token after each position, from their final normed states `final` [.., H]."""
         with torch.no_grad():
+            assert self.refs.lm_head is not None  # bound to a target (bind_target)
             w = self.refs.lm_head.weight.detach()[self.draft_target_ids.to(self.refs.lm_head.weight.device)]
             return torch.softmax(nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1).to(final.device)
+
+    @overload
+    def distill_rows(
+        self,
+        hidden: torch.Tensor,
+        final: torch.Tensor,
+        keep=None,
+        count: int | None = None,
+        split: ContextSplit | None = None,
+        elements: Literal[False] = False,
+    ) -> tuple[torch.Tensor, float, float]: ...
+
+    @overload
+    def distill_rows(
+        self,
+        hidden: torch.Tensor,
+        final: torch.Tensor,
+        keep=None,
+        count: int | None = None,
+        split: ContextSplit | None = None,
+        *,
+        elements: Literal[True],
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], float, float]: ...
 
     def distill_rows(
         self,
@@ -283,7 +311,7 @@ class Eagle3Head(DecoderHeadBase):
         count: int | None = None,
         split: ContextSplit | None = None,
         elements: bool = False,
-    ) -> tuple[torch.Tensor, float, float]:
+    ) -> tuple[torch.Tensor | tuple[torch.Tensor, torch.Tensor], float, float]:
         """One unroll step's loss over N positions: draft hidden states [N, H] against the target's
         distribution from `final` [N, H] (`_target_rows`), the mean of `config.loss` over the
         positions `keep(entropies [N]) -> bool [N]` keeps (None: all), with (alpha, top-1 agreement)
@@ -336,7 +364,8 @@ class Eagle3Head(DecoderHeadBase):
         checkpointed = torch.is_grad_enabled() and recompute_loss(n, cfg.draft_vocab_size)
         if not n:  # a rank whose share of a split row has no labels here: it took part in the collectives above
             return hidden.sum() * 0.0, 0.0, 0.0
-        total, alphas, agrees, parts = hidden.new_zeros((), dtype=torch.float32), [], [], []
+        total: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = hidden.new_zeros((), dtype=torch.float32)
+        alphas, agrees, parts = [], [], []
         for a, b in chunks:
             args = (hidden[a:b], final[a:b], weights[a:b])
             out = checkpoint(part, *args, use_reentrant=False) if checkpointed else part(*args)

@@ -31,9 +31,10 @@ class HydraHead(MedusaHead):
     def __init__(self, config: HydraConfig, target_model: nn.Module | None = None) -> None:
         super().__init__(config)
         H = config.hidden_size
-        self.inputs = nn.ModuleList(nn.Linear((k + 2) * H, H, bias=False) for k in range(config.num_heads))
+        inputs = [nn.Linear((k + 2) * H, H, bias=False) for k in range(config.num_heads)]
+        self.inputs = nn.ModuleList(inputs)
         with torch.no_grad():
-            for layer in self.inputs:  # [I, 0, ..., 0]: only h_t passes at first
+            for layer in inputs:  # [I, 0, ..., 0]: only h_t passes at first
                 layer.weight.zero_()
                 layer.weight[:, :H].copy_(torch.eye(H))
 

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from .field_types import type_problems
+from .target_parts import output_embeddings
 
 # Fields that must agree for a head to be loadable; `name` only warns (a local path vs a hub id).
 _MUST_MATCH = ("model_type", "vocab_size", "hidden_size", "num_layers", "tokenizer_sha")
@@ -81,7 +82,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def identify_target(model: Any, tokenizer=None, name: str | None = None) -> TargetIdentity:
     """The identity of a loaded target. tokenizer None leaves `tokenizer_sha` unrecorded."""
     cfg = text_config(model)
-    lm_head = model.get_output_embeddings()
+    lm_head = output_embeddings(model)
     vocab = int(lm_head.weight.shape[0]) if lm_head is not None else int(cfg.vocab_size)
     if name is None:
         name = str(getattr(model.config, "_name_or_path", "") or cfg.model_type)

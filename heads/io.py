@@ -23,6 +23,7 @@ from torch import nn
 from .config import HeadConfig, config_from_dict, head_kind, with_draft_layer
 from .files import HeadFormatError, read_json, read_safetensors, write_json, write_safetensors
 from .packing import same_segment_shift
+from .target_parts import input_embeddings, output_embeddings
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -120,6 +121,7 @@ class DraftHeadBase(nn.Module):
     """
 
     config: HeadConfig
+    refs: FrozenRefs
     # True: the head builds its draft layers from the target's RoPE decoder layer or its config,
     # so a target without one (GPT-2) cannot have it (heads/registry.py check_target_fits)
     needs_rope_decoder = False
@@ -146,8 +148,8 @@ class DraftHeadBase(nn.Module):
 
     def bind_target(self, model: nn.Module) -> "DraftHeadBase":
         """Point the frozen references at `model`'s input embedding and LM head."""
-        self.refs.embed = model.get_input_embeddings()
-        self.refs.lm_head = model.get_output_embeddings()
+        self.refs.embed = input_embeddings(model)
+        self.refs.lm_head = output_embeddings(model)
         return self
 
     def layer_config(self) -> dict | None:

@@ -14,6 +14,8 @@ trainable copy of the target LM head (Medusa's init) or the target's frozen LM h
 
 from __future__ import annotations
 
+from typing import Iterable, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,7 @@ from .batch import FeatureBatch
 from .config import MedusaConfig
 from .io import DraftHeadBase, FrozenRefs, shifted_labels
 from .losses import dpace_chain_loss
+from .target_parts import lm_head_of
 
 
 class ResidualBlock(nn.Module):
@@ -29,8 +32,9 @@ class ResidualBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_layers: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=True) for _ in range(num_layers))
-        for layer in self.layers:
+        layers = [nn.Linear(hidden_size, hidden_size, bias=True) for _ in range(num_layers)]
+        self.layers = nn.ModuleList(layers)
+        for layer in layers:
             nn.init.zeros_(layer.weight)
             nn.init.zeros_(layer.bias)
 
@@ -59,9 +63,9 @@ class MedusaHead(DraftHeadBase):
         """Each own LM head starts as a copy of the target's (Medusa's init)."""
         if self.lm_heads is None:
             return
-        w = model.get_output_embeddings().weight
+        w = lm_head_of(model).weight
         with torch.no_grad():
-            for lm in self.lm_heads:
+            for lm in cast(Iterable[nn.Linear], self.lm_heads):
                 lm.weight.copy_(w.to(lm.weight.dtype))
 
     def head_logits(self, h: torch.Tensor, k: int) -> torch.Tensor:

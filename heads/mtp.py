@@ -25,6 +25,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -33,6 +34,7 @@ from torch import nn
 from .config import MTPConfig
 from .eagle import Eagle1Head, decoder_layers
 from .identity import text_config
+from .target_parts import input_embeddings, lm_head_of
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,7 @@ class MTPLayout:
         return self.prefix.format(layer=layer)
 
 
-_NEXTN = dict(  # DeepSeek's names, which GLM-4.5 keeps
+_NEXTN: dict[str, Any] = dict(  # DeepSeek's names, which GLM-4.5 keeps
     prefix="model.layers.{layer}.",
     own={
         "enorm.weight": "enorm.weight",
@@ -89,7 +91,7 @@ LAYOUTS = {
 
 
 def mtp_layout(model_or_config) -> MTPLayout:
-    config = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
+    config: Any = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
     family = (config.get_text_config() if hasattr(config, "get_text_config") else config).model_type
     if family not in LAYOUTS:
         raise ValueError(f"MTP layers are read for {', '.join(LAYOUTS)} targets, not {family}")
@@ -97,7 +99,7 @@ def mtp_layout(model_or_config) -> MTPLayout:
 
 
 def _target_tensor(target_model: nn.Module, which: str) -> torch.Tensor:
-    module = target_model.get_input_embeddings() if which == "embed" else target_model.get_output_embeddings()
+    module = input_embeddings(target_model) if which == "embed" else lm_head_of(target_model)
     return module.weight.detach().cpu()
 
 
@@ -114,7 +116,7 @@ class MTPHead(Eagle1Head):
         block = copy.deepcopy(_last_attention_layer(target_model))
         for module in block.modules():
             if hasattr(module, "layer_idx"):
-                module.layer_idx = 0
+                setattr(module, "layer_idx", 0)  # an attribute of the target's layer classes, not of nn.Module
         self.layers = nn.ModuleList([block])
         H, eps = config.hidden_size, getattr(text_config(target_model), "rms_norm_eps", 1e-6)
         self.enorm, self.hnorm, self.final_norm = (self._parts.norm(H, eps=eps) for _ in range(3))

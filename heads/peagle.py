@@ -21,6 +21,7 @@ summed over every kept element and divided by their number, as the reference tra
 
 from __future__ import annotations
 
+
 import torch
 from torch import nn
 
@@ -31,6 +32,7 @@ from .io import shift_left, shifted_labels
 from .eagle import prepare_mask, window_mask
 from .losses import distill_loss, dpace_chain_loss, label_confidence
 from .packing import causal_within, segment_ids
+from .target_parts import input_embeddings
 
 
 def cod_columns(T: int, depths: int, ratio: float, min_ratio: float, generator: torch.Generator | None = None, device=None) -> list[torch.Tensor]:
@@ -82,7 +84,7 @@ class PEagleHead(Eagle3Head):
     def init_from_target(self, model: nn.Module, token_counts: torch.Tensor | None = None, always_include=(), **kwargs) -> None:
         super().init_from_target(model, token_counts=token_counts, always_include=always_include, **kwargs)
         with torch.no_grad():
-            row = model.get_input_embeddings().weight[self.config.mask_token_id]
+            row = input_embeddings(model).weight[self.config.mask_token_id]
             self.mask_embedding.copy_(row.to(self.mask_embedding.device, self.mask_embedding.dtype))
 
     @property

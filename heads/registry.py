@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -35,6 +36,7 @@ from .hydra import HydraHead
 from .medusa import MedusaHead
 from .mtp import MTPHead
 from .peagle import PEagleHead
+from .target_parts import lm_head_of
 
 # config class -> module class; Eagle31Config is the EAGLE-3 head with fc_norm and norm_output on
 _MODULES: dict[type, type[DraftHeadBase]] = {
@@ -73,16 +75,17 @@ def check_target_fits(kind: str, target_model: nn.Module) -> None:
 
 
 def target_dtype(model: nn.Module) -> torch.dtype:
-    return model.get_output_embeddings().weight.dtype
+    return lm_head_of(model).weight.dtype
 
 
 def target_device(model: nn.Module) -> torch.device:
-    return model.get_output_embeddings().weight.device
+    return lm_head_of(model).weight.device
 
 
 def _new_module(config: HeadConfig, target_model: nn.Module) -> DraftHeadBase:
     cls = HEAD_CLASSES[config.kind]
-    return cls(config) if cls is MedusaHead else cls(config, target_model)
+    # KINDS: MedusaHead is the module of the kinds whose config is a MedusaConfig
+    return cls(cast(MedusaConfig, config)) if cls is MedusaHead else cls(config, target_model)
 
 
 def build_head(
@@ -145,6 +148,7 @@ def load_head(path, target_model: nn.Module, tokenizer, target_name: str | None 
     """
     path = Path(path)
     config, meta, state = read_head_dir(path)
+    assert config.target is not None  # read_head_dir refuses a config without one
     actual = identify_target(target_model, tokenizer, target_name or config.target.name)
     check_compatible(config.target, actual)
 

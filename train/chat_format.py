@@ -184,8 +184,8 @@ def format_row(tokenizer, row: dict, max_length: int, processor=None) -> dict:
                 f"conversation {row.get('id')!r} has images: they need the target's processor "
                 "(the cached data path loads it; streaming takes text rows only)"
             )
-        f = format_image_chat(processor, row["messages"], images, max_length, row.get("answer_token_ids"))
-        return {**f, "n_ids_kept": 0, "n_ids_unmatched": 0}
+        chat = format_image_chat(processor, row["messages"], images, max_length, row.get("answer_token_ids"))
+        return {**chat, "n_ids_kept": 0, "n_ids_unmatched": 0}
     try:
         f = format_conversation(tokenizer, row["messages"], max_length, row.get("answer_token_ids"))
     except ChatTemplateError as e:

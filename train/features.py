@@ -28,7 +28,7 @@ import json
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Protocol, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -38,7 +38,7 @@ from ..heads.batch import FeatureBatch
 from ..heads.identity import text_config
 from ..heads.files import read_json
 from ..heads.outdir import reported_as
-from ..inference.engine.media import deepstack_inputs, forward_inputs, with_deepstack
+from ..inference.engine.media import PromptImages, deepstack_inputs, forward_inputs, with_deepstack
 from ..inference.engine.targets import resolve_dtype
 from .workshare import WorkShare, write_atomically
 
@@ -101,6 +101,14 @@ def label_token_counts(samples: Iterable[dict[str, Any]], vocab_size: int) -> to
     return counts
 
 
+class IndexedSamples(Protocol):
+    """Samples read by index: TokenDataset, CapturedFeatures, a Subset of one, a list of sample dicts."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int, /) -> dict[str, Any]: ...
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """Samples {input_ids, loss_mask, images?} of a tokenized `datasets.Dataset`
     (train/chat_format.py). processor: the target's, which turns a row's image files into pixel
@@ -153,7 +161,7 @@ def target_features(
     attention_mask: torch.Tensor,
     layers: Sequence[int],
     position_ids: torch.Tensor | None = None,
-    images: Sequence | None = None,
+    images: list[PromptImages | None] | None = None,
 ) -> dict[int, torch.Tensor]:
     """{layer: [B, T, H]} target hidden states (output_hidden_states indices), without gradients.
 
@@ -212,7 +220,7 @@ def _shard_name(k: int) -> str:
 
 def capture_features(
     model,
-    samples: torch.utils.data.Dataset,
+    samples: IndexedSamples,
     layers: Sequence[int],
     out_dir: str | Path,
     *,
@@ -403,6 +411,9 @@ class CapturedFeatures(torch.utils.data.Dataset):
         return self._handles[k], self._offsets[k]
 
     def __getitem__(self, i: int, *, with_hidden: bool = True) -> dict[str, Any]:
+        return self._sample(i, with_hidden)
+
+    def _sample(self, i: int, with_hidden: bool) -> dict[str, Any]:
         k, j = self._locate(int(i))
         f, offsets = self._shard(k)
         a, b = int(offsets[j]), int(offsets[j + 1])
@@ -417,7 +428,7 @@ class CapturedFeatures(torch.utils.data.Dataset):
     def token_counts(self, vocab_size: int, indices: Iterable[int] | None = None) -> torch.Tensor:
         """[V] how often each token id is a loss-masked (assistant) token in the given samples."""
         indices = range(len(self)) if indices is None else indices
-        return label_token_counts((self.__getitem__(i, with_hidden=False) for i in indices), vocab_size)
+        return label_token_counts((self._sample(i, with_hidden=False) for i in indices), vocab_size)
 
     def __getstate__(self):  # safe_open handles do not pickle (DataLoader workers): reopen lazily
         state = dict(self.__dict__)

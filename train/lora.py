@@ -14,8 +14,12 @@ that no Linear of the target carries falls back to the Linears doing its job the
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 EQUIVALENTS = {
     "q_proj": ("qkv_proj", "q_a_proj", "q_b_proj"),
@@ -37,7 +41,7 @@ def wrap_lora(target: nn.Module, lora) -> nn.Module:
     cfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=modules, bias="none")
     if cfg.lora_dropout and _peft_targets_expert_parameters(cfg, target):
         # peft adapts fused experts through a parameter wrapper, which takes no dropout
-        log.warning("LoRA: %s's MoE experts are adapted as fused parameters, which take no dropout: lora dropout 0", target.config.model_type)
+        log.warning("LoRA: %s's MoE experts are adapted as fused parameters, which take no dropout: lora dropout 0", _model_type(target))
         cfg.lora_dropout = 0.0
     return get_peft_model(target, cfg)
 
@@ -80,7 +84,12 @@ def lora_targets(model: nn.Module, names) -> list[str]:
         )
     for name, carried in resolved.items():
         if not carried:
-            log.warning("LoRA: no Linear of this %s target does the job of %s: not adapted", model.config.model_type, name)
+            log.warning("LoRA: no Linear of this %s target does the job of %s: not adapted", _model_type(model), name)
         elif carried != (name,):
-            log.info("LoRA: %s is %s in this %s target", name, " + ".join(carried), model.config.model_type)
+            log.info("LoRA: %s is %s in this %s target", name, " + ".join(carried), _model_type(model))
     return found
+
+
+def _model_type(model: nn.Module) -> str:
+    """The transformers model_type of a target (a PreTrainedModel, which nn.Module does not type)."""
+    return cast("PretrainedConfig", model.config).model_type

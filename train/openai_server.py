@@ -189,7 +189,9 @@ def parse_chat_reply(reply: dict, where: str) -> ServedAnswer:
         reasoning = message.get("reasoning_content") or message.get("reasoning")
         if not isinstance(text, str) or not isinstance(reasoning, (str, type(None))):
             raise ValueError("content that is not text")
-        usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+        usage = reply.get("usage")
+        if not isinstance(usage, dict):
+            usage = {}
         return ServedAnswer(text, choice.get("finish_reason"), _ids_of(choice), reasoning, usage.get("completion_tokens"), usage.get("prompt_tokens"))
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
         raise ServerError(f"{where}: not a chat completion ({type(e).__name__}: {e}): {json.dumps(reply)[:160]}") from None
@@ -198,7 +200,7 @@ def parse_chat_reply(reply: dict, where: str) -> ServedAnswer:
 def served_model(servers: list[ChatServer], wanted: str | None) -> tuple[str, int | None]:
     """(the model to ask for, its context length when a server says it): `wanted`, which every
     server must serve, or else the one model they all serve. ServerError otherwise."""
-    lengths = []
+    lengths: list[int] = []
     for server in servers:
         models = server.models()
         ids = [m["id"] for m in models]
@@ -208,7 +210,8 @@ def served_model(servers: list[ChatServer], wanted: str | None) -> tuple[str, in
             wanted = ids[0]
         if wanted not in ids:
             raise ServerError(f"{server.url} serves {', '.join(ids) or 'no model'}, not {wanted}")
-        lengths += [m.get("max_model_len") for m in models if m["id"] == wanted and isinstance(m.get("max_model_len"), int)]
+        lengths += [m["max_model_len"] for m in models if m["id"] == wanted and isinstance(m.get("max_model_len"), int)]
+    assert wanted is not None  # set from the first server when not given; servers hold at least one
     return wanted, min(lengths) if lengths else None
 
 

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import torch
+from torch import nn
 
 from .config import TrainConfig
 
@@ -92,7 +94,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
         kind=hcfg.kind,
         tokens=config.batch_size * -(-config.data.max_length // config.context_parallel),  # a rank's columns
         gathered_keys=(
-            2 * config.batch_size * config.data.max_length * head.midlayer.self_attn.k_proj.out_features
+            2 * config.batch_size * config.data.max_length * cast(nn.Linear, cast(Any, head).midlayer.self_attn.k_proj).out_features
             if config.context_parallel > 1 and hasattr(head, "midlayer")
             else 0
         ),

@@ -34,7 +34,7 @@ import re
 import zlib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -183,7 +183,7 @@ def add_turn(history: list[dict], user: str, reply: Answer, tokenizer, report: R
     if not reply.text.strip():
         report.empty_answers += 1
         return False
-    message = {"role": "assistant", "content": reply.text}
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text}
     if reply.reasoning:
         message["reasoning_content"] = reply.reasoning
     if reply.token_ids is not None:
@@ -265,7 +265,7 @@ class _Answerer:
     needs (stop ids, pad id, the prompt length limit), found once per run."""
 
     model: object
-    tokenizer: object
+    tokenizer: Any  # the target's (transformers) tokenizer
     settings: RegenerateSettings
     drafter: object = None
     policy: object = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import yaml
@@ -27,7 +27,7 @@ from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, check_output_
 
 @dataclass
 class Samples:
-    dataset: torch.utils.data.Dataset  # TokenDataset or CapturedFeatures
+    dataset: TokenDataset | CapturedFeatures
     source_report: SourceReport | None = None
     format_report: FormatReport | None = None
 
@@ -64,6 +64,7 @@ def build_samples(config: TrainConfig, tokenizer, layers: tuple[int, ...], targe
     """The run's samples: tokenized conversations, or captured features checked against what
     this run would capture (capture_meta; the target's part when `target_model` is given)."""
     if config.features.mode == "captured":
+        assert config.features.path is not None  # FeaturesConfig refuses captured features without a path
         captured = CapturedFeatures(config.features.path)
         missing = sorted(set(layers) - set(captured.layers))
         if missing:
@@ -93,7 +94,7 @@ def capture_meta(config: TrainConfig, target_model=None, tokenizer=None, target_
     from .sources import data_fingerprint
 
     data = {k: v for k, v in config.to_dict()["data"].items() if k not in LAYOUT_ONLY}
-    meta = {"data": data, "data_sha256": data_fingerprint(config.data.source, config.data.path)}
+    meta: dict[str, Any] = {"data": data, "data_sha256": data_fingerprint(config.data.source, config.data.path)}
     if target_model is not None:
         meta.update(
             target=target_name,
@@ -134,6 +135,7 @@ def saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name: 
 
     if config.joint_lora:
         raise ConfigError("init_from is not supported for medusa2 (its saved adapter would be merged into the target)")
+    assert config.init_from is not None  # called for a run with init_from
     head, _ = load_head(config.init_from, target_model, tokenizer, target_name, dtype=torch.float32)
     diffs = hcfg.architecture_diff(head.config)
     if diffs:
@@ -314,6 +316,7 @@ def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenize
     if config.joint_lora:
         raise ConfigError("data.streaming is not supported for medusa2 yet: use data.streaming=false")
     data = config.data
+    assert data.eval_size is not None  # DataConfig refuses streaming without eval_size
     stream = TokenStream(
         data.source, data.path, tokenizer, data.max_length, eval_size=data.eval_size, shuffle_buffer=data.shuffle_buffer, limit=data.limit
     )
@@ -399,6 +402,7 @@ def capture_from_config(
     layers = required_layers(hcfg, hcfg.final_layer)
     samples = token_samples(config, tokenizer)
     for report in (samples.source_report, samples.format_report):
+        assert report is not None  # token_samples makes both
         say(report.summary())
     meta = capture_meta(config, target_model, tokenizer, target_name)
     if engine is not None:

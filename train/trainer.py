@@ -19,14 +19,15 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..heads.batch import FeatureBatch
-from ..heads.io import shifted_labels
+from ..heads.config import Eagle3Config
+from ..heads.io import DraftHeadBase, shifted_labels
 from ..heads.outdir import OVERWRITE_FLAG, OutputExistsError, clear_output, fresh_folder, is_empty
 from .best import BEST_DIR, best_so_far, improves, write_record
 from .checkpoint import (
@@ -44,12 +45,20 @@ from .checkpoint import (
 )
 from .config import ConfigError, TrainConfig, check_resume
 from .evaluate import WEIGHT_KEY, MetricMean, summarize
-from .features import OnlineFeaturizer, collate, target_mask_kwargs
+from .features import IndexedSamples, OnlineFeaturizer, collate, target_mask_kwargs
 from .packing import collate_packed
 from .split_target import SplitFeaturizer, split_refusal
 from . import sharding
 from ..inference.engine.clock import PhaseClock
 from .tracking import RunLog
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+    from .streaming import TokenStream
+
+# a head's compute_loss: FeatureBatch -> (loss, metrics)
+ComputeLoss = Callable[[FeatureBatch], tuple[torch.Tensor, dict[str, float]]]
 
 FINAL_DIR = "final"
 CONFIG_FILE = "config.yaml"
@@ -121,7 +130,7 @@ class HeadLoss(nn.Module):
         self.head = head
 
     def forward(self, batch: FeatureBatch):
-        return self.head.compute_loss(batch)
+        return cast(ComputeLoss, self.head.compute_loss)(batch)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint holds: the head's own tensors (weights and buffers such as d2t)."""
@@ -160,7 +169,7 @@ class JointLoss(HeadLoss):
         feats = FeatureBatch(
             batch.input_ids, batch.attention_mask, batch.loss_mask, {i: out.hidden_states[i] for i in self.layers}, batch.position_ids
         )
-        head_loss, metrics = self.head.compute_loss(feats)
+        head_loss, metrics = cast(ComputeLoss, self.head.compute_loss)(feats)
         loss = self.lm_weight * lm_loss + self.head_weight * head_loss
         metrics = dict(metrics, head_loss=float(head_loss.detach()), lm_loss=float(lm_loss.detach()), loss=float(loss.detach()))
         return loss, metrics
@@ -194,8 +203,8 @@ class JointLoss(HeadLoss):
 class TrainData:
     """Samples (dicts for `features.collate`) and how a token batch becomes a FeatureBatch."""
 
-    train: torch.utils.data.Dataset
-    eval: torch.utils.data.Dataset | None = None
+    train: IndexedSamples | TokenStream
+    eval: IndexedSamples | None = None
     # FeatureBatch (tokens only) -> FeatureBatch with hidden states; None: samples carry them
     featurize: Callable[[FeatureBatch], FeatureBatch] | None = None
     pad_token_id: int = 0
@@ -270,7 +279,7 @@ class Trainer:
             self.module = HeadLoss(head)
         self.module.to(self.accelerator.device)
         self.optimizer = self._build_optimizer()
-        self.scheduler = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # set by fit()
 
     # -- setup ---------------------------------------------------------------------------------
 
@@ -288,7 +297,7 @@ class Trainer:
         if not groups:
             raise ValueError("nothing to train: the head has no parameter that requires grad")
         params = [{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in groups.items()]
-        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=cast(tuple[float, float], tuple(cfg.betas)), weight_decay=cfg.weight_decay)
 
     def data_world(self) -> tuple[int, int]:
         """(data-parallel replicas, this process's replica): with context_parallel = c, the c
@@ -312,6 +321,7 @@ class Trainer:
         cfg = self.config
         if cfg.max_steps is not None:
             return cfg.max_steps
+        assert cfg.epochs is not None  # TrainConfig refuses neither being set
         return max(1, math.ceil(cfg.epochs * self.batches_per_epoch() / cfg.grad_accum))
 
     # -- batches -------------------------------------------------------------------------------
@@ -399,7 +409,7 @@ class Trainer:
         try:
             while state.step < total and (stop_after_steps is None or steps_this_call < stop_after_steps):
                 if hasattr(self.head, "train_progress"):  # progressive TTT (heads/eagle3.py ttt_depth)
-                    self.head.train_progress = state.step / total
+                    setattr(self.head, "train_progress", state.step / total)  # a float, which nn.Module's __setattr__ is not typed for
                 for m in range(cfg.grad_accum):
                     window_tokens += self._micro_step(model, read, state, bpe, window, clock, last_ckpt, m)
                 grad_norm = self._optimizer_step(optimizer, params, state, clock, last_ckpt)
@@ -454,14 +464,13 @@ class Trainer:
             )
         groups = [dist.new_group(list(range(g * cp, (g + 1) * cp))) for g in range(replicas)]  # every rank makes every group
         split = ContextSplit(self.accelerator.process_index % cp, cp, groups[replica])
-        self.head.context_split = split
+        setattr(self.head, "context_split", split)  # not a Module, which nn.Module's __setattr__ is typed for
         featurize = self.data.featurize
         if isinstance(featurize, OnlineFeaturizer):  # online features: the target's forward is split too, where it can be
             refusal = split_refusal(featurize.model)
             if refusal is None:
-                self.data.featurize = SplitFeaturizer(
-                    featurize.model, featurize.layers, split, self.head.config.final_layer, halo=self.head.config.ttt_steps
-                )
+                hcfg = cast(Eagle3Config, cast(DraftHeadBase, self.head).config)  # heads with context_split are EAGLE-3's
+                self.data.featurize = SplitFeaturizer(featurize.model, featurize.layers, split, hcfg.final_layer, halo=hcfg.ttt_steps)
             self.target_forward = f"split across {cp} ranks" if refusal is None else f"whole on every rank: {refusal}"
 
     def _restore(self, ckpt: Checkpoint, optimizer, state: TrainState) -> TrainState:
@@ -483,6 +492,7 @@ class Trainer:
         else:
             self.module.load_trainable_state({k: v.to(acc.device) for k, v in ckpt.weights.items()})
             optimizer.load_state_dict(ckpt.optimizer_state)
+        assert self.scheduler is not None  # fit() makes it before restoring
         self.scheduler.load_state_dict(ckpt.scheduler_state)
         if ckpt.scaler_state is not None and acc.scaler is not None:
             acc.scaler.load_state_dict(ckpt.scaler_state)
@@ -550,6 +560,7 @@ class Trainer:
             if acc.mixed_precision != "fp16":  # fp16: the grad scaler skips overflowing steps itself
                 self._check_finite(grad_norm, "gradient norm", state.step + 1, last_ckpt)
             optimizer.step()
+            assert self.scheduler is not None  # made by fit()
             self.scheduler.step()
             optimizer.zero_grad(set_to_none=True)
         state.step += 1
@@ -569,11 +580,12 @@ class Trainer:
     ) -> dict[str, float]:
         """The training metrics of the steps since the last log line, over all processes."""
         acc = self.accelerator
+        assert self.scheduler is not None  # made by fit()
         tokens = int(acc.reduce(torch.tensor(window_tokens, device=acc.device), "sum"))
         state.tokens += tokens
         metrics = summarize(reduce_means(acc, window))  # all processes' batches
         metrics.update(
-            lr=self.scheduler.get_last_lr()[0],
+            lr=cast(float, self.scheduler.get_last_lr()[0]),  # the groups' lrs are floats (the config's)
             grad_norm=float(grad_norm),
             tokens_per_s=tokens / max(elapsed, 1e-9),
             epoch=state.epoch,
@@ -616,7 +628,7 @@ class Trainer:
             head_state = {k[len("head.") :]: v for k, v in weights.items() if k.startswith("head.")}
         if acc.is_main_process:
             with fresh_folder(final_dir, overwrite=True) as tmp:
-                self.head.save_pretrained(tmp, adapter_model=self.target, state=head_state)
+                cast(DraftHeadBase, self.head).save_pretrained(tmp, adapter_model=self.target, state=head_state)
             log.event(
                 "end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir), **{f"eval_{k}": v for k, v in eval_metrics.items()}
             )
@@ -649,7 +661,7 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         folder = Path(self.config.output_dir) / BEST_DIR
-        self.head.save_pretrained(folder, adapter_model=self.target)
+        cast(DraftHeadBase, self.head).save_pretrained(folder, adapter_model=self.target)
         write_record(folder, step, self.config.keep_best, value)
         log.event(
             "best",
@@ -672,6 +684,7 @@ class Trainer:
         elif acc.is_main_process:
             weights, optimizer_state = self.module.trainable_state(), optimizer.state_dict()
         if acc.is_main_process:
+            assert self.scheduler is not None  # made by fit()
             path = save_checkpoint(
                 cfg.output_dir,
                 state,
@@ -733,7 +746,8 @@ class Trainer:
         hang when processes have different numbers of eval batches."""
         cfg, acc = self.config, self.accelerator
         world, rank = self.data_world()
-        batches = eval_batches(len(self.data.eval), cfg.batch_size, world, rank, cfg.eval_batches)
+        assert self.data.eval is not None  # called only with held-out samples
+        batches: list[list[int] | None] = list(eval_batches(len(self.data.eval), cfg.batch_size, world, rank, cfg.eval_batches))
         if self.fsdp:
             # a sharded forward is a collective: every rank runs as many batches as the busiest one
             # (rank 0: samples are dealt from it), a rank with fewer repeats its first and ignores the result
@@ -776,7 +790,7 @@ def check_output_dir(out: Path, existing: Path | None, *, resume: bool, overwrit
         )
 
 
-def is_stream(train) -> bool:
+def is_stream(train: object) -> TypeIs[TokenStream]:
     """Training data read lazily in order (train/streaming.py TokenStream) rather than by index."""
     return hasattr(train, "batches") and hasattr(train, "count_batches")
 

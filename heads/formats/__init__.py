@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
 
-from ..config import DRAFT_OWN_FIELDS, config_from_dict, head_kind, with_draft_layer
+from ..config import DRAFT_OWN_FIELDS, Eagle3Config, config_from_dict, head_kind, with_draft_layer
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, check_state_dict, read_head_dir
 from ..files import HeadFormatError, write_json, write_safetensors
 from ..outdir import check_distinct, check_output, fresh_folder
 from . import dflash, dspark, eagle1, eagle3, gguf_eagle3, medusa, mtp, speculators
+from ..target_parts import input_embeddings, lm_head_of
 from .common import (
     Export,
     ExportJob,
@@ -225,6 +227,8 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     name = target_name or str(getattr(target_model.config, "_name_or_path", "") or "target")
     if foreign.config is not None:
         config = config_from_dict(with_draft_layer(foreign.config))
+        if config.target is None:
+            raise HeadFormatError(f"{src}: the drafthead block's config has no target identity")
         check_compatible(config.target, identify_target(target_model, tokenizer, target_name or config.target.name))
     else:
         overrides = dict(foreign.overrides)
@@ -232,6 +236,7 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
         if head_kind(foreign.kind).engine_layer and overrides.get("draft_layer", "llama") == "llama":
             overrides.update(_own_layer_fields(foreign.layer_fields, target_model))
         config = make_config(foreign.kind, target_model, tokenizer, name, **overrides)
+    assert config.target is not None  # make_config records it; a drafthead block without one is refused above
     family_layer = foreign.layer_fields.get("model_type", "llama")
     if (
         family_layer != "llama" and getattr(config, "draft_layer", None) == "target" and family_layer != config.target.model_type
@@ -248,7 +253,8 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     state = dict(foreign.state)
     if head_kind(foreign.kind).draft_vocab:  # the engines' Llama layer has an o_proj bias where Qwen2's has none
         drop_zero_extra(expected, state, eagle3.O_BIAS, src, "the target family's attention has no o_proj bias")
-    if head_kind(foreign.kind).draft_vocab and config.draft_vocab_size == config.vocab_size:
+    # draft_vocab kinds' configs are Eagle3Configs (KINDS)
+    if head_kind(foreign.kind).draft_vocab and cast(Eagle3Config, config).draft_vocab_size == config.vocab_size:
         for key in IDENTITY_VOCAB_KEYS:  # left out for a full vocabulary: our fresh head holds the identity
             state.setdefault(key, expected[key])
     check_state_dict(expected, state, where=f"in {src}")
@@ -292,7 +298,7 @@ def _check_target_copies(copies: dict, target_model: nn.Module, src, own_rows: d
     """A checkpoint's copy of a target tensor must be the target's (exactly, up to its dtype), but
     for the rows `own_rows[key]` that belong to the head."""
     for key, stored in copies.items():
-        ref = target_model.get_input_embeddings() if "embed_tokens" in key else target_model.get_output_embeddings()
+        ref = input_embeddings(target_model) if "embed_tokens" in key else lm_head_of(target_model)
         own = ref.weight.detach().to("cpu")
         if tuple(stored.shape) != tuple(own.shape):
             raise HeadFormatError(

@@ -67,8 +67,8 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
     ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))
     mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
     block = dcfg.get("block_size", cfg.get("block_size"))
-    missing = [name for name, v in (("target_layer_ids", ids), ("mask_token_id", mask), ("block_size", block)) if v is None]
-    if missing:  # each reader would fill these with a default of its own
+    if ids is None or mask is None or block is None:  # each reader would fill these with a default of its own
+        missing = [name for name, v in (("target_layer_ids", ids), ("mask_token_id", mask), ("block_size", block)) if v is None]
         raise HeadFormatError(
             f"{src}: config.json states no {', '.join(missing)}; the engines would each pick their own, so what this head was trained with is unknown"
         )
@@ -86,8 +86,9 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
         raise HeadFormatError(f"{src}: {', '.join(extras)} set: a DFlash variant drafthead does not run")
     if "lm_head.weight" in state or "embed_tokens.weight" in state:
         raise HeadFormatError(f"{src}: the checkpoint carries its own embed_tokens / lm_head; drafthead's DFlash reads the target's")
+    aux_layers = tuple(int(i) + 1 for i in ids)
     overrides = {
-        "aux_layers": tuple(int(i) + 1 for i in ids),
+        "aux_layers": aux_layers,
         "mask_token_id": int(mask),
         "block_size": int(block),
         "num_layers": int(cfg.get("num_hidden_layers", 1)),
@@ -99,7 +100,7 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
     if rope is not None:
         overrides["rope_parameters"] = rope
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    notes = [f"target_layer_ids {list(ids)} (layer outputs) -> output_hidden_states {list(overrides['aux_layers'])}"]
+    notes = [f"target_layer_ids {list(ids)} (layer outputs) -> output_hidden_states {list(aux_layers)}"]
     return ForeignHead("dflash", "dflash", overrides, state, notes=notes, layer_fields=cfg)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from ..files import HeadFormatError
 from .common import Export, ForeignHead, Layout, drop_zero_extra, layer_config, need_convention, read_weights, rope_fields, rope_parameters_of
+from ..target_parts import input_embeddings
 
 # draft-layer family -> the architecture the config names, per format (docs/formats.md "The draft
 # layer per target family"): vLLM prefixes "Eagle" itself (EagleLlamaForCausalLM), SGLang loads the
@@ -134,7 +135,7 @@ def _read(src, cfg: dict, convention: str | None) -> ForeignHead:
 
 
 def _write(job) -> tuple[dict, dict]:
-    return to_engine(job.fmt, job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_input_embeddings()))
+    return to_engine(job.fmt, job.config, job.meta, job.state, job.target_tensor(input_embeddings))
 
 
 LAYOUTS = (Layout("eagle1", lambda src, cfg: is_layout(cfg), lambda cfg: "eagle1", _read),)

@@ -111,8 +111,11 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
     if nested is not None and top is not None and list(nested) != list(top):
         raise HeadFormatError(f"{src}: eagle_config.{IDS_KEY}={nested} and top-level {IDS_KEY}={top} disagree")
     ids = nested if nested is not None else top
+    vocab = cfg.get("draft_vocab_size", cfg.get("vocab_size"))
+    if vocab is None:
+        raise HeadFormatError(f"{src}: config.json states no draft_vocab_size or vocab_size")
     overrides: dict[str, object] = {
-        "draft_vocab_size": int(cfg.get("draft_vocab_size", cfg.get("vocab_size"))),
+        "draft_vocab_size": int(vocab),
         # absent flags: the readers' default (False in vLLM's, SGLang's and llama.cpp's research readers)
         **{f: bool(cfg.get(f, False)) for f in FLAGS},
     }
@@ -135,8 +138,9 @@ def read(src, cfg: dict, state: dict, convention: str | None) -> ForeignHead:
             "reads it as 'norm before lm_head' (default true), SGLang as EAGLE-3.1's normed feedback "
             "(default false); drop the key if the head was trained by SpecForge"
         )
-    overrides["aux_layers"] = ids_to_ours(ids, convention)
-    notes.append(f"aux-layer ids {list(ids)} read in {convention}'s convention -> output_hidden_states {list(overrides['aux_layers'])}")
+    aux_layers = ids_to_ours(ids, convention)
+    overrides["aux_layers"] = aux_layers
+    notes.append(f"aux-layer ids {list(ids)} read in {convention}'s convention -> output_hidden_states {list(aux_layers)}")
     return _foreign(src, cfg, state, overrides, notes)
 
 

@@ -19,6 +19,7 @@ import torch
 
 from ..files import HeadFormatError
 from .common import Export, ForeignHead, Layout, read_weights
+from ..target_parts import lm_head_of
 
 UPSTREAM_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 _UPSTREAM_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
@@ -98,7 +99,7 @@ def read_vllm(src, cfg: dict, state: dict) -> ForeignHead:
 
 
 def _write(job) -> tuple[dict, dict]:
-    return to_upstream(job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_output_embeddings()), job.config.target.name)
+    return to_upstream(job.config, job.meta, job.state, job.target_tensor(lm_head_of), job.config.target.name)
 
 
 LAYOUTS = (

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
 
 from ..mtp import checkpoint_tensors
 from .common import Export
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def to_engine(config, state: dict, target_model: nn.Module | None) -> tuple[dict, dict]:
@@ -24,7 +28,7 @@ def to_engine(config, state: dict, target_model: nn.Module | None) -> tuple[dict
     if target_model is None:
         raise ValueError("--format mtp writes the target's config and its embedding and LM head copies: it needs the target (--target)")
     on_disk = Path(str(getattr(target_model.config, "_name_or_path", "") or "")) / "config.json"
-    cfg = json.loads(on_disk.read_text()) if on_disk.is_file() else target_model.config.to_dict()
+    cfg = json.loads(on_disk.read_text()) if on_disk.is_file() else cast("PretrainedConfig", target_model.config).to_dict()
     cfg["num_nextn_predict_layers"] = 1  # the one layer written here
     if any(k.endswith("mlp.gate.e_score_correction_bias") for k in state):
         # DeepSeek's routing without auxiliary loss, which that bias belongs to: vLLM builds the

@@ -25,6 +25,7 @@ import torch
 from ..files import HeadFormatError
 from . import dspark
 from .eagle3 import check_engine_layers
+from ..target_parts import input_embeddings
 from .common import (
     FAMILY_LAYER_FORMATS,
     SPECULATORS_VERSION,
@@ -153,9 +154,12 @@ def read(src, cfg: dict, state: dict) -> ForeignHead:
             f"{src}: transformer_layer_config model_type {family!r}: speculators builds llama or "
             f"{', '.join(FAMILY_LAYER_FORMATS['speculators'])} draft layers"
         )
+    vocab = cfg.get("draft_vocab_size", layer.get("vocab_size"))
+    if vocab is None:
+        raise HeadFormatError(f"{src}: the config states no draft_vocab_size, nor transformer_layer_config.vocab_size")
     overrides: dict[str, object] = {
         "aux_layers": tuple(int(i) for i in ids),
-        "draft_vocab_size": int(cfg.get("draft_vocab_size", layer.get("vocab_size"))),
+        "draft_vocab_size": int(vocab),
         **{flag: bool(cfg.get(flag, False)) for flag in FLAGS},
     }
     if family != "llama":
@@ -195,7 +199,7 @@ def _read(src, cfg: dict, convention: str | None) -> ForeignHead:
 
 
 def _write(job) -> tuple[dict, dict]:
-    return to_speculators(job.config, job.meta, job.state, job.target_tensor(lambda m: m.get_input_embeddings()), job.verifier)
+    return to_speculators(job.config, job.meta, job.state, job.target_tensor(input_embeddings), job.verifier)
 
 
 LAYOUTS = (Layout("speculators", lambda src, cfg: is_layout(cfg), kind_of, _read),)

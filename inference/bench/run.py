@@ -30,7 +30,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -39,6 +39,7 @@ from ..kernels.machine import cpu_model
 from ..engine.cost import sync_device
 from ..engine.drafter import RootOnlyDrafter
 from ..engine.generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
+from ..engine.policy import SpeculationPolicy
 from ..engine.rounds import acceptance_histogram, per_position_acceptance, tau_by_context, tau_of
 from .prompts import Prompt, encode_chat
 from ..engine.sampling import SamplingConfig
@@ -58,7 +59,7 @@ class BenchSettings:
     progress: bool = True  # tqdm bar over prompts (stderr)
     repetition_ngram: int = 4
     info: dict = field(default_factory=dict)  # recorded verbatim under report["settings"]
-    policy: object = None  # a SpeculationPolicy (`--sizing policy`), shared by every prompt's run
+    policy: SpeculationPolicy | None = None  # `--sizing policy`: shared by every prompt's run
     engine: dict = field(default_factory=dict)  # GenerationConfig's engine fields (static_cache, compile)
     # what verifies the trees when it is not the torch target (a LlamaCppTarget): then both sides
     # decode on it, plain being our engine with no drafting (the backend's own greedy decoding)
@@ -229,7 +230,8 @@ class TokenClock:
     ours). `seconds_to(k)`: seconds from `start` to the arrival of the k-th new token."""
 
     def __init__(self) -> None:
-        self.start, self.arrivals, self.prompt_seen = 0.0, [], False  # arrivals: (tokens so far, time)
+        self.start, self.prompt_seen = 0.0, False
+        self.arrivals: list[tuple[int, float]] = []  # (tokens so far, time)
 
     def put(self, value) -> None:
         if not self.prompt_seen:
@@ -363,12 +365,14 @@ class _MemoryPeaks:
     """The highest memory seen while plain and speculative calls ran (process RSS; CUDA too)."""
 
     def __init__(self, device: torch.device):
-        self.device, self.peak = device, defaultdict(float)
+        self.device = device
+        self.peak: defaultdict[str, float] = defaultdict(float)
 
     def add(self, plain: PeakMemory, speculative: PeakMemory) -> None:
         self.peak["plain"] = max(self.peak["plain"], plain.rss_mb)
         self.peak["speculative"] = max(self.peak["speculative"], speculative.rss_mb)
         if self.device.type == "cuda":
+            assert plain.cuda_mb is not None and speculative.cuda_mb is not None  # measured on CUDA (PeakMemory.__exit__)
             self.peak["plain_cuda"] = max(self.peak["plain_cuda"], plain.cuda_mb)
             self.peak["speculative_cuda"] = max(self.peak["speculative_cuda"], speculative.cuda_mb)
 
@@ -484,7 +488,7 @@ def summarize(records: list[dict], settings: BenchSettings) -> dict:
             timings[key] += value
     total_timed = sum(timings.values())
     n = settings.repetition_ngram
-    report = {
+    report: dict[str, Any] = {
         "num_prompts": len(records),
         "tau": tau_of(accepted),
         "tokens_per_s": ours,

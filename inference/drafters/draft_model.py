@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from transformers.cache_utils import Cache
 
 from ..engine.cache import cache_kwargs, keep_path, new_cache
 from ..engine.drafter import DrafterBase, RoundStats
@@ -58,7 +59,7 @@ class DraftModelDrafter(DrafterBase):
         self.dynamic = dynamic and self.fixed_choices is None
         self.max_draft = max_draft
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        self.cache = None
+        self.cache: Cache | None = None
         self.cache_slot: list[int | None] = []  # per node of the last tree: its K/V offset past the history
         vocab = model.config.get_text_config().vocab_size
         self.vocab_size = vocab
@@ -76,13 +77,15 @@ class DraftModelDrafter(DrafterBase):
         self.cached = 0  # history tokens whose K/V are in self.cache
 
     def commit(self, tokens, features, pending, stats: RoundStats) -> None:
+        assert self.history is not None  # set by begin
         before = self.history.shape[1] - 1  # committed tokens before this round, old pending excluded
         super().commit(tokens, features, pending, stats)
         if stats.skipped:  # nothing was drafted or fed: the next propose catches the cache up
             return
         # The cache holds `before` history tokens + the fed tree nodes; keep those on the path.
         # Fed nodes are the shallower ones, so they form a prefix of the accepted path.
-        slots = [self.cache_slot[node] for node in stats.path if self.cache_slot[node] is not None]
+        slots = [slot for node in stats.path if (slot := self.cache_slot[node]) is not None]
+        assert self.cache is not None  # made by begin
         keep_path(self.cache, before, slots)
         self.cached = before + len(slots)
         if self.dynamic:
@@ -97,11 +100,12 @@ class DraftModelDrafter(DrafterBase):
         return tree_from_choices(self.fixed_choices or chain_choices(self.num_draft))
 
     def propose(self) -> DraftTree:
-        model, device = self.model, self.history.device
+        history = self.history
+        assert history is not None  # set by begin
+        model, device = self.model, history.device
         shape = self._tree_shape()
         parents, head, rank = shape.parents.tolist(), shape.head.tolist(), shape.rank.tolist()
         n = len(parents)
-        history = self.history
         # 1. catch up: feed committed tokens the cache lacks (all but the pending one)
         missing = history[:, self.cached : history.shape[1] - 1]
         if missing.shape[1] > 0:
@@ -138,7 +142,7 @@ class DraftModelDrafter(DrafterBase):
                 if not kids:
                     continue
                 seen = None
-                if track_seen:
+                if base_seen is not None:  # exactly when track_seen
                     seen = base_seen[0].clone()
                     path = node
                     while path > 0:
@@ -160,8 +164,8 @@ class DraftModelDrafter(DrafterBase):
         tree = DraftTree(torch.tensor([tokens], device=device).clamp(min=0), torch.tensor(parents, device=device))
         if q_rows:
             probs = torch.zeros(1, n, self.vocab_size, device=device)
-            for node, row in q_rows.items():
-                probs[0, node] = row
+            for node, q in q_rows.items():
+                probs[0, node] = q
             tree.draft_probs = probs
         if len(keep) < n:
             tree = tree.subtree(torch.tensor(keep, device=device))

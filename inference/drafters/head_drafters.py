@@ -11,7 +11,7 @@ import math
 import time
 import warnings
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ def best_static_tree(rank_accuracy: torch.Tensor, num_draft: int) -> list[tuple[
     """
     K, R = rank_accuracy.shape
     acc = rank_accuracy.tolist()
-    heap = [(-acc[0][r], (r,)) for r in range(R)]
+    heap: list[tuple[float, tuple[int, ...]]] = [(-acc[0][r], (r,)) for r in range(R)]
     heapq.heapify(heap)
     chosen: list[tuple[int, ...]] = []
     while heap and len(chosen) < num_draft:
@@ -98,14 +98,18 @@ class MedusaDrafter:
         return {"kind": f"{self.head.kind} static tree", "num_draft": int(self.shape.parents.shape[0]) - 1, "depth": self.shape.depth}
 
     def begin(self, tokens, features: TargetFeatures | None, pending) -> None:
-        self.last_hidden = None if features is None or features.last.shape[1] == 0 else features.last[:, -1]
+        last = None if features is None else features.last
+        assert features is None or last is not None  # needs_last_hidden: the engine passes it
+        self.last_hidden = None if last is None or last.shape[1] == 0 else last[:, -1]
         self.pending = pending
 
     def commit(self, tokens, features: TargetFeatures | None, pending, stats: RoundStats) -> None:
+        assert features is not None and features.last is not None  # needs_last_hidden: the engine passes it
         self.last_hidden = features.last[:, -1]
         self.pending = pending
 
     def propose(self) -> DraftTree:
+        assert self.pending is not None  # set by begin
         root = self.pending[:, None]
         if self.last_hidden is None:  # a one-token prompt: nothing to read yet
             return DraftTree(root, torch.tensor([-1], device=root.device))
@@ -123,6 +127,7 @@ class HydraDrafter(MedusaDrafter):
         return {**super().describe(), "kind": f"{self.head.kind} static tree (sequential heads)"}
 
     def propose(self) -> DraftTree:
+        assert self.pending is not None  # set by begin
         root = self.pending[:, None]  # [1, 1]
         parents = self.shape.parents.to(root.device)
         if self.last_hidden is None:  # a one-token prompt: nothing to read yet
@@ -155,6 +160,8 @@ class FeatureBuffer:
     """The target features of committed positions a head has not read yet: kept per round and
     fused in one call at the next propose (rounds decoded plainly by the load policy only append).
     Shared by the EAGLE-family and DFlash drafters; `self.head.fuse` does the fusing."""
+
+    head: Any  # the subclass's head
 
     def _start_buffer(self, features: TargetFeatures | None) -> None:
         self.unfed: list[tuple[torch.Tensor, ...]] = []

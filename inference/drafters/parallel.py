@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
@@ -36,6 +36,11 @@ from .head_drafters import EagleDrafter, FeatureBuffer, draft_ids_of, static_tre
 class StaticTreeMixin:
     """Shared by the parallel drafters: the static tree of per-depth candidates, and the load
     policy's node limit (`limit`)."""
+
+    if TYPE_CHECKING:  # each drafter's own (the head; draft ids to target ids)
+        head: Any
+
+        def _to_target(self, ids: torch.Tensor) -> torch.Tensor: ...
 
     def _init_tree(self, choices, num_draft, depth: int, what: str) -> None:
         if choices is None and num_draft is None:

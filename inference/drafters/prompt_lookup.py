@@ -122,9 +122,14 @@ class PromptLookupDrafter(DrafterBase):
         self.on_streak = self.streak_draft is not None and stats.accepted_on_path >= self.length
 
     def propose(self) -> DraftTree:
+        assert self.history is not None  # set by begin
         history = self.history[0].tolist()
         # on a streak: one continuation (the most recent match), streak_draft long
-        length, matches, num_draft = (self.streak_draft, 1, self.streak_draft) if self.on_streak else (self.length, self.max_matches, self.num_draft)
+        if self.on_streak:
+            assert self.streak_draft is not None  # on_streak is set only with a streak_draft
+            length, matches, num_draft = self.streak_draft, 1, self.streak_draft
+        else:
+            length, matches, num_draft = self.length, self.max_matches, self.num_draft
         branches = find_continuations(history, self.max_ngram, self.min_ngram, length, matches)
         tokens, parents = trie_tree(history[-1], branches, num_draft)
         device = self.history.device

@@ -16,8 +16,10 @@ runs eagerly (its length is the prompt's).
 from __future__ import annotations
 
 import weakref
+from typing import Any, Callable
 
 import torch
+from transformers.cache_utils import Cache
 
 from .cache import _layers, crop, new_cache
 
@@ -25,7 +27,9 @@ from .cache import _layers, crop, new_cache
 # the weights frozen into the graph as constants (folded, pre-packed for the CPU's matmul
 # library) and the C++ wrapper, which calls the kernels from generated C++ with no Python between
 # them (docs/cpu-measurements.md "A whole-round compiled graph")
-MODES = {"inductor-frozen": ("inductor", {"freezing": True, "cpp_wrapper": True})}
+MODES: dict[str, tuple[str, dict[str, str | int | bool | Callable[..., Any]] | None]] = {
+    "inductor-frozen": ("inductor", {"freezing": True, "cpp_wrapper": True})
+}
 
 CAPACITY_STEP = 512
 TREE_ROOM = 128  # slots kept free after the longest committed text for one round's tree
@@ -47,9 +51,12 @@ class StaticDecoding:
     def __init__(self, target, backend: str | None):
         self.num_layers = target.config.get_text_config().num_hidden_layers
         self.compiled = backend is not None
-        name, options = MODES.get(backend, (backend, None))
-        self.forward = torch.compile(target, backend=name, dynamic=True, options=options) if self.compiled else target
-        self._caches: dict[tuple[int, int], object] = {}
+        if backend is None:
+            self.forward = target
+        else:
+            name, options = MODES.get(backend, (backend, None))
+            self.forward = torch.compile(target, backend=name, dynamic=True, options=options)
+        self._caches: dict[tuple[int, int], Cache] = {}
 
     @classmethod
     def of(cls, target, backend: str | None) -> "StaticDecoding":

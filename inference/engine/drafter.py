@@ -109,6 +109,7 @@ class DrafterBase:
 
     def commit(self, tokens, features, pending, stats) -> None:
         # history ends with the old pending token, which is tokens[:, 0]
+        assert self.history is not None  # set by begin
         self.history = torch.cat([self.history, tokens[:, 1:], pending[:, None]], dim=1)
 
     def propose(self) -> DraftTree:  # pragma: no cover - abstract
@@ -122,5 +123,6 @@ class RootOnlyDrafter(DrafterBase):
         return {"kind": "none (plain decoding in our engine)"}
 
     def propose(self) -> DraftTree:
+        assert self.history is not None  # set by begin
         root = self.history[:, -1:]
         return DraftTree(root, torch.tensor([-1], device=root.device))

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 
 from .clock import PhaseClock
 from .rounds import tau_of
 from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
-from .drafter import RootOnlyDrafter, RoundStats, TargetFeatures, fork_drafter
+from .drafter import Drafter, RootOnlyDrafter, RoundStats, TargetFeatures, fork_drafter
 from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
 from .stopping import StopRules, check_stop_strings, first_stop
@@ -166,7 +167,7 @@ def accept_tree(
 class _Row:
     """One sequence of a batch while it decodes."""
 
-    drafter: object
+    drafter: Drafter
     prompt_len: int
     length: int  # committed tokens whose K/V the cache holds, in slots [0, length); the pending one is not
     seen: torch.Tensor | None  # [1, V] what a repetition penalty sees (prompt + emitted)
@@ -185,14 +186,14 @@ class _Decoding:
     """What every round of one generation reads: the target and settings, the output hooks and
     the engine's pieces (one home instead of a dozen parameters on each step)."""
 
-    backend: object  # the target's forward and cache (torch_target.py, llamacpp/target.py)
+    backend: Any  # the target's forward and cache (torch_target.py, llamacpp/target.py)
     config: GenerationConfig
     want_hidden: bool  # the verifier returns hidden states for the drafters' features
     generator: torch.Generator | None
     rules: StopRules
     decode: object  # token ids -> text for stop strings, or None
-    on_tokens: object
-    streamer: object
+    on_tokens: Callable[[list[int]], None] | None
+    streamer: Any  # a transformers-style streamer: put(tokens), end()
     clock: PhaseClock
     max_len: int | None  # the context limit
     device: torch.device

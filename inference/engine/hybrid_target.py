@@ -15,6 +15,7 @@ The attention layers' K/V are kept exactly as TorchTarget keeps them (cache.py).
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import Cache
 
 from .cache import cache_kwargs, keep_paths, select_rows
 from .recurrent import hybrid_cache, keep_states, record, rewind, select_state_rows, stack_rows
@@ -35,7 +36,8 @@ class HybridTarget(TorchTarget):
         longest = max(p.numel() for p in prompts)
         self.slots = longest - 1
         want_hidden = bool(feature_layers) or need_last
-        caches, hidden = [], []
+        caches: list[Cache] = []
+        hidden: list[tuple[torch.Tensor, ...] | None] = []  # per row: its forward's L + 1 hidden states
         for p in prompts:
             cache = hybrid_cache(self.model.config)
             caches.append(cache)
@@ -67,6 +69,7 @@ class HybridTarget(TorchTarget):
         return tree.subtree(first_chain(tree.parents))
 
     def verify(self, trees: list[DraftTree], lengths: list[int], want_hidden: bool) -> Verification:
+        assert self.cache is not None  # made by start
         record(self.cache, max(t.num_nodes for t in trees))
         return super().verify(trees, lengths, want_hidden)
 
@@ -74,14 +77,17 @@ class HybridTarget(TorchTarget):
         for path in paths:  # a chain's accepted nodes are its first ones
             if path != list(range(len(path))):
                 raise ValueError(f"a hybrid target keeps a chain's first nodes, got path {path}")
+        assert self.cache is not None  # made by start
         keep_states(self.cache, [len(path) for path in paths])
         self.slots = keep_paths(self.cache, lengths, self.slots, paths)
 
     def discard(self, length: int) -> None:
+        assert self.cache is not None  # made by start
         rewind(self.cache)
         super().discard(length)
 
     def select_rows(self, keep: list[int], lengths: list[int]) -> None:
+        assert self.cache is not None  # made by start
         select_state_rows(self.cache, keep)
         self.slots = max(lengths)
         select_rows(self.cache, keep, self.slots)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -53,7 +54,9 @@ def uses_mrope(model) -> bool:
 
 def token_types(config, ids: torch.Tensor) -> torch.Tensor:
     """[..., P] int: 1 at image placeholder tokens, 0 elsewhere."""
-    return (ids == image_token_id(config)).to(torch.int32)
+    token = image_token_id(config)
+    assert token is not None  # images reach only targets with an image token (check_images)
+    return (ids == token).to(torch.int32)
 
 
 def check_images(model, prompts: list[torch.Tensor], images: list[PromptImages | None]) -> None:
@@ -129,7 +132,8 @@ def _pixel_inputs(model, images: list[PromptImages | None], device) -> dict:
     given = [row for row in images if row is not None]
     kwargs: dict = {"pixel_values": torch.cat([row.pixel_values for row in given]).to(device)}
     if uses_mrope(model):
-        kwargs["image_grid_thw"] = torch.cat([row.image_grid_thw for row in given]).to(device)
+        # an M-RoPE target's images carry their grids (its processor gives them)
+        kwargs["image_grid_thw"] = torch.cat(cast(list[torch.Tensor], [row.image_grid_thw for row in given])).to(device)
     return kwargs
 
 

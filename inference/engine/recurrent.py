@@ -18,9 +18,12 @@ Only chains: a state follows one sequence, so branches of a tree would each need
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from transformers.cache_utils import (
     Cache,
+    CacheLayerMixin,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
@@ -94,7 +97,8 @@ def stack_rows(caches: list[Cache], slots: int) -> Cache:
                 t = getattr(row, name)
                 return torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2]))
 
-            layer.keys, layer.values = (torch.cat([padded(row, name) for row in rows]) for name in ("keys", "values"))
+            kv = cast(CacheLayerMixin, layer)  # has_kv: an attention layer's K/V
+            kv.keys, kv.values = (torch.cat([padded(row, name) for row in rows]) for name in ("keys", "values"))
     return base
 
 
@@ -106,7 +110,8 @@ def record(cache: Cache, n: int) -> None:
         layer.recurrent_states_history = {s: [] for s in _states(layer)}
         # a layer with no state yet (every prompt one token long) records no window before the
         # nodes: keep_states puts the zeros transformers starts from in front
-        layer.drafthead_from_empty = {s: not layer.has_previous_state[s] for s in _states(layer)}
+        # (drafthead's own mark on transformers' layer object)
+        setattr(layer, "drafthead_from_empty", {s: not layer.has_previous_state[s] for s in _states(layer)})
 
 
 def keep_states(cache: Cache, accepted: list[int]) -> None:
@@ -119,7 +124,8 @@ def keep_states(cache: Cache, accepted: list[int]) -> None:
             if layer.is_conv_states_initialized[s]:
                 full = layer.conv_states[s]  # [B, C, K + N]
                 k = layer.conv_kernel_size[s]
-                if layer.drafthead_from_empty[s]:
+                assert full is not None and k is not None  # initialised
+                if getattr(layer, "drafthead_from_empty")[s]:  # set by record
                     full = torch.nn.functional.pad(full, (k, 0))
                 start = torch.as_tensor(accepted, device=full.device)
                 index = start[:, None] + torch.arange(k, device=full.device)  # [B, K]
@@ -127,7 +133,9 @@ def keep_states(cache: Cache, accepted: list[int]) -> None:
                 layer.conv_states[s] = full.gather(-1, index).contiguous()
             if layer.is_recurrent_states_initialized[s]:
                 history = layer.recurrent_states_history[s]  # the states after 0..N-1 nodes
-                states = torch.stack([*history, layer.recurrent_states[s]])  # [N + 1, B, ...]
+                last = layer.recurrent_states[s]
+                assert last is not None  # initialised
+                states = torch.stack([*history, last])  # [N + 1, B, ...]
                 rows = torch.arange(states.shape[1], device=states.device)
                 layer.recurrent_states[s] = states[torch.as_tensor(accepted, device=states.device), rows].contiguous()
         layer.record_past = False
@@ -150,4 +158,6 @@ def select_state_rows(cache: Cache, rows: list[int]) -> None:
                 (layer.recurrent_states, layer.is_recurrent_states_initialized),
             ):
                 if ready[s]:
-                    states[s] = states[s][torch.as_tensor(rows, device=states[s].device)]
+                    state = states[s]
+                    assert state is not None  # initialised
+                    states[s] = state[torch.as_tensor(rows, device=state.device)]

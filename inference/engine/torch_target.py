@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from transformers.cache_utils import Cache
 
 from .cache import cache_capacity, cache_kwargs, crop, keep_paths, new_cache, select_rows
 from .compiled import StaticDecoding, static_capacity
@@ -36,9 +37,9 @@ class TorchTarget:
         self.row_invariant = row_invariant  # verify forwards row by row invariant (inference/engine/invariant.py)
         self.config = model.config
         self.static = static
-        self.cache = None
+        self.cache: Cache | None = None
         self.slots = 0  # cache slots per row (the longest row's committed length)
-        self.offsets = None  # [B] per row: its positions past the prompt are token index + offset (media.py)
+        self.offsets: torch.Tensor | None = None  # [B] per row: its positions past the prompt are token index + offset (media.py)
         self.max_new_tokens = 0
 
     def engine_context(self, enabled: bool):
@@ -75,7 +76,10 @@ class TorchTarget:
         a bigger tree keeps its first nodes, as the policy's cut does."""
         if self.static is None:
             return tree
-        return cut_tree(tree, cache_capacity(self.cache) - self.slots)
+        assert self.cache is not None  # made by start
+        capacity = cache_capacity(self.cache)
+        assert capacity is not None  # a static cache's
+        return cut_tree(tree, capacity - self.slots)
 
     def verify(self, trees: list[DraftTree], lengths: list[int], want_hidden: bool) -> Verification:
         prefix = torch.tensor(lengths, device=trees[0].tokens.device)
@@ -101,13 +105,16 @@ class TorchTarget:
         return self.model.get_input_embeddings().num_embeddings
 
     def keep(self, paths: list[list[int]], lengths: list[int]) -> None:
+        assert self.cache is not None  # made by start
         self.slots = keep_paths(self.cache, lengths, self.slots, paths)
 
     def discard(self, length: int) -> None:
+        assert self.cache is not None  # made by start
         crop(self.cache, length)
 
     def select_rows(self, keep: list[int], lengths: list[int]) -> None:
         """Rows `keep` stay, whose committed lengths are `lengths`; the cache is cut to the longest."""
+        assert self.cache is not None  # made by start
         self.slots = max(lengths)
         select_rows(self.cache, keep, self.slots)
         if self.offsets is not None:

@@ -140,7 +140,8 @@ def batch_attention_masks(
 @dataclass
 class Verification:
     logits: torch.Tensor  # [B, N, V] target logits at every node
-    hidden_states: tuple[torch.Tensor, ...] | None  # per output_hidden_states index, [B, N, H]
+    # per output_hidden_states index, [B, N, H] (the llama.cpp backend: {index: [B, N, H]} of the asked ones)
+    hidden_states: tuple[torch.Tensor, ...] | dict[int, torch.Tensor] | None
 
 
 def forward_tree(target, cache, tokens: torch.Tensor, parents: torch.Tensor, past_len: int, want_hidden: bool) -> Verification:

@@ -54,6 +54,7 @@ import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -166,7 +167,8 @@ def calibrate(layers: list[dict]) -> tuple[str, ...]:
             return _CALIBRATION[key]
         per_layer = linear.weight.numel() * linear.weight.element_size()
         streaming = layers[: max(1, min(len(layers), -(-STREAM_BYTES // per_layer)))]
-        kernels = {"plain": lambda k, x: F.linear(x, k["plain"].weight, k["plain"].bias)}
+        # each (layer's kernels, x) -> y
+        kernels: dict[str, Callable[..., torch.Tensor]] = {"plain": lambda k, x: F.linear(x, k["plain"].weight, k["plain"].bias)}
         for name in ("packed", "panel"):
             if layers[0].get(name) is not None:
                 kernels[name] = lambda k, x, name=name: k[name](x)
@@ -197,6 +199,9 @@ def _(x: torch.Tensor, key: int) -> torch.Tensor:
 
 class RowDispatchLinear(nn.Module):
     """An nn.Linear's forward on F.linear, a packed weight or weight panels, chosen by the row count."""
+
+    linear: nn.Linear  # plain attributes (object.__setattr__ in __init__), not submodules
+    kernels: dict[str, nn.Module]
 
     def __init__(self, linear: nn.Linear, kernels: dict[str, nn.Module], choices: tuple[str, ...]) -> None:
         super().__init__()
@@ -312,7 +317,7 @@ _ATTR = "_drafthead_engine_linears"
 _ACTIVE = "_drafthead_engine_linears_active"
 
 
-def _swap(target: nn.Module, layers: dict[str, nn.Module]) -> None:
+def _swap(target: nn.Module, layers: Mapping[str, nn.Module]) -> None:
     for name, layer in layers.items():
         parent_name, _, child = name.rpartition(".")
         setattr(target.get_submodule(parent_name) if parent_name else target, child, layer)

@@ -163,6 +163,7 @@ class LlamaCppTarget:
         if len(trees) == 1 and width <= BATCH_TOKENS:  # one call fills every entry: the copied outputs are the result
             nodes, _ = self._place(trees[0], lengths[0], 0, self._first_leaf)
             out = self._decode(nodes, outputs=True)
+            assert out is not None  # outputs asked for
             hidden = {i: h[None] for i, h in self._layer_inputs(len(nodes)).items()} if want_hidden and self._features else None
             return Verification(out[None], hidden)
         logits = torch.zeros(len(trees), width, self.vocab_size)
@@ -213,6 +214,7 @@ class LlamaCppTarget:
         rows = torch.tensor([b for b, _ in where])
         cols = torch.tensor([i for _, i in where])
         if logits is not None:
+            assert out is not None  # outputs asked for
             logits[rows, cols] = out
         if hidden is not None:
             for i, h in self._layer_inputs(len(chunk)).items():
@@ -277,7 +279,7 @@ class LlamaCppTarget:
         if not self.ctx:
             raise LlamaCppError(f"{self.path}: llama.cpp could not make a context of {size} cells")
         self.context = size
-        self.memory = self.lib.llama_get_memory(self.ctx)
+        self.memory: int | None = self.lib.llama_get_memory(self.ctx)  # a void* (ctypes: an int)
         self._features = ()
 
     def _decode(self, tokens: list[tuple[int, int, list[int]]], outputs: bool) -> torch.Tensor | None:

@@ -19,11 +19,12 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, cast
 
 import torch
 from safetensors.torch import load_file
 
+from ...heads.target_parts import decoder_of
 from ..bench.compare_vllm import VLLM_PYTHON, child_env
 
 CHILD = Path(__file__).with_name("capture_child.py")
@@ -70,7 +71,7 @@ def as_our_features(
 
 def final_norm_of(model) -> torch.nn.Module:
     """The norm between the target's last decoder layer and its LM head (`model.model.norm`)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    decoder = decoder_of(model)
     norm = getattr(decoder, "norm", None)
     if norm is None:
         raise ValueError(f"{type(model).__name__}: no final norm at get_decoder().norm, which --backend vllm applies to vLLM's unnormed last state")
@@ -149,6 +150,7 @@ class VllmTarget:
         self._answer("ready")
 
     def _answer(self, key: str):
+        assert self.child is not None and self.child.stdout is not None  # started, with pipes (_start)
         line = self.child.stdout.readline()
         if not line:
             rc = self.child.wait()
@@ -170,10 +172,11 @@ class VllmTarget:
             raise VllmError(f"the vLLM engine was started for layers {self.layers}, not {tuple(layers)}")
         B, T = input_ids.shape
         prompts = [input_ids[b, : int(attention_mask[b].sum())].tolist() for b in range(B)]
+        assert self.child is not None and self.child.stdin is not None and self.ids is not None  # started above (_start)
         self.child.stdin.write(json.dumps({"prompts": prompts}) + "\n")
         self.child.stdin.flush()
         files = self._answer("files")
-        H = self.final_norm.weight.shape[-1]
+        H = cast(torch.Tensor, self.final_norm.weight).shape[-1]
         out = {layer: torch.zeros(B, T, H, dtype=self.feature_dtype) for layer in layers}
         for b, (ids, path) in enumerate(zip(prompts, files)):
             saved = load_file(path)
@@ -187,6 +190,7 @@ class VllmTarget:
     def close(self) -> None:
         """End the child: EOF on its stdin ends its loop."""
         if self.child is not None:
+            assert self.child.stdin is not None  # started with pipes (_start)
             self.child.stdin.close()
             try:
                 self.child.wait(timeout=120)
