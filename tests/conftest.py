@@ -90,6 +90,16 @@ def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+# Modules holding the longest single tests (10-50 s each on 2 cores: the GPU check's dry run,
+# the statistical proofs, the gloo launches). They run first, so that neither pytest-xdist worker
+# is left with one of them at the end while the other idles. A hint for speed only.
+LONG_FIRST = ("test_gpu_check", "test_batch", "test_sampling_exactness", "test_distributed", "test_multiprocess_data", "test_shipped_head")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.stem not in LONG_FIRST)  # stable: the order within each part stays
+
+
 def save_tiny_vlm(folder: Path, seed: int = 0) -> Path:
     """A tiny Gemma-3 vision-language target folder with its own processor (Gemma3Processor: the
     tiny tokenizer plus begin/end-of-image and image tokens, a 28x28 image processor, 4 tokens per

@@ -16,6 +16,9 @@ from tests.tiny import tiny_causal_lm
 ALPHA = 1e-3  # a correct sampler fails each case once in a thousand runs
 VOCAB = 8
 RUNS = 2500
+# Rows drawn per batch call (each row its own drafter fork and draws): per-row work dominates a
+# call past ~50 rows on the tiny targets, so more rows per call stop paying.
+COPIES = 50
 # Rows, of RUNS, whose first round accepted a depth-2 path whole. Drafts steered to the target's
 # greedy path (tests/oracle.py) on tiny_causal_lm's sharpened logits give 107-329 across the
 # depth-2 tests; at 151 (Medusa's static tree) a residual wrong only at depth 2 reads p ~ 1e-10
@@ -61,7 +64,7 @@ def assert_static_tree_sampling_exact(drafter_of) -> None:
     assert_law_at_depth_two(target, drafter_of(target, [(0,), (1,), (0, 0), (1, 0)]), prompt, sampling)
 
 
-def assert_law_at_depth_two(target, drafter, prompt, sampling, copies: int = 10, policy_of=None, chain: bool = False) -> None:
+def assert_law_at_depth_two(target, drafter, prompt, sampling, copies: int = COPIES, policy_of=None, chain: bool = False) -> None:
     """The joint law of the first three tokens after `prompt` [1, P] is the target's, with
     `drafter`'s trees steered to the target's greedy path (tests/oracle.py: a deterministic
     draft, so acceptance treats it as a point mass) so that at least MIN_DEEP rows accept a
@@ -75,7 +78,7 @@ def assert_law_at_depth_two(target, drafter, prompt, sampling, copies: int = 10,
     assert chi_square_pvalue(counts, exact_first_three(target, prompt, sampling), RUNS) > ALPHA
 
 
-def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: int = 10, policy_of=None) -> tuple[Counter, int]:
+def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: int = COPIES, policy_of=None) -> tuple[Counter, int]:
     """RUNS samples of the first `new_tokens` tokens after `prompt` [1, P], drawn `copies` rows at
     a time in one batch (each row its own drafter fork and draws): the joint counts and how many
     rows accepted a path of new_tokens - 1 drafts whole in their first round."""

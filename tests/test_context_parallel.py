@@ -49,33 +49,41 @@ def head_and_batch(family: str, packed: bool, lengths, case: str = ""):
     return head, batch
 
 
-def worker(rank: int, size: int, port: int, case: str, out: str) -> None:
+def worker(rank: int, size: int, port: int, out: str) -> None:
+    """Every case in one process group: starting the two ranks costs more than a case's step."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        family, packed, lengths, budget = CASES[case]
-        if budget is not None:
-            ttt.CHUNK_BYTES = budget
-        head, batch = head_and_batch(family, packed, lengths, case)
-        head.context_split = ContextSplit(rank, size)
-        loss, grads = loss_and_grads(head, batch)
-        _, metrics = head.compute_loss(batch)
-        dist.all_reduce(loss)
-        for g in grads.values():
-            dist.all_reduce(g)
-        if rank == 0:
-            torch.save({"loss": loss, "grads": grads, "metrics": metrics}, out)
+        for case, (family, packed, lengths, budget) in CASES.items():
+            ttt.CHUNK_BYTES, before = (budget or ttt.CHUNK_BYTES), ttt.CHUNK_BYTES
+            head, batch = head_and_batch(family, packed, lengths, case)
+            head.context_split = ContextSplit(rank, size)
+            loss, grads = loss_and_grads(head, batch)
+            _, metrics = head.compute_loss(batch)
+            ttt.CHUNK_BYTES = before
+            dist.all_reduce(loss)
+            for g in grads.values():
+                dist.all_reduce(g)
+            if rank == 0:
+                torch.save({"loss": loss, "grads": grads, "metrics": metrics}, f"{out}/{case}.pt")
     finally:
         dist.destroy_process_group()
 
 
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    """case -> the split run's summed loss, gradients and metrics (one spawn of two ranks)."""
+    out = tmp_path_factory.mktemp("context-split")
+    mp.start_processes(worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+    return {case: torch.load(out / f"{case}.pt") for case in CASES}
+
+
+@pytest.mark.xdist_group("context-split")  # one worker runs the cases, so the ranks start once
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_row_split_across_two_ranks_gives_the_unsplit_loss_and_gradients(case, tmp_path):
+def test_a_row_split_across_two_ranks_gives_the_unsplit_loss_and_gradients(case, split_runs):
     family, packed, lengths, budget = CASES[case]
-    out = tmp_path / "split.pt"
-    mp.start_processes(worker, args=(2, free_port(), case, str(out)), nprocs=2, start_method="spawn")
-    split = torch.load(out)
+    split = split_runs[case]
     if budget is not None:  # the same chunking unsplit
         ttt.CHUNK_BYTES, before = budget, ttt.CHUNK_BYTES
     try:

@@ -201,7 +201,7 @@ def test_a_residual_wrong_only_at_depth_two_is_caught(monkeypatch):
     monkeypatch.setattr(engine, "tree_rejection_sample", residual_ignored_at_depth_two)
     target, drafter, _ = steered_case("medusa1")
     with pytest.raises(AssertionError):
-        assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9), copies=50)
+        assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9))
 
 
 def test_a_policy_that_never_drafts_or_never_cuts_is_caught(monkeypatch):

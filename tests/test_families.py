@@ -278,4 +278,4 @@ def test_tree_sampling_is_exact_at_depth_two(family):
 
     target = tiny_causal_lm(family, vocab=VOCAB, seed=3, layers=LAYERS, **SAMPLED_FAMILIES[family])
     prompt = torch.tensor([[3, 4, 5, 6, 3, 4, 7, 6, 3, 4]])
-    assert_law_at_depth_two(target, PromptLookupDrafter(length=3), prompt, SamplingConfig(temperature=0.6), copies=50)
+    assert_law_at_depth_two(target, PromptLookupDrafter(length=3), prompt, SamplingConfig(temperature=0.6))

@@ -11,8 +11,8 @@ from tests.law import ALPHA, RUNS, VOCAB, assert_law_at_depth_two, exact_first_t
 from tests.stats import chi_square_pvalue
 from tests.tiny import tiny_causal_lm
 
-# (sampling, draft shape): each draws ten rows a batch (each row its own drafter fork and draws), a
-# tenth of the calls; the lookup test below keeps the batch-1 loop's statistical test. A sampled
+# (sampling, draft shape): each draws tests/law.py's COPIES rows a batch (each row its own drafter
+# fork and draws); the lookup test below keeps the batch-1 loop's statistical test. A sampled
 # chain of 2 at temperature 0.9 is tests/test_batch.py's depth-two case (two prompts of different
 # lengths, three tokens).
 CASES = {
@@ -69,7 +69,7 @@ def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
 @pytest.mark.parametrize("case", ["medusa1", "medusa2", "eagle1", "merged", "policy"])
 def test_every_drafter_keeps_the_targets_law_at_depth_two(case):
     target, drafter, policy_of = steered_case(case)
-    assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9), copies=50, policy_of=policy_of)
+    assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9), policy_of=policy_of)
     if policy_of is not None:
         decisions = policy_of().decisions
         assert any(d > 1 for d in decisions), decisions  # rounds whose trees the policy cut to its node count
