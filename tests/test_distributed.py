@@ -22,24 +22,11 @@ from safetensors.torch import load_file
 
 from drafthead.train.tiny import save_tiny_target, write_tiny_jsonl
 from tests.dist_worker import equal_length_trainer, tiny_config
+from tests.launch import accelerate_launch, run_group, start_group, stop_group
 
 pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
 
 REPO = Path(__file__).resolve().parent.parent
-LAUNCH = [
-    sys.executable,
-    "-m",
-    "accelerate.commands.launch",
-    "--multi_gpu",
-    "--num_processes",
-    "2",
-    "--num_machines",
-    "1",
-    "--mixed_precision",
-    "no",
-    "--dynamo_backend",
-    "no",
-]
 KILLED_RUN = {"parallelism": "fsdp", "max_steps": 8, "checkpoint_every": 1, "eval_every": 4}  # as tests/dist_worker.py's cli-fsdp
 
 
@@ -86,14 +73,18 @@ def latest_step(run_dir: Path) -> int:
 def run_until_checkpoint(cmd: list[str], run_dir: Path, env: dict, step: int, kill) -> subprocess.CompletedProcess:
     """Start `cmd`, wait until its newest checkpoint is `step` or later, SIGKILL `kill(proc)`
     (one pid), wait for the launcher to end. The run must not have finished on its own."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 120
-    while latest_step(run_dir) < step:
-        assert proc.poll() is None, f"the run ended before checkpoint {step}: {proc.stdout.read()[-3000:]}"
-        assert time.time() < deadline, "no checkpoint within 120 s"
-        time.sleep(0.005)
-    os.kill(kill(proc), signal.SIGKILL)
-    out, _ = proc.communicate(timeout=120)
+    proc = start_group(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while latest_step(run_dir) < step:
+            assert proc.poll() is None, f"the run ended before checkpoint {step}: {proc.stdout.read()[-3000:]}"
+            assert time.time() < deadline, "no checkpoint within 120 s"
+            time.sleep(0.005)
+        os.kill(kill(proc), signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        stop_group(proc)
+        proc.wait()
     assert not (run_dir / "final").exists(), "the run finished before the kill: nothing was interrupted"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
@@ -109,14 +100,7 @@ def two_process_runs(tiny_run_inputs):
     """OUT of one `accelerate launch` of tests/dist_worker.py (see its docstring)."""
     tmp, target, chats = tiny_run_inputs
     out = tmp / "worker"
-    proc = subprocess.run(
-        LAUNCH + [str(REPO / "tests" / "dist_worker.py"), str(out), target, chats],
-        cwd=REPO,
-        env=env_for(tmp),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = run_group(accelerate_launch() + [str(REPO / "tests" / "dist_worker.py"), str(out), target, chats], 300, cwd=REPO, env=env_for(tmp))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -174,7 +158,7 @@ def test_fsdp_rank_killed_after_a_checkpoint_resumes_bit_equal(two_process_runs,
     tmp, target, chats = tiny_run_inputs
     run = tmp / "killed-fsdp"
     overrides = [f"{k}={v}" for k, v in dict(KILLED_RUN, target=target, **{"data.path": chats}, output_dir=run, threads=1).items()]
-    cmd = LAUNCH + ["-m", "drafthead", "train", "--config", str(REPO / "configs" / "tiny-eagle3.yaml"), *overrides]
+    cmd = accelerate_launch() + ["-m", "drafthead", "train", "--config", str(REPO / "configs" / "tiny-eagle3.yaml"), *overrides]
 
     def a_rank(proc):  # one of the two training processes under the launcher
         ranks = [p for p in descendants(proc.pid) if b"drafthead\x00train" in Path(f"/proc/{p}/cmdline").read_bytes()]

@@ -55,10 +55,17 @@ def _trainer(data):
     return Trainer(cfg, head, data)
 
 
-def test_online_and_captured_batches_are_identical(setup):
+@pytest.fixture(scope="module")
+def cap32(setup):
+    """The samples' features captured in fp32, shards of 8 samples (made once per worker)."""
     tmp, tok, model, samples = setup
     capture_features(model, samples, LAYERS, tmp / "cap32", batch_size=4, shard_samples=8, dtype="float32", pad_token_id=tok.pad_token_id)
-    captured = CapturedFeatures(tmp / "cap32")
+    return tmp / "cap32"
+
+
+def test_online_and_captured_batches_are_identical(setup, cap32):
+    tmp, tok, model, samples = setup
+    captured = CapturedFeatures(cap32)
     assert len(captured) == len(samples) == 20 and captured.layers == LAYERS and captured.hidden_size == 64
     assert len(captured.index["shards"]) == 3
 
@@ -79,16 +86,16 @@ def test_online_and_captured_batches_are_identical(setup):
     assert torch.equal(captured.token_counts(len(tok)), samples.token_counts(len(tok)))
 
 
-def test_bf16_storage_halves_disk_and_rounds_only(setup):
+def test_bf16_storage_halves_disk_and_rounds_only(setup, cap32):
     tmp, tok, model, samples = setup
     capture_features(model, samples, LAYERS, tmp / "cap16", batch_size=4, shard_samples=8, dtype="bfloat16", pad_token_id=tok.pad_token_id)
-    full = CapturedFeatures(tmp / "cap32")
+    full = CapturedFeatures(cap32)
     half = CapturedFeatures(tmp / "cap16")
     s32, s16 = full[5], half[5]
     assert s16["hidden_states"][1].dtype == torch.bfloat16
     assert torch.equal(s16["hidden_states"][1], s32["hidden_states"][1].to(torch.bfloat16))
     size = lambda d: sum(f.stat().st_size for f in d.glob("shard-*"))  # noqa: E731
-    assert size(tmp / "cap16") < 0.6 * size(tmp / "cap32")
+    assert size(tmp / "cap16") < 0.6 * size(cap32)
 
 
 def test_another_engines_features_are_what_the_capture_stores(setup):

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from drafthead.cli import main
 from drafthead.train.workshare import WorkShare
 from drafthead.train.regenerate import RegenerateSettings, done_ids, merge_parts, part_files, part_path, regenerate
 from drafthead.train.tiny import write_tiny_jsonl
+from tests.launch import accelerate_launch, run_group
 
 pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
 
@@ -54,35 +53,16 @@ for argv in json.loads(sys.argv[1]):
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:  # not the default 29500: another test may launch at the same time
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path: Path, runs: list[list[str]], **env) -> subprocess.CompletedProcess:
     script = tmp_path / "launched.py"
     script.write_text(LAUNCHED)
     cmd = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(_free_port()),
+        *accelerate_launch(),
         str(script),
         json.dumps(runs),
     ]
     env = dict(os.environ, ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **env)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
+    return run_group(cmd, 150, cwd=REPO, env=env)
 
 
 def _stamps(folder: Path) -> dict[str, tuple[int, int]]:
