@@ -1,9 +1,8 @@
 """The engine, acceptance and training paths on a CUDA device (docs/testing.md "On a GPU").
 
-Every test here runs on DRAFTHEAD_TEST_DEVICE (default cuda) and skips where that is cuda and no
-GPU is present, as in `make test`. `scripts/gpu/check.sh` runs them on the GPU; its CPU dry run
-(`--dry-run`, in `make test` through tests/test_gpu_check.py) runs the same tests with the device
-set to cpu, so their code is exercised on every commit:
+Every test here runs on DRAFTHEAD_TEST_DEVICE: by default the GPU where there is one, else the
+CPU, so `make test` runs their code on every commit and `scripts/gpu/check.sh` on the GPU. Set to
+cuda on a machine without one, they skip:
 
 - tree-masked verification with drafts accepted along a path that is not a prefix of the nodes
   (KV compaction), at batch 1 and in a ragged batch of 3, fp32, equal to plain greedy decoding;
@@ -29,10 +28,8 @@ from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.oracle import OracleDrafter, assert_accepts_and_stays_exact, by_row, known_continuation
 from tests.tiny import left_padded, plain_greedy, prompts_of, repetitive_prompt, tiny_causal_lm
 
-DEVICE = os.environ.get("DRAFTHEAD_TEST_DEVICE", "cuda")
-pytestmark = pytest.mark.skipif(
-    DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="no CUDA device (scripts/gpu/check.sh --dry-run runs these on the CPU)"
-)
+DEVICE = os.environ.get("DRAFTHEAD_TEST_DEVICE", "cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(DEVICE.startswith("cuda") and not torch.cuda.is_available(), reason="DRAFTHEAD_TEST_DEVICE is cuda: no CUDA device")
 NEW = 24
 
 
