@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from .drafters import PROPOSERS, default_head_path, make_drafter_factory
+from .drafters import PROPOSERS, default_head_path, make_drafter_factory, proposer_name
 
 SIZINGS = ("fixed", "policy", "confidence")
 BACKENDS = ("torch", "llama.cpp")
@@ -72,6 +72,8 @@ class DraftSpec:
 
     def __post_init__(self):
         """Settings no drafter can take, refused before any model loads."""
+        if self.proposer is not None:
+            object.__setattr__(self, "proposer", proposer_name(self.proposer))  # frozen: set once, here
         if self.proposer is not None and self.proposer not in PROPOSERS:
             raise ValueError(f"unknown proposer '{self.proposer}': use one of {', '.join(PROPOSERS)}")
         if self.sizing is not None and self.sizing not in SIZINGS:
@@ -82,7 +84,7 @@ class DraftSpec:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
                 raise ValueError(f"--{name.replace('_', '-')} must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, got {value!r}")
-        if self.sizing == "confidence" and self.proposer not in (None, "heads"):
+        if self.sizing == "confidence" and self.proposer not in (None, "head"):
             raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks, not {self.proposer} drafts")
         if self.proposer == "draft-model" and self.draft_model is None:
             raise ValueError("--proposer draft-model needs --draft-model NAME")
@@ -91,7 +93,7 @@ class DraftSpec:
         if self.chain is not None and self.sizing == "confidence":
             raise ValueError("--chain K is a fixed chain: it cannot be sized by the drafter's confidence")
         heads_only = [name for name in ("depth", "branch", "chain", "lookup_nodes") if getattr(self, name) is not None]
-        if heads_only and self.proposer not in (None, "heads"):
+        if heads_only and self.proposer not in (None, "head"):
             raise ValueError(f"--{heads_only[0].replace('_', '-')} is a head drafter's setting, not {self.proposer}'s")
 
     @classmethod
@@ -124,23 +126,23 @@ class DraftSpec:
         proposer, head = self.proposer, self.head
         if proposer is None:
             if head is not None:
-                proposer = "heads"
+                proposer = "head"
             elif self.draft_model is not None:
                 proposer = "draft-model"
             else:
                 shipped = default_head_path(target_name)
                 if shipped is not None:
-                    return (replace(self, proposer="heads", head=str(shipped)), f"drafting with the head shipped for {target_name} ({shipped})")
+                    return (replace(self, proposer="head", head=str(shipped)), f"drafting with the head shipped for {target_name} ({shipped})")
                 if self.sizing == "confidence":  # prompt lookup cannot size itself
                     raise ValueError(f"sizing 'confidence' needs an EAGLE or DSpark head, and none ships for {target_name}: pass --head DIR")
                 return (replace(self, proposer="prompt-lookup"), f"no trained head ships for {target_name} yet: drafting with prompt lookup")
-        if proposer == "heads" and head is None:
+        if proposer == "head" and head is None:
             shipped = default_head_path(target_name)
             if shipped is None:
                 raise ValueError(f"no head ships for {target_name}; pass --head DIR")
             head = str(shipped)
         spec = replace(self, proposer=proposer, head=head)
-        what = {"heads": f"the head at {head}", "draft-model": f"draft model {self.draft_model}", "prompt-lookup": "prompt lookup"}
+        what = {"head": f"the head at {head}", "draft-model": f"draft model {self.draft_model}", "prompt-lookup": "prompt lookup"}
         return spec, f"drafting with {what[proposer]}"
 
     def drafter_options(self) -> dict:
@@ -149,7 +151,7 @@ class DraftSpec:
         options: dict[str, object]
         if self.proposer == "prompt-lookup":
             options = {"num_draft": self.num_draft, "streak_draft": self.lookup_streak}
-        elif self.proposer == "heads":
+        elif self.proposer == "head":
             options = {
                 "num_draft": self.num_draft,
                 "depth": self.depth,
@@ -181,7 +183,7 @@ class DraftSpec:
         note = note or _stderr
         spec, message = self.resolve(loaded.name)
         kw = spec.drafter_options()
-        if spec.proposer == "heads":
+        if spec.proposer == "head":
             kw.update(head=spec.head, target_name=loaded.name)
         elif spec.proposer == "draft-model":
             kw.update(draft_model=spec.draft_model, sampling=sampling, seed=seed)

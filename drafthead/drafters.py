@@ -2,7 +2,7 @@
 
     prompt-lookup  n-gram lookup in the sequence so far (no model, no training)
     draft-model    a small causal LM sharing the target's vocabulary
-    heads          a trained Medusa / EAGLE head folder (`drafthead train` writes one)
+    head           a trained head folder (`drafthead train` writes one)
 
 Drafter modules are imported lazily inside each branch, so `import drafthead` stays light and a
 proposer whose module is broken or absent only fails when asked for.
@@ -12,13 +12,25 @@ from __future__ import annotations
 
 import importlib.resources
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable
 
 from .inference.engine.sampling import SamplingConfig
 from .inference.engine.targets import LoadedTarget, load_target
 
-PROPOSERS = ("prompt-lookup", "draft-model", "heads")
+PROPOSERS = ("prompt-lookup", "draft-model", "head")
+OLD_PROPOSER_SPELLINGS = {"heads": "head"}  # renamed proposers: read as the new name, with a warning
+
+
+def proposer_name(name: str) -> str:
+    """`name`, or the proposer an old spelling of it names (OLD_PROPOSER_SPELLINGS)."""
+    if name in OLD_PROPOSER_SPELLINGS:
+        new = OLD_PROPOSER_SPELLINGS[name]
+        warnings.warn(f"proposer '{name}' is now '{new}'; read as that (rename it to silence this)", FutureWarning, stacklevel=3)
+        return new
+    return name
+
 
 # Strings whose ids must agree between a target and a draft model's tokenizers (besides the
 # whole-vocabulary checks): words, code, numbers, whitespace, non-Latin text and chat markup.
@@ -54,7 +66,8 @@ def build_drafter(
     Heads are loaded from `head`; the head loader may adapt the target in place (Medusa-2's merged
     LoRA): the adapted model is then the target whose output the decode reproduces.
     """
-    if kw.get("sizing", "fixed") != "fixed" and proposer != "heads":
+    proposer = proposer_name(proposer)
+    if kw.get("sizing", "fixed") != "fixed" and proposer != "head":
         raise DrafterError(f"sizing {kw['sizing']!r} sizes EAGLE trees and DSpark blocks, not {proposer} drafts")
     if proposer == "prompt-lookup":
         from .inference.drafters.prompt_lookup import PromptLookupDrafter
@@ -71,7 +84,7 @@ def build_drafter(
         model = _draft_model(draft_model, target, tokenizer, draft_tokenizer)
         sampling = kw.pop("sampling", None) or SamplingConfig()
         return DraftModelDrafter(model, num_draft=4 if num_draft is None else num_draft, sampling=sampling, **kw)
-    if proposer == "heads":
+    if proposer == "head":
         drafter, adapted = head_folder_drafter(head, target, tokenizer, num_draft=num_draft, **kw)
         if adapted is not target:
             raise DrafterError(
@@ -89,7 +102,8 @@ def make_drafter_factory(proposer: str, target, tokenizer, **kw) -> tuple[Callab
     Expensive parts are built once: a draft model is loaded once and shared; a head drafter is
     built once and reused, since `begin()` starts its state afresh for every sequence.
     """
-    if proposer == "heads":
+    proposer = proposer_name(proposer)
+    if proposer == "head":
         drafter, target = head_folder_drafter(kw.pop("head", None), target, tokenizer, **kw)
         return (lambda: drafter), target
     if proposer == "draft-model" and kw.get("draft_model") is not None:
@@ -105,22 +119,20 @@ def head_folder_drafter(
     """(drafter, target) for a trained head folder; `num_draft` sets the draft nodes per round,
     `sizing` "confidence" lets an EAGLE or DSpark head size each round itself (None: drafting.json's)."""
     if head is None:
-        raise DrafterError("the heads proposer needs a trained head folder (--head DIR)")
+        raise DrafterError("the head proposer needs a trained head folder (--head DIR)")
     head = Path(head)
     if not head.is_dir():
         raise FileNotFoundError(f"no head folder at {head}")
     from .heads.formats.common import ConventionNeeded
-    from .heads.config import head_kind
+    from .heads.config import check_sizing
     from .inference.drafters.load import load_head_drafter
 
     layout, kind = head_layout(head)
     if num_draft is not None or sizing is not None:
-        try:
-            spec = head_kind(str(kind))
+        try:  # before the head loads
+            check_sizing(str(kind), sizing)
         except ValueError as e:
             raise DrafterError(f"{head}: {e}") from None
-        if sizing == "confidence" and not spec.sizes_itself:
-            raise DrafterError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number of nodes")
         options.update(num_draft=num_draft, sizing=sizing)
     if layout == "ours":
         return load_head_drafter(head, target, tokenizer, target_name=target_name, **options)

@@ -630,6 +630,13 @@ def head_kind(name: str) -> HeadKind:
     return KINDS[name]
 
 
+def check_sizing(kind: str, sizing: str | None) -> None:
+    """Sizing "confidence" needs a kind whose drafter estimates its own acceptance (`sizes_itself`);
+    the others take a number of nodes. A ValueError in one line otherwise."""
+    if sizing == "confidence" and not head_kind(kind).sizes_itself:
+        raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number of nodes")
+
+
 def drafter_family(kind: str) -> str:
     """The drafter family that drafts with a head of `kind` (KINDS)."""
     return head_kind(kind).family

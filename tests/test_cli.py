@@ -73,7 +73,7 @@ def test_other_expected_errors(capsys, tiny_llama_dir, tmp_path):
     code, out, err = run_cli(capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "  ")
     assert_one_line_error(code, err, "prompt is empty")
     code, out, err = run_cli(
-        capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--proposer", "heads", "--head", str(tmp_path / "none")
+        capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--proposer", "head", "--head", str(tmp_path / "none")
     )
     assert_one_line_error(code, err, "no head folder")
     code, out, err = run_cli(capsys, "generate", "--target", str(tiny_llama_dir), "--prompt", "hi", "--temperature", "-1")
@@ -215,9 +215,9 @@ def test_default_proposer_is_prompt_lookup_without_a_shipped_head():
     spec, message = DraftSpec().resolve("no-head-target")
     assert (spec.proposer, spec.head) == ("prompt-lookup", None) and "no trained head ships" in message
     assert DraftSpec(draft_model="x").resolve("t")[0].proposer == "draft-model"
-    assert DraftSpec(head="h").resolve("t")[0].proposer == "heads"
+    assert DraftSpec(head="h").resolve("t")[0].proposer == "head"
     with pytest.raises(ValueError, match="no head ships for t; pass --head"):
-        DraftSpec(proposer="heads").resolve("t")
+        DraftSpec(proposer="head").resolve("t")
     with pytest.raises(ValueError, match="confidence' needs an EAGLE or DSpark head"):
         DraftSpec(sizing="confidence").resolve("t")
 
@@ -292,7 +292,7 @@ def test_unknown_proposer_and_missing_arguments(tiny_llama_dir):
     with pytest.raises(DrafterError, match="needs a draft model"):
         build_drafter("draft-model", None, None)
     with pytest.raises(DrafterError, match="needs a trained head"):
-        build_drafter("heads", None, None)
+        build_drafter("head", None, None)
     assert default_head_path("no-such-target") is None
     lookup = build_drafter("prompt-lookup", None, None, num_draft=5, max_ngram=2)
     assert (lookup.length, lookup.num_draft, lookup.max_ngram) == (5, 5, 2)  # --num-draft: the trie's draft nodes
@@ -334,7 +334,7 @@ def test_heads_proposer_end_to_end(capsys, tiny_llama_dir, tmp_path, kind):
     )
     assert code == 0, err
     report = json.loads(out_json.read_text())
-    assert report["settings"]["proposer"] == "heads" and report["identical_fraction"] == 1.0
+    assert report["settings"]["proposer"] == "head" and report["identical_fraction"] == 1.0
     assert max(report["prompts"][0]["drafted"]) <= 5  # --num-draft sets the head's num_draft
     described = report["settings"]["drafter"]  # the effective drafter settings are recorded
     assert described["kind"].startswith(kind) and described["num_draft"] == 5

@@ -120,7 +120,7 @@ def test_confidence_rule_needs_a_cost_curve_and_is_only_for_eagle(tmp_path):
     medusa = build_head(make_config("medusa1", target, None, name="tiny"), target)
     medusa_folder = medusa.save_pretrained(tmp_path / "medusa")
     with pytest.raises(DrafterError, match="confidence"):
-        build_drafter("heads", target, None, head=medusa_folder, sizing="confidence", target_name="tiny")
+        build_drafter("head", target, None, head=medusa_folder, sizing="confidence", target_name="tiny")
     with pytest.raises(DrafterError, match="confidence"):
         build_drafter("prompt-lookup", target, None, sizing="confidence")
     with pytest.raises(ValueError, match="depth"):

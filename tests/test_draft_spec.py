@@ -28,6 +28,15 @@ def test_the_cli_spellings_map_to_one_spec():
         spec_of("--num-draft", "auto", "--sizing", "fixed")
 
 
+def test_the_old_proposer_name_heads_is_read_as_head_with_a_warning():
+    with pytest.warns(FutureWarning, match="proposer 'heads' is now 'head'"):
+        assert spec_of("--proposer", "heads", "--head", "h") == DraftSpec(proposer="head", head="h")
+    with pytest.warns(FutureWarning, match="proposer 'heads' is now 'head'"):
+        assert DraftSpec(proposer="heads", head="h").proposer == "head"
+    with pytest.raises(SystemExit):  # not a proposer in either spelling: argparse's one line
+        spec_of("--proposer", "header")
+
+
 @pytest.mark.parametrize(
     "fields, message",
     [
@@ -50,13 +59,13 @@ def test_settings_no_drafter_can_take_fail_at_once(fields, message):
 
 def test_each_proposer_gets_its_options_from_one_translation():
     assert DraftSpec(proposer="prompt-lookup", num_draft=7, lookup_streak=0).drafter_options() == {"num_draft": 7, "streak_draft": 0}
-    heads = DraftSpec(proposer="heads", head="h", num_draft=9, depth=3, branch=2, lookup_nodes=0)
+    heads = DraftSpec(proposer="head", head="h", num_draft=9, depth=3, branch=2, lookup_nodes=0)
     assert heads.drafter_options() == {"num_draft": 9, "depth": 3, "top_k": 2, "lookup_nodes": 0}
     # unset fields stay out, so drafting.json keeps them; the load policy is the engine's, and the
     # drafter drafts its fixed tree under it
-    assert DraftSpec(proposer="heads", head="h").drafter_options() == {}
-    assert DraftSpec(proposer="heads", head="h", sizing="policy").drafter_options() == {"sizing": "fixed"}
-    assert DraftSpec(proposer="heads", head="h", sizing="confidence").drafter_options() == {"sizing": "confidence"}
+    assert DraftSpec(proposer="head", head="h").drafter_options() == {}
+    assert DraftSpec(proposer="head", head="h", sizing="policy").drafter_options() == {"sizing": "fixed"}
+    assert DraftSpec(proposer="head", head="h", sizing="confidence").drafter_options() == {"sizing": "confidence"}
     assert DraftSpec(proposer="draft-model", draft_model="m", num_draft=3).drafter_options() == {"num_draft": 3}
     with pytest.raises(ValueError, match="resolve"):
         DraftSpec().drafter_options()

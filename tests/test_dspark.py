@@ -271,7 +271,7 @@ def test_a_saved_head_drafts_with_the_confidence_rule_from_the_cli_value(tmp_pat
     assert (spec.sizing, spec.num_draft) == ("confidence", None)
     assert DraftSpec.from_args(Namespace(head=str(folder), sizing="confidence")) == spec
     drafting = spec.build(SimpleNamespace(name="tiny", model=target, tokenizer=None), note=lambda line: None)
-    assert drafting.policy is None and drafting.verifier is target and drafting.spec.proposer == "heads"
+    assert drafting.policy is None and drafting.verifier is target and drafting.spec.proposer == "head"
     drafter = drafting.factory()
     assert isinstance(drafter, DSparkDrafter) and drafter.confidence_rule and drafter.verify_cost.nodes[0] == 1
     prompt = repetitive_prompt(96, seed=2)[:, :9]

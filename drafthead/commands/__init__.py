@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..draft_spec import PROPOSERS, SIZINGS
+from ..draft_spec import PROPOSERS, SIZINGS, proposer_name
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -118,11 +118,12 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("drafting")
     g.add_argument(
         "--proposer",
+        type=proposer_name,
         choices=PROPOSERS,
         default=None,
         help="who drafts (default: the head shipped for the target, else prompt lookup)",
     )
-    g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer heads)")
+    g.add_argument("--head", default=None, metavar="DIR", help="trained head folder (proposer head)")
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
     g.add_argument(
         "--num-draft",

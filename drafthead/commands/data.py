@@ -328,7 +328,7 @@ def _regenerate_locally(args, ds, out: Path, share, say) -> int:
     if args.speculative or args.head:
         from ..draft_spec import DraftSpec
 
-        spec = DraftSpec(proposer="heads", head=args.head, sizing=_regenerate_sizing(args))
+        spec = DraftSpec(proposer="head", head=args.head, sizing=_regenerate_sizing(args))
         drafting = spec.build(loaded, threads=args.threads, note=say)
         drafter, model, policy = drafting.factory(), drafting.model, drafting.policy
         say(

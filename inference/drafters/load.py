@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...heads.formats import detect_layout, import_head
-from ...heads.config import head_kind
+from ...heads.config import check_sizing, head_kind
 from ...heads.registry import load_head
 from ..engine.cost import measure_verify_cost
 from ..kernels.target_linears import dispatch_linears
@@ -76,9 +76,9 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
         settings.update(chain_settings(head.kind, chain))
     lookup_nodes = settings.pop("lookup_nodes", 0)
     lookup_streak = settings.pop("lookup_streak", None)
-    if settings.pop("sizing", "fixed") == "confidence":
-        if not kind.sizes_itself:
-            raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {head.kind} heads take a number of nodes")
+    sizing = settings.pop("sizing", "fixed")
+    check_sizing(head.kind, sizing)
+    if sizing == "confidence":
         # the verifier returns hidden states to these drafters, so time the forward that way
         settings.update(sizing="confidence", verify_cost=measure_verify_cost(target, want_hidden=True), extra_nodes=lookup_nodes)
     drafter = head_drafter(head, **settings)

@@ -106,7 +106,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads, round_weights=args.round_weights)
     model, tokenizer = loaded.model, loaded.tokenizer
-    drafter = DraftSpec(proposer="heads").build(loaded).factory()
+    drafter = DraftSpec(proposer="head").build(loaded).factory()
     eos = list(eos_token_ids(model, tokenizer))
     prompts = load_prompts("mt-bench", args.prompts)
     encoded = [encode_chat(tokenizer, p) for p in prompts]

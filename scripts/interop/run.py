@@ -616,7 +616,7 @@ def our_chain_acceptance(
             "--target",
             tdir,
             "--proposer",
-            "heads",
+            "head",
             "--head",
             head,
             "--num-draft",

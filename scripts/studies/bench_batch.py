@@ -44,7 +44,7 @@ def main() -> int:
     from drafthead.inference.engine.targets import eos_token_ids, load_target
 
     loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads, round_weights=args.round_weights)
-    shipped = DraftSpec(proposer="heads").build(loaded)
+    shipped = DraftSpec(proposer="head").build(loaded)
     drafter, model = shipped.factory(), shipped.model
     policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
     curve = measure_verify_cost(model, POLICY_TOKEN_COUNTS, want_hidden=True)

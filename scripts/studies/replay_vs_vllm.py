@@ -51,7 +51,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.vllm}: no per-request steps (rerun check_vllm.py, which records them)")
     chain = served["num_spec_tokens"]
     loaded = load_target(args.target, dtype=served["dtype"], threads=args.threads)
-    drafter = DraftSpec(proposer="heads", head=args.head, chain=chain, lookup_nodes=0, lookup_streak=0).build(loaded).factory()
+    drafter = DraftSpec(proposer="head", head=args.head, chain=chain, lookup_nodes=0, lookup_streak=0).build(loaded).factory()
     answers = [(torch.tensor([p + a]), len(p)) for p, a in zip(served["prompt_token_ids"], served["spec_token_ids"])]
     past = tokens_past_end(loaded.model, [s for s, _ in answers], chain)
     counted = {DRAFTHEAD.name: [], VLLM.name: []}

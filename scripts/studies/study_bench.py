@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
     drafters = {}
     if args.shipped:
-        shipped = DraftSpec(proposer="heads", chain=args.chain, lookup_nodes=0, lookup_streak=0)
+        shipped = DraftSpec(proposer="head", chain=args.chain, lookup_nodes=0, lookup_streak=0)
         drafters[SHIPPED] = shipped.build(loaded).factory()
     for kind, path in heads.items():
         drafting = DraftSpec(head=str(path)).build(loaded)

@@ -79,8 +79,8 @@ def main(argv=None) -> int:
     from drafthead.train.sources import iter_conversations, sharegpt_path
 
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
-    chain = DraftSpec(proposer="heads", chain=args.chain, lookup_nodes=0, lookup_streak=0).build(loaded).factory()
-    tree = DraftSpec(proposer="heads", lookup_nodes=0, lookup_streak=0).build(loaded).factory()
+    chain = DraftSpec(proposer="head", chain=args.chain, lookup_nodes=0, lookup_streak=0).build(loaded).factory()
+    tree = DraftSpec(proposer="head", lookup_nodes=0, lookup_streak=0).build(loaded).factory()
     conversations = iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt"))
     rows = []
     for length in args.lengths:
