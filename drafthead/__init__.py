@@ -20,7 +20,7 @@ _EXPORTS = {
     "load_target": "drafthead.inference.engine.targets",
     "LoadedTarget": "drafthead.inference.engine.targets",
     "eos_token_ids": "drafthead.inference.engine.targets",
-    "build_drafter": "drafthead.drafters",
+    "build_drafter": "drafthead.proposers",
     "speculative_generate": "drafthead.inference.engine.generate",
     "GenerationConfig": "drafthead.inference.engine.generate",
     "GenerationResult": "drafthead.inference.engine.generate",

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from .drafters import PROPOSERS, default_head_path, make_drafter_factory, proposer_name
+from .proposers import PROPOSERS, default_head_path, make_drafter_factory, proposer_name
 
 SIZINGS = ("fixed", "policy", "confidence")
 BACKENDS = ("torch", "llama.cpp")

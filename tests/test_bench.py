@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from drafthead.drafters import make_drafter_factory
+from drafthead.proposers import make_drafter_factory
 from drafthead.inference.bench.run import (
     BenchSettings,
     divergence_detail,

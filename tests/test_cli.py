@@ -261,7 +261,7 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from drafthead.drafters import DrafterError, build_drafter, check_same_vocabulary
+    from drafthead.proposers import DrafterError, build_drafter, check_same_vocabulary
     from drafthead.inference.engine.targets import load_target
     from tests.tiny import tiny_causal_lm
 
@@ -285,7 +285,7 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
 
 
 def test_unknown_proposer_and_missing_arguments(tiny_llama_dir):
-    from drafthead.drafters import DrafterError, build_drafter, default_head_path
+    from drafthead.proposers import DrafterError, build_drafter, default_head_path
 
     with pytest.raises(DrafterError, match="unknown proposer"):
         build_drafter("medusa-magic", None, None)

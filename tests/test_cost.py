@@ -115,7 +115,7 @@ def test_confidence_rule_needs_a_cost_curve_and_is_only_for_eagle(tmp_path):
     with pytest.warns(UserWarning, match="now sizing 'confidence'"):
         assert load_head_drafter(folder, target, None, target_name="tiny")[0].confidence_rule
 
-    from drafthead.drafters import DrafterError, build_drafter
+    from drafthead.proposers import DrafterError, build_drafter
 
     medusa = build_head(make_config("medusa1", target, None, name="tiny"), target)
     medusa_folder = medusa.save_pretrained(tmp_path / "medusa")

@@ -411,7 +411,7 @@ def test_cli_export_and_import(tmp_path, capsys, tiny_target_dir):
 def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     """--head accepts a published layout: read exactly, said so, and greedy output stays the target's."""
     from drafthead import GenerationConfig, speculative_generate
-    from drafthead.drafters import head_folder_drafter
+    from drafthead.proposers import head_folder_drafter
     from drafthead.inference.engine.targets import load_target
     from tests.tiny import plain_greedy, repetitive_prompt
 

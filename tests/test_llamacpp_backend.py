@@ -26,7 +26,7 @@ pytestmark = pytest.mark.llamacpp
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from drafthead.drafters import default_head_path, head_folder_drafter
+    from drafthead.proposers import default_head_path, head_folder_drafter
     from drafthead.inference.llamacpp.convert import target_gguf
     from drafthead.inference.llamacpp.target import LlamaCppTarget
     from drafthead.inference.bench.prompts import encode_chat, load_prompts

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from drafthead.drafters import default_head_path
+from drafthead.proposers import default_head_path
 from drafthead.heads.identity import HeadTargetMismatch, identify_target
 from drafthead.heads.files import HeadFormatError
 from drafthead.inference.drafters.load import load_head_drafter

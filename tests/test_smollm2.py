@@ -65,7 +65,7 @@ def test_self_draft_tree_accepts_full_depth(smollm2):
 def test_batched_shipped_head_rows_equal_the_target_greedy_output(smollm2):
     """The three prompts (of different lengths) in one batch, drafted by the shipped EAGLE-3 head
     with prompt lookup merged in: each row is that prompt's own greedy output."""
-    from drafthead.drafters import default_head_path, head_folder_drafter
+    from drafthead.proposers import default_head_path, head_folder_drafter
 
     loaded, encoded, refs, eos = smollm2
     drafter, target = head_folder_drafter(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)

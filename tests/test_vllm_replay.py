@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_replay_counted_as_vllm_gives_vllms_steps(tmp_path, capsys):
-    from drafthead.drafters import default_head_path
+    from drafthead.proposers import default_head_path
     from drafthead.inference.engine.targets import target_folder
 
     export = tmp_path / "head-vllm"

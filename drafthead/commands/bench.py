@@ -163,7 +163,7 @@ def _external(engines, args, loaded, prompts, settings, report) -> dict:
 
 
 def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
-    from ..drafters import head_layout
+    from ..proposers import head_layout
     from ..heads.formats import formats_for
     from ..inference.llamacpp import lib, tools
     from ..inference.llamacpp.convert import DTYPE_GGUF

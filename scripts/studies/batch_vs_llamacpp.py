@@ -74,7 +74,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from drafthead.draft_spec import POLICY_TOKEN_COUNTS
-    from drafthead.drafters import build_drafter
+    from drafthead.proposers import build_drafter
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
     from drafthead.inference.engine.cost import measure_verify_cost
     from drafthead.inference.engine.drafter import RootOnlyDrafter

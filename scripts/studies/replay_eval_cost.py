@@ -21,7 +21,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from drafthead.drafters import default_head_path
+    from drafthead.proposers import default_head_path
     from drafthead.heads.identity import eos_token_ids
     from drafthead.heads.registry import load_head
     from drafthead.inference.engine.targets import load_target
