@@ -90,10 +90,19 @@ def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# Modules holding the longest single tests (10-50 s each on 2 cores: the GPU check's dry run,
+# Modules holding the longest single tests or groups (10-60 s each on 2 cores: the GPU check's dry run,
 # the statistical proofs, the gloo launches). They run first, so that neither pytest-xdist worker
 # is left with one of them at the end while the other idles. A hint for speed only.
-LONG_FIRST = ("test_gpu_check", "test_batch", "test_sampling_exactness", "test_distributed", "test_multiprocess_data", "test_shipped_head")
+LONG_FIRST = (
+    "test_gpu_check",
+    "test_distributed",
+    "test_smollm2",
+    "test_batch",
+    "test_sampling_exactness",
+    "test_multiprocess_data",
+    "test_split_target",
+    "test_shipped_head",
+)
 
 
 def pytest_collection_modifyitems(config, items):

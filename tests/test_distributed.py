@@ -24,7 +24,10 @@ from drafthead.train.tiny import save_tiny_target, write_tiny_jsonl
 from tests.dist_worker import equal_length_trainer, tiny_config
 from tests.launch import accelerate_launch, run_group, start_group, stop_group
 
-pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
+pytestmark = [
+    pytest.mark.subprocess,  # starts processes of its own (pyproject.toml markers)
+    pytest.mark.xdist_group("distributed"),  # one worker: the launches of the module fixtures run once
+]
 
 REPO = Path(__file__).resolve().parent.parent
 KILLED_RUN = {"parallelism": "fsdp", "max_steps": 8, "checkpoint_every": 1, "eval_every": 4}  # as tests/dist_worker.py's cli-fsdp

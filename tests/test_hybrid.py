@@ -6,8 +6,8 @@ batch 1 and for a ragged batch of 3 (a one-token prompt among them), with prompt
 tree drafter whose trees are cut to chains, steered so that paths of depth >= 2 are accepted and
 the rows accept different lengths (tests/oracle.py). Every head kind trains on a hybrid target
 through `drafthead train`'s builder and decodes exactly with its head; sampling keeps the target's
-law at depth 2. The negative controls take out each mechanism: the per-row rollback, the row by
-row prefill.
+law at depth 2. The negative controls take out each mechanism: the per-row rollback, the prefill
+without padding (each length apart).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from drafthead.inference.engine.recurrent import has_recurrent_layers
 from drafthead.inference.engine.targets import load_target
 from drafthead.inference.engine.backend import target_backend
 from drafthead.inference.engine.tree import first_chain
-from tests.oracle import assert_accepts_and_stays_exact
+from tests.oracle import OracleDrafter, assert_accepts_and_stays_exact, known_continuation
 from tests.tiny_training import train_three_steps
 from tests.tiny import HYBRID_TARGETS, left_padded, plain_greedy, prompts_of, repetitive_prompt, tiny_causal_lm
 
@@ -136,6 +136,32 @@ def test_prompts_of_one_token_start_from_empty_states(family):
         )
         rows = result.rows if ids.shape[0] > 1 else [result]
         assert [row.new_tokens[0].tolist() for row in rows] == [plain_greedy(target, p[None], 10) for p in ids]
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid"])
+def test_prompts_of_one_length_prefill_together_in_the_prompts_order(family):
+    """Rows of repeated lengths (one prefill forward per length, then put back in the prompts'
+    order): each row's prefill states are those of the row alone, and its output is its own plain
+    greedy output, with drafts accepted to depth >= 2."""
+    target = target_of(family)
+    prompts = prompts_of((6, 13, 6, 1, 13), seed=4)
+    with torch.no_grad():
+        together = target_backend(target).start(prompts, feature_layers=(1, 2), need_last=True)
+        for b, p in enumerate(prompts):
+            alone = target_backend(target).start([p], feature_layers=(1, 2), need_last=True)
+            n = p.numel() - 1
+            for mixed, own in zip(together, alone or [None] * len(together)):
+                assert not mixed[b, n:].any(), (b, "past the row's end: zeros")
+                if own is not None:
+                    torch.testing.assert_close(mixed[b, :n], own[0], rtol=1e-5, atol=1e-6, msg=f"row {b}")
+    references = [plain_greedy(target, p[None], NEW) for p in prompts]
+    ids, mask = left_padded(prompts)
+    sequences = [p.tolist() + ref for p, ref in zip(prompts, references)]
+    draft = tiny_causal_lm("llama", vocab=V, seed=7, layers=2)
+    steered = OracleDrafter(DraftModelDrafter(draft, choices=TREE), known_continuation(sequences), V, chain=True)
+    result = speculative_generate(target, steered, ids, GenerationConfig(max_new_tokens=NEW), attention_mask=mask)
+    assert [row.new_tokens[0].tolist() for row in result.rows] == references
+    assert all(max(row.accepted_lengths) >= 3 for row in result.rows)  # every row accepted 2 drafts or more in a round
 
 
 def _steered_ragged(target):

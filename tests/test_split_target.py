@@ -25,7 +25,10 @@ from drafthead.train.split_target import split_refusal, split_target_features
 from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
 
-pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
+pytestmark = [
+    pytest.mark.subprocess,  # starts processes of its own (pyproject.toml markers)
+    pytest.mark.xdist_group("split-target"),  # one worker: the ranks of `split_runs` start once
+]
 
 LAYERS, FINAL, HALO = (1, 2, 3, 4), 4, 3
 EVEN, ODD = (23, 17, 30, 9), (23, 17, 31)

@@ -4,7 +4,8 @@ Nemotron-H, Falcon-H1, Jamba, Bamba, LFM2, OLMo hybrid; docs/trees.md "Hybrid ta
 
 The same five steps as TorchTarget, with three differences:
 
-    start            prefills row by row: right padding would run into a short row's recurrent state
+    start            prefills the prompts of each length together: right padding would run into a
+                     short row's recurrent state
     cut_to_capacity  cuts each tree to a chain (its first child at every depth): one state per row
     verify           records the states the chain passes through (recurrent.py), so that `keep`
                      sets each row to the state after its own accepted count
@@ -28,27 +29,37 @@ class HybridTarget(TorchTarget):
     recurrent = True  # check_tree_mask_support: recurrent layer types verify chains here
 
     def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0, images=None):
-        """Prefill every prompt but its last token, one row at a time, then stack the rows: K/V
-        right-padded to the longest (TorchTarget's layout), recurrent states side by side.
+        """Prefill every prompt but its last token, the prompts of each length together (no padding
+        runs into a row's recurrent state), then stack the rows: K/V right-padded to the longest
+        (TorchTarget's layout), recurrent states side by side, in the prompts' order.
         Returns the forwards' hidden states (all L + 1, [B, P - 1, H], zero past a row's end) or None."""
         if images is not None and any(row is not None for row in images):
             raise ValueError("images in the prompt are not built for hybrid targets")
         longest = max(p.numel() for p in prompts)
         self.slots = longest - 1
         want_hidden = bool(feature_layers) or need_last
+        by_length: dict[int, list[int]] = {}
+        for b, p in enumerate(prompts):
+            by_length.setdefault(p.numel(), []).append(b)
+        groups = list(by_length.values())
         caches: list[Cache] = []
-        hidden: list[tuple[torch.Tensor, ...] | None] = []  # per row: its forward's L + 1 hidden states
-        for p in prompts:
+        hidden: list[tuple[torch.Tensor, ...] | None] = []  # per group: its forward's L + 1 hidden states
+        for rows in groups:
             cache = hybrid_cache(self.model.config)
             caches.append(cache)
-            if p.numel() == 1:
+            if prompts[rows[0]].numel() == 1:
                 hidden.append(None)
                 continue
-            out = self.model(
-                input_ids=p[None, :-1], **cache_kwargs(self.model, cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
-            )
+            ids = torch.stack([prompts[b][:-1] for b in rows])  # [n, P - 1]
+            out = self.model(input_ids=ids, **cache_kwargs(self.model, cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1)
             hidden.append(out.hidden_states)
-        self.cache = stack_rows(caches, self.slots)
+        sizes = [len(rows) for rows in groups]
+        self.cache = stack_rows(caches, self.slots, sizes)
+        stacked = [b for rows in groups for b in rows]  # the prompt in each stacked row
+        order = sorted(range(len(stacked)), key=stacked.__getitem__)  # stacked row of each prompt
+        if order != list(range(len(order))):
+            select_state_rows(self.cache, order)
+            select_rows(self.cache, order, self.slots)
         if self.slots == 0 or not want_hidden:
             return None
         like = next(h for h in hidden if h is not None)
@@ -57,10 +68,10 @@ class HybridTarget(TorchTarget):
                 [
                     torch.nn.functional.pad(h[i], (0, 0, 0, self.slots - h[i].shape[1]))
                     if h is not None
-                    else like[i].new_zeros(1, self.slots, like[i].shape[-1])
-                    for h in hidden
+                    else like[i].new_zeros(n, self.slots, like[i].shape[-1])
+                    for h, n in zip(hidden, sizes)
                 ]
-            )
+            )[order]
             for i in range(len(like))
         )
 

@@ -67,11 +67,12 @@ def _states(layer) -> range:
     return range(layer.number_of_states)
 
 
-def stack_rows(caches: list[Cache], slots: int) -> Cache:
-    """One cache of len(caches) rows from one-row caches that prefilled different prompt lengths:
-    K/V right-padded with zeros to `slots` (hidden by the mask), recurrent states stacked. A row
-    that prefilled nothing gets zero states, which is what transformers starts a sequence from.
-    Returns the first prefilled cache, filled in place (it carries the layers' initialised flags)."""
+def stack_rows(caches: list[Cache], slots: int, sizes: list[int]) -> Cache:
+    """One cache of sum(sizes) rows from caches of sizes[i] rows each, which prefilled different
+    prompt lengths: K/V right-padded with zeros to `slots` (hidden by the mask), recurrent states
+    stacked, in the caches' order. Rows that prefilled nothing get zero states, which is what
+    transformers starts a sequence from. Returns the first prefilled cache, filled in place (it
+    carries the layers' initialised flags)."""
     filled = [c for c in caches if c.get_seq_length() > 0 or any(layer.is_conv_states_initialized[0] for layer in recurrent_layers(c))]
     if not filled:
         return caches[0]
@@ -83,22 +84,25 @@ def stack_rows(caches: list[Cache], slots: int) -> Cache:
                 for name, ready in (("conv_states", layer.is_conv_states_initialized), ("recurrent_states", layer.is_recurrent_states_initialized)):
                     if not ready[s]:
                         continue
-                    like = getattr(layer, name)[s]
+                    like = getattr(layer, name)[s]  # [rows, ...]
                     getattr(layer, name)[s] = torch.cat(
-                        [getattr(row, name)[s] if getattr(row, name)[s] is not None else torch.zeros_like(like) for row in rows]
+                        [
+                            getattr(row, name)[s] if getattr(row, name)[s] is not None else like.new_zeros(n, *like.shape[1:])
+                            for row, n in zip(rows, sizes)
+                        ]
                     )
                 layer.has_previous_state[s] = True
         if has_kv(layer):
 
-            def padded(row, name):
-                if not has_kv(row):  # a row that prefilled nothing
+            def padded(row, n, name):
+                if not has_kv(row):  # rows that prefilled nothing
                     like = getattr(layer, name)
-                    return like.new_zeros(1, like.shape[1], slots, like.shape[3])
+                    return like.new_zeros(n, like.shape[1], slots, like.shape[3])
                 t = getattr(row, name)
                 return torch.nn.functional.pad(t, (0, 0, 0, slots - t.shape[2]))
 
             kv = cast(CacheLayerMixin, layer)  # has_kv: an attention layer's K/V
-            kv.keys, kv.values = (torch.cat([padded(row, name) for row in rows]) for name in ("keys", "values"))
+            kv.keys, kv.values = (torch.cat([padded(row, n, name) for row, n in zip(rows, sizes)]) for name in ("keys", "values"))
     return base
 
 
