@@ -33,9 +33,8 @@ demo: setup
 
 # One pytest worker per core (pytest-xdist), one torch thread each: the tests are small models
 # whose time is mostly Python, so workers beat intra-op threads (docs/cpu-measurements.md).
-# loadgroup: the tests of one xdist_group share a worker, and so one fixture (one gloo launch).
 test: setup
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto --dist loadgroup -m "not llamacpp and not vllm" --durations=20 tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n auto -m "not llamacpp and not vllm" --durations=20 tests
 
 # pycodestyle and pyflakes over everything Python here, and its format (pyproject.toml [tool.ruff];
 # `.venv/bin/ruff format .` applies it); CI runs it

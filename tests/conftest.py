@@ -7,7 +7,9 @@ Everything is built in-process (no hub): a tokenizer trained on a few strings, r
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -76,6 +78,29 @@ def tiny_qwen2_dir(tiny_target_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tiny_target_dir) -> Path:
     return tiny_target_dir("mistral")
+
+
+@pytest.fixture(scope="session")
+def run_once(tmp_path_factory):
+    """Factory: (name, make) -> a folder that make(folder) fills once for the whole test run, however
+    many pytest-xdist workers ask for it (the first makes it, the others wait and read it): for
+    results that cost a launch of gloo ranks, shared by tests that may run on either worker."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder: each worker's basetemp is a folder in it
+
+    def once(name: str, make) -> Path:
+        folder = root / f"once-{name}"
+        with open(root / f"once-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not (folder / ".done").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                make(folder)
+                (folder / ".done").touch()
+        return folder
+
+    return once
 
 
 @pytest.fixture

@@ -72,14 +72,12 @@ def worker(rank: int, size: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def split_runs(tmp_path_factory):
-    """case -> the split run's summed loss, gradients and metrics (one spawn of two ranks)."""
-    out = tmp_path_factory.mktemp("context-split")
-    mp.start_processes(worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+def split_runs(run_once):
+    """case -> the split run's summed loss, gradients and metrics (one spawn of two ranks a test run)."""
+    out = run_once("context-split", lambda folder: mp.start_processes(worker, args=(2, free_port(), str(folder)), nprocs=2, start_method="spawn"))
     return {case: torch.load(out / f"{case}.pt") for case in CASES}
 
 
-@pytest.mark.xdist_group("context-split")  # one worker runs the cases, so the ranks start once
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_row_split_across_two_ranks_gives_the_unsplit_loss_and_gradients(case, split_runs):
     family, packed, lengths, budget = CASES[case]

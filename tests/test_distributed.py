@@ -24,10 +24,7 @@ from drafthead.train.tiny import save_tiny_target, write_tiny_jsonl
 from tests.dist_worker import equal_length_trainer, tiny_config
 from tests.launch import accelerate_launch, run_group, start_group, stop_group
 
-pytestmark = [
-    pytest.mark.subprocess,  # starts processes of its own (pyproject.toml markers)
-    pytest.mark.xdist_group("distributed"),  # one worker: the launches of the module fixtures run once
-]
+pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
 
 REPO = Path(__file__).resolve().parent.parent
 KILLED_RUN = {"parallelism": "fsdp", "max_steps": 8, "checkpoint_every": 1, "eval_every": 4}  # as tests/dist_worker.py's cli-fsdp
@@ -93,19 +90,28 @@ def run_until_checkpoint(cmd: list[str], run_dir: Path, env: dict, step: int, ki
 
 
 @pytest.fixture(scope="module")
-def tiny_run_inputs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dist")
-    return tmp, str(save_tiny_target(tmp / "target")), str(write_tiny_jsonl(tmp / "chats.jsonl", 48))
+def tiny_run_inputs(run_once):
+    """(folder, target, chats): one tiny target and chat file for the whole test run."""
+
+    def make(folder: Path) -> None:
+        save_tiny_target(folder / "target")
+        write_tiny_jsonl(folder / "chats.jsonl", 48)
+
+    tmp = run_once("dist-inputs", make)
+    return tmp, str(tmp / "target"), str(tmp / "chats.jsonl")
 
 
 @pytest.fixture(scope="module")
-def two_process_runs(tiny_run_inputs):
-    """OUT of one `accelerate launch` of tests/dist_worker.py (see its docstring)."""
+def two_process_runs(run_once, tiny_run_inputs):
+    """OUT of one `accelerate launch` of tests/dist_worker.py (see its docstring), once a test run."""
     tmp, target, chats = tiny_run_inputs
-    out = tmp / "worker"
-    proc = run_group(accelerate_launch() + [str(REPO / "tests" / "dist_worker.py"), str(out), target, chats], 300, cwd=REPO, env=env_for(tmp))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+
+    def launch(folder: Path) -> None:
+        cmd = accelerate_launch() + [str(REPO / "tests" / "dist_worker.py"), str(folder / "worker"), target, chats]
+        proc = run_group(cmd, 300, cwd=REPO, env=env_for(folder))
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    return run_once("dist-runs", launch) / "worker"
 
 
 def test_ddp_and_fsdp_end_with_the_weights_of_one_process(two_process_runs, tiny_run_inputs):

@@ -13,7 +13,7 @@ from drafthead.inference.engine.generate import GenerationConfig, speculative_ge
 from drafthead.inference.bench.prompts import encode_chat, load_prompts
 from drafthead.inference.engine.targets import eos_token_ids, load_target
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]  # one worker: SmolLM2 and its references load once
+pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 64
 

@@ -25,10 +25,7 @@ from drafthead.train.split_target import split_refusal, split_target_features
 from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
 
-pytestmark = [
-    pytest.mark.subprocess,  # starts processes of its own (pyproject.toml markers)
-    pytest.mark.xdist_group("split-target"),  # one worker: the ranks of `split_runs` start once
-]
+pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
 
 LAYERS, FINAL, HALO = (1, 2, 3, 4), 4, 3
 EVEN, ODD = (23, 17, 30, 9), (23, 17, 31)
@@ -89,9 +86,13 @@ def worker(rank: int, size: int, port: int, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def split_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("split") / "features"
-    mp.start_processes(worker, args=(2, free_port(), str(out)), nprocs=2, start_method="spawn")
+def split_runs(run_once):
+    """Each rank's results (one spawn of two ranks a test run)."""
+
+    def spawn(folder):
+        mp.start_processes(worker, args=(2, free_port(), str(folder / "features")), nprocs=2, start_method="spawn")
+
+    out = run_once("split-target", spawn) / "features"
     return [torch.load(f"{out}.{rank}") for rank in range(2)]
 
 
