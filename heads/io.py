@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .batch import FeatureBatch
 from .config import HeadConfig, config_from_dict, head_kind, with_draft_layer
 from .files import HeadFormatError, read_json, read_safetensors, write_json, write_safetensors
 from .packing import same_segment_shift
@@ -129,6 +130,10 @@ class DraftHeadBase(nn.Module):
     @property
     def kind(self) -> str:
         return self.config.kind
+
+    def compute_loss(self, batch: FeatureBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """The training loss on `batch` and its metrics; each kind has its own."""
+        raise NotImplementedError(f"{type(self).__name__} defines no compute_loss")
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

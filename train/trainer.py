@@ -57,9 +57,6 @@ if TYPE_CHECKING:
 
     from .streaming import TokenStream
 
-# a head's compute_loss: FeatureBatch -> (loss, metrics)
-ComputeLoss = Callable[[FeatureBatch], tuple[torch.Tensor, dict[str, float]]]
-
 FINAL_DIR = "final"
 CONFIG_FILE = "config.yaml"
 
@@ -125,12 +122,12 @@ def split_indices(n: int, eval_fraction: float, eval_size: int | None, seed: int
 class HeadLoss(nn.Module):
     """Frozen target: loss = head.compute_loss(batch) on precomputed features."""
 
-    def __init__(self, head: nn.Module) -> None:
+    def __init__(self, head: DraftHeadBase) -> None:
         super().__init__()
         self.head = head
 
     def forward(self, batch: FeatureBatch):
-        return cast(ComputeLoss, self.head.compute_loss)(batch)
+        return self.head.compute_loss(batch)
 
     def trainable_state(self) -> dict[str, torch.Tensor]:
         """What a checkpoint holds: the head's own tensors (weights and buffers such as d2t)."""
@@ -148,7 +145,7 @@ class JointLoss(HeadLoss):
         loss = lm_weight * CE(target logits_t, token_{t+1}) + head_weight * head loss
     """
 
-    def __init__(self, head: nn.Module, target: nn.Module, layers: tuple[int, ...], lm_weight: float, head_weight: float):
+    def __init__(self, head: DraftHeadBase, target: nn.Module, layers: tuple[int, ...], lm_weight: float, head_weight: float):
         super().__init__(head)
         self.target = target  # peft model: only the LoRA weights require grad
         self.layers = tuple(layers)
@@ -169,7 +166,7 @@ class JointLoss(HeadLoss):
         feats = FeatureBatch(
             batch.input_ids, batch.attention_mask, batch.loss_mask, {i: out.hidden_states[i] for i in self.layers}, batch.position_ids
         )
-        head_loss, metrics = cast(ComputeLoss, self.head.compute_loss)(feats)
+        head_loss, metrics = self.head.compute_loss(feats)
         loss = self.lm_weight * lm_loss + self.head_weight * head_loss
         metrics = dict(metrics, head_loss=float(head_loss.detach()), lm_loss=float(lm_loss.detach()), loss=float(loss.detach()))
         return loss, metrics
@@ -249,7 +246,7 @@ class Trainer:
     def __init__(
         self,
         config: TrainConfig,
-        head: nn.Module,
+        head: DraftHeadBase,
         data: TrainData,
         *,
         accelerator=None,
@@ -469,7 +466,7 @@ class Trainer:
         if isinstance(featurize, OnlineFeaturizer):  # online features: the target's forward is split too, where it can be
             refusal = split_refusal(featurize.model)
             if refusal is None:
-                hcfg = cast(Eagle3Config, cast(DraftHeadBase, self.head).config)  # heads with context_split are EAGLE-3's
+                hcfg = cast(Eagle3Config, self.head.config)  # heads with context_split are EAGLE-3's
                 self.data.featurize = SplitFeaturizer(featurize.model, featurize.layers, split, hcfg.final_layer, halo=hcfg.ttt_steps)
             self.target_forward = f"split across {cp} ranks" if refusal is None else f"whole on every rank: {refusal}"
 
@@ -628,7 +625,7 @@ class Trainer:
             head_state = {k[len("head.") :]: v for k, v in weights.items() if k.startswith("head.")}
         if acc.is_main_process:
             with fresh_folder(final_dir, overwrite=True) as tmp:
-                cast(DraftHeadBase, self.head).save_pretrained(tmp, adapter_model=self.target, state=head_state)
+                self.head.save_pretrained(tmp, adapter_model=self.target, state=head_state)
             log.event(
                 "end", f"saved the head to {final_dir}", step=state.step, path=str(final_dir), **{f"eval_{k}": v for k, v in eval_metrics.items()}
             )
@@ -661,7 +658,7 @@ class Trainer:
         if not self.accelerator.is_main_process:
             return
         folder = Path(self.config.output_dir) / BEST_DIR
-        cast(DraftHeadBase, self.head).save_pretrained(folder, adapter_model=self.target)
+        self.head.save_pretrained(folder, adapter_model=self.target)
         write_record(folder, step, self.config.keep_best, value)
         log.event(
             "best",
