@@ -16,8 +16,6 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
-from .inference.engine.sampling import SamplingConfig
-from .inference.engine.targets import LoadedTarget, load_target
 
 PROPOSERS = ("prompt-lookup", "draft-model", "head")
 OLD_PROPOSER_SPELLINGS = {"heads": "head"}  # renamed proposers: read as the new name, with a warning
@@ -82,6 +80,8 @@ def build_drafter(
             raise DrafterError("the draft-model proposer needs a draft model (--draft-model NAME)")
         draft_tokenizer = kw.pop("draft_tokenizer", None)
         model = _draft_model(draft_model, target, tokenizer, draft_tokenizer)
+        from .inference.engine.sampling import SamplingConfig
+
         sampling = kw.pop("sampling", None) or SamplingConfig()
         return DraftModelDrafter(model, num_draft=4 if num_draft is None else num_draft, sampling=sampling, **kw)
     if proposer == "head":
@@ -177,6 +177,8 @@ def default_head_path(target_name: str) -> Path | None:
 
 def _draft_model(draft_model, target, tokenizer, draft_tokenizer=None):
     """Resolve `draft_model` to a model on the target's device and dtype sharing its vocabulary."""
+    from .inference.engine.targets import LoadedTarget, load_target
+
     param = next(target.parameters())
     if isinstance(draft_model, (str, Path)):
         draft_model = load_target(draft_model, dtype=param.dtype, device=param.device)
