@@ -29,10 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
 
 import torch
-from torch import nn
 
 from .config import TrainConfig
 
@@ -62,6 +60,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
+    from ..heads.eagle3 import Eagle3Head
     from ..heads.registry import _new_module
     from ..inference.engine.targets import model_auto_class
     from .run import head_config
@@ -94,8 +93,8 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
         kind=hcfg.kind,
         tokens=config.batch_size * -(-config.data.max_length // config.context_parallel),  # a rank's columns
         gathered_keys=(
-            2 * config.batch_size * config.data.max_length * cast(nn.Linear, cast(Any, head).midlayer.self_attn.k_proj).out_features
-            if config.context_parallel > 1 and hasattr(head, "midlayer")
+            2 * config.batch_size * config.data.max_length * head.midlayer.self_attn.k_proj.out_features
+            if config.context_parallel > 1 and isinstance(head, Eagle3Head)
             else 0
         ),
     )
