@@ -632,8 +632,9 @@ def head_kind(name: str) -> HeadKind:
 
 def check_sizing(kind: str, sizing: str | None) -> None:
     """Sizing "confidence" needs a kind whose drafter estimates its own acceptance (`sizes_itself`);
-    the others take a number of nodes. A ValueError in one line otherwise."""
-    if sizing == "confidence" and not head_kind(kind).sizes_itself:
+    the others take a number of nodes. A ValueError in one line otherwise, or for an unknown kind."""
+    known = head_kind(kind)
+    if sizing == "confidence" and not known.sizes_itself:
         raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number of nodes")
 
 

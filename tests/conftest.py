@@ -115,9 +115,9 @@ def pytest_configure(config):
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-# Modules holding the longest single tests or groups (10-60 s each on 2 cores: the GPU check's dry run,
-# the statistical proofs, the gloo launches). They run first, so that neither pytest-xdist worker
-# is left with one of them at the end while the other idles. A hint for speed only.
+# Modules holding the longest single tests and setups (10-35 s each on 2 cores: the GPU check's dry
+# run, the gloo launches, SmolLM2's load, the statistical proofs). They run first, so that neither
+# pytest-xdist worker is left with one of them at the end while the other idles. A hint for speed only.
 LONG_FIRST = (
     "test_gpu_check",
     "test_distributed",
