@@ -12,29 +12,28 @@ the last, the *pending* token, which enters each round as the root (node 0) of t
 
 A batch runs the same loop with one drafter and one tree per row: the trees are padded to one
 node count and verified in one forward, each row accepts by itself and keeps its own path, and a
-row that finishes leaves the batch (docs/trees.md "Batches").
+row that finishes leaves the batch (docs/trees.md "Batches"). The loop itself is decoder.py's
+Decoder, which also lets rows join between rounds (a server's continuous batching).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
 
 import torch
 
-from .clock import PhaseClock
-from .rounds import tau_of
-from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
-from .drafter import Drafter, RootOnlyDrafter, RoundStats, TargetFeatures, fork_drafter
-from .policy import SpeculationPolicy, cut_tree
-from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask
-from .stopping import StopRules, check_stop_strings, first_stop
+from .acceptance import TypicalAcceptance
 from .backend import target_backend
+from .clock import PhaseClock
+from .decoder import Decoder, DecoderSettings, Row, RowSettings, limit_drafter
+from .drafter import fork_drafter
 from .media import PromptImages, check_images
+from .policy import SpeculationPolicy
+from .rounds import tau_of
+from .sampling import SamplingConfig
+from .stopping import StopRules, check_stop_strings
 from .torch_target import TorchTarget
-from .tree import DraftTree, ancestor_mask, node_depths
-from .verify import select_features
 
 
 class PromptTooLong(ValueError):
@@ -122,83 +121,6 @@ def context_limit(config, override: int | None = None) -> int | None:
     return override or getattr(config, "max_position_embeddings", None)
 
 
-def limit_depth(tree: DraftTree, max_depth: int) -> tuple[DraftTree, list[int] | None]:
-    """Drop nodes deeper than max_depth (a depth-d path emits d + 1 tokens). Returns the tree and,
-    when nodes were dropped, the original index of each kept node (None: the tree is unchanged)."""
-    depth = node_depths(tree.parents)
-    if int(depth.max()) <= max_depth:
-        return tree, None
-    keep = (depth <= max_depth).nonzero().flatten()
-    return tree.subtree(keep), keep.tolist()
-
-
-def node_seen(history_seen: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """[B, N, V] bool: tokens a repetition penalty sees at each node = history + the node's path."""
-    anc = ancestor_mask(parents).to(torch.float32)  # [N, N]
-    onehot = torch.nn.functional.one_hot(tokens, history_seen.shape[-1]).to(torch.float32)  # [B, N, V]
-    on_path = torch.einsum("ij,bjv->biv", anc, onehot) > 0
-    return on_path | history_seen[:, None, :]
-
-
-def accept_tree(
-    tree: DraftTree, logits: torch.Tensor, sampling: SamplingConfig, history_seen, generator, typical: TypicalAcceptance | None = None
-) -> Acceptance:
-    """Apply the exact rule (or, when asked, the LOSSY typical rule) to one row's tree (batch 1).
-    logits: [1, N, V] target logits at the tree nodes."""
-    tokens, parents = tree.tokens[0], tree.parents
-    seen = None
-    if sampling.repetition_penalty != 1.0:
-        seen = node_seen(history_seen, tree.tokens, parents)[0]
-    if sampling.greedy:
-        # float32 first, as generate() does: argmax over bf16 is ~3x slower on CPU, and the cast
-        # is exact, so ties still resolve to the first index
-        lg = logits[0].float()
-        if seen is not None:
-            lg = apply_repetition_penalty(lg, seen, sampling.repetition_penalty)
-        return greedy_accept(tokens, parents.to(tokens.device), lg.argmax(dim=-1))
-    p = logits_to_probs(logits[0], sampling, seen)  # [N, V]
-    if typical is not None:
-        return typical_accept(tokens.cpu(), parents.cpu(), p.cpu(), typical, generator)
-    q = None if tree.draft_probs is None else tree.draft_probs[0]
-    return tree_rejection_sample(tokens.cpu(), parents.cpu(), p.cpu(), None if q is None else q.cpu(), generator)
-
-
-@dataclass
-class _Row:
-    """One sequence of a batch while it decodes."""
-
-    drafter: Drafter
-    prompt_len: int
-    length: int  # committed tokens whose K/V the cache holds, in slots [0, length); the pending one is not
-    seen: torch.Tensor | None  # [1, V] what a repetition penalty sees (prompt + emitted)
-    pending: int  # the last committed token, whose K/V the next round computes as the tree root
-    emitted: list[int] = field(default_factory=list)
-    accepted_lengths: list[int] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)
-    finish: str | None = None
-    # plain rounds' (tokens [1, 1], features, pending [1]) not yet given to the drafter: it takes
-    # them in one commit when it next drafts (_catch_up), so plain rounds cost no drafter work
-    deferred: list = field(default_factory=list)
-
-
-@dataclass
-class _Decoding:
-    """What every round of one generation reads: the target and settings, the output hooks and
-    the engine's pieces (one home instead of a dozen parameters on each step)."""
-
-    backend: Any  # the target's forward and cache (torch_target.py, llamacpp/target.py)
-    config: GenerationConfig
-    want_hidden: bool  # the verifier returns hidden states for the drafters' features
-    generator: torch.Generator | None
-    rules: StopRules
-    decode: object  # token ids -> text for stop strings, or None
-    on_tokens: Callable[[list[int]], None] | None
-    streamer: Any  # a transformers-style streamer: put(tokens), end()
-    clock: PhaseClock
-    max_len: int | None  # the context limit
-    device: torch.device
-
-
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """Each row's own prompt [P_b]: the tokens where attention_mask is 1 (left or right padding)."""
     if input_ids.dim() != 2:
@@ -258,24 +180,52 @@ def generate_batch(
             raise ValueError("images in the prompt run on the torch backend only")
         check_images(target, prompts, images)
     drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
+    device = prompts[0].device
+    settings = DecoderSettings(
+        max_len=max_len,
+        device=device,
+        typical=config.typical,
+        policy=config.policy,
+        decode=None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)),
+        profile=config.profile,
+    )
+    decoder = Decoder(backend, settings, drafter.feature_layers, drafter.needs_last_hidden)
+    rows = _row_settings(target, config, len(prompts), streamer, on_tokens)
 
     with torch.inference_mode(), backend.engine_context(config.engine_linears):
         start = time.perf_counter()
-        rows = _prefill(backend, prompts, drafters, config.max_new_tokens, _seen_vocab(target, config), images)
+        joined = decoder.join(prompts, drafters, rows, config.max_new_tokens, images)
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         prefill_seconds = time.perf_counter() - start
-
-        run = _decoding(backend, drafter, config, max_len, prompts[0].device, tokenizer, on_tokens, streamer)
+        decoder.clock = PhaseClock(device, sync=config.profile)  # its clock starts now, when the rounds do
         try:
-            num_forwards = _decode(run, list(rows))
+            while decoder.active:
+                decoder.step()
         finally:
             if config.policy is not None:  # the policy's num_draft is for its own rounds only
                 for d in drafters:
-                    _limit(d, None)
+                    limit_drafter(d, None)
         if streamer is not None:
             streamer.end()
-    return _batch_result(rows, run, num_forwards, prefill_seconds)
+    return _batch_result(joined, decoder, config.lossy, prefill_seconds)
+
+
+def _row_settings(target, config: GenerationConfig, n: int, streamer, on_tokens) -> list[RowSettings]:
+    """Every row's settings from the one config: one generator shared by the rows (their draws
+    interleave in round order), the stream callback on row 0."""
+    generator = None if config.seed is None else torch.Generator().manual_seed(config.seed)
+    rules = StopRules(tuple(config.eos_token_ids), tuple(config.stop_strings), config.max_new_tokens)
+    seen_vocab = _seen_vocab(target, config)
+    callback = on_tokens
+    if streamer is not None:
+
+        def callback(kept: list[int]) -> None:
+            if on_tokens is not None:
+                on_tokens(kept)
+            streamer.put(torch.tensor(kept))
+
+    return [RowSettings(config.sampling, rules, generator, callback if b == 0 else None, seen_vocab) for b in range(n)]
 
 
 def _check_prompts(prompts: list[torch.Tensor], max_len: int | None) -> None:
@@ -295,23 +245,12 @@ def _seen_vocab(target, config: GenerationConfig) -> int | None:
     return target.config.get_text_config().vocab_size if hasattr(target.config, "get_text_config") else target.config.vocab_size
 
 
-def _decoding(backend, drafter, config: GenerationConfig, max_len: int | None, device: torch.device, tokenizer, on_tokens, streamer) -> _Decoding:
-    """What every round reads; its clock starts now, when the rounds do."""
-    generator = None if config.seed is None else torch.Generator().manual_seed(config.seed)
-    rules = StopRules(tuple(config.eos_token_ids), tuple(config.stop_strings), config.max_new_tokens)
-    decode = None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
-    want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-    return _Decoding(
-        backend, config, want_hidden, generator, rules, decode, on_tokens, streamer, PhaseClock(device, sync=config.profile), max_len, device
-    )
-
-
-def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_seconds: float) -> BatchGenerationResult:
-    lossy = run.config.lossy
+def _batch_result(rows: list[Row], decoder: Decoder, lossy: bool, prefill_seconds: float) -> BatchGenerationResult:
+    device = decoder.settings.device
     return BatchGenerationResult(
         rows=[
             GenerationResult(
-                new_tokens=torch.tensor([row.emitted], dtype=torch.long, device=run.device),
+                new_tokens=torch.tensor([row.emitted], dtype=torch.long, device=device),
                 accepted_lengths=row.accepted_lengths,
                 finish_reason=row.finish or "length",
                 lossy=lossy,
@@ -319,239 +258,9 @@ def _batch_result(rows: list[_Row], run: _Decoding, num_forwards: int, prefill_s
             )
             for row in rows
         ],
-        num_forwards=num_forwards,
-        timings=dict(run.clock.seconds),
+        num_forwards=decoder.num_forwards,
+        timings=dict(decoder.clock.seconds),
         prefill_seconds=prefill_seconds,
-        decode_seconds=sum(run.clock.seconds.values()),
+        decode_seconds=sum(decoder.clock.seconds.values()),
         lossy=lossy,
     )
-
-
-def _prefill(backend, prompts: list[torch.Tensor], drafters: list, max_new_tokens: int, seen_vocab: int | None, images=None) -> list[_Row]:
-    """Every prompt but its last token through the target at once (the backend's `start`); each
-    drafter begins on its prompt's features. Returns the rows, ready to decode.
-    seen_vocab: track the tokens each row has seen (a repetition penalty), over this vocabulary."""
-    device = prompts[0].device
-    features_of = drafters[0]
-    extra = {} if images is None else {"images": images}  # the llama.cpp backend takes none
-    hidden = backend.start(prompts, features_of.feature_layers, features_of.needs_last_hidden, max_new_tokens, **extra)
-    rows = []
-    for b, (p, d) in enumerate(zip(prompts, drafters)):
-        n = p.numel() - 1
-        features = None
-        if hidden is not None and n > 0:
-            # an index tensor, not a slice: copies, so that no view keeps the prefill's L + 1
-            # hidden states of the whole padded batch ([B, P, H] x (L + 1)) alive while rows decode
-            positions = torch.arange(n, device=device)
-            features = select_features(hidden, d.feature_layers, d.needs_last_hidden, positions, row=b)
-        d.begin(p[None, :-1], features, p[-1:])
-        rows.append(_Row(d, p.numel(), n, seen_mask(p[None], seen_vocab) if seen_vocab is not None else None, int(p[-1])))
-    return rows
-
-
-def _decode(run: _Decoding, active: list[_Row]) -> int:
-    """The rounds, until every row has finished; returns the number of verification forwards."""
-    config, max_len, device, backend, clock = run.config, run.max_len, run.device, run.backend, run.clock
-    num_forwards = 0
-    while active:
-        # A path of depth d emits d + 1 tokens: stay within max_new_tokens and the context.
-        limits = []
-        for row in active:
-            max_depth = config.max_new_tokens - len(row.emitted) - 1
-            if max_len is not None:
-                if row.length + 1 >= max_len:
-                    row.finish = "context"
-                max_depth = min(max_depth, max_len - row.length - 2)
-            limits.append(max_depth)
-        active, limits = _leave(backend, active, limits)
-        if not active:
-            break
-        stretch = _plain_stretch(run, active, limits[0])
-        if stretch:
-            num_forwards += stretch
-            continue
-        policy = config.policy
-        round_start = time.perf_counter()
-        planned = 0 if policy is None else policy.plan(len(active))  # 0: whole trees, 1: plain
-        drafting = planned != 1
-        if drafting:
-            num_nodes = None if policy is None else policy.draft_limit(len(active), planned)
-            for row in active:
-                _limit(row.drafter, num_nodes - 1 if num_nodes is not None else None)
-                _catch_up(row)
-            drafts = [limit_depth(row.drafter.propose(), max_depth) for row, max_depth in zip(active, limits)]
-        else:  # plain decoding this round: each tree is its root
-            drafts = [(DraftTree(torch.tensor([[row.pending]], device=device), torch.tensor([-1], device=device)), None) for row in active]
-        if policy is not None and drafting:
-            keep = policy.cut([tree for tree, _ in drafts])
-            drafts = [(cut_tree(tree, keep), kept_nodes) for tree, kept_nodes in drafts]
-        drafts = [(backend.cut_to_capacity(tree, len(active)), kept_nodes) for tree, kept_nodes in drafts]
-        draft_seconds = time.perf_counter() - round_start
-        clock.lap("draft")
-
-        trees = [tree for tree, _ in drafts]
-        lengths = [row.length for row in active]
-        verification = backend.verify(trees, lengths, run.want_hidden)
-        num_forwards += 1
-        clock.lap("verify")
-        verify_end = time.perf_counter()
-
-        results = [
-            accept_tree(tree, verification.logits[b : b + 1, : tree.num_nodes], config.sampling, row.seen, run.generator, config.typical)
-            for b, (row, tree) in enumerate(zip(active, trees))
-        ]
-        clock.lap("accept")
-
-        backend.keep([r.path for r in results], lengths)
-        clock.lap("cache")
-
-        for b, (row, (tree, kept_nodes), result) in enumerate(zip(active, drafts, results)):
-            _advance(run, row, b, tree, kept_nodes, result, verification, not drafting)
-        if policy is not None:
-            policy.observe(
-                [t.num_nodes for t in trees],
-                [r.path for r in results],
-                fixed_seconds=time.perf_counter() - verify_end,
-                draft_seconds=draft_seconds if drafting else None,
-                planned=planned,
-            )
-        clock.lap("other")
-    return num_forwards
-
-
-STREAM_CHUNK = 16  # tokens per library call of plain decoding while the output streams (_plain_stretch)
-
-
-def _plain_stretch(run: _Decoding, active: list[_Row], max_depth: int) -> int:
-    """Plain greedy decoding of one row to its end in one backend call (the llama.cpp backend's
-    `greedy_run`), where nothing happens between its rounds: no drafting, no stop strings, no
-    repetition penalty. Streamed output goes out STREAM_CHUNK tokens at a time. The row ends as the
-    same plain rounds would leave it.
-    Returns the forwards it ran: 0 (nothing done) where that does not hold."""
-    row, config = active[0], run.config
-    greedy_run = getattr(run.backend, "greedy_run", None)
-    if (
-        greedy_run is None
-        or len(active) != 1
-        or not isinstance(row.drafter, RootOnlyDrafter)
-        or config.policy is not None
-        or not config.sampling.greedy
-        or row.seen is not None
-        or run.rules.stop_strings
-        or run.want_hidden
-        or max_depth < 0
-    ):
-        return 0
-    streaming = run.on_tokens is not None or run.streamer is not None
-    pending = row.pending
-    tokens = greedy_run(pending, row.length, min(max_depth + 1, STREAM_CHUNK) if streaming else max_depth + 1, run.rules.eos_token_ids)
-    run.clock.lap("verify")
-    kept = _emit(run, row, tokens)
-    row.accepted_lengths.extend([1] * len(kept))
-    row.drafted.extend([0] * len(kept))
-    _stream(run, kept)
-    row.drafter.commit(
-        torch.tensor([[pending] + tokens[:-1]], device=run.device),
-        None,
-        torch.tensor([tokens[-1]], device=run.device),
-        RoundStats(num_draft=0, num_accepted=0, depth=0, path=[0], skipped=False),
-    )
-    row.length += len(tokens)
-    row.pending = tokens[-1]
-    return len(tokens)
-
-
-def _emit(run: _Decoding, row: _Row, tokens: list[int]) -> list[int]:
-    """Append a round's tokens to the row's output, cut at the first stop (which sets row.finish);
-    returns the tokens kept."""
-    before = len(row.emitted)
-    row.emitted.extend(tokens)
-    stop = first_stop(row.emitted, before, run.rules, run.decode)
-    if stop is not None:
-        del row.emitted[stop[0] :]
-        row.finish = stop[1]
-    return row.emitted[before:]
-
-
-def _stream(run: _Decoding, kept: list[int]) -> None:
-    """Hand the kept tokens to the caller's callback and streamer."""
-    if run.on_tokens is not None and kept:
-        run.on_tokens(kept)
-    if run.streamer is not None and kept:
-        run.streamer.put(torch.tensor(kept))
-
-
-def _limit(drafter, num_draft: int | None) -> None:
-    """Pass the load policy's num_draft to drafters that can stop early (EAGLE heads; optional)."""
-    limit = getattr(drafter, "limit", None)
-    if limit is not None:
-        limit(num_draft)
-
-
-def _leave(backend, active: list[_Row], limits: list[int]):
-    """Drop finished rows from the batch and their K/V from the cache."""
-    keep = [i for i, row in enumerate(active) if row.finish is None]
-    if len(keep) == len(active):
-        return active, limits
-    active = [active[i] for i in keep]
-    if active:
-        backend.select_rows(keep, [row.length for row in active])
-    return active, [limits[i] for i in keep]
-
-
-def _advance(run: _Decoding, row: _Row, b: int, tree: DraftTree, kept_nodes, result: Acceptance, verification, skipped: bool) -> None:
-    """Emit row b's accepted tokens, apply the stop rules and move its drafter on."""
-    path_tokens = tree.tokens[0, result.path].tolist()
-    round_tokens = path_tokens[1:] + [result.next_token]
-    kept = _emit(run, row, round_tokens)
-    row.accepted_lengths.append(len(kept))
-    row.drafted.append(tree.num_draft)
-    row.length += len(result.path)  # the root and the accepted drafts are now in the cache
-    row.pending = result.next_token
-    device = tree.tokens.device
-    if row.seen is not None:
-        row.seen[0, torch.tensor(round_tokens, device=device)] = True
-    _stream(run, kept)
-    if row.finish is not None:
-        return
-    path_index = torch.tensor(result.path, device=device)
-    drafter = row.drafter
-    round_features = select_features(verification.hidden_states, drafter.feature_layers, drafter.needs_last_hidden, path_index, row=b)
-    if skipped:  # a plain round: the drafter catches up when it next drafts
-        row.deferred.append((tree.tokens[:, path_index], round_features, torch.tensor([result.next_token], device=device)))
-        return
-    depth_of = node_depths(tree.parents)
-    depths = depth_of[result.path].tolist()
-    drafter.commit(
-        tree.tokens[:, path_index],
-        round_features,
-        torch.tensor([result.next_token], device=device),
-        RoundStats(
-            num_draft=tree.num_draft,
-            num_accepted=len(result.path) - 1,
-            depth=int(depth_of.max()),
-            accepted_depths=depths[1:],
-            # in the drafter's own numbering, before limit_depth
-            path=list(result.path) if kept_nodes is None else [kept_nodes[i] for i in result.path],
-            skipped=skipped,
-        ),
-    )
-
-
-def _catch_up(row: _Row) -> None:
-    """Give the drafter the plain rounds it skipped as one commit: their roots as the accepted
-    tokens, their features, the last pending token (what a round accepting them all would give)."""
-    if not row.deferred:
-        return
-    tokens = torch.cat([t for t, _, _ in row.deferred], dim=1)  # [1, k]
-    parts = [f for _, f, _ in row.deferred]
-    features = None
-    if parts[0] is not None:
-        features = TargetFeatures(
-            parts[0].layers,
-            tuple(torch.cat(layer, dim=1) for layer in zip(*(f.hidden_states for f in parts))),
-            None if parts[0].last is None else torch.cat([f.last for f in parts], dim=1),
-        )
-    pending = row.deferred[-1][2]
-    row.deferred.clear()
-    row.drafter.commit(tokens, features, pending, RoundStats(num_draft=0, num_accepted=0, depth=0, path=[0], skipped=True))

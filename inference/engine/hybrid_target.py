@@ -37,6 +37,8 @@ class HybridTarget(TorchTarget):
             raise ValueError("images in the prompt are not built for hybrid targets")
         longest = max(p.numel() for p in prompts)
         self.slots = longest - 1
+        self.rows = len(prompts)
+        self._features = (tuple(feature_layers), need_last)
         want_hidden = bool(feature_layers) or need_last
         by_length: dict[int, list[int]] = {}
         for b, p in enumerate(prompts):
@@ -98,7 +100,10 @@ class HybridTarget(TorchTarget):
         super().discard(length)
 
     def select_rows(self, keep: list[int], lengths: list[int]) -> None:
+        if not keep:
+            return super().select_rows(keep, lengths)
         assert self.cache is not None  # made by start
+        self.rows = len(keep)
         select_state_rows(self.cache, keep)
         self.slots = max(lengths)
         select_rows(self.cache, keep, self.slots)

@@ -78,7 +78,7 @@ def stack_rows(caches: list[Cache], slots: int, sizes: list[int]) -> Cache:
         return caches[0]
     base = filled[0]
     for i, layer in enumerate(base.layers):
-        rows = [c.layers[i] for c in caches]
+        rows = [c.layers[i] if i < len(c.layers) else None for c in caches]  # None: a cache that prefilled nothing
         if isinstance(layer, LinearAttentionCacheLayerMixin):
             for s in _states(layer):
                 for name, ready in (("conv_states", layer.is_conv_states_initialized), ("recurrent_states", layer.is_recurrent_states_initialized)):
@@ -87,7 +87,7 @@ def stack_rows(caches: list[Cache], slots: int, sizes: list[int]) -> Cache:
                     like = getattr(layer, name)[s]  # [rows, ...]
                     getattr(layer, name)[s] = torch.cat(
                         [
-                            getattr(row, name)[s] if getattr(row, name)[s] is not None else like.new_zeros(n, *like.shape[1:])
+                            getattr(row, name)[s] if row is not None and getattr(row, name)[s] is not None else like.new_zeros(n, *like.shape[1:])
                             for row, n in zip(rows, sizes)
                         ]
                     )

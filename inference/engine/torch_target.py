@@ -3,6 +3,7 @@ five steps as the llama.cpp backend (inference/llamacpp/target.py), which is wha
 loop (inference/engine/generate.py) calls:
 
     start(prompts)               prefill every prompt but its last token; the drafters' features
+    join(prompts)                more rows after the active ones, prefilled the same way
     cut_to_capacity(tree, rows)  the tree cut to what the cache has room for
     verify(trees, lengths)       one forward over every row's tree -> Verification
     keep(paths, lengths)         keep each row's accepted nodes, drop the rest
@@ -21,6 +22,7 @@ from transformers.cache_utils import Cache
 from .cache import cache_capacity, cache_kwargs, crop, keep_paths, new_cache, select_rows
 from .compiled import StaticDecoding, static_capacity
 from .policy import cut_tree
+from .recurrent import stack_rows
 from ..kernels.target_linears import engine_linears, panel_linears
 from .invariant import invariant_attention
 from .media import deepstack_inputs, prefill_inputs, with_deepstack
@@ -39,6 +41,8 @@ class TorchTarget:
         self.static = static
         self.cache: Cache | None = None
         self.slots = 0  # cache slots per row (the longest row's committed length)
+        self.rows = 0  # rows in the cache
+        self._features: tuple[tuple[int, ...], bool] = ((), False)  # what start's prefill returns: (feature layers, need_last)
         self.offsets: torch.Tensor | None = None  # [B] per row: its positions past the prompt are token index + offset (media.py)
         self.max_new_tokens = 0
 
@@ -53,6 +57,8 @@ class TorchTarget:
         images: one media.PromptImages or None per prompt, for a vision-language target.
         Returns the forward's hidden states (all L + 1, [B, P - 1, H]) or None."""
         longest = max(p.numel() for p in prompts)
+        self.rows = len(prompts)
+        self._features = (tuple(feature_layers), need_last)
         if self.static is None:
             self.cache = new_cache()
         else:
@@ -70,6 +76,31 @@ class TorchTarget:
                 input_ids=padded, **media, **cache_kwargs(self.model, self.cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
             )
         return with_deepstack(out.hidden_states, deepstack)
+
+    def open(self, rows: int, cells: int, feature_layers, need_last: bool) -> None:
+        """No rows yet; rows that join later prefill with these features (the cache grows as they
+        come: `rows` and `cells` bound nothing here)."""
+        self.cache, self.slots, self.rows, self.offsets = None, 0, 0, None
+        self._features = (tuple(feature_layers), need_last)
+
+    def join(self, prompts: list[torch.Tensor], max_new_tokens: int = 0, images=None):
+        """Prefill `prompts` as new rows after the active ones (continuous batching): they prefill
+        alone, as `start` would, then the two caches are stacked, K/V right-padded to the longer
+        slot count (hidden by the mask, as a ragged batch's are). Returns the new rows' hidden
+        states as `start` does."""
+        if self.rows == 0:
+            return self.start(prompts, *self._features, max_new_tokens, images=images)
+        if self.static is not None:
+            raise NotImplementedError("rows join a dynamic cache only: drop --static-cache / --compile to batch continuously")
+        old, old_slots, old_rows, old_offsets = self.cache, self.slots, self.rows, self.offsets
+        hidden = self.start(prompts, *self._features, max_new_tokens, images=images)
+        assert old is not None and self.cache is not None  # set by start
+        self.slots = max(old_slots, self.slots)
+        self.cache = stack_rows([old, self.cache], self.slots, [old_rows, len(prompts)])
+        if old_offsets is not None and self.offsets is not None:  # a hybrid target keeps none
+            self.offsets = torch.cat([old_offsets, self.offsets])
+        self.rows = old_rows + len(prompts)
+        return hidden
 
     def cut_to_capacity(self, tree: DraftTree, rows: int) -> DraftTree:
         """A static cache has room for one tree of capacity - slots nodes (TREE_ROOM at the least):
@@ -113,8 +144,13 @@ class TorchTarget:
         crop(self.cache, length)
 
     def select_rows(self, keep: list[int], lengths: list[int]) -> None:
-        """Rows `keep` stay, whose committed lengths are `lengths`; the cache is cut to the longest."""
+        """Rows `keep` stay, whose committed lengths are `lengths`; the cache is cut to the longest.
+        No rows left: the cache is dropped."""
+        if not keep:
+            self.cache, self.slots, self.rows, self.offsets = None, 0, 0, None
+            return
         assert self.cache is not None  # made by start
+        self.rows = len(keep)
         self.slots = max(lengths)
         select_rows(self.cache, keep, self.slots)
         if self.offsets is not None:

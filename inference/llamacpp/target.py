@@ -106,7 +106,15 @@ class LlamaCppTarget:
         Returns {hidden-state index: [B, P - 1, H]} for the drafters (padded rows), or None."""
         if len(prompts) > MAX_SEQUENCES // 2:
             raise ValueError(f"the llama.cpp backend takes at most {MAX_SEQUENCES // 2} rows, got {len(prompts)}")
-        self._ensure_context(sum(p.numel() for p in prompts) + len(prompts) * (max_new_tokens + 1) + BATCH_TOKENS)
+        self.open(len(prompts), sum(p.numel() for p in prompts) + len(prompts) * (max_new_tokens + 1) + BATCH_TOKENS, feature_layers, need_last)
+        return self.join(prompts)
+
+    def open(self, rows: int, cells: int, feature_layers: tuple[int, ...], need_last: bool) -> None:
+        """An empty cache of at least `cells` KV cells for up to `rows` rows (sequences 0..rows - 1;
+        the trees' leaves take the sequences after them), whose drafters read `feature_layers`."""
+        if rows > MAX_SEQUENCES // 2:
+            raise ValueError(f"the llama.cpp backend takes at most {MAX_SEQUENCES // 2} rows, got {rows}")
+        self._ensure_context(cells)
         self.lib.llama_memory_clear(self.memory, True)
         wanted = tuple(sorted(set(feature_layers)))
         if any(layer > self.num_layers for layer in wanted):
@@ -120,19 +128,28 @@ class LlamaCppTarget:
         # the final normed state (hidden_states[L], also asked for as -1): llama.cpp's embeddings
         # output; with it on, llama.cpp outputs every token of a batch (logits too), prefill included
         self.lib.llama_set_embeddings(self.ctx, any(self._is_normed(i) for i in self._features))
-        self._rows = list(range(len(prompts)))
-        self._first_leaf = len(prompts)  # leaf sequences follow every row's, even after rows leave
+        self._rows = []
+        self._first_leaf = rows  # leaf sequences follow every row's, even after rows leave
+
+    def join(self, prompts: list[torch.Tensor], max_new_tokens: int = 0):
+        """Run every prompt but its last token as new rows after the active ones, each on a free
+        row sequence. Returns {hidden-state index: [B_new, P - 1, H]} (padded rows), or None."""
+        free = [s for s in range(self._first_leaf) if s not in self._rows]
+        if len(prompts) > len(free):
+            raise LlamaCppError(f"{len(prompts)} rows join {len(self._rows)} of at most {self._first_leaf}: no free sequence")
+        seqs = free[: len(prompts)]
         longest = max(p.numel() for p in prompts) - 1
         hidden = (
             {i: torch.zeros(len(prompts), longest, self.hidden_size, dtype=self.feature_dtype) for i in self._features} if self._features else None
         )
         tokens, where = [], []
-        for b, p in enumerate(prompts):
+        for b, (p, seq) in enumerate(zip(prompts, seqs)):
             ids = p[:-1].tolist()
-            tokens += [(t, pos, [b]) for pos, t in enumerate(ids)]
+            tokens += [(t, pos, [seq]) for pos, t in enumerate(ids)]
             where += [(b, pos) for pos in range(len(ids))]
         for start in range(0, len(tokens), BATCH_TOKENS):
             self._run_chunk(tokens[start : start + BATCH_TOKENS], where[start : start + BATCH_TOKENS], None, hidden)
+        self._rows += seqs
         return hidden
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
