@@ -86,6 +86,8 @@ class DraftSpec:
                 raise ValueError(f"--{name.replace('_', '-')} must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, got {value!r}")
         if self.sizing == "confidence" and self.proposer not in (None, "head"):
             raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks, not {self.proposer} drafts")
+        if self.proposer == "none" and (self.num_draft is not None or self.sizing not in (None, "fixed") or self.lookup_streak is not None):
+            raise ValueError("--proposer none decodes plainly: it takes no --num-draft, --sizing or --lookup-streak")
         if self.proposer == "draft-model" and self.draft_model is None:
             raise ValueError("--proposer draft-model needs --draft-model NAME")
         if self.chain is not None and (self.num_draft, self.depth, self.branch) != (None, None, None):
@@ -142,6 +144,8 @@ class DraftSpec:
                 raise ValueError(f"no head ships for {target_name}; pass --head DIR")
             head = str(shipped)
         spec = replace(self, proposer=proposer, head=head)
+        if proposer == "none":
+            return spec, "no drafts: plain decoding in our engine"
         what = {"head": f"the head at {head}", "draft-model": f"draft model {self.draft_model}", "prompt-lookup": "prompt lookup"}
         return spec, f"drafting with {what[proposer]}"
 
@@ -149,7 +153,9 @@ class DraftSpec:
         """The resolved proposer's constructor options: the one translation from the spec's names
         to each drafter's (unset fields are left out, so a head's drafting.json keeps them)."""
         options: dict[str, object]
-        if self.proposer == "prompt-lookup":
+        if self.proposer == "none":
+            options = {}
+        elif self.proposer == "prompt-lookup":
             options = {"num_draft": self.num_draft, "streak_draft": self.lookup_streak}
         elif self.proposer == "head":
             options = {

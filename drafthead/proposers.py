@@ -3,6 +3,7 @@
     prompt-lookup  n-gram lookup in the sequence so far (no model, no training)
     draft-model    a small causal LM sharing the target's vocabulary
     head           a trained head folder (`drafthead train` writes one)
+    none           no drafts: plain decoding in our engine (the reference a server or bench compares with)
 
 Drafter modules are imported lazily inside each branch, so `import drafthead` stays light and a
 proposer whose module is broken or absent only fails when asked for.
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 
-PROPOSERS = ("prompt-lookup", "draft-model", "head")
+PROPOSERS = ("prompt-lookup", "draft-model", "head", "none")
 OLD_PROPOSER_SPELLINGS = {"heads": "head"}  # renamed proposers: read as the new name, with a warning
 
 
@@ -67,6 +68,12 @@ def build_drafter(
     proposer = proposer_name(proposer)
     if kw.get("sizing", "fixed") != "fixed" and proposer != "head":
         raise DrafterError(f"sizing {kw['sizing']!r} sizes EAGLE trees and DSpark blocks, not {proposer} drafts")
+    if proposer == "none":
+        from .inference.engine.drafter import RootOnlyDrafter
+
+        if num_draft is not None or kw:
+            raise DrafterError(f"proposer 'none' drafts nothing: it takes no {'num_draft' if num_draft is not None else next(iter(kw))}")
+        return RootOnlyDrafter()
     if proposer == "prompt-lookup":
         from .inference.drafters.prompt_lookup import PromptLookupDrafter
 

@@ -83,6 +83,9 @@ class RowSettings:
     generator: torch.Generator | None = None  # the sampling draws (shared by a batch's rows in generate_batch)
     on_tokens: Callable[[list[int]], None] | None = None  # each round's kept tokens, as they are accepted
     seen_vocab: int | None = None  # track the tokens the row has seen over this vocabulary (a repetition penalty)
+    # each emitted token's log-probability under the target's raw logits, with this many of the
+    # most likely alternatives (Row.logprobs); None: none
+    logprobs: int | None = None
 
 
 @dataclass
@@ -100,6 +103,7 @@ class Row:
     accepted_lengths: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     finish: str | None = None  # "eos" | "stop_string" | "length" | "context" | "cancelled"
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)  # per emitted token, when asked
     # plain rounds' (tokens [1, 1], features, pending [1]) not yet given to the drafter: it takes
     # them in one commit when it next drafts (_catch_up), so plain rounds cost no drafter work
     deferred: list = field(default_factory=list)
@@ -281,6 +285,7 @@ class Decoder:
             or row.settings.rules.stop_strings
             or self.want_hidden
             or self.observers
+            or row.settings.logprobs is not None
             or max_depth < 0
         ):
             return 0
@@ -332,6 +337,8 @@ class Decoder:
         path_tokens = tree.tokens[0, result.path].tolist()
         round_tokens = path_tokens[1:] + [result.next_token]
         kept = self._emit(row, round_tokens)
+        if row.settings.logprobs is not None and kept:
+            row.logprobs += token_logprobs(verification.logits[b, result.path[: len(kept)]], kept, row.settings.logprobs)
         row.accepted_lengths.append(len(kept))
         row.drafted.append(tree.num_draft)
         row.length += len(result.path)  # the root and the accepted drafts are now in the cache
@@ -371,6 +378,17 @@ class Decoder:
     def _observe(self, row: Row, tokens: torch.Tensor, features: TargetFeatures | None) -> None:
         for observe in self.observers:
             observe(row, tokens, features)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """(log p(token), the `top` most likely (id, log p)) of each token under logits [k, V], row j
+    the distribution token j was chosen from."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [k, V]
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens, device=lp.device)].tolist()
+    if top == 0:
+        return [(c, []) for c in chosen]
+    values, ids = lp.topk(top, dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
 
 
 def _stream(row: Row, kept: list[int]) -> None:

@@ -1,0 +1,142 @@
+"""`drafthead serve`: an OpenAI-compatible server on the exact engine (docs/serving.md).
+
+The port is bound first, so a port in use fails at once; /health answers 503 while the target
+loads and 200 once it serves. SIGTERM or Ctrl-C: no new connection or request is taken, the
+answers in flight get --shutdown-grace seconds to finish (then are cancelled), and the process
+exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from . import (
+    _positive_int,
+    add_proposer_options,
+    add_target_options,
+    draft_spec_from_args,
+    drafting_from_args,
+    load_target_from_args,
+    note,
+)
+
+DEFAULT_PORT = 8000
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible server (chat and completions, streamed or whole) on the exact engine")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT}; 0: any free one, printed)")
+    g.add_argument("--max-batch", type=_positive_int, default=16, help="requests decoding together (default 16)")
+    g.add_argument("--max-queue", type=_positive_int, default=256, help="requests waiting beyond the batch; more get 429 (default 256)")
+    g.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 (default: none)")
+    g.add_argument("--served-model-name", default=None, help="the model name clients ask for (default: the target's name)")
+    g.add_argument("--context", type=_positive_int, default=None, help="tokens per request, prompt and answer (default: the target's context)")
+    g.add_argument(
+        "--kv-cells",
+        type=_positive_int,
+        default=None,
+        help="llama.cpp backend: KV cells shared by the batch; a request reserves prompt + max_tokens + a tree's room "
+        "and waits while they are taken (default: max-batch x (min(context, 4096) + 256))",
+    )
+    g.add_argument("--shutdown-grace", type=float, default=25.0, help="seconds the answers in flight get to finish after SIGTERM (default 25)")
+    add_target_options(p)
+    add_proposer_options(p)
+
+
+def run(args) -> int:
+    from ..inference.engine.backend import target_backend
+    from ..inference.engine.generate import context_limit
+    from ..inference.serve.engine import TREE_ROOM, EngineSettings, ServingEngine
+    from ..inference.serve.http import DraftheadServer
+
+    if args.static_cache or args.compile:
+        raise ValueError("serve batches continuously, which needs the dynamic cache: drop --static-cache / --compile")
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be between 0 and 65535, got {args.port}")
+    if not 0 <= args.shutdown_grace < float("inf"):
+        raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
+    spec = draft_spec_from_args(args)
+    server = DraftheadServer((args.host, args.port), api_key=args.api_key)  # bind first: a port in use fails now
+    host, port = server.server_address[:2]
+    url = f"http://{host}:{port}"
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.serve_in_background()
+        note(f"serve: listening on {url} (/health answers 200 once the target is loaded)")
+        loaded = load_target_from_args(args)
+        drafting = drafting_from_args(args, spec, loaded)
+        note(drafting.message)
+        context = args.context or context_limit(drafting.model.config)
+        if args.context and context_limit(drafting.model.config) and args.context > context_limit(drafting.model.config):
+            raise ValueError(f"--context {args.context} is longer than the target's {context_limit(drafting.model.config)}")
+        backend = target_backend(drafting.verifier, row_invariant=bool(args.row_invariant))
+        kv_cells = None
+        if args.backend == "llama.cpp":
+            kv_cells = args.kv_cells or args.max_batch * (min(context or 4096, 4096) + TREE_ROOM)
+        elif args.kv_cells:
+            raise ValueError("--kv-cells sizes the llama.cpp backend's cache; the torch backend's grows as rows join")
+        model, decode_all = served_model(loaded, args.served_model_name or loaded.name, context)
+        engine = ServingEngine(
+            backend,
+            drafting.factory(),
+            EngineSettings(max_batch=args.max_batch, max_queue=args.max_queue, max_len=context, kv_cells=kv_cells),
+            eos_token_ids=eos_ids(drafting.model, loaded.tokenizer),
+            decode=decode_all,
+            policy=drafting.policy,
+            metrics=server.metrics,
+        )
+        server.ready(model, engine)
+        engine.start()
+        note(f"serve: {model.name} on {url}/v1 (max batch {args.max_batch}, context {context})")
+        while not stop.wait(0.5):
+            if not engine.alive:
+                raise RuntimeError(f"the serving engine stopped: {engine.failure}")
+        note("serve: stopping: no new requests; finishing the ones in flight")
+        server.close_door()
+        engine.stop(args.shutdown_grace)
+        server.wait_answered(5.0)
+        note("serve: stopped")
+        return 0
+    finally:
+        if not server.stopping:
+            server.close_door()
+        server.server_close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def eos_ids(model, tokenizer) -> tuple[int, ...]:
+    from ..inference.engine.targets import eos_token_ids
+
+    return eos_token_ids(model, tokenizer)
+
+
+def served_model(loaded, name: str, context: int | None):
+    """(the ServedModel the HTTP side reads, ids -> text with special tokens for the stop strings):
+    the tokenizer behind one lock, since the HTTP threads and the engine thread share it."""
+    from ..inference.bench.prompts import Prompt, encode_chat
+    from ..inference.serve.http import ServedModel
+
+    tokenizer = loaded.tokenizer
+    lock = threading.Lock()
+
+    def render_chat(messages: list[dict]) -> list[int]:
+        with lock:
+            return encode_chat(tokenizer, Prompt(text=messages[-1]["content"], messages=tuple(messages)))[0].tolist()
+
+    def encode(text: str) -> list[int]:
+        with lock:
+            return tokenizer(text).input_ids
+
+    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+        with lock:
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(token: int) -> str:
+        return decode([token], skip_special_tokens=False)
+
+    return ServedModel(name, context, render_chat, encode, decode, token_text), (lambda ids: decode(ids, skip_special_tokens=False))
