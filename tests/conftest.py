@@ -127,6 +127,7 @@ LONG_FIRST = (
     "test_multiprocess_data",
     "test_split_target",
     "test_shipped_head",
+    "test_serve",
 )
 
 

@@ -263,6 +263,7 @@ class ServingEngine:
             job.rounds_seen = len(row.accepted_lengths)
         self.metrics.round(counted, self.decoder.num_forwards - forwards)
         self._retire([row for row in rows if row.finish is not None])
+        self.metrics.set("drafthead_batch_size", len(self._jobs))
 
     def _retire(self, rows: list[Row]) -> None:
         """Tell the finished rows' jobs; the decoder drops the rows at its next step or join."""
