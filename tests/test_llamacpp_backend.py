@@ -328,3 +328,67 @@ def test_demo_on_the_llama_cpp_backend_verifies_with_libllama(capsys):
     out, err = capsys.readouterr()
     assert "llama.cpp backend: ggml's kernels" in err and "llama.cpp backend: the target as a f32 GGUF" in err
     assert "plain (llama.cpp backend):" in out
+
+
+@pytest.mark.parametrize("streams", [True, False], ids=["streams", "unified"])
+@pytest.mark.parametrize("drafter_name", ["eagle3-head", "prompt-lookup"])
+def test_rows_joining_between_rounds_equal_the_backends_plain_decoding(smollm2, drafter_name, streams):
+    """Continuous batching as `drafthead serve` runs it (inference/engine/decoder.py): rows join at
+    different rounds and leave when done, each on a KV stream of its own (streams: trees cut to
+    chains, rows moved down to sequences 0..B - 1 as others leave) or in one unified cache; every
+    row is its prompt's plain output."""
+    from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+    from drafthead.inference.engine.decoder import Decoder, DecoderSettings, RowSettings
+    from drafthead.inference.engine.drafter import fork_drafter
+    from drafthead.inference.engine.stopping import StopRules
+
+    loaded, backend, head, prompts = smollm2
+    drafter = head if drafter_name == "eagle3-head" else PromptLookupDrafter(length=4)
+    eos = (loaded.tokenizer.eos_token_id,)
+    lengths = (40, 12, 30)
+    plain = [o for o in plain_outputs(backend, prompts, GenerationConfig(max_new_tokens=40, eos_token_ids=eos))]
+    refs = [o[:n] for o, n in zip(plain, lengths)]  # each prompt asks for its own count: rows leave at different rounds
+    decoder = Decoder(backend, DecoderSettings(max_len=2048, device=torch.device("cpu")), drafter.feature_layers, drafter.needs_last_hidden)
+    schedule = {0: [0], 3: [1], 5: [2], 40: [1]}  # prompt 1 joins again after every row has left
+    rows = []
+    with torch.inference_mode():
+        decoder.open(4, 4 * 1024, streams)
+        for step in range(200):
+            for i in schedule.get(step, []):
+                settings = RowSettings(SamplingConfig(), StopRules(eos, (), lengths[i]))
+                rows += [(i, row) for row in decoder.join([prompts[i]], [fork_drafter(drafter)], [settings], lengths[i])]
+            if not decoder.active and step > max(schedule):
+                break
+            decoder.step()
+    assert [row.emitted for _, row in rows] == [refs[i] for i, _ in rows]
+    assert sum(len(row.accepted_lengths) for _, row in rows) < sum(len(row.emitted) for _, row in rows)  # it speculated
+
+
+def test_streams_give_each_row_the_logits_and_features_of_the_unified_cache(smollm2):
+    """A round of chains of different lengths over three rows: each row on its own stream (the
+    chains padded to one length) gets the logits and feature-layer inputs the unified cache gives
+    it, in the rows' order, also after a row left and the last row's stream moved down."""
+    _, backend, _, prompts = smollm2
+    layers = (2, 15, 29)
+    chains = [DraftTree(torch.tensor([[5, 6, 7, 8]]), chain_parents(3)), DraftTree(torch.tensor([[9]]), chain_parents(0))]
+    chains.append(DraftTree(torch.tensor([[10, 11]]), chain_parents(1)))
+
+    def round_of(streams: bool, leave: bool):
+        backend.open(3, 3 * 1024, layers, False, streams)
+        backend.join(prompts)
+        lengths = [p.numel() - 1 for p in prompts]
+        rows, trees = [0, 1, 2], chains
+        if leave:
+            backend.select_rows([0, 2], [lengths[0], lengths[2]])
+            rows, trees, lengths = [0, 2], [chains[0], chains[2]], [lengths[0], lengths[2]]
+        out = backend.verify([backend.cut_to_capacity(t, len(trees)) for t in trees], lengths, True)
+        return {b: (out.logits[k, : trees[k].num_nodes], [out.hidden_states[i][k, : trees[k].num_nodes] for i in layers]) for k, b in enumerate(rows)}
+
+    for leave in (False, True):
+        unified, streams = round_of(False, leave), round_of(True, leave)
+        for b in unified:
+            # ggml picks kernels by the batch's shape: fp32 results round apart by ~1e-2 at most
+            assert (streams[b][0] - unified[b][0]).abs().max() < 0.05, (leave, b)
+            assert (streams[b][0].argmax(-1) == unified[b][0].argmax(-1)).all(), (leave, b)
+            for got, want in zip(streams[b][1], unified[b][1]):
+                assert (got - want).norm() / want.norm() < 1e-3, (leave, b)

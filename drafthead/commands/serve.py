@@ -22,6 +22,7 @@ from . import (
 )
 
 DEFAULT_PORT = 8000
+DEFAULT_ROW_CELLS = 4096  # llama.cpp backend: KV cells a request may hold by default (--kv-cells)
 
 
 def add_parser(subparsers) -> None:
@@ -39,7 +40,14 @@ def add_parser(subparsers) -> None:
         type=_positive_int,
         default=None,
         help="llama.cpp backend: KV cells shared by the batch; a request reserves prompt + max_tokens + a tree's room "
-        "and waits while they are taken (default: max-batch x (min(context, 4096) + 256))",
+        "and waits while they are taken (default: max-batch x (min(context, 4096) + 256); a request's context is what its share holds)",
+    )
+    g.add_argument(
+        "--kv-layout",
+        choices=("streams", "unified"),
+        default="streams",
+        help="llama.cpp backend: streams (default): a KV stream per request, attending to its own text only, trees cut to "
+        "chains; unified: one cache for all, where trees keep their branches (docs/llamacpp-backend.md)",
     )
     g.add_argument("--shutdown-grace", type=float, default=25.0, help="seconds the answers in flight get to finish after SIGTERM (default 25)")
     add_target_options(p)
@@ -70,20 +78,27 @@ def run(args) -> int:
         loaded = load_target_from_args(args)
         drafting = drafting_from_args(args, spec, loaded)
         note(drafting.message)
-        context = args.context or context_limit(drafting.model.config)
-        if args.context and context_limit(drafting.model.config) and args.context > context_limit(drafting.model.config):
-            raise ValueError(f"--context {args.context} is longer than the target's {context_limit(drafting.model.config)}")
+        trained = context_limit(drafting.model.config)
+        if args.context and trained and args.context > trained:
+            raise ValueError(f"--context {args.context} is longer than the target's {trained}")
+        context = args.context or trained
         backend = target_backend(drafting.verifier, row_invariant=bool(args.row_invariant))
         kv_cells = None
+        streams = args.kv_layout == "streams"
         if args.backend == "llama.cpp":
-            kv_cells = args.kv_cells or args.max_batch * (min(context or 4096, 4096) + TREE_ROOM)
+            kv_cells = args.kv_cells or args.max_batch * (min(context or DEFAULT_ROW_CELLS, DEFAULT_ROW_CELLS) + TREE_ROOM)
+            # a request holds its prompt, answer and one round's tree: in its stream, or in the shared cache
+            room = (kv_cells // args.max_batch if streams else kv_cells) - TREE_ROOM
+            if room < 2:
+                raise ValueError(f"--kv-cells {kv_cells} leaves no room for a request beside a tree's {TREE_ROOM} cells")
+            context = min(context or room, room)
         elif args.kv_cells:
             raise ValueError("--kv-cells sizes the llama.cpp backend's cache; the torch backend's grows as rows join")
         model, decode_all = served_model(loaded, args.served_model_name or loaded.name, context)
         engine = ServingEngine(
             backend,
             drafting.factory(),
-            EngineSettings(max_batch=args.max_batch, max_queue=args.max_queue, max_len=context, kv_cells=kv_cells),
+            EngineSettings(max_batch=args.max_batch, max_queue=args.max_queue, max_len=context, kv_cells=kv_cells, streams=streams),
             eos_token_ids=eos_ids(drafting.model, loaded.tokenizer),
             decode=decode_all,
             policy=drafting.policy,

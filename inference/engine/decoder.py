@@ -142,10 +142,11 @@ class Decoder:
         self._started = False
         self._opened = False
 
-    def open(self, rows: int, cells: int) -> None:
+    def open(self, rows: int, cells: int, streams: bool = False) -> None:
         """Room for up to `rows` rows of `cells` cached tokens in all, before any row joins (the
-        llama.cpp backend fixes its sequences and KV cells here; the torch one grows as it goes)."""
-        self.backend.open(rows, cells, self.feature_layers, self.needs_last_hidden)
+        llama.cpp backend fixes its sequences and KV cells here, and with `streams` gives each row
+        a stream of its own; the torch one grows as it goes)."""
+        self.backend.open(rows, cells, self.feature_layers, self.needs_last_hidden, streams)
         self._opened = True
 
     def join(self, prompts: list[torch.Tensor], drafters: list, settings: list[RowSettings], max_new_tokens: int = 0, images=None) -> list[Row]:

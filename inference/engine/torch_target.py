@@ -77,9 +77,9 @@ class TorchTarget:
             )
         return with_deepstack(out.hidden_states, deepstack)
 
-    def open(self, rows: int, cells: int, feature_layers, need_last: bool) -> None:
+    def open(self, rows: int, cells: int, feature_layers, need_last: bool, streams: bool = False) -> None:
         """No rows yet; rows that join later prefill with these features (the cache grows as they
-        come: `rows` and `cells` bound nothing here)."""
+        come: `rows`, `cells` and `streams` change nothing here: each row's K/V are its own)."""
         self.cache, self.slots, self.rows, self.offsets = None, 0, 0, None
         self._features = (tuple(feature_layers), need_last)
 

@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 SHIM = "libdrafthead_llama.so"
+ABI_VERSION = 2  # shim.cpp dh_abi_version: the calls below are the ones that shim takes
 _REPO_BUILD = Path(__file__).resolve().parents[2] / "build" / "libllama" / "lib"
 
 c_int32_p = ctypes.POINTER(ctypes.c_int32)
@@ -56,7 +57,10 @@ _SIGNATURES = {
     # shim.c
     "dh_init": ([ctypes.c_bool], None),
     "dh_load_model": ([ctypes.c_char_p], ctypes.c_void_p),
-    "dh_new_context": ([ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_bool, ctypes.c_int], ctypes.c_void_p),
+    "dh_new_context": (
+        [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_int, ctypes.c_bool, ctypes.c_int, ctypes.c_bool],
+        ctypes.c_void_p,
+    ),
     "dh_decode": ([ctypes.c_void_p, ctypes.POINTER(LlamaBatch)], ctypes.c_int32),
     "dh_greedy": (
         [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, c_int32_p, ctypes.c_int32, c_int32_p],
@@ -98,6 +102,11 @@ def load():
         libs = (ctypes.CDLL(str(path)), ctypes.CDLL(str(path.with_name("libllama.so"))))
     except OSError as e:
         raise LibllamaMissing(f"llama.cpp backend at {path} does not load: {e}") from e
+    version = getattr(libs[0], "dh_abi_version", None)
+    if version is None or version() != ABI_VERSION:
+        raise LibllamaMissing(
+            f"{path} was built from another drafthead (shim version {version() if version else 1}, not {ABI_VERSION}): run `make llamacpp` again"
+        )
     calls = _Calls()
     for name, (args, result) in _SIGNATURES.items():
         fn = getattr(libs[0] if name.startswith("dh_") else libs[1], name, None)

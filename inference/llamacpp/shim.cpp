@@ -26,10 +26,17 @@ struct llama_model * dh_load_model(const char * path) {
     return llama_model_load_from_file(path, p);
 }
 
-// One context for the whole generation: every row and every tree leaf is a sequence of one
-// unified KV cache (kv_unified), so the cells of a shared prefix serve all of them.
+// What lib.py checks before it declares the calls: a shim built from another drafthead refuses
+// to load rather than be called with arguments it does not take.
+int dh_abi_version(void) {
+    return 2;
+}
+
+// One context for the whole generation. unified: every row and every tree leaf is a sequence of
+// one KV cache, so the cells of a shared prefix serve all of them; not unified: each of the
+// n_seq_max sequences is a stream of n_ctx / n_seq_max cells, which only its own tokens attend to.
 struct llama_context * dh_new_context(struct llama_model * model, unsigned n_ctx, unsigned n_batch,
-                                      unsigned n_seq_max, int n_threads, bool embeddings, int flash_attn) {
+                                      unsigned n_seq_max, int n_threads, bool embeddings, int flash_attn, bool unified) {
     struct llama_context_params p = llama_context_default_params();
     p.n_ctx = n_ctx;
     p.n_batch = n_batch;
@@ -38,7 +45,7 @@ struct llama_context * dh_new_context(struct llama_model * model, unsigned n_ctx
     p.n_threads = n_threads;
     p.n_threads_batch = n_threads;
     p.embeddings = embeddings;
-    p.kv_unified = true;
+    p.kv_unified = unified;
     p.no_perf = true;
     p.flash_attn_type = (enum llama_flash_attn_type) flash_attn;  // -1 auto, 0 off, 1 on
     return llama_init_from_model(model, p);

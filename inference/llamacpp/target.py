@@ -10,6 +10,13 @@ Sequences of one unified KV cache (sequences.py):
                                    the deepest accepted node); every leaf sequence is removed,
                                    which frees the cells of the rejected nodes
 
+With `streams` (`open(..., streams=True)`, what `drafthead serve` runs), each row is instead a
+stream of its own: a sequence of a non-unified cache whose tokens attend to its cells only, so a
+row's attention does not grow with the other rows' text. llama.cpp takes no token of several
+sequences there, so trees are cut to their first chain; the rows' chains are padded to one length
+and the rows kept on sequences 0..B - 1, which llama.cpp then runs as one forward
+(docs/llamacpp-backend.md "Streams").
+
 Heads and drafters stay in torch: logits [B, N, V] and the drafters' feature layers (the inputs
 of the target's layers, HF `hidden_states[i]` = llama.cpp's layer input i) come back as tensors,
 and so does the final normed state (HF `hidden_states[-1]`, key -1: llama.cpp's token embeddings
@@ -27,7 +34,7 @@ import torch
 
 from ..engine.policy import cut_tree
 from ..engine.recurrent import has_recurrent_layers
-from ..engine.tree import DraftTree
+from ..engine.tree import DraftTree, first_chain
 from ..engine.verify import Verification
 from . import lib as _lib
 from .sequences import depths_of, leaf_sets, nodes_within
@@ -76,6 +83,7 @@ class LlamaCppTarget:
             )
         self.ctx = None
         self.context = 0  # KV cells of the current context, shared by every row and tree
+        self.streams = 0  # streams of the current context (0: one unified cache)
         self.threads = threads
         self._features: tuple[int, ...] = ()
         self._rows: list[int] = []  # sequence id of each active row, in batch order
@@ -109,12 +117,13 @@ class LlamaCppTarget:
         self.open(len(prompts), sum(p.numel() for p in prompts) + len(prompts) * (max_new_tokens + 1) + BATCH_TOKENS, feature_layers, need_last)
         return self.join(prompts)
 
-    def open(self, rows: int, cells: int, feature_layers: tuple[int, ...], need_last: bool) -> None:
+    def open(self, rows: int, cells: int, feature_layers: tuple[int, ...], need_last: bool, streams: bool = False) -> None:
         """An empty cache of at least `cells` KV cells for up to `rows` rows (sequences 0..rows - 1;
-        the trees' leaves take the sequences after them), whose drafters read `feature_layers`."""
-        if rows > MAX_SEQUENCES // 2:
+        the trees' leaves take the sequences after them), whose drafters read `feature_layers`.
+        streams: each row a stream of cells // rows cells (the module docstring)."""
+        if rows > (MAX_SEQUENCES if streams else MAX_SEQUENCES // 2):
             raise ValueError(f"the llama.cpp backend takes at most {MAX_SEQUENCES // 2} rows, got {rows}")
-        self._ensure_context(cells)
+        self._ensure_context(cells, rows if streams else 0)
         self.lib.llama_memory_clear(self.memory, True)
         wanted = tuple(sorted(set(feature_layers)))
         if any(layer > self.num_layers for layer in wanted):
@@ -134,7 +143,7 @@ class LlamaCppTarget:
     def join(self, prompts: list[torch.Tensor], max_new_tokens: int = 0):
         """Run every prompt but its last token as new rows after the active ones, each on a free
         row sequence. Returns {hidden-state index: [B_new, P - 1, H]} (padded rows), or None."""
-        free = [s for s in range(self._first_leaf) if s not in self._rows]
+        free = [s for s in range(self._first_leaf) if s not in self._rows]  # streams: the rows are 0..B - 1, so these follow them
         if len(prompts) > len(free):
             raise LlamaCppError(f"{len(prompts)} rows join {len(self._rows)} of at most {self._first_leaf}: no free sequence")
         seqs = free[: len(prompts)]
@@ -168,7 +177,10 @@ class LlamaCppTarget:
         return out
 
     def cut_to_capacity(self, tree: DraftTree, rows: int) -> DraftTree:
-        """The tree cut to the leaves a row may use this round (each leaf is a sequence)."""
+        """The tree cut to the leaves a row may use this round (each leaf is a sequence); with
+        streams, to its first chain."""
+        if self.streams:
+            return tree.subtree(first_chain(tree.parents))
         allowance = (MAX_SEQUENCES - self._first_leaf) // max(1, rows)
         return cut_tree(tree, nodes_within(tree.parents.tolist(), allowance))
 
@@ -177,6 +189,8 @@ class LlamaCppTarget:
         returns logits [B, N, V] float32 and {hidden index: [B, N, H]} (N: the largest tree)."""
         width = max(t.num_nodes for t in trees)
         self._leaves = {}
+        if self.streams:
+            trees = [pad_chain(tree, width) for tree in trees]
         if len(trees) == 1 and width <= BATCH_TOKENS:  # one call fills every entry: the copied outputs are the result
             nodes, _ = self._place(trees[0], lengths[0], 0, self._first_leaf)
             out = self._decode(nodes, outputs=True)
@@ -192,7 +206,10 @@ class LlamaCppTarget:
         next_leaf = self._first_leaf
         where: list[tuple[int, int]] = []  # (row b, node) of each entry of the chunk being built
         chunk: list[tuple[int, int, list[int]]] = []  # (token, position, sequence ids)
-        for b, (tree, length) in enumerate(zip(trees, lengths)):
+        # by sequence: llama.cpp runs streams of consecutive ids together
+        order = sorted(range(len(trees)), key=self._rows.__getitem__) if self.streams else range(len(trees))
+        for b in order:
+            tree, length = trees[b], lengths[b]
             nodes, next_leaf = self._place(tree, length, b, next_leaf)
             if chunk and len(chunk) + len(nodes) > BATCH_TOKENS:
                 self._run_chunk(chunk, where, logits, hidden)
@@ -265,11 +282,21 @@ class LlamaCppTarget:
         self._leaves = {}
 
     def select_rows(self, keep: list[int], lengths: list[int]) -> None:
-        """Only rows `keep` (indices into the active rows) stay; the others' cells are freed."""
+        """Only rows `keep` (indices into the active rows) stay; the others' cells are freed. With
+        streams, the rows left on sequences past the first len(keep) move down into the freed
+        ones (a whole-stream copy in llama.cpp, at the next decode), so the rows stay 0..B - 1."""
         for b, seq in enumerate(self._rows):
             if b not in keep:
                 self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
         self._rows = [self._rows[b] for b in keep]
+        if self.streams:
+            free = iter(sorted(set(range(len(self._rows))) - set(self._rows)))
+            for b, seq in enumerate(self._rows):
+                if seq >= len(self._rows):
+                    to = next(free)
+                    self.lib.llama_memory_seq_cp(self.memory, seq, to, -1, -1)
+                    self.lib.llama_memory_seq_rm(self.memory, seq, -1, -1)
+                    self._rows[b] = to
 
     def discard(self, length: int) -> None:
         """Forget the last verified trees and every position from `length` on (row 0): what
@@ -283,19 +310,22 @@ class LlamaCppTarget:
 
     # -- libllama ------------------------------------------------------------------------------
 
-    def _ensure_context(self, cells: int) -> None:
+    def _ensure_context(self, cells: int, streams: int = 0) -> None:
         """A context of at least `cells` KV cells (in steps of 1024): the committed text of every
-        row, its new tokens and one round's trees. A bigger generation makes a new one."""
-        if cells <= self.context:
+        row, its new tokens and one round's trees; with `streams`, that many streams sharing them.
+        A bigger generation or another layout makes a new one."""
+        if cells <= self.context and streams == self.streams:
             return
         if self.ctx:
             self.lib.llama_free(self.ctx)
             self.ctx = None
         size = -(-cells // 1024) * 1024
-        self.ctx = self.lib.dh_new_context(self.model, size, BATCH_TOKENS, MAX_SEQUENCES, self.threads, False, FLASH_ATTENTION)
+        self.ctx = self.lib.dh_new_context(
+            self.model, size, BATCH_TOKENS, streams or MAX_SEQUENCES, self.threads, False, FLASH_ATTENTION, not streams
+        )
         if not self.ctx:
             raise LlamaCppError(f"{self.path}: llama.cpp could not make a context of {size} cells")
-        self.context = size
+        self.context, self.streams = size, streams
         self.memory: int | None = self.lib.llama_get_memory(self.ctx)  # a void* (ctypes: an int)
         self._features = ()
 
@@ -343,3 +373,14 @@ class LlamaCppTarget:
             array = np.ctypeslib.as_array(ptr, shape=(n, self.hidden_size))
             out[layer] = torch.from_numpy(array.copy()).to(self.feature_dtype)
         return out
+
+
+def pad_chain(tree: DraftTree, width: int) -> DraftTree:
+    """A chain made `width` nodes long by repeating its last token (the filler nodes are drafts
+    like any other: verified, and accepted only if the target would emit them)."""
+    n = tree.num_nodes
+    if n == width:
+        return tree
+    tokens = torch.cat([tree.tokens, tree.tokens[:, -1:].expand(-1, width - n)], dim=1)
+    parents = torch.arange(-1, width - 1, device=tree.parents.device)
+    return DraftTree(tokens, parents)

@@ -74,6 +74,7 @@ class EngineSettings:
     max_queue: int = 256  # jobs waiting beyond the batch
     max_len: int | None = None  # the context limit per row
     kv_cells: int | None = None  # the llama.cpp backend's KV cells in all (None: torch, which grows)
+    streams: bool = True  # the llama.cpp backend: a KV stream per row (its trees become chains)
     engine_linears: bool = True
     # plain greedy runs of a lone row (the llama.cpp backend) stop this often, so a new request
     # waits at most this many tokens to join
@@ -155,7 +156,7 @@ class ServingEngine:
         try:
             with torch.inference_mode(), self.backend.engine_context(self.settings.engine_linears):
                 if self.settings.kv_cells is not None:
-                    self.decoder.open(self.settings.max_batch, self.settings.kv_cells)
+                    self.decoder.open(self.settings.max_batch, self.settings.kv_cells, self.settings.streams)
                 while True:
                     for call in self.on_round:
                         call()
@@ -204,7 +205,9 @@ class ServingEngine:
         taken: list[Job] = []
         cells = []
         with self._wake:
-            free = None if self.settings.kv_cells is None else self.settings.kv_cells - sum(self._cells.values())
+            # one unified llama.cpp cache: rows share its cells (a stream per row holds a whole request, serve checks)
+            shared = self.settings.kv_cells is not None and not self.settings.streams
+            free = self.settings.kv_cells - sum(self._cells.values()) if shared else None
             while self._waiting and len(taken) < room:
                 job = self._waiting[0]
                 if job.cancelled.is_set():

@@ -109,6 +109,8 @@ class Handler(BaseHTTPRequestHandler):
     # -- plumbing ----------------------------------------------------------------------------------
 
     def log_message(self, format: str, *args) -> None:
+        if self.path.split("?", 1)[0] in ("/health", "/metrics"):  # probes: every few seconds, nothing to read
+            return
         self.server.log(f"serve: {self.address_string()} {format % args}")
 
     def _send_json(self, status: int, body: dict, headers: dict | None = None) -> None:
