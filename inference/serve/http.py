@@ -284,16 +284,22 @@ class Handler(BaseHTTPRequestHandler):
         return ids
 
     def _events(self, job: Job):
-        """The job's events as they come; cancels the job when the client goes away."""
+        """The job's events as they come; cancels the job when the client goes away (checked
+        every POLL seconds, whether or not tokens are coming)."""
+        checked = time.monotonic()
         while True:
             try:
                 event = job.events.get(timeout=POLL)
             except queue.Empty:
+                event = None
+            if time.monotonic() - checked >= POLL:
+                checked = time.monotonic()
                 if self._client_gone():
                     job.cancel()
                     if self.server.engine is not None:
                         self.server.engine.wake()
-                    raise ConnectionResetError("the client went away") from None
+                    raise ConnectionResetError("the client went away")
+            if event is None:
                 continue
             yield event
             if event[0] != "tokens":
@@ -315,7 +321,7 @@ class Handler(BaseHTTPRequestHandler):
                 _, finish, rounds = event
                 self._timed(job, first)
                 if finish == "cancelled":
-                    raise ApiError(503, "the server shut down before the answer was complete", type="service_unavailable", code="shutting_down")
+                    raise _stopping()
                 text = TextStream(model.decode, ask.stop)
                 text.add(ids)
                 answer = Answer(text.text(), ids, prompt, finish, rounds, _logprob_entries(model, ids, logprobs) if ask.logprobs else None)
@@ -344,6 +350,8 @@ class Handler(BaseHTTPRequestHandler):
                 elif event[0] == "error":
                     self.server.metrics.add("drafthead_requests_failed_total")
                     self._sse(ApiError(500, event[1], type="server_error", code="engine_error").body())
+                elif event[1] == "cancelled":  # the server is stopping
+                    self._sse(_stopping().body())
                 else:
                     _, finish, rounds = event
                     self._timed(job, first)
@@ -384,6 +392,10 @@ def _logprob_entries(model: ServedModel, ids: list[int], logprobs) -> list[dict]
 
 def _unauthorised() -> ApiError:
     return ApiError(401, "the API key is missing or wrong (send Authorization: Bearer KEY)", type="authentication_error", code="invalid_api_key")
+
+
+def _stopping() -> ApiError:
+    return ApiError(503, "the server shut down before the answer was complete", type="service_unavailable", code="shutting_down")
 
 
 def _loading() -> ApiError:
