@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from drafthead.inference.servers.local import free_port, healthy, local_server
+from tests.served_target import answering_tiny_target
 
 pytestmark = pytest.mark.subprocess
 
@@ -33,20 +34,7 @@ NEW = 24
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    """A tiny target folder (`data tiny-target`) whose blank tokens (EOS, newlines, spaces) have zero
-    embeddings, tied to the LM head: their logits are 0, so greedy answers run their whole length
-    and have text (the random model otherwise often answers EOS or blank lines at once)."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("served") / "tiny-served"
-    subprocess.run([sys.executable, "-m", "drafthead", "data", "tiny-target", "--out", str(out), "--seed", "5"], check=True, capture_output=True)
-    tokenizer = AutoTokenizer.from_pretrained(out)
-    blank = [i for i in range(len(tokenizer)) if not tokenizer.decode([i], skip_special_tokens=True).strip()]
-    weights = load_file(out / "model.safetensors")
-    weights["model.embed_tokens.weight"][blank] = 0.0
-    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
-    return out
+    return answering_tiny_target(tmp_path_factory.mktemp("served") / "tiny-served")
 
 
 def serve(folder: Path, *extra, log: Path):

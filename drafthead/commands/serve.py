@@ -50,6 +50,18 @@ def add_parser(subparsers) -> None:
         "chains; unified: one cache for all, where trees keep their branches (docs/llamacpp-backend.md)",
     )
     g.add_argument("--shutdown-grace", type=float, default=25.0, help="seconds the answers in flight get to finish after SIGTERM (default 25)")
+    g = p.add_argument_group('adapting to the traffic (docs/serving.md "Adapting to the traffic")')
+    g.add_argument("--adapt", default=None, metavar="DIR", help="the served head fine-tunes on what it serves, behind a gate; its versions in DIR")
+    g.add_argument("--adapt-threads", type=_positive_int, default=1, help="torch threads of the background trainer (default 1, at nice 10)")
+    g.add_argument("--adapt-min-tokens", type=_positive_int, default=2000, help="new answer tokens between training rounds (default 2000)")
+    g.add_argument("--adapt-steps", type=_positive_int, default=60, help="optimizer steps a round (default 60)")
+    g.add_argument("--adapt-lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
+    g.add_argument(
+        "--adapt-margin", type=float, default=0.02, help="the relative tau gain a candidate must show, and a swap lose to roll back (0.02)"
+    )
+    g.add_argument("--adapt-holdout", type=_positive_int, default=16, help="newest answers the gate replays on (default 16)")
+    g.add_argument("--adapt-window", type=_positive_int, default=400, help="rounds of a new head's requests before the rollback check (400)")
+    g.add_argument("--adapt-buffer-tokens", type=_positive_int, default=200_000, help="answer and prompt tokens the buffer keeps (200000)")
     add_target_options(p)
     add_proposer_options(p)
 
@@ -67,6 +79,9 @@ def run(args) -> int:
     if not 0 <= args.shutdown_grace < float("inf"):
         raise ValueError(f"--shutdown-grace must be a number of seconds >= 0, got {args.shutdown_grace}")
     spec = draft_spec_from_args(args)
+    adaptation = None
+    if args.adapt and spec.proposer not in (None, "head"):
+        raise ValueError(f"--adapt fine-tunes a trained head; --proposer {spec.proposer} has none to train")
     server = DraftheadServer((args.host, args.port), api_key=args.api_key)  # bind first: a port in use fails now
     host, port = server.server_address[:2]
     url = f"http://{host}:{port}"
@@ -95,15 +110,20 @@ def run(args) -> int:
         elif args.kv_cells:
             raise ValueError("--kv-cells sizes the llama.cpp backend's cache; the torch backend's grows as rows join")
         model, decode_all = served_model(loaded, args.served_model_name or loaded.name, context)
+        template = drafting.factory()
+        head = served_head(template, drafting.spec) if args.adapt else None
+        record_layers = adapting_layers(head, loaded) if head is not None else ()
         engine = ServingEngine(
             backend,
-            drafting.factory(),
+            template,
             EngineSettings(max_batch=args.max_batch, max_queue=args.max_queue, max_len=context, kv_cells=kv_cells, streams=streams),
             eos_token_ids=eos_ids(drafting.model, loaded.tokenizer),
             decode=decode_all,
             policy=drafting.policy,
             metrics=server.metrics,
+            record_layers=record_layers,
         )
+        adaptation = start_adapting(args, engine, loaded, head, drafting.spec) if head is not None else None
         server.ready(model, engine)
         engine.start()
         note(f"serve: {model.name} on {url}/v1 (max batch {args.max_batch}, context {context})")
@@ -114,6 +134,8 @@ def run(args) -> int:
         server.close_door()
         engine.stop(args.shutdown_grace)
         server.wait_answered(5.0)
+        if adaptation is not None:
+            adaptation.stop()
         note("serve: stopped")
         return 0
     finally:
@@ -155,3 +177,64 @@ def served_model(loaded, name: str, context: int | None):
         return decode([token], skip_special_tokens=False)
 
     return ServedModel(name, context, render_chat, encode, decode, token_text), (lambda ids: decode(ids, skip_special_tokens=False))
+
+
+def served_head(drafter, spec):
+    """The head module the drafter drafts with (inside a merged drafter too); refused in one line
+    for a kind that cannot adapt on recorded features."""
+    from ..heads.config import head_kind
+    from ..heads.io import DraftHeadBase
+
+    found, todo = None, [drafter]
+    while todo and found is None:
+        item = todo.pop(0)
+        if isinstance(item, DraftHeadBase):
+            found = item
+        elif isinstance(item, (list, tuple)):
+            todo += list(item)
+        elif hasattr(item, "__dict__") and not isinstance(item, type):
+            todo += [v for v in vars(item).values() if isinstance(v, (DraftHeadBase, list, tuple)) or hasattr(v, "propose")]
+    if found is None:
+        raise ValueError(f"--adapt: the drafter of {spec.head} holds no trained head to fine-tune")
+    if head_kind(found.kind).adapts_target:
+        raise ValueError(f"--adapt: a {found.kind} head trains the target with it (its LoRA), which recorded features cannot")
+    return found
+
+
+def adapting_layers(head, loaded) -> tuple[int, ...]:
+    from ..train.features import required_layers
+
+    return required_layers(head.config, loaded.model.config.get_text_config().num_hidden_layers)
+
+
+def start_adapting(args, engine, loaded, head, spec):
+    from pathlib import Path
+
+    from ..train.adapt.live import Adaptation, BufferCaps
+    from ..train.adapt.worker import AdaptSettings
+
+    settings = AdaptSettings(
+        target=args.target,
+        target_dtype="float32",
+        target_name=loaded.name,
+        drafting=spec.drafter_options(),
+        threads=args.adapt_threads,
+        min_new_tokens=args.adapt_min_tokens,
+        holdout=args.adapt_holdout,
+        steps=args.adapt_steps,
+        lr=args.adapt_lr,
+        margin=args.adapt_margin,
+    )
+    adaptation = Adaptation(
+        Path(args.adapt),
+        engine,
+        loaded,
+        head,
+        Path(spec.head),
+        settings,
+        window=args.adapt_window,
+        caps=BufferCaps(max_tokens=args.adapt_buffer_tokens),
+    )
+    adaptation.start()
+    note(f"serve: adapting the head in {args.adapt} (version {adaptation.version} live)")
+    return adaptation

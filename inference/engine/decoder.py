@@ -124,17 +124,24 @@ class DecoderSettings:
     stretch_limit: int | None = None
 
 
-# observe(row, tokens [1, k], features at them or None): called with each round's committed tokens
+# observe(row, tokens [1, k], the recorded layers at them or None): called with the prompt's
+# prefilled tokens when a row joins, then with each round's committed tokens (its root first)
 RoundObserver = Callable[[Row, torch.Tensor, TargetFeatures | None], None]
 
 
 class Decoder:
-    def __init__(self, backend, settings: DecoderSettings, feature_layers: tuple[int, ...], needs_last_hidden: bool):
+    def __init__(
+        self, backend, settings: DecoderSettings, feature_layers: tuple[int, ...], needs_last_hidden: bool, record_layers: tuple[int, ...] = ()
+    ):
+        """feature_layers, needs_last_hidden: what the rows' drafters read. record_layers: the
+        hidden states (output_hidden_states indices) the observers get at every committed token."""
         self.backend = backend  # the target's forward and cache (torch_target.py, llamacpp/target.py)
         self.settings = settings
-        self.feature_layers = feature_layers
+        self.record_layers = tuple(record_layers)
+        # what the backend returns: the drafters' layers and the recorded ones
+        self.feature_layers = tuple(sorted(set(feature_layers) | set(record_layers)))
         self.needs_last_hidden = needs_last_hidden
-        self.want_hidden = bool(feature_layers) or needs_last_hidden  # the verifier returns hidden states for the drafters
+        self.want_hidden = bool(self.feature_layers) or needs_last_hidden  # the verifier returns hidden states
         self.active: list[Row] = []
         self.clock = PhaseClock(settings.device, sync=settings.profile)
         self.num_forwards = 0  # verification forwards run (a plain stretch counts each of its tokens)
@@ -171,8 +178,8 @@ class Decoder:
             d.begin(p[None, :-1], features, p[-1:])
             seen = seen_mask(p[None], s.seen_vocab) if s.seen_vocab is not None else None
             row = Row(d, s, p.numel(), n, seen, int(p[-1]))
-            if n > 0:
-                self._observe(row, p[None, :-1], features)
+            if n > 0 and self.observers:
+                self._observe(row, p[None, :-1], hidden, torch.arange(n, device=p.device), b)
             rows.append(row)
         self.active += rows
         return rows
@@ -350,12 +357,10 @@ class Decoder:
         _stream(row, kept)
         path_index = torch.tensor(result.path, device=device)
         drafter = row.drafter
-        if row.finish is not None and not self.observers:
-            return
-        round_features = select_features(verification.hidden_states, drafter.feature_layers, drafter.needs_last_hidden, path_index, row=b)
-        self._observe(row, tree.tokens[:, path_index], round_features)
+        self._observe(row, tree.tokens[:, path_index], verification.hidden_states, path_index, b)
         if row.finish is not None:
             return
+        round_features = select_features(verification.hidden_states, drafter.feature_layers, drafter.needs_last_hidden, path_index, row=b)
         if skipped:  # a plain round: the drafter catches up when it next drafts
             row.deferred.append((tree.tokens[:, path_index], round_features, torch.tensor([result.next_token], device=device)))
             return
@@ -376,7 +381,12 @@ class Decoder:
             ),
         )
 
-    def _observe(self, row: Row, tokens: torch.Tensor, features: TargetFeatures | None) -> None:
+    def _observe(self, row: Row, tokens: torch.Tensor, hidden, index: torch.Tensor, b: int) -> None:
+        """Hand the observers row b's committed `tokens` [1, k] and the recorded layers' hidden
+        states at positions `index` of the forward's `hidden`."""
+        if not self.observers:
+            return
+        features = select_features(hidden, self.record_layers, False, index, row=b) if self.record_layers else None
         for observe in self.observers:
             observe(row, tokens, features)
 

@@ -62,6 +62,7 @@ class Job:
     sent: int = 0  # tokens already handed out
     rounds_seen: int = 0  # the row's rounds already counted in the metrics
     last_time: float = 0.0
+    head_version: int = 0  # the engine's drafter_version when the job joined
 
     def cancel(self) -> None:
         """The client went away: the row leaves the batch at the next round."""
@@ -92,7 +93,10 @@ class ServingEngine:
         decode: Callable[[list[int]], str],
         policy=None,
         metrics: ServerMetrics | None = None,
+        record_layers: tuple[int, ...] = (),
     ):
+        """record_layers: the target's hidden states the decoder's observers get (an adapting
+        head's training layers, train/adapt/)."""
         self.backend = backend
         self.drafter = drafter  # each row drafts with a fork of it (shared weights, its own state)
         self.settings = settings
@@ -104,6 +108,7 @@ class ServingEngine:
             DecoderSettings(max_len=settings.max_len, device=device, policy=policy, decode=decode, stretch_limit=settings.stretch_limit),
             drafter.feature_layers,
             drafter.needs_last_hidden,
+            record_layers,
         )
         self._waiting: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # id(row) -> its job
@@ -114,6 +119,8 @@ class ServingEngine:
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what ended the loop, if not a stop
         self.on_round: list[Callable[[], None]] = []  # called on the engine thread between rounds
+        self.on_finish: list[Callable[[Row, Job], None]] = []  # a row done, on the engine thread
+        self.drafter_version = 0  # a tag of `drafter`, given to the jobs that draft with it
 
     # -- the request threads' side -----------------------------------------------------------------
 
@@ -231,7 +238,7 @@ class ServingEngine:
         for row, job, need in zip(rows, taken, cells):
             self._jobs[id(row)] = job
             self._cells[id(row)] = need
-            job.last_time = now
+            job.last_time, job.head_version = now, self.drafter_version
             self.metrics.add("drafthead_prompt_tokens_total", len(job.prompt))
         self.metrics.set("drafthead_batch_size", len(self.decoder.active))
 
@@ -277,4 +284,6 @@ class ServingEngine:
             self._cells.pop(id(row), None)
             if row.finish == "cancelled":
                 self.metrics.add("drafthead_requests_cancelled_total")
+            for call in self.on_finish:
+                call(row, job)
             job.events.put(("done", row.finish, len(row.accepted_lengths)))
