@@ -13,7 +13,7 @@ import os
 import sys
 
 # Subcommand modules under drafthead.commands; each exposes add_parser(subparsers) and run(args).
-COMMANDS = ("generate", "bench", "serve", "demo", "export", "import", "train", "data")
+COMMANDS = ("generate", "bench", "serve", "demo", "export", "import", "train", "gate", "data")
 
 # What counts as an expected error: our error classes derive from ValueError (TargetError,
 # PromptError, DrafterError, PromptTooLong, config errors, OutputExistsError...), plus what the

@@ -160,10 +160,11 @@ def test_the_gate_replays_recorded_traffic_as_the_server_counted_it(loaded, head
     assert result.live_tau == result.candidate_tau and not result.passed
 
 
-def test_a_training_round_installs_a_candidate_only_when_the_gate_passes(loaded, head, target, tmp_path):
+def test_a_training_round_installs_a_candidate_only_when_the_gate_passes(loaded, head, target, tmp_path, capsys):
     """The trainer's round on recorded traffic: the untrained head fine-tuned on repetitive
     answers beats itself, is installed as v0001 and logged accepted; with a margin no candidate
-    can reach, the same round is logged rejected and nothing is installed."""
+    can reach, the same round is logged rejected and nothing is installed. `drafthead gate`
+    says the same from a served-traffic log."""
     from drafthead.inference.bench.prompts import encode_chat
     from drafthead.train.adapt.worker import AdaptSettings, Worker
 
@@ -172,7 +173,7 @@ def test_a_training_round_installs_a_candidate_only_when_the_gate_passes(loaded,
     layers = required_layers(drafter.head.config, loaded.model.config.num_hidden_layers)
     buffer = TrafficBuffer(folder / "buffer", layers, meta={}, shard_samples=8)
     prompts = [encode_chat(loaded.tokenizer, text)[0] for text in chats(target, 24)]
-    record(loaded, drafter, buffer, layers, prompts, new=32)
+    rows = record(loaded, drafter, buffer, layers, prompts, new=32)
     install_version(folder, 0, head)
     append_event(folder, {"event": "start", "version": 0})
     settings = AdaptSettings(target=str(target), target_name=loaded.name, steps=40, lr=3e-3, holdout=4, batch_size=4)
@@ -186,6 +187,26 @@ def test_a_training_round_installs_a_candidate_only_when_the_gate_passes(loaded,
     Worker(folder, strict).round(folder / "buffer")
     assert read_events(folder)[-1]["event"] == "rejected" and live_version(folder).version == 1
     assert not version_dir(folder, 2).exists()
+    # the same check offline, on the traffic as a served-traffic log: `drafthead gate` exits 0 for
+    # the accepted head against the one it replaced, 1 the other way round
+    log = tmp_path / "traffic.jsonl"
+    with open(log, "w") as f:
+        for text, row in zip(chats(target, 24), rows):
+            answer = {"choices": [{"message": {"role": "assistant", "content": loaded.tokenizer.decode(row.emitted)}}]}
+            f.write(json.dumps({"request": {"model": "m", "messages": [{"role": "user", "content": text}]}, "response": answer}) + "\n")
+    common = ["gate", "--data", log, "--target", target, "--limit", 8, "--max-new-tokens", 32, "--json"]
+    code, out = run_gate(capsys, *common, "--live", version_dir(folder, 0), "--candidate", version_dir(folder, 1))
+    assert code == 0 and out["candidate_tau"] > out["live_tau"] and out["sequences"] == 8, out
+    code, out = run_gate(capsys, *common, "--live", version_dir(folder, 1), "--candidate", version_dir(folder, 0))
+    assert code == 1 and not out["passed"], out
+
+
+def run_gate(capsys, *argv) -> tuple[int, dict]:
+    from drafthead import cli
+
+    capsys.readouterr()
+    code = cli.main([str(a) for a in argv])
+    return code, json.loads(capsys.readouterr().out)
 
 
 class StubEngine(SimpleNamespace):

@@ -10,7 +10,8 @@ Sources (docs/models-and-data.md, "Data formats and streaming"):
     `.parquet`, `.csv`, `.arrow`, or a folder written by `datasets.Dataset.save_to_disk`.
 
 A record is in ShareGPT form (`conversations` with `from`/`value`), OpenAI form (`messages` with
-`role`/`content`) or a single exchange (`prompt`, `response`, optional `system`); a `messages` or
+`role`/`content`), a single exchange (`prompt`, `response`, optional `system`) or a served-traffic
+log line (`request`: an OpenAI request body, `response`: its reply); a `messages` or
 `conversations` cell holding JSON text (a CSV column) is decoded first.
 
 Nothing is dropped silently: every dropped turn or conversation is counted in a `SourceReport`,
@@ -179,11 +180,32 @@ def _turns(record: dict) -> tuple[list[tuple[Any, Any, Any]] | None, str | None]
                 return None, f"invalid_json:{column}"
         if isinstance(value, list):
             return [(t.get(speaker), t.get(text), t.get("token_ids")) if isinstance(t, dict) else (None, None, None) for t in value], None
+    request, response = record.get("request"), record.get("response")
+    if isinstance(request, dict) and isinstance(response, dict):
+        return served_turns(request, response)
     if "prompt" in record and "response" in record:  # one exchange, e.g. two CSV columns
         system = record.get("system")
         head = [("system", system, None)] if isinstance(system, str) and system.strip() else []
         return head + [("user", record["prompt"], None), ("assistant", record["response"], None)], None
     return None, "no_conversation_field"
+
+
+def served_turns(request: dict, response: dict) -> tuple[list[tuple[Any, Any, Any]] | None, str | None]:
+    """The turns of a served-traffic log line: an OpenAI chat or completion request and the reply
+    it got (what a proxy in front of vLLM or SGLang writes, and `drafthead serve --traffic-log`),
+    the reply's first choice as the assistant turn, with its token ids when the server gave them."""
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return None, "no_response_choice"
+    choice = choices[0]
+    answer = (choice.get("message") or {}).get("content") if "message" in choice else choice.get("text")
+    if isinstance(request.get("messages"), list):
+        turns = [(m.get("role"), m.get("content"), None) if isinstance(m, dict) else (None, None, None) for m in request["messages"]]
+    elif isinstance(request.get("prompt"), str):
+        turns = [("user", request["prompt"], None)]
+    else:
+        return None, "no_request_messages"
+    return turns + [("assistant", answer, choice.get("token_ids"))], None
 
 
 def normalize_record(record: Any) -> tuple[list[dict] | None, Counter, str | None]:

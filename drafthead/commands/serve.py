@@ -49,6 +49,12 @@ def add_parser(subparsers) -> None:
         help="llama.cpp backend: streams (default): a KV stream per request, attending to its own text only, trees cut to "
         "chains; unified: one cache for all, where trees keep their branches (docs/llamacpp-backend.md)",
     )
+    g.add_argument(
+        "--traffic-log",
+        default=None,
+        metavar="FILE",
+        help="append every answered request and its reply to FILE, a JSON line each (`gate`, `train` read it)",
+    )
     g.add_argument("--shutdown-grace", type=float, default=25.0, help="seconds the answers in flight get to finish after SIGTERM (default 25)")
     g = p.add_argument_group('adapting to the traffic (docs/serving.md "Adapting to the traffic")')
     g.add_argument("--adapt", default=None, metavar="DIR", help="the served head fine-tunes on what it serves, behind a gate; its versions in DIR")
@@ -82,7 +88,7 @@ def run(args) -> int:
     adaptation = None
     if args.adapt and spec.proposer not in (None, "head"):
         raise ValueError(f"--adapt fine-tunes a trained head; --proposer {spec.proposer} has none to train")
-    server = DraftheadServer((args.host, args.port), api_key=args.api_key)  # bind first: a port in use fails now
+    server = DraftheadServer((args.host, args.port), api_key=args.api_key, traffic_log=args.traffic_log)  # bind first: a port in use fails now
     host, port = server.server_address[:2]
     url = f"http://{host}:{port}"
     stop = threading.Event()

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
@@ -52,9 +53,15 @@ class DraftheadServer(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], *, api_key: str | None = None, log: Callable[[str], None] | None = None):
+    def __init__(
+        self, address: tuple[str, int], *, api_key: str | None = None, log: Callable[[str], None] | None = None, traffic_log: Path | None = None
+    ):
         super().__init__(address, Handler)
         self.api_key = api_key
+        # every answered request and its reply, a JSON line each: the served-traffic log the
+        # offline loop trains and gates on (docs/training.md "The loop offline")
+        self.traffic = open(traffic_log, "a") if traffic_log is not None else None
+        self._traffic_lock = threading.Lock()
         self.model: ServedModel | None = None
         self.engine: ServingEngine | None = None  # None while the target loads
         self.metrics = ServerMetrics()
@@ -67,10 +74,23 @@ class DraftheadServer(ThreadingHTTPServer):
     def ready(self, model: ServedModel, engine: ServingEngine) -> None:
         self.model, self.engine = model, engine
 
+    def log_exchange(self, request: dict, response: dict) -> None:
+        if self.traffic is None:
+            return
+        line = json.dumps({"request": request, "response": response}, ensure_ascii=False)
+        with self._traffic_lock:
+            self.traffic.write(line + "\n")
+            self.traffic.flush()
+
     def serve_in_background(self) -> threading.Thread:
         thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, name="drafthead-http", daemon=True)
         thread.start()
         return thread
+
+    def server_close(self) -> None:
+        super().server_close()
+        if self.traffic is not None:
+            self.traffic.close()
 
     def close_door(self) -> None:
         """Stop accepting connections: new ones are refused; requests being answered go on."""
@@ -200,7 +220,7 @@ class Handler(BaseHTTPRequestHandler):
                 body = self._read_json()
                 if self.server.engine is None or self.server.model is None:
                     raise _loading()
-                self._answer(parse_ask(endpoint, body))
+                self._answer(parse_ask(endpoint, body), body)
             except ApiError as e:
                 if e.status not in (401, 404):
                     self.server.metrics.add("drafthead_requests_rejected_total")
@@ -210,7 +230,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # -- one request -------------------------------------------------------------------------------
 
-    def _answer(self, ask: Ask) -> None:
+    def _answer(self, ask: Ask, body) -> None:
         model, engine = self.server.model, self.server.engine
         assert model is not None and engine is not None  # checked by do_POST
         if ask.model != model.name:
@@ -258,10 +278,9 @@ class Handler(BaseHTTPRequestHandler):
         except Closed as e:
             raise ApiError(503, str(e), type="service_unavailable", code="shutting_down") from None
         self.server.metrics.add("drafthead_requests_total")
-        if ask.stream:
-            self._stream(ask, job, prompt, model)
-        else:
-            self._whole(ask, job, prompt, model)
+        answer = self._stream(ask, job, prompt, model) if ask.stream else self._whole(ask, job, prompt, model)
+        if answer is not None:
+            self.server.log_exchange(body, reply(ask, answer))
 
     def _prompt(self, ask: Ask, model: ServedModel) -> list[int]:
         try:
@@ -305,7 +324,7 @@ class Handler(BaseHTTPRequestHandler):
             if event[0] != "tokens":
                 return
 
-    def _whole(self, ask: Ask, job: Job, prompt: list[int], model: ServedModel) -> None:
+    def _whole(self, ask: Ask, job: Job, prompt: list[int], model: ServedModel) -> Answer | None:
         ids: list[int] = []
         logprobs: list = []
         first = None
@@ -326,13 +345,16 @@ class Handler(BaseHTTPRequestHandler):
                 text.add(ids)
                 answer = Answer(text.text(), ids, prompt, finish, rounds, _logprob_entries(model, ids, logprobs) if ask.logprobs else None)
                 self._send_json(200, reply(ask, answer))
+                return answer
+        return None
 
-    def _stream(self, ask: Ask, job: Job, prompt: list[int], model: ServedModel) -> None:
+    def _stream(self, ask: Ask, job: Job, prompt: list[int], model: ServedModel) -> Answer | None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
+        answer = None
         try:
             self._sse(chunk(ask, text="", first=True) if ask.endpoint == "chat" else None)
             text = TextStream(model.decode, ask.stop)
@@ -359,13 +381,16 @@ class Handler(BaseHTTPRequestHandler):
                     self._sse(chunk(ask, text=rest or ("" if ask.endpoint == "chat" else None), finish=finish))
                     if ask.include_usage:
                         self._sse(usage_chunk(ask, len(prompt), count, rounds))
+                    answer = Answer(text.text(), text.ids, prompt, finish, rounds)
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError, OSError):
             job.cancel()
             if self.server.engine is not None:
                 self.server.engine.wake()
+            answer = None
         self.close_connection = True
+        return answer
 
     def _sse(self, body: dict | None) -> None:
         if body is None:
