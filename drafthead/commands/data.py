@@ -169,11 +169,14 @@ def run(args) -> int:
 
 def _regenerate_locked(args) -> int:
     """`data regenerate` holding its output's lock, its --overwrite unable to delete its own
-    source, and a write error that names no file (a full disk) named as its --out."""
+    source or a file it did not write, and a write error that names no file (a full disk) named
+    as its --out."""
     from ..heads.outdir import check_replaceable, output_lock, reported_as
+    from ..train.regenerate import is_regenerated, part_files
 
     if args.overwrite:
-        check_replaceable(args.out, inputs=[args.path, args.target, args.head], what="output")
+        for path in [Path(args.out), *part_files(Path(args.out))]:
+            check_replaceable(path, inputs=[args.path, args.target, args.head], what="output", own=is_regenerated)
     with output_lock(args.out, enabled=launch_rank() == 0), reported_as(args.out):
         return _regenerate(args)
 
