@@ -1022,6 +1022,14 @@ def test_overwrite_never_deletes_files_no_drafthead_command_wrote(tmp_path, caps
         assert_refused(
             *run_cli(capsys, "bench", "--target", "nothing", "--dataset", prompts, "--out", notes, "--overwrite"), "is a file that no drafthead"
         )
+    (tmp_path / "again").mkdir()
+    resumed = copied(tiny_run[2], tmp_path / "again")
+    (resumed / "final" / "notes.txt").write_text("mine")  # the run ends by replacing final/: refused at its start
+    with unchanged(resumed):
+        assert_refused(
+            *run_cli(capsys, *tiny_train(target, chats, resumed, "max_steps=3", "checkpoint_every=1"), "--resume"),
+            f"{resumed / 'final'} holds notes.txt that no drafthead command wrote there",
+        )
     report = tmp_path / "report.json"
     report.write_text(report_json({"num_prompts": 1}))  # one bench wrote: replaceable, the run goes on to its target
     assert_refused(*run_cli(capsys, "bench", "--target", "nothing", "--dataset", prompts, "--out", report, "--overwrite"), "unknown target 'nothing'")

@@ -21,7 +21,7 @@ from .sources import SourceReport, data_fingerprint, load_conversations
 from .checkpoint import check_same_data, checkpoint_root, latest_checkpoint, saved_run_config
 from .lora import wrap_lora
 from .packing import packing_refusal
-from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices
+from .trainer import CONFIG_FILE, FINAL_DIR, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices
 
 
 @dataclass
@@ -374,6 +374,8 @@ def run_training(
             data_sha256 = data_fingerprint(config.data.source, config.data.path)
             if resume and existing is not None:
                 check_same_data(existing, data_sha256, config.data.path or config.data.source)
+                # the run ends by replacing final/: a file no drafthead command wrote there is refused now, not then
+                check_replaceable(out / FINAL_DIR, what="the run's final head folder")
             probe_writable(checkpoint_root(out) if config.checkpoint_every else out)
         loaded = load_target(config.target, dtype=config.target_dtype, device=accelerator.device, threads=config.threads)
         main_say = say if accelerator.is_main_process else (lambda message: None)
