@@ -19,8 +19,10 @@ continue its own work, and under --overwrite `clear_output` deletes the old one 
 Two processes never write one output: `output_lock(out)` (which `fresh_folder` takes itself) is
 held for the whole write, and a second command asking for the same output is refused. Under that
 lock, temp files and folders beside the output are leftovers of a killed run, and are removed.
---overwrite never deletes what a command reads or what no drafthead command writes
-(`check_replaceable`: a model with its tokenizer, a data file, the command's own inputs).
+--overwrite never deletes what a command reads or what no drafthead command wrote
+(`check_replaceable`): every folder a command writes holds a marker (MARKER_FILE) naming what
+wrote it and its files, a file output is recognised by its command (a regeneration's records),
+and anything else is refused, naming a file --overwrite would delete.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import fnmatch
+import json
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 OVERWRITE_FLAG = "--overwrite"
 
@@ -43,12 +47,13 @@ class OutputExistsError(ValueError):
 
 
 def is_empty(path: str | os.PathLike) -> bool:
-    """True when `path` is missing, an empty folder or an empty file."""
+    """True when `path` is missing, an empty file or a folder holding nothing but its marker
+    (MARKER_FILE: a command that stopped before it wrote anything)."""
     path = Path(path)
     if not path.exists():
         return True
     if path.is_dir():
-        return not any(path.iterdir())
+        return all(p.name == MARKER_FILE for p in path.iterdir())
     return path.stat().st_size == 0
 
 
@@ -73,20 +78,85 @@ def check_parents(path: str | os.PathLike, what: str = "output") -> None:
             return
 
 
-# A model folder as a target is saved (save_pretrained): its config beside its tokenizer. Head
-# folders and exports hold no tokenizer, so a folder holding both is someone's model.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-DATA_SUFFIXES = (".jsonl", ".parquet", ".arrow", ".csv")  # training data files (train/sources.py reads them)
+# Every folder a drafthead command writes holds this file: what wrote it and the files it writes
+# there (paths relative to the folder; fnmatch patterns for an output that grows, a run's
+# checkpoints). --overwrite deletes a folder only when every file in it is one of those.
+MARKER_FILE = "drafthead-output.json"
+# Files any output may hold that lose nothing when deleted: what this module's writes leave
+# inside an output while they run (fresh_folder's temp and old folders, atomic writes' temp files,
+# output_lock's lock file), and what file browsers leave in a folder they showed
+_DISPOSABLE = (".*.tmp", ".*.lock", ".*.old-*", ".DS_Store", "Thumbs.db", "desktop.ini")
 
 
-def check_replaceable(
-    path: str | os.PathLike, *, inputs=(), what: str = "output", own: Callable[[Path], bool] | None = None, own_files: tuple[str, ...] = ()
-) -> None:
+def mark_output(folder: str | os.PathLike, what: str, files: Iterable[str]) -> None:
+    """Write `folder`'s MARKER_FILE: `what` wrote it, and `files` (relative paths or patterns) are
+    its own. Replaces the marker whole (a temp file renamed in); a failed write names it."""
+    marker = Path(folder) / MARKER_FILE
+    body = json.dumps({"output": what, "files": sorted(set(files))}, indent=1) + "\n"
+    with reported_as(marker):
+        fd, tmp = tempfile.mkstemp(prefix=f".{MARKER_FILE}.", suffix=".tmp", dir=marker.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(body)
+            os.chmod(tmp, 0o666 & ~umask())
+            os.replace(tmp, marker)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def marked_files(folder: Path) -> list[str]:
+    """The files `folder`'s marker names as its command's ([] without a readable marker)."""
+    try:
+        files = json.loads((folder / MARKER_FILE).read_text(encoding="utf-8")).get("files")
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [f for f in files if isinstance(f, str)] if isinstance(files, list) else []
+
+
+def files_under(folder: Path) -> list[str]:
+    """Every file (and symlink) under `folder`, as sorted relative POSIX paths; symlinks are not
+    followed (deleting one deletes the link, but it is listed like a file)."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        found += [(here / name).relative_to(folder).as_posix() for name in files]
+        found += [(here / name).relative_to(folder).as_posix() for name in dirs if (here / name).is_symlink()]
+    return sorted(found)
+
+
+def foreign_files(folder: Path) -> list[str]:
+    """The files under `folder` (relative paths, sorted) that no drafthead command wrote: those
+    its marker does not name (every file, without a marker), less the _DISPOSABLE ones.
+    A subfolder holding its own marker (a run's final/ head) is judged by that marker."""
+    own = [MARKER_FILE, *marked_files(folder)]
+
+    def ours(name: str) -> bool:
+        return any(name == p or fnmatch.fnmatchcase(name, p) for p in own) or any(
+            fnmatch.fnmatchcase(name.rsplit("/", 1)[-1], p) for p in _DISPOSABLE
+        )
+
+    found = []
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        for name in list(dirs):
+            sub = here / name
+            if sub.is_symlink():
+                files.append(name)  # listed, not followed
+            elif (sub / MARKER_FILE).is_file():
+                dirs.remove(name)
+                found += [f"{sub.relative_to(folder).as_posix()}/{inner}" for inner in foreign_files(sub)]
+        found += [rel for rel in ((here / name).relative_to(folder).as_posix() for name in files) if not ours(rel)]
+    return sorted(found)
+
+
+def check_replaceable(path: str | os.PathLike, *, inputs=(), what: str = "output", own: Callable[[Path], bool] | None = None) -> None:
     """Refuse --overwrite of `path` when deleting it would lose what the command reads or what no
-    drafthead command writes: one of `inputs` (the source, the target, the data, the config; None
-    skipped) is `path` or lies inside it; or `path` holds a model with its tokenizer, or a data
-    file (DATA_SUFFIXES, except `own_files`), and own(path) does not claim the folder as this
-    command's earlier output."""
+    drafthead command wrote: one of `inputs` (the source, the target, the data, the config; None
+    skipped) is `path` or lies inside it; or `path` is a file that own(path) does not claim as
+    this command's (a file output: its own records), or a folder holding a file its
+    MARKER_FILE does not name."""
     path = Path(path)
     if is_empty(path):
         return
@@ -98,19 +168,18 @@ def check_replaceable(
         if src == here or here in src.parents:
             relation = "is" if src == here else "holds"
             raise OutputExistsError(f"{what} {path} {relation} this command's input {name}: {OVERWRITE_FLAG} would delete it; choose another path")
-    if not path.is_dir() or (own is not None and own(path)):
-        return
-    names = {p.name for p in path.iterdir()}
-    held = None
-    if "config.json" in names and names & set(TOKENIZER_FILES):
-        held = "a model (config.json with its tokenizer)"
-    else:
-        data = sorted(n for n in names if n.endswith(DATA_SUFFIXES) and n not in own_files)
-        if data:
-            held = f"data ({', '.join(data[:3])})"
-    if held:
+    if not path.is_dir() or path.is_symlink():
+        if own is not None and own(path):
+            return
         raise OutputExistsError(
-            f"{what} {path} holds {held} that no drafthead command wrote there: {OVERWRITE_FLAG} would delete it; choose another path"
+            f"{what} {path} is a file that no drafthead command wrote there: {OVERWRITE_FLAG} would delete it; choose another path"
+        )
+    foreign = foreign_files(path)
+    if foreign:
+        more = f" and {len(foreign) - 1} more file{'s' * (len(foreign) > 2)}" if len(foreign) > 1 else ""
+        raise OutputExistsError(
+            f"{what} {path} holds {foreign[0]}{more} that no drafthead command wrote there: "
+            f"{OVERWRITE_FLAG} would delete it; move it out or choose another path"
         )
 
 
@@ -229,13 +298,17 @@ def clear_output(path: str | os.PathLike) -> None:
 def fresh_folder(path: str | os.PathLike, *, overwrite: bool = False, what: str = "output") -> Iterator[Path]:
     """Yield an empty temp folder beside `path`; when the block ends normally, it becomes `path`.
 
-    An existing non-empty `path` is refused unless `overwrite`; with it, the old folder is renamed
-    away, the new one renamed in, then the old one deleted (two renames in one directory: a crash
-    between them leaves the old folder under `.{name}.old-*`, never a mix). On any exception
-    (KeyboardInterrupt included) the temp folder is removed and `path` is untouched.
+    An existing non-empty `path` is refused unless `overwrite`, and then unless a drafthead
+    command wrote it (check_replaceable); with it, the old folder is renamed away, the new one
+    renamed in, then the old one deleted (two renames in one directory: a crash between them
+    leaves the old folder under `.{name}.old-*`, never a mix). The new folder's MARKER_FILE names
+    every file in it, `what` wrote it. On any exception (KeyboardInterrupt included) the temp
+    folder is removed and `path` is untouched.
     """
     path = Path(path)
     check_output(path, overwrite=overwrite, what=what)
+    if overwrite:
+        check_replaceable(path, what=what)
     with output_lock(path):
         remove_leftovers(path)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
@@ -243,6 +316,7 @@ def fresh_folder(path: str | os.PathLike, *, overwrite: bool = False, what: str 
         try:
             with reported_as(path):
                 yield tmp
+                mark_output(tmp, what, files_under(tmp))
             _swap_in(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -16,8 +16,9 @@ import yaml
 
 from drafthead import cli
 from drafthead.heads import build_head, make_config
-from drafthead.heads.outdir import fresh_folder
+from drafthead.heads.outdir import MARKER_FILE, fresh_folder, mark_output
 from drafthead.train.checkpoint import RUN_CONFIG_FILE, latest_checkpoint
+from drafthead.train.features import CAPTURE_FILES
 from drafthead.train.config import check_resume, resume_changes
 from drafthead.train.trainer import Trainer, TrainData
 from tests.trainer_checks import DummyHead, config, random_samples
@@ -96,15 +97,20 @@ def test_fresh_folder_appears_whole_or_not_at_all(tmp_path):
             (tmp / "half.bin").write_bytes(b"x")
             raise KeyboardInterrupt
     assert not out.exists() and list(tmp_path.iterdir()) == []  # no temp folder left either
-    out.mkdir()
-    (out / "stale.bin").write_bytes(b"old")
+    with fresh_folder(out) as tmp:
+        (tmp / "stale.bin").write_bytes(b"old")
     with pytest.raises(ValueError, match="--overwrite"):
         with fresh_folder(out):
             pass
     with fresh_folder(out, overwrite=True) as tmp:
         (tmp / "new.bin").write_bytes(b"new")
-    assert sorted(p.name for p in out.iterdir()) == ["new.bin"]  # the stale file went with the old folder
+    assert sorted(p.name for p in out.iterdir()) == [MARKER_FILE, "new.bin"]  # the stale file went with the old folder
+    assert json.loads((out / MARKER_FILE).read_text())["files"] == ["new.bin"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    (out / "mine.txt").write_text("a file no drafthead command wrote")
+    with unchanged(out), pytest.raises(ValueError, match="holds mine.txt that no drafthead command wrote"):
+        with fresh_folder(out, overwrite=True):
+            pass
 
 
 def test_train_refuses_a_finished_run_without_checkpoints(tmp_path, capsys):
@@ -121,12 +127,18 @@ def test_train_refuses_a_finished_run_without_checkpoints(tmp_path, capsys):
 
 
 def test_train_overwrite_replaces_the_old_run(tmp_path):
+    """--overwrite clears the run's own files (an old best/ head) and refuses one it did not write."""
     cfg = config(tmp_path, max_steps=2, checkpoint_every=0, eval_every=0, log_every=1)
     Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False)
-    (Path(cfg.output_dir) / "stale.txt").write_text("old")
-    Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False, overwrite=True)
     out = Path(cfg.output_dir)
-    assert not (out / "stale.txt").exists()
+    (out / "best").mkdir()
+    (out / "best" / "model.safetensors").write_text("an earlier run's best head")
+    (out / "notes.txt").write_text("mine")
+    with unchanged(out), pytest.raises(ValueError, match="holds notes.txt that no drafthead command wrote"):
+        Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False, overwrite=True)
+    (out / "notes.txt").unlink()
+    Trainer(cfg, DummyHead(), TrainData(train=random_samples(16))).fit(progress=False, overwrite=True)
+    assert not (out / "best").exists()
     starts = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert sum(r.get("event") == "start" for r in starts) == 1  # one run's log, not two
 
@@ -135,14 +147,13 @@ def test_export_refuses_a_non_empty_folder_and_overwrite_leaves_no_stale_file(tm
     """Issue 28 cases 4 and 7: an export over an earlier one, whose stale files would be read."""
     head = medusa_head_dir(tmp_path / "head")
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes(b"an earlier export")
+    assert run_cli(capsys, "export", head, "--format", "ours", "--out", out)[0] == 0  # an earlier export: model.safetensors
     with unchanged(out, head):
         assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", out), str(out), "--overwrite")
         assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", head), "source folder itself")
     code, err = run_cli(capsys, "export", head, "--format", "medusa", "--out", out, "--overwrite")
     assert code == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "medusa_lm_head.pt"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", MARKER_FILE, "medusa_lm_head.pt"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
@@ -162,6 +173,9 @@ def test_tiny_target_refuses_a_non_empty_folder_and_ctrl_c_leaves_nothing(tmp_pa
     (out / "notes.txt").write_text("mine")
     with unchanged(out):
         assert_refused(*run_cli(capsys, "data", "tiny-target", "--out", out), "--overwrite")
+        assert_refused(*run_cli(capsys, "data", "tiny-target", "--out", out, "--overwrite"), "holds notes.txt that no drafthead command wrote")
+    (out / "notes.txt").unlink()
+    assert run_cli(capsys, "data", "tiny-target", "--out", out, "--chats", "2")[0] == 0  # an earlier tiny target
 
     import drafthead.train.tiny as tiny
 
@@ -272,7 +286,8 @@ def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, 
 
 
 def test_regenerate_overwrite_and_continue(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
-    """--overwrite replaces a file regenerate did not write; a rerun continues its own file."""
+    """--overwrite refuses a file regenerate did not write and replaces its own (made with other
+    settings); a rerun continues its own file."""
     import drafthead.train.regenerate as regenerate
     from drafthead.train.tiny import write_tiny_jsonl
 
@@ -296,8 +311,13 @@ def test_regenerate_overwrite_and_continue(tmp_path, capsys, monkeypatch, tiny_l
         "--batch-size",
         "2",
     ]
+    with unchanged(out):
+        assert_refused(*run_cli(capsys, *argv, "--overwrite"), str(out), "is a file that no drafthead command wrote")
+    out.unlink()
+    assert run_cli(capsys, *argv, "--temperature", "0.5")[0] == 0
     assert run_cli(capsys, *argv, "--overwrite")[0] == 0
     records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert {r["generation"]["temperature"] for r in records} == {0.0}
     assert [r["id"] for r in records] == ["tiny-0", "tiny-1"] and all("generation" in r for r in records)
     with unchanged(out):  # its own output: continued, with nothing left to do
         assert run_cli(capsys, *argv)[0] == 0
@@ -323,6 +343,11 @@ def test_capture_overwrite_clears_the_old_folder_first(tmp_path, capsys, monkeyp
     out = tmp_path / "features"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
+    with unchanged(out):
+        assert_refused(*run_cli(capsys, "data", "capture", "--config", saved, "--out", out, "--overwrite"), "holds notes.txt that no drafthead")
+    (out / "notes.txt").unlink()
+    mark_output(out, "capture folder", CAPTURE_FILES)  # an earlier capture's folder
+    (out / "shard-00000.safetensors").write_text("an earlier shard")
     seen = []
 
     def capture(config, model, tokenizer, out_dir, **kw):  # what the real capture finds on entry
@@ -331,7 +356,7 @@ def test_capture_overwrite_clears_the_old_folder_first(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(run, "capture_from_config", capture)
     assert run_cli(capsys, "data", "capture", "--config", saved, "--out", out, "--overwrite")[0] == 0
-    assert seen == [[]] and not (out / "notes.txt").exists()
+    assert seen == [[]]
 
 
 # ---------------------------------------------------------------------------------------------- one line per user error
@@ -690,6 +715,7 @@ def test_a_second_writer_of_one_output_is_refused(tmp_path, capsys, tiny_llama_d
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("the other writer's")
+    mark_output(out, "the other writer's output", ["notes.txt"])
     commands = [
         tiny_train(tiny_llama_dir, chats, out, "--overwrite"),
         ["export", head, "--format", "medusa", "--out", out, "--overwrite"],
@@ -732,15 +758,19 @@ def test_overwrite_never_deletes_a_model_data_or_the_inputs(tmp_path, capsys, ta
     with unchanged(tmp_path):
         assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, target_copy, "--overwrite")), "is this command's input")
         assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, data_dir, "--overwrite")), "holds this command's input")
-        assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, other_data, "--overwrite")), "holds data (mine.jsonl)")
-        assert_refused(*run_cli(capsys, "export", head, "--format", "medusa", "--out", target_copy, "--overwrite"), "holds a model")
+        assert_refused(*run_cli(capsys, *tiny_train(target_copy, chats, other_data, "--overwrite")), "holds mine.jsonl that no drafthead")
+        assert_refused(
+            *run_cli(capsys, "export", head, "--format", "medusa", "--out", target_copy, "--overwrite"),
+            "holds chat_template.jinja and",
+            "no drafthead",
+        )
         assert_refused(
             *run_cli(
                 capsys, "data", "capture", "--config", "tiny-medusa1", f"target={target_copy}", f"data.path={chats}", "--out", data_dir, "--overwrite"
             ),
             "holds this command's input",
         )
-        assert_refused(*run_cli(capsys, "data", "tiny-target", "--out", target_copy, "--overwrite"), "holds a model")
+        assert_refused(*run_cli(capsys, "data", "tiny-target", "--out", target_copy, "--overwrite"), "that no drafthead command wrote")
         assert_refused(
             *run_cli(capsys, "data", "regenerate", "--target", target_copy, "--source", "json", "--path", chats, "--out", chats, "--overwrite"),
             "is this command's input",
@@ -947,3 +977,80 @@ def test_paths_that_cannot_be_used(tmp_path, capsys, tiny_run):
         assert_refused(*run_cli(capsys, "export", run / "final", "--format", "medusa", "--out", note / "sub"), f"{note} is a file, not a folder")
         assert_refused(*run_cli(capsys, "data", "inspect", "--source", "file", "--path", folder), str(folder), "save_to_disk", "join them into one")
         assert_refused(*run_cli(capsys, "export", run, "--format", "medusa", "--out", tmp_path / "x"), "a training run's folder", str(run / "final"))
+
+
+# ---------------------------------------------------------------------------------------------- issue 54: --overwrite and resumes
+
+
+def test_overwrite_never_deletes_files_no_drafthead_command_wrote(tmp_path, capsys, tiny_run):
+    """--overwrite over a user's text file, a folder of their work, a folder of photos, or a
+    drafthead output they added a file to: one line naming a file it would delete, nothing
+    changed. What drafthead wrote is still replaced (the tests above)."""
+    from drafthead.inference.bench.report import report_json
+
+    target, chats, run, features = tiny_run
+    run, features = copied(run, tmp_path), copied(features, tmp_path)
+    head = medusa_head_dir(tmp_path / "head")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    precious = tmp_path / "precious"
+    (precious / "sub").mkdir(parents=True)
+    (precious / "thesis.txt").write_text("four years")
+    (precious / "sub" / "data.bin").write_bytes(b"\0" * 8)
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for name in ("a.jpg", "b.jpg"):
+        (photos / name).write_bytes(b"\xff\xd8 a photo")
+    (run / "checkpoints" / "holiday.jpg").write_bytes(b"\xff\xd8 a photo")
+    (features / "holiday.jpg").write_bytes(b"\xff\xd8 a photo")
+    capture = ["data", "capture", "--config", "tiny-medusa1", f"target={target}", f"data.path={chats}", "data.eval_size=1"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    with unchanged(tmp_path):
+        assert_refused(
+            *run_cli(capsys, "export", head, "--format", "medusa", "--out", notes, "--overwrite"),
+            f"export folder {notes} is a file that no drafthead command wrote there: --overwrite would delete it",
+        )
+        assert_refused(
+            *run_cli(capsys, "data", "regenerate", "--target", target, "--source", "json", "--path", chats, "--out", precious, "--overwrite"),
+            f"output {precious} holds sub/data.bin and 1 more file that no drafthead command wrote there",
+        )
+        assert_refused(*run_cli(capsys, *tiny_train(target, chats, photos, "--overwrite")), f"{photos} holds a.jpg and 1 more file that no drafthead")
+        assert_refused(*run_cli(capsys, *capture, "--out", photos, "--overwrite"), "holds a.jpg and 1 more file that no drafthead")
+        assert_refused(*run_cli(capsys, *tiny_train(target, chats, run, "--overwrite")), f"{run} holds checkpoints/holiday.jpg that no drafthead")
+        assert_refused(*run_cli(capsys, *capture, "--out", features, "--overwrite"), f"{features} holds holiday.jpg that no drafthead")
+        assert_refused(
+            *run_cli(capsys, "bench", "--target", "nothing", "--dataset", prompts, "--out", notes, "--overwrite"), "is a file that no drafthead"
+        )
+    (tmp_path / "again").mkdir()
+    resumed = copied(tiny_run[2], tmp_path / "again")
+    (resumed / "final" / "notes.txt").write_text("mine")  # the run ends by replacing final/: refused at its start
+    with unchanged(resumed):
+        assert_refused(
+            *run_cli(capsys, *tiny_train(target, chats, resumed, "max_steps=3", "checkpoint_every=1"), "--resume"),
+            f"{resumed / 'final'} holds notes.txt that no drafthead command wrote there",
+        )
+    report = tmp_path / "report.json"
+    report.write_text(report_json({"num_prompts": 1}))  # one bench wrote: replaceable, the run goes on to its target
+    assert_refused(*run_cli(capsys, "bench", "--target", "nothing", "--dataset", prompts, "--out", report, "--overwrite"), "unknown target 'nothing'")
+
+
+def test_resume_refuses_data_whose_content_changed(tmp_path, capsys, tiny_llama_dir):
+    """train --resume over the same data.path whose content changed since the checkpoint: one
+    line, before the target loads; with the data as it was, the run resumes."""
+    from drafthead.train.tiny import write_tiny_jsonl
+
+    chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
+    run = tmp_path / "run"
+    assert run_cli(capsys, *tiny_train(tiny_llama_dir, chats, run, "max_steps=1", "checkpoint_every=1"))[0] == 0
+    original = chats.read_text()
+    chats.write_text(original.replace("tiny-0", "edited"))
+    with unchanged(run):
+        assert_refused(
+            *run_cli(capsys, *tiny_train(tiny_llama_dir, chats, run, "max_steps=2", "checkpoint_every=1"), "--resume"),
+            f"--resume: the content of {chats} changed since {run / 'checkpoints' / 'step-00000001'} was written",
+            "init_from",
+        )
+    chats.write_text(original)
+    code, err = run_cli(capsys, *tiny_train(tiny_llama_dir, chats, run, "max_steps=2", "checkpoint_every=1"), "--resume")
+    assert code == 0, err

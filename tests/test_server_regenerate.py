@@ -27,7 +27,7 @@ from drafthead.train.openai_server import ServerError, ServerSettings, root_url
 from drafthead.train.regenerate import RegenerateSettings, done_ids
 from drafthead.train.regenerate_server import regenerate_from_servers
 from drafthead.train.sources import load_conversations
-from tests.cli_checks import assert_failed_late, run_cli
+from tests.cli_checks import assert_failed_late, assert_refused, run_cli
 
 MODEL = "tiny-served"
 
@@ -38,14 +38,20 @@ class StubServer:
     `answers` maps a user text to (ids without the stop token, finish_reason[, text sent instead of
     the ids decoded]) for special answers;
     `statuses` is a list of HTTP statuses to send, one per request, before answering normally;
-    `bodies` maps a user text to a raw body sent instead of the answer."""
+    `bodies` maps a user text to a raw body sent instead of the answer; `fail_user` a user text to
+    an HTTP status (or a status and the error message) always sent for it; `breaks` is a list of
+    broken replies ("short": cut before its Content-Length, "chunked": a bad chunk size) to send,
+    one per chat request, before answering normally, and `broken_user` maps a user text to one
+    always sent for it."""
 
     def __init__(self, tokenizer, ids: str | None = "vllm", delay: float = 0.0, model: str = MODEL):
         self.tok, self.ids, self.delay, self.model = tokenizer, ids, delay, model
         self.answers: dict[str, tuple[list[int], str]] = {}
         self.statuses: list[int] = []
         self.bodies: dict[str, bytes] = {}
-        self.fail_user: dict[str, int] = {}  # user text -> HTTP status always sent for it
+        self.fail_user: dict[str, int | tuple[int, str]] = {}  # user text -> HTTP status (and message) always sent for it
+        self.breaks: list[str] = []
+        self.broken_user: dict[str, str] = {}
         self.prompt_offset = 0  # added to the prompt's token count (a server with another template)
         self.reasoning = False  # send each answer's first word apart, as reasoning_content
         self.asked: list[str] = []  # the last user text of every chat request that was answered
@@ -73,27 +79,48 @@ class StubServer:
             def do_GET(self):
                 self._send(200, json.dumps({"object": "list", "data": [{"id": stub.model, "object": "model"}]}).encode())
 
+            def _send_broken(self, how: str):
+                """A reply that stops short of its Content-Length, or whose chunk size is no number."""
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                if how == "short":
+                    self.send_header("Content-Length", "4096")
+                    self.end_headers()
+                    self.wfile.write(b'{"object": "chat.completion", "choices": [')
+                else:
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    self.wfile.write(b"zz\r\n{}\r\n")
+                self.wfile.flush()
+                self.close_connection = True
+
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with stub.lock:
                     stub.in_flight += 1
                     stub.most_in_flight = max(stub.most_in_flight, stub.in_flight)
                     status = stub.statuses.pop(0) if stub.statuses else None
+                    broken = stub.breaks.pop(0) if stub.breaks else stub.broken_user.get(body["messages"][-1]["content"])
                 try:
                     status, reply = stub.respond(body, status)
                 finally:  # before the reply goes out: the client may ask again as soon as it has it
                     with stub.lock:
                         stub.in_flight -= 1
-                self._send(status, reply)
+                if broken:
+                    self._send_broken(broken)
+                else:
+                    self._send(status, reply)
 
         return Handler
 
     def respond(self, body: dict, status: int | None) -> tuple[int, bytes]:
         time.sleep(self.delay)
         user = body["messages"][-1]["content"]
-        status = status or self.fail_user.get(user)
+        failure, message = self.fail_user.get(user), None
+        if status is None and failure is not None:
+            status, message = failure if isinstance(failure, tuple) else (failure, None)
         if status is not None:
-            return status, json.dumps({"error": {"message": f"stub says {status}"}}).encode()
+            return status, json.dumps({"error": {"message": message or f"stub says {status}"}}).encode()
         if user in self.bodies:
             return 200, self.bodies[user]
         with self.lock:
@@ -312,10 +339,12 @@ def test_each_server_error_is_one_line_and_exit_2(tmp_path, capsys, tiny_tokeniz
 
 def test_a_sigkilled_run_resumes_with_nothing_lost_or_asked_twice(tmp_path, tiny_tokenizer, tiny_llama_dir):
     """kill -9 of `data regenerate --server` mid-run, then a rerun: every conversation once in the
-    file, in input order; the rerun asks only for those the file lacked after the kill."""
+    file, in input order; the rerun asks only for those the file lacked after the kill. The ids
+    are integers in the data file, and the file is left as the kill left it, its last line torn
+    (the rerun, not this test, must cut it)."""
     n = 24
     chats = tmp_path / "chats.jsonl"
-    chats.write_text("".join(json.dumps(c) + "\n" for c in conversations(n)))
+    chats.write_text("".join(json.dumps({**c, "id": i}) + "\n" for i, c in enumerate(conversations(n))))
     out = tmp_path / "regen.jsonl"
     argv = [
         sys.executable,
@@ -346,15 +375,18 @@ def test_a_sigkilled_run_resumes_with_nothing_lost_or_asked_twice(tmp_path, tiny
             proc.kill()
             proc.wait()
         assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
-        kept = done_ids(out)
+        kept = done_ids(out, repair=False)
         assert 4 <= len(kept) < n
+        if out.read_bytes().endswith(b"\n"):  # killed between two records: tear the last line as a kill inside one does
+            with out.open("ab") as f:
+                f.write(b'{"id": "' + str(n - 1).encode() + b'", "messages": [{"role": "us')
         asked_before = len(server.asked)
         done = subprocess.run(argv + ["--server", server.url], env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         again = server.asked[asked_before:]
     ids = [r["id"] for r in records(out)]
-    assert ids == [f"c{i}" for i in range(n)]
-    assert not {f"question {i[1:]} turn 0" for i in kept} & set(again)
+    assert ids == [str(i) for i in range(n)]
+    assert not {f"question {i} turn 0" for i in kept} & set(again)
     assert f"already_done={len(kept)}" in done.stdout
 
 
@@ -399,3 +431,188 @@ def test_a_parting_is_measured_by_our_targets_logit_gap(tiny_tokenizer):
     with torch.no_grad():
         logits = model(torch.tensor([tok.encode(prompt, add_special_tokens=False) + [40, 41]])).logits[0, -1]
     assert parting.gap == pytest.approx(float(logits[42] - logits[50]), abs=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- faults and bad settings (issue 54)
+
+
+def write_chats(path: Path, convs: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    return path
+
+
+def regenerate_argv(target, chats, out, *extra) -> list:
+    return ["data", "regenerate", "--target", target, "--source", "json", "--path", chats, "--out", out, *extra]
+
+
+@pytest.mark.parametrize("how", ["short", "chunked"])
+def test_a_broken_reply_is_one_line_and_the_answers_beside_it_are_kept(tmp_path, capsys, tiny_tokenizer, tiny_llama_dir, how):
+    """A reply cut before its end, or badly chunked (http.client.IncompleteRead), on every try:
+    one line naming it after the retries, exit 2; the other conversations, in flight together
+    with it, are in the file. Cut once, it is asked again and the run completes."""
+    chats = write_chats(tmp_path / "chats.jsonl", conversations(4))
+    out = tmp_path / "regen.jsonl"
+    with StubServer(tiny_tokenizer, delay=0.2) as server:
+        server.broken_user = {"question 2 turn 0": how}
+        code, err = run_cli(capsys, *regenerate_argv(tiny_llama_dir, chats, out, "--server", server.url, "--concurrency", "4", "--retries", "1"))
+        assert_failed_late(code, err, f"{server.url}/v1/chat/completions: a broken reply (IncompleteRead", "(after 2 tries)")
+        assert done_ids(out) == {"c0", "c1", "c3"}
+        server.broken_user, server.breaks = {}, [how]
+        code, err = run_cli(capsys, *regenerate_argv(tiny_llama_dir, chats, tmp_path / "again.jsonl", "--server", server.url, "--retries", "1"))
+    assert code == 0, err
+    assert [r["id"] for r in records(tmp_path / "again.jsonl")] == ["c0", "c1", "c2", "c3"]
+
+
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--server", "localhost:abc"], ["--server 'localhost:abc'", "Port could not be cast to integer value as 'abc'"]),
+        (["--server", "ftp://127.0.0.1:21"], ["--server 'ftp://127.0.0.1:21'", "ftp:// is not http:// or https://"]),
+        (["--server", "SERVER", "SERVER/v1/"], ["names SERVER twice"]),
+        (["--server", "SERVER", "--request-timeout", "0"], ["--request-timeout must be a number of seconds > 0, got 0.0"]),
+        (["--server", "SERVER", "--request-timeout", "-1"], ["--request-timeout must be a number of seconds > 0, got -1.0"]),
+        (["--server", "SERVER", "--request-timeout", "nan"], ["--request-timeout must be a number of seconds > 0, got nan"]),
+        (["--server", "SERVER", "--temperature", "-1"], ["temperature must be a number >= 0, got -1.0"]),
+        (["--server", "SERVER", "--temperature", "nan"], ["temperature must be a number >= 0, got nan"]),
+        (["--server", "SERVER", "--top-p", "7"], ["top_p must be in (0, 1], got 7.0"]),
+        (["--temperature", "nan"], ["temperature must be a number >= 0, got nan"]),
+        (["--top-p", "nan"], ["top_p must be in (0, 1], got nan"]),
+        (["--server", "SERVER", "--batch-size", "4"], ["--batch-size sets how our engine answers", "drop --batch-size"]),
+        (["--server", "SERVER", "--sizing", "fixed"], ["--sizing sets how our engine answers"]),
+        (["--concurrency", "4"], ["--concurrency is a setting of --server"]),
+        (["--server", "SERVER", "--api-key", "sk-SECRET-42\n"], ["--api-key", "no HTTP header carries"]),
+    ],
+    ids=[
+        "port-abc",
+        "ftp-url",
+        "url-twice",
+        "timeout-0",
+        "timeout-neg",
+        "timeout-nan",
+        "temperature-neg",
+        "temperature-nan",
+        "top-p-7",
+        "local-temperature-nan",
+        "local-top-p-nan",
+        "batch-size-with-server",
+        "sizing-with-server",
+        "concurrency-without-server",
+        "api-key-newline",
+    ],
+)
+def test_server_and_sampling_settings_are_checked_at_the_start(tmp_path, capsys, tiny_tokenizer, tiny_llama_dir, extra, fragments):
+    """Refused before the data is read or a server asked: one line naming the flag (an ftp:// URL
+    at once, not after the retries; a secret key never in the line)."""
+    chats = write_chats(tmp_path / "chats.jsonl", conversations(2))
+    out = tmp_path / "regen.jsonl"
+    with StubServer(tiny_tokenizer) as server:
+        extra = [server.url if a == "SERVER" else a.replace("SERVER", server.url) for a in extra]
+        fragments = [f.replace("SERVER", server.url) for f in fragments]
+        start = time.monotonic()
+        line = assert_refused(*run_cli(capsys, *regenerate_argv(tiny_llama_dir, chats, out, *extra)), *fragments)
+        assert time.monotonic() - start < 10 and server.asked == []
+    assert "SECRET" not in line and not out.exists()
+
+
+def test_an_api_key_the_server_quotes_is_not_echoed(tmp_path, capsys, tiny_tokenizer, tiny_llama_dir, monkeypatch):
+    chats = write_chats(tmp_path / "chats.jsonl", conversations(2))
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-SECRET-42")
+    with StubServer(tiny_tokenizer) as server:
+        server.fail_user = {"question 0 turn 0": (401, "Incorrect API key provided: sk-SECRET-42")}
+        # the key from $OPENAI_API_KEY: the parser reads it when it is built
+        code, err = run_cli(capsys, *regenerate_argv(tiny_llama_dir, chats, tmp_path / "regen.jsonl", "--server", server.url, "--concurrency", "1"))
+    line = assert_failed_late(code, err, "HTTP 401: Incorrect API key provided: <api key>")
+    assert "SECRET" not in err and line
+
+
+def test_the_servers_context_limit_is_named(tmp_path, capsys, tiny_tokenizer, tiny_llama_dir):
+    """A server refusing a prompt as longer than its context: the line says so and gives the way
+    out; the answers before it are kept."""
+    chats = write_chats(tmp_path / "chats.jsonl", conversations(3))
+    out = tmp_path / "regen.jsonl"
+    with StubServer(tiny_tokenizer) as server:
+        server.fail_user = {"question 1 turn 0": (400, "This model's maximum context length is 64 tokens. However, you requested 80 tokens")}
+        code, err = run_cli(
+            capsys, *regenerate_argv(tiny_llama_dir, chats, out, "--server", server.url, "--concurrency", "1", "--max-new-tokens", "16")
+        )
+    assert_failed_late(
+        code,
+        err,
+        "maximum context length is 64 tokens",
+        "conversation 'c1', turn 1",
+        "--max-new-tokens 16 are more than the server's context",
+        "--max-prompt-tokens",
+    )
+    assert done_ids(out) == {"c0"}
+
+
+def test_a_rerun_with_integer_ids_asks_only_for_the_rest(tmp_path, tiny_tokenizer):
+    """Conversations whose ids are integers (as a Python caller may pass them): a rerun over more
+    of them asks the server only for those the file lacks; the file holds each once, as text ids."""
+    convs = [{**c, "id": i} for i, c in enumerate(conversations(6))]
+    out = tmp_path / "regen.jsonl"
+    with StubServer(tiny_tokenizer) as server:
+        regenerate_from_servers(tiny_tokenizer, convs[:3], out, SETTINGS, fast(server.url), progress=False)
+        asked = len(server.asked)
+        report, _ = regenerate_from_servers(tiny_tokenizer, convs, out, SETTINGS, fast(server.url), progress=False)
+        again = server.asked[asked:]
+    assert report.already_done == 3 and report.written == 3
+    assert sorted(again) == [f"question {i} turn 0" for i in (3, 4, 5)]
+    assert [r["id"] for r in records(out)] == [str(i) for i in range(6)]
+
+
+def test_a_torn_last_line_is_cut_by_the_rerun(tmp_path, capsys, tiny_tokenizer, tiny_llama_dir):
+    """An output whose last line a kill cut in half: the rerun cuts it and asks again for that
+    conversation; nothing else is lost or asked twice. A broken line before the last is a hand
+    edit: refused, naming the line, the file kept as it is."""
+    chats = write_chats(tmp_path / "chats.jsonl", conversations(4))
+    out = tmp_path / "regen.jsonl"
+    argv = regenerate_argv(tiny_llama_dir, chats, out, "--concurrency", "1")
+    with StubServer(tiny_tokenizer) as server:
+        assert run_cli(capsys, *argv, "--server", server.url)[0] == 0
+        whole = out.read_bytes()
+        lines = whole.splitlines(keepends=True)
+        out.write_bytes(b"".join(lines[:2]) + lines[2][: len(lines[2]) // 2])  # c2 torn, c3 never written
+        asked = len(server.asked)
+        code, err = run_cli(capsys, *argv, "--server", server.url)
+        assert code == 0, err
+        assert sorted(server.asked[asked:]) == ["question 2 turn 0", "question 3 turn 0"]
+        assert out.read_bytes() == whole
+        out.write_bytes(lines[0] + b'{"id": "c1", "messages": [\n' + b"".join(lines[2:]))
+        with_a_bad_line = out.read_bytes()
+        code, err = run_cli(capsys, *argv, "--server", server.url)
+    assert_failed_late(code, err, f"{out}: line 2 is not a record with an id", "mend or delete that line")
+    assert out.read_bytes() == with_a_bad_line and len(server.asked) == asked + 2  # refused before asking
+
+
+def test_a_rerun_over_answers_made_otherwise_is_refused(tmp_path, capsys, tiny_tokenizer, tiny_llama_dir, monkeypatch):
+    """A rerun continues only a file written the same way: other sampling settings, the local
+    engine over a server's answers (and the other way round), another data file whose ids
+    overlap: one line listing what differs, the file unchanged. The same settings continue it."""
+    import drafthead.train.regenerate as regenerate
+
+    chats = write_chats(tmp_path / "chats.jsonl", conversations(4))
+    other = tmp_path / "other.jsonl"  # the same ids, other questions
+    other.write_text(chats.read_text().replace("question", "query"))
+    served, local = tmp_path / "served.jsonl", tmp_path / "local.jsonl"
+    monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [regenerate.Answer("fine", True)] * len(prompts))
+    assert run_cli(capsys, *regenerate_argv(tiny_llama_dir, chats, local, "--max-new-tokens", "16"))[0] == 0
+    with StubServer(tiny_tokenizer) as server:
+        first = regenerate_argv(tiny_llama_dir, chats, served, "--server", server.url, "--max-new-tokens", "16")
+        assert run_cli(capsys, *first, "--limit", "2")[0] == 0
+        kept = served.read_bytes()
+        cases = [
+            ([*first, "--temperature", "0.5"], ["temperature: 0.0 -> 0.5"]),
+            (regenerate_argv(tiny_llama_dir, chats, served, "--max-new-tokens", "16"), ["engine: 'server tiny-served' -> 'local'"]),
+            (regenerate_argv(tiny_llama_dir, other, served, "--server", server.url, "--max-new-tokens", "16"), ["data_sha256: "]),
+            (
+                regenerate_argv(tiny_llama_dir, chats, local, "--server", server.url, "--max-new-tokens", "16"),
+                ["engine: 'local' -> 'server tiny-served'"],
+            ),
+        ]
+        for argv, fragments in cases:
+            code, err = run_cli(capsys, *argv)
+            assert_failed_late(code, err, "holds answers made otherwise (", *fragments, "--overwrite")
+        assert served.read_bytes() == kept and len(server.asked) == 2
+        assert run_cli(capsys, *first)[0] == 0  # the same settings: continued
+    assert [r["id"] for r in records(served)] == ["c0", "c1", "c2", "c3"] and len(server.asked) == 4

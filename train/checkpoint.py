@@ -51,6 +51,7 @@ class TrainState:
     world_size: int = 1
     tokens: int = 0  # real tokens seen by all processes, counted at each log step
     parallelism: str = "ddp"  # ddp (or one process) | fsdp: how weights and optimizer state were kept
+    data_sha256: str | None = None  # the content of the data file trained on (train/sources.py data_fingerprint); None: not known
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -185,12 +186,30 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         ) from e
 
 
+def saved_state(path: Path) -> TrainState:
+    """The TrainState of the checkpoint at `path` (its STATE_FILE alone: nothing else is read)."""
+    return TrainState(**json.loads((path / STATE_FILE).read_text()))
+
+
+def check_same_data(path: Path, data_sha256: str, data_name: str) -> None:
+    """Refuse to resume from the checkpoint at `path` when the data it trained on had other
+    content than `data_sha256` (data_name: the file, for the message). A checkpoint that does
+    not record it passes."""
+    saved = saved_state(path).data_sha256
+    if saved is not None and saved != data_sha256:
+        raise ValueError(
+            f"--resume: the content of {data_name} changed since {path} was written (sha256 {saved[:12]}... -> "
+            f"{data_sha256[:12]}...): the run would go on over other samples; resume with the data it trained on, or start "
+            "a new phase from a saved head: init_from=HEAD_DIR output_dir=NEW_DIR"
+        )
+
+
 def _load_checkpoint(path: Path, map_location) -> Checkpoint:
     # weights_only=False: these are our own files, and numpy's RNG state is not a tensor
     load = lambda name: torch.load(path / name, map_location=map_location, weights_only=False)  # noqa: E731
     return Checkpoint(
         path=path,
-        state=TrainState(**json.loads((path / STATE_FILE).read_text())),
+        state=saved_state(path),
         weights=load_file(str(path / WEIGHTS_FILE)),
         optimizer_state=load("optimizer.pt"),
         scheduler_state=load("scheduler.pt"),

@@ -37,13 +37,14 @@ from safetensors.torch import save_file
 from ..heads.batch import FeatureBatch
 from ..heads.identity import text_config
 from ..heads.files import read_json
-from ..heads.outdir import reported_as
+from ..heads.outdir import mark_output, reported_as
 from ..inference.engine.media import PromptImages, deepstack_inputs, forward_inputs, with_deepstack
 from ..inference.engine.targets import resolve_dtype
 from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"
 CAPTURE_PLAN = "capture.json"  # the settings of a capture in progress (a rerun continues it)
+CAPTURE_FILES = (INDEX_FILE, CAPTURE_PLAN, "shard-*.safetensors", "shard-*.tmp")  # what a capture writes in its folder (its marker names them)
 # 2: the meta records what the capture was made from (data content, target identity and weights)
 FORMAT_VERSION = 2
 
@@ -271,6 +272,7 @@ def capture_features(
             )
     if share.is_main:
         remove_partial_shards(out_dir)
+        mark_output(out_dir, "capture folder", CAPTURE_FILES)
         write_atomically(plan_file, json.dumps(plan, indent=1))
 
     bounds = [(k, start, min(n, start + shard_samples)) for k, start in enumerate(range(0, n, shard_samples))]

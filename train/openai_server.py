@@ -9,31 +9,45 @@ whichever comes back:
 A server that returns neither gives text only (`ServedAnswer.token_ids` None).
 
 Errors: a failed request is retried with exponential backoff when trying again can help (no
-connection, a timeout, HTTP 429 and 5xx); anything else, and the last failed try, raises
-ServerError, one line naming the server and what it said.
+connection, a timeout, a reply cut short or badly chunked, HTTP 408, 429, 500, 502, 503 and
+504: RETRY_STATUS); anything else, and the last failed try, raises ServerError, one line naming
+the server and what it said, never the API key. A refusal that names the server's context
+length (its messages say "context length", "context size" or "n_ctx") is a ContextLimitError.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
+import re
 import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 RETRY_STATUS = (408, 429, 500, 502, 503, 504)  # worth asking again: overload, restart, timeouts
+# how vLLM, SGLang and llama-server word a request longer than the model's context
+_CONTEXT_LIMIT = re.compile(r"context (length|size|window)|n_ctx", re.IGNORECASE)
 
 
 class ServerError(ValueError):
     """A server that is down, refuses, serves another model or answers in another form (one line)."""
 
 
+class ContextLimitError(ServerError):
+    """A server refused a request as longer than its context."""
+
+
 @dataclass(frozen=True)
 class ServerSettings:
-    """Where and how `data regenerate --server` asks."""
+    """Where and how `data regenerate --server` asks; checked when made (the CLI's flags named),
+    its URLs kept as their roots (root_url)."""
 
     urls: tuple[str, ...]
     model: str | None = None  # None: the one model every server serves
@@ -41,8 +55,35 @@ class ServerSettings:
     concurrency: int = 8  # requests in flight per server
     retries: int = 4  # tries after the first one fails
     backoff: float = 1.0  # seconds before the first retry, doubling each time
-    timeout: float = 600.0  # seconds for one request
+    request_timeout: float = 600.0  # seconds for one request
     reasoning: str = "keep"  # keep | strip a `reasoning_content` the server returns apart
+
+    def __post_init__(self) -> None:
+        # every comparison with nan is False: each test below is written so that nan fails it
+        if not 0 < self.request_timeout < math.inf:
+            raise ValueError(f"--request-timeout must be a number of seconds > 0, got {self.request_timeout}")
+        for flag, value, low in (("--concurrency", self.concurrency, 1), ("--retries", self.retries, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{flag} must be a whole number >= {low}, got {value!r}")
+        if not 0 <= self.backoff < math.inf:
+            raise ValueError(f"backoff must be a number of seconds >= 0, got {self.backoff}")
+        if self.reasoning not in ("keep", "strip"):
+            raise ValueError(f"--reasoning must be keep or strip, got {self.reasoning!r}")
+        if self.api_key is not None and not re.fullmatch(r"[\x21-\x7e]*", self.api_key):
+            # urllib would refuse it with the key in its message: say what is wrong, not the key
+            raise ValueError("--api-key (or $OPENAI_API_KEY) holds a space, a line break or a non-ASCII character, which no HTTP header carries")
+        if not self.urls:
+            raise ValueError("--server needs at least one URL")
+        seen: dict[str, str] = {}
+        for url in self.urls:
+            root = root_url(url)
+            if root in seen:  # one server counted twice would get twice the requests in flight
+                raise ValueError(
+                    f"--server names {root} twice ({seen[root]!r} and {url!r}): give each server once "
+                    "(--concurrency sets the requests in flight per server)"
+                )
+            seen[root] = url
+        object.__setattr__(self, "urls", tuple(seen))  # frozen: set once, here
 
 
 @dataclass(frozen=True)
@@ -72,11 +113,29 @@ class ServedAnswer:
 
 
 def root_url(url: str) -> str:
-    """`host:port`, `http://host:port/` or `http://host:port/v1` -> `http://host:port`."""
-    url = url.strip().rstrip("/")
+    """`host:port`, `http://host:port/` or `http://host:port/v1` -> `http://host:port`; ValueError
+    for anything else (another scheme, no host, a port that is not a number, a path)."""
+    given = url
+    url = url.strip()
     if "://" not in url:
         url = "http://" + url
-    return url.removesuffix("/v1")
+    url = url.rstrip("/").removesuffix("/v1")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError as e:  # "Port could not be cast to integer value as 'abc'", "Invalid IPv6 URL"
+        raise ValueError(f"--server {given!r}: {e}") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        why = f"{parts.scheme}:// is not http:// or https://, which the servers answer"
+    elif not parts.hostname or re.search(r"[\s\x00-\x1f]", url):
+        why = "no host name in it, or a space"
+    elif port == 0:
+        why = "port 0"
+    elif parts.path or parts.query or parts.fragment:
+        why = "a path after the port; give http://HOST:PORT (or .../v1)"
+    else:
+        return f"{parts.scheme.lower()}://{parts.netloc.lower()}"
+    raise ValueError(f"--server {given!r}: {why}")
 
 
 class ChatServer:
@@ -94,33 +153,49 @@ class ChatServer:
             headers["Authorization"] = f"Bearer {self.settings.api_key}"
         return headers
 
+    @contextmanager
+    def _keeping_the_key(self) -> Iterator[None]:
+        """A ServerError from the block with the API key blanked out wherever it appears (a server
+        may quote the request it refuses)."""
+        try:
+            yield
+        except ServerError as e:
+            key = self.settings.api_key
+            if not key or key not in str(e):
+                raise
+            raise type(e)(str(e).replace(key, "<api key>")) from None
+
     def request(self, path: str, body: dict | None = None) -> dict:
         """GET (no body) or POST JSON to `path`, retried as the module docstring says -> the JSON reply."""
-        data = None if body is None else json.dumps(body).encode()
+        data = None if body is None else json.dumps(body, allow_nan=False).encode()
         where = f"{self.url}{path}"
-        for attempt in range(self.settings.retries + 1):
-            why = self._try(where, data)
-            if isinstance(why, dict):
-                return why
-            if attempt == self.settings.retries:
-                raise ServerError(f"{where}: {why} (after {attempt + 1} tries)")
-            self._sleep(self.settings.backoff * 2**attempt)
+        with self._keeping_the_key():
+            for attempt in range(self.settings.retries + 1):
+                why = self._try(where, data)
+                if isinstance(why, dict):
+                    return why
+                if attempt == self.settings.retries:
+                    raise ServerError(f"{where}: {why} (after {attempt + 1} tries)")
+                self._sleep(self.settings.backoff * 2**attempt)
         raise AssertionError("unreachable")
 
     def _try(self, where: str, data: bytes | None) -> dict | str:
         """The reply, or why a retry may help (a string); raises ServerError when it cannot."""
         req = urllib.request.Request(where, data=data, headers=self._headers(), method="GET" if data is None else "POST")
         try:
-            with urllib.request.urlopen(req, timeout=self.settings.timeout) as response:
+            with urllib.request.urlopen(req, timeout=self.settings.request_timeout) as response:
                 raw = response.read()
         except urllib.error.HTTPError as e:
             said = _error_text(e)
             if e.code in RETRY_STATUS:
                 return f"HTTP {e.code}: {said}"
-            raise ServerError(f"{where}: HTTP {e.code}: {said}") from None
+            refused = ContextLimitError if _CONTEXT_LIMIT.search(said) else ServerError
+            raise refused(f"{where}: HTTP {e.code}: {said}") from None
         except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError) as e:
             reason = getattr(e, "reason", e)
             return f"no answer ({reason})"
+        except http.client.HTTPException as e:  # a reply cut short (IncompleteRead), badly chunked or garbled
+            return f"a broken reply ({type(e).__name__}: {str(e)[:120] or 'no detail'})"
         try:
             reply = json.loads(raw)
         except ValueError:
@@ -147,7 +222,9 @@ class ChatServer:
             "logprobs": True,
             "top_logprobs": 1,
         }
-        return parse_chat_reply(self.request("/v1/chat/completions", body), f"{self.url}/v1/chat/completions")
+        reply = self.request("/v1/chat/completions", body)
+        with self._keeping_the_key():
+            return parse_chat_reply(reply, f"{self.url}/v1/chat/completions")
 
 
 def _error_text(e: urllib.error.HTTPError) -> str:

@@ -13,7 +13,10 @@ give them back. The report counts the answers where it would not (`ids_retokeniz
 
 Resumable: ids already in the file are skipped; each record is written and flushed as soon as its
 batch finishes, so an interruption loses at most one batch. A torn last line (killed mid-write)
-is cut off before appending.
+is cut off before appending; a broken line before the last is refused (a hand edit), never
+skipped with what follows it. A rerun continues only a file written the same way: every record's
+`generation` block (the target, the sampling settings, the engine, the data file's content)
+must equal this run's, else it is refused with the differences (check_continuation).
 
 Batches are cut from the whole input in order, then the finished conversations are dropped from
 them: a resumed run answers in the batches a clean run would have, so its greedy answers are the
@@ -39,7 +42,9 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ..inference.engine.chat import render_chat
+from ..inference.engine.sampling import SamplingConfig
 from .chat_format import decode_answer, stop_token_ids
+from .features import plan_changes
 from .workshare import WorkShare, write_atomically
 
 
@@ -76,21 +81,30 @@ class RegenerateReport:
         return total
 
 
-def _records(data: bytes) -> tuple[list[tuple[str, bytes]], int]:
-    """([(id, line with its newline)], end of the last good line): whole lines up to the first
-    broken one (no trailing newline: torn by a kill; bad JSON or no id); blank lines are skipped."""
+def _records(data: bytes, where: Path | None = None) -> tuple[list[tuple[str, bytes]], int]:
+    """([(id, line with its newline)], end of the last good line); blank lines are skipped. The
+    last line may be torn by a kill (no trailing newline, bad JSON or no id): it is left out. A
+    broken line before the last is ValueError naming `where` (records after it are never dropped
+    unsaid)."""
     records: list[tuple[str, bytes]] = []
     good_end = pos = 0
+    number = 0
     while pos < len(data):
         nl = data.find(b"\n", pos)
         if nl < 0:
             break  # last line without newline: torn
+        number += 1
         line = data[pos:nl]
         if line.strip():
             try:
                 records.append((str(json.loads(line)["id"]), data[pos : nl + 1]))
             except (ValueError, KeyError, TypeError):
-                break  # a broken line: everything from here on is dropped
+                if data[nl + 1 :].strip():
+                    raise ValueError(
+                        f"{where}: line {number} is not a record with an id ({line[:60]!r}), and records follow it: "
+                        "mend or delete that line, then run again"
+                    ) from None
+                break  # the last line, torn
         pos = good_end = nl + 1
     return records, good_end
 
@@ -101,7 +115,7 @@ def done_ids(path: Path, *, repair: bool = True) -> set[str]:
     if not path.exists():
         return set()
     data = path.read_bytes()
-    records, good_end = _records(data)
+    records, good_end = _records(data, path)
     if repair and good_end < len(data):
         with open(path, "r+b") as f:
             f.truncate(good_end)
@@ -109,14 +123,19 @@ def done_ids(path: Path, *, repair: bool = True) -> set[str]:
 
 
 def is_regenerated(path: Path) -> bool:
-    """Whether the file at `path` is `regenerate`'s own output (so a rerun may continue it): its
-    first whole record has a `generation` block, or, torn by a kill before any line ended, it
-    starts the way every record does."""
+    """Whether the file at `path` is `regenerate`'s own output (so a rerun may continue it, and
+    --overwrite replace it): its first whole record has a `generation` block, or, torn by a kill
+    before any line ended, it starts the way every record does and is not whole JSON (a user's
+    one record without a newline is whole)."""
     data = path.read_bytes() if path.is_file() else b""
-    records, _ = _records(data)
+    records, _ = _records(data[: data.find(b"\n") + 1])  # the first line decides (none: torn before it ended)
     if records:
         return "generation" in json.loads(records[0][1])
-    return data.lstrip().startswith(RECORD_START)
+    try:
+        whole = json.loads(data)
+    except ValueError:
+        return data.lstrip().startswith(RECORD_START)
+    return isinstance(whole, dict) and "generation" in whole
 
 
 def part_path(out_path: Path, rank: int, world: int) -> Path:
@@ -141,7 +160,7 @@ def merge_parts(out_path: Path, order: Sequence[str]) -> int:
     records: dict[str, bytes] = {}
     for path in [out_path, *parts]:
         if path.exists():
-            for id_, line in _records(path.read_bytes())[0]:
+            for id_, line in _records(path.read_bytes(), path)[0]:
                 records.setdefault(id_, line)
     position = {id_: i for i, id_ in enumerate(order)}
     merged = sorted(records.items(), key=lambda item: position.get(item[0], -1))  # stable
@@ -202,7 +221,8 @@ def add_turn(history: list[dict], user: str, reply: Answer, tokenizer, report: R
 
 @dataclass(frozen=True)
 class RegenerateSettings:
-    """How every turn is answered, as each record's `generation` block states it (with the target)."""
+    """How every turn is answered, as each record's `generation` block states it (with the target
+    and the engine); checked when made."""
 
     max_new_tokens: int = 512
     temperature: float = 0.0  # 0: greedy
@@ -212,10 +232,51 @@ class RegenerateSettings:
     max_turns: int | None = None  # user turns answered per conversation (None: all)
     seed: int = 0
     target_name: str | None = None  # recorded only
+    data_sha256: str | None = None  # the content of the conversations' file (train/sources.py data_fingerprint), recorded
 
-    def generation(self) -> dict:
-        """The `generation` block of every record."""
-        return {"target": self.target_name, "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p}
+    def __post_init__(self) -> None:
+        SamplingConfig(temperature=self.temperature, top_p=self.top_p)  # the checks of every sampler: nan, < 0, top_p past 1
+        for name in ("max_new_tokens", "batch_size", "max_prompt_tokens", "max_turns"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be a whole number >= 1, got {value!r}")
+
+    def generation(self, engine: str = "local") -> dict:
+        """The `generation` block of every record: what decides its answers. engine: `local` (our
+        engine or transformers' generate(): the same answers under greedy) or `server MODEL`."""
+        return {
+            "target": self.target_name,
+            "engine": engine,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "max_turns": self.max_turns,
+            "max_prompt_tokens": self.max_prompt_tokens,
+            "data_sha256": self.data_sha256,
+        }
+
+
+def check_continuation(paths: Sequence[Path], generation: dict) -> None:
+    """Refuse to append answers made with `generation` to files whose records were made otherwise
+    (another target, engine, sampling or data): ValueError listing what differs, as a rerun of
+    `data capture` does (train/features.py plan_changes)."""
+    for path in dict.fromkeys(paths):
+        if not path.exists():
+            continue
+        seen: set[str] = set()
+        for _, line in _records(path.read_bytes(), path)[0]:
+            then = json.loads(line).get("generation")
+            key = json.dumps(then, sort_keys=True)
+            if key in seen:
+                continue
+            seen.add(key)
+            changed = plan_changes(then if isinstance(then, dict) else {}, generation)
+            if changed:
+                raise ValueError(
+                    f"{path} holds answers made otherwise ({'; '.join(changed)}): continue it with the same "
+                    "settings, pass --overwrite to answer again from scratch, or use another --out"
+                )
 
 
 @torch.no_grad()
@@ -345,7 +406,7 @@ def _append_records(f, batch: list[dict], histories: list[list[dict]], generatio
             report.skipped_no_answer += 1
             continue
         # the line starts with RECORD_START
-        f.write(json.dumps({"id": str(conv["id"]), "messages": messages, "generation": generation}, ensure_ascii=False) + "\n")
+        f.write(json.dumps({"id": str(conv["id"]), "messages": messages, "generation": generation}, ensure_ascii=False, allow_nan=False) + "\n")
         report.written += 1
     f.flush()
     os.fsync(f.fileno())
@@ -374,6 +435,7 @@ def regenerate(
     conversations = list(conversations)
     leftovers = part_files(out_path)  # of a run that was killed
     mine = out_path if share.world == 1 else part_path(out_path, share.rank, share.world)
+    check_continuation([out_path, *leftovers, mine], settings.generation())
     done = _done_so_far([out_path, *leftovers, mine], mine)
     report = RegenerateReport(already_done=len(done))
     todo = _batches_left(conversations, done, settings.batch_size)

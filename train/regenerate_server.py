@@ -17,7 +17,11 @@ and writes the same records as train/regenerate.py.
 - Each prompt's length as the server counts it (usage.prompt_tokens) is compared with ours; the
   report counts those that differ, a sign of another chat template than the --target tokenizer's.
 - A server error stops the run with one line (ServerError) once the requests in flight have
-  finished; every answer already received is in the file.
+  finished; every answer already received is in the file, also those that finished together with
+  the failed request. A refusal for the server's context says so, with the way out
+  (--max-prompt-tokens).
+- A rerun continues a file only when its records were made the same way (regenerate.py
+  check_continuation: the same target, server model, sampling and data).
 """
 
 from __future__ import annotations
@@ -31,8 +35,19 @@ from typing import Iterable
 
 from ..inference.engine.chat import render_chat
 from .chat_format import decode_answer, stop_token_ids
-from .openai_server import ChatServer, Sampling, ServedAnswer, ServerError, ServerRing, ServerSettings, served_model
-from .regenerate import Answer, RegenerateReport, RegenerateSettings, _append_records, _split_turns, add_turn, done_ids, merge_parts, strip_stop
+from .openai_server import ChatServer, ContextLimitError, Sampling, ServedAnswer, ServerError, ServerRing, ServerSettings, served_model
+from .regenerate import (
+    Answer,
+    RegenerateReport,
+    RegenerateSettings,
+    _append_records,
+    _split_turns,
+    add_turn,
+    check_continuation,
+    done_ids,
+    merge_parts,
+    strip_stop,
+)
 
 
 def served_reply(served: ServedAnswer, tokenizer, stop_ids: list[int], reasoning: str, where: str) -> Answer:
@@ -71,16 +86,16 @@ class _ConversationAnswerer:
         self.ring, self.model, self.tokenizer, self.settings = ring, model, tokenizer, settings
         self.reasoning, self.limit = reasoning, limit
         self.stop_ids = stop_token_ids(tokenizer)
-        self.failed = threading.Event()  # a ServerError: no worker starts another conversation
+        self.failed = threading.Event()  # an error: no worker starts another conversation
 
     def __call__(self, conversation: dict) -> tuple[list[dict], RegenerateReport] | None:
-        """(the conversation's messages with the server's answers, its counts); None when a server
-        error elsewhere stopped the run before it started."""
+        """(the conversation's messages with the server's answers, its counts); None when an error
+        elsewhere stopped the run before it started."""
         if self.failed.is_set():
             return None
         try:
             return self._answer(conversation)
-        except ServerError:
+        except BaseException:
             self.failed.set()
             raise
 
@@ -97,7 +112,14 @@ class _ConversationAnswerer:
                 report.prompts_too_long += 1
                 break
             sampling = Sampling(self.settings.max_new_tokens, self.settings.temperature, self.settings.top_p, seed + k)
-            served = server.chat(self.model, _plain(messages), sampling)
+            try:
+                served = server.chat(self.model, _plain(messages), sampling)
+            except ContextLimitError as e:
+                raise ContextLimitError(
+                    f"{e}: conversation {conversation['id']!r}, turn {k + 1}: its prompt ({prompt_tokens} tokens by the --target "
+                    f"tokenizer) and --max-new-tokens {self.settings.max_new_tokens} are more than the server's context; "
+                    "pass --max-prompt-tokens (the context less --max-new-tokens) so that such conversations end before that turn"
+                ) from None
             report.prompt_tokens_differ += served.prompt_tokens not in (None, prompt_tokens)
             reply = served_reply(served, self.tokenizer, self.stop_ids, self.reasoning, f"{server.url} (conversation {conversation['id']!r})")
             if not add_turn(history, user, reply, self.tokenizer, report):
@@ -141,28 +163,29 @@ def regenerate_from_servers(
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     conversations = list(conversations)
-    done = done_ids(out_path)
+    generation = settings.generation(engine=f"server {model}")
+    check_continuation([out_path], generation)
+    done = done_ids(out_path)  # a torn last line is cut here, before anything is appended
     report = RegenerateReport(already_done=len(done))
     todo = [c for c in conversations if str(c["id"]) not in done]
-    generation = {**settings.generation(), "server": model}
     answerer = _ConversationAnswerer(ServerRing(servers), model, tokenizer, settings, server.reasoning, settings.max_prompt_tokens or context)
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=len(todo), desc="regenerate", unit="conv", dynamic_ncols=True)
-    error: ServerError | None = None
+    error: BaseException | None = None
     pool = ThreadPoolExecutor(server.concurrency * len(servers))
     # on any way out (an error, Ctrl-C) the conversations not started are dropped, not answered
     with open(out_path, "a", encoding="utf-8") as f, _cancelling(pool):
         pending = {pool.submit(answerer, c): c for c in todo}
         while pending:
             finished, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for future in finished:
+            for future in finished:  # every one: those that finished beside a failure are written too
                 conversation = pending.pop(future)
                 try:
                     answered = future.result()
-                except ServerError as e:  # the requests in flight still finish and are kept
+                except Exception as e:  # the requests in flight still finish and are kept
                     error = error or e
                     continue
                 if answered is None:

@@ -17,12 +17,11 @@ from .config import ConfigError, TrainConfig, check_resume, head_config_dict
 from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, plan_changes, required_layers
 from ..inference.engine.targets import target_folder
 from .image_chats import load_processor
-from .sources import SourceReport, load_conversations
-from .tracking import METRICS_FILE
-from .checkpoint import checkpoint_root, latest_checkpoint, saved_run_config
+from .sources import SourceReport, data_fingerprint, load_conversations
+from .checkpoint import check_same_data, checkpoint_root, latest_checkpoint, saved_run_config
 from .lora import wrap_lora
 from .packing import packing_refusal
-from .trainer import CONFIG_FILE, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices
+from .trainer import CONFIG_FILE, FINAL_DIR, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices
 
 
 @dataclass
@@ -360,6 +359,7 @@ def run_training(
     with output_lock(out, enabled=accelerator.is_main_process):
         # the main process alone: the probe's short-lived files would make another rank's look at
         # output_dir refuse it. Trainer.fit checks again on every rank, before anything is written.
+        data_sha256 = None  # the data's content, kept in the checkpoints the main process writes
         if accelerator.is_main_process:
             existing = latest_checkpoint(out)
             check_output_dir(out, existing, resume=resume, overwrite=overwrite)
@@ -367,15 +367,20 @@ def run_training(
                 check_replaceable(
                     out,
                     what="output_dir",
-                    own_files=(METRICS_FILE,),
                     inputs=[config.target, config.data.path, config.features.path, config.init_from, *inputs],
                 )
             if resume and existing is not None:  # here it costs no target load
                 check_resume(saved_run_config(existing, out / CONFIG_FILE), config, str(existing))
+            data_sha256 = data_fingerprint(config.data.source, config.data.path)
+            if resume and existing is not None:
+                check_same_data(existing, data_sha256, config.data.path or config.data.source)
+                # the run ends by replacing final/: a file no drafthead command wrote there is refused now, not then
+                check_replaceable(out / FINAL_DIR, what="the run's final head folder")
             probe_writable(checkpoint_root(out) if config.checkpoint_every else out)
         loaded = load_target(config.target, dtype=config.target_dtype, device=accelerator.device, threads=config.threads)
         main_say = say if accelerator.is_main_process else (lambda message: None)
         trainer = build_trainer(config, loaded.model, loaded.tokenizer, target_name=loaded.name, accelerator=accelerator, say=main_say)
+        trainer.data_sha256 = data_sha256
         with reported_as(out):  # a log or config write on a full disk names no file of its own
             return trainer.fit(resume=resume, overwrite=overwrite)
 

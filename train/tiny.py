@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from ..heads.outdir import check_output, check_replaceable, fresh_folder
+from ..heads.outdir import fresh_folder
 
 # ChatML like SmolLM2's, without its default system prompt.
 TINY_CHAT_TEMPLATE = (
@@ -105,7 +105,7 @@ def tiny_target(tokenizer, hidden_size: int = 64, num_layers: int = 2, seed: int
 
 
 CHATS_FILE = "chats.jsonl"
-TINY_FILE = "tiny-target.json"  # what made the folder: marks it as one `--overwrite` may replace
+TINY_FILE = "tiny-target.json"  # the settings that made the folder
 # The saved tiny target's depth: the fewest layers with 3 distinct decoder-layer outputs for
 # EAGLE-3's default features (heads/config.py default_eagle3_layers), so every engine export takes
 # a head trained on it. In-process test targets stay at 2 layers, the cheapest.
@@ -126,9 +126,6 @@ def save_tiny_target(
     with `chats` synthetic chats in CHATS_FILE (none: 0). The folder appears whole or not at all,
     and a non-empty one is replaced only with `overwrite` (heads/outdir.py)."""
     out_dir = Path(out_dir)
-    check_output(out_dir, overwrite=overwrite, what="tiny target folder")
-    if overwrite:  # an earlier tiny target may be replaced; a real model or data may not
-        check_replaceable(out_dir, what="tiny target folder", own=lambda p: (p / TINY_FILE).exists())
     tokenizer = tiny_tokenizer(vocab_size)
     model = tiny_target(tokenizer, hidden_size, num_layers, seed)
     with fresh_folder(out_dir, overwrite=overwrite, what="tiny target folder") as tmp:

@@ -28,9 +28,12 @@ from torch import nn
 from ..heads.batch import FeatureBatch
 from ..heads.config import Eagle3Config
 from ..heads.io import DraftHeadBase, shifted_labels
-from ..heads.outdir import OVERWRITE_FLAG, OutputExistsError, clear_output, fresh_folder, is_empty
+from ..heads.outdir import OVERWRITE_FLAG, OutputExistsError, check_replaceable, clear_output, files_under, fresh_folder, is_empty, mark_output
 from .best import BEST_DIR, best_so_far, improves, write_record
 from .checkpoint import (
+    CHECKPOINT_DIR,
+    LATEST,
+    TMP_PREFIX,
     Checkpoint,
     TrainState,
     capture_rng_state,
@@ -50,7 +53,8 @@ from .packing import collate_packed
 from .split_target import SplitFeaturizer, split_refusal
 from . import sharding
 from ..inference.engine.clock import PhaseClock
-from .tracking import RunLog
+from .curves import EVAL_PLOT
+from .tracking import METRICS_FILE, WANDB_ID_FILE, RunLog
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -59,6 +63,19 @@ if TYPE_CHECKING:
 
 FINAL_DIR = "final"
 CONFIG_FILE = "config.yaml"
+# What a run writes in its output_dir (its marker names them: heads/outdir.py MARKER_FILE); wandb's
+# offline files go under wandb/. final/ and best/ hold markers of their own, which name their files.
+RUN_FILES = (
+    CONFIG_FILE,
+    METRICS_FILE,
+    WANDB_ID_FILE,
+    EVAL_PLOT,
+    "wandb/*",
+    f"{CHECKPOINT_DIR}/{LATEST}",
+    f"{CHECKPOINT_DIR}/step-*/*",
+    f"{CHECKPOINT_DIR}/{TMP_PREFIX}*/*",
+    f"{BEST_DIR}/*",  # a best/ whose marker a kill kept from being written
+)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -268,6 +285,7 @@ class Trainer:
         self.frozen_target = frozen_target
         self.fsdp = False  # set by fit(): the modules are sharded with fully_shard (train/sharding.py)
         self.target_forward: str | None = None  # set by fit() under context_parallel: how online features are made
+        self.data_sha256: str | None = None  # the data file's content (run_training sets it): kept in each checkpoint
         self._bpe: int | None = None
         if target is not None:
             lora = config.lora
@@ -371,10 +389,15 @@ class Trainer:
             sampler_seed=cfg.seed,
             world_size=world,
             parallelism=("fsdp" if self.fsdp else "ddp") + (f"+cp{cfg.context_parallel}" if cfg.context_parallel > 1 else ""),
+            data_sha256=self.data_sha256,
         )
         if ckpt is not None:
             state = self._restore(ckpt, optimizer, state)
+            state.data_sha256 = self.data_sha256 or state.data_sha256  # the same content: run_training checked it
 
+        if acc.is_main_process:  # before the run writes there: its files are its own
+            out.mkdir(parents=True, exist_ok=True)
+            mark_output(out, "training run", RUN_FILES)
         log = RunLog(
             out,
             is_main=acc.is_main_process,
@@ -643,6 +666,7 @@ class Trainer:
         acc.wait_for_everyone()
         if overwrite:
             if acc.is_main_process:
+                check_replaceable(out, what="output_dir")
                 clear_output(out)
             acc.wait_for_everyone()
             return None, []
@@ -660,6 +684,7 @@ class Trainer:
         folder = Path(self.config.output_dir) / BEST_DIR
         self.head.save_pretrained(folder, adapter_model=self.target)
         write_record(folder, step, self.config.keep_best, value)
+        mark_output(folder, "the best head so far", files_under(folder))
         log.event(
             "best",
             f"step {step}: {self.config.keep_best}={value:.4g}, the best so far: head saved to {folder}",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -62,7 +61,7 @@ def run(args) -> int:
     from ..inference.bench.run import BenchSettings, run_bench
     from ..inference.bench.prompts import load_prompts
     from ..train.edit_prompts import EDITS, edit_prompts
-    from ..inference.bench.report import format_table, plot_report, render_markdown
+    from ..inference.bench.report import format_table, plot_report, report_json, report_markdown
     from ..inference.engine.targets import eos_token_ids
 
     check_report_paths(args)
@@ -121,10 +120,10 @@ def run(args) -> int:
     if external:
         report["engines"] = _external(external, args, loaded, prompts, settings, report)
     if args.out:
-        write_text(args.out, json.dumps(report, indent=2) + "\n")
+        write_text(args.out, report_json(report))
         note(f"report: {args.out}")
     if args.markdown:
-        write_text(args.markdown, render_markdown(report))
+        write_text(args.markdown, report_markdown(report))
         note(f"markdown: {args.markdown}")
     if args.plot:
         note(f"plot: {plot_report(report, args.plot)}")
@@ -203,11 +202,12 @@ def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
 
 def _run_batched(args, model, tokenizer, factory, policy, prompts, settings) -> int:
     from ..inference.bench.batch import format_batch_table, run_batch_bench
+    from ..inference.bench.report import report_json
 
     name = "policy" if policy is not None else "speculative"
     report = run_batch_bench(model, tokenizer, {name: (factory, policy)}, prompts, settings, args.batch_size)
     if args.out:
-        write_text(args.out, json.dumps(report, indent=2) + "\n")
+        write_text(args.out, report_json(report))
         note(f"report: {args.out}")
     print(format_batch_table(report))
     return 0
@@ -215,16 +215,19 @@ def _run_batched(args, model, tokenizer, factory, policy, prompts, settings) -> 
 
 def check_report_paths(args) -> None:
     """--out, --markdown and --plot: refused when one holds a file (without --overwrite), is one
-    of the bench's inputs (the --dataset file, the head), or names the same file as another."""
+    of the bench's inputs (the --dataset file, the head) or a file bench did not write (with it),
+    or names the same file as another."""
     from ..heads.outdir import check_output, check_replaceable
+    from ..inference.bench.report import written_by_bench
 
     given = {option: path for option, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot)) if path is not None}
     seen: dict[Path, str] = {}
     for option, path in given.items():
         if Path(path).exists() and Path(path).is_dir():
             raise ValueError(f"{option} {path} is a folder: name the file to write")
-        check_replaceable(path, inputs=[args.dataset, args.head, args.target], what=option)  # even with --overwrite
         check_output(path, overwrite=args.overwrite, what=option)
+        if args.overwrite:
+            check_replaceable(path, inputs=[args.dataset, args.head, args.target], what=option, own=written_by_bench)
         key = Path(path).resolve()
         if key in seen:
             raise ValueError(f"{seen[key]} and {option} both name {path}: give each its own file")

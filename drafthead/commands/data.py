@@ -62,7 +62,7 @@ def add_parser(subparsers) -> None:
     q.add_argument("--max-new-tokens", type=_positive_int, default=512)
     q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     q.add_argument("--top-p", type=float, default=1.0)
-    q.add_argument("--batch-size", type=_positive_int, default=8)
+    q.add_argument("--batch-size", type=_positive_int, default=None, help="conversations answered together (default 8)")
     q.add_argument("--max-turns", type=_positive_int, default=None, help="answer at most this many user turns")
     q.add_argument("--max-prompt-tokens", type=_positive_int, default=None, help="stop a conversation whose prompt grows past this")
     q.add_argument("--seed", type=int, default=0)
@@ -90,18 +90,19 @@ def add_parser(subparsers) -> None:
     )
     g.add_argument("--model", default=None, help="the served model's name (default: the one model the servers list)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="sent as a bearer token (default: $OPENAI_API_KEY)")
-    g.add_argument("--concurrency", type=_positive_int, default=8, help="requests in flight per server (default 8)")
+    g.add_argument("--concurrency", type=_positive_int, default=None, help="requests in flight per server (default 8)")
     g.add_argument(
         "--retries",
         type=_non_negative_int,
-        default=4,
-        help="tries again after a failed request (no connection, HTTP 429/5xx), 1 s then doubling (default 4)",
+        default=None,
+        help="tries again after a failed request (no connection, a reply cut short, HTTP 408, 429, 500, 502, 503, 504), "
+        "1 s then doubling (default 4)",
     )
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds for one answer (default 600)")
+    g.add_argument("--request-timeout", type=float, default=None, help="seconds for one answer (default 600)")
     g.add_argument(
         "--reasoning",
         choices=("keep", "strip"),
-        default="keep",
+        default=None,
         help="a reasoning text the server returns apart: keep it in the record (the token ids cover "
         "it) or strip it and keep the answer's text alone (default keep)",
     )
@@ -169,11 +170,14 @@ def run(args) -> int:
 
 def _regenerate_locked(args) -> int:
     """`data regenerate` holding its output's lock, its --overwrite unable to delete its own
-    source, and a write error that names no file (a full disk) named as its --out."""
+    source or a file it did not write, and a write error that names no file (a full disk) named
+    as its --out."""
     from ..heads.outdir import check_replaceable, output_lock, reported_as
+    from ..train.regenerate import is_regenerated, part_files
 
     if args.overwrite:
-        check_replaceable(args.out, inputs=[args.path, args.target, args.head], what="output")
+        for path in [Path(args.out), *part_files(Path(args.out))]:
+            check_replaceable(path, inputs=[args.path, args.target, args.head], what="output", own=is_regenerated)
     with output_lock(args.out, enabled=launch_rank() == 0), reported_as(args.out):
         return _regenerate(args)
 
@@ -224,21 +228,27 @@ def _clear_for_overwrite(paths, share) -> None:
     share.barrier()
 
 
+# `data regenerate`'s options that only one way of answering reads: given with the other, refused
+LOCAL_ONLY = ("batch_size", "speculative", "head", "sizing", "num_draft", "device", "threads", "round_weights")
+SERVER_ONLY = ("model", "concurrency", "retries", "request_timeout", "reasoning")
+
+
 def _regenerate(args) -> int:
+    import dataclasses
+
     from ..heads.outdir import check_output
     from ..train.regenerate import is_regenerated, part_files
-    from ..train.sources import load_conversations
+    from ..train.sources import data_fingerprint, load_conversations
 
     share = _work_share()
     say = _main_note(share)
     out = Path(args.out)
-    if args.server and (args.speculative or args.head or share.world > 1):
-        raise ValueError(
-            "--server answers through the servers: drop --speculative / --head, and run one process (more servers or --concurrency share the work)"
-        )
+    settings = _settings(args)  # checked here, before anything is read or cleared
+    server = _server_settings(args, share)
     check_output(out, overwrite=args.overwrite, what="output", own=is_regenerated, hint=" and is not a `data regenerate` output to continue")
     _clear_for_overwrite([out, *part_files(out)] if args.overwrite else [], share)
     ds, source_report = load_conversations(args.source, args.path, args.limit)
+    settings = dataclasses.replace(settings, data_sha256=data_fingerprint(args.source, args.path))  # a rerun must read the same data
     say(source_report.summary())
     with_images = sum(1 for row in ds["images"] if row)
     if with_images:
@@ -246,24 +256,50 @@ def _regenerate(args) -> int:
             f"data regenerate answers text prompts; {with_images} conversations of {args.path or args.source} "
             "have images (not built): train on their own answers instead"
         )
-    if args.server:
-        return _regenerate_from_servers(args, ds, out)
-    return _regenerate_locally(args, ds, out, share, say)
+    if server is not None:
+        return _regenerate_from_servers(args, ds, out, settings, server)
+    return _regenerate_locally(args, ds, out, share, say, settings)
 
 
-def _settings(args, target_name):
+def _settings(args):
+    """RegenerateSettings of the options (checked as it is made); the target's name and the data's
+    fingerprint are filled in once known."""
     from ..train.regenerate import RegenerateSettings
 
     return RegenerateSettings(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size if args.batch_size is not None else RegenerateSettings.batch_size,
         max_prompt_tokens=args.max_prompt_tokens,
         max_turns=args.max_turns,
         seed=args.seed,
-        target_name=target_name,
     )
+
+
+def _server_settings(args, share):
+    """ServerSettings of the --server options (checked as it is made), None without --server; an
+    option of the other way of answering is refused (LOCAL_ONLY, SERVER_ONLY)."""
+    from ..train.openai_server import ServerSettings
+
+    def flag(name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+    if not args.server:
+        given = [flag(name) for name in SERVER_ONLY if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"{given[0]} is a setting of --server: pass --server URL, or drop {given[0]}")
+        return None
+    given = [flag(name) for name in LOCAL_ONLY if getattr(args, name) not in (None, False)]
+    if given:
+        raise ValueError(
+            f"{given[0]} sets how our engine answers, but --server answers through the servers: drop {given[0]} "
+            "(--concurrency sets the requests in flight per server)"
+        )
+    if share.world > 1:
+        raise ValueError("--server runs as one process: more servers or --concurrency share the work")
+    options = {name: getattr(args, name) for name in SERVER_ONLY if getattr(args, name) is not None}
+    return ServerSettings(urls=tuple(args.server), api_key=args.api_key, **options)
 
 
 def _check_written(report, out: Path) -> None:
@@ -278,30 +314,21 @@ def _check_written(report, out: Path) -> None:
         )
 
 
-def _regenerate_from_servers(args, ds, out: Path) -> int:
+def _regenerate_from_servers(args, ds, out: Path, settings, server) -> int:
+    import dataclasses
     import time
 
     from ..inference.engine.targets import load_tokenizer
-    from ..train.openai_server import ServerSettings
     from ..train.regenerate_server import regenerate_from_servers
 
     tokenizer, name = load_tokenizer(args.target)
-    server = ServerSettings(
-        urls=tuple(args.server),
-        model=args.model,
-        api_key=args.api_key,
-        concurrency=args.concurrency,
-        retries=args.retries,
-        timeout=args.request_timeout,
-        reasoning=args.reasoning,
-    )
     start = time.perf_counter()
-    report, model = regenerate_from_servers(tokenizer, ds, out, _settings(args, name), server)
+    report, model = regenerate_from_servers(tokenizer, ds, out, dataclasses.replace(settings, target_name=name), server)
     seconds = time.perf_counter() - start
     _check_written(report, out)
     print(f"{out}: {report.summary()}")
     print(
-        f"served by {model} on {len(args.server)} server(s): {report.answer_tokens} answer tokens in {seconds:.1f} s "
+        f"served by {model} on {len(server.urls)} server(s): {report.answer_tokens} answer tokens in {seconds:.1f} s "
         f"({report.answer_tokens / max(seconds, 1e-9):.1f} tokens/s)"
     )
     if report.answers_without_ids:
@@ -319,7 +346,9 @@ def _regenerate_sizing(args) -> str:
     return sizing_of(args.sizing, args.num_draft, {"auto": "policy", "whole": "fixed"}) or "policy"
 
 
-def _regenerate_locally(args, ds, out: Path, share, say) -> int:
+def _regenerate_locally(args, ds, out: Path, share, say, settings) -> int:
+    import dataclasses
+
     from ..train.regenerate import regenerate
 
     args.device = _rank_device(args.device, share)
@@ -335,7 +364,8 @@ def _regenerate_locally(args, ds, out: Path, share, say) -> int:
             f"answering through speculative decoding with the head at {drafting.spec.head}"
             + (", trees sized by the load policy" if policy is not None else ", whole trees")
         )
-    report = regenerate(model, loaded.tokenizer, ds, args.out, _settings(args, loaded.name), drafter=drafter, policy=policy, share=share)
+    settings = dataclasses.replace(settings, target_name=loaded.name)
+    report = regenerate(model, loaded.tokenizer, ds, args.out, settings, drafter=drafter, policy=policy, share=share)
     if share.is_main:
         _check_written(report, out)
     elif report.already_done + report.written == 0:

@@ -5,7 +5,30 @@ Only presentation lives here; every number is computed in run.py.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+# In every file `bench` writes (the JSON's first key, the Markdown's first line, the PNG's
+# Software field), so that --overwrite knows the files it may replace (heads/outdir.py)
+BENCH_MARK = "drafthead bench"
+_MARK_WITHIN = 4096  # bytes: where each form holds the mark
+
+
+def report_json(report: dict) -> str:
+    """The report as the JSON file `bench --out` writes, marked as bench's."""
+    return json.dumps({"written_by": BENCH_MARK, **report}, indent=2) + "\n"
+
+
+def report_markdown(report: dict) -> str:
+    """render_markdown's summary as the file `bench --markdown` writes, marked as bench's (an
+    HTML comment, which Markdown does not show)."""
+    return f"<!-- written by {BENCH_MARK} -->\n" + render_markdown(report)
+
+
+def written_by_bench(path: Path) -> bool:
+    """Whether the file at `path` is one `bench` wrote (BENCH_MARK near its start)."""
+    with open(path, "rb") as f:
+        return BENCH_MARK.encode() in f.read(_MARK_WITHIN)
 
 
 def plain_label(settings: dict) -> str:
@@ -203,6 +226,6 @@ def plot_report(report: dict, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, metadata={"Software": BENCH_MARK} if path.suffix.lower() == ".png" else None)
     plt.close(fig)
     return path
