@@ -15,7 +15,7 @@ import torch
 
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.head_drafters import EagleDrafter, MedusaDrafter
-from drafthead.inference.engine import generate as engine
+from drafthead.inference.engine import decoder as engine
 from drafthead.inference.engine import torch_target
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.oracle import OracleDrafter, RowDrafter, assert_accepts_and_stays_exact, by_row, greedy_continuation
