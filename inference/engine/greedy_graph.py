@@ -101,7 +101,7 @@ class GreedyDecoder:
         first = out.logits[:, -1].argmax(dim=-1)  # [rows]
         self.emitted[:, 0] = first
         self.token[:, 0] = first
-        self.done.copy_(torch.isin(first, self.stops))
+        self.done.copy_(self._stopped(first))
         self.slot.fill_(longest)
         self.made.fill_(1)
 
@@ -119,9 +119,15 @@ class GreedyDecoder:
         nxt = out.logits[:, -1].argmax(dim=-1)  # [rows]
         self.token.copy_(nxt[:, None])
         self.emitted.index_copy_(1, self.made[None], nxt[:, None])
-        self.done |= torch.isin(nxt, self.stops)
+        self.done |= self._stopped(nxt)
         self.slot.add_(1)
         self.made.add_(1)
+
+    def _stopped(self, tokens: torch.Tensor) -> torch.Tensor:
+        """[rows] bool: the token is a stop id. A comparison against every stop id, not
+        torch.isin, whose CUDA path for larger inputs sorts through a unique() of data-dependent
+        size: a read-back no graph can record."""
+        return (tokens[:, None] == self.stops[None, :]).any(dim=-1)
 
     def _dtype(self) -> torch.dtype:
         return next(self.target.parameters()).dtype

@@ -21,7 +21,7 @@ if [[ "${1:-}" == "--dry-run" ]]; then
     HERE="$OUT_DIR/here" DEVICE="$OUT_DIR/device"
     rm -rf "$HERE" "$DEVICE"
     echo "== stage"
-    "$PY" scripts/gpu/stage.py --session --out "$HERE" --prompts 8 --no-wheels || exit 1
+    "$PY" scripts/gpu/stage.py --session --out "$HERE" --conversations 8 --no-wheels || exit 1
     for part in $(cd "$HERE/parts" && ls ./*.part* | sort); do
         echo "== call: carry manifest.json, ${part#./}"
         mkdir -p "$DEVICE/parts"

@@ -12,9 +12,10 @@ and memory depend on the target's shapes, not its values.
 The session's bundle holds the real target: the built-in target's own GGUF file (Q4_1, 94 MiB),
 the smallest exact form of its weights, since the target *is* that file dequantized (the fp32
 safetensors it becomes are 513 MiB, bf16 would round it); the device dequantizes it as this
-machine did and checks the weights' digest against this machine's. Beside it the wheels, ShareGPT
-first turns for the target to answer, and MT-bench prompts. The bundle is one tar split into parts
-that each fit a call beside the checkout (scripts/gpu/parts.py); the script prints the calls.
+machine did and compares the weights' digest with this machine's. Beside it the wheels, the user
+turns of ShareGPT conversations for the target to answer, and MT-bench prompts. The bundle is one
+tar split into parts that each fit a call beside the checkout (scripts/gpu/parts.py); the script
+prints the calls.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + 
 CALL_BYTES = 64 * 2**20  # what one device call carries, the checkout included (docs/testing.md)
 SPARE_BYTES = 2**20  # kept free in every call: the manifest, and files the checkout gains
 SESSION = Path(".gpu/session")  # the session's folder, relative to the repository root
-MAX_PROMPT_TOKENS = 384  # longer first turns are left out, as the shipped head's data did (heads/pretrained/README.md)
+MAX_PROMPT_TOKENS = 384  # a longer user turn is left out, as the shipped head's data did (heads/pretrained/README.md)
+MAX_TURNS = 3  # user turns a conversation keeps: the target answers each in turn, its answers in the history
 
 
 def main(argv=None) -> int:
@@ -75,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="default: .gpu, with --session .gpu/session")
     p.add_argument("--session", action="store_true", help="the GPU session's bundle in parts (module docstring)")
     p.add_argument("--chats", type=int, default=256, help="the check's ShareGPT chats")
-    p.add_argument("--prompts", type=int, default=30000, help="the session's ShareGPT first turns for the target to answer")
+    p.add_argument("--conversations", type=int, default=None, help="the session's ShareGPT conversations to answer (default: all that qualify)")
     p.add_argument("--no-wheels", action="store_true", help="the CPU dry run: its venv has every package")
     p.add_argument("--python-version", default="3.12", help="the GPU image's Python (docs/testing.md)")
     args = p.parse_args(argv)
@@ -125,7 +127,7 @@ def stage_session(out: Path, args) -> int:
         (bundle / "target.json").write_text(
             json.dumps({"name": name, "gguf_sha256": sha256_of(gguf), "weights_sha256": weights_digest(folder)}, indent=1) + "\n"
         )
-        kept = write_prompts(bundle / "prompts.jsonl.xz", tokenizer, args.prompts)
+        kept = write_conversations(bundle / "conversations.jsonl.xz", tokenizer, args.conversations)
         with open(bundle / "mt-bench.jsonl", "w", encoding="utf-8") as f:
             for prompt in load_prompts("mt-bench"):
                 f.write(json.dumps({"id": prompt.id, "prompt": prompt.text}) + "\n")
@@ -135,15 +137,17 @@ def stage_session(out: Path, args) -> int:
     part_bytes = CALL_BYTES - checkout_bytes() - SPARE_BYTES
     manifest = send(bundle, out / "parts", part_bytes)
     shutil.rmtree(bundle)
-    count = len(manifest["parts"])
-    print(f"staged {out}: a bundle of {manifest['bytes'] / 2**20:.1f} MiB ({kept} prompts) in {count} parts of at most {part_bytes / 2**20:.1f} MiB")
+    size, count, most = manifest["bytes"] / 2**20, len(manifest["parts"]), part_bytes / 2**20
+    print(f"staged {out}: a bundle of {size:.1f} MiB ({kept} conversations) in {count} parts of at most {most:.1f} MiB")
     print(calls(out / "parts", manifest))
     return 0
 
 
-def write_prompts(path: Path, tokenizer, limit: int) -> int:
-    """The first user turns of ShareGPT conversations whose chat prompt is at most
-    MAX_PROMPT_TOKENS tokens, once each, as xz-compressed JSON lines {id, prompt}; returns how many."""
+def write_conversations(path: Path, tokenizer, limit: int) -> int:
+    """The user turns of ShareGPT conversations, up to MAX_TURNS, each turn's own chat prompt at
+    most MAX_PROMPT_TOKENS tokens (the conversation is cut before the first longer one, and left
+    out when that is its first), first turns once each; xz-compressed JSON lines {id, turns}.
+    Returns how many conversations."""
     from drafthead.inference.bench.prompts import encode_chat
     from drafthead.train.source_report import SourceReport
     from drafthead.train.sources import iter_conversations, sharegpt_path
@@ -151,11 +155,15 @@ def write_prompts(path: Path, tokenizer, limit: int) -> int:
     seen, kept = set(), 0
     with lzma.open(path, "wt", encoding="utf-8") as f:
         for chat in iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt")):
-            text = next((m["content"] for m in chat["messages"] if m["role"] == "user"), "")
-            if not text.strip() or text in seen or encode_chat(tokenizer, text).shape[1] > MAX_PROMPT_TOKENS:
+            turns = []
+            for text in [m["content"] for m in chat["messages"] if m["role"] == "user"][:MAX_TURNS]:
+                if not text.strip() or encode_chat(tokenizer, text).shape[1] > MAX_PROMPT_TOKENS:
+                    break
+                turns.append(text)
+            if not turns or turns[0] in seen:
                 continue
-            seen.add(text)
-            f.write(json.dumps({"id": chat["id"], "prompt": text}, ensure_ascii=False) + "\n")
+            seen.add(turns[0])
+            f.write(json.dumps({"id": chat["id"], "turns": turns}, ensure_ascii=False) + "\n")
             kept += 1
             if kept == limit:
                 break
@@ -163,9 +171,12 @@ def write_prompts(path: Path, tokenizer, limit: int) -> int:
 
 
 def checkout_bytes() -> int:
-    """What travels with every call besides carried paths: tracked and untracked-not-ignored files."""
+    """What travels with every call besides carried paths: tracked and untracked-not-ignored
+    files, and a shared/ folder where the checkout has one (the device tool's rule)."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], capture_output=True, check=True)
-    return sum(Path(name).stat().st_size for name in listed.stdout.decode().split("\0") if name and Path(name).is_file())
+    files = {Path(name) for name in listed.stdout.decode().split("\0") if name}
+    files |= set(Path("shared").rglob("*"))
+    return sum(f.stat().st_size for f in files if f.is_file() and not f.is_symlink())
 
 
 def calls(parts: Path, manifest: dict) -> str:
