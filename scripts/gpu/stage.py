@@ -67,14 +67,14 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + 
 
 CALL_BYTES = 64 * 2**20  # what one device call carries, the checkout included (docs/testing.md)
 SPARE_BYTES = 2**20  # kept free in every call: the manifest, and files the checkout gains
-SESSION = Path(".gpu/session")  # the session's folder, relative to the repository root
+SESSION = Path(".gpu-session")  # the session's folder, relative to the repository root
 MAX_PROMPT_TOKENS = 384  # a longer user turn is left out, as the shipped head's data did (heads/pretrained/README.md)
 MAX_TURNS = 3  # user turns a conversation keeps: the target answers each in turn, its answers in the history
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="default: .gpu, with --session .gpu/session")
+    p.add_argument("--out", default=None, help="default: .gpu, with --session .gpu-session")
     p.add_argument("--session", action="store_true", help="the GPU session's bundle in parts (module docstring)")
     p.add_argument("--chats", type=int, default=256, help="the check's ShareGPT chats")
     p.add_argument("--conversations", type=int, default=None, help="the session's ShareGPT conversations to answer (default: all that qualify)")
