@@ -46,6 +46,7 @@ class GreedyDecoder:
         self.stops = torch.full((MAX_STOPS,), -1, **long)  # -1: no token
         self.step: CapturedStep | None = None  # recorded at the first decode step, once the cache holds K/V
 
+    @torch.no_grad()
     def run(self, prompts: Sequence[torch.Tensor], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> list[list[int]]:
         """Each prompt's ([P_b] ids) greedy continuation: up to its first stop token (kept) or
         `max_new_tokens`. Fewer prompts than `rows` are padded with copies of the last one."""
