@@ -28,6 +28,7 @@ def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
     assert [r["tokens"] for r in lengths] == [64, 128] and all(r["loss"] > 0 for r in lengths)
 
 
+@pytest.mark.slow  # the real target: its weights' digest, its answers, a head trained on them
 def test_the_gpu_session_runs_dry_on_the_cpu(tmp_path):
     """scripts/gpu/session.sh --dry-run: the bundle staged in parts that each fit a call beside the
     checkout, carried one a call to a folder standing for the device, the session's phases at the
