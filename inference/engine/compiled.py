@@ -11,6 +11,11 @@ the first design: on the 2-core CPU each took a minute or more to compile, and a
 several (docs/cpu-measurements.md "Our round forward by engine setting", which also shows that
 compiling does not speed this CPU's rounds up: they are bound by the weights' bytes). Prefill
 runs eagerly (its length is the prompt's).
+
+`compile="graphs"` (GRAPHS) is no torch.compile backend: the round forward is replayed from CUDA
+graphs recorded per node count bucket (inference/engine/graphs.py), and runs the same padded
+steps eagerly off a GPU; "graphs-traced" runs them through dynamo instead, the CPU's check that
+they could be recorded.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .cache import _layers, crop, new_cache
+from .graphs import EAGER, TRACED, GraphedForward
 
 # `compile` modes beyond torch.compile's own backend names: "inductor-frozen" is inductor with
 # the weights frozen into the graph as constants (folded, pre-packed for the CPU's matmul
@@ -30,6 +36,9 @@ from .cache import _layers, crop, new_cache
 MODES: dict[str, tuple[str, dict[str, str | int | bool | Callable[..., Any]] | None]] = {
     "inductor-frozen": ("inductor", {"freezing": True, "cpp_wrapper": True})
 }
+
+GRAPHS = "graphs"  # the round forward from recorded CUDA graphs (eager off a GPU)
+GRAPH_MODES = {GRAPHS: None, "graphs-eager": EAGER, "graphs-traced": TRACED}  # None: graphs.step_mode's default
 
 CAPACITY_STEP = 512
 TREE_ROOM = 128  # slots kept free after the longest committed text for one round's tree
@@ -51,8 +60,11 @@ class StaticDecoding:
     def __init__(self, target, backend: str | None):
         self.num_layers = target.config.get_text_config().num_hidden_layers
         self.compiled = backend is not None
+        self.forward: Callable[..., Any]
         if backend is None:
             self.forward = target
+        elif backend in GRAPH_MODES:
+            self.forward = GraphedForward(target, GRAPH_MODES[backend])
         else:
             name, options = MODES.get(backend, (backend, None))
             self.forward = torch.compile(target, backend=name, dynamic=True, options=options)

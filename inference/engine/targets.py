@@ -323,6 +323,40 @@ def _builtin_folder(target: BuiltinTarget) -> Path:
     return build_cached(dest, lambda tmp: _dequantize_into(locate(tmp / "scratch"), tmp, target.name))
 
 
+def install_builtin(name: str, gguf: Path) -> Path:
+    """The built-in target `name` dequantized from `gguf`, its package's file carried to a machine
+    without the package (the GPU session, docs/testing.md), into the cache folder where
+    `target_folder(name)` finds it. A complete folder already there is kept."""
+    if name not in BUILTIN_TARGETS:
+        raise TargetError(f"unknown built-in target '{name}' (known: {', '.join(sorted(BUILTIN_TARGETS))})")
+    dest = target_cache_dir(name)
+    if (_read_marker(dest) or {}).get("name") == name:
+        return dest
+    if not gguf.is_file():
+        raise FileNotFoundError(f"no GGUF file at {gguf}")
+    return build_cached(dest, lambda tmp: _dequantize_into(gguf, tmp, name))
+
+
+def weights_digest(folder: Path) -> str:
+    """sha256 over a model folder's safetensors weights: every tensor's name, dtype, shape and bytes,
+    in name order. Equal for equal weights however the files were written, so two machines can
+    check that they hold the same target."""
+    import contextlib
+    import hashlib
+
+    from safetensors import safe_open
+
+    digest = hashlib.sha256()
+    with contextlib.ExitStack() as files:
+        opened = [files.enter_context(safe_open(file, framework="pt")) for file in sorted(folder.glob("*.safetensors"))]
+        holder = {key: f for f in opened for key in f.keys()}
+        for key in sorted(holder):
+            tensor = holder[key].get_tensor(key)
+            digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+            digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 def _gguf_folder(path: Path) -> Path:
     """The dequantized cache of a user's GGUF file, keyed by its absolute path, size and mtime."""
     stat = path.stat()

@@ -17,6 +17,7 @@
 # fails if any did. Logs and results go to $OUT (at most 8 files come back from the device).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+source scripts/gpu/install.sh
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 OUT_DIR="${OUT:-/tmp/drafthead-gpu-check}"
@@ -31,17 +32,6 @@ step() {  # step NAME COMMAND...: run it, its output to the console and $OUT_DIR
     local rc=${PIPESTATUS[0]}
     [[ $rc == 0 ]] || { FAILED+=("$name (exit $rc)"); echo "== $name failed: exit $rc"; }
 }
-install() {  # the staged wheels, resolved against the image's packages; then drafthead itself
-    "$PY" -m pip install -q --no-index --find-links "$STAGE/wheels" transformers==5.25.0 huggingface_hub==2.4.0 \
-        datasets==5.2.0 gguf==0.19.0 \
-        || { echo "resolution failed: installing every staged wheel with --no-deps"; \
-             "$PY" -m pip install -q --no-index --no-deps "$STAGE"/wheels/*.whl; } || return 1
-    "$PY" -m pip install -q --no-deps --no-build-isolation -e . || return 1
-    "$PY" -m pip check || true  # what the image's other packages now lack; for the log
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-    "$PY" -c "import torch, transformers, datasets, accelerate, drafthead; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'transformers', transformers.__version__, 'datasets', datasets.__version__, 'accelerate', accelerate.__version__)"
-}
 if [[ $DRY == 1 ]]; then
     PY="${PYTHON:-.venv/bin/python}"
     STAGE="$OUT_DIR/stage"
@@ -54,7 +44,7 @@ else
     PY="${PYTHON:-python3}"
     STAGE=.gpu
     [[ -d "$STAGE/wheels" ]] || { echo "no $STAGE/wheels: run scripts/gpu/stage.py here and carry .gpu" >&2; exit 2; }
-    step install install
+    step install install "$STAGE/wheels"
     DEVICE=cuda
     WORK=/tmp/drafthead-gpu-work  # the target's weights and checkpoints: too many and too large for $OUT
     TESTS=(tests/test_cuda.py tests/test_context_parallel.py)
