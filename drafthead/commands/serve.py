@@ -90,7 +90,7 @@ def run(args) -> int:
         raise ValueError(f"--adapt fine-tunes a trained head; --proposer {spec.proposer} has none to train")
     server = DraftheadServer((args.host, args.port), api_key=args.api_key, traffic_log=args.traffic_log)  # bind first: a port in use fails now
     host, port = server.server_address[:2]
-    url = f"http://{host}:{port}"
+    url = f"http://{host!s}:{port}"
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -210,7 +210,9 @@ def served_head(drafter, spec):
 def adapting_layers(head, loaded) -> tuple[int, ...]:
     from ..train.features import required_layers
 
-    return required_layers(head.config, loaded.model.config.get_text_config().num_hidden_layers)
+    from ..heads.identity import text_config
+
+    return required_layers(head.config, text_config(loaded.model).num_hidden_layers)
 
 
 def start_adapting(args, engine, loaded, head, spec):

@@ -210,11 +210,11 @@ class ServingEngine:
         self._retire([row for row in self.decoder.active if row.finish is not None])
         room = self.settings.max_batch - sum(1 for row in self.decoder.active if row.finish is None)
         taken: list[Job] = []
-        cells = []
+        needs = []
         with self._wake:
             # one unified llama.cpp cache: rows share its cells (a stream per row holds a whole request, serve checks)
-            shared = self.settings.kv_cells is not None and not self.settings.streams
-            free = self.settings.kv_cells - sum(self._cells.values()) if shared else None
+            cells = self.settings.kv_cells
+            free = cells - sum(self._cells.values()) if cells is not None and not self.settings.streams else None
             while self._waiting and len(taken) < room:
                 job = self._waiting[0]
                 if job.cancelled.is_set():
@@ -226,7 +226,7 @@ class ServingEngine:
                         break  # the oldest job waits for cells; FIFO, so no later one overtakes it
                     free -= need
                 taken.append(self._waiting.popleft())
-                cells.append(need)
+                needs.append(need)
             self.metrics.set("drafthead_queue_length", len(self._waiting))
         if not taken:
             return
@@ -235,7 +235,7 @@ class ServingEngine:
         settings = [self._row_settings(job) for job in taken]
         rows = self.decoder.join(prompts, drafters, settings, max(job.max_tokens for job in taken))
         now = time.perf_counter()
-        for row, job, need in zip(rows, taken, cells):
+        for row, job, need in zip(rows, taken, needs):
             self._jobs[id(row)] = job
             self._cells[id(row)] = need
             job.last_time, job.head_version = now, self.drafter_version

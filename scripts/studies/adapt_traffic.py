@@ -143,14 +143,15 @@ def main() -> int:
         elif e["event"] == "rollback":
             live = e["version"]
     heldout_file = out / "heldout.jsonl"
-    heldout_file.write_text("".join(json.dumps({"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": "."}]}) + "\n" for t in heldout))
+    heldout_file.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": t}, {"role": "assistant", "content": "."}]}) + "\n" for t in heldout)
+    )
     from drafthead.proposers import default_head_path
 
-    gate = subprocess.run(
-        [sys.executable, "-m", "drafthead", "gate", "--live", str(default_head_path("smollm2-135m")), "--candidate", str(adapt_dir / "versions" / f"v{live:04d}"),
-         "--data", str(heldout_file), "--limit", str(args.heldout), "--max-new-tokens", str(args.max_tokens), "--json"],
-        capture_output=True, text=True,
-    )  # fmt: skip
+    shipped, final = default_head_path("smollm2-135m"), adapt_dir / "versions" / f"v{live:04d}"
+    limits = ["--limit", str(args.heldout), "--max-new-tokens", str(args.max_tokens), "--json"]
+    gate_command = [sys.executable, "-m", "drafthead", "gate", "--live", str(shipped), "--candidate", str(final), "--data", str(heldout_file)]
+    gate = subprocess.run(gate_command + limits, capture_output=True, text=True)
     held = json.loads(gate.stdout.strip().splitlines()[-1]) if gate.stdout.strip() else {"error": gate.stderr[-400:]}
 
     def window_taus(records):
@@ -164,7 +165,11 @@ def main() -> int:
         "settings": vars(args),
         "identical": sum(a["ids"] == b["ids"] for a, b in zip(static, adapting)),
         "requests": len(texts),
-        "windows": {"static": window_taus(static), "adapting": window_taus(adapting), "version": [r["head_version"] for r in adapting[WINDOW - 1 :: WINDOW]]},
+        "windows": {
+            "static": window_taus(static),
+            "adapting": window_taus(adapting),
+            "version": [r["head_version"] for r in adapting[WINDOW - 1 :: WINDOW]],
+        },
         "stream_tau": {"static": _tau(static[:n]), "adapting": _tau(adapting[:n]), "adapting_last_100": _tau(adapting[max(0, n - 100) : n])},
         "switched_tau": {"static": _tau(static[n:]), "adapting": _tau(adapting[n:])},
         "heldout_gate": held,
@@ -178,7 +183,8 @@ def main() -> int:
         "| --- | --- | --- | --- |",
         f"| stream tau static | {summary['stream_tau']['static']:.3f} | stream tau adapting | {summary['stream_tau']['adapting']:.3f} |",
         f"| last 100 of the stream, adapting | {summary['stream_tau']['adapting_last_100']:.3f} | held-out gate | {held} |",
-        f"| after the switch, static | {summary['switched_tau']['static']:.3f} | after the switch, adapting | {summary['switched_tau']['adapting']:.3f} |",
+        f"| after the switch, static | {summary['switched_tau']['static']:.3f} "
+        f"| after the switch, adapting | {summary['switched_tau']['adapting']:.3f} |",
         f"| tokens/s static | {summary['tokens_per_s']['static']} | tokens/s adapting | {summary['tokens_per_s']['adapting']} |",
         f"| trainer CPU share | {summary['trainer_cpu_share']} | events | {len(events)} |",
     ]

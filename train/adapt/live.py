@@ -42,12 +42,13 @@ class Adaptation:
     def __init__(self, folder: Path, engine, loaded, head, head_source: Path, settings: AdaptSettings, *, window: int = 400, caps=BufferCaps()):
         """engine: the ServingEngine; loaded: the LoadedTarget; head: the served drafter's head
         module (version 0); head_source: the folder it was loaded from (its drafting.json)."""
+        from ...heads.identity import text_config
         from ..features import required_layers
 
         self.folder, self.engine, self.loaded, self.settings, self.window = Path(folder), engine, loaded, settings, window
         self.folder.mkdir(parents=True, exist_ok=True)
         remove_partial_versions(self.folder)
-        self.num_layers = loaded.model.config.get_text_config().num_hidden_layers
+        self.num_layers = text_config(loaded.model).num_hidden_layers
         self.layers = required_layers(head.config, self.num_layers)
         self._prepare_first_version(head, Path(head_source))
         self.buffer = TrafficBuffer(

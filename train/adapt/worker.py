@@ -89,11 +89,12 @@ def _stop_with_parent() -> None:
 
 class Worker:
     def __init__(self, folder: Path, settings: AdaptSettings):
+        from ...heads.identity import text_config
         from ...inference.engine.targets import load_target
 
         self.folder, self.settings = folder, settings
         self.loaded = load_target(settings.target, dtype=settings.target_dtype)
-        self.num_layers = self.loaded.model.config.get_text_config().num_hidden_layers
+        self.num_layers = text_config(self.loaded.model).num_hidden_layers
         self.trained_upto = -1  # the newest buffer shard the last round saw
 
     def run(self) -> None:
