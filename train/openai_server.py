@@ -9,8 +9,8 @@ whichever comes back:
 A server that returns neither gives text only (`ServedAnswer.token_ids` None).
 
 Errors: a failed request is retried with exponential backoff when trying again can help (no
-connection, a timeout, HTTP 429 and 5xx); anything else, and the last failed try, raises
-ServerError, one line naming the server and what it said.
+connection, a timeout, an HTTP status in RETRY_STATUS); anything else (another 5xx such as 501
+included), and the last failed try, raises ServerError, one line naming the server and what it said.
 """
 
 from __future__ import annotations
