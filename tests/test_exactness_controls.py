@@ -2,8 +2,8 @@
 
 The mechanisms (docs/testing.md "Negative controls"): the cache keeping the accepted path
 (KV compaction), the features a drafter is handed for what was committed (feature catch-up),
-rows of one batch at different lengths (ragged rows), the sampling rule's residual below depth 1,
-and the load policy's cut. Each test runs the guard as it is, then with the mechanism replaced
+rows of one batch at different lengths (ragged rows), the sampling rule's residual below depth 1
+and at any node (its exact law), and the load policy's cut. Each test runs the guard as it is, then with the mechanism replaced
 by a plausible bug (monkeypatch), and expects the guard to fail; where a weaker guard would miss
 the bug (an untrained head that is never accepted), that is shown too.
 """
