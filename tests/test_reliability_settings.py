@@ -324,7 +324,12 @@ def test_source_help_names_every_source(capsys):
 
 
 def test_a_device_with_a_cpu_backend_is_refused_at_once(tmp_path, capsys):
-    """docs: `--backend vllm` refuses --device; the code loaded the target on that device first."""
+    """docs: `--backend vllm` refuses --device; the code loaded the target on that device first
+    (and, on a CUDA machine with no --device, on CUDA, then refused the --device never given)."""
+    from drafthead.commands import backend_device
+
+    assert [backend_device(None, b) for b in ("vllm", "llama.cpp", "torch")] == ["cpu", "cpu", None]
+    assert backend_device("cpu", "vllm") == "cpu" and backend_device("cuda:1", "torch") == "cuda:1"
     cfg = tmp_path / "run.yaml"
     cfg.write_text("target: nothing\nhead: {kind: medusa1}\n")
     with unchanged(tmp_path):
