@@ -90,6 +90,12 @@ class DraftSpec:
             raise ValueError("--proposer none decodes plainly: it takes no --num-draft, --sizing or --lookup-streak")
         if self.proposer == "draft-model" and self.draft_model is None:
             raise ValueError("--proposer draft-model needs --draft-model NAME")
+        # a drafter named for a proposer that does not draft with it would be ignored
+        for name, proposer in (("head", "head"), ("draft_model", "draft-model")):
+            if getattr(self, name) is not None and self.proposer not in (None, proposer):
+                raise ValueError(f"--{name.replace('_', '-')} drafts for --proposer {proposer}, not {self.proposer}: drop one of them")
+        if self.head is not None and self.draft_model is not None:
+            raise ValueError("--head and --draft-model name two drafters: pass one")
         if self.chain is not None and (self.num_draft, self.depth, self.branch) != (None, None, None):
             raise ValueError("--chain K drafts K nodes a round, a chain: it takes no --num-draft, --tree-depth or --tree-branch")
         if self.chain is not None and self.sizing == "confidence":

@@ -51,6 +51,30 @@ _HONOURED = frozenset(
         "use_cache",
     }
 )
+# generation settings that leave the tokens alone: outputs a sequences-only return drops, cache
+# and compile choices, an assistant's schedule (no assistant runs), transformers' bookkeeping
+_INERT = frozenset(
+    {
+        "_from_model_config",
+        "transformers_version",
+        "output_attentions",
+        "output_hidden_states",
+        "output_scores",
+        "output_logits",
+        "cache_implementation",
+        "cache_config",
+        "max_cache_len",
+        "compile_config",
+        "disable_compile",
+        "prefill_chunk_size",
+        "low_memory",
+        "is_assistant",
+        "num_assistant_tokens",
+        "num_assistant_tokens_schedule",
+        "assistant_confidence_threshold",
+        "prompt_lookup_num_tokens",
+    }
+)
 # DraftSpec's fields a caller may not pass here: the head comes as `draft_head`, and the model
 # given is the verifier (no llama.cpp backend)
 _NOT_DRAFTING = frozenset({"head", "backend", "gguf_type"})
@@ -73,8 +97,10 @@ def generate(
     import torch
 
     from .draft_spec import DraftSpec
-    from .inference.engine.generate import GenerationConfig, speculative_generate
+    from .inference.engine.generate import GenerationConfig, check_seed, speculative_generate
     from .inference.engine.sampling import SamplingConfig
+
+    check_seed(seed)
 
     for name in _UNSUPPORTED:
         if kwargs.pop(name, None) is not None:
@@ -90,17 +116,13 @@ def generate(
         raise ValueError(f"drafthead's generate() does not take {', '.join(sorted(kwargs))}")
     max_new = config.max_new_tokens
     if max_new is None:
-        max_new = max(0, (config.max_length or 20) - input_ids.shape[1])
-    sampling = (
-        SamplingConfig(
-            temperature=float(config.temperature or 1.0),
-            top_k=int(config.top_k or 0),
-            top_p=float(config.top_p or 1.0),
-            repetition_penalty=float(config.repetition_penalty or 1.0),
-        )
-        if config.do_sample
-        else SamplingConfig(repetition_penalty=float(config.repetition_penalty or 1.0))
-    )
+        max_length, prompt = config.max_length or 20, input_ids.shape[1]
+        if max_length <= prompt:  # transformers' generate() refuses it too
+            raise ValueError(
+                f"max_length={max_length} leaves no room for a new token after the {prompt}-token prompt: set max_new_tokens, or a larger max_length"
+            )
+        max_new = max_length - prompt
+    sampling = _sampling(config, SamplingConfig)
     eos = config.eos_token_id  # the model's own unless the caller set it; None: no stopping token
     eos = tuple(eos if isinstance(eos, (list, tuple)) else [eos]) if eos is not None else ()
     name = Path(str(getattr(model.config, "_name_or_path", "") or "target")).name
@@ -123,22 +145,38 @@ def generate(
     return torch.cat([input_ids, new], dim=1)
 
 
+def _sampling(config, SamplingConfig):
+    """The SamplingConfig of a generation config as transformers' generate() reads it: greedy
+    unless do_sample; unset settings at transformers' defaults (a 0 is kept, not taken for unset)."""
+
+    def given(value, default):
+        return default if value is None else value
+
+    penalty = float(given(config.repetition_penalty, 1.0))
+    if not config.do_sample:
+        return SamplingConfig(repetition_penalty=penalty)
+    temperature = float(given(config.temperature, 1.0))
+    if not temperature > 0:  # transformers' generate() refuses it: it is not greedy decoding
+        raise ValueError(f"do_sample=True samples at a temperature > 0, got temperature={temperature}: for greedy decoding set do_sample=False")
+    top_k, top_p = int(given(config.top_k, 0)), float(given(config.top_p, 1.0))
+    return SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=penalty)
+
+
 def _generation_config(model, generation_config, kwargs: dict):
     """The generation config generate() would use: the one given (or the model's) with the
-    generation keywords of `kwargs` applied; those keywords are taken out of `kwargs`."""
+    generation keywords of `kwargs` applied; those keywords are taken out of `kwargs`. A setting
+    this loop does not honour, given as a keyword or in the config, is refused."""
     import copy
-
-    from transformers import GenerationConfig as HFGenerationConfig
 
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
     unused = config.update(**kwargs)
-    defaults = HFGenerationConfig()
-    for key in list(kwargs):
-        if key in unused:
-            continue
-        if key not in _HONOURED and kwargs[key] != getattr(defaults, key, None):
-            raise ValueError(f"drafthead's generate() does not honour {key}={kwargs[key]!r}: drop it, or call generate() without custom_generate")
+    keywords = {key for key in kwargs if key not in unused}
+    for key in keywords:
         del kwargs[key]
+    for key, value in config.to_diff_dict().items():  # every setting away from transformers' default
+        if key not in _HONOURED and key not in _INERT:
+            where = "" if key in keywords else " (in the generation config)"
+            raise ValueError(f"drafthead's generate() does not honour {key}={value!r}{where}: drop it, or call generate() without custom_generate")
     if (config.num_beams or 1) > 1:
         raise ValueError("drafthead's generate() decodes one hypothesis per prompt: num_beams must be 1")
     if config.return_dict_in_generate:

@@ -83,6 +83,19 @@ class _HeadConfig:
         if self.kind not in mine:
             raise ValueError(f"{type(self).__name__}.kind must be one of {tuple(mine)}, got {self.kind!r}")
 
+    def _check_chain_loss(self) -> None:
+        """loss dpace weighs the draft positions of a chain (heads/losses.py); a head that trains
+        one position, by its kind or its settings, has no chain to weigh: refused. The positions
+        are the kind's `chain_positions` field (KINDS)."""
+        if getattr(self, "loss", None) != "dpace":
+            return
+        field = KINDS[self.kind].chain_positions
+        positions = 1 if field is None else int(getattr(self, field))
+        if positions < 2:
+            settings = {f.name for f in dataclasses.fields(self)}
+            why = f" ({field}: {positions})" if field in settings else ""  # a property (DFlash's block less its pending token): no setting to name
+            raise ValueError(f"loss dpace weighs a chain of draft positions; this {self.kind} head trains one{why}: use loss ce")
+
     def _need_target(self) -> TargetIdentity:
         if self.target is None:
             raise ValueError(f"{type(self).__name__} has no target identity; make it with heads.registry.make_config(kind, target_model, tokenizer)")
@@ -139,6 +152,7 @@ class MedusaConfig(_HeadConfig):
         if self.loss not in ("ce", "dpace"):
             raise ValueError(f"a {self.kind} head's loss is ce or dpace (its CE is on the data token), got {self.loss!r}")
         check_loss(self.loss, 3.0, self.dpace_alpha)
+        self._check_chain_loss()
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -231,8 +245,7 @@ class Eagle1Config(_HeadConfig):
         if self.feature_weight < 0 or self.ce_weight < 0 or self.feature_weight + self.ce_weight == 0:
             raise ValueError("EAGLE-1 loss weights must be >= 0 and not both 0")
         check_loss(self.loss, self.lk_eta)
-        if self.loss == "dpace":
-            raise ValueError(f"loss dpace weighs a chain of draft positions; an {self.kind} head trains one")
+        self._check_chain_loss()
         if self.loss != "ce" and not self.ce_to_target_dist:
             raise ValueError(f"loss {self.loss} trains toward the target's distribution: set ce_to_target_dist: true")
 
@@ -364,6 +377,7 @@ class Eagle3Config(_HeadConfig):
         if self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
         check_loss(self.loss, self.lk_eta, self.dpace_alpha)
+        self._check_chain_loss()
         if self.loss == "dpace" and self.entropy_ramp > 0:
             raise ValueError("loss dpace weighs every labelled position's chain of steps: set entropy_ramp: 0")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -493,6 +507,7 @@ class DFlashConfig(_HeadConfig):
         if self.loss_decay_gamma is not None and not self.loss_decay_gamma > 0:
             raise ValueError(f"loss_decay_gamma must be > 0 or None, got {self.loss_decay_gamma}")
         self._check_loss()
+        self._check_chain_loss()
         if self.mask_token_id is None:
             raise ValueError(f"{self._name} needs mask_token_id: a target token id the text never uses (its embedding fills the mask positions)")
         if self.target is not None:
@@ -601,22 +616,37 @@ class HeadKind:
     grows_tree: bool = False  # drafts a best-first tree step by step (depth, top_k) rather than a static tree
     draft_vocab: bool = False  # may draft over a reduced vocabulary (d2t/t2d; heads/draft_vocab.py)
     engine_layer: bool = False  # its draft layer is the engines' Llama layer or the target's (`draft_layer`)
+    splits_rows: bool = False  # context_parallel > 1 splits its rows' columns across ranks (heads/context_split.py)
+    # the config field counting the draft positions one training chain covers (D-PACE weighs
+    # them: loss dpace needs 2 or more); None: the kind trains one position
+    chain_positions: str | None = None
 
 
+_EAGLE3 = HeadKind(
+    "eagle3",
+    Eagle3Config,
+    "eagle",
+    sizes_itself=True,
+    grows_tree=True,
+    draft_vocab=True,
+    engine_layer=True,
+    splits_rows=True,
+    chain_positions="ttt_steps",
+)
 # The head kinds: the one table the config, the registry (heads/registry.py: each kind's module),
 # the formats, the drafters (inference/drafters/load.py) and the CLI derive from.
 KINDS: dict[str, HeadKind] = {
     k.name: k
     for k in (
-        HeadKind("medusa1", MedusaConfig, "medusa"),
-        HeadKind("medusa2", MedusaConfig, "medusa", adapts_target=True),
-        HeadKind("hydra", HydraConfig, "hydra"),
+        HeadKind("medusa1", MedusaConfig, "medusa", chain_positions="num_heads"),
+        HeadKind("medusa2", MedusaConfig, "medusa", adapts_target=True, chain_positions="num_heads"),
+        HeadKind("hydra", HydraConfig, "hydra", chain_positions="num_heads"),
         HeadKind("eagle1", Eagle1Config, "eagle", sizes_itself=True, grows_tree=True, engine_layer=True),
-        HeadKind("eagle3", Eagle3Config, "eagle", sizes_itself=True, grows_tree=True, draft_vocab=True, engine_layer=True),
-        HeadKind("eagle31", Eagle31Config, "eagle", sizes_itself=True, grows_tree=True, draft_vocab=True, engine_layer=True),
-        HeadKind("peagle", PEagleConfig, "peagle", draft_vocab=True, engine_layer=True),
-        HeadKind("dflash", DFlashConfig, "dflash"),
-        HeadKind("dspark", DSparkConfig, "dspark", sizes_itself=True),
+        _EAGLE3,
+        dataclasses.replace(_EAGLE3, name="eagle31", config=Eagle31Config),  # EAGLE-3's capabilities, its own config
+        HeadKind("peagle", PEagleConfig, "peagle", draft_vocab=True, engine_layer=True, chain_positions="parallel_depth"),
+        HeadKind("dflash", DFlashConfig, "dflash", chain_positions="num_drafted"),
+        HeadKind("dspark", DSparkConfig, "dspark", sizes_itself=True, chain_positions="num_drafted"),
         HeadKind("mtp", MTPConfig, "eagle", sizes_itself=True, grows_tree=True),
     )
 }
@@ -636,6 +666,20 @@ def check_sizing(kind: str, sizing: str | None) -> None:
     known = head_kind(kind)
     if sizing == "confidence" and not known.sizes_itself:
         raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number of nodes")
+
+
+def check_context_parallel(kind: str, loss: str | None, ranks: int) -> None:
+    """`context_parallel: ranks` > 1 splits each row's columns across ranks: for kinds that split
+    their rows (`splits_rows`), and not under loss dpace, which weighs each position's whole chain
+    of unroll steps on one rank. A ValueError in one line otherwise, or for an unknown kind."""
+    known = head_kind(kind)
+    if ranks <= 1:
+        return
+    if not known.splits_rows:
+        splitters = ", ".join(name for name, k in KINDS.items() if k.splits_rows)
+        raise ValueError(f"context_parallel splits the rows of {splitters} heads; {kind} heads do not split theirs: use context_parallel: 1")
+    if loss == "dpace":
+        raise ValueError("loss dpace weighs each position's chain of unroll steps on one rank: it does not combine with context_parallel > 1")
 
 
 def drafter_family(kind: str) -> str:

@@ -4,6 +4,8 @@ kind's depth-2 cases)."""
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections import Counter
 
 import torch
@@ -117,3 +119,135 @@ def steered_case(case: str):
         return target, eagle1, lambda: policy
     eagle3 = build_head(make_config("eagle3", target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
     return target, MergedDrafter([EagleDrafter(eagle3, num_draft=4, depth=2, top_k=2), PromptLookupDrafter(length=3)]), None
+
+
+# ---------------------------------------------------------------------------------------------- the rule's exact law
+
+
+def small_laws(vocab: int, depth: int, seed: int, holes: float, keep: int = 1) -> dict[tuple[int, ...], torch.Tensor]:
+    """A law [V] (float64) for every token prefix of length 0..depth: the target's (or a
+    draft's) next-token distribution after it. A share `holes` of the entries are zero (never the
+    `keep` largest), so that drafts the target never takes, residuals that run out and draft laws
+    with holes all occur."""
+    g = torch.Generator().manual_seed(seed)
+    laws = {}
+    for n in range(depth + 1):
+        for prefix in itertools.product(range(vocab), repeat=n):
+            logits = torch.randn(vocab, generator=g, dtype=torch.float64)
+            zero = torch.rand(vocab, generator=g) < holes
+            zero[torch.topk(logits, keep).indices] = False
+            laws[prefix] = torch.softmax(logits.masked_fill(zero, float("-inf")), 0)
+    return laws
+
+
+def ordered_draws(law: torch.Tensor, k: int) -> list[tuple[tuple[int, ...], float]]:
+    """Every ordered k-tuple of distinct tokens drawn from `law` without replacement, with its
+    probability (how a draft samples a node's children): [(tokens, probability)]."""
+    if k == 0:
+        return [((), 1.0)]
+    out = []
+    for x in range(law.shape[0]):
+        if float(law[x]) > 0:
+            rest = law.clone()
+            rest[x] = 0.0
+            out += [((x, *more), float(law[x]) * prob) for more, prob in ordered_draws(rest / rest.sum(), k - 1)]
+    return out
+
+
+def draft_trees(branching: tuple[int, ...], vocab: int, draft: dict | None) -> list[tuple[list[int], list[int], list[tuple], float]]:
+    """Every draft tree of the shape `branching` (children per node at each depth), nodes in
+    breadth-first order, with its probability: [(tokens, parents, each node's token prefix,
+    probability)]. `draft` (prefix -> law): each node's children are drawn from its law without
+    replacement; None: they are fixed (a top-k), tokens rotated by the node's prefix."""
+    trees: list[tuple[list[int], list[int], list[tuple], float]] = [([0], [-1], [()], 1.0)]  # the root: the pending token
+    frontier = [0]
+    for k in branching:
+        grown = []
+        for tokens, parents, prefixes, prob in trees:
+            options = [
+                ordered_draws(draft[prefixes[n]], k) if draft is not None else [(tuple((sum(prefixes[n]) + i) % vocab for i in range(k)), 1.0)]
+                for n in frontier
+            ]
+            for picks in itertools.product(*options):
+                t, par, pre, pr = list(tokens), list(parents), list(prefixes), prob
+                for node, (kids, pk) in zip(frontier, picks):
+                    pr *= pk
+                    for x in kids:
+                        t.append(x)
+                        par.append(node)
+                        pre.append(prefixes[node] + (x,))
+                grown.append((t, par, pre, pr))
+        first = len(trees[0][0])
+        trees, frontier = grown, list(range(first, first + len(frontier) * k))
+    return trees
+
+
+def walk_outcomes(walk, tokens, parents, p, q):
+    """Every way `walk` (acceptance.tree_rejection_walk) can go on one tree, each accept
+    decision taken both ways: [(probability of those decisions, path, law of the token emitted
+    after the path)]. The walk is the real one; only its chance moves are scripted."""
+
+    class Fork(Exception):
+        pass
+
+    outcomes, scripts = [], [[]]
+    while scripts:
+        script = scripts.pop()
+        weight, step, emitted = 1.0, 0, []
+
+        def accept(probability: float) -> bool:
+            nonlocal weight, step
+            if step == len(script):  # a decision not taken yet: branch on it (where it can go)
+                scripts.extend(script + [d] for d in (True, False) if (probability if d else 1.0 - probability) > 0)
+                raise Fork
+            decision = script[step]
+            step += 1
+            weight *= probability if decision else 1.0 - probability
+            return decision
+
+        def emit(law: torch.Tensor) -> int:
+            emitted.append(law / law.sum())  # what multinomial draws from
+            return 0
+
+        try:
+            result = walk(tokens, parents, p, q, accept, emit)
+        except Fork:
+            continue
+        outcomes.append((weight, result.path, emitted[0]))
+    return outcomes
+
+
+def assert_tree_law_exact(walk, vocab: int, branching: tuple[int, ...], with_draft: bool, seed: int) -> None:
+    """The law of the tokens a tree round emits, continued from the target to depth + 1 tokens,
+    computed exactly over every draft tree (children drawn from a draft law without replacement,
+    or fixed) and every branch of the walk, equals the target's own law of depth + 1 tokens
+    within 1e-9."""
+    depth = len(branching)
+    target = small_laws(vocab, depth, seed, holes=0.2)
+    draft = small_laws(vocab, depth, seed + 100, holes=0.1, keep=max(branching)) if with_draft else None
+
+    @functools.cache
+    def continued(prefix: tuple[int, ...]) -> dict[tuple[int, ...], float]:
+        """The target's law of `prefix` continued to depth + 1 tokens (prefix -> probability)."""
+        out = {}
+        for rest in itertools.product(range(vocab), repeat=depth + 1 - len(prefix)):
+            prob, seq = 1.0, prefix
+            for t in rest:
+                prob *= float(target[seq][t])
+                seq = seq + (t,)
+            out[seq] = prob
+        return out
+
+    want = continued(())
+    got = dict.fromkeys(want, 0.0)
+    for tokens, parents, prefixes, tree_prob in draft_trees(branching, vocab, draft):
+        p = torch.stack([target[prefix] for prefix in prefixes])  # [N, V]
+        q = torch.stack([draft[prefix] for prefix in prefixes]) if draft is not None else None
+        for weight, path, law in walk_outcomes(walk, torch.tensor(tokens), torch.tensor(parents), p, q):
+            emitted = prefixes[path[-1]]
+            for t in range(vocab):
+                if float(law[t]) > 0:
+                    for seq, prob in continued(emitted + (t,)).items():
+                        got[seq] += tree_prob * weight * float(law[t]) * prob
+    worst = max(abs(got[s] - want[s]) for s in want)
+    assert worst < 1e-9, f"the round's law differs from the target's by up to {worst:.3g} ({vocab} tokens, branching {branching}, draft {with_draft})"

@@ -2,8 +2,8 @@
 
 The mechanisms (docs/testing.md "Negative controls"): the cache keeping the accepted path
 (KV compaction), the features a drafter is handed for what was committed (feature catch-up),
-rows of one batch at different lengths (ragged rows), the sampling rule's residual below depth 1,
-and the load policy's cut. Each test runs the guard as it is, then with the mechanism replaced
+rows of one batch at different lengths (ragged rows), the sampling rule's residual below depth 1
+and at any node (its exact law), and the load policy's cut. Each test runs the guard as it is, then with the mechanism replaced
 by a plausible bug (monkeypatch), and expects the guard to fail; where a weaker guard would miss
 the bug (an untrained head that is never accepted), that is shown too.
 """
@@ -202,6 +202,27 @@ def test_a_residual_wrong_only_at_depth_two_is_caught(monkeypatch):
     target, drafter, _ = steered_case("medusa1")
     with pytest.raises(AssertionError):
         assert_law_at_depth_two(target, drafter, torch.tensor([[3, 4, 5, 3, 4]]), SamplingConfig(temperature=0.9))
+
+
+def test_a_residual_left_unnormalised_is_caught_by_the_exact_law(monkeypatch):
+    """The tree rule's exact law (tests/test_acceptance.py): after a rejection, the residual
+    max(0, p - q) is kept without normalising it. Sampled, on the chi-square test's own case, that
+    moved the first token's law from 0.324/0.305 to 0.296/0.331, unseen in 6000 draws; the
+    enumerated law must differ from the target's."""
+    from drafthead.inference.engine import acceptance
+    from tests.law import assert_tree_law_exact
+
+    assert_tree_law_exact(acceptance.tree_rejection_walk, 4, (2, 2), True, seed=0)
+    real = acceptance.after_rejection
+
+    def unnormalised(p, q, x):
+        p_next, q_next = real(p, q, x)
+        residual = (p - q).clamp(min=0) if q is not None else p_next
+        return (residual if residual.sum() > 0 else p), q_next
+
+    monkeypatch.setattr(acceptance, "after_rejection", unnormalised)
+    with pytest.raises(AssertionError, match="differs from the target's"):
+        assert_tree_law_exact(acceptance.tree_rejection_walk, 4, (2, 2), True, seed=0)
 
 
 def test_a_policy_that_never_drafts_or_never_cuts_is_caught(monkeypatch):

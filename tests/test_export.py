@@ -456,3 +456,58 @@ def test_a_full_draft_vocabulary_exports_without_its_identity_maps(fmt, tmp_path
     back = import_head(out, target, convention="vllm" if fmt == "vllm" else None)
     assert torch.equal(back.d2t, torch.zeros(V, dtype=torch.long)) and bool(back.t2d.all())
     assert torch.allclose(outputs(back, target), outputs(head, target))
+
+
+# ----------------------------------------------------------------------------- values, not shapes
+
+# Every (kind, format) an export writes that a layout reads back; the MTP export alone has no
+# reader (a target's own MTP layer is imported from the target, heads/mtp.py)
+READABLE_EXPORTS = [
+    ("eagle1", "vllm"),
+    ("eagle1", "sglang"),
+    ("eagle1", "eagle"),
+    ("eagle3", "vllm"),
+    ("eagle3", "sglang"),
+    ("eagle3", "llama.cpp"),
+    ("eagle3", "speculators"),
+    ("eagle31", "vllm"),
+    ("eagle31", "speculators"),
+    ("peagle", "speculators"),
+    ("medusa1", "medusa"),
+    ("dflash", "dflash"),
+    ("dspark", "dspark"),
+    ("dspark", "speculators"),
+]
+ROUND_TRIP_SETTINGS = {
+    "eagle3": {"draft_vocab_size": 40},
+    "eagle31": {"draft_vocab_size": 40},
+    "peagle": {"draft_vocab_size": 40, "aux_layers": (1, 2, 3), "mask_token_id": 5},
+    "medusa1": {"num_heads": 2},
+    "dflash": {"mask_token_id": 5, "block_size": 4},
+    "dspark": {"mask_token_id": 5, "block_size": 4, "markov_rank": 8},
+}
+
+
+def test_every_export_with_a_reader_is_round_tripped_by_value():
+    from drafthead.heads.formats import _EXPORTS
+
+    written = {(kind, e.format) for e in _EXPORTS for kind in e.kinds}
+    assert written - set(READABLE_EXPORTS) == {("mtp", "mtp")}
+
+
+@pytest.mark.parametrize("kind, fmt", READABLE_EXPORTS)
+def test_export_round_trips_every_tensor_by_value_on_an_mha_target(kind, fmt, tmp_path):
+    """An MHA target (as many KV heads as query heads): the draft layer's q_proj and k_proj have
+    one shape, so a layout that swaps them (or any two tensors of one shape) still loads; only the
+    values show it. Every tensor the head holds must come back equal."""
+    target = make_target(num_key_value_heads=4, rope_theta=10000.0)  # upstream EAGLE runs RoPE at 10000
+    assert target.config.num_key_value_heads == target.config.num_attention_heads
+    head = saved_head(kind, target, tmp_path / "h", **ROUND_TRIP_SETTINGS.get(kind, {}))
+    out = export_head(tmp_path / "h", tmp_path / "out", fmt, target_model=target)
+    back = import_head(out, target)
+    mine, theirs = head.state_dict(), back.state_dict()
+    assert set(theirs) == set(mine)
+    for name, tensor in mine.items():
+        assert torch.equal(theirs[name], tensor), name
+    attention = [n for n in mine if n.endswith(("q_proj.weight", "k_proj.weight"))]
+    assert all(mine[n].shape == mine[attention[0]].shape for n in attention) and (attention or kind == "medusa1")

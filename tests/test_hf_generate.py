@@ -60,9 +60,35 @@ def test_what_the_loop_cannot_honour_is_refused_in_one_line():
         ({"sizing": "sometimes"}, "unknown sizing"),
         ({"min_new_tokens": 8}, "does not honour min_new_tokens"),
         ({"no_repeat_ngram_size": 3}, "does not honour no_repeat_ngram_size"),
+        ({"do_sample": True, "temperature": 0.0}, "temperature > 0, got temperature=0.0: for greedy decoding set do_sample=False"),
+        ({"do_sample": True, "top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),  # read as top_p 1 before
+        ({"seed": "abc"}, "seed must be a whole number, got 'abc'"),
+        ({"proposer": "prompt-lookup", "draft_head": "h"}, "--head drafts for --proposer head, not prompt-lookup"),
     ):
         with pytest.raises(ValueError, match=message):
             target.generate(prompt, **HOOK, max_new_tokens=4, **kw)
+    with pytest.raises(ValueError, match=f"max_length=3 leaves no room for a new token after the {prompt.shape[1]}-token prompt"):
+        target.generate(prompt, **HOOK, max_length=3)
+
+
+def test_a_generation_config_is_read_as_its_keywords_are():
+    """Settings given in `generation_config=`: those the loop honours are used, the others refused
+    in one line as their keywords are, never ignored."""
+    from transformers import GenerationConfig as HFGenerationConfig
+
+    target = tiny_causal_lm("llama", layers=2)
+    prompt = repetitive_prompt(96, seed=4)
+    given = HFGenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=None, pad_token_id=2)
+    out = target.generate(prompt, **HOOK, generation_config=given, proposer="prompt-lookup")
+    assert out[0, prompt.shape[1] :].tolist() == plain_greedy(target, prompt, 9)
+    for setting, message in (
+        ({"no_repeat_ngram_size": 3}, "does not honour no_repeat_ngram_size=3 (in the generation config)"),
+        ({"min_new_tokens": 8}, "does not honour min_new_tokens=8 (in the generation config)"),
+        ({"do_sample": True, "temperature": 0.0}, "temperature > 0"),
+    ):
+        config = HFGenerationConfig(max_new_tokens=4, **setting)
+        with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            target.generate(prompt, **HOOK, generation_config=config)
 
 
 def test_a_stopping_token_stops_it_where_it_stops_transformers():

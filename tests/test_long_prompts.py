@@ -77,7 +77,7 @@ def test_the_cli_writes_a_file_bench_reads_and_never_replaces_one(tmp_path, caps
     prompts = load_prompts(out)
     assert len(prompts) == 2 and prompts[0].messages[-1]["role"] == "user" and len(prompts[0].messages) > 3
     assert main(args) == 2
-    assert "exists: remove it or write somewhere else" in capsys.readouterr().err
+    assert "exists, and long-prompts never replaces a file" in capsys.readouterr().err
     # a second copy writing the same file while the first holds it is refused, and writes nothing
     from drafthead.heads.outdir import output_lock
 

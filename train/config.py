@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.resources
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from ..heads.config import KINDS
+from ..heads.config import KINDS, check_context_parallel
 from ..heads.files import not_utf8
 from ..inference.engine.targets import DTYPES
 
@@ -187,13 +188,33 @@ class TrainConfig:
             raise ConfigError("keep_best: replay_tau needs replay.sequences > 0 (the held-out prompts it is measured on)")
         if not isinstance(self.head, dict) or "kind" not in self.head:
             raise ConfigError(f"head must be a mapping with a 'kind' ({', '.join(KINDS)})")
+        if self.head_kind in KINDS:  # an unknown kind is named by the head's own check (head_config_dict)
+            try:
+                check_context_parallel(self.head_kind, self.head.get("loss"), self.context_parallel)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints", "context_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
+        for name, zero in (("warmup_steps", "none"), ("checkpoint_every", "never"), ("eval_every", "only at the end")):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0 (0: {zero}); got {getattr(self, name)}")
+        for name in ("max_steps", "eval_batches", "threads"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
         if self.max_steps is None and self.epochs is None:
             raise ConfigError("set max_steps or epochs")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"max_steps must be >= 1; got {self.max_steps}")
+        # written so that nan fails each test (every comparison with nan is False)
+        if self.epochs is not None and not 0 < self.epochs < math.inf:
+            raise ConfigError(f"epochs must be a number > 0; got {self.epochs}")
+        if not 0 < self.lr < math.inf:
+            raise ConfigError(f"lr must be a number > 0; got {self.lr}")
+        if not 0 <= self.weight_decay < math.inf:
+            raise ConfigError(f"weight_decay must be a number >= 0; got {self.weight_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"min_lr_ratio must be in [0, 1]; got {self.min_lr_ratio}")
+        if self.clip_norm is not None and not 0 <= self.clip_norm < math.inf:
+            raise ConfigError(f"clip_norm must be a number >= 0 (0 or null: off); got {self.clip_norm}")
         if len(self.betas) != 2:
             raise ConfigError(f"betas must be two numbers; got {self.betas}")
         if self.replay.sequences and self.joint_lora:
@@ -226,6 +247,14 @@ class TrainConfig:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def data_replicas(processes: int, context_parallel: int) -> int:
+    """The data-parallel replicas of a run on `processes` processes: each group of
+    `context_parallel` consecutive ranks reads the same batches, so it must divide them."""
+    if processes % context_parallel:
+        raise ConfigError(f"context_parallel: {context_parallel} does not divide the {processes} processes")
+    return processes // context_parallel
 
 
 # ----------------------------------------------------------------------------------------------
@@ -329,7 +358,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r} has an empty key")
     try:
-        return key.split("."), yaml.safe_load(raw) if raw.strip() else None
+        return key.split("."), load_yaml_text(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); quote it") from None
 
@@ -369,11 +398,34 @@ def resolve_config_path(name_or_path: str | Path) -> Path:
     return preset
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml's safe loader, refusing a key given twice in one mapping (yaml keeps the last one
+    silently: `lr:` twice would train at whichever came second)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, Any] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` merges; its keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)) and key in first:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key '{key}' is given twice (first at line {first[key].line + 1})", key_node.start_mark
+                )
+            first.setdefault(key, key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_text(text: str) -> Any:
+    """yaml.safe_load, with a key given twice refused (_UniqueKeyLoader)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def read_yaml(path: Path) -> Any:
-    """A YAML file's value; a file that does not parse or is not UTF-8 is a ConfigError naming
-    the file and the place (yaml's own message spans several lines)."""
+    """A YAML file's value; a file that does not parse, gives a key twice or is not UTF-8 is a
+    ConfigError naming the file and the place (yaml's own message spans several lines)."""
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        return load_yaml_text(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -387,7 +439,12 @@ def load_config(name_or_path: str | Path | None = None, overrides: Sequence[str]
     data: dict = {}
     if name_or_path is not None:
         path = resolve_config_path(name_or_path)
-        data = read_yaml(path) or {}
+        data = read_yaml(path)
+        if data is None:  # an empty file, or comments only: every setting at its default would run
+            raise ConfigError(
+                f"{path} holds no settings (it is empty or all comments): write the run's settings "
+                "in it, or start from a preset (--config eagle3; configs/ lists them)"
+            )
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     return TrainConfig.from_dict(apply_overrides(data, list(overrides)))

@@ -75,9 +75,18 @@ def image_placeholder(processor) -> str:
 
 
 def open_images(paths: list[str]):
+    """The images at `paths`, decoded whole (RGB); one that does not decode (cut short, not an
+    image) is a ValueError naming its file, which PIL's own message does not always do."""
     from PIL import Image
 
-    return [Image.open(p).convert("RGB") for p in paths]
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                images.append(image.convert("RGB"))
+        except (OSError, SyntaxError, ValueError) as e:  # PIL's decoders raise all three
+            raise ValueError(f"{path} is not a readable image ({' '.join(str(e).split())}): replace the file") from None
+    return images
 
 
 def prompt_images(processor, paths: list[str]):

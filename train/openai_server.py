@@ -10,7 +10,7 @@ A server that returns neither gives text only (`ServedAnswer.token_ids` None).
 
 Errors: a failed request is retried with exponential backoff when trying again can help (no
 connection, a timeout, a reply cut short or badly chunked, HTTP 408, 429, 500, 502, 503 and
-504: RETRY_STATUS); anything else, and the last failed try, raises ServerError, one line naming
+504: RETRY_STATUS); anything else (another 5xx such as 501 included), and the last failed try, raises ServerError, one line naming
 the server and what it said, never the API key. A refusal that names the server's context
 length (its messages say "context length", "context size" or "n_ctx") is a ContextLimitError.
 """

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig
+from .config import ConfigError, TrainConfig, data_replicas
 
 GIB = 2**30
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,8 +135,18 @@ def memory_per_rank(shapes: RunShapes, strategy: str, ranks: int) -> dict[str, i
     return parts
 
 
-def plan_table(config: TrainConfig, target_config: str | Path, ranks: tuple[int, ...] = (1, 8, 64)) -> str:
-    """The printed plan: one row per (strategy, ranks), GiB per rank."""
+REPLICAS = (1, 8, 64)  # data-parallel replicas planned by default, each of context_parallel ranks
+
+
+def plan_table(config: TrainConfig, target_config: str | Path, ranks: tuple[int, ...] | None = None) -> str:
+    """The printed plan: one row per (strategy, ranks), GiB per rank. ranks: the process counts,
+    each a multiple of context_parallel as training needs (default: REPLICAS of them)."""
+    ranks = ranks or tuple(n * config.context_parallel for n in REPLICAS)
+    for n in ranks:
+        try:
+            data_replicas(n, config.context_parallel)
+        except ConfigError as e:
+            raise ConfigError(f"--ranks {n}: {e}, as training would refuse") from None
     shapes = run_shapes(config, target_config)
     head = f"{shapes.kind} head: {shapes.head_trainable / 1e6:.1f}M trainable parameters"
     lines = [

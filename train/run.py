@@ -353,6 +353,7 @@ def run_training(
     from ..inference.engine.targets import load_target
     from .allocator import map_large_blocks_for
 
+    head_config_dict(config)  # the head section, checked before anything loads or is written
     map_large_blocks_for(config.data.max_length)  # long rows would fragment the C heap (train/allocator.py)
     out = Path(config.output_dir)
     accelerator = make_accelerator(config)

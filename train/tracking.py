@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from ..heads.files import atomic_write
 from .curves import EVAL_PLOT, plot_eval_curves
 
 METRICS_FILE = "metrics.jsonl"
@@ -41,6 +42,8 @@ class RunLog:
         if not is_main:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
+        if initial_step > 0:  # a resume runs the steps after its checkpoint again: log them once
+            drop_metrics_after(self.dir / METRICS_FILE, initial_step)
         self._file = open(self.dir / METRICS_FILE, "a")
         if progress:
             from tqdm.auto import tqdm
@@ -103,3 +106,23 @@ class RunLog:
             plot_eval_curves(self.dir / METRICS_FILE, self.dir / EVAL_PLOT)
         except Exception as e:  # noqa: BLE001 - said on stderr, the run's files are already written
             print(f"drafthead: eval curves not drawn ({type(e).__name__}: {e})", flush=True)
+
+
+def drop_metrics_after(path: Path, step: int) -> None:
+    """Rewrite metrics.jsonl without the train and eval records of steps after `step` (a run
+    stopped after logging them, before their checkpoint: the resume from `step` logs them anew)
+    and without a line a kill cut short; events stay, as history. Unchanged when there is none."""
+    if not path.exists():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # cut short mid-write
+        if isinstance(record, dict) and "split" in record and isinstance(record.get("step"), int) and record["step"] > step:
+            continue
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        atomic_write(path, lambda tmp: Path(tmp).write_text("".join(kept), encoding="utf-8"))

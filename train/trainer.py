@@ -46,7 +46,7 @@ from .checkpoint import (
     save_checkpoint,
     saved_run_config,
 )
-from .config import ConfigError, TrainConfig, check_resume
+from .config import ConfigError, TrainConfig, check_resume, data_replicas
 from .evaluate import WEIGHT_KEY, MetricMean, summarize
 from .features import IndexedSamples, OnlineFeaturizer, collate, target_mask_kwargs
 from .packing import collate_packed
@@ -318,9 +318,7 @@ class Trainer:
         """(data-parallel replicas, this process's replica): with context_parallel = c, the c
         consecutive ranks of a group read the same batches."""
         acc, cp = self.accelerator, self.config.context_parallel
-        if acc.num_processes % cp:
-            raise ConfigError(f"context_parallel: {cp} does not divide the {acc.num_processes} processes")
-        return acc.num_processes // cp, acc.process_index // cp
+        return data_replicas(acc.num_processes, cp), acc.process_index // cp
 
     def batches_per_epoch(self) -> int:
         """Batches each process takes per epoch; a stream (train/streaming.py) counts them in one pass."""
@@ -426,6 +424,7 @@ class Trainer:
         steps_this_call = 0
         model.train()
         final_dir = None
+        ended = False  # the loop returned: done, or stopped after stop_after_steps
         try:
             while state.step < total and (stop_after_steps is None or steps_this_call < stop_after_steps):
                 if hasattr(self.head, "train_progress"):  # progressive TTT (heads/eagle3.py ttt_depth)
@@ -448,8 +447,13 @@ class Trainer:
                     last_ckpt = self._save_checkpoint(state, optimizer, log)
             if state.step >= total:
                 final_dir = self._save_final(out, state, log, eval_metrics)
+            ended = True
         finally:
             log.close()
+            if not ended and ckpt is None and state.step == 0 and acc.is_main_process:
+                # a fresh run stopped before its first step (a refusal at the first batch, Ctrl-C):
+                # its config.yaml and metrics.jsonl would make the corrected rerun refuse output_dir
+                clear_output(out)
         return TrainResult(state=state, final_dir=final_dir, last_checkpoint=last_ckpt, eval_metrics=eval_metrics, train_metrics=train_metrics)
 
     def _choose_parallelism(self, world: int) -> None:

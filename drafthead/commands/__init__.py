@@ -7,11 +7,18 @@ arguments into the objects the library functions take (docs/style.md 7: parse, b
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..draft_spec import PROPOSERS, SIZINGS, proposer_name
 
 DEFAULT_TARGET = "smollm2-135m"
+
+
+def launch_rank() -> int:
+    """This process's rank under `accelerate launch` / `torchrun` (they set RANK), 0 alone: the
+    main process speaks for the launch and takes its outputs' locks."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def default_device() -> str:
@@ -249,9 +256,34 @@ def resolve_device(device: str | None) -> str:
     return device
 
 
+# --backend values whose forward runs on the CPU (libllama; vLLM's CPU build): the torch target
+# beside them loads on the CPU too
+CPU_BACKENDS = ("llama.cpp", "vllm")
+
+
+def backend_device(device: str | None, backend: str) -> str | None:
+    """--device for a command run with --backend `backend`: "cpu" for the CPU backends, where
+    another device is refused before anything loads; else --device as given."""
+    if backend not in CPU_BACKENDS:
+        return device
+    if device not in (None, "cpu"):
+        raise ValueError(f"--backend {backend} runs on the CPU: drop --device {device}")
+    return "cpu"
+
+
+def require_backend(backend: str) -> None:
+    """The llama.cpp backend's library, loaded now: where it is not built, one line before any
+    model loads (inference/llamacpp/lib.py LibllamaMissing)."""
+    if backend == "llama.cpp":
+        from ..inference.llamacpp import lib
+
+        lib.load()
+
+
 def load_target_from_args(args):
     from ..inference.engine.targets import load_target
 
+    args.device = backend_device(args.device, getattr(args, "backend", "torch"))
     resolve_dtype_arg(args)
     return load_target(
         args.target, dtype=args.dtype, device=resolve_device(args.device), threads=args.threads, round_weights=getattr(args, "round_weights", None)
@@ -300,10 +332,13 @@ def typical_from_args(args):
 
 
 def draft_spec_from_args(args):
-    """The DraftSpec of the drafting options, checked before any model loads."""
+    """The DraftSpec of the drafting options, checked before any model loads (its backend's
+    library too)."""
     from ..draft_spec import DraftSpec
 
-    return DraftSpec.from_args(args)
+    spec = DraftSpec.from_args(args)
+    require_backend(spec.backend)
+    return spec
 
 
 def drafting_from_args(args, spec, loaded, sampling=None):

@@ -22,6 +22,7 @@ import os
 from pathlib import Path
 
 from ..draft_spec import llamacpp_target, sizing_of
+from ..train.openai_server import RETRY_STATUS
 from . import (
     _non_negative_int,
     _positive_float,
@@ -29,8 +30,11 @@ from . import (
     add_device_option,
     add_overwrite_option,
     add_target_options,
+    backend_device,
+    launch_rank,
     load_target_from_args,
     note,
+    require_backend,
     resolve_device,
 )
 
@@ -45,8 +49,14 @@ def add_parser(subparsers) -> None:
     sub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
 
     def source_options(q):
-        q.add_argument("--source", default="sharegpt", help="sharegpt (the package file) | json | regenerated")
-        q.add_argument("--path", default=None, help="JSON/JSONL file in ShareGPT or OpenAI form")
+        q.add_argument(
+            "--source",
+            default="sharegpt",
+            help="how --path is read (train/sources.py SOURCES): sharegpt (without --path: the package's file) | json | jsonl "
+            "| regenerated (JSON or JSONL chats) | file (json, jsonl, parquet, csv, arrow or a save_to_disk folder, by the "
+            'path); docs/models-and-data.md "Data formats"',
+        )
+        q.add_argument("--path", default=None, help="the data file (or save_to_disk folder) for --source")
         q.add_argument("--limit", type=_positive_int, default=None, help="first N usable conversations")
 
     q = sub.add_parser("inspect", help="load and normalise a source; print what was kept and dropped")
@@ -95,8 +105,9 @@ def add_parser(subparsers) -> None:
         "--retries",
         type=_non_negative_int,
         default=None,
-        help="tries again after a failed request (no connection, a reply cut short, HTTP 408, 429, 500, 502, 503, 504), "
-        "1 s then doubling (default 4)",
+        help="tries again after a failed request (no connection, a timeout, a reply cut short, HTTP "
+        + "/".join(map(str, RETRY_STATUS))
+        + "), 1 s then doubling (default 4)",
     )
     g.add_argument("--request-timeout", type=float, default=None, help="seconds for one answer (default 600)")
     g.add_argument(
@@ -144,7 +155,7 @@ def add_parser(subparsers) -> None:
     q.add_argument("--target", default="smollm2-135m", help="whose tokenizer and chat template count the tokens")
     q.add_argument("--tokens", type=_positive_int, required=True, help="tokens per prompt, at most (more than 3/4 of it)")
     q.add_argument("--count", type=_positive_int, default=8, help="prompts to write")
-    q.add_argument("--out", required=True, help="a new JSONL file of {id, messages}: `bench --dataset OUT`")
+    q.add_argument("--out", required=True, help="a new JSONL file of {id, messages}: `bench --dataset OUT` (an existing file is never replaced)")
 
     q = sub.add_parser("tiny-target", help="save a tiny random target + tokenizer and synthetic chats (smoke runs)")
     q.add_argument("--out", required=True, help="folder; the chats go to OUT/chats.jsonl")
@@ -178,14 +189,8 @@ def _regenerate_locked(args) -> int:
     if args.overwrite:
         for path in [Path(args.out), *part_files(Path(args.out))]:
             check_replaceable(path, inputs=[args.path, args.target, args.head], what="output", own=is_regenerated)
-    with output_lock(args.out, enabled=launch_rank() == 0), reported_as(args.out):
+    with output_lock(args.out, enabled=launch_rank() == 0), reported_as(args.out):  # the main process locks for all
         return _regenerate(args)
-
-
-def launch_rank() -> int:
-    """This process's rank under `accelerate launch` / `torchrun` (they set RANK), 0 alone: the
-    main process takes an output's lock for every process of the launch."""
-    return int(os.environ.get("RANK", "0"))
 
 
 def _inspect(args) -> int:
@@ -381,11 +386,12 @@ def _capture(args) -> int:
     from ..heads.files import read_json
     from ..heads.outdir import check_output, check_replaceable, output_lock
     from ..inference.engine.targets import load_target
-    from ..train.config import load_config
+    from ..train.config import head_config_dict, load_config
     from ..train.features import CAPTURE_PLAN
     from ..train.run import capture_from_config, stale_capture
 
     config = load_config(args.config, args.overrides)
+    head_config_dict(config)  # the head section, checked before the target loads
     out = args.out or config.features.path
     if not out:
         raise ValueError("pass --out DIR or set features.path in the config")
@@ -401,10 +407,12 @@ def _capture(args) -> int:
                 f"{out} holds a capture made from other data ({'; '.join(changed)}): pass --overwrite "
                 "to capture again from scratch, or use another --out"
             )
+    device = backend_device(args.device, args.backend)
+    require_backend(args.backend)
     share = _work_share()
     with output_lock(out, enabled=share.is_main):
         _clear_for_overwrite([Path(out)] if args.overwrite else [], share)
-        loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(args.device, share), threads=config.threads)
+        loaded = load_target(config.target, dtype=config.target_dtype, device=_rank_device(device, share), threads=config.threads)
         engine = llamacpp_target(loaded, None, config.threads, note) if args.backend == "llama.cpp" else None
         with _vllm_engine(args, loaded, config) as vllm:
             bar = tqdm(desc="capture", unit="sample", dynamic_ncols=True, disable=not share.is_main)
@@ -440,8 +448,6 @@ def _vllm_engine(args, loaded, config):
     from ..inference.vllm.capture import VllmTarget
     from . import torch_threads
 
-    if next(loaded.model.parameters()).device.type != "cpu":
-        raise ValueError("--backend vllm runs vLLM's CPU build: drop --device")
     dtype = str(next(loaded.model.parameters()).dtype).removeprefix("torch.")
     with VllmTarget(
         loaded.path,
@@ -460,7 +466,7 @@ def _vllm_engine(args, loaded, config):
 def _long_prompts(args) -> int:
     from ..heads.files import atomic_write
     from ..heads.outdir import output_lock
-    from ..inference.engine.targets import load_tokenizer
+    from ..inference.engine.targets import load_tokenizer, target_context
     from ..train.long_prompts import long_chats
     from ..train.sources import iter_conversations, resolve_source, source_format
     from ..train.source_report import SourceReport
@@ -468,10 +474,18 @@ def _long_prompts(args) -> int:
     out = Path(args.out)
 
     def refuse_existing():
-        if out.exists():  # it may be someone's data: never replaced
-            raise FileExistsError(f"{out} exists: remove it or write somewhere else")
+        if out.exists():  # it may be someone's prompt set: never replaced, even empty (no --overwrite)
+            raise FileExistsError(
+                f"{out} exists, and long-prompts never replaces a file (it takes no --overwrite): remove it or write somewhere else"
+            )
 
     refuse_existing()  # at the start, before the tokenizer and the data are read
+    context = target_context(args.target)
+    if context is not None and args.tokens >= context:  # the engine refuses a prompt that fills the context
+        raise ValueError(
+            f"--tokens {args.tokens}: {args.target}'s context holds {context} tokens, and a prompt must leave room for "
+            f"the answer: use --tokens below {context}, less the tokens to generate"
+        )
     tokenizer, _ = load_tokenizer(args.target)
     file = resolve_source(args.source, args.path)
     report = SourceReport(source=args.source)

@@ -78,6 +78,10 @@ def run(args) -> int:
     missing = [p for p in args.image if not Path(p).is_file()]
     if missing:
         raise FileNotFoundError(f"no image file at {missing[0]}")
+    if args.image:  # each decoded now: one cut short is named before any model loads
+        from ..train.image_chats import open_images
+
+        open_images(args.image)
     check_stop_strings(args.stop)
     spec = draft_spec_from_args(args)
     sampling = sampling_from_args(args)

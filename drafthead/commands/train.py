@@ -29,7 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not train: print per-rank memory under DDP and FSDP for this target config.json "
         "(e.g. configs/targets/llama-3.1-8b.json), built on the meta device",
     )
-    parser.add_argument("--ranks", default="1,8,64", help="with --plan: rank counts (default 1,8,64)")
+    parser.add_argument(
+        "--ranks",
+        default=None,
+        help="with --plan: process counts, multiples of context_parallel (default: 1, 8 and 64 data-parallel replicas of context_parallel ranks)",
+    )
 
 
 def add_parser(subparsers) -> None:
@@ -42,6 +46,19 @@ def add_parser(subparsers) -> None:
     add_arguments(p)
 
 
+def _rank_counts(text: str | None) -> tuple[int, ...] | None:
+    """--ranks 1,8,64 -> (1, 8, 64); None: the plan's default."""
+    if text is None:
+        return None
+    try:
+        counts = tuple(int(r) for r in text.split(","))
+    except ValueError:
+        raise ValueError(f"--ranks takes process counts separated by commas (1,8,64), got {text!r}") from None
+    if min(counts) < 1:
+        raise ValueError(f"--ranks takes process counts >= 1, got {text!r}")
+    return counts
+
+
 def run(args) -> int:
     from ..train.config import load_config
     from ..train.run import run_training
@@ -51,7 +68,7 @@ def run(args) -> int:
     if args.plan:
         from ..train.plan import plan_table
 
-        print(plan_table(config, args.plan, tuple(int(r) for r in args.ranks.split(","))))
+        print(plan_table(config, args.plan, _rank_counts(args.ranks)))
         return 0
     try:
         result = run_training(config, resume=args.resume, overwrite=args.overwrite, inputs=(args.config,))

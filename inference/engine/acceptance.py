@@ -8,6 +8,7 @@ root first) and the one token the target adds after it (correction or bonus).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -78,6 +79,29 @@ def speculative_sample_chain(
     return gamma, int(torch.multinomial(p[gamma], 1, generator=generator))
 
 
+def accept_probability(p: torch.Tensor, q: torch.Tensor | None, x: int) -> float:
+    """The chance that draft token x is accepted at a node whose target law is p [V] (the
+    residual left by the children rejected before it) and whose draft law is q [V] (its children
+    drawn from it without replacement; None: chosen deterministically, a point mass on x)."""
+    if q is None:
+        return float(p[x])
+    q_x = float(q[x])
+    return min(1.0, float(p[x]) / q_x) if q_x > 0 else 0.0
+
+
+def after_rejection(p: torch.Tensor, q: torch.Tensor | None, x: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(p, q) for the node's next child once x is rejected: the residual norm(max(0, p - q)) and
+    q without x, renormalised; for a point-mass draft, p without x, renormalised."""
+    if q is None:
+        rest = p.clone()
+        rest[x] = 0.0
+        return _normalise(rest), None
+    residual = (p - q).clamp(min=0)
+    q_rest = q.clone()
+    q_rest[x] = 0.0
+    return (_normalise(residual) if residual.sum() > 0 else p), _normalise(q_rest)
+
+
 def tree_rejection_sample(
     tokens: torch.Tensor,
     parents: torch.Tensor,
@@ -92,37 +116,45 @@ def tree_rejection_sample(
     when children were chosen deterministically (q is then a point mass on each child).
     Children are tried in index order. The emitted sequence is distributed exactly as the target's.
     """
+
+    def accept(probability: float) -> bool:  # one uniform draw per child tried
+        return float(torch.rand(1, generator=generator, dtype=torch.float64)) < probability
+
+    def emit(law: torch.Tensor) -> int:
+        return int(torch.multinomial(law.float(), 1, generator=generator))
+
+    return tree_rejection_walk(tokens, parents, p, q, accept, emit)
+
+
+def tree_rejection_walk(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    accept: Callable[[float], bool],
+    emit: Callable[[torch.Tensor], int],
+) -> Acceptance:
+    """tree_rejection_sample's walk, its chance moves given: accept(probability) decides a child,
+    emit(law) draws the token after the path from a law [V] (float64, normalised unless it is
+    all zeros). The exact-law test drives every branch through these two (tests/test_acceptance.py)."""
     children: list[list[int]] = [[] for _ in range(tokens.shape[0])]
     for i, parent in enumerate(parents.tolist()):
         if parent >= 0:
             children[parent].append(i)
     node, path = 0, [0]
     while True:
-        p_cur = p[node].double().clone()
-        q_cur = None if q is None else q[node].double().clone()
+        p_cur = p[node].double()
+        q_cur = None if q is None else q[node].double()
         chosen = None
         for child in children[node]:
             x = int(tokens[child])
-            u = float(torch.rand(1, generator=generator, dtype=torch.float64))
-            if q_cur is None:
-                # point-mass draft: accept with p(x); on rejection p(x) <- 0, renormalise
-                if u < float(p_cur[x]):
-                    chosen = child
-                    break
-                p_cur[x] = 0.0
-                p_cur = _normalise(p_cur)
-            else:
-                q_x = float(q_cur[x])
-                if q_x > 0 and u < min(1.0, float(p_cur[x]) / q_x):
-                    chosen = child
-                    break
-                residual = (p_cur - q_cur).clamp(min=0)
-                p_cur = _normalise(residual) if residual.sum() > 0 else p_cur
-                q_cur[x] = 0.0
-                q_cur = _normalise(q_cur)
+            if accept(accept_probability(p_cur, q_cur, x)):
+                chosen = child
+                break
+            p_cur, q_cur = after_rejection(p_cur, q_cur, x)
         if chosen is None:
             # every child rejected (or a leaf): one token from the current (residual) p
-            return Acceptance(path=path, next_token=int(torch.multinomial(p_cur.float(), 1, generator=generator)))
+            return Acceptance(path=path, next_token=emit(p_cur))
         node = chosen
         path.append(node)
 

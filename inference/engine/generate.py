@@ -40,6 +40,13 @@ class PromptTooLong(ValueError):
     """The prompt does not leave room for one new token within the target's context."""
 
 
+def check_seed(seed) -> None:
+    """A sampler's seed is a whole number (or None: unseeded); anything else is a ValueError
+    naming it, not torch's "manual_seed expected a long"."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed must be a whole number, got {seed!r}")
+
+
 @dataclass
 class GenerationConfig:
     max_new_tokens: int = 128
@@ -69,6 +76,7 @@ class GenerationConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check_seed(self.seed)
         check_stop_strings(self.stop_strings)
         if self.typical is not None and self.sampling.greedy:
             raise ValueError("typical acceptance is a sampling rule (and lossy); greedy decoding is exact already")

@@ -147,6 +147,22 @@ def load_tokenizer(name_or_path: str | os.PathLike):
     return _load_tokenizer(folder), name
 
 
+def target_context(name_or_path: str | os.PathLike) -> int | None:
+    """The tokens the target's context holds (its text config's max_position_embeddings, as the
+    engine limits prompts: generate.py context_limit), read from its config without its weights;
+    None when the config states none."""
+    from transformers import AutoConfig
+
+    from .generate import context_limit
+
+    folder, _ = target_folder(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise TargetError(f"cannot read the config of {folder}: {_first_line(e)}") from e
+    return context_limit(config.get_text_config())
+
+
 def load_target(
     name_or_path: str | os.PathLike,
     *,

@@ -35,8 +35,9 @@ class LlamaBatch(ctypes.Structure):
     ]
 
 
-class LibllamaMissing(RuntimeError):
-    """libllama (and our shim) is not built: `make llamacpp`."""
+class LibllamaMissing(NotImplementedError):
+    """libllama (and our shim) is not built: `make llamacpp`. A missing feature of this install,
+    which the CLI reports in one line (a NotImplementedError, so still a RuntimeError)."""
 
 
 def library_dir() -> Path:
