@@ -8,6 +8,7 @@ their whole length (a random model otherwise often answers EOS at once).
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -241,6 +242,15 @@ def test_api_key_queue_full_and_retry_after(plain_url):
     status, reply, _ = post(plain_url, "/v1/chat/completions", CHAT, {"Authorization": "Bearer wrong"})
     assert status == 401 and reply["error"]["code"] == "invalid_api_key" and KEY not in json.dumps(reply)
     auth = {"Authorization": f"Bearer {KEY}"}
+    # a refused request leaves its kept-alive connection ready for the next one
+    host, port = plain_url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    for headers, status in (({}, 401), (auth, 200)):
+        connection.request("POST", "/v1/chat/completions", json.dumps(CHAT), {"Content-Type": "application/json", **headers})
+        response = connection.getresponse()
+        response.read()
+        assert response.status == status
+    connection.close()
     # one long answer decoding, one waiting: a third is refused with 429 and Retry-After
     long = {**CHAT, "max_tokens": 900, "ignore_eos": True}
     with ThreadPoolExecutor(2) as pool:

@@ -148,12 +148,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def _read_json(self) -> object:
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            self.close_connection = True
             raise ApiError(411, "send the body with a Content-Length", code="length_required")
         try:
             length = int(self.headers.get("Content-Length", "0"))
         except ValueError:
+            self.close_connection = True
             raise ApiError(400, "Content-Length is not a number", code="invalid_request") from None
         if length > MAX_BODY:
+            self.close_connection = True
             raise ApiError(413, f"the body has {length} bytes, more than {MAX_BODY}", code="request_too_large")
         raw = self.rfile.read(length) if length > 0 else b""
         try:
@@ -214,10 +217,11 @@ class Handler(BaseHTTPRequestHandler):
         with self.server.answering():
             try:
                 if endpoint is None:
+                    self.close_connection = True  # its body is left unread
                     raise ApiError(404, f"no route POST {path}", type="not_found_error", code="not_found")
+                body = self._read_json()  # before anything else: a kept-alive connection's next request follows it
                 if not self._authorised():
                     raise _unauthorised()
-                body = self._read_json()
                 if self.server.engine is None or self.server.model is None:
                     raise _loading()
                 self._answer(parse_ask(endpoint, body), body)
