@@ -148,6 +148,8 @@ class Decoder:
         self.observers: list[RoundObserver] = []
         self._started = False
         self._opened = False
+        self._opened_as: tuple[int, int] = (0, 0)
+        self._streams = False
 
     def open(self, rows: int, cells: int, streams: bool = False) -> None:
         """Room for up to `rows` rows of `cells` cached tokens in all, before any row joins (the
@@ -155,6 +157,7 @@ class Decoder:
         a stream of its own; the torch one grows as it goes)."""
         self.backend.open(rows, cells, self.feature_layers, self.needs_last_hidden, streams)
         self._opened = True
+        self._opened_as, self._streams = (rows, cells), streams
 
     def join(self, prompts: list[torch.Tensor], drafters: list, settings: list[RowSettings], max_new_tokens: int = 0, images=None) -> list[Row]:
         """Prefill `prompts` [P_b] (every one but its last token) as new rows after the active ones;
@@ -183,6 +186,14 @@ class Decoder:
             rows.append(row)
         self.active += rows
         return rows
+
+    def reset(self) -> None:
+        """No row left, the cache emptied (opened again as it was, or its rows dropped)."""
+        self.active = []
+        if self._opened:
+            self.backend.open(*self._opened_as, self.feature_layers, self.needs_last_hidden, self._streams)
+        elif self._started:
+            self.backend.select_rows([], [])
 
     def cancel(self, row: Row) -> None:
         """`row` leaves the batch at the next step, with what it has emitted so far."""

@@ -169,15 +169,20 @@ class ServingEngine:
                         call()
                     if self._past_deadline():
                         self._cancel_everything()
-                    self._admit()
-                    if not self.decoder.active:
-                        with self._wake:
-                            if self._stopping and not self._waiting:
-                                return
-                            if not self._waiting:
-                                self._wake.wait(timeout=0.5)
+                    try:
+                        self._admit()
+                        if self.decoder.active:
+                            self._step()
+                            continue
+                    except Exception as e:  # one round's failure fails its rows, not the server
+                        _log.exception("a round failed")
+                        self._fail_rows(f"the engine failed this request: {type(e).__name__}: {e}")
                         continue
-                    self._step()
+                    with self._wake:
+                        if self._stopping and not self._waiting:
+                            return
+                        if not self._waiting:
+                            self._wake.wait(timeout=0.5)
         except BaseException as e:  # the loop must not die silently: fail what is in flight
             self.failure = e
             _log.exception("the serving engine stopped")
@@ -193,6 +198,16 @@ class ServingEngine:
             job.events.put(("error", "the server shut down before this request started"))
         for row in self.decoder.active:
             self.decoder.cancel(row)
+
+    def _fail_rows(self, message: str) -> None:
+        """Every row in flight ends with `message`; the batch starts again empty (the cache as a
+        failed round left it is not trusted)."""
+        for job in self._jobs.values():
+            self.metrics.add("drafthead_requests_failed_total")
+            job.events.put(("error", message))
+        self._jobs.clear()
+        self._cells.clear()
+        self.decoder.reset()
 
     def _fail_everything(self, message: str) -> None:
         with self._wake:
