@@ -59,7 +59,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def main(argv: list[str] | None = None) -> int:
     from .commands import launch_rank, parse_with_overrides
 
-    with one_line_warnings(launch_rank() == 0):  # parsing warns too (an old option spelling)
+    with one_line_warnings(launch_rank() == 0):  # the parser and the command alike
         parser, modules = build_parser()
         args = parse_with_overrides(parser, argv)
         if args.command is None:

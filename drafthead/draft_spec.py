@@ -20,25 +20,12 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from .proposers import PROPOSERS, default_head_path, make_drafter_factory, proposer_name
+from .proposers import PROPOSERS, default_head_path, make_drafter_factory
 
 SIZINGS = ("fixed", "policy", "confidence")
 BACKENDS = ("torch", "llama.cpp")
 # what a batch of 16 rows x 32 nodes reaches: the token counts the load policy's cost curve is timed at
 POLICY_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-
-
-# `--num-draft` values that named a sizing before sizing had its own option
-OLD_SIZING_SPELLINGS = {"auto": "policy", "confidence": "confidence"}
-
-
-def sizing_of(sizing: str | None, old: str | None, spellings: dict[str, str]) -> str | None:
-    """--sizing, or the sizing an older `--num-draft` value spelled (`spellings`: value -> sizing);
-    the two saying different things is an error."""
-    implied = spellings.get(old) if old is not None else None
-    if sizing is not None and implied not in (None, sizing):
-        raise ValueError(f"--num-draft {old} means --sizing {implied}; it contradicts --sizing {sizing}")
-    return sizing or implied
 
 
 @dataclass(frozen=True)
@@ -72,8 +59,6 @@ class DraftSpec:
 
     def __post_init__(self):
         """Settings no drafter can take, refused before any model loads."""
-        if self.proposer is not None:
-            object.__setattr__(self, "proposer", proposer_name(self.proposer))  # frozen: set once, here
         if self.proposer is not None and self.proposer not in PROPOSERS:
             raise ValueError(f"unknown proposer '{self.proposer}': use one of {', '.join(PROPOSERS)}")
         if self.sizing is not None and self.sizing not in SIZINGS:
@@ -106,18 +91,13 @@ class DraftSpec:
 
     @classmethod
     def from_args(cls, args) -> DraftSpec:
-        """The spec of the CLI's drafting options (drafthead/commands add_proposer_options).
-        `--num-draft auto` and `--num-draft confidence` are read as `--sizing policy` and
-        `--sizing confidence`, the spelling they had before sizing had its own option."""
-        num_draft, sizing = getattr(args, "num_draft", None), getattr(args, "sizing", None)
-        if num_draft in OLD_SIZING_SPELLINGS:
-            num_draft, sizing = None, sizing_of(sizing, num_draft, OLD_SIZING_SPELLINGS)
+        """The spec of the CLI's drafting options (drafthead/commands add_proposer_options)."""
         return cls(
             proposer=getattr(args, "proposer", None),
             head=getattr(args, "head", None),
             draft_model=getattr(args, "draft_model", None),
-            num_draft=num_draft,
-            sizing=sizing,
+            num_draft=getattr(args, "num_draft", None),
+            sizing=getattr(args, "sizing", None),
             depth=getattr(args, "tree_depth", None),
             branch=getattr(args, "tree_branch", None),
             chain=getattr(args, "chain", None),

@@ -13,22 +13,11 @@ from __future__ import annotations
 
 import importlib.resources
 import sys
-import warnings
 from pathlib import Path
 from typing import Callable
 
 
 PROPOSERS = ("prompt-lookup", "draft-model", "head", "none")
-OLD_PROPOSER_SPELLINGS = {"heads": "head"}  # renamed proposers: read as the new name, with a warning
-
-
-def proposer_name(name: str) -> str:
-    """`name`, or the proposer an old spelling of it names (OLD_PROPOSER_SPELLINGS)."""
-    if name in OLD_PROPOSER_SPELLINGS:
-        new = OLD_PROPOSER_SPELLINGS[name]
-        warnings.warn(f"proposer '{name}' is now '{new}'; read as that (rename it to silence this)", FutureWarning, stacklevel=3)
-        return new
-    return name
 
 
 # Strings whose ids must agree between a target and a draft model's tokenizers (besides the
@@ -65,7 +54,6 @@ def build_drafter(
     Heads are loaded from `head`; the head loader may adapt the target in place (Medusa-2's merged
     LoRA): the adapted model is then the target whose output the decode reproduces.
     """
-    proposer = proposer_name(proposer)
     if kw.get("sizing", "fixed") != "fixed" and proposer != "head":
         raise DrafterError(f"sizing {kw['sizing']!r} sizes EAGLE trees and DSpark blocks, not {proposer} drafts")
     if proposer == "none":
@@ -109,7 +97,6 @@ def make_drafter_factory(proposer: str, target, tokenizer, **kw) -> tuple[Callab
     Expensive parts are built once: a draft model is loaded once and shared; a head drafter is
     built once and reused, since `begin()` starts its state afresh for every sequence.
     """
-    proposer = proposer_name(proposer)
     if proposer == "head":
         drafter, target = head_folder_drafter(kw.pop("head", None), target, tokenizer, **kw)
         return (lambda: drafter), target

@@ -181,22 +181,6 @@ def _check_draft_layer(draft_layer: str) -> None:
         raise ValueError(f"draft_layer must be one of {DRAFT_LAYER_CHOICES}, got {draft_layer!r}")
 
 
-def saved_draft_layer(config: dict) -> str | None:
-    """The draft layer a saved EAGLE head's config dict implies when it predates the `draft_layer`
-    field: those heads were built from their target family's own layer, which is the engines' Llama
-    layer exactly for Llama targets. None: not an EAGLE head, or the field is there."""
-    cls = CONFIG_CLASSES.get(config.get("kind", ""))
-    if cls is None or "draft_layer" in config or "draft_layer" not in {f.name for f in dataclasses.fields(cls)}:
-        return None
-    return "llama" if (config.get("target") or {}).get("model_type", "llama") == "llama" else "target"
-
-
-def with_draft_layer(config: dict) -> dict:
-    """A saved config dict with `draft_layer` filled in for heads saved before the field."""
-    legacy = saved_draft_layer(config)
-    return config if legacy is None else {**config, "draft_layer": legacy}
-
-
 @dataclass
 class Eagle1Config(_HeadConfig):
     """EAGLE-1 (Li et al. 2024): fc(cat(embed(token_{t+1}), feature_t)) -> one decoder layer.
@@ -226,8 +210,8 @@ class Eagle1Config(_HeadConfig):
     rope_parameters: dict | None = None
     # The draft decoder layer: "llama" = a Llama layer sized from the target, whatever its family,
     # the layer every engine serves (docs/formats.md "The draft layer per target family");
-    # "target" = the target family's own layer class, which heads saved before that default kept
-    # (their export refuses wherever no engine serves that family's layer).
+    # "target" = the target family's own layer class, as speculators' checkpoints for some
+    # families hold it (its export refuses wherever no engine serves that family's layer).
     draft_layer: str = "llama"
     # the Llama draft layer's own sizes and activation; None: the target's sizes, SiLU (heads/eagle.py
     # llama_layer_config). Set by imports of published heads whose producer chose its own

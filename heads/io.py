@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .batch import FeatureBatch
-from .config import HeadConfig, config_from_dict, head_kind, with_draft_layer
+from .config import HeadConfig, config_from_dict, head_kind
 from .files import HeadFormatError, read_json, read_safetensors, write_json, write_safetensors
 from .packing import same_segment_shift
 from .target_parts import input_embeddings, output_embeddings
@@ -56,7 +56,7 @@ def read_head_dir(path) -> tuple[HeadConfig, dict, dict[str, torch.Tensor]]:
             "engine layouts are read with heads.export.import_head"
         )
     try:
-        config = config_from_dict(with_draft_layer(meta["config"]))
+        config = config_from_dict(meta["config"])
     except ValueError as e:
         raise HeadFormatError(f"{path / CONFIG_NAME}: {e}") from e
     if config.target is None:

@@ -110,11 +110,6 @@ def test_confidence_rule_needs_a_cost_curve_and_is_only_for_eagle(tmp_path):
     capped, _ = load_head_drafter(folder, target, None, target_name="tiny", num_draft=3)
     assert capped.drafters[0].confidence_rule and capped.drafters[0].num_draft == 3  # num_draft caps the rule
 
-    # drafting.json's old spelling, num_draft "confidence", is read as sizing "confidence" with a warning
-    (folder / "drafting.json").write_text(json.dumps({"num_draft": "confidence", "depth": 2, "top_k": 2}))
-    with pytest.warns(UserWarning, match="now sizing 'confidence'"):
-        assert load_head_drafter(folder, target, None, target_name="tiny")[0].confidence_rule
-
     from drafthead.proposers import DrafterError, build_drafter
 
     medusa = build_head(make_config("medusa1", target, None, name="tiny"), target)

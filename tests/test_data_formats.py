@@ -106,7 +106,7 @@ def test_every_local_format_gives_the_same_conversations(tmp_path):
         ds, report = load_conversations("file", str(tmp_path / name), use_cache=False)
         assert rows_of(ds) == expected, name
         assert report.format == fmt and report.records_read == 3 and report.dropped_turns == {"unknown_role:narrator": 1}
-    # the older source names still read JSON
+    # the `json` source reads the same file as `file` does
     assert rows_of(load_conversations("json", str(tmp_path / "a.json"), use_cache=False)[0]) == expected
 
 

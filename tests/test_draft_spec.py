@@ -1,8 +1,7 @@
-"""DraftSpec (drafthead/draft_spec.py): the one home of how a round drafts. The CLI's spellings map
+"""DraftSpec (drafthead/draft_spec.py): the one home of how a round drafts. The CLI's options map
 to one spec, bad settings fail before any model loads, and each proposer gets its options from
 one translation."""
 
-from argparse import Namespace
 from types import SimpleNamespace
 
 import pytest
@@ -18,23 +17,34 @@ def spec_of(*argv: str) -> DraftSpec:
 
 def test_the_cli_spellings_map_to_one_spec():
     assert spec_of() == DraftSpec()
-    assert spec_of("--num-draft", "auto") == spec_of("--sizing", "policy") == DraftSpec(sizing="policy")
-    assert spec_of("--num-draft", "confidence") == DraftSpec(sizing="confidence")
+    assert spec_of("--sizing", "policy") == DraftSpec(sizing="policy")
     assert spec_of("--num-draft", "12", "--sizing", "confidence") == DraftSpec(num_draft=12, sizing="confidence")
     assert spec_of("--head", "h", "--tree-depth", "3", "--tree-branch", "2", "--lookup-nodes", "4", "--lookup-streak", "0") == DraftSpec(
         head="h", depth=3, branch=2, lookup_nodes=4, lookup_streak=0
     )
-    with pytest.raises(ValueError, match="contradicts --sizing fixed"):
-        spec_of("--num-draft", "auto", "--sizing", "fixed")
 
 
-def test_the_old_proposer_name_heads_is_read_as_head_with_a_warning():
-    with pytest.warns(FutureWarning, match="proposer 'heads' is now 'head'"):
-        assert spec_of("--proposer", "heads", "--head", "h") == DraftSpec(proposer="head", head="h")
-    with pytest.warns(FutureWarning, match="proposer 'heads' is now 'head'"):
-        assert DraftSpec(proposer="heads", head="h").proposer == "head"
-    with pytest.raises(SystemExit):  # not a proposer in either spelling: argparse's one line
-        spec_of("--proposer", "header")
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (("--num-draft", "auto"), "argument --num-draft: expected a whole number, got 'auto'"),
+        (("--num-draft", "confidence"), "argument --num-draft: expected a whole number, got 'confidence'"),
+        (("--proposer", "heads"), "argument --proposer: invalid choice: 'heads'"),
+    ],
+)
+def test_a_value_that_is_no_setting_gets_the_parser_error(argv, message, capsys):
+    """Sizing has its own option and the proposer is `head`: `--num-draft auto|confidence` and
+    `--proposer heads` are values like any unknown one, refused by argparse with exit 2."""
+    with pytest.raises(SystemExit) as stopped:
+        spec_of(*argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_spec_takes_only_its_own_names():
+    with pytest.raises(ValueError, match="unknown proposer 'heads'"):
+        DraftSpec(proposer="heads", head="h")
+    with pytest.raises(ValueError, match="unknown sizing 'auto'"):
+        DraftSpec(sizing="auto")
 
 
 @pytest.mark.parametrize(
@@ -85,16 +95,15 @@ def test_build_gives_the_factory_model_verifier_and_policy():
     assert policy.policy is not None and any("timing the target's forward" in line for line in lines)
 
 
-def test_data_regenerate_spells_sizing_the_same_way():
-    from drafthead.commands.data import _regenerate_sizing
-
-    def sizing(**kw):
-        return _regenerate_sizing(Namespace(**{"sizing": None, "num_draft": None, **kw}))
-
-    assert sizing() == "policy" and sizing(num_draft="whole") == "fixed" and sizing(sizing="fixed") == "fixed"
-    assert sizing(num_draft="auto", sizing="policy") == "policy"
-    with pytest.raises(ValueError, match="contradicts"):
-        sizing(num_draft="whole", sizing="policy")
+def test_data_regenerate_spells_sizing_as_the_other_commands(capsys):
+    """`data regenerate --sizing policy|fixed`; `--num-draft` is no option of it."""
+    parser = build_parser()[0]
+    common = ["data", "regenerate", "--out", "x.jsonl", "--speculative"]
+    assert parser.parse_args([*common, "--sizing", "fixed"]).sizing == "fixed"
+    assert parser.parse_args(common).sizing is None  # the load policy (commands/data.py _regenerate_locally)
+    with pytest.raises(SystemExit) as stopped:
+        parser.parse_args([*common, "--num-draft", "whole"])
+    assert stopped.value.code == 2 and "unrecognized arguments: --num-draft whole" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "medusa1"])

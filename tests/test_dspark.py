@@ -257,19 +257,17 @@ def test_dspark_export_is_deepseeks_layout_and_reads_back(tmp_path):
 
 
 def test_a_saved_head_drafts_with_the_confidence_rule_from_the_cli_value(tmp_path):
-    """`--sizing confidence` (and its old spelling `--num-draft confidence`) reaches a saved DSpark
-    head's drafter through the DraftSpec with the target's measured verify cost, and decodes exactly."""
+    """`--sizing confidence` reaches a saved DSpark head's drafter through the DraftSpec with the
+    target's measured verify cost, and decodes exactly."""
     from argparse import Namespace
     from types import SimpleNamespace
 
-    from drafthead.commands import _num_draft
     from drafthead.draft_spec import DraftSpec
 
     target = tiny_causal_lm("llama", layers=4)
     folder = dspark(target, block=4).save_pretrained(tmp_path / "dspark")
-    spec = DraftSpec.from_args(Namespace(head=str(folder), num_draft=_num_draft("confidence")))
+    spec = DraftSpec.from_args(Namespace(head=str(folder), sizing="confidence"))
     assert (spec.sizing, spec.num_draft) == ("confidence", None)
-    assert DraftSpec.from_args(Namespace(head=str(folder), sizing="confidence")) == spec
     drafting = spec.build(SimpleNamespace(name="tiny", model=target, tokenizer=None), note=lambda line: None)
     assert drafting.policy is None and drafting.verifier is target and drafting.spec.proposer == "head"
     drafter = drafting.factory()

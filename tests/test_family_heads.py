@@ -400,22 +400,19 @@ def test_the_layout_checks_see_a_wrong_shape_a_missing_tensor_and_a_lost_key(tmp
     assert config_key_differences({**cfg, "eagle_ids": [1]}, theirs, LlamaConfig) == ["added eagle_ids"]
 
 
-# ----------------------------------------------------------------------------- heads saved before
+# ----------------------------------------------------------------------------- the family's own layer
 
 
 def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_path):
-    """A Qwen3 head saved before `draft_layer` existed (its config has no such key) holds Qwen3's
-    own layer with q/k norms: it loads as that layer and drafts exactly; speculators serves it
-    (its Qwen3 EAGLE-3 layer) and it imports back, on a Qwen3 target only; every other engine
-    export refuses in one line naming the engine."""
+    """A Qwen3 head saved with `draft_layer: target` holds Qwen3's own layer with q/k norms: it
+    loads as that layer and drafts exactly; speculators serves it (its Qwen3 EAGLE-3 layer) and it
+    imports back, on a Qwen3 target only; every other engine export refuses in one line naming
+    the engine."""
     from drafthead.heads.registry import load_head
 
     target = target_of("qwen3")
     config = make_config("eagle3", target, None, name="tiny-qwen3", **KINDS["eagle3"], draft_layer="target")
-    folder = build_head(config, target, token_counts=torch.arange(V)).save_pretrained(tmp_path / "old")
-    meta = json.loads((folder / CONFIG_NAME).read_text())
-    del meta["config"]["draft_layer"]
-    (folder / CONFIG_NAME).write_text(json.dumps(meta))
+    folder = build_head(config, target, token_counts=torch.arange(V)).save_pretrained(tmp_path / "family-layer")
     head, _ = load_head(folder, target, None, target_name="tiny-qwen3")
     assert head.config.draft_layer == "target" and "midlayer.self_attn.q_norm.weight" in head.state_dict()
     assert_greedy_equals_plain(

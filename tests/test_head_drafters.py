@@ -86,8 +86,17 @@ def test_drafting_json_sets_defaults_and_rejects_unknown_keys(tmp_path):
         load_head_drafter(folder, target, None, target_name="tiny")
 
 
-@pytest.mark.parametrize("kind, old", [("eagle1", "total_tokens"), ("medusa1", "num_nodes")])
-def test_drafting_json_reads_the_old_name_of_num_draft_with_a_warning(tmp_path, kind, old):
+@pytest.mark.parametrize(
+    "kind, settings, message",
+    [
+        ("eagle1", {"total_tokens": 5}, "unknown keys ['total_tokens']"),
+        ("medusa1", {"num_nodes": 5}, "unknown keys ['num_nodes']"),
+        ("eagle1", {"num_draft": "confidence"}, "num_draft must be a whole number >= 1, got 'confidence'"),
+    ],
+)
+def test_drafting_json_takes_only_the_drafters_own_names(tmp_path, kind, settings, message):
+    """The draft size is `num_draft` and the rule that sizes rounds is `sizing`, in every family:
+    any other key or value is refused naming the file."""
     import json
 
     from drafthead.inference.drafters.load import load_head_drafter
@@ -95,13 +104,10 @@ def test_drafting_json_reads_the_old_name_of_num_draft_with_a_warning(tmp_path, 
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config(kind, target, None, name="tiny"), target)
     folder = head.save_pretrained(tmp_path / "head")
-    (folder / "drafting.json").write_text(json.dumps({old: 5}))
-    with pytest.warns(UserWarning, match=f"'{old}' is now 'num_draft'"):
-        drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
-    assert drafter.describe()["num_draft"] == 5
-    (folder / "drafting.json").write_text(json.dumps({old: 5, "num_draft": 6}))
-    with pytest.raises(ValueError, match="old name of 'num_draft'"):
+    (folder / "drafting.json").write_text(json.dumps(settings))
+    with pytest.raises(ValueError) as refused:
         load_head_drafter(folder, target, None, target_name="tiny")
+    assert str(folder / "drafting.json") in str(refused.value) and message in str(refused.value)
 
 
 def slow_eagle_logits(head, target, history, path_tokens):

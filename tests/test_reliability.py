@@ -229,8 +229,8 @@ def test_resume_applies_and_logs_allowed_changes(tmp_path):
     bad = config(tmp_path, max_steps=6, checkpoint_every=2, eval_every=0, log_every=1, lr=0.5)
     with pytest.raises(ValueError, match="lr: 0.03 -> 0.5"):
         check_resume(cfg.to_dict(), bad, "here")
-    older = {k: v for k, v in cfg.to_dict().items() if k != "shard_target"}  # a field added later, at its default
-    assert check_resume(older, cfg, "here") == []
+    unnamed = {k: v for k, v in cfg.to_dict().items() if k != "shard_target"}  # compared at its default
+    assert check_resume(unnamed, cfg, "here") == []
 
 
 def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):

@@ -216,15 +216,25 @@ def test_under_a_launcher_rank_0_alone_prints_the_error(tmp_path):
     assert f"traceback : {ours[0]}" in out.stderr and "To enable traceback" not in out.stderr, out.stderr
 
 
-def test_a_warning_is_one_line(tmp_path, capsys):
-    """Python printed a warning as FILE:LINE: FutureWarning: ... and the source line."""
+def test_a_warning_is_one_line(tmp_path, capsys, tiny_llama_dir):
+    """Python printed a warning as FILE:LINE: UserWarning: ... and the source line. A head trained
+    on a target of another name whose every structural field matches loads with a warning."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafthead.heads.registry import build_head, make_config
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    config = make_config("medusa1", target, AutoTokenizer.from_pretrained(tiny_llama_dir), name="trained-elsewhere", num_heads=2)
+    head = build_head(config, target).save_pretrained(tmp_path / "head")
     with warnings.catch_warnings():
-        warnings.simplefilter("always")  # shown even where this process warned before
-        code, err = run_cli(capsys, "generate", "--proposer", "heads", "--target", "nothing", "--prompt", "hi")
-    lines = err.splitlines()
-    assert code == 2 and len(lines) == 2, err
-    assert lines[0] == "drafthead: warning: proposer 'heads' is now 'head'; read as that (rename it to silence this)"
-    assert lines[1].startswith("drafthead: error: unknown target 'nothing'")
+        warnings.simplefilter("always", UserWarning)  # shown even where this process warned before
+        code, err = run_cli(capsys, "generate", "--target", tiny_llama_dir, "--head", head, "--prompt", "hi", "--max-new-tokens", "2")
+    warned = [line for line in err.splitlines() if "warning:" in line.lower()]
+    assert code == 0 and "Traceback" not in err, err
+    assert warned == [
+        f"drafthead: warning: head was trained on target 'trained-elsewhere', loading onto '{tiny_llama_dir.name}' "
+        "(every structural field and the tokenizer match)"
+    ], err
 
 
 def test_metrics_log_each_step_once_after_a_resume(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):

@@ -218,15 +218,8 @@ def _load_checkpoint(path: Path, map_location) -> Checkpoint:
     )
 
 
-def saved_run_config(path: str | Path, fallback: str | Path | None = None) -> dict | None:
-    """The run config that wrote the checkpoint at `path` (its RUN_CONFIG_FILE), else the YAML at
-    `fallback` (the run's config.yaml, for checkpoints older than RUN_CONFIG_FILE), else None.
-    Reads no tensors: cheap enough to check a resume before the target loads."""
-    import yaml
-
+def saved_run_config(path: str | Path) -> dict | None:
+    """The run config that wrote the checkpoint at `path` (its RUN_CONFIG_FILE), None where it has
+    none. Reads no tensors: cheap enough to check a resume before the target loads."""
     own = Path(path) / RUN_CONFIG_FILE
-    if own.exists():
-        return json.loads(own.read_text())
-    if fallback is not None and Path(fallback).exists():
-        return yaml.safe_load(Path(fallback).read_text()) or None
-    return None
+    return json.loads(own.read_text()) if own.exists() else None

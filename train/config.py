@@ -525,7 +525,7 @@ def check_resume(saved: dict | None, config: TrainConfig, where: str) -> list[st
     (None: unknown, nothing to compare); a change of meaning raises ConfigError with the diff."""
     if saved is None:
         return []
-    # a field the saved config lacks (written by an older drafthead) had its default then
+    # a field the saved config does not name ran at its default
     refused, applied = resume_changes(_with_defaults(saved, TrainConfig().to_dict()), config.to_dict())
     if refused:
         raise ConfigError(

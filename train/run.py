@@ -371,7 +371,7 @@ def run_training(
                     inputs=[config.target, config.data.path, config.features.path, config.init_from, *inputs],
                 )
             if resume and existing is not None:  # here it costs no target load
-                check_resume(saved_run_config(existing, out / CONFIG_FILE), config, str(existing))
+                check_resume(saved_run_config(existing), config, str(existing))
             data_sha256 = data_fingerprint(config.data.source, config.data.path)
             if resume and existing is not None:
                 check_same_data(existing, data_sha256, config.data.path or config.data.source)

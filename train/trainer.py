@@ -678,7 +678,7 @@ class Trainer:
             remove_partial_checkpoints(out)
         if not resume or existing is None:
             return None, []
-        changes = check_resume(saved_run_config(existing, out / CONFIG_FILE), self.config, str(existing))
+        changes = check_resume(saved_run_config(existing), self.config, str(existing))
         return load_checkpoint(existing), changes
 
     def _save_best(self, step: int, value: float, log: RunLog) -> None:

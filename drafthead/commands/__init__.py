@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from ..draft_spec import PROPOSERS, SIZINGS, proposer_name
+from ..draft_spec import PROPOSERS, SIZINGS
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -49,10 +49,6 @@ def _positive_int(value: str) -> int:
 
 def _non_negative_int(value: str) -> int:
     return _whole_number(value, 0)
-
-
-def _num_draft(value: str) -> int | str:
-    return value if value in ("auto", "confidence") else _positive_int(value)
 
 
 def _positive_float(value: str) -> float:
@@ -125,7 +121,6 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("drafting")
     g.add_argument(
         "--proposer",
-        type=proposer_name,
         choices=PROPOSERS,
         default=None,
         help="who drafts (default: the head shipped for the target, else prompt lookup)",
@@ -134,7 +129,7 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
     g.add_argument(
         "--num-draft",
-        type=_num_draft,
+        type=_positive_int,
         default=None,
         metavar="N",
         help="draft nodes per round (default: the proposer's, or the head folder's drafting.json); "
@@ -147,8 +142,7 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
         help="how each round's tree is sized: fixed (every round the drafter's tree); policy: the node "
         "count, down to plain decoding, that pays at the batch size, from the target's measured "
         "forward cost; confidence (EAGLE and DSpark heads): the drafter's own estimate of "
-        "acceptance against that cost (default: drafting.json's, else fixed). `--num-draft auto` "
-        "and `--num-draft confidence` are read as --sizing policy and --sizing confidence",
+        "acceptance against that cost (default: drafting.json's, else fixed)",
     )
     g.add_argument(
         "--lookup-nodes",

@@ -21,7 +21,7 @@ import json
 import os
 from pathlib import Path
 
-from ..draft_spec import llamacpp_target, sizing_of
+from ..draft_spec import llamacpp_target
 from ..train.openai_server import RETRY_STATUS
 from . import (
     _non_negative_int,
@@ -88,7 +88,6 @@ def add_parser(subparsers) -> None:
         "decoding by the measured forward cost (a whole tree at batch 48 costs more than it "
         "gains on a CPU); fixed: the head's whole trees every round",
     )
-    q.add_argument("--num-draft", choices=("auto", "whole"), default=None, help="the old spelling of --sizing: auto is policy, whole is fixed")
     g = q.add_argument_group('serving engine (docs/models-and-data.md "Regenerating through a server")')
     g.add_argument(
         "--server",
@@ -234,7 +233,7 @@ def _clear_for_overwrite(paths, share) -> None:
 
 
 # `data regenerate`'s options that only one way of answering reads: given with the other, refused
-LOCAL_ONLY = ("batch_size", "speculative", "head", "sizing", "num_draft", "device", "threads", "round_weights")
+LOCAL_ONLY = ("batch_size", "speculative", "head", "sizing", "device", "threads", "round_weights")
 SERVER_ONLY = ("model", "concurrency", "retries", "request_timeout", "reasoning")
 
 
@@ -346,11 +345,6 @@ def _regenerate_from_servers(args, ds, out: Path, settings, server) -> int:
     return 0
 
 
-def _regenerate_sizing(args) -> str:
-    """--sizing, or what the old --num-draft auto|whole spelled; the load policy by default."""
-    return sizing_of(args.sizing, args.num_draft, {"auto": "policy", "whole": "fixed"}) or "policy"
-
-
 def _regenerate_locally(args, ds, out: Path, share, say, settings) -> int:
     import dataclasses
 
@@ -362,7 +356,7 @@ def _regenerate_locally(args, ds, out: Path, share, say, settings) -> int:
     if args.speculative or args.head:
         from ..draft_spec import DraftSpec
 
-        spec = DraftSpec(proposer="head", head=args.head, sizing=_regenerate_sizing(args))
+        spec = DraftSpec(proposer="head", head=args.head, sizing=args.sizing or "policy")
         drafting = spec.build(loaded, threads=args.threads, note=say)
         drafter, model, policy = drafting.factory(), drafting.model, drafting.policy
         say(

@@ -28,7 +28,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..config import DRAFT_OWN_FIELDS, Eagle3Config, config_from_dict, head_kind, with_draft_layer
+from ..config import DRAFT_OWN_FIELDS, Eagle3Config, config_from_dict, head_kind
 from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, check_state_dict, read_head_dir
 from ..files import HeadFormatError, write_json, write_safetensors
@@ -226,7 +226,7 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     foreign = read_foreign(src, convention)
     name = target_name or str(getattr(target_model.config, "_name_or_path", "") or "target")
     if foreign.config is not None:
-        config = config_from_dict(with_draft_layer(foreign.config))
+        config = config_from_dict(foreign.config)
         if config.target is None:
             raise HeadFormatError(f"{src}: the drafthead block's config has no target identity")
         check_compatible(config.target, identify_target(target_model, tokenizer, target_name or config.target.name))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import heapq
 import math
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -346,11 +345,12 @@ class EagleDrafter(FeatureBuffer):
         return n
 
 
-_DECAY = 0.98  # per round, for the calibration sums of auto tree sizing (~50 rounds of memory)
+_DECAY = 0.98  # per round, for the calibration sums of confidence sizing (~50 rounds of memory)
 
 DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter settings measured best for this head
 # num_draft: draft nodes per round (`--num-draft`); sizing: "fixed" or "confidence" (`--sizing`; the
-# load policy is the engine's, not a drafter setting); lookup_nodes: the merged prompt lookup's own
+# load policy is the engine's, not a drafter setting); lookup_nodes, lookup_streak: the merged prompt
+# lookup's own (`--lookup-nodes`, `--lookup-streak`)
 _SHARED_KEYS = {"num_draft", "sizing", "lookup_nodes", "lookup_streak"}
 _DRAFTING_KEYS = {
     "medusa": {"choices", *_SHARED_KEYS},
@@ -361,9 +361,6 @@ _DRAFTING_KEYS = {
     "dspark": {"choices", *_SHARED_KEYS},
 }
 DRAFTER_SIZINGS = ("fixed", "confidence")
-# num_draft's key before the draft size had one name (EAGLE's total_tokens, the others' num_nodes):
-# drafting.json files that hold it are read with a warning (`renamed_drafting_keys`)
-_OLD_NUM_DRAFT_KEY = {"eagle": "total_tokens"}  # every other family: "num_nodes"
 
 
 def check_drafting_keys(keys, family: str, where: str) -> None:
@@ -405,26 +402,6 @@ def drafting_defaults(path: Path, family: str) -> dict:
     if not file.is_file():
         return {}
     settings = read_json(file)  # not JSON, not UTF-8, or not an object: one line naming the file
-    settings = renamed_drafting_keys(settings, family, str(file))
     check_drafting_keys(settings, family, str(file))
     check_drafting_values(settings, str(file))
-    return settings
-
-
-def renamed_drafting_keys(settings: dict, family: str, where: str) -> dict:
-    """`settings` with the family's old name for num_draft (_OLD_NUM_DRAFT_KEY) renamed, and
-    num_draft "confidence" read as sizing "confidence", each with a warning naming `where`; the old
-    key beside the new one is an error."""
-    settings, old = dict(settings), _OLD_NUM_DRAFT_KEY.get(family, "num_nodes")
-    if settings.get("num_draft") == "confidence":
-        if settings.get("sizing", "confidence") != "confidence":
-            raise ValueError(f"{where}: num_draft 'confidence' (the old spelling of sizing 'confidence') beside sizing {settings['sizing']!r}")
-        warnings.warn(f"{where}: num_draft 'confidence' is now sizing 'confidence'; read as that (rename it to silence this)", stacklevel=3)
-        del settings["num_draft"]
-        settings["sizing"] = "confidence"
-    if old in settings:
-        if "num_draft" in settings:
-            raise ValueError(f"{where}: both {old!r} and 'num_draft'; {old!r} is the old name of 'num_draft'")
-        warnings.warn(f"{where}: {old!r} is now 'num_draft'; read as 'num_draft' (rename it to silence this)", stacklevel=3)
-        settings["num_draft"] = settings.pop(old)
     return settings

@@ -17,7 +17,6 @@ from .head_drafters import (
     check_drafting_keys,
     check_drafting_values,
     drafting_defaults,
-    renamed_drafting_keys,
 )
 from .merged import MergedDrafter
 from .parallel import DFlashDrafter, DSparkDrafter, ParallelDrafter
@@ -66,7 +65,6 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
     family = kind.family
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     chain = given.pop("chain", None)
-    given = renamed_drafting_keys(given, family, f"{head.kind} drafter options")
     check_drafting_keys(given, family, f"{head.kind} drafter options")
     check_drafting_values(given, f"{head.kind} drafter options")
     settings = {**drafting_defaults(Path(path), family), **given}

@@ -112,7 +112,7 @@ def load():
     for name, (args, result) in _SIGNATURES.items():
         fn = getattr(libs[0] if name.startswith("dh_") else libs[1], name, None)
         if fn is None:
-            raise LibllamaMissing(f"{path} has no {name}: it was built from an older drafthead (run `make llamacpp` again)")
+            raise LibllamaMissing(f"{path} has no {name}: it was built from another drafthead version (run `make llamacpp` again)")
         fn.argtypes, fn.restype = args, result
         setattr(calls, name, fn)
     calls.dh_init(bool(os.environ.get("DRAFTHEAD_LLAMA_VERBOSE")))

@@ -27,7 +27,7 @@ drafthead data tiny-target --out tiny
 drafthead train --config tiny-eagle3 target=tiny data.path=tiny/chats.jsonl output_dir=run max_steps=2 checkpoint_every=0 eval_every=0
 drafthead export run/final --format ours --out exported
 drafthead export run/final --format vllm --out exported-vllm  # the README's first path reaches an engine layout
-drafthead generate --target tiny --proposer heads --head exported --prompt "hello" --max-new-tokens 8 --dtype float32
+drafthead generate --target tiny --proposer head --head exported --prompt "hello" --max-new-tokens 8 --dtype float32
 # transformers' generate() with the wheel's custom_generate folder: the head drafts, the output is plain greedy's
 python - <<'PY'
 from transformers import AutoModelForCausalLM

@@ -42,7 +42,7 @@ KINDS = {
     "eagle3-edsd": ("eagle3", ["head.ttt_steps=3", f"head.ttt_ramp={RAMP}", f"head.entropy_ramp={RAMP}"]),
     "peagle": ("peagle", []),
     "dflash": ("dflash", []),
-    # the objectives on one kind (issue 39's table): LK's -log acceptance and D-PACE's adaptive weights
+    # the objectives on one kind: LK's -log acceptance and D-PACE's adaptive weights
     "dflash-lk": ("dflash", ["head.loss=lk_alpha"]),
     "dflash-dpace": ("dflash", ["head.loss=dpace"]),
     "eagle3-dpace": ("eagle3", ["head.ttt_steps=3", "head.ttt_ramp=0", "head.loss=dpace"]),
