@@ -52,7 +52,7 @@ def tiny_tokenizer():
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(tmp_path_factory):
-    """Factory: family -> folder of a saved tiny random target (built once per session)."""
+    """Factory: family -> folder of a saved tiny random target (built once per test run)."""
     made: dict[tuple, Path] = {}
 
     def make(family: str = "llama", **overrides) -> Path:

@@ -214,7 +214,7 @@ def test_empty_sources_and_bad_lines_name_the_file(tmp_path):
 
 
 def test_chat_template_errors_name_the_conversation(tmp_path, tiny_tokenizer):
-    tok = copy.deepcopy(tiny_tokenizer)  # the session fixture stays intact
+    tok = copy.deepcopy(tiny_tokenizer)  # the shared fixture stays intact
     tok.chat_template = "{{ messages[-1]['content'] }}"  # renders only the last message: no prefix rendering
     path = write_jsonl(tmp_path / "c.jsonl", [chat(0), chat(1)])
     ds, _ = load_conversations("json", str(path), use_cache=False)

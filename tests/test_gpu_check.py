@@ -1,5 +1,5 @@
-"""The CPU dry runs of the GPU check (scripts/gpu/check.sh --dry-run) and of the GPU session
-(scripts/gpu/session.sh --dry-run). The check's: staging without wheels, one
+"""The CPU dry runs of the GPU check (scripts/gpu/check.sh --dry-run) and of the GPU run
+(scripts/gpu/run.sh --dry-run). The check's: staging without wheels, one
 training step of an EAGLE-3 head on a target of SmolLM2-135M's shapes with random weights at two
 short lengths (the long-context step) and for the training run, and its bench, ending in the
 summary line. What the GPU run does, short of the device and of tests/test_cuda.py, which `make
@@ -29,15 +29,15 @@ def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
 
 
 @pytest.mark.slow  # the real target: its weights' digest, its answers, a head trained on them
-def test_the_gpu_session_runs_dry_on_the_cpu(tmp_path):
-    """scripts/gpu/session.sh --dry-run: the bundle staged in parts that each fit a call beside the
-    checkout, carried one a call to a folder standing for the device, the session's phases at the
+def test_the_gpu_run_goes_dry_on_the_cpu(tmp_path):
+    """scripts/gpu/run.sh --dry-run: the bundle staged in parts that each fit a call beside the
+    checkout, carried one a call to a folder standing for the device, the GPU run's phases at the
     dry budget (the real target's weights checked, answers, two training steps, the head sent
     back in parts, the bench), and the head checked here."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(["bash", str(REPO / "scripts/gpu/session.sh"), "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(["bash", str(REPO / "scripts/gpu/run.sh"), "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    calls = [line for line in proc.stdout.splitlines() if 'run(command="bash scripts/gpu/session.sh"' in line]
+    calls = [line for line in proc.stdout.splitlines() if 'run(command="bash scripts/gpu/run.sh"' in line]
     manifest = json.loads((tmp_path / "here/parts/manifest.json").read_text())
     assert len(calls) == len(manifest["parts"]) >= 3 and "timeout_s=600" in calls[-1]
     assert all(part["bytes"] <= manifest["part_bytes"] < 64 * 2**20 for part in manifest["parts"])

@@ -1,4 +1,4 @@
-"""Files that travel in parts (scripts/gpu/parts.py, docs/testing.md "The GPU session"): a folder
+"""Files that travel in parts (scripts/gpu/parts.py, docs/testing.md "The GPU run"): a folder
 sent as parts comes back byte for byte, whatever order the parts arrive in; a part that is
 missing is named with the call that sends it, one from a machine that went cold is said to be so,
 and a corrupted part or joined file is refused in one line."""

@@ -4,7 +4,7 @@ greedy decoding in float32. On the CPU the steps run eagerly on their static buf
 GPU replays, its padding included), and through dynamo with fullgraph=True ("traced"): a step
 that read a value back to the host or branched on one would break the trace, and one whose
 rounds retraced it would add graphs; neither could be recorded as a CUDA graph. The recording
-itself runs in scripts/gpu/session.py on a GPU."""
+itself runs in scripts/gpu/run.py on a GPU."""
 
 import pytest
 import torch

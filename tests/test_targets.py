@@ -164,7 +164,7 @@ def test_installing_an_unknown_builtin_is_a_clear_error(tmp_path):
 
 @pytest.mark.slow
 def test_a_builtin_installed_from_its_gguf_holds_the_same_weights(tmp_path, monkeypatch):
-    """What the GPU session does with the GGUF it carries (docs/testing.md "The GPU session"): the
+    """What the GPU run does with the GGUF it carries (docs/testing.md "The GPU run"): the
     package's file dequantized into a fresh cache under the built-in name, found there by name,
     with the weights' digest of this machine's own install; a second install keeps the folder."""
     import importlib.metadata

@@ -32,7 +32,7 @@ from .cache import _layers
 
 GRAPH, EAGER, TRACED = "graph", "eager", "traced"
 MODES = (GRAPH, EAGER, TRACED)
-# False: never capture, eager on a GPU too (a session whose capture failed carries on without it)
+# False: never capture, eager on a GPU too (a run whose capture failed carries on without it)
 CAPTURE_ON_CUDA = True
 
 NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # node counts a round forward is recorded for

@@ -1,5 +1,5 @@
 """Plain greedy decoding of a batch with one recorded step per token (inference/engine/graphs.py):
-what regenerating training answers on a GPU runs (scripts/gpu/session.py), where the decode
+what regenerating training answers on a GPU runs (scripts/gpu/run.py), where the decode
 loop's per-row host work (generate.py) would cost more than the target's forward.
 
     prefill     the prompts left-padded to the longest, P, into slots [0, P) of a static cache;

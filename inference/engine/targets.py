@@ -341,7 +341,7 @@ def _builtin_folder(target: BuiltinTarget) -> Path:
 
 def install_builtin(name: str, gguf: Path) -> Path:
     """The built-in target `name` dequantized from `gguf`, its package's file carried to a machine
-    without the package (the GPU session, docs/testing.md), into the cache folder where
+    without the package (the GPU run, docs/testing.md), into the cache folder where
     `target_folder(name)` finds it. A complete folder already there is kept."""
     if name not in BUILTIN_TARGETS:
         raise TargetError(f"unknown built-in target '{name}' (known: {', '.join(sorted(BUILTIN_TARGETS))})")

@@ -1,4 +1,4 @@
-"""The head the GPU session brought back, checked here on the CPU (docs/testing.md "The GPU session"):
+"""The head the GPU run brought back, checked here on the CPU (docs/testing.md "The GPU run"):
 its parts checked and joined (scripts/gpu/parts.py), the head loaded onto the target, and its tau
 as a chain of 3 replayed (inference/bench/replay.py) on the target's own fp32 greedy answers to
 MT-bench prompts, beside the shipped head's on the same answers.
@@ -39,7 +39,7 @@ def chain_tau(model, tokenizer, head: Path, sequences: list, chain: int) -> dict
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--parts", required=True, help="the folder the session's head parts came back in (its manifest.json and parts)")
+    p.add_argument("--parts", required=True, help="the folder the GPU run's head parts came back in (its manifest.json and parts)")
     p.add_argument("--out", required=True)
     p.add_argument("--budget", choices=sorted(BUDGETS), default="full")
     p.add_argument("--chain", type=int, default=3)

@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu/check.sh and scripts/gpu/session.sh. `install WHEELS`: the wheels
+# Sourced by scripts/gpu/check.sh and scripts/gpu/run.sh. `install WHEELS`: the wheels
 # scripts/gpu/stage.py staged (the packages WHEELS/wanted.txt names and what they need) into $PY's
 # environment offline, resolved against the image's packages (every wheel with --no-deps where
 # that fails), then drafthead itself, editable; prints the versions it ended with.

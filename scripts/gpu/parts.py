@@ -1,5 +1,5 @@
-"""Files that travel in parts (docs/testing.md "The GPU session"). The device tool carries at most
-64 MiB a call, the checkout included, and brings back files of at most 16 MiB; the GPU session's
+"""Files that travel in parts (docs/testing.md "The GPU run"). The device tool carries at most
+64 MiB a call, the checkout included, and brings back files of at most 16 MiB; the GPU run's
 bundle (the target's GGUF, wheels, prompts) and the head it trains are larger. A file is split
 into numbered parts and a manifest holding each part's sha256 and the whole file's; the side that
 receives them checks each part as it comes, says which are missing, and joins them once all are

@@ -1,15 +1,15 @@
-"""Stage what a GPU run carries into a git-ignored folder (docs/testing.md "On a GPU").
+"""Stage what a device call carries into a git-ignored folder (docs/testing.md "On a GPU").
 
     .venv/bin/python scripts/gpu/stage.py --out .gpu      the GPU check's folder, one call (scripts/gpu/check.sh)
-    .venv/bin/python scripts/gpu/stage.py --session       the GPU session's bundle, in parts (scripts/gpu/session.sh)
+    .venv/bin/python scripts/gpu/stage.py --run           the GPU run's bundle, in parts (scripts/gpu/run.sh)
 
 The check's folder: the SmolLM2-135M target's config and tokenizer (no weights: the check builds a
 target of its shapes with random weights), 256 ShareGPT chats, 8 MT-bench prompts, and (unless
 --no-wheels) the wheels of the packages drafthead needs that the GPU image lacks or holds at
-other versions. SmolLM2-135M's weights are 270 MB in bf16, four times what one run may carry; speed
+other versions. SmolLM2-135M's weights are 270 MB in bf16, four times what one call may carry; speed
 and memory depend on the target's shapes, not its values.
 
-The session's bundle holds the real target: the built-in target's own GGUF file (Q4_1, 94 MiB),
+The GPU run's bundle holds the real target: the built-in target's own GGUF file (Q4_1, 94 MiB),
 the smallest exact form of its weights, since the target *is* that file dequantized (the fp32
 safetensors it becomes are 513 MiB, bf16 would round it); the device dequantizes it as this
 machine did and compares the weights' digest with this machine's. Beside it the wheels, the user
@@ -67,22 +67,22 @@ PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 27, 28, 31, 34, 35)] + 
 
 CALL_BYTES = 64 * 2**20  # what one device call carries, the checkout included (docs/testing.md)
 SPARE_BYTES = 2**20  # kept free in every call: the manifest, and files the checkout gains
-SESSION = Path(".gpu-session")  # the session's folder, relative to the repository root
+GPU_RUN = Path(".gpu-run")  # the GPU run's folder, relative to the repository root
 MAX_PROMPT_TOKENS = 384  # a longer user turn is left out, as the shipped head's data did (heads/pretrained/README.md)
 MAX_TURNS = 3  # user turns a conversation keeps: the target answers each in turn, its answers in the history
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="default: .gpu, with --session .gpu-session")
-    p.add_argument("--session", action="store_true", help="the GPU session's bundle in parts (module docstring)")
+    p.add_argument("--out", default=None, help="default: .gpu, with --run .gpu-run")
+    p.add_argument("--run", action="store_true", help="the GPU run's bundle in parts (module docstring)")
     p.add_argument("--chats", type=int, default=256, help="the check's ShareGPT chats")
-    p.add_argument("--conversations", type=int, default=None, help="the session's ShareGPT conversations to answer (default: all that qualify)")
+    p.add_argument("--conversations", type=int, default=None, help="the GPU run's ShareGPT conversations to answer (default: all that qualify)")
     p.add_argument("--no-wheels", action="store_true", help="the CPU dry run: its venv has every package")
     p.add_argument("--python-version", default="3.12", help="the GPU image's Python (docs/testing.md)")
     args = p.parse_args(argv)
-    if args.session:
-        return stage_session(Path(args.out or SESSION), args)
+    if args.run:
+        return stage_run(Path(args.out or GPU_RUN), args)
     return stage_check(Path(args.out or ".gpu"), args)
 
 
@@ -111,7 +111,7 @@ def stage_check(out: Path, args) -> int:
     return 0
 
 
-def stage_session(out: Path, args) -> int:
+def stage_run(out: Path, args) -> int:
     """The bundle (module docstring) as parts in out/parts; prints the device calls that carry them."""
     from drafthead.inference.bench.prompts import load_prompts
     from drafthead.inference.engine.targets import BUILTIN_TARGETS, load_tokenizer, target_folder, weights_digest
@@ -180,14 +180,14 @@ def checkout_bytes() -> int:
 
 
 def calls(parts: Path, manifest: dict) -> str:
-    """The device calls that carry the parts, in order: the one that completes them runs the session."""
-    lines = ["the GPU session, one device call a part, back to back (a machine goes back 30 s after a call):"]
+    """The device calls that carry the parts, in order: the one that completes them runs the phases."""
+    lines = ["the GPU run, one device call a part, back to back (a machine goes back 30 s after a call):"]
     last = len(manifest["parts"]) - 1
     for i, part in enumerate(manifest["parts"]):
         carry = json.dumps([str(parts / MANIFEST), str(parts / part["name"])])
         timeout = 600 if i == last else 120
-        lines.append(f'  {i + 1}. run(command="bash scripts/gpu/session.sh", carry={carry}, timeout_s={timeout})')
-    lines.append("each call prints which parts the device holds and what to send next; the last one runs the session (about 9 minutes)")
+        lines.append(f'  {i + 1}. run(command="bash scripts/gpu/run.sh", carry={carry}, timeout_s={timeout})')
+    lines.append("each call prints which parts the device holds and what to send next; the last one runs the phases (about 9 minutes)")
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
-"""The GPU session's run (scripts/gpu/session.sh; docs/testing.md "The GPU session"), on the bundle
-`scripts/gpu/stage.py --session` staged, in one process, each phase within its share of the budget:
+"""The GPU run's phases (scripts/gpu/run.sh; docs/testing.md "The GPU run"), on the bundle
+`scripts/gpu/stage.py --run` staged, in one process, each phase within its share of the budget:
 
  1. target      the built-in target dequantized from the bundle's GGUF; its weights' digest is
                 compared with the staging machine's (the same target, to the bit, or flagged)
@@ -16,7 +16,7 @@
                 with the new head as a chain of 3, the last two on recorded steps
                 (compile="graphs", GraphedChainDrafter): tokens/s and whether the outputs agree
 
-    python3 scripts/gpu/session.py --bundle .gpu-session/bundle --work /tmp/drafthead-session --out $OUT
+    python3 scripts/gpu/run.py --bundle .gpu-run/bundle --work /tmp/drafthead-gpu-run --out $OUT
 
 A phase that fails is recorded in the summary and the run goes on with what does not need it
 (the bench on the shipped head when no new head came). Prints one JSON summary line and writes
@@ -118,7 +118,7 @@ BUDGETS = {
 
 
 def say(message: str) -> None:
-    print(f"[session {time.strftime('%H:%M:%S')}] {message}", flush=True)
+    print(f"[gpu-run {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def install_target(bundle: Path) -> dict:
@@ -384,8 +384,8 @@ def bench(name: str, head: Path, bundle: Path, budget: Budget) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--bundle", default=".gpu-session/bundle")
-    p.add_argument("--work", default="/tmp/drafthead-session", help="data, runs and the exported head (too large for --out)")
+    p.add_argument("--bundle", default=".gpu-run/bundle")
+    p.add_argument("--work", default="/tmp/drafthead-gpu-run", help="data, runs and the exported head (too large for --out)")
     p.add_argument("--out", required=True, help="what comes back: the head's parts and summary.json")
     p.add_argument("--budget", choices=sorted(BUDGETS), default="gpu")
     args = p.parse_args(argv)
