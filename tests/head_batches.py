@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from drafthead.heads import FeatureBatch
+from drafthead.heads.batch import FeatureBatch
 from tests.tiny import tiny_causal_lm
 
 V, LAYERS, T = 128, 4, 20

@@ -100,7 +100,7 @@ def steered_case(case: str):
     out: Medusa-1 and Medusa-2 heads (a static tree), EAGLE-1, the merged drafter a shipped head
     drafts with (an EAGLE-3 tree plus prompt lookup), and the load policy over EAGLE-1's trees
     (injected costs on which drafting pays, so its rounds cut trees and draft)."""
-    from drafthead.heads import build_head, make_config
+    from drafthead.heads.registry import build_head, make_config
     from drafthead.inference.drafters.head_drafters import EagleDrafter, MedusaDrafter
     from drafthead.inference.drafters.merged import MergedDrafter
     from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter

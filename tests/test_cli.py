@@ -94,6 +94,36 @@ def test_argparse_errors_exit_2(capsys):
     assert info.value.code == 2
 
 
+@pytest.mark.subprocess
+def test_the_parser_builds_without_the_heavy_libraries():
+    """Building the parser (`drafthead --help`, and the start of every command) imports no torch,
+    transformers or datasets: each command imports them in its run(), and an option whose choices
+    a heavy module declares reads them only when asked (DeclaredChoices). A fresh process, since
+    this one has imported them already."""
+    heavy = ("torch", "transformers", "datasets")
+    code = f"import sys, drafthead.cli; drafthead.cli.build_parser(); print([m for m in {heavy!r} if m in sys.modules])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_choices_a_heavy_module_declares_are_checked_and_listed(capsys):
+    """`export --format` and `import --convention` take their choices from heads.formats when
+    argparse asks: a parse checks them as any choices, and the option's help lists them."""
+    from drafthead.heads.formats import CONVENTIONS, EXPORT_FORMATS
+
+    parser = cli.build_parser()[0]
+    assert parser.parse_args(["export", "h", "--out", "o", "--format", "vllm"]).format == "vllm"
+    with pytest.raises(SystemExit) as stopped:
+        parser.parse_args(["export", "h", "--out", "o", "--format", "onnx"])
+    assert stopped.value.code == 2 and "argument --format: invalid choice: 'onnx'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["export", "--help"])
+    assert ", ".join(EXPORT_FORMATS) in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        parser.parse_args(["import", "--help"])
+    assert ", ".join(CONVENTIONS) in " ".join(capsys.readouterr().out.split())
+
+
 def test_console_script_prints_one_line(tiny_llama_dir):
     script = Path(sys.executable).with_name("drafthead")  # installed by `pip install -e .`
     proc = subprocess.run(
@@ -181,8 +211,8 @@ def test_bench_batch_size_with_the_load_policy(capsys, tiny_llama_dir, tmp_path)
         "12",
         "--batch-size",
         "2",
-        "--num-draft",
-        "auto",
+        "--sizing",
+        "policy",
         "--out",
         str(out_json),
         "--no-progress",

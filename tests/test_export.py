@@ -12,7 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from drafthead.cli import main as cli_main
-from drafthead.heads import HeadFormatError, HeadTargetMismatch, build_head, make_config
+from drafthead.heads.files import HeadFormatError
+from drafthead.heads.identity import HeadTargetMismatch
+from drafthead.heads.registry import build_head, make_config
 from drafthead.heads.formats import detect_layout, export_head, import_head
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from tests.tiny import tiny_causal_lm

@@ -11,7 +11,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from drafthead.heads import HeadFormatError, HeadTargetMismatch, MedusaHead, Eagle3Head, build_head, load_head, make_config
+from drafthead.heads.eagle3 import Eagle3Head
+from drafthead.heads.files import HeadFormatError
+from drafthead.heads.identity import HeadTargetMismatch
+from drafthead.heads.medusa import MedusaHead
+from drafthead.heads.registry import build_head, load_head, make_config
 from drafthead.heads.identity import TargetIdentity, check_compatible, identify_target, tokenizer_fingerprint
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from tests.conftest import build_tiny_tokenizer

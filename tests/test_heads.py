@@ -9,16 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafthead.heads import (
-    Eagle3Config,
-    FeatureBatch,
-    HeadTargetMismatch,
-    MedusaConfig,
-    build_head,
-    config_from_dict,
-    make_config,
-)
-from drafthead.heads.config import default_eagle3_layers, engine_layer_problem
+from drafthead.heads.batch import FeatureBatch
+from drafthead.heads.config import Eagle3Config, MedusaConfig, config_from_dict, default_eagle3_layers, engine_layer_problem
+from drafthead.heads.identity import HeadTargetMismatch
+from drafthead.heads.registry import build_head, make_config
 from drafthead.heads.eagle3 import entropy_curriculum, ttt_attention_mask, ttt_depth
 from drafthead.heads.io import shifted_labels
 from drafthead.inference.engine.tree import tree_attention_mask, tree_position_ids

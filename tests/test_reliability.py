@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from drafthead import cli
-from drafthead.heads import build_head, make_config
+from drafthead.heads.registry import build_head, make_config
 from drafthead.heads.outdir import MARKER_FILE, fresh_folder, mark_output
 from drafthead.train.checkpoint import RUN_CONFIG_FILE, latest_checkpoint
 from drafthead.train.features import CAPTURE_FILES

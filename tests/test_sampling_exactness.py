@@ -55,7 +55,7 @@ def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
     """An EAGLE head's tree (top-2 children, depth 2): three new tokens, so a path of two drafts
     can be accepted whole; the three tokens' joint law is the target's (with a repetition penalty
     too, which the target and the acceptance apply along each tree path)."""
-    from drafthead.heads import build_head, make_config
+    from drafthead.heads.registry import build_head, make_config
     from drafthead.inference.drafters.head_drafters import EagleDrafter
 
     target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)

@@ -7,8 +7,10 @@ arguments into the objects the library functions take (docs/style.md 7: parse, b
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
+from collections.abc import Sequence
 
 from ..draft_spec import PROPOSERS, SIZINGS
 
@@ -59,6 +61,29 @@ def _positive_float(value: str) -> float:
     if not 0 < x < float("inf"):
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {value}")
     return x
+
+
+class DeclaredChoices(Sequence):
+    """An option's choices, the tuple `name` of `module`, read when argparse first asks for them
+    (a parse, the option's own help, a refusal) rather than when the parser is built: building
+    it imports no torch, so `drafthead --help` stays quick (heads.formats imports every format
+    module to collect its declarations; docs/style.md 20). Give the option a metavar, or
+    argparse reads the choices at once to write its usage line."""
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name = module, name
+
+    def _values(self) -> tuple[str, ...]:
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def __getitem__(self, index):
+        return self._values()[index]
+
+    def __len__(self) -> int:
+        return len(self._values())
+
+    def __contains__(self, value) -> bool:
+        return value in self._values()
 
 
 # ---------------------------------------------------------------------------------------------

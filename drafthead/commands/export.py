@@ -3,17 +3,21 @@ engine loads (the work is `heads.formats.export_head`; docs/formats.md lists the
 
 from __future__ import annotations
 
-from . import add_overwrite_option, note
+from . import DeclaredChoices, add_overwrite_option, note
 
 DTYPES = ("keep", "float32", "bfloat16", "float16")
 
 
 def add_parser(subparsers) -> None:
-    from ..heads.formats import EXPORT_FORMATS
-
     p = subparsers.add_parser("export", help="write a trained head for vLLM, SGLang, llama.cpp, speculators, EAGLE, Medusa")
     p.add_argument("head_dir", metavar="HEAD_DIR", help="a head folder written by `drafthead train`")
-    p.add_argument("--format", choices=EXPORT_FORMATS, required=True, help="target layout (docs/formats.md)")
+    p.add_argument(
+        "--format",
+        choices=DeclaredChoices("drafthead.heads.formats", "EXPORT_FORMATS"),
+        required=True,
+        metavar="FMT",
+        help="target layout: %(choices)s (docs/formats.md)",
+    )
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; a non-empty one needs --overwrite)")
     add_overwrite_option(p)
     p.add_argument("--dtype", choices=DTYPES, default="keep", help="cast the weights (default: keep the saved dtype)")

@@ -4,22 +4,21 @@ folders (the work is `heads.formats.import_to_folder`; docs/formats.md lists the
 
 from __future__ import annotations
 
-from . import add_overwrite_option, add_target_options, load_target_from_args, note
+from . import DeclaredChoices, add_overwrite_option, add_target_options, load_target_from_args, note
 
 DTYPES = ("keep", "float32", "bfloat16", "float16")
 
 
 def add_parser(subparsers) -> None:
-    from ..heads.formats import CONVENTIONS
-
     p = subparsers.add_parser("import", help="convert a published head (engine or upstream layout) into a drafthead head")
     p.add_argument("src", metavar="SRC", help="the foreign head folder")
     p.add_argument("--out", required=True, metavar="DIR", help="output head folder (created; a non-empty one needs --overwrite)")
     p.add_argument(
         "--convention",
-        choices=CONVENTIONS,
+        choices=DeclaredChoices("drafthead.heads.formats", "CONVENTIONS"),
         default=None,
-        help="how SRC's producer counted what its layout leaves open: EAGLE-3 aux-layer ids (vllm: "
+        metavar="NAME",
+        help="%(choices)s: how SRC's producer counted what its layout leaves open: EAGLE-3 aux-layer ids (vllm: "
         "vLLM/speculators/llama.cpp, sglang: SGLang/SpecForge) or an EAGLE-1 head's RoPE "
         "(eagle: upstream EAGLE, base 10000; vllm: the stated one)",
     )

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from drafthead.heads import build_head, make_config
+    from drafthead.heads.registry import build_head, make_config
     from drafthead.heads import ttt_attention
 
     device = "cuda" if torch.cuda.is_available() and not args.dry_run else "cpu"

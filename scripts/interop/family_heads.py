@@ -35,7 +35,7 @@ def family_head(family: str, work: Path, draft_layer: str = "llama", vocab_from=
     whose greedy continuations by the target pick the draft vocabulary, as training data would
     (none: the highest ids); with fit_steps, the head then learns those continuations for that
     many optimizer steps (`fit`), so that it accepts enough drafts for acceptance to compare."""
-    from drafthead.heads import build_head, make_config
+    from drafthead.heads.registry import build_head, make_config
     from drafthead.inference.engine.targets import load_target
     from tests.conftest import save_tiny_target
 

@@ -254,7 +254,7 @@ def trainer_batch(folder: Path):
 def trainer_head(flags: dict, samples, folder: Path):
     """A seeded EAGLE-3 head for SmolLM2 (draft vocab from the batch's assistant tokens), saved and
     exported in the speculators layout: (head, export dir)."""
-    from drafthead.heads import build_head, make_config
+    from drafthead.heads.registry import build_head, make_config
     from drafthead.train.features import label_token_counts
 
     t = smollm2()
@@ -918,7 +918,7 @@ def hf_agreement(res: dict, model) -> str:
 
 def smollm2_untrained(kind: str, folder: Path, **overrides) -> Path:
     """An untrained (target-initialised, seeded) head for SmolLM2, to show vLLM loads the layout."""
-    from drafthead.heads import build_head, make_config
+    from drafthead.heads.registry import build_head, make_config
 
     t = smollm2()
     torch.manual_seed(0)
@@ -1145,7 +1145,7 @@ def tiny_head(kind: str, folder: Path) -> Path:
     the only base upstream EAGLE runs)."""
     from transformers import AutoModelForCausalLM
 
-    from drafthead.heads import build_head, make_config
+    from drafthead.heads.registry import build_head, make_config
 
     target = AutoModelForCausalLM.from_pretrained(FIX / "target", dtype=torch.float32).eval()
     extra = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}} if kind == "eagle1" else {"num_heads": 3, "num_layers": 1}

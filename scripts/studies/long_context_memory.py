@@ -24,7 +24,7 @@ import time
 def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int = 0) -> dict:
     import torch
 
-    from drafthead.heads import build_head, make_config
+    from drafthead.heads.registry import build_head, make_config
     from drafthead.heads.batch import FeatureBatch
     from drafthead.inference.engine.targets import load_target
     from drafthead.train.features import target_features
