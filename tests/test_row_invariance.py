@@ -25,7 +25,8 @@ from drafthead.inference.engine.backend import target_backend
 from drafthead.inference.engine.torch_target import TorchTarget
 from drafthead.inference.engine.tree import DraftTree
 from drafthead.inference.kernels import panel_kernel
-from drafthead.inference.kernels.target_linears import panel_linears
+from drafthead.inference.kernels.invariant_linear import ENV_PATH, PATHS, cpu_paths
+from drafthead.inference.kernels.target_linears import invariant_linears
 from tests.oracle import OracleDrafter, accepted_drafts, by_row, known_continuation, never
 from tests.tiny import repetitive_prompt, tiny_causal_lm
 
@@ -40,7 +41,7 @@ def test_panel_linears_give_a_row_the_same_bits_alone_and_among_17(dtype):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(48, 80), nn.Linear(80, 33, bias=False)).to(dtype)
     x = torch.randn(17, 48).to(dtype)
-    with torch.no_grad(), panel_linears(model):
+    with torch.no_grad(), invariant_linears(model):
         together = model(x)
         alone = torch.cat([model(x[i : i + 1]) for i in range(17)])
     assert torch.equal(together, alone)
@@ -79,6 +80,70 @@ def test_attention_gives_a_row_the_same_bits_alone_and_among_17(softcap):
                 softcap=softcap,
             )
             assert torch.equal(together[b, i], alone[0, 0]), (b, i)
+
+
+def reference_attention(q, k, v, seen, scaling, softcap=None):
+    """float64 attention: q [B, h, Tq, D], k/v [B, hkv, Tk, D or Dv], seen bool [B, Tq, Tk] ->
+    [B, Tq, h, Dv]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(groups, 1), v.double().repeat_interleave(groups, 1)
+    scores = q.double() @ k.transpose(-1, -2) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.softmax(scores.masked_fill(~seen[:, None], -torch.inf), dim=-1)
+    return (weights @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dims", [(8, 8), (36, 20), (64, 64), (130, 130)], ids=lambda d: f"D{d[0]}-Dv{d[1]}")
+def test_attention_is_within_rounding_of_a_float64_softmax(dtype, dims):
+    """Head sizes that leave tails past the 8-lane score blocks and the 64-wide value registers;
+    any mask form; a strided query (as transformers hands it) reads as a contiguous one."""
+    D, Dv = dims
+    g = torch.Generator().manual_seed(5)
+    B, heads, kv_heads, Tq, Tk = 2, 6, 2, 5, 37
+    q = torch.randn(B, Tq, heads, D, generator=g).to(dtype).transpose(1, 2)  # [B, h, Tq, D], not contiguous
+    k = torch.randn(B, kv_heads, Tk, D, generator=g).to(dtype)
+    v = torch.randn(B, kv_heads, Tk, Dv, generator=g).to(dtype)
+    seen = torch.rand(B, Tq, Tk, generator=g) < 0.5
+    seen[:, :, 3] = True
+    module = nn.Module()
+    got, _ = row_invariant_attention(module, q, k, v, tree_mask(seen), scaling=D**-0.5, softcap=7.0)
+    assert got.dtype == dtype and got.shape == (B, Tq, heads, Dv)
+    for mask in (seen[:, None], torch.where(seen, 0.0, -torch.inf)[:, None]):  # boolean, fp32 additive
+        again, _ = row_invariant_attention(module, q.contiguous(), k, v, mask, scaling=D**-0.5, softcap=7.0)
+        assert torch.equal(again, got)
+    want = reference_attention(q, k, v, seen, D**-0.5, 7.0)
+    # fp32 arithmetic over <= 37 keys, then (bf16) one rounding of the output
+    tol = 2.0**-8 if dtype == torch.bfloat16 else 1e-5
+    assert torch.allclose(got.double(), want, rtol=tol, atol=tol), float((got.double() - want).abs().max())
+
+
+def test_a_prompts_keys_and_values_are_the_same_bits_prefilled_alone_in_a_batch_and_token_by_token():
+    """The prefill runs the row-invariant kernels too: a prompt's K/V do not depend on the length
+    of the prompts it is padded to, nor on how many of its tokens one forward takes, so plain and
+    speculative decoding start from the same cache whatever their batches (position 0 included)."""
+    model = tiny_causal_lm("llama", vocab=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
+    prompt = repetitive_prompt(VOCAB, 12, seed=6)[0]  # 18 tokens: 17 prefilled
+    longer = repetitive_prompt(VOCAB, 20, seed=7)[0]
+    backend = TorchTarget(model, row_invariant=True)
+
+    def keys_values(prompts, steps=()):
+        with torch.inference_mode(), backend.engine_context(True):
+            backend.start(prompts, (), False)
+            length = prompts[0].numel() - 1
+            for token in steps:
+                backend.verify([DraftTree(torch.tensor([[token]]), torch.tensor([-1]))], [length], False)
+                backend.keep([[0]], [length])
+                length += 1
+        n = prompt.numel() - 1
+        return [torch.cat([layer.keys[0, :, :n], layer.values[0, :, :n]]) for layer in backend.cache.layers]
+
+    alone = keys_values([prompt])
+    batched = keys_values([prompt, longer])
+    stepwise = keys_values([prompt[:2]], prompt[1:-1].tolist())
+    for a, b, c in zip(alone, batched, stepwise):
+        assert torch.equal(a, b) and torch.equal(a, c)
 
 
 def spine_and_branches(pending: int, spine: list[int], extra: int, seed: int) -> DraftTree:
@@ -135,7 +200,7 @@ def plain_decoding(model, prompts: list[torch.Tensor], n: int) -> list[list[int]
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_speculative_output_equals_plain_decoding_at_batch_1_and_3(family):
     model = tiny_causal_lm(family, vocab=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
-    prompts = [repetitive_prompt(VOCAB, 12, seed=s)[0] for s in (0, 1, 2)]
+    prompts = [repetitive_prompt(VOCAB, length, seed=s)[0] for s, length in ((0, 12), (1, 9), (2, 15))]  # padded in a batch
     n = 24
     plain = plain_decoding(model, prompts, n)
     truth = known_continuation([p.tolist() + out for p, out in zip(prompts, plain)])
@@ -152,6 +217,18 @@ def test_bf16_speculative_output_equals_plain_decoding_at_batch_1_and_3(family):
     assert len({sum(accepted_drafts(row)) for row in batch.rows}) > 1  # the rows kept different lengths
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_every_linear_path_this_cpu_has_keeps_trees_and_decoding_exact(path, monkeypatch):
+    """The tests above run the path this CPU chooses; here every other path it has runs them too
+    (DRAFTHEAD_INVARIANT_PATH), on a Llama: the spine's logits, and speculative output at batch 3."""
+    if path not in cpu_paths():
+        pytest.skip(f"this CPU has no {path} path (it has {', '.join(cpu_paths())})")
+    monkeypatch.setenv(ENV_PATH, path)
+    together, alone = tree_and_steps("llama", row_invariant=True)
+    assert torch.equal(together, alone)
+    test_bf16_speculative_output_equals_plain_decoding_at_batch_1_and_3("llama")
+
+
 def test_what_row_invariance_cannot_run_is_refused():
     sinks = tiny_causal_lm("gpt_oss", vocab=VOCAB, layers=2, hidden=32, dtype=torch.bfloat16)
     with pytest.raises(NotImplementedError, match="attention sinks"):
@@ -160,7 +237,7 @@ def test_what_row_invariance_cannot_run_is_refused():
     with pytest.raises(ValueError, match="drop --static-cache / --compile"):
         target_backend(model, static_cache=True, row_invariant=True)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        with panel_linears(tiny_causal_lm("llama", vocab=VOCAB, dtype=torch.float16)):
+        with invariant_linears(tiny_causal_lm("llama", vocab=VOCAB, dtype=torch.float16)):
             pass
 
 

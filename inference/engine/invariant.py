@@ -6,9 +6,10 @@ so speculative output equals plain output token for token in bf16 too (docs/acce
 A forward's result for one row can depend on the other rows only where a kernel's reduction order
 depends on the row count. Two places do in the target's decode forward:
 
-  * the linears: BLAS and oneDNN pick other blockings for other row counts. The panel kernel
-    (inference/kernels/panel_kernel.py) sums each output over K in order, in one fp32
-    accumulator per row and column, whatever the row count: every linear runs on it here.
+  * the linears: BLAS and oneDNN pick other blockings for other row counts. The row-invariant
+    linears (inference/kernels/invariant_linear.py: AMX tiles, vdpbf16ps or the panel kernel,
+    by what the CPU has) sum each output over K in one fixed order whatever the row count:
+    every linear runs on them here.
   * attention: a fused kernel's query blocking, and the key count (a tree forward holds the
     other nodes' keys, masked). `row_invariant_attention` computes each query row on its own,
     over exactly the keys it may see, in position order, with one fixed sequence of operations
@@ -17,9 +18,11 @@ depends on the row count. Two places do in the target's decode forward:
 The rest is per-row already (norms reduce over a row's own hidden size; RoPE, activations and
 residuals are elementwise), which the tests check op by op and for whole forwards.
 
-The prompt's prefill is shared by plain and speculative decoding alike, so it keeps the fused
-attention; only verify forwards swap it (TorchTarget.verify). The linears are swapped for the
-whole generation (TorchTarget.engine_context), the prefill's included.
+Every forward of the generation runs these kernels, the prompt's prefill included (the linears
+through TorchTarget.engine_context, the attention through TorchTarget's forwards): a prompt
+token's K/V are then the bits its own one-token forward gives, whatever the prompt's length, the
+padding of a batch or the rows that joined with it, so plain and speculative decoding start from
+the same cache and cannot part at position 0.
 """
 
 from __future__ import annotations
@@ -34,13 +37,6 @@ from ..kernels import panel_kernel
 ATTENTION_NAME = "drafthead_row_invariant"
 
 
-def visible_keys(mask: torch.Tensor) -> torch.Tensor:
-    """A layer's attention mask [B, 1 or heads, Tq, Tk] (additive: 0 where a key is seen; or
-    boolean: True) -> bool [B, Tq, Tk], the keys each query row sees (every head alike)."""
-    seen = mask if mask.dtype == torch.bool else mask == 0
-    return seen[:, 0]
-
-
 def row_invariant_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -53,8 +49,9 @@ def row_invariant_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, h, Tq, D], key/value [B, hkv, Tk, D]
-    -> ([B, Tq, h, Dv], None). Each query row on its own, in fp32, over exactly the keys it sees in
-    key order (the row_attention kernel, inference/kernels/csrc/row_attention.cpp)."""
+    -> ([B, Tq, h, Dv], None) in query's dtype (fp32 or bf16). Each query row on its own, in fp32,
+    over exactly the keys it sees in key order (the row_attention kernel,
+    inference/kernels/csrc/row_attention.cpp)."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise NotImplementedError("row-invariant attention does not take attention sinks (gpt-oss) yet")
     if attention_mask is None:
@@ -62,24 +59,27 @@ def row_invariant_attention(
     if not panel_kernel.load():
         raise ValueError(f"row-invariant attention needs the CPU kernels, which are unavailable: {panel_kernel.why_unavailable()}")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    out = torch.ops.drafthead_attention.row_attention(
-        query.float(),
-        key.float(),
-        value.float(),
-        visible_keys(attention_mask)[..., : key.shape[2]].contiguous(),
-        float(scaling),
-        float(softcap or 0.0),
-    )
-    return out.to(query.dtype), None
+    # the mask as the layer has it: [B, 1 or h, Tq, >= Tk], boolean or additive, read in place
+    out = torch.ops.drafthead_attention.row_attention(query, key, value, attention_mask, float(scaling), float(softcap or 0.0))
+    return out, None
+
+
+def explicit_mask(*args, **kwargs) -> torch.Tensor | None:
+    """transformers' SDPA mask, never skipped: a prefill with no padding gets its causal mask
+    too, which `row_invariant_attention` reads (SDPA would take `is_causal` instead)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
 
 
 def _register() -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     if ATTENTION_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTENTION_NAME, row_invariant_attention)
-        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+        AttentionMaskInterface.register(ATTENTION_NAME, explicit_mask)
 
 
 def _configs(model: nn.Module) -> list:

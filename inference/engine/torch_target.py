@@ -23,7 +23,7 @@ from .cache import cache_capacity, cache_kwargs, crop, keep_paths, new_cache, se
 from .compiled import StaticDecoding, static_capacity
 from .policy import cut_tree
 from .recurrent import stack_rows
-from ..kernels.target_linears import engine_linears, panel_linears
+from ..kernels.target_linears import engine_linears, invariant_linears
 from .invariant import invariant_attention
 from .media import deepstack_inputs, prefill_inputs, with_deepstack
 from .tree import DraftTree, pad_trees
@@ -48,7 +48,7 @@ class TorchTarget:
 
     def engine_context(self, enabled: bool):
         if self.row_invariant:
-            return panel_linears(self.model)
+            return invariant_linears(self.model)
         return engine_linears(self.model, enabled)
 
     def start(self, prompts: list[torch.Tensor], feature_layers, need_last: bool, max_new_tokens: int = 0, images=None):
@@ -71,7 +71,7 @@ class TorchTarget:
         for b, p in enumerate(prompts):
             padded[b, : p.numel() - 1] = p[:-1]
         want_hidden = bool(feature_layers) or need_last
-        with deepstack_inputs(self.model) as deepstack:
+        with deepstack_inputs(self.model) as deepstack, self._attention():
             out = self.model(
                 input_ids=padded, **media, **cache_kwargs(self.model, self.cache), use_cache=True, output_hidden_states=want_hidden, logits_to_keep=1
             )
@@ -112,10 +112,15 @@ class TorchTarget:
         assert capacity is not None  # a static cache's
         return cut_tree(tree, capacity - self.slots)
 
+    def _attention(self):
+        """Row-invariant attention in every forward, the prefill's too: a prompt token's K/V are
+        then the bits its own one-token forward gives, whatever the prompt's length, padding or
+        batch (inference/engine/invariant.py)."""
+        return invariant_attention(self.model) if self.row_invariant else contextlib.nullcontext()
+
     def verify(self, trees: list[DraftTree], lengths: list[int], want_hidden: bool) -> Verification:
         prefix = torch.tensor(lengths, device=trees[0].tokens.device)
-        attention = invariant_attention(self.model) if self.row_invariant else contextlib.nullcontext()
-        with attention:
+        with self._attention():
             return forward_trees(
                 self.model,
                 self.cache,

@@ -4,14 +4,17 @@ The kernel (inference/kernels/csrc/panel_linear.cpp) stores a weight [N, K] as c
 [ceil(N/16), K, 16] and streams each panel once per call, in fp32 arithmetic; a bf16 weight is
 read as bf16, half the bytes of fp32. docs/cpu-measurements.md "Panel linears" has why and what it
 measured. It is compiled on first use with torch's C++ extension builder (a C++ compiler and
-ninja; ~30 s once, cached under ~/.cache/torch_extensions) and only on x86-64 CPUs with AVX2 and
-FMA. Where it cannot be built or loaded, `why_unavailable()` says why and the engine keeps the other
-kernels (inference/kernels/target_linears.py); nothing else changes. DRAFTHEAD_PANEL_KERNEL=0 keeps the
-engine off it (`enabled()`); `load()` still builds it, so its own tests run with the switch off too.
+ninja; ~1 min once, cached under ~/.cache/torch_extensions), together with the row-invariant
+attention and bf16 linears (`SOURCES`), and only on x86-64 CPUs with AVX2 and FMA. Where it
+cannot be built or loaded, `why_unavailable()` says why and the engine keeps the other kernels
+(inference/kernels/target_linears.py); nothing else changes. DRAFTHEAD_PANEL_KERNEL=0 keeps the
+engine's fastest-kernel dispatch off it (`enabled()`); `load()` still builds it, so its own tests
+run with the switch off too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -22,8 +25,12 @@ import torch
 from torch import nn
 
 SOURCE = Path(__file__).parent / "csrc" / "panel_linear.cpp"
-# built into the same library: row-invariant attention (inference/engine/invariant.py)
+# built into the same library: row-invariant attention (inference/engine/invariant.py) and the
+# row-invariant bf16 linears (inference/kernels/invariant_linear.py)
 ATTENTION_SOURCE = Path(__file__).parent / "csrc" / "row_attention.cpp"
+INVARIANT_SOURCE = Path(__file__).parent / "csrc" / "invariant_linear.cpp"
+SOURCES = (SOURCE, ATTENTION_SOURCE, INVARIANT_SOURCE)
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp")  # no fused a * b + c the source does not write: one order
 ENV_SWITCH = "DRAFTHEAD_PANEL_KERNEL"
 
 _lock = threading.Lock()
@@ -49,6 +56,16 @@ def _ensure_ninja_on_path() -> None:
         os.environ["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
 
 
+def library_name() -> str:
+    """The compiled library's name, keyed by its sources and flags: torch's builder keeps one build
+    folder per name (shared by every checkout of a user), so two checkouts with different kernels
+    must not build into the same one."""
+    digest = hashlib.sha1("\0".join(CFLAGS).encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return f"drafthead_kernels_{digest.hexdigest()[:12]}"
+
+
 def load() -> bool:
     """Build (first time) and load the kernel; False when this CPU or toolchain cannot
     (`why_unavailable()` says why). The switch plays no part here: see `enabled()`."""
@@ -62,15 +79,16 @@ def load() -> bool:
 
                 _ensure_ninja_on_path()
                 build(
-                    "drafthead_panel_linear",
-                    [str(SOURCE), str(ATTENTION_SOURCE)],
+                    library_name(),
+                    [str(source) for source in SOURCES],
                     is_python_module=False,
                     verbose=False,
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+                    extra_cflags=list(CFLAGS),
                     extra_ldflags=["-fopenmp"],
                 )
                 torch.ops.drafthead_panel.linear  # noqa: B018  (raises if the library did not register)
                 torch.ops.drafthead_attention.row_attention  # noqa: B018
+                torch.ops.drafthead_invariant.linear  # noqa: B018
             except Exception as error:  # a missing compiler or ninja, a failed build: keep the other kernels
                 why = f"could not build {SOURCE.name}: {type(error).__name__}: {str(error).strip().splitlines()[-1:]}"
         _state["ok"], _state["why"] = why is None, why or ""
@@ -123,6 +141,15 @@ def panel_dtype(weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
+def runs_inference(x: torch.Tensor, weight: torch.Tensor, made_for: torch.dtype) -> bool:
+    """Whether a layer whose kernel copy was made from a `made_for` CPU weight may run it on x:
+    inference only (as kernels.PackedLinear), and neither x nor the layer moved off that dtype or
+    the CPU (`.to()` moves the Parameters, never the copy). Else the layer runs F.linear."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False
+    return x.dtype == weight.dtype == made_for and x.device.type == weight.device.type == "cpu"
+
+
 class PanelLinear(nn.Module):
     """An nn.Linear's forward on the panel kernel: the layer's own Parameters, plus its panels."""
 
@@ -134,15 +161,8 @@ class PanelLinear(nn.Module):
         with torch.no_grad():
             self.panels = pack(linear.weight.detach().to(panel_dtype(linear.weight)))  # a plain attribute, not a buffer
 
-    def _panels_apply(self, x: torch.Tensor) -> bool:
-        # inference only (as kernels.PackedLinear), and neither x nor the layer moved off the CPU
-        # dtypes the panels were made for (`.to()` moves the Parameters, never the panels)
-        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-            return False
-        return x.dtype == self.weight.dtype == self.weight_dtype and x.device.type == self.weight.device.type == "cpu"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._panels_apply(x):
+        if not runs_inference(x, self.weight, self.weight_dtype):
             return nn.functional.linear(x, self.weight, self.bias)
         return panel_linear(x, self.panels, self.bias, self.out_features)
 

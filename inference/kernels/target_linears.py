@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...heads.files import atomic_write, cache_root
-from . import panel_kernel
+from . import invariant_linear, panel_kernel
 from .packed import pack_linear
 from .machine import cpu_model
 
@@ -348,28 +348,29 @@ def engine_linears(target: nn.Module, enabled: bool = True):
         object.__setattr__(target, _ACTIVE, False)
 
 
-_PANELS_ATTR = "_drafthead_panel_linears"
+_INVARIANT_ATTR = "_drafthead_invariant_linears"
 
 
 @contextmanager
-def panel_linears(target: nn.Module):
-    """Within the block every nn.Linear of the target runs on the panel kernel at any row count:
-    each output sums its K products in order whatever the row count, so a row's result does not
-    depend on the rows computed with it (inference/engine/invariant.py). Raises where the kernel
-    cannot run (not a CPU, another dtype, no AVX2 build)."""
+def invariant_linears(target: nn.Module):
+    """Within the block every nn.Linear of the target runs on the row-invariant kernel this CPU
+    has for its dtype (inference/kernels/invariant_linear.py `path_for`): each output sums its K
+    products in one order whatever the row count, so a row's result does not depend on the rows
+    computed with it (inference/engine/invariant.py). Raises where no such kernel can run (not a
+    CPU, another dtype, no AVX2 build)."""
     param = next(target.parameters())
     if param.device.type != "cpu" or param.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(
-            f"row-invariant decoding runs on the CPU panel kernel, in float32 or bfloat16; this target is {param.dtype} on {param.device.type}"
+            "row-invariant decoding runs on the CPU's row-invariant kernels, in float32 or bfloat16; "
+            f"this target is {param.dtype} on {param.device.type}"
         )
-    if not panel_kernel.enabled():
-        raise ValueError(f"row-invariant decoding needs the panel kernel, which is unavailable: {panel_kernel.why_unavailable()}")
-    key = _weights_key(target)
-    cached = getattr(target, _PANELS_ATTR, None)
+    path = invariant_linear.path_for(param.dtype)
+    key = (_weights_key(target), path)
+    cached = getattr(target, _INVARIANT_ATTR, None)
     if cached is None or cached[0] != key:
         named = [(name, m) for name, m in target.named_modules() if type(m) is nn.Linear]
-        cached = (key, {name: panel_kernel.PanelLinear(m) for name, m in named})
-        object.__setattr__(target, _PANELS_ATTR, cached)
+        cached = (key, {name: invariant_linear.invariant_layer(m, path) for name, m in named})
+        object.__setattr__(target, _INVARIANT_ATTR, cached)
     layers = cached[1]
     originals = {name: target.get_submodule(name) for name in layers}
     _swap(target, layers)
