@@ -167,11 +167,12 @@ class DraftSpec:
         sampling=None,
         seed: int | None = None,
         threads: int | None = None,
-        row_invariant: bool = False,
+        row_invariant: bool | None = None,
         note: Callable[[str], None] | None = None,
     ) -> Drafting:
         """The drafter factory, decoding model, verifier and load policy for `loaded` (a
-        LoadedTarget); the spec is resolved first if it was not. `note` gets status lines."""
+        LoadedTarget); the spec is resolved first if it was not. `note` gets status lines;
+        row_invariant: the kernels the load policy times (GenerationConfig.row_invariant)."""
         note = note or _stderr
         spec, message = self.resolve(loaded.name)
         kw = spec.drafter_options()
@@ -198,7 +199,7 @@ class DraftSpec:
         return llamacpp_target(loaded, self.gguf_type, threads, note)
 
     @staticmethod
-    def _policy(verifier, drafter, row_invariant: bool, note):
+    def _policy(verifier, drafter, row_invariant: bool | None, note):
         """The load policy (inference/engine/policy.py), with the verifier's forward timed once at
         POLICY_TOKEN_COUNTS the way it is called in rounds."""
         from .inference.engine.cost import measure_verify_cost

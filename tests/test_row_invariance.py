@@ -20,12 +20,13 @@ from torch import nn
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.drafter import RootOnlyDrafter
 from drafthead.inference.engine.generate import GenerationConfig, generate_batch, speculative_generate
+from drafthead.inference.engine import invariant
 from drafthead.inference.engine.invariant import row_invariant_attention
-from drafthead.inference.engine.backend import target_backend
+from drafthead.inference.engine.backend import row_invariant_by_default, target_backend
 from drafthead.inference.engine.torch_target import TorchTarget
 from drafthead.inference.engine.tree import DraftTree
 from drafthead.inference.kernels import panel_kernel
-from drafthead.inference.kernels.invariant_linear import ENV_PATH, PATHS, cpu_paths
+from drafthead.inference.kernels.invariant_linear import BF16_ONLY, ENV_PATH, PATHS, cpu_paths
 from drafthead.inference.kernels.target_linears import invariant_linears
 from tests.oracle import OracleDrafter, accepted_drafts, by_row, known_continuation, never
 from tests.tiny import repetitive_prompt, tiny_causal_lm
@@ -239,6 +240,46 @@ def test_what_row_invariance_cannot_run_is_refused():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         with invariant_linears(tiny_causal_lm("llama", vocab=VOCAB, dtype=torch.float16)):
             pass
+
+
+def test_row_invariance_is_the_default_in_bf16_where_the_cpu_has_native_bf16_kernels(monkeypatch):
+    """Nobody choosing (GenerationConfig.row_invariant None): on for a bf16 target on a CPU with AMX
+    or avx512_bf16, off for fp32, off where the engine cannot run it; a choice always wins."""
+    monkeypatch.delenv(ENV_PATH, raising=False)
+    native = cpu_paths()[0] in BF16_ONLY
+    bf16 = tiny_causal_lm("llama", vocab=VOCAB, dtype=torch.bfloat16)
+    assert target_backend(bf16, row_invariant=None).row_invariant == native
+    assert GenerationConfig().row_invariant is None  # the Python API's default is the same rule
+    assert not target_backend(bf16, row_invariant=False).row_invariant  # --no-row-invariant
+    assert target_backend(tiny_causal_lm("llama", vocab=VOCAB), row_invariant=True).row_invariant  # fp32 on request
+    assert not row_invariant_by_default(tiny_causal_lm("llama", vocab=VOCAB))  # fp32 keeps the fastest kernels
+    assert not row_invariant_by_default(bf16, static_cache=True) and not row_invariant_by_default(bf16, compile="inductor")
+    assert not row_invariant_by_default(tiny_causal_lm("gpt_oss", vocab=VOCAB, dtype=torch.bfloat16))  # attention sinks
+    monkeypatch.setenv(ENV_PATH, "panel")  # only the fallback path: the fastest kernels stay the default
+    assert not row_invariant_by_default(bf16)
+    monkeypatch.delenv(ENV_PATH)
+    monkeypatch.setattr(invariant, "physical_memory_bytes", lambda: 1 << 16)  # no room for the kernels' weight copy
+    assert not row_invariant_by_default(bf16)
+
+
+@pytest.mark.parametrize("flag", [[], ["--no-row-invariant"]], ids=["default", "no-row-invariant"])
+def test_bench_settles_row_invariance_for_the_target_and_reports_it(tmp_path, capsys, tiny_llama_dir, flag):
+    import json
+
+    from drafthead import cli
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "say a a a again"}) + "\n")
+    out = tmp_path / "report.json"
+    argv = ["bench", "--target", str(tiny_llama_dir), "--dataset", str(prompts), "--dtype", "bfloat16", "--threads", "1"]
+    argv += ["--proposer", "prompt-lookup", "--max-new-tokens", "6", "--no-progress", "--out", str(out), *flag]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    expected = not flag and cpu_paths()[0] in BF16_ONLY
+    assert report["settings"]["row_invariant"] is expected
+    assert ("plain (ours, row-invariant)" in capsys.readouterr().out) == expected
+    if expected:
+        assert all(r["identical"] for r in report["prompts"])
 
 
 def test_bench_with_row_invariance_compares_against_our_plain_decoding(tmp_path, capsys, tiny_llama_dir):

@@ -213,10 +213,11 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--row-invariant",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="every verify forward row-invariant: a row's logits are the same bits alone or in a tree, so "
+        default=None,
+        help="every forward row-invariant: a row's logits are the same bits alone or in a tree, so "
         "bf16 output equals plain decoding through the same kernels, which becomes the reference "
-        '(CPU panel kernel; docs/acceptance.md "Row invariance")',
+        "(CPU only). Default: on in bfloat16 where the CPU has native bf16 (AMX or avx512_bf16), "
+        'off otherwise; --no-row-invariant: the fastest kernels (docs/acceptance.md "Row invariance")',
     )
     g.add_argument(
         "--backend",
@@ -241,7 +242,8 @@ def torch_threads() -> int:
 
 
 def engine_options(args) -> dict:
-    """GenerationConfig's engine fields from --static-cache / --compile / --row-invariant."""
+    """GenerationConfig's engine fields from --static-cache / --compile / --row-invariant (once
+    `drafting_from_args` settled the last for the loaded target)."""
     return {
         "static_cache": bool(getattr(args, "static_cache", False)),
         "compile": "inductor" if getattr(args, "compile", False) else None,
@@ -361,7 +363,16 @@ def draft_spec_from_args(args):
 
 
 def drafting_from_args(args, spec, loaded, sampling=None):
-    """spec.build for the loaded target, with the engine options the load policy's timing needs."""
+    """spec.build for the loaded target, with the engine options the load policy's timing needs.
+    Settles --row-invariant first where it was not given: the engine's default for this target
+    (inference/engine/backend.py row_invariant_by_default), which every later step reads."""
+    if getattr(args, "row_invariant", False) is None:
+        from ..inference.engine.backend import row_invariant_by_default
+
+        torch_backend = getattr(args, "backend", "torch") == "torch"
+        args.row_invariant = torch_backend and row_invariant_by_default(
+            loaded.model, bool(getattr(args, "static_cache", False)), "inductor" if getattr(args, "compile", False) else None
+        )
     return spec.build(
         loaded,
         sampling=sampling,

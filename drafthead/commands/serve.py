@@ -103,7 +103,7 @@ def run(args) -> int:
         if args.context and trained and args.context > trained:
             raise ValueError(f"--context {args.context} is longer than the target's {trained}")
         context = args.context or trained
-        backend = target_backend(drafting.verifier, row_invariant=bool(args.row_invariant))
+        backend = target_backend(drafting.verifier, row_invariant=args.row_invariant)  # settled by drafting_from_args
         kv_cells = None
         streams = args.kv_layout == "streams"
         if args.backend == "llama.cpp":

@@ -88,7 +88,7 @@ def measure_verify_cost(
     want_hidden: bool = True,
     linears: bool = True,
     feature_layers: Sequence[int] = (),
-    row_invariant: bool = False,
+    row_invariant: bool | None = False,
 ) -> CostCurve:
     """Time the target's tree forward at each node count after `context` cached tokens (median of
     `repeats`, one untimed warm-up each), through the backend the decode loop drives (a
@@ -96,7 +96,7 @@ def measure_verify_cost(
     states, as drafters that read target features make the verifier do (a llama.cpp target
     extracts `feature_layers`, which cost time too); linears: with the engine's linears
     (GenerationConfig.engine_linears), as the engine's rounds run them; row_invariant: through the
-    row-invariant kernels (GenerationConfig.row_invariant)."""
+    row-invariant kernels (GenerationConfig.row_invariant; None: where they are the default)."""
     backend = target_backend(target, row_invariant=row_invariant)
     device = backend.device
     generator = torch.Generator().manual_seed(0)

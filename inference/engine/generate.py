@@ -69,9 +69,10 @@ class GenerationConfig:
     # the first generation pays the compile
     static_cache: bool = False
     compile: str | None = None
-    # every verify forward row-invariant (inference/engine/invariant.py): bf16 output equal to our
-    # plain decoding bit for bit; slower per forward
-    row_invariant: bool = False
+    # every forward row-invariant (inference/engine/invariant.py): bf16 output equal to our plain
+    # decoding bit for bit. None: on in bf16 where the CPU has native bf16 row-invariant kernels
+    # (inference/engine/backend.py row_invariant_by_default), else off
+    row_invariant: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:

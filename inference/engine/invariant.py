@@ -32,7 +32,8 @@ import contextlib
 import torch
 from torch import nn
 
-from ..kernels import panel_kernel
+from ..kernels import invariant_linear, panel_kernel
+from ..kernels.target_linears import fits_in_memory, physical_memory_bytes
 
 ATTENTION_NAME = "drafthead_row_invariant"
 
@@ -62,6 +63,32 @@ def row_invariant_attention(
     # the mask as the layer has it: [B, 1 or h, Tq, >= Tk], boolean or additive, read in place
     out = torch.ops.drafthead_attention.row_attention(query, key, value, attention_mask, float(scaling), float(softcap or 0.0))
     return out, None
+
+
+def on_by_default(model: nn.Module) -> bool:
+    """Whether a transformers model decodes row-invariantly when nobody chose (GenerationConfig
+    .row_invariant None, neither --row-invariant nor --no-row-invariant): in bf16 on a CPU with a
+    native bf16 row-invariant path (AMX or avx512_bf16, inference/kernels/invariant_linear.py),
+    where a verify forward costs about what the fastest kernels' does (docs/acceptance.md "Row
+    invariance"). fp32 keeps the fastest kernels: its near-ties have not been seen to flip. Not
+    for attention sinks, which the row attention does not take, nor where the kernels' copy of
+    the linear weights would not fit in memory beside the model."""
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu" or param.dtype != torch.bfloat16 or has_attention_sinks(model):
+        return False
+    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if type(m) is nn.Linear)
+    if not fits_in_memory(linear_bytes, physical_memory_bytes()):
+        return False
+    try:
+        return invariant_linear.path_for(torch.bfloat16) in invariant_linear.BF16_ONLY
+    except ValueError:  # no kernels here, or DRAFTHEAD_INVARIANT_PATH names one this CPU lacks
+        return False
+
+
+def has_attention_sinks(model: nn.Module) -> bool:
+    """Whether an attention layer of `model` holds sinks (gpt-oss: a learned logit per head that
+    joins every softmax)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
 
 
 def explicit_mask(*args, **kwargs) -> torch.Tensor | None:
