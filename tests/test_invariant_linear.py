@@ -114,3 +114,11 @@ def test_a_native_layer_under_autograd_or_in_another_dtype_runs_f_linear(path):
     x64 = torch.randn(3, 40, dtype=torch.float64)
     with torch.inference_mode():
         assert torch.equal(layer(x64), F.linear(x64, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("path", invariant_linear.BF16_ONLY)
+def test_a_layer_a_native_path_cannot_compute_runs_on_the_panel_kernel(path):
+    """An fp32 layer kept in a bf16 model (a router, a gate): one fixed kernel for it too."""
+    needs(path)
+    assert isinstance(invariant_layer(nn.Linear(8, 8), path), panel_kernel.PanelLinear)
+    assert isinstance(invariant_layer(nn.Linear(8, 8).to(torch.bfloat16), path), invariant_linear.NativeInvariantLinear)

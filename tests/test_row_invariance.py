@@ -120,6 +120,19 @@ def test_attention_is_within_rounding_of_a_float64_softmax(dtype, dims):
     assert torch.allclose(got.double(), want, rtol=tol, atol=tol), float((got.double() - want).abs().max())
 
 
+def test_attention_without_a_mask_sees_what_sdpa_sees():
+    """An encoder layer (a vision tower's, in a prefill) may pass no mask: all keys where the layer
+    is not causal, the causal triangle where it is."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 4, 6, 16, generator=g) for _ in range(3))
+    encoder, decoder = nn.Module(), nn.Module()
+    encoder.is_causal = False
+    for module, causal in ((encoder, False), (decoder, True)):
+        got, _ = row_invariant_attention(module, q, k, v, None, scaling=0.25)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=0.25).transpose(1, 2)
+        assert torch.allclose(got, want, atol=1e-5), causal
+
+
 def test_a_prompts_keys_and_values_are_the_same_bits_prefilled_alone_in_a_batch_and_token_by_token():
     """The prefill runs the row-invariant kernels too: a prompt's K/V do not depend on the length
     of the prompts it is padded to, nor on how many of its tokens one forward takes, so plain and

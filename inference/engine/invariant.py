@@ -55,14 +55,24 @@ def row_invariant_attention(
     inference/kernels/csrc/row_attention.cpp)."""
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         raise NotImplementedError("row-invariant attention does not take attention sinks (gpt-oss) yet")
-    if attention_mask is None:
-        raise ValueError("row-invariant attention needs the engine's tree mask")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("row-invariant attention does not take a position bias")
+    if attention_mask is None:  # the text layers always get one (explicit_mask); an encoder's (vision) may not
+        attention_mask = unmasked(module, query.shape[0], query.shape[2], key.shape[2], kwargs.get("is_causal"))
     if not panel_kernel.load():
         raise ValueError(f"row-invariant attention needs the CPU kernels, which are unavailable: {panel_kernel.why_unavailable()}")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     # the mask as the layer has it: [B, 1 or h, Tq, >= Tk], boolean or additive, read in place
     out = torch.ops.drafthead_attention.row_attention(query, key, value, attention_mask, float(scaling), float(softcap or 0.0))
     return out, None
+
+
+def unmasked(module: nn.Module, batch: int, queries: int, keys: int, is_causal: bool | None) -> torch.Tensor:
+    """The keys SDPA lets each query see when a layer passes no mask: causal (query i sees keys <=
+    i) where the layer is causal and has more than one query, else every key. bool [B, 1, Tq, Tk]."""
+    causal = (is_causal if is_causal is not None else getattr(module, "is_causal", True)) and queries > 1
+    seen = torch.ones(queries, keys, dtype=torch.bool)
+    return (seen.tril() if causal else seen).expand(batch, 1, queries, keys)
 
 
 def on_by_default(model: nn.Module) -> bool:

@@ -95,7 +95,8 @@ class NativeInvariantLinear(nn.Module):
 
 
 def invariant_layer(linear: nn.Linear, path: str) -> nn.Module:
-    """`linear`'s forward on `path` (from `path_for`)."""
-    if path == "panel":
+    """`linear`'s forward on `path` (from `path_for`); a layer the path cannot compute (an fp32
+    layer kept in a bf16 model) on the panel kernel: one fixed kernel per layer either way."""
+    if not takes(path, linear.weight.dtype) or path == "panel":
         return panel_kernel.PanelLinear(linear)
     return NativeInvariantLinear(linear, path)
