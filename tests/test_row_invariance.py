@@ -26,7 +26,7 @@ from drafthead.inference.engine.backend import row_invariant_by_default, target_
 from drafthead.inference.engine.torch_target import TorchTarget
 from drafthead.inference.engine.tree import DraftTree
 from drafthead.inference.kernels import panel_kernel
-from drafthead.inference.kernels.invariant_linear import BF16_ONLY, ENV_PATH, PATHS, cpu_paths
+from drafthead.inference.kernels.invariant_linear import BF16_ONLY, ENV_PATH, PATHS, cpu_paths, path_for
 from drafthead.inference.kernels.target_linears import invariant_linears
 from tests.oracle import OracleDrafter, accepted_drafts, by_row, known_continuation, never
 from tests.tiny import repetitive_prompt, tiny_causal_lm
@@ -288,7 +288,7 @@ def test_bench_settles_row_invariance_for_the_target_and_reports_it(tmp_path, ca
     argv += ["--proposer", "prompt-lookup", "--max-new-tokens", "6", "--no-progress", "--out", str(out), *flag]
     assert cli.main(argv) == 0, capsys.readouterr().err
     report = json.loads(out.read_text())
-    expected = not flag and cpu_paths()[0] in BF16_ONLY
+    expected = not flag and path_for(torch.bfloat16) in BF16_ONLY  # DRAFTHEAD_INVARIANT_PATH included
     assert report["settings"]["row_invariant"] is expected
     assert ("plain (ours, row-invariant)" in capsys.readouterr().out) == expected
     if expected:

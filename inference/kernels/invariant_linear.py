@@ -31,27 +31,29 @@ ENV_PATH = "DRAFTHEAD_INVARIANT_PATH"
 
 
 def cpu_paths() -> tuple[str, ...]:
-    """The paths this CPU and build can run, fastest first (none where the kernels do not load)."""
+    """The paths this CPU and build can run, fastest first (none where the kernels do not load;
+    no 'panel' where DRAFTHEAD_PANEL_KERNEL=0 keeps the engine off the panel kernel)."""
     if not panel_kernel.load():
         return ()
-    native = set(torch.ops.drafthead_invariant.paths())
-    return tuple(path for path in PATHS if path in native or path == "panel")
+    runnable = set(torch.ops.drafthead_invariant.paths()) | ({"panel"} if panel_kernel.enabled() else set())
+    return tuple(path for path in PATHS if path in runnable)
 
 
 def path_for(dtype: torch.dtype) -> str:
     """The path a target of `dtype` runs on: DRAFTHEAD_INVARIANT_PATH where set, else the fastest of
     `cpu_paths()` that takes the dtype. Raises where that path cannot run here."""
     runnable = cpu_paths()
-    if not runnable:
-        raise ValueError(f"row-invariant decoding needs the panel kernel, which is unavailable: {panel_kernel.why_unavailable()}")
     asked = os.environ.get(ENV_PATH)
     if asked:
         if asked not in runnable:
-            raise ValueError(f"{ENV_PATH}={asked}: this CPU runs {', '.join(runnable)}")
+            raise ValueError(f"{ENV_PATH}={asked}: this CPU runs {', '.join(runnable) or 'none of them'}")
         if not takes(asked, dtype):
             raise ValueError(f"{ENV_PATH}={asked} computes bfloat16 only, the target is {dtype}")
         return asked
-    return next(path for path in runnable if takes(path, dtype))
+    for path in runnable:
+        if takes(path, dtype):
+            return path
+    raise ValueError(f"row-invariant decoding in {dtype} needs the panel kernel, which is unavailable: {panel_kernel.why_unavailable()}")
 
 
 def takes(path: str, dtype: torch.dtype) -> bool:
