@@ -23,10 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	$(MAKE) --no-print-directory kernel
 	touch $(STAMP)
 
-# The panel kernel (inference/kernels/csrc/panel_linear.cpp) is compiled here once, not inside the first
-# generation or test that needs it; without a compiler or AVX2 it says why and the engine runs without it.
+# The CPU kernels (inference/kernels/csrc/: panels, row-invariant linears and attention) are compiled here
+# once, not inside the first generation or test that needs them; without a compiler or AVX2 it says why and
+# the engine runs without them. The second line names the row-invariant linears this CPU runs, fastest first.
 kernel:
 	$(BIN)/python -c "from drafthead.inference.kernels import panel_kernel as k; print('panel kernel:', 'ready' if k.enabled() else 'unavailable: ' + k.why_unavailable())"
+	$(BIN)/python -c "from drafthead.inference.kernels import invariant_linear as i; print('row-invariant linears:', ', '.join(i.cpu_paths()) or 'none')"
 
 demo: setup
 	$(BIN)/drafthead demo
