@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +61,10 @@ class TrafficBuffer:
         shard_samples: int = 8,
         max_tokens: int = 200_000,
         max_bytes: int = 2 * 2**30,
+        flush_seconds: float = 10.0,
     ):
+        """A shard is written once `shard_samples` answers are done, or `flush_seconds` after the
+        first of them (`flush_due`): light traffic still reaches the trainer."""
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.layers = tuple(sorted(layers))
@@ -69,6 +73,8 @@ class TrafficBuffer:
         self.shard_samples = shard_samples
         self.max_tokens = max_tokens
         self.max_bytes = max_bytes
+        self.flush_seconds = flush_seconds
+        self._first_done = 0.0  # when the oldest answer not yet in a shard finished
         self._open: dict[int, _Answer] = {}  # id(row) -> its answer so far
         self._done: list[dict[str, torch.Tensor]] = []  # finished samples not yet in a shard
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -105,8 +111,15 @@ class TrafficBuffer:
         loss_mask[answer.prompt_len :] = True
         hidden = {f"hidden.{layer}": torch.cat(answer.hidden[layer])[: ids.numel()] for layer in self.layers}
         sample = {"input_ids": ids, "loss_mask": loss_mask, **hidden}
+        if not self._done:
+            self._first_done = time.monotonic()
         self._done.append(sample)
         if len(self._done) >= self.shard_samples:
+            self.flush()
+
+    def flush_due(self) -> None:
+        """Flush when the oldest finished answer has waited `flush_seconds` (called between rounds)."""
+        if self._done and time.monotonic() - self._first_done >= self.flush_seconds:
             self.flush()
 
     def flush(self) -> None:

@@ -135,6 +135,7 @@ class Adaptation:
         if now - self._last_poll < 1.0:
             return
         self._last_poll = now
+        self.buffer.flush_due()
         self._read_log()
         self._check_rollback()
         self._publish()
