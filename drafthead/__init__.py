@@ -17,9 +17,9 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "load_target": "drafthead.inference.engine.targets",
-    "LoadedTarget": "drafthead.inference.engine.targets",
-    "eos_token_ids": "drafthead.inference.engine.targets",
+    "load_target": "drafthead.ground.target.load",
+    "LoadedTarget": "drafthead.ground.target.load",
+    "eos_token_ids": "drafthead.ground.target.identity",
     "build_drafter": "drafthead.proposers",
     "speculative_generate": "drafthead.inference.engine.generate",
     "GenerationConfig": "drafthead.inference.engine.generate",

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread like Ctrl-C's KeyboardInterrupt, so that the command's
-    cleanup runs (output locks, temp files: heads/outdir.py) before the process exits."""
+    cleanup runs (output locks, temp files: ground/outdir.py) before the process exits."""
 
 
 def run_reporting(run) -> int:

@@ -145,7 +145,7 @@ def head_layout(head: Path) -> tuple[str, str | None]:
     """(layout, head kind) of the head folder `head`, ours or a foreign one, from its files alone."""
     from .heads.formats import detect_layout, layout_kind
     from .heads.io import CONFIG_NAME
-    from .heads.files import read_json
+    from .ground.files import read_json
 
     layout = detect_layout(head)
     if layout == "ours":
@@ -171,7 +171,7 @@ def default_head_path(target_name: str) -> Path | None:
 
 def _draft_model(draft_model, target, tokenizer, draft_tokenizer=None):
     """Resolve `draft_model` to a model on the target's device and dtype sharing its vocabulary."""
-    from .inference.engine.targets import LoadedTarget, load_target
+    from .ground.target.load import LoadedTarget, load_target
 
     param = next(target.parameters())
     if isinstance(draft_model, (str, Path)):

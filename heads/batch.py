@@ -26,7 +26,7 @@ class FeatureBatch:
     # the hidden states hold one rank's columns of a row split across ranks (train/split_target.py),
     # the final layer with the halo of later columns EAGLE-3's loss reads; ids and masks stay whole
     split_columns: bool = False
-    # per row, the images of a vision-language target's prompt (inference/engine/media.py
+    # per row, the images of a vision-language target's prompt (ground/target/media.py
     # PromptImages) or None; only the target's forward reads them (train/features.py)
     images: list | None = None
 

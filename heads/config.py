@@ -17,8 +17,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from .field_types import type_problems
-from .identity import TargetIdentity
+from ..ground.field_types import type_problems
+from ..ground.target.identity import TargetIdentity
 from .losses import check_loss
 
 

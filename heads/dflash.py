@@ -40,11 +40,11 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 from .batch import FeatureBatch
 from .config import DFlashConfig
 from .eagle import full_attention_rope
-from .identity import text_config
+from ..ground.target.identity import text_config
 from .io import DraftHeadBase, FrozenRefs
 from .losses import distill_loss, dpace_weights, label_confidence
 from .packing import row_positions, same_segment_shift, segment_ids
-from .target_parts import input_embeddings
+from ..ground.target.parts import input_embeddings
 
 KV = tuple[torch.Tensor, torch.Tensor]  # one layer's keys and values, each [B, kv_heads, n, head_dim]
 

@@ -45,12 +45,12 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaDecode
 
 from .batch import FeatureBatch
 from .config import DRAFT_OWN_FIELDS, Eagle1Config, Eagle3Config
-from .identity import text_config
+from ..ground.target.identity import text_config
 from .io import DraftHeadBase, FrozenRefs, shift_left, shifted_labels
 from .losses import distill_loss
 from .packing import causal_within
 from .ttt_attention import TTTMask
-from .target_parts import decoder_of
+from ..ground.target.parts import decoder_of
 
 # ----------------------------------------------------------------------------- shared plumbing
 

@@ -22,14 +22,18 @@ from torch import nn
 
 from .batch import FeatureBatch
 from .config import HeadConfig, config_from_dict, head_kind
-from .files import HeadFormatError, read_json, read_safetensors, write_json, write_safetensors
+from ..ground.files import FileFormatError, read_json, read_safetensors, write_json, write_safetensors
 from .packing import same_segment_shift
-from .target_parts import input_embeddings, output_embeddings
+from ..ground.target.parts import input_embeddings, output_embeddings
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ADAPTER_DIR = "adapter"
 FORMAT = "drafthead-head"
+
+
+class HeadFormatError(FileFormatError):
+    """A head directory that cannot be loaded: missing/corrupt files, unknown keys, bad tensors."""
 
 
 def drafthead_version() -> str:
@@ -49,7 +53,7 @@ def read_head_dir(path) -> tuple[HeadConfig, dict, dict[str, torch.Tensor]]:
     path = Path(path)
     if not path.is_dir():
         raise HeadFormatError(f"head directory {path} does not exist")
-    meta = read_json(path / CONFIG_NAME)
+    meta = _read(read_json, path / CONFIG_NAME)
     if meta.get("format") != FORMAT or "config" not in meta:
         raise HeadFormatError(
             f"{path / CONFIG_NAME} is not a drafthead head config (format={meta.get('format')!r}); "
@@ -61,8 +65,18 @@ def read_head_dir(path) -> tuple[HeadConfig, dict, dict[str, torch.Tensor]]:
         raise HeadFormatError(f"{path / CONFIG_NAME}: {e}") from e
     if config.target is None:
         raise HeadFormatError(f"{path / CONFIG_NAME}: config has no target identity")
-    state = read_safetensors(path / WEIGHTS_NAME)
+    state = _read(read_safetensors, path / WEIGHTS_NAME)
     return config, meta, state
+
+
+def _read(read, path: Path):
+    """read(path), a file of a head folder: one it cannot read is the folder's HeadFormatError."""
+    try:
+        return read(path)
+    except HeadFormatError:
+        raise
+    except FileFormatError as e:
+        raise HeadFormatError(str(e)) from e
 
 
 def check_state_dict(expected: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], where: str = "") -> None:

@@ -24,7 +24,7 @@ from .batch import FeatureBatch
 from .config import MedusaConfig
 from .io import DraftHeadBase, FrozenRefs, shifted_labels
 from .losses import dpace_chain_loss
-from .target_parts import lm_head_of
+from ..ground.target.parts import lm_head_of
 
 
 class ResidualBlock(nn.Module):

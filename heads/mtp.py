@@ -33,8 +33,8 @@ from torch import nn
 
 from .config import MTPConfig
 from .eagle import Eagle1Head, decoder_layers
-from .identity import text_config
-from .target_parts import input_embeddings, lm_head_of
+from ..ground.target.identity import text_config
+from ..ground.target.parts import input_embeddings, lm_head_of
 
 
 @dataclass(frozen=True)

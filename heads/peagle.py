@@ -32,7 +32,7 @@ from .io import shift_left, shifted_labels
 from .eagle import prepare_mask, window_mask
 from .losses import distill_loss, dpace_chain_loss, label_confidence
 from .packing import causal_within, segment_ids
-from .target_parts import input_embeddings
+from ..ground.target.parts import input_embeddings
 
 
 def cod_columns(T: int, depths: int, ratio: float, min_ratio: float, generator: torch.Generator | None = None, device=None) -> list[torch.Tensor]:

@@ -29,14 +29,14 @@ from .eagle import Eagle1Head, has_rope_decoder
 from .dflash import DFlashHead
 from .dspark import DSparkHead
 from .eagle3 import Eagle3Head
-from .identity import HeadTargetMismatch, check_compatible, eos_token_ids, identify_target, identity_diff
+from ..ground.target.identity import HeadTargetMismatch, check_compatible, eos_token_ids, identify_target, identity_diff
 from .io import ADAPTER_DIR, DraftHeadBase, check_state_dict, read_head_dir
-from .files import HeadFormatError
+from .io import HeadFormatError
 from .hydra import HydraHead
 from .medusa import MedusaHead
 from .mtp import MTPHead
 from .peagle import PEagleHead
-from .target_parts import lm_head_of
+from ..ground.target.parts import lm_head_of
 
 # config class -> module class; Eagle31Config is the EAGLE-3 head with fc_norm and norm_output on
 _MODULES: dict[type, type[DraftHeadBase]] = {

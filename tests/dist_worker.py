@@ -53,7 +53,7 @@ def equal_length_trainer(config, target_model, tokenizer):
 
 
 def main(out: str, target: str, chats: str) -> None:
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.run import run_training
 
     out = Path(out)

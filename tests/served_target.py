@@ -30,7 +30,7 @@ def random_eagle3_head(target: Path, out: Path) -> Path:
     import torch
 
     from drafthead.heads.registry import build_head, make_config
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     loaded = load_target(str(target))
     torch.manual_seed(0)

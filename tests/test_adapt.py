@@ -43,7 +43,7 @@ def head(target, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(target):
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     return load_target(str(target))
 

@@ -22,7 +22,8 @@ from drafthead.inference.engine.rounds import CONTEXT_BUCKETS, acceptance_histog
 from drafthead.inference.bench.prompts import Prompt
 from drafthead.inference.bench.report import format_table, plot_report, render_markdown
 from drafthead.inference.engine.sampling import SamplingConfig
-from drafthead.inference.engine.targets import eos_token_ids, load_target
+from drafthead.ground.target.identity import eos_token_ids
+from drafthead.ground.target.load import load_target
 
 # -- pure metrics ------------------------------------------------------------------------------
 

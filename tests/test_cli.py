@@ -192,7 +192,7 @@ def test_bench_writes_report_markdown_and_plot(capsys, tiny_llama_dir, tmp_path)
     assert "hf_prompt_lookup_tokens_per_s" in report
     assert md.read_text().splitlines()[1].startswith("| method |")  # after the line that marks it as bench's
     assert png.stat().st_size > 1000
-    assert all(written_by_bench(p) for p in (out_json, md, png))  # so --overwrite may replace them (heads/outdir.py)
+    assert all(written_by_bench(p) for p in (out_json, md, png))  # so --overwrite may replace them (ground/outdir.py)
     assert "plain generate()" in out and "engine time" in out
 
 
@@ -294,7 +294,7 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
     from transformers import PreTrainedTokenizerFast
 
     from drafthead.proposers import DrafterError, build_drafter, check_same_vocabulary
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from tests.tiny import tiny_causal_lm
 
     target = load_target(tiny_llama_dir)
@@ -337,7 +337,7 @@ def test_unknown_proposer_and_missing_arguments(tiny_llama_dir):
 def test_heads_proposer_end_to_end(capsys, tiny_llama_dir, tmp_path, kind):
     """An (untrained) head folder through --head: loads with identity checks, stays exact."""
     from drafthead.heads.registry import build_head, make_config
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     target = load_target(tiny_llama_dir)
     head = build_head(make_config(kind, target.model, target.tokenizer, name=target.name), target.model)

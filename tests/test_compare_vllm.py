@@ -1,5 +1,5 @@
-"""`bench --compare vllm`'s plumbing (inference/bench/compare_vllm.py): the spec goes to a child
-process of vLLM's Python, which runs vllm_child.py and writes its rows back. vLLM itself is
+"""`bench --compare vllm`'s plumbing (inference/vllm/plain_rows.py): the spec goes to a child
+process of vLLM's Python, which runs plain_child.py and writes its rows back. vLLM itself is
 replaced by a stub package on the child's PYTHONPATH, so this runs anywhere; an absent venv is a
 skip with its reason."""
 
@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from drafthead.inference.bench import compare_vllm
+from drafthead.inference.vllm import interpreter, plain_rows
 
 STUB = """
 class SamplingParams:
@@ -35,8 +35,8 @@ class LLM:
 
 
 def test_a_missing_vllm_venv_is_a_skip_with_its_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(compare_vllm, "VLLM_PYTHON", tmp_path / "no-venv" / "bin" / "python")
-    rows, skipped = compare_vllm.vllm_rows(tmp_path, [[1, 2]], [0], 4, "float32", 1, tmp_path / "work")
+    monkeypatch.setattr(interpreter, "VLLM_PYTHON", tmp_path / "no-venv" / "bin" / "python")
+    rows, skipped = plain_rows.vllm_rows(tmp_path, [[1, 2]], [0], 4, "float32", 1, tmp_path / "work")
     assert rows == {} and "not installed" in skipped["vllm"]
 
 
@@ -46,7 +46,7 @@ def test_the_child_runs_in_vllms_python_and_returns_one_row_per_prompt(tmp_path,
     (stub / "__init__.py").write_text(textwrap.dedent(STUB))
     (stub / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
     monkeypatch.setenv("PYTHONPATH", str(stub.parent))
-    monkeypatch.setattr(compare_vllm, "VLLM_PYTHON", Path(sys.executable))
-    rows, skipped = compare_vllm.vllm_rows(tmp_path, [[5, 6, 7], [8, 9]], [0], 2, "float32", 1, tmp_path / "work")
+    monkeypatch.setattr(interpreter, "VLLM_PYTHON", Path(sys.executable))
+    rows, skipped = plain_rows.vllm_rows(tmp_path, [[5, 6, 7], [8, 9]], [0], 2, "float32", 1, tmp_path / "work")
     assert skipped == {}
-    assert [(r["tokens"], r["token_ids"]) for r in rows[compare_vllm.VLLM_ROW]] == [(2, [5, 6]), (2, [8, 9])]
+    assert [(r["tokens"], r["token_ids"]) for r in rows[plain_rows.VLLM_ROW]] == [(2, [5, 6]), (2, [8, 9])]

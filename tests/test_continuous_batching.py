@@ -13,7 +13,7 @@ from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.backend import target_backend
 from drafthead.inference.engine.decoder import Decoder, DecoderSettings, RowSettings
 from drafthead.inference.engine.drafter import fork_drafter
-from drafthead.inference.engine.generate import context_limit
+from drafthead.ground.target.load import context_limit
 from drafthead.inference.engine.sampling import SamplingConfig
 from drafthead.inference.engine.stopping import StopRules
 from tests.head_checks import batch_drafters

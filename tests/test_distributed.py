@@ -115,7 +115,7 @@ def two_process_runs(run_once, tiny_run_inputs):
 
 
 def test_ddp_and_fsdp_end_with_the_weights_of_one_process(two_process_runs, tiny_run_inputs):
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     tmp, target, chats = tiny_run_inputs
     threads = torch.get_num_threads()

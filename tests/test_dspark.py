@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from drafthead.heads.config import DSparkConfig
 from drafthead.heads.formats import detect_layout, export_head, import_head
-from drafthead.heads.files import HeadFormatError
+from drafthead.heads.io import HeadFormatError
 from drafthead.heads.dflash import sample_anchors
 from drafthead.heads.losses import dpace_weights
 from drafthead.heads.registry import build_head, make_config

@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from drafthead.cli import main as cli_main
-from drafthead.heads.files import HeadFormatError
-from drafthead.heads.identity import HeadTargetMismatch
+from drafthead.heads.io import HeadFormatError
+from drafthead.ground.target.identity import HeadTargetMismatch
 from drafthead.heads.registry import build_head, make_config
 from drafthead.heads.formats import detect_layout, export_head, import_head
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
@@ -384,7 +384,7 @@ def test_engine_exports_refuse_layers_the_engines_read_differently(aux, why, tmp
 
 
 def test_cli_export_and_import(tmp_path, capsys, tiny_target_dir):
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     tiny_llama_dir = tiny_target_dir("llama", layers=L)
     loaded = load_target(tiny_llama_dir)
@@ -414,7 +414,7 @@ def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     """--head accepts a published layout: read exactly, said so, and greedy output stays the target's."""
     from drafthead import GenerationConfig, speculative_generate
     from drafthead.proposers import head_folder_drafter
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from tests.tiny import plain_greedy, repetitive_prompt
 
     loaded = load_target(tiny_target_dir("llama", layers=L))

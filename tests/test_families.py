@@ -19,7 +19,7 @@ from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.verify import check_tree_mask_support
-from drafthead.inference.engine.targets import load_target
+from drafthead.ground.target.load import load_target
 from drafthead.inference.engine.drafter import fork_drafter
 from tests.oracle import assert_accepts_and_stays_exact
 from tests.tiny import left_padded
@@ -48,7 +48,7 @@ def family_target(tiny_target_dir):
 
 @pytest.mark.parametrize("family", TARGETS)
 def test_every_family_loads_with_an_attention_that_takes_tree_masks(tiny_target_dir, family, caplog):
-    with caplog.at_level(logging.WARNING, logger="drafthead.inference.engine.targets"):
+    with caplog.at_level(logging.WARNING, logger="drafthead.ground.target.load"):
         model = load_target(tiny_target_dir(family, layers=LAYERS)).model
     want = "eager" if family in NO_SDPA else "sdpa"
     assert model.config._attn_implementation == want

@@ -419,7 +419,7 @@ def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_
         target, lambda num_draft=8: EagleDrafter(head, num_draft=num_draft, depth=3, top_k=2), max_new_tokens=12, trees=(None,)
     )
     from drafthead.heads.formats import import_head
-    from drafthead.heads.files import HeadFormatError
+    from drafthead.heads.io import HeadFormatError
     from tests.head_checks import outputs
 
     for fmt in formats_for("eagle3"):

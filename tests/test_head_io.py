@@ -12,11 +12,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from drafthead.heads.eagle3 import Eagle3Head
-from drafthead.heads.files import HeadFormatError
-from drafthead.heads.identity import HeadTargetMismatch
+from drafthead.heads.io import HeadFormatError
+from drafthead.ground.target.identity import HeadTargetMismatch
 from drafthead.heads.medusa import MedusaHead
 from drafthead.heads.registry import build_head, load_head, make_config
-from drafthead.heads.identity import TargetIdentity, check_compatible, identify_target, tokenizer_fingerprint
+from drafthead.ground.target.identity import TargetIdentity, check_compatible, identify_target, tokenizer_fingerprint
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from tests.conftest import build_tiny_tokenizer
 from tests.tiny import tiny_causal_lm
@@ -102,7 +102,7 @@ def test_save_is_atomic(tok, tmp_path, monkeypatch):
     def broken(*a, **k):
         raise OSError("disk full")
 
-    import drafthead.heads.files as files
+    import drafthead.ground.files as files
 
     monkeypatch.setattr(files, "save_file", broken)
     with torch.no_grad():

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.config import Eagle3Config, MedusaConfig, config_from_dict, default_eagle3_layers, engine_layer_problem
-from drafthead.heads.identity import HeadTargetMismatch
+from drafthead.ground.target.identity import HeadTargetMismatch
 from drafthead.heads.registry import build_head, make_config
 from drafthead.heads.eagle3 import entropy_curriculum, ttt_attention_mask, ttt_depth
 from drafthead.heads.io import shifted_labels

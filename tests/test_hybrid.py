@@ -23,7 +23,7 @@ from drafthead.inference.engine import recurrent
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.hybrid_target import HybridTarget
 from drafthead.inference.engine.recurrent import has_recurrent_layers
-from drafthead.inference.engine.targets import load_target
+from drafthead.ground.target.load import load_target
 from drafthead.inference.engine.backend import target_backend
 from drafthead.inference.engine.tree import first_chain
 from tests.oracle import OracleDrafter, assert_accepts_and_stays_exact, known_continuation

@@ -1,4 +1,4 @@
-"""Images in the prompt of a vision-language target (inference/engine/media.py; docs/families.md
+"""Images in the prompt of a vision-language target (ground/target/media.py; docs/families.md
 "Images in the prompt"): tiny random Gemma-3, Qwen2.5-VL and Qwen3-VL targets with random images.
 
 Greedy output equals transformers' own generate() given the same images, at batch 1 and for a
@@ -16,7 +16,7 @@ import torch
 
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.engine import media
+from drafthead.ground.target import media
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.torch_target import TorchTarget
 from drafthead.inference.engine.tree import DraftTree, chain_parents
@@ -313,7 +313,7 @@ def test_image_chats_are_formatted_by_the_targets_processor_and_train(tmp_path):
 
     from drafthead.heads.batch import FeatureBatch  # noqa: F401  (the batch type the trainer builds)
     from drafthead.inference.drafters.load import load_head_drafter
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.chat_format import format_conversation
     from drafthead.train.config import TrainConfig
     from drafthead.train.image_chats import load_processor, prompt_images
@@ -366,7 +366,7 @@ def test_image_chats_are_formatted_by_the_targets_processor_and_train(tmp_path):
 def test_chats_with_images_are_refused_in_one_line_where_not_built(tmp_path):
     """Streaming (no processor), a target folder without one, Medusa-2's joint training: each
     refused in one line before any step."""
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.chat_format import format_row
     from drafthead.train.config import ConfigError
     from drafthead.train.image_chats import load_processor
@@ -402,7 +402,7 @@ def test_generate_command_answers_a_prompt_with_an_image(tmp_path, capsys):
     from PIL import Image
 
     from drafthead import cli
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.image_chats import encode_image_prompt, load_processor
     from tests.conftest import save_tiny_vlm
 

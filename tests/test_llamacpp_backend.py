@@ -30,7 +30,7 @@ def smollm2():
     from drafthead.inference.llamacpp.convert import target_gguf
     from drafthead.inference.llamacpp.target import LlamaCppTarget
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     loaded = load_target("smollm2-135m", dtype="float32")
     backend = LlamaCppTarget(target_gguf(loaded.path, "f32"), loaded.model.config, threads=2)

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.llamacpp
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.inference.llamacpp.convert import target_gguf
     from drafthead.inference.llamacpp.tools import llama_server
 

@@ -79,7 +79,7 @@ def test_the_cli_writes_a_file_bench_reads_and_never_replaces_one(tmp_path, caps
     assert main(args) == 2
     assert "exists, and long-prompts never replaces a file" in capsys.readouterr().err
     # a second copy writing the same file while the first holds it is refused, and writes nothing
-    from drafthead.heads.outdir import output_lock
+    from drafthead.ground.outdir import output_lock
 
     other = tmp_path / "other.jsonl"
     with output_lock(other):

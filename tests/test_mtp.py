@@ -22,7 +22,7 @@ from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.load import head_drafter
 from drafthead.inference.engine.drafter import fork_drafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
-from drafthead.inference.engine.targets import load_target
+from drafthead.ground.target.load import load_target
 from tests.oracle import assert_accepts_and_stays_exact
 from tests.tiny import left_padded, plain_greedy, prompts_of, repetitive_prompt
 from tests.tiny_mtp import save_tiny_mtp_target

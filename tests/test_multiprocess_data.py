@@ -210,7 +210,7 @@ def _run_ranks(models, tokenizer, convs, out, **kwargs) -> list:
 def test_regenerate_rerun_after_a_rank_died_gives_the_clean_answers(tmp_path, target):
     """Two ranks, rank 1 dies after its first batch; rerun as two ranks, or as one process: both
     keep every finished record and write the file a clean single process writes."""
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.sources import load_conversations
 
     loaded = load_target(str(target), dtype="float32", device="cpu")

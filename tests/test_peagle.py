@@ -128,7 +128,7 @@ def test_speculators_export_carries_the_mask_row_and_placeholder_and_reads_back(
     from safetensors.torch import load_file
 
     from drafthead.heads.formats import export_head, import_head
-    from drafthead.heads.files import HeadFormatError
+    from drafthead.heads.io import HeadFormatError
 
     target = tiny_causal_lm("llama", layers=4)
     head = peagle(target, depth=3, aux_layers=(1, 2, 3))

@@ -16,7 +16,7 @@ import yaml
 
 from drafthead import cli
 from drafthead.heads.registry import build_head, make_config
-from drafthead.heads.outdir import MARKER_FILE, fresh_folder, mark_output
+from drafthead.ground.outdir import MARKER_FILE, fresh_folder, mark_output
 from drafthead.train.checkpoint import RUN_CONFIG_FILE, latest_checkpoint
 from drafthead.train.features import CAPTURE_FILES
 from drafthead.train.config import check_resume, resume_changes
@@ -707,7 +707,7 @@ def test_stale_captured_features_are_refused(tmp_path, capsys, tiny_run, tiny_ta
 
 def test_a_second_writer_of_one_output_is_refused(tmp_path, capsys, tiny_llama_dir):
     """Every writing command takes its output's lock; one held elsewhere refuses the command."""
-    from drafthead.heads.outdir import lock_file, output_lock
+    from drafthead.ground.outdir import lock_file, output_lock
     from drafthead.train.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 4)
@@ -853,7 +853,7 @@ def test_write_failure_rule():
     """What the writers raise on a full disk (taken from a full tmpfs), as the OSError the CLI reports."""
     import errno
 
-    from drafthead.heads.outdir import write_failure
+    from drafthead.ground.outdir import write_failure
 
     safetensors = RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
     assert (write_failure(safetensors, "f").errno, write_failure(safetensors, "f").filename) == (errno.ENOSPC, "f")

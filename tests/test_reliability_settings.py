@@ -135,7 +135,7 @@ def test_a_fresh_run_stopped_at_its_first_step_leaves_nothing(tmp_path, capsys, 
 
 def test_long_prompts_past_the_targets_context_are_refused(tmp_path, capsys, tiny_llama_dir):
     """`data long-prompts --tokens` at or past the target's context wrote prompts no bench can run."""
-    from drafthead.inference.engine.targets import target_context
+    from drafthead.ground.target.load import target_context
 
     context = target_context(tiny_llama_dir)
     out = tmp_path / "long.jsonl"

@@ -88,7 +88,7 @@ def test_openai_client_answers_equal_plain_decoding_and_the_target_own(folder, s
     """Chat, streamed chat and completions through the `openai` package, at temperature 0: the
     speculative server's answers equal the plain one's and transformers' greedy generate()."""
     from drafthead.inference.bench.prompts import encode_chat
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     loaded = load_target(str(folder))
     spec, plain = client(spec_url), client(plain_url, KEY)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from drafthead.inference.engine.chat import render_chat
+from drafthead.ground.target.chat import render_chat
 from drafthead.train.chat_format import format_conversation
 from drafthead.train.openai_server import ServerError, ServerSettings, root_url
 from drafthead.train.regenerate import RegenerateSettings, done_ids

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from drafthead.proposers import default_head_path
-from drafthead.heads.identity import HeadTargetMismatch, identify_target
-from drafthead.heads.files import HeadFormatError
+from drafthead.ground.target.identity import HeadTargetMismatch, identify_target
+from drafthead.heads.io import HeadFormatError
 from drafthead.inference.drafters.load import load_head_drafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.bench.prompts import encode_chat, load_prompts
-from drafthead.inference.engine.targets import eos_token_ids, load_target
+from drafthead.ground.target.identity import eos_token_ids
+from drafthead.ground.target.load import load_target
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,8 @@ from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.bench.prompts import encode_chat, load_prompts
-from drafthead.inference.engine.targets import eos_token_ids, load_target
+from drafthead.ground.target.identity import eos_token_ids
+from drafthead.ground.target.load import load_target
 
 pytestmark = pytest.mark.slow
 

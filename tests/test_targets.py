@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from drafthead.inference.engine.targets import (
+from drafthead.ground.target.identity import eos_token_ids
+from drafthead.ground.target.load import (
     CACHE_MARKER,
     LoadedTarget,
     TargetError,
     build_cached,
-    eos_token_ids,
     install_builtin,
     load_target,
     target_cache_dir,

@@ -330,7 +330,7 @@ def test_streaming_run_reads_lazily_and_resumes_exactly(tmp_path, isolated_cache
 
 
 def test_auto_precision_follows_the_hardware():
-    from drafthead.inference.engine.targets import has_native_bf16, resolve_dtype
+    from drafthead.ground.target.load import has_native_bf16, resolve_dtype
     from drafthead.train.trainer import resolve_mixed_precision
 
     assert resolve_mixed_precision("auto", True) == "bf16" and resolve_mixed_precision("auto", False) == "no"

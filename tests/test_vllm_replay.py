@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_replay_counted_as_vllm_gives_vllms_steps(tmp_path, capsys):
     from drafthead.proposers import default_head_path
-    from drafthead.inference.engine.targets import target_folder
+    from drafthead.ground.target.load import target_folder
 
     export = tmp_path / "head-vllm"
     assert run_cli(capsys, "export", str(default_head_path("smollm2-135m")), "--format", "vllm", "--out", export)[0] == 0

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.inference.vllm.server import vllm_server
 
     loaded = load_target("smollm2-135m", dtype="float32", threads=2)

@@ -393,7 +393,7 @@ def tiny_image(family: str, seed: int = 0, grid: tuple[int, int, int] = (1, 4, 4
     vocabulary 96 (tiny_gemma3_vlm, tiny_qwen_vl): Gemma-3 takes a 28x28 image as 4 tokens between
     its begin and end tokens; Qwen-VL a (time, height, width) grid of 14-pixel patches, 2x2 patches
     merged per token, between its vision start and end tokens."""
-    from drafthead.inference.engine.media import PromptImages
+    from drafthead.ground.target.media import PromptImages
 
     g = torch.Generator().manual_seed(seed)
     vocab = 96
@@ -416,7 +416,7 @@ def image_prompt(family: str, text: int = 6, seed: int = 0, grid: tuple[int, int
 def plain_greedy_with_images(model, prompt: torch.Tensor, images, max_new_tokens: int) -> list[int]:
     """The reference with images: transformers' own greedy generate, given the image inputs the
     family's processor would give (pixel values, grids, which tokens are image tokens)."""
-    from drafthead.inference.engine.media import token_types
+    from drafthead.ground.target.media import token_types
 
     if images is None:
         return plain_greedy(model, prompt[None], max_new_tokens)

@@ -36,7 +36,7 @@ class MTPCheckpoint:
 
 
 def save_tiny_mtp_target(work: Path, family: str = "deepseek_v3", layers: int = 4, seed: int = 5) -> MTPCheckpoint:
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from tests.conftest import build_tiny_tokenizer, save_tiny_target
     from tests.tiny import tiny_causal_lm
 

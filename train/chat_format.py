@@ -16,7 +16,7 @@ straddles a boundary: SmolLM2's BPE would otherwise merge the header's "\n" with
 leading spaces into one token, half prompt and half label. Piecewise is also what generation
 sees: the prompt ends with the header's own tokens and the answer's tokens start fresh.
 
-A tokenizer without a chat template gets inference/engine/chat.py's plain format, the one generation
+A tokenizer without a chat template gets ground/target/chat.py's plain format, the one generation
 uses for it.
 
 An answer that comes with the ids the target produced (`data regenerate` keeps them) is labelled
@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import datasets
 
-from ..inference.engine.chat import render_chat
+from ..ground.target.chat import render_chat
 from .image_chats import IMAGE_MARKER, image_placeholder, open_images
 
 

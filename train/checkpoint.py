@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..heads.outdir import reported_as
+from ..ground.outdir import reported_as
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -131,7 +131,7 @@ def _write_files(tmp: Path, weights, optimizer_state, scheduler_state, rng_state
 def remove_partial_checkpoints(output_dir: str | Path) -> list[Path]:
     """Delete what killed checkpoint writes left in output_dir/checkpoints (`.tmp-step-*` folders,
     the `latest` pointer's temp file). Call it on the main process holding the output_dir lock
-    (heads/outdir.py output_lock), under which no other writer is at work. Returns what went."""
+    (ground/outdir.py output_lock), under which no other writer is at work. Returns what went."""
     root = checkpoint_root(output_dir)
     if not root.is_dir():
         return []

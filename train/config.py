@@ -23,8 +23,8 @@ from typing import Any, Sequence
 import yaml
 
 from ..heads.config import KINDS, check_context_parallel
-from ..heads.files import not_utf8
-from ..inference.engine.targets import DTYPES
+from ..ground.files import not_utf8
+from ..ground.target.load import DTYPES
 
 DTYPE_NAMES = tuple(DTYPES)
 
@@ -134,7 +134,7 @@ class ReplayConfig:
 
 @dataclass
 class TrainConfig:
-    target: str = "smollm2-135m"  # built-in name or local folder (drafthead.inference.engine.targets.load_target)
+    target: str = "smollm2-135m"  # built-in name or local folder (drafthead.ground.target.load.load_target)
     target_dtype: str = "float32"  # dtype the target is loaded in; auto: bfloat16 where native, else float32
     head: dict = field(default_factory=lambda: {"kind": "medusa1"})  # {kind, ...} -> heads/config.py
     data: DataConfig = field(default_factory=DataConfig)

@@ -35,11 +35,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..heads.batch import FeatureBatch
-from ..heads.identity import text_config
-from ..heads.files import read_json
-from ..heads.outdir import mark_output, reported_as
-from ..inference.engine.media import PromptImages, deepstack_inputs, forward_inputs, with_deepstack
-from ..inference.engine.targets import resolve_dtype
+from ..ground.target.identity import text_config
+from ..ground.files import read_json
+from ..ground.outdir import mark_output, reported_as
+from ..ground.target.media import PromptImages, deepstack_inputs, forward_inputs, with_deepstack
+from ..ground.target.load import resolve_dtype
 from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"
@@ -173,7 +173,7 @@ def target_features(
     rows (train/packing.py), each conversation seen alone (`target_mask_kwargs`). images: one
     media.PromptImages or None per row of a vision-language target: the whole model runs, its
     vision tower filling the image tokens, with Qwen3-VL's deepstack inputs put back
-    (inference/engine/media.py).
+    (ground/target/media.py).
     """
     device = next(model.parameters()).device
     masks = target_mask_kwargs(model, attention_mask, position_ids)

@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from ..heads.files import not_utf8
+from ..ground.files import not_utf8
 from .source_report import SourceReport
 
 _SEPARATOR = re.compile(r"[\s,]*")

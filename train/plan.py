@@ -62,7 +62,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
 
     from ..heads.eagle3 import Eagle3Head
     from ..heads.registry import _new_module
-    from ..inference.engine.targets import model_auto_class
+    from ..ground.target.load import model_auto_class
     from .run import head_config
     from .sharding import decoder_layers
 

@@ -41,7 +41,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..inference.engine.chat import render_chat
+from ..ground.target.chat import render_chat
 from ..inference.engine.sampling import SamplingConfig
 from .chat_format import decode_answer, stop_token_ids
 from .features import plan_changes

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..inference.engine.chat import render_chat
+from ..ground.target.chat import render_chat
 from .chat_format import stop_token_ids
 
 

@@ -33,7 +33,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterable
 
-from ..inference.engine.chat import render_chat
+from ..ground.target.chat import render_chat
 from .chat_format import decode_answer, stop_token_ids
 from .openai_server import ChatServer, ContextLimitError, Sampling, ServedAnswer, ServerError, ServerRing, ServerSettings, served_model
 from .regenerate import (

@@ -15,7 +15,7 @@ import yaml
 from .chat_format import FormatReport, tokenize_conversations
 from .config import ConfigError, TrainConfig, check_resume, head_config_dict
 from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, plan_changes, required_layers
-from ..inference.engine.targets import target_folder
+from ..ground.target.load import target_folder
 from .image_chats import load_processor
 from .sources import SourceReport, data_fingerprint, load_conversations
 from .checkpoint import check_same_data, checkpoint_root, latest_checkpoint, saved_run_config
@@ -88,8 +88,8 @@ LAYOUT_ONLY = ("packing",)
 def capture_meta(config: TrainConfig, target_model=None, tokenizer=None, target_name: str | None = None) -> dict:
     """What a capture is made from, recorded in its plan and index: the data section and the data's
     content hash, and (given the target) its identity with the tokenizer's fingerprint and a
-    fingerprint of its weights (heads/identity.py)."""
-    from ..heads.identity import identify_target, weights_fingerprint
+    fingerprint of its weights (ground/target/identity.py)."""
+    from ..ground.target.identity import identify_target, weights_fingerprint
     from .sources import data_fingerprint
 
     data = {k: v for k, v in config.to_dict()["data"].items() if k not in LAYOUT_ONLY}
@@ -107,7 +107,7 @@ def stale_capture(made_from: dict, config: TrainConfig, target_model=None, token
     """How the inputs a capture was made from (its meta) differ from this config's (and this
     target's, when given): 'what: then -> now' lines; [] when they agree. The target's name is
     not compared (a path or a hub id for the same model)."""
-    from ..heads.identity import TargetIdentity, identity_diff
+    from ..ground.target.identity import TargetIdentity, identity_diff
 
     now = capture_meta(config, target_model, tokenizer)
     changed = []
@@ -266,7 +266,7 @@ def build_replay(config: TrainConfig, target_model, tokenizer, eval_samples, hea
         return None
     if not eval_samples:
         raise ConfigError("replay.sequences > 0 needs held-out samples: set data.eval_fraction (or data.eval_size) above 0")
-    from ..heads.identity import eos_token_ids
+    from ..ground.target.identity import eos_token_ids
     from .replay_eval import ReplayEval
 
     replay = ReplayEval(target_model, eval_samples, config.replay, eos_token_ids(target_model, tokenizer))
@@ -345,12 +345,12 @@ def run_training(
     config: TrainConfig, *, resume: bool = False, overwrite: bool = False, say: Callable[[str], None] = print, inputs: tuple = ()
 ) -> TrainResult:
     """Load the target named by the config on this process's device, build, train (resume and
-    overwrite: Trainer.fit), holding output_dir's lock (heads/outdir.py output_lock) throughout.
+    overwrite: Trainer.fit), holding output_dir's lock (ground/outdir.py output_lock) throughout.
     output_dir is checked before the target loads, so a refusal is quick: what it holds, what
     --overwrite would delete (inputs: files the caller read besides the config's, such as the
     YAML), and that it can be written."""
-    from ..heads.outdir import check_replaceable, output_lock, probe_writable, reported_as
-    from ..inference.engine.targets import load_target
+    from ..ground.outdir import check_replaceable, output_lock, probe_writable, reported_as
+    from ..ground.target.load import load_target
     from .allocator import map_large_blocks_for
 
     head_config_dict(config)  # the head section, checked before anything loads or is written

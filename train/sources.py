@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, cast
 import datasets
 
 from .image_chats import record_images
-from ..heads.files import cache_root
+from ..ground.files import cache_root
 from .json_records import iter_records
 from .source_report import SourceReport
 

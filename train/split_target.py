@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..heads.batch import FeatureBatch
 from ..heads.context_split import ContextSplit, pad_columns, pad_positions
-from ..heads.identity import text_config
+from ..ground.target.identity import text_config
 from ..heads.packing import segment_ids
 from .features import target_mask_kwargs
 

@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from ..heads.outdir import fresh_folder
+from ..ground.outdir import fresh_folder
 
 # ChatML like SmolLM2's, without its default system prompt.
 TINY_CHAT_TEMPLATE = (
@@ -124,7 +124,7 @@ def save_tiny_target(
 ) -> Path:
     """Save a tiny random target + tokenizer as a Hugging Face folder that `from_pretrained` loads,
     with `chats` synthetic chats in CHATS_FILE (none: 0). The folder appears whole or not at all,
-    and a non-empty one is replaced only with `overwrite` (heads/outdir.py)."""
+    and a non-empty one is replaced only with `overwrite` (ground/outdir.py)."""
     out_dir = Path(out_dir)
     tokenizer = tiny_tokenizer(vocab_size)
     model = tiny_target(tokenizer, hidden_size, num_layers, seed)

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..heads.files import atomic_write
+from ..ground.files import atomic_write
 from .curves import EVAL_PLOT, plot_eval_curves
 
 METRICS_FILE = "metrics.jsonl"

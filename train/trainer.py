@@ -28,7 +28,7 @@ from torch import nn
 from ..heads.batch import FeatureBatch
 from ..heads.config import Eagle3Config
 from ..heads.io import DraftHeadBase, shifted_labels
-from ..heads.outdir import OVERWRITE_FLAG, OutputExistsError, check_replaceable, clear_output, files_under, fresh_folder, is_empty, mark_output
+from ..ground.outdir import OVERWRITE_FLAG, OutputExistsError, check_replaceable, clear_output, files_under, fresh_folder, is_empty, mark_output
 from .best import BEST_DIR, best_so_far, improves, write_record
 from .checkpoint import (
     CHECKPOINT_DIR,
@@ -52,7 +52,7 @@ from .features import IndexedSamples, OnlineFeaturizer, collate, target_mask_kwa
 from .packing import collate_packed
 from .split_target import SplitFeaturizer, split_refusal
 from . import sharding
-from ..inference.engine.clock import PhaseClock
+from ..ground.clock import PhaseClock
 from .curves import EVAL_PLOT
 from .tracking import METRICS_FILE, WANDB_ID_FILE, RunLog
 
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 
 FINAL_DIR = "final"
 CONFIG_FILE = "config.yaml"
-# What a run writes in its output_dir (its marker names them: heads/outdir.py MARKER_FILE); wandb's
+# What a run writes in its output_dir (its marker names them: ground/outdir.py MARKER_FILE); wandb's
 # offline files go under wandb/. final/ and best/ hold markers of their own, which name their files.
 RUN_FILES = (
     CONFIG_FILE,
@@ -248,7 +248,7 @@ def make_accelerator(config: TrainConfig):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
 
-    from ..inference.engine.targets import has_native_bf16
+    from ..ground.target.load import has_native_bf16
 
     precision = resolve_mixed_precision(config.mixed_precision, has_native_bf16())
     if AcceleratorState._shared_state and PartialState().num_processes == 1:

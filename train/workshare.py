@@ -11,7 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..heads.files import atomic_write
+from ..ground.files import atomic_write
 
 # How long a process of a data job waits at a barrier for the others. A rank that died is noticed
 # at once (its connections close) and the launcher ends the others; this bounds the wait for one
@@ -107,7 +107,7 @@ def detect_work_share(timeout_s: float = BARRIER_TIMEOUT_S) -> WorkShare:
 
 
 def write_atomically(path: Path, data: str | bytes) -> None:
-    """`data` into `path` through heads/files.py's atomic_write (a temp file beside it, then a rename),
+    """`data` into `path` through ground/files.py's atomic_write (a temp file beside it, then a rename),
     synced to disk before the rename: a reader, or a rerun after a kill, sees the old file or the
     new one, never half of one."""
     payload = data.encode() if isinstance(data, str) else data

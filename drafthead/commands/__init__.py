@@ -129,7 +129,7 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: list[str] | None
 
 
 def add_overwrite_option(parser) -> None:
-    from ..heads.outdir import OVERWRITE_FLAG
+    from ..ground.outdir import OVERWRITE_FLAG
 
     parser.add_argument(
         OVERWRITE_FLAG,
@@ -302,7 +302,7 @@ def require_backend(backend: str) -> None:
 
 
 def load_target_from_args(args):
-    from ..inference.engine.targets import load_target
+    from ..ground.target.load import load_target
 
     args.device = backend_device(args.device, getattr(args, "backend", "torch"))
     resolve_dtype_arg(args)
@@ -314,7 +314,7 @@ def load_target_from_args(args):
 def resolve_dtype_arg(args) -> str:
     """--dtype auto becomes the dtype it stands for on this device (in place), so every later
     message and report names the dtype that ran."""
-    from ..inference.engine.targets import resolve_dtype
+    from ..ground.target.load import resolve_dtype
 
     args.dtype = str(resolve_dtype(args.dtype, resolve_device(args.device))).removeprefix("torch.")
     return args.dtype

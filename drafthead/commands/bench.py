@@ -62,7 +62,7 @@ def run(args) -> int:
     from ..inference.bench.prompts import load_prompts
     from ..train.edit_prompts import EDITS, edit_prompts
     from ..inference.bench.report import format_table, plot_report, report_json, report_markdown
-    from ..inference.engine.targets import eos_token_ids
+    from ..ground.target.identity import eos_token_ids
 
     check_report_paths(args)
     spec = draft_spec_from_args(args)
@@ -142,7 +142,7 @@ OUR_SIDE = ("ours speculative", "transformers generate()")
 
 def _external(engines, args, loaded, prompts, settings, report) -> dict:
     """The same prompts through llama.cpp's own tools (inference/llamacpp/tools.py, built by
-    `make llamacpp`) and vLLM (inference/bench/compare_vllm.py, its venv from `make interop`): tokens/s
+    `make llamacpp`) and vLLM (inference/vllm/plain_rows.py, its venv from `make interop`): tokens/s
     with prefill, as ours are counted, beside our own plain and speculative."""
     from ..inference.bench.prompts import encode_chat
 
@@ -187,7 +187,7 @@ def _llamacpp_rows(args, loaded, texts, settings, skipped) -> dict:
 
 
 def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
-    from ..inference.bench.compare_vllm import vllm_rows
+    from ..inference.vllm.plain_rows import vllm_rows
 
     return vllm_rows(
         Path(loaded.path),
@@ -217,7 +217,7 @@ def check_report_paths(args) -> None:
     """--out, --markdown and --plot: refused when one holds a file (without --overwrite), is one
     of the bench's inputs (the --dataset file, the head) or a file bench did not write (with it),
     or names the same file as another."""
-    from ..heads.outdir import check_output, check_replaceable
+    from ..ground.outdir import check_output, check_replaceable
     from ..inference.bench.report import written_by_bench
 
     given = {option: path for option, path in (("--out", args.out), ("--markdown", args.markdown), ("--plot", args.plot)) if path is not None}
@@ -236,6 +236,6 @@ def check_report_paths(args) -> None:
 
 def write_text(path: str, text: str) -> None:
     """A report file, whole or not at all (a temp file renamed in: Ctrl-C leaves the old one)."""
-    from ..heads.files import atomic_write
+    from ..ground.files import atomic_write
 
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

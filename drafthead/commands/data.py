@@ -182,7 +182,7 @@ def _regenerate_locked(args) -> int:
     """`data regenerate` holding its output's lock, its --overwrite unable to delete its own
     source or a file it did not write, and a write error that names no file (a full disk) named
     as its --out."""
-    from ..heads.outdir import check_replaceable, output_lock, reported_as
+    from ..ground.outdir import check_replaceable, output_lock, reported_as
     from ..train.regenerate import is_regenerated, part_files
 
     if args.overwrite:
@@ -223,8 +223,8 @@ def _rank_device(device: str | None, share) -> str:
 
 def _clear_for_overwrite(paths, share) -> None:
     """--overwrite of a resumable output: the main process deletes the old one before any process
-    writes (heads/outdir.py clear_output)."""
-    from ..heads.outdir import clear_output
+    writes (ground/outdir.py clear_output)."""
+    from ..ground.outdir import clear_output
 
     if share.is_main:
         for path in paths:
@@ -240,7 +240,7 @@ SERVER_ONLY = ("model", "concurrency", "retries", "request_timeout", "reasoning"
 def _regenerate(args) -> int:
     import dataclasses
 
-    from ..heads.outdir import check_output
+    from ..ground.outdir import check_output
     from ..train.regenerate import is_regenerated, part_files
     from ..train.sources import data_fingerprint, load_conversations
 
@@ -308,7 +308,7 @@ def _server_settings(args, share):
 
 def _check_written(report, out: Path) -> None:
     """A run that wrote no record and found none: exit 2, the empty file removed."""
-    from ..heads.outdir import clear_output, is_empty
+    from ..ground.outdir import clear_output, is_empty
 
     if report.already_done + report.written == 0:
         if is_empty(out):
@@ -322,7 +322,7 @@ def _regenerate_from_servers(args, ds, out: Path, settings, server) -> int:
     import dataclasses
     import time
 
-    from ..inference.engine.targets import load_tokenizer
+    from ..ground.target.load import load_tokenizer
     from ..train.regenerate_server import regenerate_from_servers
 
     tokenizer, name = load_tokenizer(args.target)
@@ -377,9 +377,9 @@ def _regenerate_locally(args, ds, out: Path, share, say, settings) -> int:
 def _capture(args) -> int:
     from tqdm.auto import tqdm
 
-    from ..heads.files import read_json
-    from ..heads.outdir import check_output, check_replaceable, output_lock
-    from ..inference.engine.targets import load_target
+    from ..ground.files import read_json
+    from ..ground.outdir import check_output, check_replaceable, output_lock
+    from ..ground.target.load import load_target
     from ..train.config import head_config_dict, load_config
     from ..train.features import CAPTURE_PLAN
     from ..train.run import capture_from_config, stale_capture
@@ -458,9 +458,9 @@ def _vllm_engine(args, loaded, config):
 
 
 def _long_prompts(args) -> int:
-    from ..heads.files import atomic_write
-    from ..heads.outdir import output_lock
-    from ..inference.engine.targets import load_tokenizer, target_context
+    from ..ground.files import atomic_write
+    from ..ground.outdir import output_lock
+    from ..ground.target.load import load_tokenizer, target_context
     from ..train.long_prompts import long_chats
     from ..train.sources import iter_conversations, resolve_source, source_format
     from ..train.source_report import SourceReport

@@ -41,7 +41,7 @@ def run(args) -> int:
     from ..inference.bench.prompts import Prompt
     from ..inference.bench.report import plain_label
     from ..inference.engine.sampling import SamplingConfig
-    from ..inference.engine.targets import eos_token_ids
+    from ..ground.target.identity import eos_token_ids
 
     spec = draft_spec_from_args(args)
     if args.backend == "llama.cpp" and args.row_invariant:  # the default: row invariance is our torch kernels'

@@ -33,7 +33,7 @@ def run(args) -> int:
     import torch
 
     from ..heads.formats import export_head
-    from ..heads.outdir import check_distinct, check_output, check_replaceable
+    from ..ground.outdir import check_distinct, check_output, check_replaceable
 
     check_run_folder(args.head_dir)
     check_distinct(args.head_dir, args.out)  # before the target loads: a refusal costs nothing
@@ -43,7 +43,7 @@ def run(args) -> int:
     dtype = None if args.dtype == "keep" else getattr(torch, args.dtype)
     target_model = None
     if args.target is not None:
-        from ..inference.engine.targets import load_target
+        from ..ground.target.load import load_target
 
         target_model = load_target(args.target).model
     out = export_head(args.head_dir, args.out, args.format, dtype=dtype, target_model=target_model, overwrite=args.overwrite)

@@ -27,7 +27,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..heads.files import read_json
+    from ..ground.files import read_json
     from ..train.adapt.offline import gate_heads
     from ..train.chat_format import tokenize_conversations
     from ..train.features import TokenDataset

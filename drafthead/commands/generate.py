@@ -71,7 +71,7 @@ def run(args) -> int:
     from ..inference.engine.generate import GenerationConfig, speculative_generate
     from ..inference.bench.prompts import Prompt, PromptError, encode_chat
     from ..inference.engine.stopping import check_stop_strings
-    from ..inference.engine.targets import eos_token_ids
+    from ..ground.target.identity import eos_token_ids
 
     if not args.prompt.strip():
         raise PromptError("the prompt is empty")

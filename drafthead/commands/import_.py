@@ -31,7 +31,7 @@ def run(args) -> int:
     import torch
 
     from ..heads.formats import import_to_folder
-    from ..heads.outdir import check_distinct, check_output, check_replaceable
+    from ..ground.outdir import check_distinct, check_output, check_replaceable
 
     check_distinct(args.src, args.out)  # before the target loads: a refusal costs nothing
     check_output(args.out, overwrite=args.overwrite, what="import folder")

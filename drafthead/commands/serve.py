@@ -74,7 +74,7 @@ def add_parser(subparsers) -> None:
 
 def run(args) -> int:
     from ..inference.engine.backend import target_backend
-    from ..inference.engine.generate import context_limit
+    from ..ground.target.load import context_limit
     from ..inference.serve.engine import TREE_ROOM, EngineSettings, ServingEngine
     from ..inference.serve.http import DraftheadServer
 
@@ -153,7 +153,7 @@ def run(args) -> int:
 
 
 def eos_ids(model, tokenizer) -> tuple[int, ...]:
-    from ..inference.engine.targets import eos_token_ids
+    from ..ground.target.identity import eos_token_ids
 
     return eos_token_ids(model, tokenizer)
 
@@ -210,7 +210,7 @@ def served_head(drafter, spec):
 def adapting_layers(head, loaded) -> tuple[int, ...]:
     from ..train.features import required_layers
 
-    from ..heads.identity import text_config
+    from ..ground.target.identity import text_config
 
     return required_layers(head.config, text_config(loaded.model).num_hidden_layers)
 

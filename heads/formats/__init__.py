@@ -29,12 +29,13 @@ import torch
 from torch import nn
 
 from ..config import DRAFT_OWN_FIELDS, Eagle3Config, config_from_dict, head_kind
-from ..identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
+from ...ground.target.identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, check_state_dict, read_head_dir
-from ..files import HeadFormatError, write_json, write_safetensors
-from ..outdir import check_distinct, check_output, fresh_folder
+from ..io import HeadFormatError
+from ...ground.files import write_json, write_safetensors
+from ...ground.outdir import check_distinct, check_output, fresh_folder
 from . import dflash, dspark, eagle1, eagle3, gguf_eagle3, medusa, mtp, speculators
-from ..target_parts import input_embeddings, lm_head_of
+from ...ground.target.parts import input_embeddings, lm_head_of
 from .common import (
     Export,
     ExportJob,
@@ -97,7 +98,7 @@ def export_head(
     dtype: cast floating tensors (e.g. torch.bfloat16). target_model: needed where the layout stores
     a copy of a target tensor (upstream EAGLE's embed_tokens, speculators' embed_tokens, a shared
     Medusa LM head); it must be the head's own target. A non-empty `out_dir` is refused unless
-    `overwrite`; the folder is written beside it and renamed in whole (heads/outdir.py), so no
+    `overwrite`; the folder is written beside it and renamed in whole (ground/outdir.py), so no
     file of an earlier export is left to be read instead of the new ones.
     """
     if fmt not in EXPORT_FORMATS:
@@ -149,7 +150,7 @@ def _write_export(head_dir: Path, out_dir: Path, fmt: str, config, meta: dict, s
 
 
 def _atomic_torch_save(path: Path, tensors: dict) -> None:
-    from ..files import atomic_write
+    from ...ground.files import atomic_write
 
     cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     atomic_write(path, lambda tmp: torch.save(cpu, tmp))
@@ -268,7 +269,7 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
 
 def _drop_target_rope(overrides: dict, target_model: nn.Module) -> None:
     """A stated RoPE equal to the target's is no override (keeps imported configs like trained ones)."""
-    from ..identity import text_config
+    from ...ground.target.identity import text_config
 
     rope = overrides.get("rope_parameters")
     if rope is None:
@@ -283,7 +284,7 @@ def _own_layer_fields(stated: dict, target_model: nn.Module) -> dict:
     target (DRAFT_OWN_FIELDS: sizes, activation): a producer's own choice, kept (docs/formats.md
     "The draft layer per target family")."""
     from ..eagle import llama_layer_config
-    from ..identity import text_config
+    from ...ground.target.identity import text_config
 
     built = llama_layer_config(text_config(target_model))
     stated = dict(stated)
@@ -329,7 +330,7 @@ def import_to_folder(
     """`drafthead import`: a foreign layout -> one of our head folders. The weights are saved in
     `dtype`, by default the dtype they were stored in (so a bf16 checkpoint stays bit-exact).
     `out_dir` may not be `src_dir`, and a non-empty one is refused unless `overwrite`; it appears
-    whole or not at all (heads/outdir.py)."""
+    whole or not at all (ground/outdir.py)."""
     check_distinct(src_dir, out_dir)
     check_output(out_dir, overwrite=overwrite, what="import folder")
     head, notes, foreign = _import(src_dir, target_model, tokenizer, target_name, convention)

@@ -11,7 +11,8 @@ from typing import Any, Callable
 import torch
 
 from ..io import CONFIG_NAME, FORMAT, drafthead_version
-from ..files import HeadFormatError, read_json, read_safetensors
+from ..io import HeadFormatError
+from ...ground.files import read_json, read_safetensors
 
 # How a checkpoint numbers the target hidden states an EAGLE-3 head fuses. Ours (heads/config.py)
 # are transformers `output_hidden_states` indices: id i = the input of decoder layer i.

@@ -15,7 +15,7 @@ minus one (vLLM adds the one back; SGLang captures "before layer id + 1", the sa
 
 from __future__ import annotations
 
-from ..files import HeadFormatError
+from ..io import HeadFormatError
 from .common import Export, ForeignHead, Layout, layer_config, read_weights, rope_fields, rope_parameters_of
 
 ARCH = "DFlashDraftModel"

@@ -26,7 +26,7 @@ the same tensor names, the draft layer's fields under `transformer_layer_config`
 
 from __future__ import annotations
 
-from ..files import HeadFormatError
+from ..io import HeadFormatError
 from . import dflash
 from .common import SPECULATORS_VERSION, Export, ForeignHead, Layout, read_weights
 

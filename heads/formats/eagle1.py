@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..files import HeadFormatError
+from ..io import HeadFormatError
 from .common import Export, ForeignHead, Layout, drop_zero_extra, layer_config, need_convention, read_weights, rope_fields, rope_parameters_of
-from ..target_parts import input_embeddings
+from ...ground.target.parts import input_embeddings
 
 # draft-layer family -> the architecture the config names, per format (docs/formats.md "The draft
 # layer per target family"): vLLM prefixes "Eagle" itself (EagleLlamaForCausalLM), SGLang loads the

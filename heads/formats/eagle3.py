@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..config import engine_layer_problem
-from ..files import HeadFormatError
+from ..io import HeadFormatError
 from .common import (
     ID_OFFSETS,
     Export,

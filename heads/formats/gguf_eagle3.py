@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..files import HeadFormatError, read_gguf
+from ..io import HeadFormatError
+from ...ground.files import read_gguf
 from .common import ForeignHead, Layout
 
 # GGUF tensor -> our EAGLE-3 key (before the q/k un-permute)

@@ -17,9 +17,9 @@ import re
 
 import torch
 
-from ..files import HeadFormatError
+from ..io import HeadFormatError
 from .common import Export, ForeignHead, Layout, read_weights
-from ..target_parts import lm_head_of
+from ...ground.target.parts import lm_head_of
 
 UPSTREAM_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 _UPSTREAM_KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")

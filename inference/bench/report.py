@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 # In every file `bench` writes (the JSON's first key, the Markdown's first line, the PNG's
-# Software field), so that --overwrite knows the files it may replace (heads/outdir.py)
+# Software field), so that --overwrite knows the files it may replace (ground/outdir.py)
 BENCH_MARK = "drafthead bench"
 _MARK_WITHIN = 4096  # bytes: where each form holds the mark
 

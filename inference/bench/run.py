@@ -38,7 +38,8 @@ from ..kernels import panel_kernel
 from ..kernels.machine import cpu_model
 from ..engine.cost import sync_device
 from ..engine.drafter import RootOnlyDrafter
-from ..engine.generate import GenerationConfig, PromptTooLong, context_limit, speculative_generate
+from ...ground.target.load import context_limit
+from ..engine.generate import GenerationConfig, PromptTooLong, speculative_generate
 from ..engine.policy import SpeculationPolicy
 from ..engine.rounds import acceptance_histogram, per_position_acceptance, tau_by_context, tau_of
 from .prompts import Prompt, encode_chat

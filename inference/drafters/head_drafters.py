@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ...heads.files import read_json
+from ...ground.files import read_json
 from ..engine.cache import crop
 from ..engine.cost import best_node_count, sync_device
 from ..engine.drafter import RoundStats, TargetFeatures

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, tree_rejection_sample, typical_accept
-from .clock import PhaseClock
+from ...ground.clock import PhaseClock
 from .drafter import Drafter, RootOnlyDrafter, RoundStats, TargetFeatures
 from .policy import SpeculationPolicy, cut_tree
 from .sampling import SamplingConfig, apply_repetition_penalty, logits_to_probs, seen_mask

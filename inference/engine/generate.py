@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...ground.clock import PhaseClock
+from ...ground.target.load import context_limit
+from ...ground.target.media import PromptImages, check_images
 from .acceptance import TypicalAcceptance
 from .backend import target_backend
-from .clock import PhaseClock
 from .decoder import Decoder, DecoderSettings, Row, RowSettings, limit_drafter
 from .drafter import fork_drafter
-from .media import PromptImages, check_images
 from .policy import SpeculationPolicy
 from .rounds import tau_of
 from .sampling import SamplingConfig
@@ -124,10 +125,6 @@ class BatchGenerationResult:
     @property
     def num_new_tokens(self) -> int:
         return sum(row.new_tokens.shape[1] for row in self.rows)
-
-
-def context_limit(config, override: int | None = None) -> int | None:
-    return override or getattr(config, "max_position_embeddings", None)
 
 
 def unpad(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:

@@ -25,7 +25,7 @@ from .policy import cut_tree
 from .recurrent import stack_rows
 from ..kernels.target_linears import engine_linears, invariant_linears
 from .invariant import invariant_attention
-from .media import deepstack_inputs, prefill_inputs, with_deepstack
+from ...ground.target.media import deepstack_inputs, prefill_inputs, with_deepstack
 from .tree import DraftTree, pad_trees
 from .verify import Verification, check_tree_mask_support, forward_trees
 
@@ -43,7 +43,7 @@ class TorchTarget:
         self.slots = 0  # cache slots per row (the longest row's committed length)
         self.rows = 0  # rows in the cache
         self._features: tuple[tuple[int, ...], bool] = ((), False)  # what start's prefill returns: (feature layers, need_last)
-        self.offsets: torch.Tensor | None = None  # [B] per row: its positions past the prompt are token index + offset (media.py)
+        self.offsets: torch.Tensor | None = None  # [B] per row: its positions past the prompt are token index + offset (ground/target/media.py)
         self.max_new_tokens = 0
 
     def engine_context(self, enabled: bool):

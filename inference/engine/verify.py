@@ -170,7 +170,7 @@ def forward_trees(
     A node sits at position prefix_lengths[b] + depth. `forward`: the callable that runs the
     target (its compiled form, inference/engine/compiled.py); None: the target itself.
     position_offsets [B]: added to each row's positions (a Qwen-VL row's rope delta after an image
-    in its prompt, media.py); the masks stay in slots."""
+    in its prompt, ground/target/media.py); the masks stay in slots."""
     dtype = next(target.parameters()).dtype
     mask = batch_attention_masks(target.config, trees.ancestors, trees.depths, prefix_lengths, past_len, dtype, kv_length=cache_capacity(cache))
     position_ids = prefix_lengths[:, None] + trees.depths

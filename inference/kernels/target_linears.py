@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...heads.files import atomic_write, cache_root
+from ...ground.files import atomic_write, cache_root
 from . import invariant_linear, panel_kernel
 from .packed import pack_linear
 from .machine import cpu_model
@@ -69,7 +69,7 @@ ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 WIN_MARGIN = 0.9  # another kernel replaces F.linear where it takes under 90% of F.linear's time
 STREAM_BYTES = 64 << 20  # calibrate over at least this many bytes of weights: more than a CPU's cache
 STREAM_ROWS = 32  # up to this many rows a call streams its weight; past it the arithmetic dominates
-CALIBRATION_FILE = "linears-calibration.json"  # under heads.files.cache_root() / "kernels"
+CALIBRATION_FILE = "linears-calibration.json"  # under ground/files.py cache_root() / "kernels"
 
 
 def kernel_for_rows(rows: int, choices: tuple[str, ...], buckets: tuple[int, ...] = ROW_BUCKETS) -> str:

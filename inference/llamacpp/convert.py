@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ...heads.files import cache_root
+from ...ground.files import cache_root
 from . import lib as _lib
 
 # GGUF type -> llama.h `enum llama_ftype` for the quantizer (None: the converter writes it)

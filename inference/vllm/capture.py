@@ -24,8 +24,8 @@ from typing import Callable, cast
 import torch
 from safetensors.torch import load_file
 
-from ...heads.target_parts import decoder_of
-from ..bench.compare_vllm import VLLM_PYTHON, child_env
+from ...ground.target.parts import decoder_of
+from .interpreter import VLLM_PYTHON, child_env
 
 CHILD = Path(__file__).with_name("capture_child.py")
 VENV_ENV = "DRAFTHEAD_VLLM_VENV"  # the venv's folder, when --vllm-venv is not given

@@ -8,7 +8,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..bench.compare_vllm import child_env
+from .interpreter import child_env
 from ..servers.local import local_server
 from .capture import KV_CACHE_BYTES, venv_python
 

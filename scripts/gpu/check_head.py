@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     from drafthead.heads import pretrained
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
     from drafthead.inference.bench.replay import greedy_continuations
-    from drafthead.inference.engine.targets import eos_token_ids
+    from drafthead.ground.target.identity import eos_token_ids
 
     count, new_tokens = BUDGETS[args.budget]
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)

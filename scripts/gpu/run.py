@@ -124,7 +124,7 @@ def say(message: str) -> None:
 def install_target(bundle: Path) -> dict:
     """Phase 1: the bundle's GGUF dequantized into the cache as the built-in target; the weights'
     digest compared with the staging machine's."""
-    from drafthead.inference.engine.targets import install_builtin, weights_digest
+    from drafthead.ground.target.load import install_builtin, weights_digest
 
     expected = json.loads((bundle / "target.json").read_text())
     folder = install_builtin(expected["name"], bundle / "target.gguf")
@@ -142,10 +142,10 @@ def regenerate(name: str, bundle: Path, out: Path, budget: Budget) -> dict:
     is answered before turn k + 1 of any, through one GreedyDecoder a turn."""
     import torch
 
-    from drafthead.inference.engine.chat import render_chat
+    from drafthead.ground.target.chat import render_chat
     from drafthead.inference.engine.graphs import EAGER, GRAPH
     from drafthead.inference.engine.greedy_graph import GreedyDecoder
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.chat_format import decode_answer, stop_token_ids
     from drafthead.train.regenerate import strip_stop
 
@@ -313,7 +313,8 @@ def bench(name: str, head: Path, bundle: Path, budget: Budget) -> dict:
     from drafthead.heads.registry import load_head
     from drafthead.inference.engine.drafter import RootOnlyDrafter
     from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
-    from drafthead.inference.engine.targets import eos_token_ids, load_target
+    from drafthead.ground.target.identity import eos_token_ids
+    from drafthead.ground.target.load import load_target
 
     loaded = load_target(name, dtype="float32", device=budget.device)
     model, tokenizer = loaded.model, loaded.tokenizer

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
 
 def stage_check(out: Path, args) -> int:
     from drafthead.inference.bench.prompts import load_prompts
-    from drafthead.inference.engine.targets import target_folder
+    from drafthead.ground.target.load import target_folder
     from drafthead.train.source_report import SourceReport
     from drafthead.train.sources import iter_conversations, sharegpt_path
 
@@ -114,7 +114,7 @@ def stage_check(out: Path, args) -> int:
 def stage_run(out: Path, args) -> int:
     """The bundle (module docstring) as parts in out/parts; prints the device calls that carry them."""
     from drafthead.inference.bench.prompts import load_prompts
-    from drafthead.inference.engine.targets import BUILTIN_TARGETS, load_tokenizer, target_folder, weights_digest
+    from drafthead.ground.target.load import BUILTIN_TARGETS, load_tokenizer, target_folder, weights_digest
 
     name = "smollm2-135m"
     folder, _ = target_folder(name)  # dequantizes here first if this machine has not yet

@@ -85,9 +85,9 @@ MT_BENCH = (
     "llm_judge/data/mt_bench/question.jsonl"
 )
 
-# Environment for the vLLM children: its one home is inference/bench/vllm_child.py, read from the
+# Environment for the vLLM children: its one home is inference/vllm/interpreter.py, read from the
 # checkout's file (standard library only), since vLLM's venv has no drafthead to import
-CHILD_ENV = runpy.run_path(str(Path(__file__).resolve().parents[2] / "inference" / "bench" / "vllm_child.py"))["CHILD_ENV"]
+CHILD_ENV = runpy.run_path(str(Path(__file__).resolve().parents[2] / "inference" / "vllm" / "interpreter.py"))["CHILD_ENV"]
 
 
 def libiomp_preload() -> str | None:

@@ -12,7 +12,7 @@ as inference/bench/prompts.py `encode_chat` makes them), SmolLM2-135M, one dtype
     (llama-speculative-simple --spec-type ngram-simple), built by `make llamacpp`
     (inference/llamacpp/tools.py);
   - vLLM's CPU build, plain, one request at a time, in its own venv (scripts/interop/setup_vllm.sh;
-    inference/bench/compare_vllm.py, which `drafthead bench --compare vllm` runs too).
+    inference/vllm/plain_rows.py, which `drafthead bench --compare vllm` runs too).
 The first four run prompt by prompt, interleaved; vLLM runs after them in a child process (it
 cannot share this process's torch). Tokens/s count prefill: ours and generate() are timed wall to
 wall around the call, llama.cpp by its own prompt and decode timers (model load excluded), vLLM
@@ -44,7 +44,7 @@ def parse_args(argv=None):
         default=None,
         choices=("bfloat16",),
         help="ours and transformers run the target's weights rounded to bf16 values in --dtype: the "
-        "weights llama.cpp's bf16 GGUF holds (inference/engine/targets.py round_to_bfloat16)",
+        "weights llama.cpp's bf16 GGUF holds (ground/target/load.py round_to_bfloat16)",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--engines", default="hf,ours,llama.cpp,vllm")
@@ -97,9 +97,10 @@ def main() -> int:
     from drafthead.inference.bench.run import hf_generation_config
     from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
-    from drafthead.inference.bench.compare_vllm import vllm_rows
+    from drafthead.inference.vllm.plain_rows import vllm_rows
     from drafthead.inference.engine.sampling import SamplingConfig
-    from drafthead.inference.engine.targets import eos_token_ids, load_target
+    from drafthead.ground.target.identity import eos_token_ids
+    from drafthead.ground.target.load import load_target
 
     engines = args.engines.split(",")
     out = Path(args.out)

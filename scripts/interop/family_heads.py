@@ -36,7 +36,7 @@ def family_head(family: str, work: Path, draft_layer: str = "llama", vocab_from=
     (none: the highest ids); with fit_steps, the head then learns those continuations for that
     many optimizer steps (`fit`), so that it accepts enough drafts for acceptance to compare."""
     from drafthead.heads.registry import build_head, make_config
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from tests.conftest import save_tiny_target
 
     target_dir = save_tiny_target(work / "target", family, **{"layers": N_LAYERS, **target})

@@ -109,7 +109,7 @@ def setup(consumer: str) -> None:
 @functools.lru_cache(maxsize=1)
 def smollm2():
     """SmolLM2-135M in float32, loaded once for the whole run (every check reads the same target)."""
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     return load_target("smollm2-135m")
 

@@ -79,7 +79,8 @@ def main() -> int:
     from drafthead.inference.engine.cost import measure_verify_cost
     from drafthead.inference.engine.drafter import RootOnlyDrafter
     from drafthead.inference.engine.policy import SpeculationPolicy
-    from drafthead.inference.engine.targets import eos_token_ids, load_target, target_folder
+    from drafthead.ground.target.identity import eos_token_ids
+    from drafthead.ground.target.load import load_target, target_folder
     from drafthead.inference.llamacpp.convert import target_gguf
     from drafthead.inference.llamacpp.target import LlamaCppTarget
     from drafthead.inference.llamacpp.tools import llama_server

@@ -26,7 +26,7 @@ def main() -> int:
         "--round-weights",
         default=None,
         choices=("bfloat16",),
-        help="the target's weights rounded to bf16 values (inference/engine/targets.py round_to_bfloat16)",
+        help="the target's weights rounded to bf16 values (ground/target/load.py round_to_bfloat16)",
     )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--identity", action="store_true", help="also compare every row with its batch-1 plain output")
@@ -41,7 +41,8 @@ def main() -> int:
     from drafthead.inference.engine.drafter import fork_drafter
     from drafthead.inference.engine.policy import SpeculationPolicy
     from drafthead.inference.bench.prompts import load_prompts
-    from drafthead.inference.engine.targets import eos_token_ids, load_target
+    from drafthead.ground.target.identity import eos_token_ids
+    from drafthead.ground.target.load import load_target
 
     loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads, round_weights=args.round_weights)
     shipped = DraftSpec(proposer="head").build(loaded)

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         "--round-weights",
         default=None,
         choices=("bfloat16",),
-        help="the target's weights rounded to bf16 values (inference/engine/targets.py round_to_bfloat16)",
+        help="the target's weights rounded to bf16 values (ground/target/load.py round_to_bfloat16)",
     )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--context", type=int, default=256, help="cached tokens before the round")

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from drafthead.inference.engine.targets import load_target
+from drafthead.ground.target.load import load_target
 from drafthead.train.regenerate_compare import compare_regenerations
 
 

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/ of this checkout
 from drafthead.draft_spec import llamacpp_target
-from drafthead.inference.engine.targets import load_target
+from drafthead.ground.target.load import load_target
 from drafthead.inference.engine.tree import DraftTree
 from tests.test_row_invariance import spine_and_branches
 

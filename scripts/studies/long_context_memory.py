@@ -26,7 +26,7 @@ def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int
 
     from drafthead.heads.registry import build_head, make_config
     from drafthead.heads.batch import FeatureBatch
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.features import target_features
     from drafthead.train.split_target import split_target_features
     from drafthead.train.allocator import map_large_blocks_for

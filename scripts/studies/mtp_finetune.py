@@ -48,7 +48,7 @@ def tau(target, head, prompts, references, chain: int, n: int) -> float:
 
 def main() -> int:
     from drafthead.heads.registry import build_head, make_config
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.features import OnlineFeaturizer, collate
     from tests.tiny_mtp import save_tiny_mtp_target
 

@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.config import load_config
     from drafthead.train.features import OnlineFeaturizer, collate, required_layers
     from drafthead.train.packing import collate_packed

@@ -22,9 +22,9 @@ def main(argv=None) -> int:
     import torch
 
     from drafthead.proposers import default_head_path
-    from drafthead.heads.identity import eos_token_ids
+    from drafthead.ground.target.identity import eos_token_ids
     from drafthead.heads.registry import load_head
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
     from drafthead.train.config import load_config
     from drafthead.train.replay_eval import ReplayEval
     from drafthead.train.run import token_samples

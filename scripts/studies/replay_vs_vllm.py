@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     from drafthead.draft_spec import DraftSpec
     from drafthead.inference.bench.replay import DRAFTHEAD, VLLM, kept_hidden_states, replay_greedy, tokens_past_end
     from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     served = json.loads(Path(args.vllm).read_text())
     steps = served.get("spec_accepted_per_step")

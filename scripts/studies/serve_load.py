@@ -122,7 +122,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
-    from drafthead.inference.engine.targets import eos_token_ids, load_target, target_folder
+    from drafthead.ground.target.identity import eos_token_ids
+    from drafthead.ground.target.load import load_target, target_folder
     from drafthead.train.edit_prompts import EDITS, edit_prompts
 
     out = Path(args.out)

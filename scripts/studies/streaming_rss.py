@@ -71,7 +71,7 @@ def peak_rss_mb() -> float:
 def smollm2_tokenizer():
     from transformers import AutoTokenizer
 
-    from drafthead.inference.engine.targets import BUILTIN_TARGETS, _builtin_folder
+    from drafthead.ground.target.load import BUILTIN_TARGETS, _builtin_folder
 
     return AutoTokenizer.from_pretrained(_builtin_folder(BUILTIN_TARGETS["smollm2-135m"]), local_files_only=True)
 

@@ -35,7 +35,7 @@ def cached_continuations(loaded, prompts, max_new_tokens: int, batch_size: int, 
     """Each prompt's greedy continuation by our engine with no drafting (inference/bench/replay.py
     greedy_continuations); cached in `path`, which records the settings it was made with."""
     from drafthead.inference.bench.replay import greedy_continuations
-    from drafthead.inference.engine.targets import eos_token_ids
+    from drafthead.ground.target.identity import eos_token_ids
 
     key = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "dtype": str(loaded.model.dtype)}
     if path.is_file():
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
     from drafthead.inference.bench.replay import kept_hidden_states, replay_greedy
-    from drafthead.inference.engine.targets import load_target
+    from drafthead.ground.target.load import load_target
 
     work = Path(args.work)
     heads = {kind: work / kind / "final" for kind in args.kinds.split(",") if kind}

@@ -181,7 +181,7 @@ def confidence_bench(kind: str, final: Path, args) -> dict:
     """A DSpark head's bench with the confidence head sizing each round (`--sizing confidence`):
     tau, tokens/s and the mean number of drafts it verified, on torch and on the llama.cpp backend
     where `make llamacpp` built it."""
-    from drafthead.heads.files import read_json
+    from drafthead.ground.files import read_json
     from drafthead.inference.drafters.load import chain_settings
 
     block = read_json(final / "config.json")["config"]["block_size"]  # every slot a candidate: the whole block

@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     from drafthead.inference.bench.prompts import Prompt, encode_chat
     from drafthead.inference.bench.replay import DRAFTHEAD, VLLM, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
     from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
-    from drafthead.inference.engine.targets import eos_token_ids, load_target
+    from drafthead.ground.target.identity import eos_token_ids
+    from drafthead.ground.target.load import load_target
     from drafthead.train.long_prompts import long_chats
     from drafthead.train.source_report import SourceReport
     from drafthead.train.sources import iter_conversations, sharegpt_path

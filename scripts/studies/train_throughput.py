@@ -6,7 +6,7 @@
 Runs the same short EAGLE-3 run (SmolLM2 target, ShareGPT, online features) as one process with
 2 threads, as 2 DDP processes with 1 thread each, and as 2 FSDP processes.
 It reads each run's metrics.jsonl and prints tokens/s and the seconds per step of every phase
-(inference/engine/clock.py PhaseClock). The first log window holds warm-up and is left out.
+(ground/clock.py PhaseClock). The first log window holds warm-up and is left out.
 """
 
 from __future__ import annotations

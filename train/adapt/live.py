@@ -42,7 +42,7 @@ class Adaptation:
     def __init__(self, folder: Path, engine, loaded, head, head_source: Path, settings: AdaptSettings, *, window: int = 400, caps=BufferCaps()):
         """engine: the ServingEngine; loaded: the LoadedTarget; head: the served drafter's head
         module (version 0); head_source: the folder it was loaded from (its drafting.json)."""
-        from ...heads.identity import text_config
+        from ...ground.target.identity import text_config
         from ..features import required_layers
 
         self.folder, self.engine, self.loaded, self.settings, self.window = Path(folder), engine, loaded, settings, window
@@ -212,12 +212,12 @@ class Adaptation:
 
 
 def _identity(loaded) -> dict:
-    from ...heads.identity import identify_target
+    from ...ground.target.identity import identify_target
 
     return {"target": loaded.name, "target_identity": identify_target(loaded.model, loaded.tokenizer, loaded.name).to_dict()}
 
 
 def _head_fingerprint(head) -> str:
-    from ...heads.identity import weights_fingerprint
+    from ...ground.target.identity import weights_fingerprint
 
     return weights_fingerprint(head)

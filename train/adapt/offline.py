@@ -28,7 +28,7 @@ def gate_heads(
     chain: int | None = None,
 ) -> GateResult:
     """Replay both heads on the first `sequences` of `samples` (tokenized conversations)."""
-    from ...heads.identity import eos_token_ids
+    from ...ground.target.identity import eos_token_ids
     from ...inference.bench.replay import DRAFTHEAD, replay_greedy
     from ...inference.drafters.load import load_head_drafter
     from ...inference.engine.rounds import tau_of

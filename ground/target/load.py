@@ -24,9 +24,7 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError
 
-from ...heads.identity import eos_token_ids  # noqa: F401  (public here; one home in heads)
-from ...heads.files import cache_root  # noqa: F401  (public here; one home in heads: train and inference use it too)
-from ...heads.files import read_gguf
+from ..files import cache_root, read_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +147,9 @@ def load_tokenizer(name_or_path: str | os.PathLike):
 
 def target_context(name_or_path: str | os.PathLike) -> int | None:
     """The tokens the target's context holds (its text config's max_position_embeddings, as the
-    engine limits prompts: generate.py context_limit), read from its config without its weights;
-    None when the config states none."""
+    engine limits prompts: `context_limit`), read from its config without its weights; None when
+    the config states none."""
     from transformers import AutoConfig
-
-    from .generate import context_limit
 
     folder, _ = target_folder(name_or_path)
     try:
@@ -161,6 +157,11 @@ def target_context(name_or_path: str | os.PathLike) -> int | None:
     except (OSError, ValueError) as e:
         raise TargetError(f"cannot read the config of {folder}: {_first_line(e)}") from e
     return context_limit(config.get_text_config())
+
+
+def context_limit(config, override: int | None = None) -> int | None:
+    """The tokens a target with this (text) config holds: `override`, else its max_position_embeddings."""
+    return override or getattr(config, "max_position_embeddings", None)
 
 
 def load_target(

@@ -238,7 +238,7 @@ def output_lock(path: str | os.PathLike, *, enabled: bool = True) -> Iterator[No
 
 def remove_leftovers(path: str | os.PathLike) -> list[Path]:
     """Delete the temp files and folders a killed write of output `path` left beside it
-    (`.{name}.*.tmp`, from fresh_folder and heads/files.py's atomic_write); call it holding
+    (`.{name}.*.tmp`, from fresh_folder and ground/files.py's atomic_write); call it holding
     output_lock(path), which makes every such temp a leftover. Returns what was removed."""
     path = Path(path).absolute()
     if not path.parent.is_dir():

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from .field_types import type_problems
-from .target_parts import output_embeddings
+from ..field_types import type_problems
+from .parts import output_embeddings
 
 # Fields that must agree for a head to be loadable; `name` only warns (a local path vs a hub id).
 _MUST_MATCH = ("model_type", "vocab_size", "hidden_size", "num_layers", "tokenizer_sha")
