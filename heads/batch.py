@@ -23,11 +23,11 @@ class FeatureBatch:
     # [B, T] long: each token's position in its own conversation when rows are packed (several
     # conversations per row, heads/packing.py); None: one conversation per row, positions 0..T-1
     position_ids: torch.Tensor | None = None
-    # the hidden states hold one rank's columns of a row split across ranks (train/split_target.py),
+    # the hidden states hold one rank's columns of a row split across ranks (train/capture/split_target.py),
     # the final layer with the halo of later columns EAGLE-3's loss reads; ids and masks stay whole
     split_columns: bool = False
     # per row, the images of a vision-language target's prompt (ground/target/media.py
-    # PromptImages) or None; only the target's forward reads them (train/features.py)
+    # PromptImages) or None; only the target's forward reads them (train/capture/features.py)
     images: list | None = None
 
     @property

@@ -1,5 +1,5 @@
 """Shared fixtures: tiny random causal LMs (Llama, Qwen2, Mistral; built by tests/tiny.py) with the
-tiny byte-level BPE tokenizer of drafthead.train.tiny (ChatML chat template), saved as Hugging Face
+tiny byte-level BPE tokenizer of drafthead.train.data.tiny (ChatML chat template), saved as Hugging Face
 folders, as a user's local model would be.
 
 Everything is built in-process (no hub): a tokenizer trained on a few strings, random weights.
@@ -20,9 +20,9 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def build_tiny_tokenizer(chat_template: bool = True):
-    """The project's tiny byte-level BPE tokenizer (drafthead.train.tiny: ChatML template, EOS
+    """The project's tiny byte-level BPE tokenizer (drafthead.train.data.tiny: ChatML template, EOS
     <|im_end|>; every string encodes and decodes back), optionally without its chat template."""
-    from drafthead.train.tiny import tiny_tokenizer
+    from drafthead.train.data.tiny import tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     if not chat_template:

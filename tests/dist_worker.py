@@ -26,7 +26,7 @@ EQUAL_SAMPLES = 16
 
 
 def tiny_config(target: str, chats: str, output_dir: str | Path, **overrides):
-    from drafthead.train.config import load_config
+    from drafthead.train.loop.config import load_config
 
     base = {"target": target, "data.path": chats, "output_dir": str(output_dir), "threads": 1, "report_to": "none"}
     base.update(overrides)
@@ -39,7 +39,7 @@ def equal_length_trainer(config, target_model, tokenizer):
     Equal lengths and full loss masks give every micro-batch the same label count per depth, so
     the mean of the ranks' mean losses is the global batch's mean loss: 2 ranks x batch B must
     then end with one process x batch 2B's weights (docs/scaling.md "Equivalence")."""
-    from drafthead.train.run import build_trainer
+    from drafthead.train.loop.run import build_trainer
 
     trainer = build_trainer(config, target_model, tokenizer)
     g = torch.Generator().manual_seed(5)
@@ -54,7 +54,7 @@ def equal_length_trainer(config, target_model, tokenizer):
 
 def main(out: str, target: str, chats: str) -> None:
     from drafthead.ground.target.load import load_target
-    from drafthead.train.run import run_training
+    from drafthead.train.loop.run import run_training
 
     out = Path(out)
     for parallelism in ("ddp", "fsdp"):  # ddp first: fsdp shards the target's layers for good
@@ -83,7 +83,7 @@ def main(out: str, target: str, chats: str) -> None:
     )
     stream = {"data.streaming": "true", "data.shuffle_buffer": 8}  # 48 chats - 8 eval: 5 batches of 2 x 4 per epoch
     run_training(tiny_config(target, chats, out / "stream-ddp", max_steps=7, checkpoint_every=0, eval_every=7, **stream), say=lambda message: None)
-    from drafthead.train.workshare import end_process_group
+    from drafthead.train.capture.workshare import end_process_group
 
     end_process_group()  # as the CLI does: a group left to interpreter shutdown can abort a finished rank
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from drafthead.train.features import target_features
+from drafthead.train.capture.features import target_features
 
 V = 96  # the tiny targets' vocabulary
 

@@ -2,15 +2,15 @@
 prompts keep its token ids, count the prompts as our chat template does, and equal our engine's fp32
 greedy answers token for token or part only at a near-tie of our target's logits: two fp32 engines
 round apart, and where the two best tokens are closer than that the engines may pick apart
-(train/regenerate_compare.py)."""
+(train/regeneration/compare.py)."""
 
 import json
 
 from drafthead.inference.bench.prompts import load_prompts
-from drafthead.train.openai_server import ServerSettings
-from drafthead.train.regenerate import RegenerateSettings, regenerate
-from drafthead.train.regenerate_compare import compare_regenerations
-from drafthead.train.regenerate_server import regenerate_from_servers
+from drafthead.train.regeneration.openai_client import ServerSettings
+from drafthead.train.regeneration.regenerate import RegenerateSettings, regenerate
+from drafthead.train.regeneration.compare import compare_regenerations
+from drafthead.train.regeneration.from_servers import regenerate_from_servers
 
 NEAR_TIE = 0.1  # logits; fp32 engines round apart by ~1e-3, a different model by whole units
 

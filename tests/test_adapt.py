@@ -27,7 +27,7 @@ from drafthead.inference.engine.stopping import StopRules
 from drafthead.train.adapt.buffer import TrafficBuffer
 from drafthead.train.adapt.gate import gate, recorded_sequence, replayed_tau
 from drafthead.train.adapt.versions import append_event, fold, install_version, live_version, read_events, remove_partial_versions, version_dir
-from drafthead.train.features import CapturedFeatures, required_layers
+from drafthead.train.capture.features import CapturedFeatures, required_layers
 from tests.served_target import answering_tiny_target, random_eagle3_head
 
 

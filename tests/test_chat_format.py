@@ -8,7 +8,7 @@ from pathlib import Path
 import datasets
 import pytest
 
-from drafthead.train.chat_format import (
+from drafthead.train.data.chat_format import (
     ChatTemplateError,
     assistant_char_spans,
     end_of_turn_text,
@@ -16,7 +16,7 @@ from drafthead.train.chat_format import (
     stop_token_ids,
     tokenize_conversations,
 )
-from drafthead.train.tiny import tiny_tokenizer
+from drafthead.train.data.tiny import tiny_tokenizer
 
 CONV = [
     {"role": "system", "content": "You answer in lists."},

@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from drafthead.train.checkpoint import latest_checkpoint, load_checkpoint
-from drafthead.train.trainer import Trainer, TrainData
+from drafthead.train.loop.checkpoint import latest_checkpoint, load_checkpoint
+from drafthead.train.loop.trainer import Trainer, TrainData
 from tests.trainer_checks import DummyHead, config, random_samples
 
 

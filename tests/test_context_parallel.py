@@ -17,8 +17,8 @@ from drafthead.heads import ttt_attention as ttt
 from drafthead.heads.context_split import ContextSplit
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.servers.local import free_port
-from drafthead.train.features import collate
-from drafthead.train.packing import collate_packed
+from drafthead.train.capture.features import collate
+from drafthead.train.capture.packing import collate_packed
 from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
 
@@ -108,9 +108,9 @@ def test_the_shards_cover_the_row():
 
 
 def test_a_split_that_does_not_divide_the_processes_is_refused_before_training(tmp_path, isolated_cache):
-    from drafthead.train.config import ConfigError, TrainConfig
-    from drafthead.train.run import build_trainer
-    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+    from drafthead.train.loop.config import ConfigError, TrainConfig
+    from drafthead.train.loop.run import build_trainer
+    from drafthead.train.data.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
     cfg = TrainConfig.from_dict(

@@ -28,8 +28,8 @@ from drafthead.inference.drafters.load import head_drafter
 from drafthead.inference.engine.compiled import StaticDecoding
 from drafthead.inference.engine.greedy_graph import GreedyDecoder
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
-from drafthead.train.features import collate
-from drafthead.train.packing import collate_packed
+from drafthead.train.capture.features import collate
+from drafthead.train.capture.packing import collate_packed
 from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.oracle import OracleDrafter, assert_accepts_and_stays_exact, by_row, known_continuation
 from tests.tiny import left_padded, plain_greedy, prompts_of, repetitive_prompt, tiny_causal_lm

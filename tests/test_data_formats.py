@@ -13,11 +13,11 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from drafthead.train import chat_format, json_records, sources
-from drafthead.train.chat_format import ChatTemplateError, tokenize_conversations
-from drafthead.train.features import TokenDataset
-from drafthead.train.sources import EmptySourceError, load_conversations, read_conversations
-from drafthead.train.streaming import TokenStream, rank_batches
+from drafthead.train.data import chat_format, json_records, sources
+from drafthead.train.data.chat_format import ChatTemplateError, tokenize_conversations
+from drafthead.train.data.samples import TokenDataset
+from drafthead.train.data.sources import EmptySourceError, load_conversations, read_conversations
+from drafthead.train.data.streaming import TokenStream, rank_batches
 
 OPENAI = [
     {"id": "o1", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]},

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafthead.train.tiny import save_tiny_target, write_tiny_jsonl
+from drafthead.train.data.tiny import save_tiny_target, write_tiny_jsonl
 from tests.dist_worker import equal_length_trainer, tiny_config
 from tests.launch import accelerate_launch, run_group, start_group, stop_group
 
@@ -193,7 +193,7 @@ def test_fsdp_rank_killed_after_a_checkpoint_resumes_bit_equal(two_process_runs,
 @pytest.mark.parametrize("precision", ["no", "bf16"])
 def test_sigkill_mid_run_resumes_bit_equal(tmp_path, tiny_run_inputs, precision):
     """The run is a subprocess killed with SIGKILL; the reference and the resume run here."""
-    from drafthead.train.run import run_training
+    from drafthead.train.loop.run import run_training
 
     _, target, chats = tiny_run_inputs
     settings = dict(max_steps=12, checkpoint_every=1, eval_every=6)

@@ -1,7 +1,8 @@
-"""The `edits` prompt set (train/edit_prompts.py): ShareGPT requests for an edit whose reference
+"""The `edits` prompt set (inference/bench/edit_prompts.py): ShareGPT requests for an edit whose reference
 answer copies the prompt, each text once, and the rule that picks them."""
 
-from drafthead.train.edit_prompts import COPIED, EDITS, copied_share, edit_prompts, is_edit
+from drafthead.inference.bench.edit_prompts import COPIED, EDITS, copied_share, edit_prompts, is_edit
+from drafthead.train.data.sources import sharegpt_chats
 
 TEXT = " ".join(f"word{i}" for i in range(120))
 
@@ -23,8 +24,8 @@ def test_an_edit_asks_near_its_start_holds_a_text_and_is_answered_by_a_copy():
 
 
 def test_the_set_is_built_from_the_installed_sharegpt():
-    prompts = edit_prompts()
+    prompts = edit_prompts(sharegpt_chats())
     assert len(prompts) >= 20
     assert len({p.text for p in prompts}) == len(prompts) and all(p.category == EDITS for p in prompts)
-    assert [p.id for p in edit_prompts(3)] == [p.id for p in prompts[:3]]
+    assert [p.id for p in edit_prompts(sharegpt_chats(), 3)] == [p.id for p in prompts[:3]]
     assert COPIED > 0

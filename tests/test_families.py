@@ -163,7 +163,7 @@ def test_features_of_every_family_online_and_captured(family_target, family, tmp
     the family caps, Gemma-3), in the target's dtype and on its device; captured shards hold the
     online values."""
     from drafthead.heads.registry import make_config
-    from drafthead.train.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate, required_layers
+    from drafthead.train.capture.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate, required_layers
 
     model = family_target(family).model
     text = model.config.get_text_config()
@@ -206,7 +206,7 @@ HEAD_KINDS = ("medusa1", "medusa2", "hydra")
 
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory):
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     return write_tiny_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", 16)
 

@@ -31,7 +31,7 @@ from drafthead.heads.formats import consumer, export_head, formats_for
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.head_drafters import EagleDrafter
-from drafthead.train.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate
+from drafthead.train.capture.features import CapturedFeatures, OnlineFeaturizer, capture_features, collate
 from tests.head_checks import assert_greedy_equals_plain
 from tests.interop import FIXTURES as ROOT
 from tests.tiny import HYBRID_TARGETS, NOPE_HYBRIDS, TARGETS, tiny_causal_lm

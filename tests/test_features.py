@@ -7,20 +7,20 @@ import json
 import pytest
 import torch
 
-from drafthead.train.chat_format import tokenize_conversations
-from drafthead.train.config import TrainConfig
-from drafthead.train.features import (
+from drafthead.train.data.chat_format import tokenize_conversations
+from drafthead.train.loop.config import TrainConfig
+from drafthead.train.data.samples import TokenDataset
+from drafthead.train.capture.features import (
     CapturedFeatures,
     OnlineFeaturizer,
-    TokenDataset,
     capture_features,
     collate,
     required_layers,
     target_features,
 )
-from drafthead.train.sources import load_conversations
-from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
-from drafthead.train.trainer import Trainer, TrainData
+from drafthead.train.data.sources import load_conversations
+from drafthead.train.data.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+from drafthead.train.loop.trainer import Trainer, TrainData
 
 LAYERS = (1, 2)
 
@@ -153,7 +153,7 @@ def test_required_layers_from_head_configs(setup):
 def test_cli_capture_then_train_on_captured_features(tmp_path, isolated_cache, capsys):
     """`drafthead data capture` writes what `drafthead train features.mode=captured` reads."""
     from drafthead.cli import main
-    from drafthead.train.tiny import save_tiny_target
+    from drafthead.train.data.tiny import save_tiny_target
 
     target = save_tiny_target(tmp_path / "target")
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 40)

@@ -252,7 +252,7 @@ SSM = {"mamba", "mamba2", "falcon_mamba"}  # no attention layer at all
 
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory):
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     return write_tiny_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", 16)
 

@@ -168,7 +168,7 @@ def test_features_of_rows_with_images_are_each_layers_input_and_the_prefills(fam
     """The capture forward runs the vision tower: features at and after the image differ from the
     same ids without it. Each index i is layer i's real input, Qwen3-VL's deepstack included (which
     transformers' recorded states miss), and equals what the engine's prefill gives the drafters."""
-    from drafthead.train.features import collate, target_features
+    from drafthead.train.capture.features import collate, target_features
 
     target = tiny_causal_lm(family, vocab=V, layers=4)
     prompts, row_images = ragged_rows(family)
@@ -226,7 +226,7 @@ def test_every_head_kind_trains_on_rows_with_images_and_decodes_exactly(family, 
 
     from drafthead.heads.registry import build_head, make_config
     from drafthead.inference.drafters.load import head_drafter
-    from drafthead.train.features import OnlineFeaturizer, collate
+    from drafthead.train.capture.features import OnlineFeaturizer, collate
 
     target = tiny_causal_lm(family, vocab=V, layers=4)
     torch.manual_seed(0)
@@ -272,7 +272,7 @@ def test_every_head_kind_trains_on_rows_with_images_and_decodes_exactly(family, 
 
 
 # ---------------------------------------------------------------------------------------------
-# Chats with images: records -> the target's processor -> training (train/image_chats.py)
+# Chats with images: records -> the target's processor -> training (train/data/image_chats.py)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -314,10 +314,10 @@ def test_image_chats_are_formatted_by_the_targets_processor_and_train(tmp_path):
     from drafthead.heads.batch import FeatureBatch  # noqa: F401  (the batch type the trainer builds)
     from drafthead.inference.drafters.load import load_head_drafter
     from drafthead.ground.target.load import load_target
-    from drafthead.train.chat_format import format_conversation
-    from drafthead.train.config import TrainConfig
-    from drafthead.train.image_chats import load_processor, prompt_images
-    from drafthead.train.run import token_samples
+    from drafthead.train.data.chat_format import format_conversation
+    from drafthead.train.loop.config import TrainConfig
+    from drafthead.train.data.image_chats import load_processor, prompt_images
+    from drafthead.train.loop.run import token_samples
     from tests.conftest import save_tiny_vlm
     from tests.tiny_training import train_three_steps
 
@@ -367,9 +367,9 @@ def test_chats_with_images_are_refused_in_one_line_where_not_built(tmp_path):
     """Streaming (no processor), a target folder without one, Medusa-2's joint training: each
     refused in one line before any step."""
     from drafthead.ground.target.load import load_target
-    from drafthead.train.chat_format import format_row
-    from drafthead.train.config import ConfigError
-    from drafthead.train.image_chats import load_processor
+    from drafthead.train.data.chat_format import format_row
+    from drafthead.train.loop.config import ConfigError
+    from drafthead.train.data.image_chats import load_processor
     from tests.conftest import save_tiny_vlm
     from tests.tiny_training import train_three_steps
 
@@ -403,7 +403,7 @@ def test_generate_command_answers_a_prompt_with_an_image(tmp_path, capsys):
 
     from drafthead import cli
     from drafthead.ground.target.load import load_target
-    from drafthead.train.image_chats import encode_image_prompt, load_processor
+    from drafthead.train.data.image_chats import encode_image_prompt, load_processor
     from tests.conftest import save_tiny_vlm
 
     folder = save_tiny_vlm(tmp_path / "vlm")

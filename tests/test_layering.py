@@ -1,9 +1,9 @@
 """The layering rule (docs/style.md 13): the face (drafthead/*.py, drafthead/commands) imports the
 rest; `train` imports `inference` and `heads`; `inference` imports `heads`; `heads` imports
 `ground`; `ground`, the floor every layer stands on, imports only itself; and no module imports
-itself back through a circle. Inside `inference`, each room (engine,
-drafters, kernels, servers, bench, serve, llamacpp, vllm) imports only the rooms below it (ROOMS). Checked on every
-import statement, lazy ones inside functions included."""
+itself back through a circle. Inside `inference` and `train`, each room (a folder: one concern)
+imports only the rooms below it (ROOMS). Checked on every import statement, lazy ones inside
+functions included."""
 
 import ast
 from pathlib import Path
@@ -20,17 +20,28 @@ MAY_IMPORT = {
 }
 # where each installed subpackage lives in the checkout (pyproject.toml's package-dir)
 SOURCE = {"ground": ROOT / "ground", "heads": ROOT / "heads", "inference": ROOT / "inference", "train": ROOT / "train"}
-# inference's rooms and the rooms each may import: the CPU kernels know no engine; the engine knows
-# no drafter, backend or benchmark (it meets drafters through engine/drafter.py's interface)
+# each layer's rooms and the rooms each may import. inference: the CPU kernels know no engine; the
+# engine knows no drafter, backend or benchmark (it meets drafters through engine/drafter.py's
+# interface). train: data sources and formats at the bottom, then capture, then regeneration and
+# the training loop, then the served head's adapting loop on top.
 ROOMS = {
-    "kernels": {"kernels"},
-    "servers": {"servers"},
-    "engine": {"engine", "kernels"},
-    "drafters": {"drafters", "engine", "kernels"},
-    "llamacpp": {"llamacpp", "engine", "kernels", "servers"},
-    "bench": {"bench", "engine", "kernels", "vllm"},
-    "serve": {"serve", "engine"},
-    "vllm": {"vllm", "engine", "kernels", "servers"},
+    "inference": {
+        "kernels": {"kernels"},
+        "servers": {"servers"},
+        "engine": {"engine", "kernels"},
+        "drafters": {"drafters", "engine", "kernels"},
+        "llamacpp": {"llamacpp", "engine", "kernels", "servers"},
+        "vllm": {"vllm", "engine", "kernels", "servers"},
+        "bench": {"bench", "engine", "kernels"},
+        "serve": {"serve", "engine"},
+    },
+    "train": {
+        "data": {"data"},
+        "capture": {"capture", "data"},
+        "regeneration": {"regeneration", "capture", "data"},
+        "loop": {"loop", "capture", "data"},
+        "adapt": {"adapt", "loop", "capture", "data"},
+    },
 }
 
 
@@ -101,17 +112,17 @@ def test_layer_imports_only_what_it_may(layer):
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("room", sorted(ROOMS))
-def test_inference_room_imports_only_the_rooms_below_it(room):
-    assert (SOURCE["inference"] / room / "__init__.py").exists(), room
-    bad = forbidden_imports(
-        f"drafthead.inference.{room}.", lambda parts: parts[1:2] == ["inference"] and (len(parts) == 2 or parts[2] not in ROOMS[room])
-    )
+@pytest.mark.parametrize("layer, room", [(layer, room) for layer, rooms in ROOMS.items() for room in sorted(rooms)])
+def test_a_room_imports_only_the_rooms_below_it(layer, room):
+    assert (SOURCE[layer] / room / "__init__.py").exists(), room
+    may = ROOMS[layer][room]
+    bad = forbidden_imports(f"drafthead.{layer}.{room}.", lambda parts: parts[1:2] == [layer] and (len(parts) == 2 or parts[2] not in may))
     assert not bad, "\n".join(bad)
 
 
-def test_every_inference_module_lives_in_a_room():
-    loose = [n for n in module_files() if n.startswith("drafthead.inference.") and n.split(".")[2] not in ROOMS]
+@pytest.mark.parametrize("layer", sorted(ROOMS))
+def test_every_module_of_a_layer_with_rooms_lives_in_a_room(layer):
+    loose = [n for n in module_files() if n.startswith(f"drafthead.{layer}.") and n.split(".")[2] not in ROOMS[layer]]
     assert not loose, loose
 
 

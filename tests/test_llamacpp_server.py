@@ -6,7 +6,7 @@ At temperature 0 each answer keeps the ids llama-server produced, every prompt i
 chat template and tokenizer count it (the same template), and the answers equal our own engine's
 fp32 greedy answers token for token, or part only at a near-tie of our target's logits: llama.cpp
 and torch round fp32 differently, and where the two best tokens are closer than that rounding the
-engines may pick apart (train/regenerate_compare.py). Marked `llamacpp` (`make test-llamacpp`).
+engines may pick apart (train/regeneration/compare.py). Marked `llamacpp` (`make test-llamacpp`).
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""Long prompts from chats (train/long_prompts.py, `drafthead data long-prompts`): whole exchanges
+"""Long prompts from chats (inference/bench/long_prompts.py, `drafthead data long-prompts`): whole exchanges
 joined in order, each prompt within its token budget and past three quarters of it, ending on a
 question, no exchange used twice; bench reads the file."""
 
@@ -7,8 +7,8 @@ import json
 import pytest
 
 from drafthead.inference.bench.prompts import load_prompts
-from drafthead.train.long_prompts import exchanges, long_chats, prompt_tokens
-from drafthead.train.tiny import tiny_tokenizer
+from drafthead.inference.bench.long_prompts import exchanges, long_chats, prompt_tokens
+from drafthead.train.data.tiny import tiny_tokenizer
 
 
 def chats(n: int, words: int = 4):
@@ -51,7 +51,7 @@ def test_running_out_and_an_exchange_longer_than_the_budget():
 
 def test_the_cli_writes_a_file_bench_reads_and_never_replaces_one(tmp_path, capsys):
     from drafthead.cli import main
-    from drafthead.train.tiny import save_tiny_target
+    from drafthead.train.data.tiny import save_tiny_target
 
     target = save_tiny_target(tmp_path / "tiny", chats=5)
     data = tmp_path / "chats.jsonl"

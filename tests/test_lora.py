@@ -1,5 +1,5 @@
 """Medusa-2's LoRA adapts the same jobs in every family: the default `lora.target_modules` (the
-Llama names) reach Phi-3's fused projections and MLA's low-rank ones (train/lora.py)."""
+Llama names) reach Phi-3's fused projections and MLA's low-rank ones (train/loop/lora.py)."""
 
 import copy
 import logging
@@ -7,8 +7,8 @@ import logging
 import pytest
 from torch import nn
 
-from drafthead.train.config import LoraConfig
-from drafthead.train.lora import lora_targets, resolve_names, wrap_lora
+from drafthead.train.loop.config import LoraConfig
+from drafthead.train.loop.lora import lora_targets, resolve_names, wrap_lora
 from tests.tiny import TARGETS, tiny_causal_lm
 
 DEFAULT = LoraConfig().target_modules
@@ -53,7 +53,7 @@ def test_a_name_resolves_to_its_own_linear_before_its_equivalents():
 
 def test_a_name_no_linear_carries_is_logged_and_none_at_all_is_an_error(caplog):
     model = tiny_causal_lm("qwen3_moe")  # its experts are fused 3-D parameters, not Linears
-    with caplog.at_level(logging.WARNING, logger="drafthead.train.lora"):
+    with caplog.at_level(logging.WARNING, logger="drafthead.train.loop.lora"):
         lora_targets(model, DEFAULT)
     assert "does the job of gate_proj" in caplog.text
     with pytest.raises(ValueError, match="name no Linear"):

@@ -104,7 +104,7 @@ def test_mtp_drafts_exactly_untrained(mtp_target):
 
 
 def test_mtp_fine_tunes_from_the_checkpoints_layer_and_exports_back(mtp_target, tmp_path):
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
     from tests.tiny_training import train_three_steps
 
     folder, tensors = mtp_target.folder, mtp_target.tensors

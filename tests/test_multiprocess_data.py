@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from drafthead.cli import main
-from drafthead.train.workshare import WorkShare
-from drafthead.train.regenerate import RegenerateSettings, done_ids, merge_parts, part_files, part_path, regenerate
-from drafthead.train.tiny import write_tiny_jsonl
+from drafthead.train.capture.workshare import WorkShare
+from drafthead.train.regeneration.regenerate import RegenerateSettings, done_ids, merge_parts, part_files, part_path, regenerate
+from drafthead.train.data.tiny import write_tiny_jsonl
 from tests.launch import accelerate_launch, run_group
 
 pytestmark = pytest.mark.subprocess  # starts processes of its own (pyproject.toml markers)
@@ -211,7 +211,7 @@ def test_regenerate_rerun_after_a_rank_died_gives_the_clean_answers(tmp_path, ta
     """Two ranks, rank 1 dies after its first batch; rerun as two ranks, or as one process: both
     keep every finished record and write the file a clean single process writes."""
     from drafthead.ground.target.load import load_target
-    from drafthead.train.sources import load_conversations
+    from drafthead.train.data.sources import load_conversations
 
     loaded = load_target(str(target), dtype="float32", device="cpu")
     model, tok = loaded.model, loaded.tokenizer

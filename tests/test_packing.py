@@ -1,4 +1,4 @@
-"""Packing (train/packing.py, heads/packing.py): several conversations per row. The rules (the
+"""Packing (train/capture/packing.py, heads/packing.py): several conversations per row. The rules (the
 plan, the masks) each equal a slow twin written loop by loop; every head kind's loss and
 gradients on a packed batch equal those on the same samples one per row; the target's packed
 forward equals its forward on each conversation alone, and a target that mixes them is refused."""
@@ -14,11 +14,11 @@ from drafthead.heads.eagle3 import ttt_attention_mask
 from drafthead.heads.packing import causal_within, same_segment_shift, segment_ids
 from drafthead.heads.peagle import cod_columns, parallel_attention_mask
 from drafthead.heads.registry import build_head, make_config
-from drafthead.train.config import ConfigError, LoraConfig, load_config
-from drafthead.train.features import collate, target_features
-from drafthead.train.packing import collate_packed, pack_rows, packing_refusal, row_position_ids
-from drafthead.train.run import packed_row_length
-from drafthead.train.trainer import JointLoss
+from drafthead.train.loop.config import ConfigError, LoraConfig, load_config
+from drafthead.train.capture.features import collate, target_features
+from drafthead.train.capture.packing import collate_packed, pack_rows, packing_refusal, row_position_ids
+from drafthead.train.loop.run import packed_row_length
+from drafthead.train.loop.trainer import JointLoss
 from tests.tiny import TARGETS, tiny_causal_lm
 
 V = 96
@@ -230,7 +230,7 @@ def test_packed_loss_and_gradients_equal_one_conversation_per_row(kind):
     head = head_for(kind)
     module = head
     if kind == "medusa2":  # the target trains too: its packed forward runs inside the loss
-        from drafthead.train.lora import wrap_lora
+        from drafthead.train.loop.lora import wrap_lora
 
         target = wrap_lora(copy.deepcopy(target_of()), LoraConfig(r=2, dropout=0.0))
         module = JointLoss(head, target, (4,), lm_weight=1.0, head_weight=0.2)

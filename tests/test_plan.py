@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from drafthead.heads.registry import build_head
-from drafthead.train.config import load_config
-from drafthead.train.plan import activation_bytes, memory_per_rank, plan_table, run_shapes
-from drafthead.train.run import head_config
+from drafthead.train.loop.config import load_config
+from drafthead.train.loop.plan import activation_bytes, memory_per_rank, plan_table, run_shapes
+from drafthead.train.loop.run import head_config
 from tests.tiny import tiny_causal_lm
 
 
@@ -43,7 +43,7 @@ def test_fsdp_shards_what_ddp_replicates(tiny_config_json):
         assert {k: ddp[k] for k in one} == one  # DDP: every rank holds everything
         for part in ("params", "grads", "optimizer"):
             assert fsdp[part] == one[part] // n
-        # the decoder layers are sharded; embedding, final norm and LM head stay whole (train/sharding.py)
+        # the decoder layers are sharded; embedding, final norm and LM head stay whole (train/loop/sharding.py)
         whole = shapes.target_bytes - shapes.layers_bytes
         assert 0 < whole < shapes.target_bytes and fsdp["target"] == whole + shapes.layers_bytes // n
         assert fsdp["activations"] == one["activations"] == activation_bytes(shapes)

@@ -17,10 +17,10 @@ import yaml
 from drafthead import cli
 from drafthead.heads.registry import build_head, make_config
 from drafthead.ground.outdir import MARKER_FILE, fresh_folder, mark_output
-from drafthead.train.checkpoint import RUN_CONFIG_FILE, latest_checkpoint
-from drafthead.train.features import CAPTURE_FILES
-from drafthead.train.config import check_resume, resume_changes
-from drafthead.train.trainer import Trainer, TrainData
+from drafthead.train.loop.checkpoint import RUN_CONFIG_FILE, latest_checkpoint
+from drafthead.train.capture.features import CAPTURE_FILES
+from drafthead.train.loop.config import check_resume, resume_changes
+from drafthead.train.loop.trainer import Trainer, TrainData
 from tests.trainer_checks import DummyHead, config, random_samples
 from tests.cli_checks import assert_failed_late, assert_refused, run_cli
 from tests.tiny import tiny_causal_lm
@@ -177,7 +177,7 @@ def test_tiny_target_refuses_a_non_empty_folder_and_ctrl_c_leaves_nothing(tmp_pa
     (out / "notes.txt").unlink()
     assert run_cli(capsys, "data", "tiny-target", "--out", out, "--chats", "2")[0] == 0  # an earlier tiny target
 
-    import drafthead.train.tiny as tiny
+    import drafthead.train.data.tiny as tiny
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -244,7 +244,7 @@ def test_resume_and_overwrite_together_are_refused(tmp_path, capsys):
 
 def test_regenerate_refuses_a_file_it_did_not_write(tmp_path, capsys):
     """--out pointed at the user's own data file: refused before the target loads."""
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 3)
     with unchanged(chats):
@@ -257,8 +257,8 @@ def test_regenerate_refuses_a_file_it_did_not_write(tmp_path, capsys):
 
 def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
     """Issue 28: a target that answers nothing wrote 0 records and exited 0."""
-    import drafthead.train.regenerate as regenerate
-    from drafthead.train.tiny import write_tiny_jsonl
+    import drafthead.train.regeneration.regenerate as regenerate
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 2)
     monkeypatch.setattr(regenerate, "answer", lambda model, tokenizer, prompts, **kw: [regenerate.Answer("", True)] * len(prompts))
@@ -288,8 +288,8 @@ def test_regenerate_with_no_answer_exits_2_and_writes_nothing(tmp_path, capsys, 
 def test_regenerate_overwrite_and_continue(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
     """--overwrite refuses a file regenerate did not write and replaces its own (made with other
     settings); a rerun continues its own file."""
-    import drafthead.train.regenerate as regenerate
-    from drafthead.train.tiny import write_tiny_jsonl
+    import drafthead.train.regeneration.regenerate as regenerate
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 2)
     out = tmp_path / "regen.jsonl"
@@ -335,7 +335,7 @@ def test_capture_refuses_a_folder_that_holds_no_capture(tmp_path, capsys):
 
 
 def test_capture_overwrite_clears_the_old_folder_first(tmp_path, capsys, monkeypatch, tiny_llama_dir):
-    import drafthead.train.run as run
+    import drafthead.train.loop.run as run
 
     cfg = config(tmp_path, target=str(tiny_llama_dir))
     saved = tmp_path / "run.yaml"
@@ -410,7 +410,7 @@ def test_truncated_gguf(tmp_path, capsys, isolated_cache, tiny_llama_dir, where)
 def test_gpt2_target_with_an_eagle3_config_names_the_kinds_that_fit(tmp_path, capsys, isolated_cache):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from drafthead.train.tiny import tiny_tokenizer, write_tiny_jsonl
+    from drafthead.train.data.tiny import tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
     gpt2 = tmp_path / "gpt2"
@@ -559,7 +559,7 @@ def test_read_only_output_folder(tmp_path, capsys, monkeypatch):
 
 def test_read_only_checkpoint_folder(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
     """Refused at the start (output_dir is probed before the target loads), not at the first checkpoint."""
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
     run_dir = tmp_path / "run"
@@ -609,7 +609,7 @@ def tiny_run(tmp_path_factory, tiny_target_dir):
     a capture of its features: (target, chats, run folder, capture folder). Tests copy them."""
     import datasets
 
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     was_disabled = datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()
@@ -667,7 +667,7 @@ def test_python_m_drafthead_train_reports_the_same_way(tmp_path):
 
 
 def test_damaged_captured_shard_and_index(tmp_path, capsys, tiny_run):
-    from drafthead.train.features import INDEX_FILE
+    from drafthead.train.capture.features import INDEX_FILE
 
     target, chats, _, features = tiny_run
     features = copied(features, tmp_path)
@@ -708,7 +708,7 @@ def test_stale_captured_features_are_refused(tmp_path, capsys, tiny_run, tiny_ta
 def test_a_second_writer_of_one_output_is_refused(tmp_path, capsys, tiny_llama_dir):
     """Every writing command takes its output's lock; one held elsewhere refuses the command."""
     from drafthead.ground.outdir import lock_file, output_lock
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 4)
     head = medusa_head_dir(tmp_path / "head")
@@ -746,7 +746,7 @@ def test_bench_refuses_to_replace_a_file(tmp_path, capsys):
 
 
 def test_overwrite_never_deletes_a_model_data_or_the_inputs(tmp_path, capsys, target_copy):
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     data_dir = tmp_path / "data"
     data_dir.mkdir()
@@ -828,7 +828,7 @@ def test_bad_drafting_json_is_named(tmp_path, capsys, tiny_llama_dir, drafting, 
 def test_keep_best_without_an_eval_split(tmp_path, capsys, tiny_llama_dir, isolated_cache):
     """Too few rows for an eval split: keep_best is refused before training; without it the run
     says at the start that it has no eval."""
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
     run = tmp_path / "run"
@@ -899,8 +899,8 @@ def assert_disk_full(code: int, err: str, where: Path) -> None:
 def test_disk_full_while_writing(tmp_path, capsys, full_disk, tiny_llama_dir, monkeypatch, isolated_cache):
     """Every writing command on a full disk: one line naming the file or folder with the way out,
     no temp file left, the inputs unchanged."""
-    import drafthead.train.regenerate as regenerate
-    from drafthead.train.tiny import write_tiny_jsonl
+    import drafthead.train.regeneration.regenerate as regenerate
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
     head = medusa_head_dir(tmp_path / "head")
@@ -1038,7 +1038,7 @@ def test_overwrite_never_deletes_files_no_drafthead_command_wrote(tmp_path, caps
 def test_resume_refuses_data_whose_content_changed(tmp_path, capsys, tiny_llama_dir):
     """train --resume over the same data.path whose content changed since the checkpoint: one
     line, before the target loads; with the data as it was, the run resumes."""
-    from drafthead.train.tiny import write_tiny_jsonl
+    from drafthead.train.data.tiny import write_tiny_jsonl
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
     run = tmp_path / "run"

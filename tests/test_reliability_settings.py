@@ -116,8 +116,8 @@ def test_the_plan_refuses_what_training_refuses(tmp_path, capsys, config, overri
 def test_a_fresh_run_stopped_at_its_first_step_leaves_nothing(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
     """A run refused at its first batch (as a context-parallel run is by rows with images) left
     config.yaml and metrics.jsonl, which made the corrected rerun refuse output_dir."""
-    from drafthead.train.tiny import write_tiny_jsonl
-    from drafthead.train.trainer import Trainer
+    from drafthead.train.data.tiny import write_tiny_jsonl
+    from drafthead.train.loop.trainer import Trainer
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 8)
     run = tmp_path / "run"
@@ -240,8 +240,8 @@ def test_a_warning_is_one_line(tmp_path, capsys, tiny_llama_dir):
 def test_metrics_log_each_step_once_after_a_resume(tmp_path, capsys, monkeypatch, tiny_llama_dir, isolated_cache):
     """A run stopped after logging step 3 and before its checkpoint (every 2 steps): the resume
     from step 2 logs step 3 again, and metrics.jsonl held it twice."""
-    from drafthead.train.tiny import write_tiny_jsonl
-    from drafthead.train.tracking import METRICS_FILE, RunLog
+    from drafthead.train.data.tiny import write_tiny_jsonl
+    from drafthead.train.loop.tracking import METRICS_FILE, RunLog
 
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 12)
     run = tmp_path / "run"
@@ -264,7 +264,7 @@ def test_metrics_log_each_step_once_after_a_resume(tmp_path, capsys, monkeypatch
 
 SLOW_TINY_TARGET = """
 import sys, time
-import drafthead.train.tiny as tiny
+import drafthead.train.data.tiny as tiny
 def slow(*args, **kwargs):
     print("writing", flush=True)
     time.sleep(120)
@@ -315,7 +315,7 @@ def test_a_truncated_image_is_named(tmp_path, capsys):
 
 def test_the_retried_statuses_are_the_ones_documented(capsys):
     """The docs and --help said 5xx; RETRY_STATUS retries 408, 429, 500, 502, 503, 504 (a 501 is not asked again)."""
-    from drafthead.train.openai_server import RETRY_STATUS
+    from drafthead.train.regeneration.openai_client import RETRY_STATUS
 
     *first, last = (str(code) for code in RETRY_STATUS)
     docs = " ".join((REPO / "docs" / "models-and-data.md").read_text().split())
@@ -325,8 +325,8 @@ def test_the_retried_statuses_are_the_ones_documented(capsys):
 
 
 def test_source_help_names_every_source(capsys):
-    """`--source` said sharegpt | json | regenerated; train/sources.py also reads jsonl and file."""
-    from drafthead.train.sources import SOURCES
+    """`--source` said sharegpt | json | regenerated; train/data/sources.py also reads jsonl and file."""
+    from drafthead.train.data.sources import SOURCES
 
     for action in ("inspect", "regenerate", "long-prompts"):
         help_text = help_of(capsys, "data", action)

@@ -1,5 +1,5 @@
-"""Replayed acceptance during training (train/replay_eval.py) and the best head by an eval metric
-(train/best.py): a run on a tiny target logs the engine's chain and tree tau at every eval, the
+"""Replayed acceptance during training (train/loop/replay_eval.py) and the best head by an eval metric
+(train/loop/best.py): a run on a tiny target logs the engine's chain and tree tau at every eval, the
 figures are the engine drafter's on the saved head, and keep_best keeps the step that scored
 highest, across a resume too."""
 
@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
-from drafthead.train.best import BEST_DIR, BEST_FILE, improves
-from drafthead.train.config import TrainConfig
-from drafthead.train.curves import EVAL_PLOT, eval_records, plot_eval_curves
-from drafthead.train.replay_eval import prompt_of
-from drafthead.train.trainer import Trainer, TrainData
+from drafthead.train.loop.best import BEST_DIR, BEST_FILE, improves
+from drafthead.train.loop.config import TrainConfig
+from drafthead.train.loop.curves import EVAL_PLOT, eval_records, plot_eval_curves
+from drafthead.train.loop.replay_eval import prompt_of
+from drafthead.train.loop.trainer import Trainer, TrainData
 from tests.trainer_checks import DummyHead, config, random_samples
 
 
@@ -35,8 +35,8 @@ def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it
     from drafthead.heads.registry import load_head
     from drafthead.inference.drafters.load import chain_settings, head_drafter
     from drafthead.inference.bench.replay import VLLM, replay_greedy
-    from drafthead.train.run import build_trainer
-    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+    from drafthead.train.loop.run import build_trainer
+    from drafthead.train.data.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 40)
@@ -106,9 +106,9 @@ def test_eval_records_keep_the_last_line_of_a_repeated_step_and_no_plot_without_
 
 
 def test_a_chain_deeper_than_the_head_drafts_fails_before_training(tmp_path, isolated_cache):
-    from drafthead.train.config import ConfigError
-    from drafthead.train.run import build_trainer
-    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+    from drafthead.train.loop.config import ConfigError
+    from drafthead.train.loop.run import build_trainer
+    from drafthead.train.data.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
     cfg = TrainConfig.from_dict(

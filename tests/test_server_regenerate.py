@@ -1,5 +1,5 @@
-"""`data regenerate --server`: the OpenAI-compatible client (train/openai_server.py) and the
-regeneration through it (train/regenerate_server.py), against a small chat-completions server
+"""`data regenerate --server`: the OpenAI-compatible client (train/regeneration/openai_client.py) and the
+regeneration through it (train/regeneration/from_servers.py), against a small chat-completions server
 started here on 127.0.0.1 from the standard library (`StubServer`). Covers both forms of returned
 token ids, text-only servers, several servers sharing the work, retries, every error case (one
 line, exit 2, answers already received kept) and a SIGKILLed run resumed.
@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 
 from drafthead.ground.target.chat import render_chat
-from drafthead.train.chat_format import format_conversation
-from drafthead.train.openai_server import ServerError, ServerSettings, root_url
-from drafthead.train.regenerate import RegenerateSettings, done_ids
-from drafthead.train.regenerate_server import regenerate_from_servers
-from drafthead.train.sources import load_conversations
+from drafthead.train.data.chat_format import format_conversation
+from drafthead.train.regeneration.openai_client import ServerError, ServerSettings, root_url
+from drafthead.train.regeneration.regenerate import RegenerateSettings, done_ids
+from drafthead.train.regeneration.from_servers import regenerate_from_servers
+from drafthead.train.data.sources import load_conversations
 from tests.cli_checks import assert_failed_late, assert_refused, run_cli
 
 MODEL = "tiny-served"
@@ -391,7 +391,7 @@ def test_a_sigkilled_run_resumes_with_nothing_lost_or_asked_twice(tmp_path, tiny
 
 
 def test_first_parting_finds_the_first_difference():
-    from drafthead.train.regenerate_compare import first_parting
+    from drafthead.train.regeneration.compare import first_parting
 
     assert first_parting([1, 2, 3], [1, 2, 3]) is None
     assert first_parting([1, 2, 3], [1, 5, 3]) == 1
@@ -404,7 +404,7 @@ def test_a_parting_is_measured_by_our_targets_logit_gap(tiny_tokenizer):
     compared up to its first parting only."""
     import torch
 
-    from drafthead.train.regenerate_compare import compare_regenerations
+    from drafthead.train.regeneration.compare import compare_regenerations
     from tests.tiny import tiny_causal_lm
 
     tok = tiny_tokenizer
@@ -589,7 +589,7 @@ def test_a_rerun_over_answers_made_otherwise_is_refused(tmp_path, capsys, tiny_t
     """A rerun continues only a file written the same way: other sampling settings, the local
     engine over a server's answers (and the other way round), another data file whose ids
     overlap: one line listing what differs, the file unchanged. The same settings continue it."""
-    import drafthead.train.regenerate as regenerate
+    import drafthead.train.regeneration.regenerate as regenerate
 
     chats = write_chats(tmp_path / "chats.jsonl", conversations(4))
     other = tmp_path / "other.jsonl"  # the same ids, other questions

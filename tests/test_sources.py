@@ -8,10 +8,10 @@ import json
 import pytest
 import torch
 
-from drafthead.train.chat_format import tokenize_conversations
-from drafthead.train.regenerate import RegenerateSettings, done_ids, regenerate
-from drafthead.train.sources import EmptySourceError, load_conversations, normalize_record, read_conversations
-from drafthead.train.tiny import tiny_tokenizer
+from drafthead.train.data.chat_format import tokenize_conversations
+from drafthead.train.regeneration.regenerate import RegenerateSettings, done_ids, regenerate
+from drafthead.train.data.sources import EmptySourceError, load_conversations, normalize_record, read_conversations
+from drafthead.train.data.tiny import tiny_tokenizer
 
 
 def sharegpt_record(i, turns=(("human", "hi"), ("gpt", "hello"))):
@@ -137,7 +137,7 @@ def test_limit_and_disk_cache(tmp_path, isolated_cache):
 
 
 def test_sharegpt_package_file_is_salvaged():
-    rows, report = read_conversations(__import__("drafthead.train.sources", fromlist=["x"]).sharegpt_path(), source_name="sharegpt")
+    rows, report = read_conversations(__import__("drafthead.train.data.sources", fromlist=["x"]).sharegpt_path(), source_name="sharegpt")
     assert report.file_truncated and report.records_read == 17671  # docs/models-and-data.md
     assert report.conversations == len(rows) > 17000
     assert report.dropped_turns.get("leading_assistant", 0) > 0

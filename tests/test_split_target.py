@@ -1,4 +1,4 @@
-"""The target's forward split by columns across 2 gloo processes (train/split_target.py) gives each
+"""The target's forward split by columns across 2 gloo processes (train/capture/split_target.py) gives each
 rank the unsplit forward's hidden states for its columns, the final layer with its halo, within
 fp32 rounding: plain and packed rows, lengths the ranks do not divide, sliding windows (Mistral,
 Gemma 3's alternating layers), attention sinks (gpt-oss), multi-head latent attention (DeepSeek-V3),
@@ -18,10 +18,10 @@ from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.context_split import ContextSplit
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.servers.local import free_port
-from drafthead.train import split_target
-from drafthead.train.features import collate, target_features
-from drafthead.train.packing import collate_packed
-from drafthead.train.split_target import split_refusal, split_target_features
+from drafthead.train.capture import split_target
+from drafthead.train.capture.features import collate, target_features
+from drafthead.train.capture.packing import collate_packed
+from drafthead.train.capture.split_target import split_refusal, split_target_features
 from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
 

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import yaml
 
-from drafthead.train.config import (
+from drafthead.train.loop.config import (
     PRESET_DIR,
     ConfigError,
     DataConfig,

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from drafthead.train.checkpoint import latest_checkpoint
-from drafthead.train.config import ConfigError, TrainConfig
-from drafthead.train.evaluate import estimate_tau
-from drafthead.train.trainer import (
+from drafthead.train.loop.checkpoint import latest_checkpoint
+from drafthead.train.loop.config import ConfigError, TrainConfig
+from drafthead.train.loop.evaluate import estimate_tau
+from drafthead.train.loop.trainer import (
     NonFiniteLossError,
     Trainer,
     TrainData,
@@ -145,8 +145,8 @@ def test_real_heads_train_on_a_tiny_target(tmp_path, kind, extra, isolated_cache
     """build_trainer end to end (chat data -> online features -> head) for every head kind: the
     loss falls, the final head reloads through heads.registry with the trained weights."""
     from drafthead.heads.registry import load_head
-    from drafthead.train.run import build_trainer
-    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+    from drafthead.train.loop.run import build_trainer
+    from drafthead.train.data.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 60)
@@ -207,8 +207,8 @@ def test_wandb_logs_offline_by_default(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kind", ["medusa1", "eagle1", "eagle3", "medusa2"])
 def test_real_heads_train_in_bf16_autocast(tmp_path, kind, isolated_cache):
     """mixed_precision=bf16 (the smollm2 presets' setting): finite losses, fp32 master weights."""
-    from drafthead.train.run import build_trainer
-    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+    from drafthead.train.loop.run import build_trainer
+    from drafthead.train.data.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 24)
@@ -238,9 +238,9 @@ def test_a_run_continues_from_a_saved_head_and_refuses_another_architecture(tmp_
     even from a target loaded in bf16; loss-only fields may change; anything that shapes the
     weights may not; medusa2 (adapter) is refused."""
     from drafthead.heads.registry import load_head
-    from drafthead.train.config import ConfigError
-    from drafthead.train.run import build_trainer
-    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+    from drafthead.train.loop.config import ConfigError
+    from drafthead.train.loop.run import build_trainer
+    from drafthead.train.data.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 24)
@@ -284,12 +284,12 @@ def test_a_run_continues_from_a_saved_head_and_refuses_another_architecture(tmp_
 
 
 def test_streaming_run_reads_lazily_and_resumes_exactly(tmp_path, isolated_cache):
-    """data.streaming: the trainer reads a TokenStream (train/streaming.py) in its seeded order,
+    """data.streaming: the trainer reads a TokenStream (train/data/streaming.py) in its seeded order,
     across an epoch boundary; a run stopped after step 5 (checkpoint at 4) and resumed ends with
     the uninterrupted run's weights, and the eval set is the stream's first samples."""
-    from drafthead.train.run import build_trainer
-    from drafthead.train.streaming import TokenStream
-    from drafthead.train.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
+    from drafthead.train.loop.run import build_trainer
+    from drafthead.train.data.streaming import TokenStream
+    from drafthead.train.data.tiny import tiny_target, tiny_tokenizer, write_tiny_jsonl
 
     tok = tiny_tokenizer()
     chats = write_tiny_jsonl(tmp_path / "chats.jsonl", 30)
@@ -331,7 +331,7 @@ def test_streaming_run_reads_lazily_and_resumes_exactly(tmp_path, isolated_cache
 
 def test_auto_precision_follows_the_hardware():
     from drafthead.ground.target.load import has_native_bf16, resolve_dtype
-    from drafthead.train.trainer import resolve_mixed_precision
+    from drafthead.train.loop.trainer import resolve_mixed_precision
 
     assert resolve_mixed_precision("auto", True) == "bf16" and resolve_mixed_precision("auto", False) == "no"
     assert resolve_mixed_precision("fp16", False) == "fp16" and resolve_mixed_precision("no", True) == "no"

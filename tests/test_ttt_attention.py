@@ -14,8 +14,8 @@ from drafthead.heads.eagle3 import ttt_attention_mask
 from drafthead.heads.io import shift_left
 from drafthead.heads.packing import row_positions
 from drafthead.heads.registry import build_head, make_config
-from drafthead.train.features import collate
-from drafthead.train.packing import collate_packed
+from drafthead.train.capture.features import collate
+from drafthead.train.capture.packing import collate_packed
 from tests.eagle3_rows import V, loss_and_grads, samples_of
 from tests.tiny import tiny_causal_lm
 
@@ -117,12 +117,12 @@ def test_what_the_backward_keeps_grows_linearly(monkeypatch):
 
 
 def test_training_sets_a_fixed_mmap_threshold_where_the_c_library_has_one():
-    """train/allocator.py: glibc takes the setting (its heap would fragment under long rows);
+    """train/loop/allocator.py: glibc takes the setting (its heap would fragment under long rows);
     elsewhere the call says it did nothing rather than fail."""
     import platform
     import sys
 
-    from drafthead.train.allocator import LONG_ROW_TOKENS, map_large_blocks, map_large_blocks_for
+    from drafthead.train.loop.allocator import LONG_ROW_TOKENS, map_large_blocks, map_large_blocks_for
 
     glibc = sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
     assert map_large_blocks_for(LONG_ROW_TOKENS - 1) is False  # short rows keep glibc's defaults

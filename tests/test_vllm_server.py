@@ -4,7 +4,7 @@ SmolLM2-135M in fp32 on 127.0.0.1 for this module, stopped after it (inference/v
 At temperature 0 each answer keeps the ids vLLM produced (`return_token_ids`), every prompt is
 counted as our chat template and tokenizer count it, and the answers equal our own engine's fp32
 greedy answers token for token, or part only at a near-tie of our target's logits
-(train/regenerate_compare.py). A second server makes two-way data parallelism, and a rerun after
+(train/regeneration/compare.py). A second server makes two-way data parallelism, and a rerun after
 the output was cut answers only what is missing. Marked `vllm` (`make test-vllm`, `make servers`).
 """
 
@@ -13,9 +13,9 @@ import json
 import pytest
 
 from drafthead.inference.bench.prompts import load_prompts
-from drafthead.train.openai_server import ServerSettings
-from drafthead.train.regenerate import RegenerateSettings
-from drafthead.train.regenerate_server import regenerate_from_servers
+from drafthead.train.regeneration.openai_client import ServerSettings
+from drafthead.train.regeneration.regenerate import RegenerateSettings
+from drafthead.train.regeneration.from_servers import regenerate_from_servers
 from tests.server_answers import assert_server_answers_are_ours, read
 
 pytestmark = pytest.mark.vllm

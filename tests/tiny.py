@@ -30,7 +30,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from drafthead.train.tiny import build_tiny, tiny_sizes
+from drafthead.train.data.tiny import build_tiny, tiny_sizes
 
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),

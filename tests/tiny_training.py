@@ -11,8 +11,8 @@ from pathlib import Path
 def train_three_steps(folder: Path, loaded, head: dict, chats: Path, out: Path, target_name: str, max_length: int = 48, **settings):
     """(the trainer's result, its logged train losses) of a `head` (the config's head section) run
     on `loaded` (the folder's LoadedTarget) with online features; `settings`: more config keys."""
-    from drafthead.train.config import TrainConfig
-    from drafthead.train.run import build_trainer
+    from drafthead.train.loop.config import TrainConfig
+    from drafthead.train.loop.run import build_trainer
 
     config = TrainConfig.from_dict(
         dict(

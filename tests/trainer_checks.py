@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from drafthead.heads.batch import FeatureBatch
-from drafthead.train.config import TrainConfig
+from drafthead.train.loop.config import TrainConfig
 
 V, H, LAYER = 48, 16, 2
 

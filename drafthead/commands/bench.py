@@ -60,14 +60,15 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from ..inference.bench.run import BenchSettings, run_bench
     from ..inference.bench.prompts import load_prompts
-    from ..train.edit_prompts import EDITS, edit_prompts
+    from ..inference.bench.edit_prompts import EDITS, edit_prompts
+    from ..train.data.sources import sharegpt_chats
     from ..inference.bench.report import format_table, plot_report, report_json, report_markdown
     from ..ground.target.identity import eos_token_ids
 
     check_report_paths(args)
     spec = draft_spec_from_args(args)
     # before the model: bad input fails fast
-    prompts = edit_prompts(args.limit) if args.dataset == EDITS else load_prompts(args.dataset, args.limit)
+    prompts = edit_prompts(sharegpt_chats(), args.limit) if args.dataset == EDITS else load_prompts(args.dataset, args.limit)
     sampling = sampling_from_args(args)
     external = [e for e in args.compare if e in EXTERNAL_ENGINES]
     if external and not sampling.greedy:

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from ..draft_spec import llamacpp_target
-from ..train.openai_server import RETRY_STATUS
+from ..train.regeneration.openai_client import RETRY_STATUS
 from . import (
     _non_negative_int,
     _positive_float,
@@ -52,7 +52,7 @@ def add_parser(subparsers) -> None:
         q.add_argument(
             "--source",
             default="sharegpt",
-            help="how --path is read (train/sources.py SOURCES): sharegpt (without --path: the package's file) | json | jsonl "
+            help="how --path is read (train/data/sources.py SOURCES): sharegpt (without --path: the package's file) | json | jsonl "
             "| regenerated (JSON or JSONL chats) | file (json, jsonl, parquet, csv, arrow or a save_to_disk folder, by the "
             'path); docs/models-and-data.md "Data formats"',
         )
@@ -167,7 +167,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from ..train.workshare import end_process_group
+    from ..train.capture.workshare import end_process_group
 
     if args.data_command == "regenerate":
         code = _regenerate_locked(args)
@@ -183,7 +183,7 @@ def _regenerate_locked(args) -> int:
     source or a file it did not write, and a write error that names no file (a full disk) named
     as its --out."""
     from ..ground.outdir import check_replaceable, output_lock, reported_as
-    from ..train.regenerate import is_regenerated, part_files
+    from ..train.regeneration.regenerate import is_regenerated, part_files
 
     if args.overwrite:
         for path in [Path(args.out), *part_files(Path(args.out))]:
@@ -193,7 +193,7 @@ def _regenerate_locked(args) -> int:
 
 
 def _inspect(args) -> int:
-    from ..train.sources import load_conversations
+    from ..train.data.sources import load_conversations
 
     ds, report = load_conversations(args.source, args.path, args.limit)
     print(report.summary())
@@ -203,7 +203,7 @@ def _inspect(args) -> int:
 
 def _work_share():
     """This process's part of the job: one of several under `accelerate launch` / `torchrun`, else alone."""
-    from ..train.workshare import detect_work_share
+    from ..train.capture.workshare import detect_work_share
 
     return detect_work_share()
 
@@ -241,8 +241,8 @@ def _regenerate(args) -> int:
     import dataclasses
 
     from ..ground.outdir import check_output
-    from ..train.regenerate import is_regenerated, part_files
-    from ..train.sources import data_fingerprint, load_conversations
+    from ..train.regeneration.regenerate import is_regenerated, part_files
+    from ..train.data.sources import data_fingerprint, load_conversations
 
     share = _work_share()
     say = _main_note(share)
@@ -268,7 +268,7 @@ def _regenerate(args) -> int:
 def _settings(args):
     """RegenerateSettings of the options (checked as it is made); the target's name and the data's
     fingerprint are filled in once known."""
-    from ..train.regenerate import RegenerateSettings
+    from ..train.regeneration.regenerate import RegenerateSettings
 
     return RegenerateSettings(
         max_new_tokens=args.max_new_tokens,
@@ -284,7 +284,7 @@ def _settings(args):
 def _server_settings(args, share):
     """ServerSettings of the --server options (checked as it is made), None without --server; an
     option of the other way of answering is refused (LOCAL_ONLY, SERVER_ONLY)."""
-    from ..train.openai_server import ServerSettings
+    from ..train.regeneration.openai_client import ServerSettings
 
     def flag(name: str) -> str:
         return "--" + name.replace("_", "-")
@@ -323,7 +323,7 @@ def _regenerate_from_servers(args, ds, out: Path, settings, server) -> int:
     import time
 
     from ..ground.target.load import load_tokenizer
-    from ..train.regenerate_server import regenerate_from_servers
+    from ..train.regeneration.from_servers import regenerate_from_servers
 
     tokenizer, name = load_tokenizer(args.target)
     start = time.perf_counter()
@@ -348,7 +348,7 @@ def _regenerate_from_servers(args, ds, out: Path, settings, server) -> int:
 def _regenerate_locally(args, ds, out: Path, share, say, settings) -> int:
     import dataclasses
 
-    from ..train.regenerate import regenerate
+    from ..train.regeneration.regenerate import regenerate
 
     args.device = _rank_device(args.device, share)
     loaded = load_target_from_args(args)
@@ -380,9 +380,9 @@ def _capture(args) -> int:
     from ..ground.files import read_json
     from ..ground.outdir import check_output, check_replaceable, output_lock
     from ..ground.target.load import load_target
-    from ..train.config import head_config_dict, load_config
-    from ..train.features import CAPTURE_PLAN
-    from ..train.run import capture_from_config, stale_capture
+    from ..train.loop.config import head_config_dict, load_config
+    from ..train.capture.features import CAPTURE_PLAN
+    from ..train.loop.run import capture_from_config, stale_capture
 
     config = load_config(args.config, args.overrides)
     head_config_dict(config)  # the head section, checked before the target loads
@@ -461,9 +461,9 @@ def _long_prompts(args) -> int:
     from ..ground.files import atomic_write
     from ..ground.outdir import output_lock
     from ..ground.target.load import load_tokenizer, target_context
-    from ..train.long_prompts import long_chats
-    from ..train.sources import iter_conversations, resolve_source, source_format
-    from ..train.source_report import SourceReport
+    from ..inference.bench.long_prompts import long_chats
+    from ..train.data.sources import iter_conversations, resolve_source, source_format
+    from ..train.data.source_report import SourceReport
 
     out = Path(args.out)
 
@@ -498,7 +498,7 @@ def _long_prompts(args) -> int:
 
 
 def _tiny(args) -> int:
-    from ..train.tiny import CHATS_FILE, save_tiny_target
+    from ..train.data.tiny import CHATS_FILE, save_tiny_target
 
     layers = {} if args.layers is None else {"num_layers": args.layers}
     folder = save_tiny_target(args.out, seed=args.seed, chats=args.chats, overwrite=args.overwrite, **layers)

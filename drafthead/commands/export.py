@@ -56,8 +56,8 @@ def check_run_folder(head_dir: str) -> None:
     from pathlib import Path
 
     from ..heads.io import CONFIG_NAME
-    from ..train.best import BEST_DIR
-    from ..train.trainer import FINAL_DIR
+    from ..train.loop.best import BEST_DIR
+    from ..train.loop.trainer import FINAL_DIR
 
     folder = Path(head_dir)
     if folder.is_dir() and not (folder / CONFIG_NAME).exists():

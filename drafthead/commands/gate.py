@@ -29,9 +29,9 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from ..ground.files import read_json
     from ..train.adapt.offline import gate_heads
-    from ..train.chat_format import tokenize_conversations
-    from ..train.features import TokenDataset
-    from ..train.sources import load_conversations
+    from ..train.data.chat_format import tokenize_conversations
+    from ..train.data.samples import TokenDataset
+    from ..train.data.sources import load_conversations
 
     for name in ("live", "candidate"):
         if not (Path(getattr(args, name)) / "config.json").is_file():

@@ -79,7 +79,7 @@ def run(args) -> int:
     if missing:
         raise FileNotFoundError(f"no image file at {missing[0]}")
     if args.image:  # each decoded now: one cut short is named before any model loads
-        from ..train.image_chats import open_images
+        from ..train.data.image_chats import open_images
 
         open_images(args.image)
     check_stop_strings(args.stop)
@@ -92,7 +92,7 @@ def run(args) -> int:
     device = next(model.parameters()).device
     images = None
     if args.image:
-        from ..train.image_chats import encode_image_prompt, load_processor
+        from ..train.data.image_chats import encode_image_prompt, load_processor
 
         input_ids, images = encode_image_prompt(load_processor(str(loaded.path)), args.prompt, args.image)
         input_ids = input_ids.to(device)

@@ -208,7 +208,7 @@ def served_head(drafter, spec):
 
 
 def adapting_layers(head, loaded) -> tuple[int, ...]:
-    from ..train.features import required_layers
+    from ..train.capture.features import required_layers
 
     from ..ground.target.identity import text_config
 

@@ -60,13 +60,13 @@ def _rank_counts(text: str | None) -> tuple[int, ...] | None:
 
 
 def run(args) -> int:
-    from ..train.config import load_config
-    from ..train.run import run_training
-    from ..train.trainer import NonFiniteLossError
+    from ..train.loop.config import load_config
+    from ..train.loop.run import run_training
+    from ..train.loop.trainer import NonFiniteLossError
 
     config = load_config(args.config, args.overrides)
     if args.plan:
-        from ..train.plan import plan_table
+        from ..train.loop.plan import plan_table
 
         print(plan_table(config, args.plan, _rank_counts(args.ranks)))
         return 0
@@ -80,7 +80,7 @@ def run(args) -> int:
 
         if PartialState().is_main_process:
             print(f"head saved to {result.final_dir}")
-    from ..train.workshare import end_process_group
+    from ..train.capture.workshare import end_process_group
 
     end_process_group()
     return 0

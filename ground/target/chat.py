@@ -1,7 +1,7 @@
 """A conversation as the text a target reads: the tokenizer's chat template, or the plain format
 for a tokenizer without one (a base model such as Gemma-3-270M): the tokenizer's own BOS, the
 turns' texts separated by a blank line, EOS after each answer, and a blank line as the generation
-prompt. Generation (inference/bench/prompts.py `encode_chat`) and training (train/chat_format.py)
+prompt. Generation (inference/bench/prompts.py `encode_chat`) and training (train/data/chat_format.py)
 both render with `render_chat`, so a head learns the format it is served with
 (docs/models-and-data.md "Targets without a chat template")."""
 

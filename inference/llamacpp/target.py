@@ -163,7 +163,7 @@ class LlamaCppTarget:
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
         """{layer: [B, T, H]} HF `hidden_states[layer]` of every real token of right-padded rows, zero
-        at padding: what `data capture --engine llama.cpp` stores (train/features.py
+        at padding: what `data capture --engine llama.cpp` stores (train/capture/features.py
         target_features gives the same from torch). One row at a time, each from an empty cache."""
         B, T = input_ids.shape
         out = {layer: torch.zeros(B, T, self.hidden_size, dtype=self.feature_dtype) for layer in layers}

@@ -165,7 +165,7 @@ class VllmTarget:
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
         """{layer: [B, T, H]} HF `hidden_states[layer]` of every real token of right-padded rows,
-        zero at padding (train/features.py target_features gives the same from torch)."""
+        zero at padding (train/capture/features.py target_features gives the same from torch)."""
         if self.child is None:
             self._start(layers)
         elif tuple(layers) != self.layers:

@@ -26,7 +26,7 @@ def step(head, target, config, T: int, device: str) -> dict:
     import torch
 
     from drafthead.heads.batch import FeatureBatch
-    from drafthead.train.features import target_features
+    from drafthead.train.capture.features import target_features
 
     optimizer = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=1e-4)
     g = torch.Generator().manual_seed(T)
@@ -59,7 +59,7 @@ def step(head, target, config, T: int, device: str) -> dict:
 
 def planned_mb(head, config, T: int) -> float:
     """`train --plan`'s activations plus the gradients and AdamW moments the step creates."""
-    from drafthead.train.plan import RunShapes, activation_bytes
+    from drafthead.train.loop.plan import RunShapes, activation_bytes
 
     trainable = sum(p.numel() for p in head.parameters() if p.requires_grad)
     shapes = RunShapes(

@@ -146,8 +146,8 @@ def regenerate(name: str, bundle: Path, out: Path, budget: Budget) -> dict:
     from drafthead.inference.engine.graphs import EAGER, GRAPH
     from drafthead.inference.engine.greedy_graph import GreedyDecoder
     from drafthead.ground.target.load import load_target
-    from drafthead.train.chat_format import decode_answer, stop_token_ids
-    from drafthead.train.regenerate import strip_stop
+    from drafthead.train.data.chat_format import decode_answer, stop_token_ids
+    from drafthead.train.regeneration.regenerate import strip_stop
 
     start = time.perf_counter()
     dtype = "bfloat16" if budget.device == "cuda" else "float32"

@@ -89,15 +89,14 @@ def main(argv=None) -> int:
 def stage_check(out: Path, args) -> int:
     from drafthead.inference.bench.prompts import load_prompts
     from drafthead.ground.target.load import target_folder
-    from drafthead.train.source_report import SourceReport
-    from drafthead.train.sources import iter_conversations, sharegpt_path
+    from drafthead.train.data.sources import sharegpt_chats
 
     (out / "smollm2").mkdir(parents=True, exist_ok=True)
     folder, _ = target_folder("smollm2-135m")
     for file in folder.iterdir():  # config, tokenizer and chat template; not the weights
         if file.is_file() and file.suffix != ".safetensors" and not file.name.startswith("drafthead_"):
             shutil.copy(file, out / "smollm2" / file.name)
-    chats = iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt"), args.chats)
+    chats = sharegpt_chats(args.chats)
     with open(out / "chats.jsonl", "w", encoding="utf-8") as f:
         for chat in chats:
             f.write(json.dumps({"id": chat["id"], "messages": chat["messages"]}, ensure_ascii=False) + "\n")
@@ -149,12 +148,11 @@ def write_conversations(path: Path, tokenizer, limit: int) -> int:
     out when that is its first), first turns once each; xz-compressed JSON lines {id, turns}.
     Returns how many conversations."""
     from drafthead.inference.bench.prompts import encode_chat
-    from drafthead.train.source_report import SourceReport
-    from drafthead.train.sources import iter_conversations, sharegpt_path
+    from drafthead.train.data.sources import sharegpt_chats
 
     seen, kept = set(), 0
     with lzma.open(path, "wt", encoding="utf-8") as f:
-        for chat in iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt")):
+        for chat in sharegpt_chats():
             turns = []
             for text in [m["content"] for m in chat["messages"] if m["role"] == "user"][:MAX_TURNS]:
                 if not text.strip() or encode_chat(tokenizer, text).shape[1] > MAX_PROMPT_TOKENS:

@@ -77,7 +77,7 @@ def fit(head, model, answers, steps: int, lr: float = 3e-3) -> None:
     the target's answers, one answer per step, labels on the answer only: a smoke fit, not a run
     (`drafthead train` is the trainer)."""
     from drafthead.heads.batch import FeatureBatch
-    from drafthead.train.features import required_layers, target_features
+    from drafthead.train.capture.features import required_layers, target_features
 
     layers = required_layers(head.config, model.config.num_hidden_layers)
     batches = []

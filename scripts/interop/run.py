@@ -203,8 +203,9 @@ def trainer_batch(folder: Path):
     last decoder layer's output before the final norm [B, T, H], which speculators' data holds,
     the aux layers)."""
     from drafthead.heads.config import default_eagle3_layers
-    from drafthead.train.chat_format import format_row
-    from drafthead.train.features import collate, target_features, token_sample
+    from drafthead.train.data.chat_format import format_row
+    from drafthead.train.capture.features import collate, target_features
+    from drafthead.train.data.samples import token_sample
 
     regen = folder / "regen.jsonl"
     if not regen.exists():
@@ -255,7 +256,7 @@ def trainer_head(flags: dict, samples, folder: Path):
     """A seeded EAGLE-3 head for SmolLM2 (draft vocab from the batch's assistant tokens), saved and
     exported in the speculators layout: (head, export dir)."""
     from drafthead.heads.registry import build_head, make_config
-    from drafthead.train.features import label_token_counts
+    from drafthead.train.data.samples import label_token_counts
 
     t = smollm2()
     shutil.rmtree(folder, ignore_errors=True)  # a fresh head and export each run

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from drafthead.train.sources import read_conversations, sharegpt_path
+from drafthead.train.data.sources import read_conversations, sharegpt_path
 
 
 def first_turn(messages: list[dict]) -> list[dict] | None:

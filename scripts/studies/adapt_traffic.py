@@ -36,11 +36,10 @@ WINDOW = 10
 
 
 def code_prompts(n: int) -> list[str]:
-    from drafthead.train.source_report import SourceReport
-    from drafthead.train.sources import iter_conversations, sharegpt_path
+    from drafthead.train.data.sources import sharegpt_chats
 
     out, seen = [], set()
-    for chat in iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt"), 20000):
+    for chat in sharegpt_chats(20000):
         text = chat["messages"][0]["content"]
         if chat["messages"][0]["role"] == "user" and CODE.search(text[:200]) and 20 < len(text) < 1500 and text not in seen:
             seen.add(text)

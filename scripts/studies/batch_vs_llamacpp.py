@@ -84,14 +84,15 @@ def main() -> int:
     from drafthead.inference.llamacpp.convert import target_gguf
     from drafthead.inference.llamacpp.target import LlamaCppTarget
     from drafthead.inference.llamacpp.tools import llama_server
-    from drafthead.train.edit_prompts import EDITS, edit_prompts
+    from drafthead.inference.bench.edit_prompts import EDITS, edit_prompts
+    from drafthead.train.data.sources import sharegpt_chats
 
     loaded = load_target("smollm2-135m", dtype=args.dtype, threads=args.threads)
     folder, _ = target_folder("smollm2-135m")
     gguf = target_gguf(folder, "f32" if args.dtype == "float32" else "bf16")
     backend = LlamaCppTarget(gguf, loaded.model.config, threads=args.threads)
     eos = tuple(eos_token_ids(loaded.model, loaded.tokenizer))
-    chosen = edit_prompts(args.limit) if args.dataset == EDITS else load_prompts(args.dataset, args.limit)
+    chosen = edit_prompts(sharegpt_chats(), args.limit) if args.dataset == EDITS else load_prompts(args.dataset, args.limit)
     prompts = [encode_chat(loaded.tokenizer, p)[0].tolist() for p in chosen]
     curve = measure_verify_cost(backend, POLICY_TOKEN_COUNTS, want_hidden=False)
     n = args.max_new_tokens

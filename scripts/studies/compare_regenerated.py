@@ -1,7 +1,7 @@
 """Two `data regenerate` outputs of the same conversations compared token for token: our engine's
 and a serving engine's (`--server`), both with their answers' token ids. Prints how many answers are
 identical and, for each conversation that parts, where and by what logit gap of our target
-(train/regenerate_compare.py): a near-tie explains a parting, a large gap does not.
+(train/regeneration/compare.py): a near-tie explains a parting, a large gap does not.
 
     python scripts/studies/compare_regenerated.py --target smollm2-135m out/ours.jsonl out/server.jsonl \\
         --json out/parity.json
@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from drafthead.ground.target.load import load_target
-from drafthead.train.regenerate_compare import compare_regenerations
+from drafthead.train.regeneration.compare import compare_regenerations
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ is a process-lifetime high-water mark), against `train --plan`'s activation esti
 
 With --context-parallel N, N processes (gloo) take the same row, each its 1/N of the columns
 (heads/context_split.py), with --threads split between them; each reports its own peak. The
-target's forward is split as well (train/split_target.py). EAGLE-3 only.
+target's forward is split as well (train/capture/split_target.py). EAGLE-3 only.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int
     from drafthead.heads.registry import build_head, make_config
     from drafthead.heads.batch import FeatureBatch
     from drafthead.ground.target.load import load_target
-    from drafthead.train.features import target_features
-    from drafthead.train.split_target import split_target_features
-    from drafthead.train.allocator import map_large_blocks_for
-    from drafthead.train.plan import RunShapes, activation_bytes
+    from drafthead.train.capture.features import target_features
+    from drafthead.train.capture.split_target import split_target_features
+    from drafthead.train.loop.allocator import map_large_blocks_for
+    from drafthead.train.loop.plan import RunShapes, activation_bytes
 
-    map_large_blocks_for(T)  # as `drafthead train` does (train/allocator.py)
+    map_large_blocks_for(T)  # as `drafthead train` does (train/loop/allocator.py)
     torch.set_num_threads(threads)
     loaded = load_target("smollm2-135m", dtype="bfloat16", threads=threads)
     target = loaded.model.requires_grad_(False)
@@ -61,7 +61,7 @@ def one(kind: str, T: int, threads: int, rank: int = 0, size: int = 1, port: int
     start = time.perf_counter()
     if split is None:
         hidden = target_features(target, ids, mask, config.train_hidden_layers)
-    else:  # the target's forward split too (train/split_target.py), as `drafthead train` runs it
+    else:  # the target's forward split too (train/capture/split_target.py), as `drafthead train` runs it
         hidden = split_target_features(target, ids, mask, config.train_hidden_layers, split, final=config.final_layer, halo=config.ttt_steps)
     batch = FeatureBatch(ids, mask, torch.ones(1, T, dtype=torch.bool), hidden, split_columns=split is not None)
     loss, _ = head.compute_loss(batch)

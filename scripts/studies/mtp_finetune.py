@@ -49,7 +49,7 @@ def tau(target, head, prompts, references, chain: int, n: int) -> float:
 def main() -> int:
     from drafthead.heads.registry import build_head, make_config
     from drafthead.ground.target.load import load_target
-    from drafthead.train.features import OnlineFeaturizer, collate
+    from drafthead.train.capture.features import OnlineFeaturizer, collate
     from tests.tiny_mtp import save_tiny_mtp_target
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -1,4 +1,4 @@
-"""What packing (`data.packing`, train/packing.py) gains on ShareGPT's real length distribution.
+"""What packing (`data.packing`, train/capture/packing.py) gains on ShareGPT's real length distribution.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/studies/packing_gain.py --limit 400 --batches 4 --threads 1
     OMP_NUM_THREADS=1 .venv/bin/python scripts/studies/packing_gain.py --limit 400 --batches 0 --max-length 2048
@@ -21,7 +21,7 @@ import time
 
 def slot_shares(lengths: list[int], batch_size: int, capacity: int) -> tuple[float, float]:
     """(padded, packed): real tokens / token slots over consecutive micro-batches of `lengths`."""
-    from drafthead.train.packing import pack_rows
+    from drafthead.train.capture.packing import pack_rows
 
     real = padded = packed = 0
     for start in range(0, len(lengths) - batch_size + 1, batch_size):
@@ -54,11 +54,11 @@ def main(argv=None) -> int:
     import torch
 
     from drafthead.ground.target.load import load_target
-    from drafthead.train.config import load_config
-    from drafthead.train.features import OnlineFeaturizer, collate, required_layers
-    from drafthead.train.packing import collate_packed
-    from drafthead.train.run import head_config, new_or_saved_head, token_samples
-    from drafthead.train.trainer import epoch_batches
+    from drafthead.train.loop.config import load_config
+    from drafthead.train.capture.features import OnlineFeaturizer, collate, required_layers
+    from drafthead.train.capture.packing import collate_packed
+    from drafthead.train.loop.run import head_config, new_or_saved_head, token_samples
+    from drafthead.train.loop.trainer import epoch_batches
 
     overrides = [f"data.limit={args.limit}", "features.mode=online"]
     if args.max_length:

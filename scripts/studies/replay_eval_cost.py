@@ -1,4 +1,4 @@
-"""What replayed acceptance (train/replay_eval.py) costs a SmolLM2-135M run at each eval, and what it
+"""What replayed acceptance (train/loop/replay_eval.py) costs a SmolLM2-135M run at each eval, and what it
 reports for the shipped EAGLE-3 head, with the eagle3 preset's replay settings (fp32).
 
     .venv/bin/python scripts/studies/replay_eval_cost.py --limit 500 --threads 1
@@ -25,10 +25,10 @@ def main(argv=None) -> int:
     from drafthead.ground.target.identity import eos_token_ids
     from drafthead.heads.registry import load_head
     from drafthead.ground.target.load import load_target
-    from drafthead.train.config import load_config
-    from drafthead.train.replay_eval import ReplayEval
-    from drafthead.train.run import token_samples
-    from drafthead.train.trainer import split_indices
+    from drafthead.train.loop.config import load_config
+    from drafthead.train.loop.replay_eval import ReplayEval
+    from drafthead.train.loop.run import token_samples
+    from drafthead.train.loop.trainer import split_indices
 
     cfg = load_config("eagle3", [f"data.limit={args.limit}"])
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)

@@ -124,13 +124,14 @@ def main() -> int:
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
     from drafthead.ground.target.identity import eos_token_ids
     from drafthead.ground.target.load import load_target, target_folder
-    from drafthead.train.edit_prompts import EDITS, edit_prompts
+    from drafthead.inference.bench.edit_prompts import EDITS, edit_prompts
+    from drafthead.train.data.sources import sharegpt_chats
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     loaded = load_target("smollm2-135m", dtype="float32")
     eos = tuple(eos_token_ids(loaded.model, loaded.tokenizer))
-    chosen = edit_prompts(args.limit) if args.dataset == EDITS else load_prompts(args.dataset, args.limit)
+    chosen = edit_prompts(sharegpt_chats(), args.limit) if args.dataset == EDITS else load_prompts(args.dataset, args.limit)
     prompts = [encode_chat(loaded.tokenizer, p)[0].tolist() for p in chosen]
     del loaded
     gguf = None

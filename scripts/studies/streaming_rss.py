@@ -1,4 +1,4 @@
-"""Peak memory of the streaming data path (train/streaming.py) on a chat file much larger than it.
+"""Peak memory of the streaming data path (train/data/streaming.py) on a chat file much larger than it.
 
 Writes a synthetic OpenAI-form JSONL file of about --gb gigabytes (a few hundred distinct records
 whose words are drawn at random, repeated under fresh ids), then measures, each in a fresh process
@@ -82,13 +82,13 @@ def smollm2_tokenizer():
 def measure_baseline(path: str) -> dict:
     import importlib
 
-    importlib.import_module("drafthead.train.streaming")  # what `stream` imports (chat_format, sources too)
+    importlib.import_module("drafthead.train.data.streaming")  # what `stream` imports (chat_format, sources too)
     smollm2_tokenizer()
     return {}
 
 
 def measure_read(path: str) -> dict:
-    from drafthead.train.sources import SourceReport, iter_conversations
+    from drafthead.train.data.sources import SourceReport, iter_conversations
 
     t = time.time()
     report = SourceReport(source=path)
@@ -97,7 +97,7 @@ def measure_read(path: str) -> dict:
 
 
 def measure_stream(path: str, samples: int, max_length: int, batch_size: int) -> dict:
-    from drafthead.train.streaming import TokenStream
+    from drafthead.train.data.streaming import TokenStream
 
     tokenizer = smollm2_tokenizer()
     base = peak_rss_mb()
@@ -123,7 +123,7 @@ def measure_stream(path: str, samples: int, max_length: int, batch_size: int) ->
 
 
 def measure_load(path: str) -> dict:
-    from drafthead.train.sources import load_conversations
+    from drafthead.train.data.sources import load_conversations
 
     with tempfile.TemporaryDirectory(prefix="dh-rss-cache-") as cache:
         os.environ["DRAFTHEAD_CACHE"] = cache  # a cold cache, deleted afterwards
@@ -133,7 +133,7 @@ def measure_load(path: str) -> dict:
 
 
 def measure_list(path: str) -> dict:
-    from drafthead.train.sources import read_conversations
+    from drafthead.train.data.sources import read_conversations
 
     t = time.time()
     rows, _ = read_conversations(Path(path))
@@ -141,8 +141,8 @@ def measure_list(path: str) -> dict:
 
 
 def measure_cached(path: str, max_length: int) -> dict:
-    from drafthead.train.chat_format import tokenize_conversations
-    from drafthead.train.sources import load_conversations
+    from drafthead.train.data.chat_format import tokenize_conversations
+    from drafthead.train.data.sources import load_conversations
 
     tokenizer = smollm2_tokenizer()
     with tempfile.TemporaryDirectory(prefix="dh-rss-cache-") as cache:

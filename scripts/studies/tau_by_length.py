@@ -5,7 +5,7 @@
         --out out/tau-by-length.json --plot out/tau-by-length.png
 
 For each length, `--count` prompts of at most that many tokens (whole ShareGPT turns joined into
-one multi-turn chat ending on a question: train/long_prompts.py, `drafthead data long-prompts`),
+one multi-turn chat ending on a question: inference/bench/long_prompts.py, `drafthead data long-prompts`),
 the target's greedy answer of `--max-new-tokens` (our engine, fp32), then the head's rounds
 replayed on it (inference/bench/replay.py): a chain of 3 counted as our engine and as vLLM count,
 and the head's default tree. SmolLM2-135M's context is 8,192 positions, so prompt + answer stay
@@ -75,14 +75,13 @@ def main(argv=None) -> int:
     from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
     from drafthead.ground.target.identity import eos_token_ids
     from drafthead.ground.target.load import load_target
-    from drafthead.train.long_prompts import long_chats
-    from drafthead.train.source_report import SourceReport
-    from drafthead.train.sources import iter_conversations, sharegpt_path
+    from drafthead.inference.bench.long_prompts import long_chats
+    from drafthead.train.data.sources import sharegpt_chats
 
     loaded = load_target("smollm2-135m", dtype="float32", threads=args.threads)
     chain = DraftSpec(proposer="head", chain=args.chain, lookup_nodes=0, lookup_streak=0).build(loaded).factory()
     tree = DraftSpec(proposer="head", lookup_nodes=0, lookup_streak=0).build(loaded).factory()
-    conversations = iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt"))
+    conversations = sharegpt_chats()
     rows = []
     for length in args.lengths:
         chats = long_chats(conversations, loaded.tokenizer, length, args.count)  # the stream goes on: no chat twice

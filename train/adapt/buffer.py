@@ -3,12 +3,12 @@ forwards the engine runs anyway (no extra target forward).
 
 For each served answer the engine hands the observer (inference/engine/decoder.py `observers`)
 the prompt's prefilled tokens, then every round's committed tokens, each with the target's hidden
-states at the head's training layers (train/features.py `required_layers`). A finished answer
+states at the head's training layers (train/capture/features.py `required_layers`). A finished answer
 becomes one sample, prompt + answer tokens (the answer's last token has no hidden state yet: it
 was never fed back, so it is left out), the answer's tokens loss-masked: the same sample
 `drafthead data capture` writes for a chat.
 
-Samples go to shards in the capture format (train/features.py), so `CapturedFeatures` and the
+Samples go to shards in the capture format (train/capture/features.py), so `CapturedFeatures` and the
 trainer read the buffer as they read a capture:
 
     DIR/buffer/index.json                  the shards in order (oldest first), written atomically
@@ -32,8 +32,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..features import FORMAT_VERSION, INDEX_FILE
-from ..workshare import write_atomically
+from ..capture.features import FORMAT_VERSION, INDEX_FILE
+from ..capture.workshare import write_atomically
 
 BUFFER_DIR = "buffer"
 

@@ -43,7 +43,7 @@ class Adaptation:
         """engine: the ServingEngine; loaded: the LoadedTarget; head: the served drafter's head
         module (version 0); head_source: the folder it was loaded from (its drafting.json)."""
         from ...ground.target.identity import text_config
-        from ..features import required_layers
+        from ..capture.features import required_layers
 
         self.folder, self.engine, self.loaded, self.settings, self.window = Path(folder), engine, loaded, settings, window
         self.folder.mkdir(parents=True, exist_ok=True)

@@ -2,9 +2,9 @@
 train-serve check in front of every deploy.
 
 The traffic is any conversation file `drafthead train` reads (a served-traffic log of OpenAI
-requests and replies included, train/sources.py). Each conversation's prompt (its text before the
+requests and replies included, train/data/sources.py). Each conversation's prompt (its text before the
 first answer) is answered by the target once, greedily (our engine), the target's hidden states
-over prompt + answer taken in one forward (train/replay_eval.py's held-out path), and each head
+over prompt + answer taken in one forward (train/loop/replay_eval.py's held-out path), and each head
 drafts for that answer round by round with its own drafting settings (drafting.json, or a chain),
 the engine's greedy rule keeping what it would keep (inference/bench/replay.py).
 """
@@ -32,8 +32,8 @@ def gate_heads(
     from ...inference.bench.replay import DRAFTHEAD, replay_greedy
     from ...inference.drafters.load import load_head_drafter
     from ...inference.engine.rounds import tau_of
-    from ..config import ReplayConfig
-    from ..replay_eval import ReplayEval
+    from ..loop.config import ReplayConfig
+    from ..loop.replay_eval import ReplayEval
 
     options = {} if chain is None else {"chain": chain}
     drafters = [load_head_drafter(folder, loaded.model, loaded.tokenizer, loaded.name, **options)[0] for folder in (live, candidate)]

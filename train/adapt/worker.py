@@ -56,7 +56,7 @@ class AdaptSettings:
             raise ValueError(f"--adapt-lr must be in (0, 1) and --adapt-margin in [0, 10), got {self.lr}, {self.margin}")
 
     def save(self, folder: Path) -> None:
-        from ..workshare import write_atomically
+        from ..capture.workshare import write_atomically
 
         write_atomically(Path(folder) / SETTINGS_FILE, json.dumps(asdict(self), indent=1))
 
@@ -141,9 +141,9 @@ class Worker:
         import torch
 
         from ...heads.registry import load_head
-        from ..config import FeaturesConfig, TrainConfig
-        from ..run import pad_token_id
-        from ..trainer import TrainData, Trainer
+        from ..loop.config import FeaturesConfig, TrainConfig
+        from ..loop.run import pad_token_id
+        from ..loop.trainer import TrainData, Trainer
 
         s = self.settings
         head, _ = load_head(parent_dir, self.loaded.model, self.loaded.tokenizer, s.target_name, dtype=torch.float32)
@@ -193,7 +193,7 @@ def _number(shard: dict) -> int:
 def _open_features(buffer: Path, tries: int = 5):
     """The buffer as CapturedFeatures; a shard the writer dropped between reading the index and
     opening it is a retry, not an error."""
-    from ..features import CapturedFeatures
+    from ..capture.features import CapturedFeatures
 
     for attempt in range(tries):
         try:

@@ -12,15 +12,16 @@ from typing import Any, Callable
 import torch
 import yaml
 
-from .chat_format import FormatReport, tokenize_conversations
+from ..data.chat_format import FormatReport, tokenize_conversations
 from .config import ConfigError, TrainConfig, check_resume, head_config_dict
-from .features import CapturedFeatures, OnlineFeaturizer, TokenDataset, capture_features, plan_changes, required_layers
-from ..ground.target.load import target_folder
-from .image_chats import load_processor
-from .sources import SourceReport, data_fingerprint, load_conversations
+from ..capture.features import CapturedFeatures, OnlineFeaturizer, capture_features, plan_changes, required_layers
+from ..data.samples import TokenDataset
+from ...ground.target.load import target_folder
+from ..data.image_chats import load_processor
+from ..data.sources import SourceReport, data_fingerprint, load_conversations
 from .checkpoint import check_same_data, checkpoint_root, latest_checkpoint, saved_run_config
 from .lora import wrap_lora
-from .packing import packing_refusal
+from ..capture.packing import packing_refusal
 from .trainer import CONFIG_FILE, FINAL_DIR, TrainData, Trainer, TrainResult, check_output_dir, make_accelerator, split_indices
 
 
@@ -40,7 +41,7 @@ def pad_token_id(tokenizer) -> int:
 
 def head_config(config: TrainConfig, target_model, tokenizer, target_name: str | None = None):
     """The head's typed config for this target (heads.registry.make_config + the run's head options)."""
-    from ..heads.registry import make_config
+    from ...heads.registry import make_config
 
     return make_config(config.head_kind, target_model, tokenizer, name=target_name, **head_config_dict(config))
 
@@ -89,8 +90,8 @@ def capture_meta(config: TrainConfig, target_model=None, tokenizer=None, target_
     """What a capture is made from, recorded in its plan and index: the data section and the data's
     content hash, and (given the target) its identity with the tokenizer's fingerprint and a
     fingerprint of its weights (ground/target/identity.py)."""
-    from ..ground.target.identity import identify_target, weights_fingerprint
-    from .sources import data_fingerprint
+    from ...ground.target.identity import identify_target, weights_fingerprint
+    from ..data.sources import data_fingerprint
 
     data = {k: v for k, v in config.to_dict()["data"].items() if k not in LAYOUT_ONLY}
     meta: dict[str, Any] = {"data": data, "data_sha256": data_fingerprint(config.data.source, config.data.path)}
@@ -107,7 +108,7 @@ def stale_capture(made_from: dict, config: TrainConfig, target_model=None, token
     """How the inputs a capture was made from (its meta) differ from this config's (and this
     target's, when given): 'what: then -> now' lines; [] when they agree. The target's name is
     not compared (a path or a hub id for the same model)."""
-    from ..ground.target.identity import TargetIdentity, identity_diff
+    from ...ground.target.identity import TargetIdentity, identity_diff
 
     now = capture_meta(config, target_model, tokenizer)
     changed = []
@@ -130,7 +131,7 @@ def saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target_name: 
     """The head at `config.init_from` as float32 trainable weights, to continue training: same
     target (load_head checks the fingerprint), same architecture as this run's head section;
     loss-only fields (ttt_steps, loss weights) come from this run. Its draft vocab is kept."""
-    from ..heads.registry import load_head
+    from ...heads.registry import load_head
 
     if config.joint_lora:
         raise ConfigError("init_from is not supported for medusa2 (its saved adapter would be merged into the target)")
@@ -231,7 +232,7 @@ def packed_row_length(config: TrainConfig, target_model, say: Callable[[str], No
     """The row length of packed batches (data.max_length), or None for one sample per row.
     target_model: the target whose forward runs on the rows (online features, medusa2), None for
     captured features. `data.packing` unset packs wherever it is exact; true where it is not is
-    refused in one line (train/packing.py packing_refusal)."""
+    refused in one line (train/capture/packing.py packing_refusal)."""
     setting = config.data.packing
     if setting is False:
         return None
@@ -260,13 +261,13 @@ def check_eval_split(config: TrainConfig, n_eval: int, samples: str, say: Callab
 
 
 def build_replay(config: TrainConfig, target_model, tokenizer, eval_samples, head):
-    """The replayed-acceptance eval (train/replay_eval.py) when `replay.sequences` > 0, else None.
+    """The replayed-acceptance eval (train/loop/replay_eval.py) when `replay.sequences` > 0, else None.
     Its drafters are built around `head` once now, so settings the head cannot draft fail here."""
     if not config.replay.sequences:
         return None
     if not eval_samples:
         raise ConfigError("replay.sequences > 0 needs held-out samples: set data.eval_fraction (or data.eval_size) above 0")
-    from ..ground.target.identity import eos_token_ids
+    from ...ground.target.identity import eos_token_ids
     from .replay_eval import ReplayEval
 
     replay = ReplayEval(target_model, eval_samples, config.replay, eos_token_ids(target_model, tokenizer))
@@ -281,7 +282,7 @@ def say_if_not_exportable(hcfg, say: Callable[[str], None]) -> None:
     """Before the work: an EAGLE-3-family head whose features no engine can fuse (a target too
     shallow for 3 distinct decoder-layer outputs, or aux_layers set so) trains and runs here, but
     every engine export will refuse it."""
-    from ..heads.config import Eagle3Config, engine_layer_problem
+    from ...heads.config import Eagle3Config, engine_layer_problem
 
     if not isinstance(hcfg, Eagle3Config):
         return
@@ -301,7 +302,7 @@ def new_or_saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target
         head = saved_head(config, hcfg, target_model, tokenizer, target_name)
         say(f"head initialised from {config.init_from}")
         return head
-    from ..heads.registry import build_head
+    from ...heads.registry import build_head
 
     counts = token_counts() if getattr(hcfg, "draft_vocab_size", hcfg.vocab_size) < hcfg.vocab_size else None
     torch.manual_seed(config.seed)  # the head's random init
@@ -309,8 +310,8 @@ def new_or_saved_head(config: TrainConfig, hcfg, target_model, tokenizer, target
 
 
 def _streaming_trainer(config: TrainConfig, hcfg, layers, target_model, tokenizer, target_name, accelerator, say) -> Trainer:
-    """A Trainer reading `config.data` lazily (train/streaming.py): online features only."""
-    from .streaming import TokenStream
+    """A Trainer reading `config.data` lazily (train/data/streaming.py): online features only."""
+    from ..data.streaming import TokenStream
 
     if config.joint_lora:
         raise ConfigError("data.streaming is not supported for medusa2 yet: use data.streaming=false")
@@ -349,12 +350,12 @@ def run_training(
     output_dir is checked before the target loads, so a refusal is quick: what it holds, what
     --overwrite would delete (inputs: files the caller read besides the config's, such as the
     YAML), and that it can be written."""
-    from ..ground.outdir import check_replaceable, output_lock, probe_writable, reported_as
-    from ..ground.target.load import load_target
+    from ...ground.outdir import check_replaceable, output_lock, probe_writable, reported_as
+    from ...ground.target.load import load_target
     from .allocator import map_large_blocks_for
 
     head_config_dict(config)  # the head section, checked before anything loads or is written
-    map_large_blocks_for(config.data.max_length)  # long rows would fragment the C heap (train/allocator.py)
+    map_large_blocks_for(config.data.max_length)  # long rows would fragment the C heap (train/loop/allocator.py)
     out = Path(config.output_dir)
     accelerator = make_accelerator(config)
     with output_lock(out, enabled=accelerator.is_main_process):
@@ -401,7 +402,7 @@ def capture_from_config(
 ) -> Path:
     """Capture the hidden states the config's head needs, over all of the config's samples (the
     trainer splits train/eval by index, the same way for online and captured data).
-    share: this process's part of a capture run by several (train/workshare.py; default alone).
+    share: this process's part of a capture run by several (train/capture/workshare.py; default alone).
     engine: another engine's target with `hidden_states(input_ids, attention_mask, layers)` (the
     llama.cpp backend) in place of `target_model`'s forward; the capture's meta names it."""
     hcfg = head_config(config, target_model, tokenizer, target_name)

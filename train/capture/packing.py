@@ -18,8 +18,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..heads.batch import FeatureBatch
-from ..ground.target.identity import text_config
+from ...heads.batch import FeatureBatch
+from ...ground.target.identity import text_config
 from .features import collate, target_features
 
 # tokens of each conversation in the probe of `packing_refusal`

@@ -7,7 +7,7 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
     grads       their gradients, fp32                               DDP: all      FSDP: 1/N
     optimizer   AdamW's two moments, fp32                           DDP: all      FSDP: 1/N
     target      the frozen target at its dtype                      DDP: all      FSDP: decoder
-                layers 1/N, embedding, final norm and LM head whole (what train/sharding.py shards)
+                layers 1/N, embedding, final norm and LM head whole (what train/loop/sharding.py shards)
     gathered    FSDP only: the largest unsharded unit during its forward (one target decoder layer,
                 or the whole head, whichever is larger), the transient all-gather buffer
     activations what the backward keeps for one micro-batch (batch_size x max_length tokens; a
@@ -60,9 +60,9 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    from ..heads.eagle3 import Eagle3Head
-    from ..heads.registry import _new_module
-    from ..ground.target.load import model_auto_class
+    from ...heads.eagle3 import Eagle3Head
+    from ...heads.registry import _new_module
+    from ...ground.target.load import model_auto_class
     from .run import head_config
     from .sharding import decoder_layers
 
@@ -105,8 +105,8 @@ EAGLE_STEP_BYTES_PER_H = 55  # per token and TTT step, in units of H (module doc
 
 def activation_bytes(shapes: RunShapes) -> int:
     """The estimate in the module docstring, for one micro-batch."""
-    from ..heads.losses import LOSS_CHUNK_BYTES
-    from ..heads.ttt_attention import CHUNK_BYTES
+    from ...heads.losses import LOSS_CHUNK_BYTES
+    from ...heads.ttt_attention import CHUNK_BYTES
 
     h, v = shapes.hidden, shapes.draft_vocab
     if shapes.kind.startswith("medusa"):

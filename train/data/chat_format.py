@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import datasets
 
-from ..ground.target.chat import render_chat
+from ...ground.target.chat import render_chat
 from .image_chats import IMAGE_MARKER, image_placeholder, open_images
 
 
@@ -42,7 +42,7 @@ from .image_chats import IMAGE_MARKER, image_placeholder, open_images
 # datasets hashes the functions it calls by module and name only, not by their code: without a
 # bump, a changed rule would read samples tokenized under the old one.
 # 2: an answer's own token ids label it (answer_token_ids).
-# 3: rows with images formatted by the target's processor (train/image_chats.py).
+# 3: rows with images formatted by the target's processor (train/data/image_chats.py).
 FORMAT_VERSION = 3
 
 
@@ -174,8 +174,8 @@ class FormatReport:
 
 def format_row(tokenizer, row: dict, max_length: int, processor=None) -> dict:
     """One {id, messages, images?} row -> {input_ids, loss_mask, images, truncated, n_loss, n_tokens}:
-    the `.map` function of both the cached path (below) and the streaming one (train/streaming.py).
-    A row with images is formatted by the target's `processor` (train/image_chats.py).
+    the `.map` function of both the cached path (below) and the streaming one (train/data/streaming.py).
+    A row with images is formatted by the target's `processor` (train/data/image_chats.py).
     A template that cannot format the row raises ChatTemplateError naming the row's id."""
     images = row.get("images") or []
     if images:
@@ -219,7 +219,7 @@ def tokenize_conversations(
 ) -> tuple[datasets.Dataset, FormatReport]:
     """`messages` dataset -> dataset with `id`, `input_ids`, `loss_mask`, `images`; drops (and
     counts) samples with no assistant token inside `max_length`. processor: the target's, for rows
-    with images (train/image_chats.py).
+    with images (train/data/image_chats.py).
 
     `.map` and `.filter` run in `num_proc` processes and are cached by fingerprint (the input's
     fingerprint, the function with its tokenizer, `max_length` and FORMAT_VERSION): on a dataset from
@@ -244,7 +244,7 @@ def tokenize_conversations(
 
 
 # ----------------------------------------------------------------------------------------------
-# Chats with images (train/image_chats.py has the records and the processor)
+# Chats with images (train/data/image_chats.py has the records and the processor)
 # ----------------------------------------------------------------------------------------------
 
 

@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..ground.outdir import reported_as
+from ...ground.outdir import reported_as
 
 CHECKPOINT_DIR = "checkpoints"
 LATEST = "latest"
@@ -51,7 +51,7 @@ class TrainState:
     world_size: int = 1
     tokens: int = 0  # real tokens seen by all processes, counted at each log step
     parallelism: str = "ddp"  # ddp (or one process) | fsdp: how weights and optimizer state were kept
-    data_sha256: str | None = None  # the content of the data file trained on (train/sources.py data_fingerprint); None: not known
+    data_sha256: str | None = None  # the content of the data file trained on (train/data/sources.py data_fingerprint); None: not known
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -24,7 +24,7 @@ from typing import Any, Iterable, cast
 import torch
 from torch import nn
 
-from ..heads.eagle import decoder_layers as find_decoder_layers
+from ...heads.eagle import decoder_layers as find_decoder_layers
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -22,9 +22,9 @@ from typing import Any, Sequence
 
 import yaml
 
-from ..heads.config import KINDS, check_context_parallel
-from ..ground.files import not_utf8
-from ..ground.target.load import DTYPES
+from ...heads.config import KINDS, check_context_parallel
+from ...ground.files import not_utf8
+from ...ground.target.load import DTYPES
 
 DTYPE_NAMES = tuple(DTYPES)
 
@@ -33,9 +33,9 @@ DTYPE_NAMES = tuple(DTYPES)
 PRESET_DIR = Path(str(importlib.resources.files("drafthead.configs")))
 
 SCHEDULES = ("cosine", "linear", "constant")
-MIXED_PRECISION = ("no", "bf16", "fp16", "auto")  # auto: bf16 where the hardware runs it natively (train/trainer.py)
+MIXED_PRECISION = ("no", "bf16", "fp16", "auto")  # auto: bf16 where the hardware runs it natively (train/loop/trainer.py)
 REPORT_TO = ("none", "wandb")
-PARALLELISM = ("ddp", "fsdp")  # train/sharding.py
+PARALLELISM = ("ddp", "fsdp")  # train/loop/sharding.py
 FEATURE_MODES = ("online", "captured")
 KEEP_BEST = ("none", "tau_est", "replay_tau")  # eval metrics a best head may be kept by
 
@@ -51,19 +51,19 @@ def _choice(name: str, value: Any, choices: tuple) -> None:
 
 @dataclass
 class DataConfig:
-    source: str = "sharegpt"  # sharegpt | json | jsonl | regenerated | file (format from the path; train/sources.py)
+    source: str = "sharegpt"  # sharegpt | json | jsonl | regenerated | file (format from the path; train/data/sources.py)
     path: str | None = None  # file for json/regenerated; overrides the package file for sharegpt
     limit: int | None = None  # first N usable conversations
     max_length: int = 1024  # tokens per sample after the chat template (longer ones are cut)
     eval_fraction: float = 0.02  # held-out share of samples ...
     eval_size: int | None = 64  # ... capped at this many
-    # streaming: read the file lazily, never whole (train/streaming.py, docs/models-and-data.md);
+    # streaming: read the file lazily, never whole (train/data/streaming.py, docs/models-and-data.md);
     # the eval set is then the first eval_size usable samples, and eval_fraction is unused
     streaming: bool = False
     shuffle_buffer: int = 1000  # streaming: samples in the seeded shuffle buffer (<= 1: file order)
     num_proc: int | None = None  # processes for the chat-template `.map` (the cached, non-streaming path)
     # several conversations per row, up to max_length tokens, each attending only to itself
-    # (train/packing.py): true, false, or unset: on wherever it is exact (always on captured
+    # (train/capture/packing.py): true, false, or unset: on wherever it is exact (always on captured
     # features; online, where the target's forward keeps packed conversations apart)
     packing: bool | None = None
 
@@ -116,7 +116,7 @@ class LoraConfig:
 @dataclass
 class ReplayConfig:
     """At each eval, the head drafts for held-out prompts' greedy target continuations under the
-    engine's own acceptance rule (train/replay_eval.py, docs/training.md "Replayed acceptance")."""
+    engine's own acceptance rule (train/loop/replay_eval.py, docs/training.md "Replayed acceptance")."""
 
     sequences: int = 0  # held-out prompts replayed; 0: off
     max_new_tokens: int = 64  # target greedy tokens per prompt, decoded once per run
@@ -156,7 +156,7 @@ class TrainConfig:
     clip_norm: float | None = 1.0
     mixed_precision: str = "no"
     # ddp: every rank holds the whole head and target; fsdp: fully_shard the head and the target's
-    # decoder layers across ranks (train/sharding.py, docs/scaling.md). One process ignores it.
+    # decoder layers across ranks (train/loop/sharding.py, docs/scaling.md). One process ignores it.
     parallelism: str = "ddp"
     shard_target: bool = True  # under fsdp, shard the frozen target's decoder layers too
     # ranks that share each batch, its rows' columns split between them (EAGLE-3 and EAGLE-3.1
@@ -165,7 +165,7 @@ class TrainConfig:
 
     checkpoint_every: int = 200  # optimizer steps (and at the end); 0: never
     keep_checkpoints: int = 2
-    # none, or the eval metric whose highest value keeps its head in output_dir/best (train/best.py)
+    # none, or the eval metric whose highest value keeps its head in output_dir/best (train/loop/best.py)
     keep_best: str = "none"
     eval_every: int = 200  # optimizer steps; 0: only at the end
     eval_batches: int | None = None  # cap per evaluation
@@ -453,7 +453,7 @@ def load_config(name_or_path: str | Path | None = None, overrides: Sequence[str]
 def head_config_dict(config: TrainConfig) -> dict:
     """The head section without `kind`, checked against the head kind's config class now, so a
     typo fails before any model is loaded."""
-    from ..heads.config import config_from_dict
+    from ...heads.config import config_from_dict
 
     try:
         config_from_dict(dict(config.head))

@@ -1,7 +1,7 @@
 """JSON arrays and JSON lines read incrementally, record by record (docs/models-and-data.md
 "Data formats and streaming"): memory stays at about one record, a file cut mid-record (the
 ShareGPT package file) keeps every complete record before the cut, and the cut is noted in the
-caller's SourceReport (train/source_report.py).
+caller's SourceReport (train/data/source_report.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from ..ground.files import not_utf8
+from ...ground.files import not_utf8
 from .source_report import SourceReport
 
 _SEPARATOR = re.compile(r"[\s,]*")

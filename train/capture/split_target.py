@@ -28,10 +28,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..heads.batch import FeatureBatch
-from ..heads.context_split import ContextSplit, pad_columns, pad_positions
-from ..ground.target.identity import text_config
-from ..heads.packing import segment_ids
+from ...heads.batch import FeatureBatch
+from ...heads.context_split import ContextSplit, pad_columns, pad_positions
+from ...ground.target.identity import text_config
+from ...heads.packing import segment_ids
 from .features import target_mask_kwargs
 
 ATTENTION_NAME = "drafthead_split_target"
@@ -158,7 +158,7 @@ def split_target_features(
     final: int | None = None,
     halo: int = 0,
 ) -> dict[int, torch.Tensor]:
-    """{layer: [B, S, H]}: train/features.py `target_features` of this rank's S = split.shard(T)
+    """{layer: [B, S, H]}: train/capture/features.py `target_features` of this rank's S = split.shard(T)
     columns of the rows (padded to S * size columns), layer `final` with `halo` more columns
     ([B, S + halo, H]: the next rank's first ones). Padding columns are zero, as there."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -193,7 +193,7 @@ def split_target_features(
 
 class SplitFeaturizer:
     """FeatureBatch without hidden states -> with this rank's columns of them (split_columns set),
-    by running the frozen target split (`split_target_features`); train/features.py
+    by running the frozen target split (`split_target_features`); train/capture/features.py
     OnlineFeaturizer's counterpart under context_parallel."""
 
     def __init__(self, model, layers: Sequence[int], split: ContextSplit, final: int, halo: int):

@@ -6,7 +6,7 @@ record with images and no marker gets them before its first user turn's text, LL
 
 This module reads such records and holds the target's processor (`AutoProcessor` of the target
 folder), its placeholder for an image and the pixel inputs of a row's images. The formatting
-itself is train/chat_format.py's `format_image_chat`: the chat template renders the conversation
+itself is train/data/chat_format.py's `format_image_chat`: the chat template renders the conversation
 with the processor's placeholder for each image, the processor expands each placeholder into the
 image's tokens, and the labels (assistant tokens) are those of the text-only rendering, carried
 over to the expanded ids.
@@ -91,7 +91,7 @@ def open_images(paths: list[str]):
 
 def prompt_images(processor, paths: list[str]):
     """media.PromptImages of a row's images, from the processor's image processor."""
-    from ..ground.target.media import PromptImages
+    from ...ground.target.media import PromptImages
 
     out = processor.image_processor(images=open_images(paths), return_tensors="pt")
     grid = out.get("image_grid_thw")
@@ -101,7 +101,7 @@ def prompt_images(processor, paths: list[str]):
 def encode_image_prompt(processor, prompt: str, paths: list[str]):
     """([1, P] ids, media.PromptImages) of one user message with its images before its text,
     through the chat template with the generation prompt, then the processor."""
-    from ..ground.target.media import PromptImages
+    from ...ground.target.media import PromptImages
 
     content = image_placeholder(processor) * len(paths) + "\n" + prompt
     text = processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)

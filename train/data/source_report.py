@@ -1,4 +1,4 @@
-"""What reading a data source kept and dropped (train/sources.py, train/json_records.py): its own
+"""What reading a data source kept and dropped (train/data/sources.py, train/data/json_records.py): its own
 module, so that the readers and the loader share it without importing each other."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import json
 import random
 from pathlib import Path
 
-from ..ground.outdir import fresh_folder
+from ...ground.outdir import fresh_folder
 
 # ChatML like SmolLM2's, without its default system prompt.
 TINY_CHAT_TEMPLATE = (

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable, Iterator
 
-from ..ground.target.chat import render_chat
+from ...ground.target.chat import render_chat
 
 
 def exchanges(conversations: Iterable[dict]) -> Iterator[tuple[dict, dict]]:

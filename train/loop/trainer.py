@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..heads.batch import FeatureBatch
-from ..heads.config import Eagle3Config
-from ..heads.io import DraftHeadBase, shifted_labels
-from ..ground.outdir import OVERWRITE_FLAG, OutputExistsError, check_replaceable, clear_output, files_under, fresh_folder, is_empty, mark_output
+from ...heads.batch import FeatureBatch
+from ...heads.config import Eagle3Config
+from ...heads.io import DraftHeadBase, shifted_labels
+from ...ground.outdir import OVERWRITE_FLAG, OutputExistsError, check_replaceable, clear_output, files_under, fresh_folder, is_empty, mark_output
 from .best import BEST_DIR, best_so_far, improves, write_record
 from .checkpoint import (
     CHECKPOINT_DIR,
@@ -48,18 +48,19 @@ from .checkpoint import (
 )
 from .config import ConfigError, TrainConfig, check_resume, data_replicas
 from .evaluate import WEIGHT_KEY, MetricMean, summarize
-from .features import IndexedSamples, OnlineFeaturizer, collate, target_mask_kwargs
-from .packing import collate_packed
-from .split_target import SplitFeaturizer, split_refusal
+from ..capture.features import OnlineFeaturizer, collate, target_mask_kwargs
+from ..data.samples import IndexedSamples
+from ..capture.packing import collate_packed
+from ..capture.split_target import SplitFeaturizer, split_refusal
 from . import sharding
-from ..ground.clock import PhaseClock
+from ...ground.clock import PhaseClock
 from .curves import EVAL_PLOT
 from .tracking import METRICS_FILE, WANDB_ID_FILE, RunLog
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-    from .streaming import TokenStream
+    from ..data.streaming import TokenStream
 
 FINAL_DIR = "final"
 CONFIG_FILE = "config.yaml"
@@ -222,7 +223,7 @@ class TrainData:
     # FeatureBatch (tokens only) -> FeatureBatch with hidden states; None: samples carry them
     featurize: Callable[[FeatureBatch], FeatureBatch] | None = None
     pad_token_id: int = 0
-    # packed rows of at most this many tokens (train/packing.py); None: one sample per row
+    # packed rows of at most this many tokens (train/capture/packing.py); None: one sample per row
     pack_length: int | None = None
 
 
@@ -248,7 +249,7 @@ def make_accelerator(config: TrainConfig):
     from accelerate import Accelerator
     from accelerate.state import AcceleratorState, PartialState
 
-    from ..ground.target.load import has_native_bf16
+    from ...ground.target.load import has_native_bf16
 
     precision = resolve_mixed_precision(config.mixed_precision, has_native_bf16())
     if AcceleratorState._shared_state and PartialState().num_processes == 1:
@@ -275,7 +276,7 @@ class Trainer:
         """head: a fresh (or to-be-resumed) head. target: the LoRA-wrapped target for medusa2
         (trained jointly; `layers` are the hidden states the head reads); None otherwise.
         frozen_target: the target behind `data.featurize`, sharded with the head under FSDP.
-        replay: head -> replay_* metrics, run by the main process at each eval (train/replay_eval.py)."""
+        replay: head -> replay_* metrics, run by the main process at each eval (train/loop/replay_eval.py)."""
         self.config = config
         self.replay = replay
         self.accelerator = accelerator or make_accelerator(config)
@@ -283,7 +284,7 @@ class Trainer:
         self.head = head
         self.target = target
         self.frozen_target = frozen_target
-        self.fsdp = False  # set by fit(): the modules are sharded with fully_shard (train/sharding.py)
+        self.fsdp = False  # set by fit(): the modules are sharded with fully_shard (train/loop/sharding.py)
         self.target_forward: str | None = None  # set by fit() under context_parallel: how online features are made
         self.data_sha256: str | None = None  # the data file's content (run_training sets it): kept in each checkpoint
         self._bpe: int | None = None
@@ -321,7 +322,7 @@ class Trainer:
         return data_replicas(acc.num_processes, cp), acc.process_index // cp
 
     def batches_per_epoch(self) -> int:
-        """Batches each process takes per epoch; a stream (train/streaming.py) counts them in one pass."""
+        """Batches each process takes per epoch; a stream (train/data/streaming.py) counts them in one pass."""
         cfg, (world, _) = self.config, self.data_world()
         if self._bpe is None:
             if is_stream(self.data.train):
@@ -361,7 +362,7 @@ class Trainer:
     def fit(self, *, resume: bool = False, overwrite: bool = False, stop_after_steps: int | None = None, progress: bool = True) -> TrainResult:
         """Train to the configured length. resume: continue from the newest checkpoint in
         output_dir (a fresh start if there is none), whose config must agree with this one
-        (train/config.py check_resume). overwrite: delete what output_dir holds first; without it
+        (train/loop/config.py check_resume). overwrite: delete what output_dir holds first; without it
         a non-empty output_dir is refused unless resumed. stop_after_steps: return after that many
         steps of this call without the final save (what an interruption leaves behind)."""
         from accelerate.utils import set_seed
@@ -478,7 +479,7 @@ class Trainer:
         its group (heads/context_split.py)."""
         import torch.distributed as dist
 
-        from ..heads.context_split import ContextSplit
+        from ...heads.context_split import ContextSplit
 
         cfg, cp = self.config, self.config.context_parallel
         replicas, replica = self.data_world()  # refuses a world that cp does not divide
@@ -682,7 +683,7 @@ class Trainer:
         return load_checkpoint(existing), changes
 
     def _save_best(self, step: int, value: float, log: RunLog) -> None:
-        """The head as it is now in output_dir/best, with the eval that put it there (train/best.py)."""
+        """The head as it is now in output_dir/best, with the eval that put it there (train/loop/best.py)."""
         if not self.accelerator.is_main_process:
             return
         folder = Path(self.config.output_dir) / BEST_DIR
@@ -817,7 +818,7 @@ def check_output_dir(out: Path, existing: Path | None, *, resume: bool, overwrit
 
 
 def is_stream(train: object) -> TypeIs[TokenStream]:
-    """Training data read lazily in order (train/streaming.py TokenStream) rather than by index."""
+    """Training data read lazily in order (train/data/streaming.py TokenStream) rather than by index."""
     return hasattr(train, "batches") and hasattr(train, "count_batches")
 
 
@@ -826,7 +827,7 @@ class EpochReader:
     reopened at the asked-for batch after a jump (a resume, or the next epoch).
 
     Indexed data: `epoch_batches`' shuffle of the sample indices. A stream: its own seeded order,
-    the first `index` batches skipped by reading them (train/streaming.py)."""
+    the first `index` batches skipped by reading them (train/data/streaming.py)."""
 
     def __init__(self, train, batch_size: int, world_size: int, rank: int, seed: int):
         self.train, self.batch_size, self.world_size, self.rank, self.seed = train, batch_size, world_size, rank, seed

@@ -6,9 +6,9 @@ EAGLE's "fixed dataset vs regenerated" ablation). Multi-turn conversations are a
 turn: turn k's prompt holds the target's own answers to turns 1..k-1.
 
 Output: OpenAI-form JSONL, one `{"id", "messages", "generation"}` record per conversation, in the
-form `train/sources.py` reads back. Each answer keeps the ids the target produced (`token_ids` on
+form `train/data/sources.py` reads back. Each answer keeps the ids the target produced (`token_ids` on
 its message, the stop token left out) and its text is those ids decoded as they are: training
-labels the answer with these ids (train/chat_format.py), since re-tokenizing the text need not
+labels the answer with these ids (train/data/chat_format.py), since re-tokenizing the text need not
 give them back. The report counts the answers where it would not (`ids_retokenize_differ`).
 
 Resumable: ids already in the file are skipped; each record is written and flushed as soon as its
@@ -41,11 +41,11 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from ..ground.target.chat import render_chat
-from ..inference.engine.sampling import SamplingConfig
-from .chat_format import decode_answer, stop_token_ids
-from .features import plan_changes
-from .workshare import WorkShare, write_atomically
+from ...ground.target.chat import render_chat
+from ...inference.engine.sampling import SamplingConfig
+from ..data.chat_format import decode_answer, stop_token_ids
+from ..capture.features import plan_changes
+from ..capture.workshare import WorkShare, write_atomically
 
 
 RECORD_START = b'{"id": '  # json.dumps of a record whose first key is its id (is_regenerated)
@@ -232,7 +232,7 @@ class RegenerateSettings:
     max_turns: int | None = None  # user turns answered per conversation (None: all)
     seed: int = 0
     target_name: str | None = None  # recorded only
-    data_sha256: str | None = None  # the content of the conversations' file (train/sources.py data_fingerprint), recorded
+    data_sha256: str | None = None  # the content of the conversations' file (train/data/sources.py data_fingerprint), recorded
 
     def __post_init__(self) -> None:
         SamplingConfig(temperature=self.temperature, top_p=self.top_p)  # the checks of every sampler: nan, < 0, top_p past 1
@@ -260,7 +260,7 @@ class RegenerateSettings:
 def check_continuation(paths: Sequence[Path], generation: dict) -> None:
     """Refuse to append answers made with `generation` to files whose records were made otherwise
     (another target, engine, sampling or data): ValueError listing what differs, as a rerun of
-    `data capture` does (train/features.py plan_changes)."""
+    `data capture` does (train/capture/features.py plan_changes)."""
     for path in dict.fromkeys(paths):
         if not path.exists():
             continue
@@ -309,8 +309,8 @@ def _answer_of(tokenizer, ids: list[int], stop_ids: Sequence[int]) -> Answer:
 
 
 def _answer_speculative(model, tokenizer, prompts, drafter, settings: RegenerateSettings, *, stop_ids, seed, policy=None):
-    from ..inference.engine.generate import GenerationConfig, generate_batch
-    from ..inference.engine.sampling import SamplingConfig
+    from ...inference.engine.generate import GenerationConfig, generate_batch
+    from ...inference.engine.sampling import SamplingConfig
 
     device = next(model.parameters()).device
     encoded = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"], device=device) for p in prompts]
@@ -427,7 +427,7 @@ def regenerate(
     """Re-answer `conversations` ({id, messages}) with `model`; append records to `out_path`.
     drafter: answer with batched speculative decoding through it (None: transformers `generate()`);
     policy: the load policy that sizes its trees each round (None: its whole trees).
-    share: this process's part of a job run by several (train/workshare.py WorkShare; default
+    share: this process's part of a job run by several (train/capture/workshare.py WorkShare; default
     alone); every rank returns the job's report."""
     share = share or WorkShare()
     out_path = Path(out_path)

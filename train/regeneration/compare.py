@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..ground.target.chat import render_chat
-from .chat_format import stop_token_ids
+from ...ground.target.chat import render_chat
+from ..data.chat_format import stop_token_ids
 
 
 @dataclass(frozen=True)

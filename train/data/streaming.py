@@ -3,9 +3,9 @@ formats and streaming").
 
 Nothing is materialised: records are read lazily (parquet / csv / arrow through
 `datasets.load_dataset(..., streaming=True)`, JSON arrays and JSON lines through our incremental
-record decoder in train/sources.py, `save_to_disk` folders memory-mapped), normalised as in the
+record decoder in train/data/sources.py, `save_to_disk` folders memory-mapped), normalised as in the
 cached path, then `.map`-ped through the chat template into samples shaped like
-`TokenDataset.__getitem__` (train/features.py): `{"input_ids": LongTensor [T], "loss_mask": BoolTensor [T]}`.
+`TokenDataset.__getitem__` (train/data/samples.py): `{"input_ids": LongTensor [T], "loss_mask": BoolTensor [T]}`.
 Memory is bounded by the shuffle buffer (`shuffle_buffer` tokenized samples) plus one read chunk.
 
 The sample stream, in file order, is split and batched so that a trainer on several processes
@@ -33,7 +33,7 @@ import datasets
 import torch
 
 from .chat_format import format_row, has_loss
-from .features import label_token_counts, token_sample
+from .samples import label_token_counts, token_sample
 from .sources import EmptySourceError, SourceReport, empty_source_error, iter_conversations, resolve_source, source_format
 
 T = TypeVar("T")

@@ -28,18 +28,19 @@ import json
 import os
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterable, Protocol, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ..heads.batch import FeatureBatch
-from ..ground.target.identity import text_config
-from ..ground.files import read_json
-from ..ground.outdir import mark_output, reported_as
-from ..ground.target.media import PromptImages, deepstack_inputs, forward_inputs, with_deepstack
-from ..ground.target.load import resolve_dtype
+from ...heads.batch import FeatureBatch
+from ...ground.target.identity import text_config
+from ...ground.files import read_json
+from ...ground.outdir import mark_output, reported_as
+from ...ground.target.media import PromptImages, deepstack_inputs, forward_inputs, with_deepstack
+from ...ground.target.load import resolve_dtype
+from ..data.samples import IndexedSamples, label_token_counts
 from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"
@@ -88,53 +89,6 @@ def collate(samples: Sequence[dict[str, Any]], pad_token_id: int = 0) -> Feature
     return FeatureBatch(input_ids, attention_mask, loss_mask, hidden, images=images if any(im is not None for im in images) else None)
 
 
-def token_sample(row: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """A tokenized row (train/chat_format.py) as a training sample: {input_ids [T] long, loss_mask [T] bool}."""
-    return {"input_ids": torch.tensor(row["input_ids"], dtype=torch.long), "loss_mask": torch.tensor(row["loss_mask"], dtype=torch.bool)}
-
-
-def label_token_counts(samples: Iterable[dict[str, Any]], vocab_size: int) -> torch.Tensor:
-    """[V] how often each token id is a loss-masked (assistant) token in `samples`: what EAGLE-3's
-    reduced draft vocabulary is chosen from."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for s in samples:
-        counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=vocab_size)[:vocab_size]
-    return counts
-
-
-class IndexedSamples(Protocol):
-    """Samples read by index: TokenDataset, CapturedFeatures, a Subset of one, a list of sample dicts."""
-
-    def __len__(self) -> int: ...
-
-    def __getitem__(self, i: int, /) -> dict[str, Any]: ...
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    """Samples {input_ids, loss_mask, images?} of a tokenized `datasets.Dataset`
-    (train/chat_format.py). processor: the target's, which turns a row's image files into pixel
-    inputs (train/image_chats.py) when the sample is read."""
-
-    def __init__(self, dataset, processor=None):
-        self.dataset, self.processor = dataset, processor
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        row = self.dataset[int(i)]
-        sample = token_sample(row)
-        if row.get("images"):
-            from .image_chats import prompt_images
-
-            sample["images"] = prompt_images(self.processor, row["images"])
-        return sample
-
-    def token_counts(self, vocab_size: int, indices: Iterable[int] | None = None) -> torch.Tensor:
-        """[V] how often each token id is a loss-masked (assistant) token in the given samples."""
-        return label_token_counts((self[i] for i in (range(len(self)) if indices is None else indices)), vocab_size)
-
-
 # ----------------------------------------------------------------------------------------------
 # Online
 # ----------------------------------------------------------------------------------------------
@@ -146,7 +100,7 @@ def target_mask_kwargs(model, attention_mask: torch.Tensor, position_ids: torch.
     mask and the position ids, from which transformers builds a block-diagonal causal mask (its
     sliding windows and chunks measured by those positions too). Multimodal-RoPE targets (Qwen-VL)
     take them as [4, B, T]: the text positions, then the same for each of the three M-RoPE sections
-    (text carries equal ones). train/packing.py `packing_refusal` checks a target keeps them apart."""
+    (text carries equal ones). train/capture/packing.py `packing_refusal` checks a target keeps them apart."""
     if position_ids is None:
         return {"attention_mask": attention_mask}
     rope = getattr(text_config(model), "rope_parameters", None) or {}
@@ -170,7 +124,7 @@ def target_features(
     28M of 135M parameters (docs/cpu-measurements.md). Passing the indices to `output_hidden_states`
     keeps only those states alive. Padded positions are zeroed, as `collate` pads captured states:
     their values are meaningless and must not differ between the two paths. position_ids: packed
-    rows (train/packing.py), each conversation seen alone (`target_mask_kwargs`). images: one
+    rows (train/capture/packing.py), each conversation seen alone (`target_mask_kwargs`). images: one
     media.PromptImages or None per row of a vision-language target: the whole model runs, its
     vision tower filling the image tokens, with Qwen3-VL's deepstack inputs put back
     (ground/target/media.py).

@@ -11,7 +11,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..ground.files import atomic_write
+from ...ground.files import atomic_write
 
 # How long a process of a data job waits at a barrier for the others. A rank that died is noticed
 # at once (its connections close) and the launcher ends the others; this bounds the wait for one
@@ -31,7 +31,7 @@ def _alone_gather(obj: Any) -> list[Any]:
 @dataclass(frozen=True)
 class WorkShare:
     """This process's place in a data job run by `world` processes (capture here, regenerate in
-    train/regenerate.py; docs/launching.md "Data work on several processes").
+    train/regeneration/regenerate.py; docs/launching.md "Data work on several processes").
 
     barrier(): returns once every rank has called it; raises, never waits for ever, when a rank
     died or stays away past the timeout. gather(obj): every rank's obj, in rank order (a barrier

@@ -1,6 +1,6 @@
 """Self-distillation data from the user's own serving engine: `data regenerate --server URL ...`
-asks OpenAI-compatible chat-completions servers (train/openai_server.py) instead of our engine,
-and writes the same records as train/regenerate.py.
+asks OpenAI-compatible chat-completions servers (train/regeneration/openai_client.py) instead of our engine,
+and writes the same records as train/regeneration/regenerate.py.
 
 - Each conversation is answered turn by turn by one worker thread, turn k's prompt holding the
   server's own answers to turns 1..k-1; `concurrency` threads per server, each server drawn by
@@ -33,9 +33,9 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Iterable
 
-from ..ground.target.chat import render_chat
-from .chat_format import decode_answer, stop_token_ids
-from .openai_server import ChatServer, ContextLimitError, Sampling, ServedAnswer, ServerError, ServerRing, ServerSettings, served_model
+from ...ground.target.chat import render_chat
+from ..data.chat_format import decode_answer, stop_token_ids
+from .openai_client import ChatServer, ContextLimitError, Sampling, ServedAnswer, ServerError, ServerRing, ServerSettings, served_model
 from .regenerate import (
     Answer,
     RegenerateReport,

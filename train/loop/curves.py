@@ -1,8 +1,8 @@
 """A run's eval curves as a picture: output_dir/eval.png, drawn from metrics.jsonl when the run ends.
 
 Left panel, tokens per round against the step: `tau_est` (a product of per-depth top-1
-accuracies, train/evaluate.py) beside the replayed `replay_tau` and `replay_tree_tau`
-(train/replay_eval.py), so the gap between the estimate and what an engine measures is visible
+accuracies, train/loop/evaluate.py) beside the replayed `replay_tau` and `replay_tree_tau`
+(train/loop/replay_eval.py), so the gap between the estimate and what an engine measures is visible
 over the whole run. Right panel, per depth at the last eval: the share of rounds keeping draft i
 as tau_est assumes it, prod_{j<=i} acc_j, against the replayed share `replay_acc_i`. A resumed run appends to metrics.jsonl, so the picture
 covers every sitting.

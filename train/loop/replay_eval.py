@@ -1,6 +1,6 @@
 """Replayed acceptance at eval time: the tau an engine would measure, not a product of accuracies.
 
-`tau_est` (train/evaluate.py) multiplies per-depth top-1 accuracies as if they were independent.
+`tau_est` (train/loop/evaluate.py) multiplies per-depth top-1 accuracies as if they were independent.
 At each eval this replays the head the way the engine drafts and verifies (inference/bench/replay.py):
 the first `replay.sequences` held-out prompts are greedy-decoded by the target once per run (up to
 `replay.max_new_tokens` tokens), and every eval drafts for those continuations with the head's
@@ -27,9 +27,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..inference.engine.rounds import per_position_acceptance, tau_by_context, tau_of
-from ..inference.drafters.load import chain_settings, head_drafter
-from ..inference.bench.replay import DRAFTHEAD, VLLM, Counting, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
+from ...inference.engine.rounds import per_position_acceptance, tau_by_context, tau_of
+from ...inference.drafters.load import chain_settings, head_drafter
+from ...inference.bench.replay import DRAFTHEAD, VLLM, Counting, greedy_continuations, kept_hidden_states, replay_greedy, tokens_past_end
 from .config import ReplayConfig
 
 

@@ -2,7 +2,8 @@
 the prompt (rewrite this paragraph, fix this code, proofread this email), where drafting from the
 prompt is nearly free and long, so speculation pays on a small CPU (docs/results.md).
 
-Built from the installed ShareGPT package, not from a model's behaviour: a conversation qualifies
+Built from the installed ShareGPT package (train/data/sources.py `sharegpt_chats` reads it for
+the callers), not from a model's behaviour: a conversation qualifies
 when its first user turn asks for an edit near its start (`EDIT_VERBS`), holds the text to edit
 (EDIT_CHARS), and ShareGPT's own first answer copies it: at least COPIED of the answer's word
 4-grams occur in the prompt. The set is the qualifying first turns in file order, each text once;
@@ -11,11 +12,11 @@ it changes only with the ShareGPT package.
 
 from __future__ import annotations
 
+import itertools
 import re
+from typing import Iterable
 
-from ..inference.bench.prompts import Prompt
-from .source_report import SourceReport
-from .sources import iter_conversations, sharegpt_path
+from .prompts import Prompt
 
 EDITS = "edits"
 EDIT_VERBS = re.compile(r"\b(rewrite|re-write|fix|correct|edit|proofread|rephrase|refactor|improve|revise|paraphrase)\b", re.I)
@@ -44,10 +45,11 @@ def is_edit(prompt: str, answer: str) -> bool:
     )
 
 
-def edit_prompts(limit: int | None = None) -> list[Prompt]:
-    """The edits set (module docstring), its first `limit` prompts (None: all)."""
+def edit_prompts(chats: Iterable[dict], limit: int | None = None) -> list[Prompt]:
+    """The edits set (module docstring) among `chats`, ShareGPT's conversations in file order
+    (the first SCAN are read), its first `limit` prompts (None: all)."""
     out, seen = [], set()
-    for chat in iter_conversations(sharegpt_path(), "json", SourceReport(source="sharegpt"), SCAN):
+    for chat in itertools.islice(chats, SCAN):
         messages = chat["messages"]
         if (
             len(messages) >= 2
