@@ -14,7 +14,7 @@ rather than repeated (docs/style.md 12).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..ground.field_types import type_problems
@@ -33,6 +33,10 @@ def _from_dict(cls, d: dict):
         raise ValueError(f"{cls.__name__}: " + "; ".join(problems))
     if d.get("target") is not None and not isinstance(d["target"], TargetIdentity):
         d["target"] = TargetIdentity.from_dict(d["target"])
+    if isinstance(d.get("layer"), dict):
+        d["layer"] = _from_dict(DraftLayerShape, d["layer"])
+    elif "layer" in d and not isinstance(d["layer"], DraftLayerShape):
+        raise ValueError(f"{cls.__name__}: layer: expected a mapping of the draft layer's own fields, got {d['layer']!r}")
     for f in dataclasses.fields(cls):  # JSON gives lists where the dataclass holds tuples
         if f.name in d and isinstance(d[f.name], list):
             d[f.name] = tuple(d[f.name])
@@ -62,7 +66,7 @@ class _HeadConfig:
         out = {}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, TargetIdentity):
+            if isinstance(v, (TargetIdentity, DraftLayerShape)):
                 v = v.to_dict()
             elif isinstance(v, tuple):
                 v = list(v)
@@ -171,8 +175,37 @@ class HydraConfig(MedusaConfig):
 
 
 DRAFT_LAYER_CHOICES = ("llama", "target")
-# EAGLE config fields in which the Llama draft layer may differ from what it takes from the target
-# (None: the target's sizes, SiLU)
+
+
+@dataclass
+class DraftLayerShape:
+    """The draft decoder layer's own shape, where it is not what the layer takes from the target:
+    None takes the target's sizes, epsilon and RoPE, and SiLU. Set by imports of published heads
+    whose producer chose its own (SpecForge's MoE configs' widths; speculators' Gemma heads take
+    the verifier's GELU; upstream EAGLE-1 always ran RoPE with base 10000, whatever the target's:
+    docs/formats.md). Each config's LAYER_FIELDS are the ones its layer takes: the EAGLE layer has
+    the target's epsilon, DFlash's runs SiLU."""
+
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    hidden_act: str | None = None
+    rms_norm_eps: float | None = None
+    # transformers' `rope_parameters` (rope_type, rope_theta, scaling fields)
+    rope_parameters: dict | None = None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def check(self, own: tuple[str, ...], kind: str) -> None:
+        """A ValueError naming the fields set here that a `kind` head's layer does not take."""
+        fixed = [f.name for f in dataclasses.fields(self) if f.name not in own and getattr(self, f.name) is not None]
+        if fixed:
+            raise ValueError(f"a {kind} head's draft layer takes {', '.join(fixed)} from the target or its own design: drop layer.{fixed[0]}")
+
+
+# the fields of DraftLayerShape the EAGLE draft layer (heads/eagle.py llama_layer_config) takes
 DRAFT_OWN_FIELDS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act")
 
 
@@ -204,28 +237,20 @@ class Eagle1Config(_HeadConfig):
     lk_eta: float = 3.0
     input_layernorm: bool = False
     fc_bias: bool = False  # upstream EAGLE trains fc with a bias (its default); vLLM's layout has none
-    # The draft layer's own RoPE (transformers `rope_parameters`: rope_type, rope_theta, scaling
-    # fields); None = the target's. Imported heads keep their producer's: upstream EAGLE-1 always
-    # ran RoPE with base 10000, whatever the target's (docs/formats.md).
-    rope_parameters: dict | None = None
     # The draft decoder layer: "llama" = a Llama layer sized from the target, whatever its family,
     # the layer every engine serves (docs/formats.md "The draft layer per target family");
     # "target" = the target family's own layer class, as speculators' checkpoints for some
     # families hold it (its export refuses wherever no engine serves that family's layer).
     draft_layer: str = "llama"
-    # the Llama draft layer's own sizes and activation; None: the target's sizes, SiLU (heads/eagle.py
-    # llama_layer_config). Set by imports of published heads whose producer chose its own
-    # (SpecForge's MoE configs' widths; speculators' Gemma heads take the verifier's GELU).
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str | None = None
+    layer: DraftLayerShape = field(default_factory=DraftLayerShape)  # its own shape (heads/eagle.py llama_layer_config)
     target: TargetIdentity | None = None
+
+    LAYER_FIELDS: ClassVar[tuple[str, ...]] = DRAFT_OWN_FIELDS + ("rope_parameters",)
 
     def __post_init__(self) -> None:
         self._check_kind()
         _check_draft_layer(self.draft_layer)
+        self.layer.check(self.LAYER_FIELDS, self.kind)
         if self.feature_weight < 0 or self.ce_weight < 0 or self.feature_weight + self.ce_weight == 0:
             raise ValueError("EAGLE-1 loss weights must be >= 0 and not both 0")
         check_loss(self.loss, self.lk_eta)
@@ -336,18 +361,16 @@ class Eagle3Config(_HeadConfig):
     # the draft layer attends only the last `sliding_window` positions (query included); None: the
     # whole prefix. speculators' trainer makes such heads (window 2048).
     sliding_window: int | None = None
-    rope_parameters: dict | None = None  # as Eagle1Config.rope_parameters
     draft_layer: str = "llama"  # as Eagle1Config.draft_layer
-    intermediate_size: int | None = None  # these five: as Eagle1Config's
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    hidden_act: str | None = None
+    layer: DraftLayerShape = field(default_factory=DraftLayerShape)  # as Eagle1Config.layer
     target: TargetIdentity | None = None
+
+    LAYER_FIELDS: ClassVar[tuple[str, ...]] = Eagle1Config.LAYER_FIELDS
 
     def __post_init__(self) -> None:
         self._check_kind()
         _check_draft_layer(self.draft_layer)
+        self.layer.check(self.LAYER_FIELDS, self.kind)
         if self.ttt_steps < 1:
             raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
         if not self.ttt_decay > 0:
@@ -472,18 +495,22 @@ class DFlashConfig(_HeadConfig):
     loss: str = "ce"
     lk_eta: float = 3.0
     dpace_alpha: float = 0.5  # D-PACE's smoothing q~ = (1 - a) q + a, in (0, 1]; the reference's 0.5
-    # the draft layers' own shape and RoPE (rope_type, rope_theta, ...); None: the target's. Set by
-    # imports of published drafts that chose their own (the hidden size is always the target's).
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float | None = None
-    rope_parameters: dict | None = None
+    # the draft layers' own shape (heads/dflash.py dflash_layer_config; the hidden size is always the target's)
+    layer: DraftLayerShape = field(default_factory=DraftLayerShape)
     target: TargetIdentity | None = None
+
+    LAYER_FIELDS: ClassVar[tuple[str, ...]] = (
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_parameters",
+    )
 
     def __post_init__(self) -> None:
         self._check_kind()
+        self.layer.check(self.LAYER_FIELDS, self.kind)
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (the pending token and at least one mask), got {self.block_size}")
         if self.num_layers < 1 or self.num_anchors < 1:
@@ -588,28 +615,39 @@ class DSparkConfig(DFlashConfig):
 
 @dataclass(frozen=True)
 class HeadKind:
-    """One head kind and what the rest of the code may ask of it, so that no caller compares kind
-    names: the config class, the drafter family that drafts with it (a key of
-    inference/drafters/head_drafters.py _DRAFTING_KEYS) and its capabilities."""
+    """One head kind: its config class, the module class that holds its weights, the drafter class
+    that drafts with it, and what the rest of the code may ask of it, so that no caller compares
+    kind names and a new kind is its own files and one row of KINDS.
+
+    `module` and `drafter` are named, "drafthead.<module path>.<class>", not imported: this table
+    stays light enough for the CLI's parser, and heads/ imports nothing above it; heads/registry.py
+    imports the module classes and inference/drafters/load.py the drafters (`resolve`)."""
 
     name: str
     config: type[_HeadConfig]
-    family: str
+    module: str  # the nn.Module class of its weights (heads/)
+    drafter: str  # the drafter class (inference/drafters/)
     adapts_target: bool = False  # carries a LoRA adapter merged into the target (Medusa-2)
     sizes_itself: bool = False  # sizing "confidence": the drafter estimates acceptance (EAGLE's paths, DSpark's head)
-    grows_tree: bool = False  # drafts a best-first tree step by step (depth, top_k) rather than a static tree
+    grows_tree: bool = False  # drafts a best-first tree step by step (depth, branch) rather than a static tree (choices)
     draft_vocab: bool = False  # may draft over a reduced vocabulary (d2t/t2d; heads/draft_vocab.py)
     engine_layer: bool = False  # its draft layer is the engines' Llama layer or the target's (`draft_layer`)
     splits_rows: bool = False  # context_parallel > 1 splits its rows' columns across ranks (heads/context_split.py)
+    mlp_heads: bool = False  # one small MLP head per draft position, no decoder layer (`train --plan`'s activation model)
     # the config field counting the draft positions one training chain covers (D-PACE weighs
     # them: loss dpace needs 2 or more); None: the kind trains one position
     chain_positions: str | None = None
 
 
+_HEADS, _DRAFTERS = "drafthead.heads", "drafthead.inference.drafters"
+_MEDUSA = HeadKind(
+    "medusa1", MedusaConfig, f"{_HEADS}.medusa.MedusaHead", f"{_DRAFTERS}.head_drafters.MedusaDrafter", mlp_heads=True, chain_positions="num_heads"
+)
 _EAGLE3 = HeadKind(
     "eagle3",
     Eagle3Config,
-    "eagle",
+    f"{_HEADS}.eagle3.Eagle3Head",
+    f"{_DRAFTERS}.head_drafters.EagleDrafter",
     sizes_itself=True,
     grows_tree=True,
     draft_vocab=True,
@@ -617,21 +655,47 @@ _EAGLE3 = HeadKind(
     splits_rows=True,
     chain_positions="ttt_steps",
 )
-# The head kinds: the one table the config, the registry (heads/registry.py: each kind's module),
-# the formats, the drafters (inference/drafters/load.py) and the CLI derive from.
+# The head kinds: the one table the config, the registry (heads/registry.py), the formats, the
+# drafters (inference/drafters/load.py), the drafting settings (drafthead/draft_spec.py) and the
+# CLI derive from.
 KINDS: dict[str, HeadKind] = {
     k.name: k
     for k in (
-        HeadKind("medusa1", MedusaConfig, "medusa", chain_positions="num_heads"),
-        HeadKind("medusa2", MedusaConfig, "medusa", adapts_target=True, chain_positions="num_heads"),
-        HeadKind("hydra", HydraConfig, "hydra", chain_positions="num_heads"),
-        HeadKind("eagle1", Eagle1Config, "eagle", sizes_itself=True, grows_tree=True, engine_layer=True),
+        _MEDUSA,
+        dataclasses.replace(_MEDUSA, name="medusa2", adapts_target=True),
+        dataclasses.replace(
+            _MEDUSA, name="hydra", config=HydraConfig, module=f"{_HEADS}.hydra.HydraHead", drafter=f"{_DRAFTERS}.head_drafters.HydraDrafter"
+        ),
+        HeadKind(
+            "eagle1",
+            Eagle1Config,
+            f"{_HEADS}.eagle.Eagle1Head",
+            f"{_DRAFTERS}.head_drafters.EagleDrafter",
+            sizes_itself=True,
+            grows_tree=True,
+            engine_layer=True,
+        ),
         _EAGLE3,
-        dataclasses.replace(_EAGLE3, name="eagle31", config=Eagle31Config),  # EAGLE-3's capabilities, its own config
-        HeadKind("peagle", PEagleConfig, "peagle", draft_vocab=True, engine_layer=True, chain_positions="parallel_depth"),
-        HeadKind("dflash", DFlashConfig, "dflash", chain_positions="num_drafted"),
-        HeadKind("dspark", DSparkConfig, "dspark", sizes_itself=True, chain_positions="num_drafted"),
-        HeadKind("mtp", MTPConfig, "eagle", sizes_itself=True, grows_tree=True),
+        dataclasses.replace(_EAGLE3, name="eagle31", config=Eagle31Config),  # the EAGLE-3 module with fc_norm and norm_output on
+        HeadKind(
+            "peagle",
+            PEagleConfig,
+            f"{_HEADS}.peagle.PEagleHead",
+            f"{_DRAFTERS}.parallel.ParallelDrafter",
+            draft_vocab=True,
+            engine_layer=True,
+            chain_positions="parallel_depth",
+        ),
+        HeadKind("dflash", DFlashConfig, f"{_HEADS}.dflash.DFlashHead", f"{_DRAFTERS}.parallel.DFlashDrafter", chain_positions="num_drafted"),
+        HeadKind(
+            "dspark",
+            DSparkConfig,
+            f"{_HEADS}.dspark.DSparkHead",
+            f"{_DRAFTERS}.parallel.DSparkDrafter",
+            sizes_itself=True,
+            chain_positions="num_drafted",
+        ),
+        HeadKind("mtp", MTPConfig, f"{_HEADS}.mtp.MTPHead", f"{_DRAFTERS}.head_drafters.EagleDrafter", sizes_itself=True, grows_tree=True),
     )
 }
 CONFIG_CLASSES: dict[str, type[_HeadConfig]] = {name: kind.config for name, kind in KINDS.items()}
@@ -666,9 +730,12 @@ def check_context_parallel(kind: str, loss: str | None, ranks: int) -> None:
         raise ValueError("loss dpace weighs each position's chain of unroll steps on one rank: it does not combine with context_parallel > 1")
 
 
-def drafter_family(kind: str) -> str:
-    """The drafter family that drafts with a head of `kind` (KINDS)."""
-    return head_kind(kind).family
+def resolve(name: str) -> type:
+    """The class a KINDS row names ("drafthead.heads.eagle3.Eagle3Head"), imported now."""
+    import importlib
+
+    module, _, cls = name.rpartition(".")
+    return getattr(importlib.import_module(module), cls)
 
 
 # HydraConfig is a MedusaConfig; Eagle31Config and PEagleConfig are Eagle3Configs

@@ -55,10 +55,10 @@ def dflash_layer_config(target_model: nn.Module, config: DFlashConfig) -> Qwen3C
     cfg = text_config(target_model)
 
     def own(name, default):
-        return getattr(config, name) or default
+        return getattr(config.layer, name) or default
 
     heads = own("num_attention_heads", cfg.num_attention_heads)
-    rope = {"rope_type": "default", **config.rope_parameters} if config.rope_parameters else full_attention_rope(cfg)
+    rope = {"rope_type": "default", **config.layer.rope_parameters} if config.layer.rope_parameters else full_attention_rope(cfg)
     return Qwen3Config(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,

@@ -257,8 +257,9 @@ class DecoderHeadBase(DraftHeadBase):
 
     def _init_decoder_common(self, target_model: nn.Module) -> None:
         self.refs = FrozenRefs()
-        sizes = {name: getattr(self.config, name) for name in DRAFT_OWN_FIELDS}
-        self._layer_cfg = draft_layer_config(target_model, self.config.rope_parameters, self.config.draft_layer, sizes)
+        layer = self.config.layer
+        sizes = {name: getattr(layer, name) for name in DRAFT_OWN_FIELDS}
+        self._layer_cfg = draft_layer_config(target_model, layer.rope_parameters, self.config.draft_layer, sizes)
         self._parts = draft_layer_parts(target_model, self.config.draft_layer)
         # RoPE tables stay float32 and unregistered: `head.to(bfloat16)` would otherwise round
         # inv_freq. Moved to the input's device on first use.

@@ -1,8 +1,9 @@
-"""Build and load heads by kind. The only place that maps a head config class (and so each kind of
-heads/config.py KINDS) to its module class."""
+"""Build and load heads by kind: each kind's module class is the one its heads/config.py KINDS row
+names."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import cast
@@ -10,47 +11,17 @@ from typing import cast
 import torch
 from torch import nn
 
-from .config import (
-    CONFIG_CLASSES,
-    KINDS,
-    head_kind,
-    DFlashConfig,
-    DSparkConfig,
-    Eagle1Config,
-    Eagle3Config,
-    Eagle31Config,
-    HeadConfig,
-    HydraConfig,
-    MedusaConfig,
-    MTPConfig,
-    PEagleConfig,
-)
-from .eagle import Eagle1Head, has_rope_decoder
-from .dflash import DFlashHead
-from .dspark import DSparkHead
+from .config import CONFIG_CLASSES, KINDS, HeadConfig, MedusaConfig, head_kind, resolve
+from .eagle import has_rope_decoder
 from .eagle3 import Eagle3Head
 from ..ground.target.identity import HeadTargetMismatch, check_compatible, eos_token_ids, identify_target, identity_diff
 from .io import ADAPTER_DIR, DraftHeadBase, check_state_dict, read_head_dir
 from .io import HeadFormatError
-from .hydra import HydraHead
 from .medusa import MedusaHead
-from .mtp import MTPHead
-from .peagle import PEagleHead
 from ..ground.target.parts import lm_head_of
 
-# config class -> module class; Eagle31Config is the EAGLE-3 head with fc_norm and norm_output on
-_MODULES: dict[type, type[DraftHeadBase]] = {
-    MedusaConfig: MedusaHead,
-    HydraConfig: HydraHead,
-    Eagle1Config: Eagle1Head,
-    Eagle3Config: Eagle3Head,
-    Eagle31Config: Eagle3Head,
-    PEagleConfig: PEagleHead,
-    DFlashConfig: DFlashHead,
-    DSparkConfig: DSparkHead,
-    MTPConfig: MTPHead,
-}
-HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {name: _MODULES[kind.config] for name, kind in KINDS.items()}
+# each kind's module class, as its KINDS row names it
+HEAD_CLASSES: dict[str, type[DraftHeadBase]] = {name: resolve(kind.module) for name, kind in KINDS.items()}
 
 
 def make_config(kind: str, target_model: nn.Module, tokenizer=None, name: str | None = None, **overrides) -> HeadConfig:
@@ -58,9 +29,16 @@ def make_config(kind: str, target_model: nn.Module, tokenizer=None, name: str | 
     unknown override keys are errors."""
     if kind not in CONFIG_CLASSES:
         raise ValueError(f"unknown head kind {kind!r} (known: {', '.join(CONFIG_CLASSES)})")
-    check_target_fits(kind, target_model)
+    check_target_fits(kind, target_model)  # first: a kind this target cannot take is the one thing to say
     d = {"kind": kind, **overrides, "target": identify_target(target_model, tokenizer, name)}
     return CONFIG_CLASSES[kind].from_dict(d)
+
+
+def bind_target(config: HeadConfig, target_model: nn.Module, tokenizer=None, name: str | None = None) -> HeadConfig:
+    """`config` (a head config made without a target: a run's head section) for this target: its
+    identity recorded, and the fields that follow from the target's sizes filled in."""
+    check_target_fits(config.kind, target_model)
+    return dataclasses.replace(config, target=identify_target(target_model, tokenizer, name))
 
 
 def check_target_fits(kind: str, target_model: nn.Module) -> None:

@@ -313,10 +313,10 @@ def test_eagle1_stated_rope_needs_convention(tmp_path):
     with pytest.raises(HeadFormatError, match="convention"):
         import_head(out, target)
     vllm_side = import_head(out, target, convention="vllm")
-    assert vllm_side.config.rope_parameters is None  # the target's own
+    assert vllm_side.config.layer.rope_parameters is None  # the target's own
     assert torch.equal(outputs(vllm_side, target), outputs(head, target))
     upstream = import_head(out, target, convention="eagle")
-    assert upstream.config.rope_parameters["rope_theta"] == 10000.0
+    assert upstream.config.layer.rope_parameters["rope_theta"] == 10000.0
     assert not torch.allclose(outputs(upstream, target), outputs(head, target))
 
 

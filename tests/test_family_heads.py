@@ -513,7 +513,7 @@ def test_a_producers_own_draft_layer_fields_are_kept_on_import(family, fmt, own,
     from tests.head_checks import outputs
 
     target = target_of(family)
-    config = make_config("eagle3", target, None, name=f"tiny-{family}", **KINDS["eagle3"], **own)
+    config = make_config("eagle3", target, None, name=f"tiny-{family}", **KINDS["eagle3"], layer=own)
     head = build_head(config, target, token_counts=torch.arange(V)).eval()
     head.save_pretrained(tmp_path / "head")
     out = export_head(tmp_path / "head", tmp_path / fmt, fmt, target_model=target)
@@ -524,7 +524,7 @@ def test_a_producers_own_draft_layer_fields_are_kept_on_import(family, fmt, own,
         del cfg["head_dim"]
         (out / CONFIG_NAME).write_text(json.dumps(cfg))
     back = import_head(out, target, convention={"speculators": None}.get(fmt, fmt))
-    assert {k: getattr(back.config, k) for k in own} == own
+    assert {k: getattr(back.config.layer, k) for k in own} == own
     assert torch.equal(outputs(back, target), outputs(head, target))
     if "hidden_act" in own:  # vLLM's and SGLang's Llama MLP refuse anything but SiLU at load
         with pytest.raises(ValueError, match="^vLLM's Llama draft MLP runs SiLU only"):

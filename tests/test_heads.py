@@ -52,6 +52,34 @@ def test_config_round_trip_and_unknown_keys():
         MedusaConfig(num_heads=0)
 
 
+def test_every_kind_row_names_its_module_and_drafter_classes():
+    """A KINDS row names the classes a kind is built and drafted with (heads/config.py): each
+    resolves, the registry builds the kind's heads from that module class, and the drafter is one."""
+    from drafthead.heads.config import KINDS, resolve
+    from drafthead.heads.io import DraftHeadBase
+    from drafthead.heads.registry import HEAD_CLASSES
+
+    for name, kind in KINDS.items():
+        module, drafter = resolve(kind.module), resolve(kind.drafter)
+        assert issubclass(module, DraftHeadBase) and HEAD_CLASSES[name] is module, name
+        assert all(callable(getattr(drafter, m, None)) for m in ("begin", "propose", "commit")), name
+
+
+def test_the_draft_layers_own_shape_is_one_nested_config():
+    """The EAGLE and DFlash configs keep the draft layer's own fields in `layer`, each taking the
+    fields its layer builds with; an old flat key is an unknown key."""
+    target = make_target()
+    cfg = make_config("eagle3", target, layer={"intermediate_size": 48, "rope_parameters": {"rope_theta": 5e4}})
+    assert cfg.layer.intermediate_size == 48 and cfg.to_dict()["layer"]["intermediate_size"] == 48
+    assert config_from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="takes rms_norm_eps from the target"):
+        make_config("eagle3", target, layer={"rms_norm_eps": 1e-6})
+    with pytest.raises(ValueError, match="unknown Eagle3Config key.*intermediate_size"):
+        make_config("eagle3", target, intermediate_size=48)
+    with pytest.raises(ValueError, match="unknown DraftLayerShape key"):
+        make_config("eagle1", target, layer={"width": 48})
+
+
 def test_feature_layers_and_defaults():
     target = make_target()
     L = LAYERS

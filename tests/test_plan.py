@@ -9,7 +9,7 @@ import torch
 from drafthead.heads.registry import build_head
 from drafthead.train.loop.config import load_config
 from drafthead.train.loop.plan import activation_bytes, memory_per_rank, plan_table, run_shapes
-from drafthead.train.loop.run import head_config
+from drafthead.train.loop.run import head_config_for
 from tests.tiny import tiny_causal_lm
 
 
@@ -27,7 +27,7 @@ def test_meta_build_counts_what_a_real_build_holds(tiny_config_json, kind):
     model, path = tiny_config_json
     config = load_config(f"tiny-{kind}")
     shapes = run_shapes(config, path)
-    real = build_head(head_config(config, model, None, "tiny-llama"), model, token_counts=torch.ones(96, dtype=torch.long), dtype=torch.float32)
+    real = build_head(head_config_for(config, model, None, "tiny-llama"), model, token_counts=torch.ones(96, dtype=torch.long), dtype=torch.float32)
     assert shapes.head_trainable == sum(p.numel() for p in real.parameters() if p.requires_grad)
     assert shapes.target_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     assert shapes.largest_layer_bytes == sum(p.numel() * 4 for p in model.get_decoder().layers[0].parameters()) > 0

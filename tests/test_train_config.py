@@ -16,7 +16,6 @@ from drafthead.train.loop.config import (
     ReplayConfig,
     TrainConfig,
     apply_overrides,
-    head_config_dict,
     load_config,
 )
 
@@ -34,7 +33,7 @@ def test_unknown_keys_name_the_key_and_the_valid_ones():
     with pytest.raises(ConfigError, match=r"unknown config key 'data.limt'; valid keys under data: source, path, limit"):
         load_config(None, ["data.limt=5"])
     with pytest.raises(ConfigError, match=r"head: unknown MedusaConfig key\(s\): num_head\b"):
-        head_config_dict(load_config(None, ["head.kind=medusa1", "head.num_head=3"]))
+        load_config(None, ["head.kind=medusa1", "head.num_head=3"])
 
 
 def test_overrides_types_and_nesting(tmp_path):
@@ -54,7 +53,7 @@ def test_overrides_types_and_nesting(tmp_path):
     assert cfg.lr == 1e-3 and isinstance(cfg.lr, float)  # YAML reads 1e-3 as a string; coerced
     assert cfg.data.limit == 7 and cfg.head == {"kind": "eagle3", "ttt_steps": 3}
     assert cfg.betas == [0.8, 0.9] and cfg.clip_norm is None and cfg.lora.target_modules == ["q_proj"]
-    assert head_config_dict(cfg) == {"ttt_steps": 3}
+    assert cfg.head_config.kind == "eagle3" and cfg.head_config.ttt_steps == 3 and cfg.head_config.target is None
     # overrides act on a copy and on nested keys of a file
     path = tmp_path / "c.yaml"
     path.write_text("head: {kind: medusa1, num_heads: 2}\ndata: {limit: 3}\n")
@@ -89,7 +88,7 @@ def test_smollm2_presets_mirror_the_dataclasses(name):
         assert list(raw[section]) == names(cls), section
     cfg = load_config(name)
     assert cfg.target == "smollm2-135m" and cfg.head_kind == name
-    head_config_dict(cfg)  # the head section is valid for its kind
+    assert cfg.head_config.kind == name  # the head section is valid for its kind
     # docs/cpu-measurements.md: capture once, bf16 where native (medusa2's target trains: online)
     assert cfg.mixed_precision == "auto" and cfg.target_dtype == "auto"
     assert cfg.features.mode == ("online" if name == "medusa2" else "captured")
@@ -115,7 +114,7 @@ def test_tiny_presets_load():
     assert tiny == [f"tiny-{k}" for k in sorted(SMOLLM2_PRESETS)]
     for name in tiny:
         cfg = load_config(name)
-        head_config_dict(cfg)
+        assert cfg.head_config.kind == name.removeprefix("tiny-")
         assert cfg.max_steps is not None and cfg.report_to == "none"
 
 

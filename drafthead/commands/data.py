@@ -380,12 +380,11 @@ def _capture(args) -> int:
     from ..ground.files import read_json
     from ..ground.outdir import check_output, check_replaceable, output_lock
     from ..ground.target.load import load_target
-    from ..train.loop.config import head_config_dict, load_config
+    from ..train.loop.config import load_config
     from ..train.capture.features import CAPTURE_PLAN
     from ..train.loop.run import capture_from_config, stale_capture
 
-    config = load_config(args.config, args.overrides)
-    head_config_dict(config)  # the head section, checked before the target loads
+    config = load_config(args.config, args.overrides)  # the head section too: checked before the target loads
     out = args.out or config.features.path
     if not out:
         raise ValueError("pass --out DIR or set features.path in the config")

@@ -21,6 +21,7 @@ head exactly or the import is refused naming it.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 from typing import cast
@@ -28,7 +29,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from ..config import DRAFT_OWN_FIELDS, Eagle3Config, config_from_dict, head_kind
+from ..config import DRAFT_OWN_FIELDS, DraftLayerShape, Eagle3Config, config_from_dict, head_kind
 from ...ground.target.identity import HeadTargetMismatch, check_compatible, identify_target, identity_diff
 from ..io import ADAPTER_DIR, CONFIG_NAME, FORMAT, WEIGHTS_NAME, check_state_dict, read_head_dir
 from ..io import HeadFormatError
@@ -236,7 +237,9 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
         _drop_target_rope(overrides, target_model)
         if head_kind(foreign.kind).engine_layer and overrides.get("draft_layer", "llama") == "llama":
             overrides.update(_own_layer_fields(foreign.layer_fields, target_model))
-        config = make_config(foreign.kind, target_model, tokenizer, name, **overrides)
+        # the readers name the draft layer's own fields as the layouts do, beside the others
+        layer = {name: overrides.pop(name) for name in LAYER_SHAPE_FIELDS if name in overrides}
+        config = make_config(foreign.kind, target_model, tokenizer, name, **overrides, **({"layer": layer} if layer else {}))
     assert config.target is not None  # make_config records it; a drafthead block without one is refused above
     family_layer = foreign.layer_fields.get("model_type", "llama")
     if (
@@ -265,6 +268,9 @@ def _import(src_dir, target_model: nn.Module, tokenizer=None, target_name: str |
     head.to(device=target_device(target_model), dtype=target_dtype(target_model))
     head.eval()
     return head.bind_target(target_model), [f"read {src} as {foreign.layout}"] + foreign.notes, foreign
+
+
+LAYER_SHAPE_FIELDS = tuple(f.name for f in dataclasses.fields(DraftLayerShape))
 
 
 def _drop_target_rope(overrides: dict, target_model: nn.Module) -> None:

@@ -288,7 +288,8 @@ def served_layer_refusal(config, engine: str, fmt: str = "") -> str | None:
     would. Engines serve a Llama draft layer whatever the target (docs/formats.md "The draft layer
     per target family")."""
     family = config.target.model_type
-    act = getattr(config, "hidden_act", None)
+    layer = getattr(config, "layer", None)  # the draft layer's own shape: EAGLE and DFlash configs
+    act = None if layer is None else layer.hidden_act
     if act not in (None, "silu") and fmt != "speculators":
         return (
             f"{engine}'s Llama draft MLP runs SiLU only and refuses {act} at load; this head's layer uses it "

@@ -353,21 +353,21 @@ DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter set
 # lookup's own (`--lookup-nodes`, `--lookup-streak`)
 _SHARED_KEYS = {"num_draft", "sizing", "lookup_nodes", "lookup_streak"}
 _DRAFTING_KEYS = {
-    "medusa": {"choices", *_SHARED_KEYS},
-    "hydra": {"choices", *_SHARED_KEYS},
-    "eagle": {"depth", "top_k", *_SHARED_KEYS},
-    "peagle": {"choices", *_SHARED_KEYS},
-    "dflash": {"choices", *_SHARED_KEYS},
-    "dspark": {"choices", *_SHARED_KEYS},
+    "MedusaDrafter": {"choices", *_SHARED_KEYS},
+    "HydraDrafter": {"choices", *_SHARED_KEYS},
+    "EagleDrafter": {"depth", "top_k", *_SHARED_KEYS},
+    "ParallelDrafter": {"choices", *_SHARED_KEYS},
+    "DFlashDrafter": {"choices", *_SHARED_KEYS},
+    "DSparkDrafter": {"choices", *_SHARED_KEYS},
 }
 DRAFTER_SIZINGS = ("fixed", "confidence")
 
 
-def check_drafting_keys(keys, family: str, where: str) -> None:
-    """Raise ValueError naming `where` for drafter settings the family's drafter does not take."""
-    unknown = set(keys) - _DRAFTING_KEYS[family]
+def check_drafting_keys(keys, drafter: str, where: str) -> None:
+    """Raise ValueError naming `where` for drafter settings the drafter class `drafter` does not take."""
+    unknown = set(keys) - _DRAFTING_KEYS[drafter]
     if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_DRAFTING_KEYS[family])})")
+        raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_DRAFTING_KEYS[drafter])})")
 
 
 def check_drafting_values(settings: dict, where: str) -> None:
@@ -395,13 +395,13 @@ def check_drafting_values(settings: dict, where: str) -> None:
         raise ValueError(f"{where}: choices must be a list of paths, each a list of child indices >= 0, got {choices!r}")
 
 
-def drafting_defaults(path: Path, family: str) -> dict:
+def drafting_defaults(path: Path, drafter: str) -> dict:
     """Settings from `drafting.json` in a head folder ({} when absent); unknown keys and bad
     values are errors naming the file."""
     file = Path(path) / DRAFTING_FILE
     if not file.is_file():
         return {}
     settings = read_json(file)  # not JSON, not UTF-8, or not an object: one line naming the file
-    check_drafting_keys(settings, family, str(file))
+    check_drafting_keys(settings, drafter, str(file))
     check_drafting_values(settings, str(file))
     return settings

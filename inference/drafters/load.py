@@ -6,35 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from ...heads.formats import detect_layout, import_head
-from ...heads.config import check_sizing, head_kind
+from ...heads.config import check_sizing, head_kind, resolve
 from ...heads.registry import load_head
 from ..engine.cost import measure_verify_cost
 from ..kernels.target_linears import dispatch_linears
-from .head_drafters import (
-    EagleDrafter,
-    HydraDrafter,
-    MedusaDrafter,
-    check_drafting_keys,
-    check_drafting_values,
-    drafting_defaults,
-)
+from .head_drafters import check_drafting_keys, check_drafting_values, drafting_defaults
 from .merged import MergedDrafter
-from .parallel import DFlashDrafter, DSparkDrafter, ParallelDrafter
 from .prompt_lookup import PromptLookupDrafter
 
 
 def head_drafter(head, **settings):
-    """`head` in its family's drafter, built with `settings` (that drafter's options). The head is
-    used as it is: no eval(), no linear dispatch, so a head still training can be replayed."""
-    drafters = {
-        "medusa": MedusaDrafter,
-        "hydra": HydraDrafter,
-        "eagle": EagleDrafter,
-        "peagle": ParallelDrafter,
-        "dflash": DFlashDrafter,
-        "dspark": DSparkDrafter,
-    }
-    return drafters[head_kind(head.kind).family](head, **settings)
+    """`head` in the drafter its KINDS row names, built with `settings` (that drafter's options).
+    The head is used as it is: no eval(), no linear dispatch, so a head still training can be
+    replayed."""
+    return resolve(head_kind(head.kind).drafter)(head, **settings)
 
 
 def chain_settings(kind: str, k: int) -> dict:
@@ -61,13 +46,12 @@ def load_head_drafter(path, target_model, tokenizer, target_name: str | None = N
         head, target = import_head(path, target_model, tokenizer, target_name=target_name), target_model
     head.eval()
     dispatch_linears(head)  # draft steps multiply a few rows by every head weight (inference/kernels/target_linears.py)
-    kind = head_kind(head.kind)
-    family = kind.family
+    drafter_class = resolve(head_kind(head.kind).drafter).__name__
     given = {k: v for k, v in options.items() if v is not None}  # None: keep drafting.json's value
     chain = given.pop("chain", None)
-    check_drafting_keys(given, family, f"{head.kind} drafter options")
+    check_drafting_keys(given, drafter_class, f"{head.kind} drafter options")
     check_drafting_values(given, f"{head.kind} drafter options")
-    settings = {**drafting_defaults(Path(path), family), **given}
+    settings = {**drafting_defaults(Path(path), drafter_class), **given}
     if chain is not None:  # the chain replaces the tree drafting.json describes, and sizes nothing itself
         for key in ("choices", "num_draft", "depth", "top_k", "sizing"):
             settings.pop(key, None)

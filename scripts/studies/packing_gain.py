@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from drafthead.train.loop.config import load_config
     from drafthead.train.capture.features import OnlineFeaturizer, collate, required_layers
     from drafthead.train.capture.packing import collate_packed
-    from drafthead.train.loop.run import head_config, new_or_saved_head, token_samples
+    from drafthead.train.loop.run import head_config_for, new_or_saved_head, token_samples
     from drafthead.train.loop.trainer import epoch_batches
 
     overrides = [f"data.limit={args.limit}", "features.mode=online"]
@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 
     if not args.batches:
         return 0
-    hcfg = head_config(cfg, loaded.model, loaded.tokenizer, loaded.name)
+    hcfg = head_config_for(cfg, loaded.model, loaded.tokenizer, loaded.name)
     featurize = OnlineFeaturizer(loaded.model, required_layers(hcfg, hcfg.final_layer))
     head = new_or_saved_head(
         cfg, hcfg, loaded.model, loaded.tokenizer, loaded.name, lambda m: None, lambda: samples.token_counts(hcfg.vocab_size)

@@ -1,8 +1,9 @@
 """The run config: small typed dataclasses, YAML presets, `key=value` / `a.b=value` overrides.
 
 Unknown keys are errors naming the key and the valid ones (docs/style.md 5). The head section is a
-free-form dict `{kind, ...}` checked by the head's own config class (heads/config.py), so head
-options have one home.
+dict `{kind, ...}` parsed once, when the run config is made, by the head kind's own config class
+(heads/config.py; `TrainConfig.head_config`), so head options have one home and a typo fails
+before any model loads.
 
     cfg = load_config("configs/eagle3.yaml", ["lr=3e-4", "data.limit=2000"])
     cfg = load_config("eagle3")   # a preset name: configs/eagle3.yaml
@@ -13,6 +14,7 @@ from __future__ import annotations
 import importlib.resources
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -22,7 +24,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from ...heads.config import KINDS, check_context_parallel
+from ...heads.config import KINDS, HeadConfig, check_context_parallel, config_from_dict
 from ...ground.files import not_utf8
 from ...ground.target.load import DTYPES
 
@@ -188,11 +190,11 @@ class TrainConfig:
             raise ConfigError("keep_best: replay_tau needs replay.sequences > 0 (the held-out prompts it is measured on)")
         if not isinstance(self.head, dict) or "kind" not in self.head:
             raise ConfigError(f"head must be a mapping with a 'kind' ({', '.join(KINDS)})")
-        if self.head_kind in KINDS:  # an unknown kind is named by the head's own check (head_config_dict)
-            try:
-                check_context_parallel(self.head_kind, self.head.get("loss"), self.context_parallel)
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        head = self.head_config  # parsed now, once: a bad head section fails before anything loads
+        try:
+            check_context_parallel(head.kind, head.loss, self.context_parallel)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         for name in ("batch_size", "grad_accum", "log_every", "keep_checkpoints", "context_parallel"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1; got {getattr(self, name)}")
@@ -231,6 +233,15 @@ class TrainConfig:
     @property
     def head_kind(self) -> str:
         return self.head["kind"]
+
+    @functools.cached_property
+    def head_config(self) -> HeadConfig:
+        """The head section as its kind's config (heads/config.py), not yet bound to a target
+        (heads/registry.py bind_target binds it)."""
+        try:
+            return config_from_dict(dict(self.head))
+        except ValueError as e:
+            raise ConfigError(f"head: {e}") from None
 
     @property
     def joint_lora(self) -> bool:
@@ -448,18 +459,6 @@ def load_config(name_or_path: str | Path | None = None, overrides: Sequence[str]
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
     return TrainConfig.from_dict(apply_overrides(data, list(overrides)))
-
-
-def head_config_dict(config: TrainConfig) -> dict:
-    """The head section without `kind`, checked against the head kind's config class now, so a
-    typo fails before any model is loaded."""
-    from ...heads.config import config_from_dict
-
-    try:
-        config_from_dict(dict(config.head))
-    except ValueError as e:
-        raise ConfigError(f"head: {e}") from None
-    return {k: v for k, v in config.head.items() if k != "kind"}
 
 
 # ----------------------------------------------------------------------------------------------

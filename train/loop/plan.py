@@ -22,16 +22,19 @@ Per rank, for N ranks (docs/scaling.md has the model and what was run versus onl
                   features (6 H bytes, once). The loss and the attention run in chunks whose
                   tensors are not kept (heads/losses.py, heads/ttt_attention.py): one chunk at a
                   time, the larger budget of the two;
-                  Medusa (per token, per head): a residual block (4 H bytes) and the logits (8 V).
+                  MLP heads (Medusa, Hydra; per token, per head): a residual block (4 H bytes)
+                  and the logits (8 V).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
+from ...heads.config import head_kind
 from .config import ConfigError, TrainConfig, data_replicas
 
 GIB = 2**30
@@ -49,7 +52,7 @@ class RunShapes:
     head_frozen_bytes: int  # frozen head tensors the head owns (none for ours: they bind the target's)
     hidden: int
     draft_vocab: int
-    steps: int  # EAGLE: training-time-test steps; Medusa: heads
+    steps: int  # EAGLE: training-time-test steps; MLP heads (Medusa, Hydra): heads
     kind: str
     tokens: int  # per micro-batch and rank: batch_size x max_length, / context_parallel when rows are split
     gathered_keys: int = 0  # split rows: the whole rows' step-0 keys and values one step gathers (elements)
@@ -60,10 +63,11 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
+    from ...heads.config import Eagle3Config, MedusaConfig
     from ...heads.eagle3 import Eagle3Head
     from ...heads.registry import _new_module
     from ...ground.target.load import model_auto_class
-    from .run import head_config
+    from .run import head_config_for
     from .sharding import decoder_layers
 
     hf_config = AutoConfig.from_pretrained(str(target_config))
@@ -72,7 +76,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
         target = model_auto_class(hf_config).from_config(hf_config, dtype=dtype)
     target.requires_grad_(False)
     name = Path(target_config).stem
-    hcfg = head_config(config, target, None, name)
+    hcfg = head_config_for(config, target, None, name)
     vocab = hf_config.get_text_config().vocab_size
     # accelerate's init_empty_weights: parameters on the meta device, small buffers (the draft
     # vocabulary's maps) computed for real; the head as built, not initialised from the target
@@ -80,7 +84,7 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
         head = _new_module(hcfg, target)
     layers = decoder_layers(target)  # a multimodal target's are its language model's
     layer_bytes = max((sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in layers), default=0)
-    medusa = hcfg.kind.startswith("medusa")
+    kind = head_kind(hcfg.kind)
     return RunShapes(
         target_bytes=sum(p.numel() * p.element_size() for p in target.parameters()),
         largest_layer_bytes=layer_bytes,
@@ -88,8 +92,8 @@ def run_shapes(config: TrainConfig, target_config: str | Path) -> RunShapes:
         head_trainable=sum(p.numel() for p in head.parameters() if p.requires_grad),
         head_frozen_bytes=sum(p.numel() * p.element_size() for p in head.parameters() if not p.requires_grad),
         hidden=hf_config.get_text_config().hidden_size,
-        draft_vocab=getattr(hcfg, "draft_vocab_size", vocab) if not medusa else vocab,
-        steps=hcfg.num_heads if medusa else getattr(hcfg, "ttt_steps", 1),
+        draft_vocab=cast(Eagle3Config, hcfg).draft_vocab_size if kind.draft_vocab else vocab,
+        steps=cast(MedusaConfig, hcfg).num_heads if kind.mlp_heads else getattr(hcfg, "ttt_steps", 1),
         kind=hcfg.kind,
         tokens=config.batch_size * -(-config.data.max_length // config.context_parallel),  # a rank's columns
         gathered_keys=(
@@ -109,7 +113,7 @@ def activation_bytes(shapes: RunShapes) -> int:
     from ...heads.ttt_attention import CHUNK_BYTES
 
     h, v = shapes.hidden, shapes.draft_vocab
-    if shapes.kind.startswith("medusa"):
+    if head_kind(shapes.kind).mlp_heads:
         return shapes.tokens * shapes.steps * (4 * h + 8 * v)
     per_token = shapes.steps * EAGLE_STEP_BYTES_PER_H * h + 6 * h
     # one chunk at a time: the loss's, or an attention chunk's scores with their softmax and mask;
@@ -154,7 +158,7 @@ def plan_table(config: TrainConfig, target_config: str | Path, ranks: tuple[int,
         f"micro-batch {config.batch_size} x {config.data.max_length} tokens"
         + (f" split across {config.context_parallel} ranks" if config.context_parallel > 1 else "")
         + f", {shapes.steps} "
-        f"{'heads' if shapes.kind.startswith('medusa') else 'TTT steps'}; GiB per rank:",
+        f"{'heads' if head_kind(shapes.kind).mlp_heads else 'TTT steps'}; GiB per rank:",
         "",
         "| strategy | ranks | params | grads | optimizer | target | gathered | activations | total |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from ..data.chat_format import FormatReport, tokenize_conversations
-from .config import ConfigError, TrainConfig, check_resume, head_config_dict
+from .config import ConfigError, TrainConfig, check_resume
 from ..capture.features import CapturedFeatures, OnlineFeaturizer, capture_features, plan_changes, required_layers
 from ..data.samples import TokenDataset
 from ...ground.target.load import target_folder
@@ -39,11 +39,11 @@ def pad_token_id(tokenizer) -> int:
     return 0
 
 
-def head_config(config: TrainConfig, target_model, tokenizer, target_name: str | None = None):
-    """The head's typed config for this target (heads.registry.make_config + the run's head options)."""
-    from ...heads.registry import make_config
+def head_config_for(config: TrainConfig, target_model, tokenizer, target_name: str | None = None):
+    """The run's head config (its head section, parsed when the config was made) for this target."""
+    from ...heads.registry import bind_target
 
-    return make_config(config.head_kind, target_model, tokenizer, name=target_name, **head_config_dict(config))
+    return bind_target(config.head_config, target_model, tokenizer, target_name)
 
 
 def token_samples(config: TrainConfig, tokenizer) -> Samples:
@@ -173,7 +173,7 @@ def build_trainer(
 ) -> Trainer:
     """Everything a run needs, built from the config around an already loaded target."""
     accelerator = accelerator or make_accelerator(config)
-    hcfg = head_config(config, target_model, tokenizer, target_name)
+    hcfg = head_config_for(config, target_model, tokenizer, target_name)
     layers = required_layers(hcfg, hcfg.final_layer)
     say_if_not_exportable(hcfg, say)
     if config.joint_lora and config.features.mode == "captured":
@@ -354,7 +354,6 @@ def run_training(
     from ...ground.target.load import load_target
     from .allocator import map_large_blocks_for
 
-    head_config_dict(config)  # the head section, checked before anything loads or is written
     map_large_blocks_for(config.data.max_length)  # long rows would fragment the C heap (train/loop/allocator.py)
     out = Path(config.output_dir)
     accelerator = make_accelerator(config)
@@ -405,7 +404,7 @@ def capture_from_config(
     share: this process's part of a capture run by several (train/capture/workshare.py; default alone).
     engine: another engine's target with `hidden_states(input_ids, attention_mask, layers)` (the
     llama.cpp backend) in place of `target_model`'s forward; the capture's meta names it."""
-    hcfg = head_config(config, target_model, tokenizer, target_name)
+    hcfg = head_config_for(config, target_model, tokenizer, target_name)
     layers = required_layers(hcfg, hcfg.final_layer)
     samples = token_samples(config, tokenizer)
     for report in (samples.source_report, samples.format_report):
