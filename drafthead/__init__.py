@@ -20,7 +20,7 @@ _EXPORTS = {
     "load_target": "drafthead.ground.target.load",
     "LoadedTarget": "drafthead.ground.target.load",
     "eos_token_ids": "drafthead.ground.target.identity",
-    "build_drafter": "drafthead.proposers",
+    "build_drafter": "drafthead.draft_spec",
     "speculative_generate": "drafthead.inference.engine.generate",
     "GenerationConfig": "drafthead.inference.engine.generate",
     "GenerationResult": "drafthead.inference.engine.generate",

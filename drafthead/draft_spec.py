@@ -1,45 +1,65 @@
 """How a round drafts, in one frozen object: who drafts (proposer, head or draft model), how many
 draft nodes (`num_draft`), the rule that sizes each round (`sizing`), the tree's shape, the
 prompt-lookup nodes merged in, and the backend that verifies. The CLI's options, `data
-regenerate`, the studies and Python callers each make one DraftSpec; `build()` turns it into the
-drafter factory, the model to decode with, the verifier and the load policy.
+regenerate`, `serve`, the studies and Python callers each make one DraftSpec; `build()` turns it
+into the drafter factory, the model to decode with and the verifier.
+
+A setting travels in three typed hops, under one name: the CLI option or Python keyword, this
+spec's field (every rule checked here, once), and the drafter class's own settings
+(inference/drafters/settings.py) or constructor argument. A head folder's `drafting.json` holds
+the same names, read once by `build` into the fields the caller left unset.
 
     sizing   fixed       every round drafts the drafter's tree (num_draft nodes, or its default)
-             policy      the load policy cuts each round's tree to the node count that pays at the
-                         batch size, from the target's measured forward cost (down to plain decoding)
+             policy      the engine's load policy cuts each round's tree to the node count that pays
+                         at the batch size, from the target's measured forward cost (down to plain
+                         decoding; inference/engine/sizing.py)
              confidence  the drafter's own acceptance estimate against that cost (EAGLE's path
                          probabilities, DSpark's confidence head); num_draft, when given, caps it
-
-A head folder's `drafting.json` gives the defaults the spec's unset fields keep
-(inference/drafters/head_drafters.py).
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Callable
 
-from .proposers import PROPOSERS, default_head_path, make_drafter_factory
+from .inference.drafters.settings import HeadDrafting, HeadTree
+from .inference.engine.sizing import check_sizing
+from .proposers import default_head_path, head_layout
 
-SIZINGS = ("fixed", "policy", "confidence")
+PROPOSERS = ("prompt-lookup", "draft-model", "head", "none")
 BACKENDS = ("torch", "llama.cpp")
-# what a batch of 16 rows x 32 nodes reaches: the token counts the load policy's cost curve is timed at
-POLICY_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+DRAFTING_FILE = "drafting.json"  # optional, beside a head's config.json: the drafting measured best for it
+# the fields a drafting.json may set: a head's tree, its sizing and its merged prompt lookup
+DRAFTING_KEYS = ("num_draft", "sizing", "depth", "branch", "choices", "lookup_nodes", "lookup_streak")
+# each whole-number field: its CLI option and its least value
+WHOLE = {
+    "num_draft": ("--num-draft", 1),
+    "depth": ("--tree-depth", 1),
+    "branch": ("--tree-branch", 1),
+    "chain": ("--chain", 1),
+    "lookup_nodes": ("--lookup-nodes", 0),
+    "lookup_streak": ("--lookup-streak", 0),
+}
+LOOKUP_STREAK = 32  # prompt lookup alone: a streak's length, measured ahead of no streak on MT-bench (docs/results.md)
+DRAFT_MODEL_NUM_DRAFT = 4  # a draft model's chain when num_draft is not given
 
 
 @dataclass(frozen=True)
 class Drafting:
     """What `DraftSpec.build` returns: `factory()` gives a drafter with fresh state per prompt;
     `model` is the target to decode with (a Medusa-2 head merges its LoRA into it); `verifier`
-    runs the tree forwards (`model`, or a llama.cpp target); `policy` is the load policy or None."""
+    runs the tree forwards (`model`, or a llama.cpp target). `spec` is resolved: its proposer and
+    head chosen, a head's drafting.json read in; `head_drafting` is what a head drafts."""
 
     spec: DraftSpec
     factory: Callable[[], Any]
     model: Any
     verifier: Any
-    policy: Any
+    sizing: str  # the rule that sizes each round, for GenerationConfig (inference/engine/sizing.py)
     message: str  # one line: what drafts and why
+    head_drafting: HeadDrafting | None = None
 
 
 @dataclass(frozen=True)
@@ -49,8 +69,9 @@ class DraftSpec:
     draft_model: str | None = None  # a draft LM's name or folder
     num_draft: int | None = None  # draft nodes per round; None: the drafter's default (drafting.json for heads)
     sizing: str | None = None  # SIZINGS; None: a head folder's drafting.json, else fixed
-    depth: int | None = None  # EAGLE heads: draft steps per round
-    branch: int | None = None  # EAGLE heads: children expanded per node and step
+    depth: int | None = None  # heads that grow a tree (EAGLE): draft steps per round
+    branch: int | None = None  # heads that grow a tree (EAGLE): children expanded per node and step
+    choices: tuple[tuple[int, ...], ...] | None = None  # heads with a static tree: its paths of candidate ranks
     chain: int | None = None  # heads: a chain of `chain` top-1 drafts a round instead of the head's tree
     lookup_nodes: int | None = None  # heads: prompt-lookup nodes merged into each tree (0: off)
     lookup_streak: int | None = None  # prompt lookup: length of the draft after a wholly accepted one (0: off)
@@ -58,17 +79,19 @@ class DraftSpec:
     gguf_type: str | None = None  # llama.cpp backend: the GGUF's weight type (default: the target dtype's)
 
     def __post_init__(self):
-        """Settings no drafter can take, refused before any model loads."""
+        """Every rule on the settings, before any model loads: each in this one place."""
         if self.proposer is not None and self.proposer not in PROPOSERS:
             raise ValueError(f"unknown proposer '{self.proposer}': use one of {', '.join(PROPOSERS)}")
-        if self.sizing is not None and self.sizing not in SIZINGS:
-            raise ValueError(f"unknown sizing '{self.sizing}': use one of {', '.join(SIZINGS)}")
+        if self.sizing is not None:
+            check_sizing(self.sizing)
         if self.backend not in BACKENDS:
             raise ValueError(f"unknown backend '{self.backend}': use one of {', '.join(BACKENDS)}")
-        for name, low in (("num_draft", 1), ("depth", 1), ("branch", 1), ("chain", 1), ("lookup_nodes", 0), ("lookup_streak", 0)):
+        for name, (option, low) in WHOLE.items():
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-                raise ValueError(f"--{name.replace('_', '-')} must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, got {value!r}")
+                raise ValueError(f"{name} ({option}) must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, got {value!r}")
+        if self.choices is not None:
+            object.__setattr__(self, "choices", _checked_choices(self.choices))
         if self.sizing == "confidence" and self.proposer not in (None, "head"):
             raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks, not {self.proposer} drafts")
         if self.proposer == "none" and (self.num_draft is not None or self.sizing not in (None, "fixed") or self.lookup_streak is not None):
@@ -81,13 +104,13 @@ class DraftSpec:
                 raise ValueError(f"--{name.replace('_', '-')} drafts for --proposer {proposer}, not {self.proposer}: drop one of them")
         if self.head is not None and self.draft_model is not None:
             raise ValueError("--head and --draft-model name two drafters: pass one")
-        if self.chain is not None and (self.num_draft, self.depth, self.branch) != (None, None, None):
-            raise ValueError("--chain K drafts K nodes a round, a chain: it takes no --num-draft, --tree-depth or --tree-branch")
+        if self.chain is not None and (self.num_draft, self.depth, self.branch, self.choices) != (None, None, None, None):
+            raise ValueError("--chain K drafts K nodes a round, a chain: it takes no --num-draft, --tree-depth, --tree-branch or choices")
         if self.chain is not None and self.sizing == "confidence":
             raise ValueError("--chain K is a fixed chain: it cannot be sized by the drafter's confidence")
-        heads_only = [name for name in ("depth", "branch", "chain", "lookup_nodes") if getattr(self, name) is not None]
+        heads_only = [name for name in ("depth", "branch", "choices", "chain", "lookup_nodes") if getattr(self, name) is not None]
         if heads_only and self.proposer not in (None, "head"):
-            raise ValueError(f"--{heads_only[0].replace('_', '-')} is a head drafter's setting, not {self.proposer}'s")
+            raise ValueError(f"{_spelling(heads_only[0])} is a head drafter's setting, not {self.proposer}'s")
 
     @classmethod
     def from_args(cls, args) -> DraftSpec:
@@ -127,7 +150,7 @@ class DraftSpec:
         if proposer == "head" and head is None:
             shipped = default_head_path(target_name)
             if shipped is None:
-                raise ValueError(f"no head ships for {target_name}; pass --head DIR")
+                raise ValueError(f"the head proposer needs a trained head folder, and no head ships for {target_name}: pass --head DIR")
             head = str(shipped)
         spec = replace(self, proposer=proposer, head=head)
         if proposer == "none":
@@ -135,30 +158,41 @@ class DraftSpec:
         what = {"head": f"the head at {head}", "draft-model": f"draft model {self.draft_model}", "prompt-lookup": "prompt lookup"}
         return spec, f"drafting with {what[proposer]}"
 
-    def drafter_options(self) -> dict:
-        """The resolved proposer's constructor options: the one translation from the spec's names
-        to each drafter's (unset fields are left out, so a head's drafting.json keeps them)."""
-        options: dict[str, object]
-        if self.proposer == "none":
-            options = {}
-        elif self.proposer == "prompt-lookup":
-            options = {"num_draft": self.num_draft, "streak_draft": self.lookup_streak}
-        elif self.proposer == "head":
-            options = {
-                "num_draft": self.num_draft,
-                "depth": self.depth,
-                "top_k": self.branch,
-                "chain": self.chain,
-                "lookup_nodes": self.lookup_nodes,
-                "lookup_streak": self.lookup_streak,
-            }
-            if self.sizing is not None:  # the load policy is the engine's: the drafter drafts its fixed tree
-                options["sizing"] = "fixed" if self.sizing == "policy" else self.sizing
-        elif self.proposer == "draft-model":
-            options = {"num_draft": self.num_draft}
+    def with_head_folder(self) -> tuple[DraftSpec, str | None]:
+        """(this spec with the head folder's drafting.json read into the fields it leaves unset, the
+        head's kind), every setting checked against that kind; for other proposers (self, None)."""
+        if self.proposer != "head":
+            return self, None
+        assert self.head is not None  # resolve() chose it
+        folder = Path(self.head)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"no head folder at {folder}")
+        _, kind = head_layout(folder)
+        if kind is None:
+            raise ValueError(f"{folder}: its config names no head kind")
+        check_kind(kind, self, "")
+        spec = self
+        file = folder / DRAFTING_FILE
+        if file.is_file():
+            stated = read_drafting(file)
+            check_kind(kind, stated, f"{file}: ")
+            if self.chain is not None:  # the chain replaces the tree drafting.json describes
+                stated = replace(stated, num_draft=None, depth=None, branch=None, choices=None, sizing=None)
+            spec = replace(self, **{name: getattr(stated, name) for name in DRAFTING_KEYS if getattr(self, name) is None})
+        return spec, kind
+
+    def head_drafting(self, kind: str) -> HeadDrafting:
+        """The head drafter's own settings: its tree, in the terms of `kind`'s drafter (the field
+        names are theirs: nothing is renamed), and the prompt lookup merged in."""
+        from .inference.drafters.load import chain_settings, tree_settings_class
+
+        tree: HeadTree | None
+        if self.chain is not None:
+            tree = chain_settings(kind, self.chain)
         else:
-            raise ValueError("resolve() the spec before building: its proposer is not chosen")
-        return {k: v for k, v in options.items() if v is not None}
+            given = {name: getattr(self, name) for name in ("num_draft", "depth", "branch", "choices") if getattr(self, name) is not None}
+            tree = tree_settings_class(kind)(**given) if given else None
+        return HeadDrafting(tree, self.lookup_nodes or 0, self.lookup_streak)
 
     def build(
         self,
@@ -170,21 +204,65 @@ class DraftSpec:
         row_invariant: bool | None = None,
         note: Callable[[str], None] | None = None,
     ) -> Drafting:
-        """The drafter factory, decoding model, verifier and load policy for `loaded` (a
-        LoadedTarget); the spec is resolved first if it was not. `note` gets status lines;
-        row_invariant: the kernels the load policy times (GenerationConfig.row_invariant)."""
+        """The drafter factory, decoding model and verifier for `loaded` (a LoadedTarget: name,
+        model, tokenizer, path); the spec is resolved first. What the sizing rule needs is built
+        by the engine now (inference/engine/sizing.py prepare_sizing), so the first generation
+        does not time it. `note` gets status lines; row_invariant: the kernels the verifier's
+        cost is timed with (GenerationConfig.row_invariant; None: the engine's default)."""
         note = note or _stderr
         spec, message = self.resolve(loaded.name)
-        kw = spec.drafter_options()
-        if spec.proposer == "head":
-            kw.update(head=spec.head, target_name=loaded.name)
-        elif spec.proposer == "draft-model":
-            kw.update(draft_model=spec.draft_model, sampling=sampling, seed=seed)
-        assert spec.proposer is not None  # resolve() chose it
-        factory, model = make_drafter_factory(spec.proposer, loaded.model, loaded.tokenizer, **kw)
+        spec, kind = spec.with_head_folder()
+        sizing = spec.sizing or "fixed"
+        spec = replace(spec, sizing=sizing)
+        factory, model, drafting = spec._factory(loaded, kind, sampling, seed)
         verifier = spec._verifier(loaded, model, threads, note)
-        policy = spec._policy(verifier, factory(), row_invariant, note) if spec.sizing == "policy" else None
-        return Drafting(spec, factory, model, verifier, policy, message)
+        if sizing != "fixed":
+            from .inference.engine.backend import row_invariant_by_default
+            from .inference.engine.sizing import prepare_sizing
+
+            settled = row_invariant_by_default(verifier) if row_invariant is None else row_invariant
+            prepare_sizing(verifier, factory(), sizing, settled, note)
+        return Drafting(spec, factory, model, verifier, sizing, message, drafting)
+
+    def _factory(self, loaded, kind: str | None, sampling, seed) -> tuple[Callable[[], Any], Any, HeadDrafting | None]:
+        """(factory, the model to decode with, a head's drafting) for the resolved proposer: a head
+        or a draft model is loaded once, and a head drafter reused (its `begin` starts afresh);
+        the other drafters are made per prompt."""
+        if self.proposer == "none":
+            from .inference.engine.drafter import RootOnlyDrafter
+
+            return RootOnlyDrafter, loaded.model, None
+        if self.proposer == "prompt-lookup":
+            from .inference.drafters.prompt_lookup import PromptLookupDrafter
+
+            streak = LOOKUP_STREAK if self.lookup_streak is None else self.lookup_streak
+            return (lambda: PromptLookupDrafter(num_draft=self.num_draft, lookup_streak=streak)), loaded.model, None
+        if self.proposer == "draft-model":
+            from .inference.drafters.draft_model import DraftModelDrafter
+            from .inference.engine.sampling import SamplingConfig
+            from .proposers import load_draft_model
+
+            draft = load_draft_model(self.draft_model, loaded.model, loaded.tokenizer)
+            num_draft = DRAFT_MODEL_NUM_DRAFT if self.num_draft is None else self.num_draft
+            return (lambda: DraftModelDrafter(draft, num_draft=num_draft, sampling=sampling or SamplingConfig(), seed=seed)), loaded.model, None
+        assert self.head is not None and kind is not None  # resolve() and with_head_folder() settled them
+        from .heads.formats import detect_layout
+        from .heads.formats.common import ConventionNeeded
+        from .inference.drafters.load import load_head_drafter
+
+        drafting = self.head_drafting(kind)
+        try:
+            drafter, model = load_head_drafter(self.head, loaded.model, loaded.tokenizer, loaded.name, drafting)
+        except ConventionNeeded as e:  # --head has no --convention: the import command does
+            raise ConventionNeeded(f"{e}. Convert it once with `drafthead import {self.head} --convention ... --out DIR` and pass --head DIR") from e
+        layout = detect_layout(self.head)
+        if layout != "ours":
+            print(
+                f"drafthead: {self.head} is a {layout} checkpoint, read exactly into a {kind} head "
+                "(`drafthead import` saves it as a drafthead head folder)",
+                file=sys.stderr,
+            )
+        return (lambda: drafter), model, drafting
 
     def _verifier(self, loaded, model, threads, note):
         """`model` itself, or (backend llama.cpp) a LlamaCppTarget on a GGUF of the target that
@@ -198,23 +276,73 @@ class DraftSpec:
             )
         return llamacpp_target(loaded, self.gguf_type, threads, note)
 
-    @staticmethod
-    def _policy(verifier, drafter, row_invariant: bool | None, note):
-        """The load policy (inference/engine/policy.py), with the verifier's forward timed once at
-        POLICY_TOKEN_COUNTS the way it is called in rounds."""
-        from .inference.engine.cost import measure_verify_cost
-        from .inference.engine.policy import SpeculationPolicy
 
-        context = 128  # cached tokens behind the timed forward (measure_verify_cost's default)
-        limit = getattr(verifier.config.get_text_config(), "max_position_embeddings", None) or 10**9
-        counts = [n for n in POLICY_TOKEN_COUNTS if context + n <= limit] or [1, 2]
-        note("sizing policy: timing the target's forward at " + ", ".join(map(str, counts)) + " tokens")
-        want_hidden = bool(drafter.feature_layers) or drafter.needs_last_hidden
-        return SpeculationPolicy(
-            measure_verify_cost(
-                verifier, counts, context=context, want_hidden=want_hidden, feature_layers=drafter.feature_layers, row_invariant=row_invariant
-            )
-        )
+def check_kind(kind: str, spec: DraftSpec, where: str) -> None:
+    """The settings a head of `kind` takes: a tree's depth and branch for kinds that grow one,
+    choices for static trees, sizing by confidence for kinds that size themselves (heads/config.py
+    KINDS). `where` prefixes the error (a drafting.json's path)."""
+    from .heads.config import head_kind
+
+    known = head_kind(kind)
+    if spec.sizing == "confidence" and not known.sizes_itself:
+        raise ValueError(f"{where}sizing 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number of nodes")
+    wrong = ("choices",) if known.grows_tree else ("depth", "branch")
+    given = [name for name in wrong if getattr(spec, name) is not None]
+    if given:
+        tree = "an EAGLE tree, grown step by step (--tree-depth, --tree-branch)" if known.grows_tree else "a static tree (choices)"
+        raise ValueError(f"{where}{_spelling(given[0])} does not shape a {kind} head's tree: it drafts {tree}")
+
+
+def read_drafting(file: Path) -> DraftSpec:
+    """A head folder's drafting.json as the spec it states: only DRAFTING_KEYS, each checked as
+    the spec checks it; the error names the file."""
+    from .ground.files import read_json
+
+    stated = read_json(file)  # not JSON, not UTF-8, or not an object: one line naming the file
+    unknown = sorted(set(stated) - set(DRAFTING_KEYS))
+    if unknown:
+        raise ValueError(f"{file}: unknown keys {unknown} (known: {', '.join(DRAFTING_KEYS)})")
+    try:
+        return DraftSpec(proposer="head", **stated)
+    except ValueError as e:
+        raise ValueError(f"{file}: {e}") from None
+
+
+def build_drafter(proposer: str, target, tokenizer, **settings):
+    """A drafter for `target` (a transformers model) by proposer name, with DraftSpec's settings
+    (`head=DIR`, `num_draft=8`, `draft_model=NAME`, ...): DraftSpec's build, its first drafter.
+    A head that adapts the target (Medusa-2) needs DraftSpec.build, which returns the adapted
+    model to decode with."""
+    name = Path(str(getattr(getattr(target, "config", None), "_name_or_path", "") or "target")).name
+    loaded = _Loaded(name=name, model=target, tokenizer=tokenizer)
+    drafting = DraftSpec(proposer=proposer, **settings).build(loaded, note=lambda line: None)
+    if drafting.model is not target:
+        raise ValueError("this head adapts the target (Medusa-2 LoRA): use DraftSpec.build, which returns the adapted target to decode with")
+    return drafting.factory()
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """What `build` reads of a LoadedTarget, for a model a caller holds."""
+
+    name: str
+    model: Any
+    tokenizer: Any
+    path: Path | None = None
+
+
+def _checked_choices(choices) -> tuple[tuple[int, ...], ...]:
+    """choices as a tuple of paths (lists from JSON, tuples from Python), each a path of candidate ranks >= 0."""
+    if isinstance(choices, (list, tuple)) and all(
+        isinstance(path, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path) for path in choices
+    ):
+        return tuple(tuple(path) for path in choices)
+    raise ValueError(f"choices must be a list of paths, each a list of candidate ranks >= 0, got {choices!r}")
+
+
+def _spelling(name: str) -> str:
+    """A setting as both its readers know it: the field, and its CLI option where it has one."""
+    return f"{name} ({WHOLE[name][0]})" if name in WHOLE else name
 
 
 def _stderr(message: str) -> None:

@@ -131,7 +131,7 @@ def generate(
         drafting.verifier,
         drafting.factory(),
         input_ids,
-        GenerationConfig(max_new_tokens=max_new, sampling=sampling, eos_token_ids=eos, seed=seed, policy=drafting.policy),
+        GenerationConfig(max_new_tokens=max_new, sampling=sampling, eos_token_ids=eos, seed=seed, sizing=drafting.sizing),
         attention_mask=attention_mask,
         tokenizer=tokenizer,
         streamer=streamer,

@@ -708,14 +708,6 @@ def head_kind(name: str) -> HeadKind:
     return KINDS[name]
 
 
-def check_sizing(kind: str, sizing: str | None) -> None:
-    """Sizing "confidence" needs a kind whose drafter estimates its own acceptance (`sizes_itself`);
-    the others take a number of nodes. A ValueError in one line otherwise, or for an unknown kind."""
-    known = head_kind(kind)
-    if sizing == "confidence" and not known.sizes_itself:
-        raise ValueError(f"sizing 'confidence' sizes EAGLE trees and DSpark blocks; {kind} heads take a number of nodes")
-
-
 def check_context_parallel(kind: str, loss: str | None, ranks: int) -> None:
     """`context_parallel: ranks` > 1 splits each row's columns across ranks: for kinds that split
     their rows (`splits_rows`), and not under loss dpace, which weighs each position's whole chain

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from drafthead.inference.drafters.settings import StaticTreeSettings, TreeSettings
 from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
@@ -29,12 +30,12 @@ KINDS = {
 
 def make_drafter(head):
     if head.kind == "peagle":
-        return ParallelDrafter(head, num_draft=8)
+        return ParallelDrafter(head, StaticTreeSettings(num_draft=8))
     if head.kind == "hydra":
-        return HydraDrafter(head, num_draft=12)
+        return HydraDrafter(head, StaticTreeSettings(num_draft=12))
     if head.kind.startswith("medusa"):
-        return MedusaDrafter(head, num_draft=12)
-    return EagleDrafter(head, num_draft=12, depth=4, top_k=3)
+        return MedusaDrafter(head, StaticTreeSettings(num_draft=12))
+    return EagleDrafter(head, TreeSettings(num_draft=12, depth=4, branch=3))
 
 
 def self_generated_batch(target, n=6, length=40):
@@ -149,12 +150,14 @@ def batch_drafters(target, family):
     head_m = build_head(make_config("medusa1", target, None, name="tiny"), target).eval()
     return {
         "prompt-lookup": PromptLookupDrafter(length=6),
-        "prompt-lookup-streak": PromptLookupDrafter(length=3, streak_draft=12),
+        "prompt-lookup-streak": PromptLookupDrafter(length=3, lookup_streak=12),
         "draft-model-tree": DraftModelDrafter(tiny_causal_lm(family, seed=7, layers=4), choices=[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]),
         "self-chain": DraftModelDrafter(target, num_draft=4),
-        "eagle3": EagleDrafter(head_e, num_draft=10, depth=4, top_k=3),
-        "medusa1": MedusaDrafter(head_m, num_draft=8),
-        "eagle3+lookup": MergedDrafter([EagleDrafter(head_e, num_draft=8, depth=3, top_k=3), PromptLookupDrafter(length=4)], extra_nodes=4),
+        "eagle3": EagleDrafter(head_e, TreeSettings(num_draft=10, depth=4, branch=3)),
+        "medusa1": MedusaDrafter(head_m, StaticTreeSettings(num_draft=8)),
+        "eagle3+lookup": MergedDrafter(
+            [EagleDrafter(head_e, TreeSettings(num_draft=8, depth=3, branch=3)), PromptLookupDrafter(length=4)], extra_nodes=4
+        ),
     }
 
 

@@ -10,8 +10,10 @@ from collections import Counter
 
 import torch
 
-from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.drafters.settings import StaticTreeSettings, TreeSettings
+from drafthead.inference.engine.generate import speculative_generate
 from drafthead.inference.engine.sampling import SamplingConfig, logits_to_probs
+from tests.policy_checks import under
 from tests.stats import chi_square_pvalue
 from tests.tiny import tiny_causal_lm
 
@@ -87,7 +89,7 @@ def sampled_first(target, drafter, prompt, sampling, new_tokens: int, copies: in
     ids = prompt.repeat(copies, 1)
     counts, deep = Counter(), 0
     for run in range(RUNS // copies):
-        config = GenerationConfig(max_new_tokens=new_tokens, sampling=sampling, seed=run, policy=None if policy_of is None else policy_of())
+        config = under(None if policy_of is None else policy_of(), target, drafter, max_new_tokens=new_tokens, sampling=sampling, seed=run)
         out = speculative_generate(target, drafter, ids, config, attention_mask=torch.ones_like(ids))
         for row in out.rows if copies > 1 else [out]:
             counts[tuple(row.new_tokens[0].tolist())] += 1
@@ -110,15 +112,15 @@ def steered_case(case: str):
     torch.manual_seed(0)
     if case in ("medusa1", "medusa2"):
         head = build_head(make_config(case, target, None, name="tiny", num_heads=2), target).eval()
-        return target, MedusaDrafter(head, choices=[(0,), (1,), (0, 0), (1, 0)]), None
-    eagle1 = EagleDrafter(build_head(make_config("eagle1", target, None, name="tiny"), target).eval(), num_draft=6, depth=2, top_k=2)
+        return target, MedusaDrafter(head, StaticTreeSettings(choices=[(0,), (1,), (0, 0), (1, 0)])), None
+    eagle1 = EagleDrafter(build_head(make_config("eagle1", target, None, name="tiny"), target).eval(), TreeSettings(num_draft=6, depth=2, branch=2))
     if case == "eagle1":
         return target, eagle1, None
     if case == "policy":  # one policy over every run: its estimates carry over, as they do for a user
         policy = InjectedCosts(FLAT, probe_every=3, draft_per_row=0.00001)
         return target, eagle1, lambda: policy
     eagle3 = build_head(make_config("eagle3", target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
-    return target, MergedDrafter([EagleDrafter(eagle3, num_draft=4, depth=2, top_k=2), PromptLookupDrafter(length=3)]), None
+    return target, MergedDrafter([EagleDrafter(eagle3, TreeSettings(num_draft=4, depth=2, branch=2)), PromptLookupDrafter(length=3)]), None
 
 
 # ---------------------------------------------------------------------------------------------- the rule's exact law

@@ -6,22 +6,33 @@ from __future__ import annotations
 
 import torch
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.inference.engine.cost import CostCurve
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.engine.policy import SpeculationPolicy
+from drafthead.inference.engine.sizing import set_policy
 from tests.tiny import left_padded, plain_greedy, prompts_of, tiny_causal_lm
 
 FLAT = CostCurve((1, 1024), (0.010, 0.0101))  # a GPU at small batch: more tokens cost nothing
 STEEP = CostCurve((1, 16, 64), (0.010, 0.012, 0.048))  # a CPU: flat to 16 tokens, then linear
 
 
+def under(policy, target, drafter, **fields) -> GenerationConfig:
+    """GenerationConfig(**fields) whose rounds of `drafter` on `target` run under `policy` (the
+    engine's own otherwise: inference/engine/sizing.py set_policy); None: fixed sizing."""
+    if policy is None:
+        return GenerationConfig(**fields)
+    set_policy(target, drafter, policy)
+    return GenerationConfig(sizing="policy", **fields)
+
+
 def tiny_eagle_drafter():
     """(target, untrained EAGLE-3 head, its drafter: 10 nodes, depth 4, top-3) on a tiny Llama."""
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target, token_counts=torch.arange(96)).eval()
-    return target, head, EagleDrafter(head, num_draft=10, depth=4, top_k=3)
+    return target, head, EagleDrafter(head, TreeSettings(num_draft=10, depth=4, branch=3))
 
 
 class InjectedCosts(SpeculationPolicy):
@@ -84,7 +95,7 @@ def policy_decoding(curve, draft_per_row: float, steered: bool, batch: int = 1, 
         drafter = unlimited(drafter)
     policy = RecordedCuts(curve, probe_every=3, draft_per_row=draft_per_row)
     ids, mask = left_padded(prompts)
-    out = speculative_generate(target, drafter, ids, GenerationConfig(max_new_tokens=40, policy=policy), attention_mask=mask)
+    out = speculative_generate(target, drafter, ids, under(policy, target, drafter, max_new_tokens=40), attention_mask=mask)
     rows = [out] if batch == 1 else out.rows
     assert [r.new_tokens[0].tolist() for r in rows] == refs
     return rows, policy

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.engine.cache import cache_capacity, cache_kwargs, keep_paths, new_cache
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
@@ -123,7 +124,7 @@ def test_batched_sampling_is_exact_per_row_at_depth_two(case):
         drafter = DraftModelDrafter(draft, num_draft=2, sampling=sampling, seed=0)
     else:
         head = build_head(make_config("eagle3", target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
-        drafter = EagleDrafter(head, num_draft=6, depth=2, top_k=2)
+        drafter = EagleDrafter(head, TreeSettings(num_draft=6, depth=2, branch=2))
     prompts = [torch.tensor([3, 4, 5, 3, 4]), torch.tensor([6, 3])]
     ids, mask = left_padded(prompts * COPIES, pad=0)
     counts, deep = [Counter(), Counter()], 0

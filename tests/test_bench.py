@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from drafthead.proposers import make_drafter_factory
+from drafthead.draft_spec import DraftSpec
 from drafthead.inference.bench.run import (
     BenchSettings,
     divergence_detail,
@@ -105,7 +105,7 @@ def tiny(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def greedy_report(tiny):
-    factory, _ = make_drafter_factory("prompt-lookup", tiny.model, tiny.tokenizer)
+    factory = DraftSpec(proposer="prompt-lookup").build(tiny, note=lambda line: None).factory
     settings = BenchSettings(
         max_new_tokens=48,
         eos_token_ids=eos_token_ids(tiny.model, tiny.tokenizer),
@@ -239,7 +239,7 @@ def test_rendering(greedy_report, tmp_path):
 
 
 def test_sampling_run_completes(tiny):
-    factory, _ = make_drafter_factory("prompt-lookup", tiny.model, tiny.tokenizer)
+    factory = DraftSpec(proposer="prompt-lookup").build(tiny, note=lambda line: None).factory
     settings = BenchSettings(
         max_new_tokens=16,
         sampling=SamplingConfig(temperature=0.8, top_k=20),
@@ -254,7 +254,7 @@ def test_sampling_run_completes(tiny):
 
 def test_prompt_over_the_context_is_refused(tiny_target_dir):
     short = load_target(tiny_target_dir("llama", max_position_embeddings=16))
-    factory, _ = make_drafter_factory("prompt-lookup", short.model, short.tokenizer)
+    factory = DraftSpec(proposer="prompt-lookup").build(short, note=lambda line: None).factory
     long_prompt = Prompt(" ".join(["hello world"] * 20))
     with pytest.raises(ValueError, match="context of 16"):
         run_bench(short.model, short.tokenizer, factory, [long_prompt], BenchSettings(progress=False))
@@ -273,11 +273,14 @@ def test_batch_bench_rows_are_identical_and_the_report_adds_up(tiny):
     from drafthead.inference.bench.batch import format_batch_table, run_batch_bench, until_eos
     from drafthead.inference.engine.cost import CostCurve
     from drafthead.inference.engine.policy import SpeculationPolicy
+    from drafthead.inference.engine.sizing import set_policy
 
-    factory, _ = make_drafter_factory("prompt-lookup", tiny.model, tiny.tokenizer)
-    policy = SpeculationPolicy(CostCurve((1, 8, 64), (0.01, 0.011, 0.05)), probe_every=4)
+    factory = DraftSpec(proposer="prompt-lookup").build(tiny, note=lambda line: None).factory
+    set_policy(tiny.model, factory(), SpeculationPolicy(CostCurve((1, 8, 64), (0.01, 0.011, 0.05)), probe_every=4))
     settings = BenchSettings(max_new_tokens=24, eos_token_ids=eos_token_ids(tiny.model, tiny.tokenizer), progress=False)
-    report = run_batch_bench(tiny.model, tiny.tokenizer, {"fixed": (factory, None), "policy": (factory, policy)}, PROMPTS, settings, batch_size=2)
+    report = run_batch_bench(
+        tiny.model, tiny.tokenizer, {"fixed": (factory, "fixed"), "policy": (factory, "policy")}, PROMPTS, settings, batch_size=2
+    )
     assert report["num_prompts"] == 3 and set(report["methods"]) == {"fixed", "policy"}
     for name, method in report["methods"].items():
         records = report["prompts"][name]

@@ -89,9 +89,8 @@ def test_argparse_errors_exit_2(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["generate"])  # --prompt is required
     assert info.value.code == 2
-    with pytest.raises(SystemExit) as info:
-        cli.main(["bench", "--num-draft", "0"])
-    assert info.value.code == 2
+    assert cli.main(["bench", "--num-draft", "0"]) == 2  # a whole number, refused by DraftSpec's rule
+    assert "num_draft (--num-draft) must be a whole number >= 1, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.subprocess
@@ -188,7 +187,7 @@ def test_bench_writes_report_markdown_and_plot(capsys, tiny_llama_dir, tmp_path)
     report = json.loads(out_json.read_text())
     assert report["num_prompts"] == 2 and report["identical_fraction"] == 1.0
     assert report["settings"]["proposer"] == "prompt-lookup" and report["settings"]["dataset"] == str(prompts)
-    assert report["settings"]["drafter"]["kind"] == "prompt-lookup" and report["settings"]["drafter"]["streak_draft"] == 32
+    assert report["settings"]["drafter"]["kind"] == "prompt-lookup" and report["settings"]["drafter"]["lookup_streak"] == 32
     assert "hf_prompt_lookup_tokens_per_s" in report
     assert md.read_text().splitlines()[1].startswith("| method |")  # after the line that marks it as bench's
     assert png.stat().st_size > 1000
@@ -248,7 +247,7 @@ def test_default_proposer_is_prompt_lookup_without_a_shipped_head():
     assert (spec.proposer, spec.head) == ("prompt-lookup", None) and "no trained head ships" in message
     assert DraftSpec(draft_model="x").resolve("t")[0].proposer == "draft-model"
     assert DraftSpec(head="h").resolve("t")[0].proposer == "head"
-    with pytest.raises(ValueError, match="no head ships for t; pass --head"):
+    with pytest.raises(ValueError, match="no head ships for t: pass --head"):
         DraftSpec(proposer="head").resolve("t")
     with pytest.raises(ValueError, match="confidence' needs an EAGLE or DSpark head"):
         DraftSpec(sizing="confidence").resolve("t")
@@ -293,7 +292,8 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from drafthead.proposers import DrafterError, build_drafter, check_same_vocabulary
+    from drafthead.draft_spec import build_drafter
+    from drafthead.proposers import DrafterError, check_same_vocabulary
     from drafthead.ground.target.load import load_target
     from tests.tiny import tiny_causal_lm
 
@@ -317,17 +317,18 @@ def test_draft_model_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path
 
 
 def test_unknown_proposer_and_missing_arguments(tiny_llama_dir):
-    from drafthead.proposers import DrafterError, build_drafter, default_head_path
+    from drafthead.draft_spec import build_drafter
+    from drafthead.proposers import default_head_path
 
-    with pytest.raises(DrafterError, match="unknown proposer"):
+    with pytest.raises(ValueError, match="unknown proposer"):
         build_drafter("medusa-magic", None, None)
-    with pytest.raises(DrafterError, match="needs a draft model"):
+    with pytest.raises(ValueError, match="needs --draft-model"):
         build_drafter("draft-model", None, None)
-    with pytest.raises(DrafterError, match="needs a trained head"):
+    with pytest.raises(ValueError, match="needs a trained head folder"):
         build_drafter("head", None, None)
     assert default_head_path("no-such-target") is None
-    lookup = build_drafter("prompt-lookup", None, None, num_draft=5, max_ngram=2)
-    assert (lookup.length, lookup.num_draft, lookup.max_ngram) == (5, 5, 2)  # --num-draft: the trie's draft nodes
+    lookup = build_drafter("prompt-lookup", None, None, num_draft=5)
+    assert (lookup.length, lookup.num_draft, lookup.lookup_streak) == (5, 5, 32)  # --num-draft: the trie's draft nodes
     lookup = build_drafter("prompt-lookup", None, None, num_draft=40)
     assert (lookup.length, lookup.num_draft) == (10, 40)  # continuations stay 10 long; the trie holds 40 nodes
     assert build_drafter("prompt-lookup", None, None).num_draft == 20

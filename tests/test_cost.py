@@ -1,18 +1,22 @@
 """Tree size from the measured verification cost: the choice rule against a brute-force twin,
-the cost curve, and EAGLE drafting with sizing="confidence" staying exact."""
+the cost curve, and EAGLE drafting sized by confidence staying exact."""
 
 import json
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from drafthead.draft_spec import DraftSpec
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.engine.cost import CostCurve, best_node_count, measure_verify_cost
 from drafthead.inference.drafters.head_drafters import EagleDrafter
-from drafthead.inference.drafters.load import load_head_drafter
 from drafthead.inference.drafters.merged import MergedDrafter
+from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+from drafthead.inference.engine.sizing import set_verify_cost
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -78,45 +82,50 @@ def test_confidence_tree_size_is_exact_and_adapts(family):
     head = build_head(make_config("eagle3", target, None, name="tiny", draft_vocab_size=64), target, token_counts=torch.ones(96, dtype=torch.long))
     # a cost that rises steeply after 6 nodes: the drafter must never keep many more
     curve = CostCurve((1, 6, 7, 60), (0.01, 0.011, 0.05, 0.5))
-    drafter = EagleDrafter(head, sizing="confidence", depth=3, top_k=3, verify_cost=curve)
+    drafter = EagleDrafter(head, TreeSettings(depth=3, branch=3))
+    set_verify_cost(target, drafter, curve)
     sizes = []
     propose = drafter.propose
     drafter.propose = lambda: sizes.append(propose()) or sizes[-1]
     for seed in (0, 1):
         prompt = repetitive_prompt(96, seed=200 + seed)[:, :8]
-        result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=24))
+        result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=24, sizing="confidence"))
         assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 24)
     assert sizes and all(1 <= tree.num_draft <= 7 for tree in sizes)
     assert drafter.accepted_sum > 0 and drafter.predicted_sum > 0  # calibration is being tracked
 
 
-def test_confidence_rule_needs_a_cost_curve_and_is_only_for_eagle(tmp_path):
+def test_confidence_sizing_is_the_engines_and_only_for_heads_that_size_themselves(tmp_path):
+    """Sizing "confidence" is one setting from the spec to the engine, which hands the drafter the
+    verifier's measured cost (inference/engine/sizing.py); a drafter that cannot size itself, a
+    head kind that does not, and an unknown rule are refused."""
     target = tiny_causal_lm("llama", layers=2)
+    prompt = repetitive_prompt(96, seed=3)[:, :8]
+    with pytest.raises(ValueError, match="needs a drafter that sizes its own rounds"):
+        speculative_generate(target, PromptLookupDrafter(), prompt, GenerationConfig(max_new_tokens=4, sizing="confidence"))
+    with pytest.raises(ValueError, match="unknown sizing 'sometimes'"):
+        GenerationConfig(sizing="sometimes")
     head = build_head(make_config("eagle1", target, None, name="tiny"), target)
-    with pytest.raises(ValueError, match="verify_cost"):
-        EagleDrafter(head, sizing="confidence")
-    with pytest.raises(ValueError, match="num_draft"):
-        EagleDrafter(head, num_draft="many")
-    with pytest.raises(ValueError, match="sizing"):
-        EagleDrafter(head, sizing="policy")  # the load policy is the engine's, not a drafter's
     folder = head.save_pretrained(tmp_path / "eagle")
-    (folder / "drafting.json").write_text(json.dumps({"sizing": "confidence", "depth": 2, "top_k": 2, "lookup_nodes": 2}))
-    drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
+    (folder / "drafting.json").write_text(json.dumps({"sizing": "confidence", "depth": 2, "branch": 2, "lookup_nodes": 2}))
+    loaded = SimpleNamespace(name="tiny", model=target, tokenizer=None)
+
+    def drafter_of(**settings):
+        return DraftSpec(head=str(folder), **settings).build(loaded, note=lambda line: None).factory()
+
+    drafter = drafter_of()
     assert isinstance(drafter, MergedDrafter)
     eagle = drafter.drafters[0]
     assert eagle.confidence_rule and eagle.extra_nodes == 2 and eagle.verify_cost.nodes[0] == 1
-    assert eagle.num_draft == 2 + (2 - 1) * 2 * 2  # every candidate of a depth-2, top-2 tree
-    assert not load_head_drafter(folder, target, None, target_name="tiny", sizing="fixed")[0].drafters[0].confidence_rule
-    capped, _ = load_head_drafter(folder, target, None, target_name="tiny", num_draft=3)
-    assert capped.drafters[0].confidence_rule and capped.drafters[0].num_draft == 3  # num_draft caps the rule
-
-    from drafthead.proposers import DrafterError, build_drafter
-
+    assert eagle.num_draft == 2 + (2 - 1) * 2 * 2  # every candidate of a depth-2, branch-2 tree
+    assert not drafter_of(sizing="fixed").drafters[0].confidence_rule
+    capped = drafter_of(num_draft=3).drafters[0]
+    assert capped.confidence_rule and capped.num_draft == 3  # num_draft caps the rule
     medusa = build_head(make_config("medusa1", target, None, name="tiny"), target)
     medusa_folder = medusa.save_pretrained(tmp_path / "medusa")
-    with pytest.raises(DrafterError, match="confidence"):
-        build_drafter("head", target, None, head=medusa_folder, sizing="confidence", target_name="tiny")
-    with pytest.raises(DrafterError, match="confidence"):
-        build_drafter("prompt-lookup", target, None, sizing="confidence")
-    with pytest.raises(ValueError, match="depth"):
-        load_head_drafter(medusa_folder, target, None, target_name="tiny", depth=3)
+    with pytest.raises(ValueError, match="sizing 'confidence' sizes EAGLE trees and DSpark blocks; medusa1 heads"):
+        DraftSpec(head=str(medusa_folder), sizing="confidence").build(loaded)
+    with pytest.raises(ValueError, match="confidence"):
+        DraftSpec(proposer="prompt-lookup", sizing="confidence")
+    with pytest.raises(ValueError, match=r"depth \(--tree-depth\) does not shape a medusa1 head's tree"):
+        DraftSpec(head=str(medusa_folder), depth=3).build(loaded)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from drafthead.inference.drafters.settings import StaticTreeSettings
 from drafthead.heads.batch import FeatureBatch
 from drafthead.heads.config import DFlashConfig
 from drafthead.heads.dflash import block_attention_mask, sample_anchors
@@ -144,7 +145,7 @@ def test_cached_drafting_equals_drafting_from_scratch_across_rounds():
 def test_greedy_with_block_drafting_equals_plain_greedy(family):
     target = tiny_causal_lm(family, layers=4)
     head = dflash(target, block=4).eval()
-    assert_greedy_equals_plain(target, lambda **options: DFlashDrafter(head, **options))
+    assert_greedy_equals_plain(target, lambda **options: DFlashDrafter(head, StaticTreeSettings(**options)))
 
 
 def test_block_tree_sampling_is_exact_at_depth_two():
@@ -152,7 +153,7 @@ def test_block_tree_sampling_is_exact_at_depth_two():
 
     def drafter_of(target, choices):
         config = make_config("dflash", target, None, name="tiny", block_size=3, mask_token_id=VOCAB - 1)
-        return DFlashDrafter(build_head(config, target).eval(), choices=choices)
+        return DFlashDrafter(build_head(config, target).eval(), StaticTreeSettings(choices=choices))
 
     assert_static_tree_sampling_exact(drafter_of)
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from drafthead.inference.engine.sizing import set_verify_cost
+from drafthead.inference.drafters.settings import StaticTreeSettings
 from drafthead.heads.config import DSparkConfig
 from drafthead.heads.formats import detect_layout, export_head, import_head
 from drafthead.heads.io import HeadFormatError
@@ -140,7 +142,7 @@ def test_a_nodes_candidates_are_its_own_parents():
     parent token, and the bias is strong enough here that the two pairs differ."""
     target = tiny_causal_lm("llama", layers=4)
     head = dspark(target, block=3).eval()
-    drafter = DSparkDrafter(head, choices=[(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)])
+    drafter = DSparkDrafter(head, StaticTreeSettings(choices=[(0,), (1,), (0, 0), (0, 1), (1, 0), (1, 1)]))
     prompt = repetitive_prompt(96, seed=3)[:, :12]
     with torch.no_grad():
         out = target(prompt[:, :-1], output_hidden_states=True)
@@ -158,7 +160,7 @@ def test_a_nodes_candidates_are_its_own_parents():
 def test_greedy_with_dspark_drafting_equals_plain_greedy(family):
     target = tiny_causal_lm(family, layers=4)
     head = dspark(target, block=4).eval()
-    assert_greedy_equals_plain(target, lambda **options: DSparkDrafter(head, **options))
+    assert_greedy_equals_plain(target, lambda **options: DSparkDrafter(head, StaticTreeSettings(**options)))
 
 
 def test_block_tree_sampling_is_exact_at_depth_two():
@@ -166,7 +168,7 @@ def test_block_tree_sampling_is_exact_at_depth_two():
 
     def drafter_of(target, choices):
         config = make_config("dspark", target, None, name="tiny", block_size=2, mask_token_id=VOCAB - 1, markov_rank=4)
-        return DSparkDrafter(build_head(config, target).eval(), choices=choices)
+        return DSparkDrafter(build_head(config, target).eval(), StaticTreeSettings(choices=choices))
 
     assert_static_tree_sampling_exact(drafter_of)
 
@@ -189,7 +191,8 @@ def test_the_confidence_head_sets_the_verify_length_and_never_the_output(family)
             with torch.no_grad():  # a head whose confidence varies with the slot and the token
                 head.confidence_head.proj.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(9))
                 head.confidence_head.proj.bias.fill_(-0.5)
-        drafter = DSparkDrafter(head, sizing="confidence", verify_cost=curve)
+        drafter = DSparkDrafter(head)
+        set_verify_cost(target, drafter, curve)
         sizes = []
         propose = drafter.propose
 
@@ -199,7 +202,7 @@ def test_the_confidence_head_sets_the_verify_length_and_never_the_output(family)
             return tree
 
         drafter.propose = recording
-        result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=24))
+        result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=24, sizing="confidence"))
         assert result.new_tokens[0].tolist() == want, name
         seen[name] = sizes
     assert set(seen["sure"]) == {5}  # c ~ 1: the whole block is worth verifying
@@ -207,14 +210,11 @@ def test_the_confidence_head_sets_the_verify_length_and_never_the_output(family)
     assert len(set(seen["as built"])) > 1, seen["as built"]  # the head's own confidences vary the length
 
 
-def test_confidence_rule_needs_a_cost_curve_and_a_confidence_head():
+def test_confidence_rule_needs_a_confidence_head():
     target = tiny_causal_lm("llama", layers=2)
-    head = dspark(target)
-    with pytest.raises(ValueError, match="verify_cost"):
-        DSparkDrafter(head, sizing="confidence")
     config = make_config("dspark", target, None, name="tiny", mask_token_id=MASK, confidence_head=False, confidence_weight=0.0)
     with pytest.raises(ValueError, match="confidence head"):
-        DSparkDrafter(build_head(config, target), sizing="confidence", verify_cost=CostCurve((1, 2), (0.1, 0.2)))
+        DSparkDrafter(build_head(config, target)).size_by(CostCurve((1, 2), (0.1, 0.2)))
 
 
 def test_dspark_export_is_deepseeks_layout_and_reads_back(tmp_path):
@@ -269,9 +269,9 @@ def test_a_saved_head_drafts_with_the_confidence_rule_from_the_cli_value(tmp_pat
     spec = DraftSpec.from_args(Namespace(head=str(folder), sizing="confidence"))
     assert (spec.sizing, spec.num_draft) == ("confidence", None)
     drafting = spec.build(SimpleNamespace(name="tiny", model=target, tokenizer=None), note=lambda line: None)
-    assert drafting.policy is None and drafting.verifier is target and drafting.spec.proposer == "head"
+    assert drafting.verifier is target and (drafting.spec.proposer, drafting.sizing) == ("head", "confidence")
     drafter = drafting.factory()
     assert isinstance(drafter, DSparkDrafter) and drafter.confidence_rule and drafter.verify_cost.nodes[0] == 1
     prompt = repetitive_prompt(96, seed=2)[:, :9]
-    result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16))
+    result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, sizing=drafting.sizing))
     assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 16)

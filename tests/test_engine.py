@@ -19,7 +19,7 @@ def drafters(target, family):
     return {
         "prompt-lookup": PromptLookupDrafter(length=6),
         "prompt-lookup-chain": PromptLookupDrafter(length=4, max_matches=1),
-        "prompt-lookup-streak": PromptLookupDrafter(length=3, streak_draft=12),
+        "prompt-lookup-streak": PromptLookupDrafter(length=3, lookup_streak=12),
         "draft-model-chain": DraftModelDrafter(other, num_draft=3),
         "draft-model-tree": DraftModelDrafter(other, choices=TREE),
         "draft-model-dynamic": DraftModelDrafter(other, num_draft=2, dynamic=True),

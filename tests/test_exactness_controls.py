@@ -13,12 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafthead.inference.drafters.settings import StaticTreeSettings, TreeSettings
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.head_drafters import EagleDrafter, MedusaDrafter
 from drafthead.inference.engine import decoder as engine
 from drafthead.inference.engine import torch_target
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.oracle import OracleDrafter, RowDrafter, assert_accepts_and_stays_exact, by_row, greedy_continuation
+from tests.policy_checks import under
 from tests.tiny import left_padded, prompts_of
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -53,7 +55,7 @@ def setting():
 def medusa_of(target):
     torch.manual_seed(0)
     head = build_head(make_config("medusa1", target, None, name="tiny", num_heads=3), target).eval()
-    return lambda: MedusaDrafter(head, choices=CHOICES)
+    return lambda: MedusaDrafter(head, StaticTreeSettings(choices=CHOICES))
 
 
 def exact_when_accepted(s, drafter_of) -> None:
@@ -130,9 +132,9 @@ def features_are_the_targets_own(s, policy=None) -> None:
     target = s["target"]
     continuation = greedy_continuation(target)
     seen: list = []
-    inner = EagleDrafter(s["head"], num_draft=8, depth=3, top_k=2)
+    inner = EagleDrafter(s["head"], TreeSettings(num_draft=8, depth=3, branch=2))
     drafter = FeatureSpy(OracleDrafter(inner, continuation, 96, by_row), seen)
-    out = speculative_generate(target, drafter, s["ids"], GenerationConfig(max_new_tokens=NEW, policy=policy), attention_mask=s["mask"])
+    out = speculative_generate(target, drafter, s["ids"], under(policy, target, drafter, max_new_tokens=NEW), attention_mask=s["mask"])
     assert max(max(row.accepted_lengths) for row in out.rows) >= 3  # paths of depth >= 2 were accepted
     for b, (prompt, row) in enumerate(zip(s["prompts"], out.rows)):
         text = torch.cat([prompt, row.new_tokens[0]])[None]

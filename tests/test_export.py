@@ -413,7 +413,7 @@ def test_cli_export_and_import(tmp_path, capsys, tiny_target_dir):
 def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     """--head accepts a published layout: read exactly, said so, and greedy output stays the target's."""
     from drafthead import GenerationConfig, speculative_generate
-    from drafthead.proposers import head_folder_drafter
+    from drafthead.draft_spec import DraftSpec
     from drafthead.ground.target.load import load_target
     from tests.tiny import plain_greedy, repetitive_prompt
 
@@ -421,7 +421,8 @@ def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     saved_head("eagle3", loaded.model, tmp_path / "h", draft_vocab_size=40)
     out = export_head(tmp_path / "h", tmp_path / "s", "speculators", target_model=loaded.model)
     strip_provenance(out)
-    drafter, target = head_folder_drafter(out, loaded.model, loaded.tokenizer, lookup_nodes=0)
+    drafting = DraftSpec(head=str(out), lookup_nodes=0).build(loaded, note=lambda line: None)
+    drafter, target = drafting.factory(), drafting.model
     assert "is a speculators checkpoint" in capsys.readouterr().err
     prompt = repetitive_prompt(len(loaded.tokenizer))
     result = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, eos_token_ids=()))
@@ -429,7 +430,7 @@ def test_head_option_reads_a_foreign_layout(tmp_path, tiny_target_dir, capsys):
     research = export_head(tmp_path / "h", tmp_path / "v", "vllm")
     strip_provenance(research)
     with pytest.raises(HeadFormatError, match="drafthead import"):
-        head_folder_drafter(research, loaded.model, loaded.tokenizer)
+        DraftSpec(head=str(research)).build(loaded, note=lambda line: None)
 
 
 def test_eagle31_kind_exports_where_the_flags_are_read(tmp_path):

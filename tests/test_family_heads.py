@@ -27,6 +27,7 @@ from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.heads.formats import consumer, export_head, formats_for
 from drafthead.heads.io import CONFIG_NAME, WEIGHTS_NAME
 from drafthead.heads.registry import build_head, make_config
@@ -130,7 +131,10 @@ def test_qwen3_moe_eagle3_loss_is_finite_over_seeds(seed):
 def test_greedy_equals_plain_at_batch_1_and_ragged_3(family, kind):
     head = head_of(family, kind).eval()
     assert_greedy_equals_plain(
-        target_of(family), lambda num_draft=8: EagleDrafter(head, num_draft=num_draft, depth=3, top_k=2), max_new_tokens=12, trees=(None,)
+        target_of(family),
+        lambda num_draft=8: EagleDrafter(head, TreeSettings(num_draft=num_draft, depth=3, branch=2)),
+        max_new_tokens=12,
+        trees=(None,),
     )
 
 
@@ -416,7 +420,7 @@ def test_a_head_saved_with_its_family_layer_loads_drafts_and_refuses_export(tmp_
     head, _ = load_head(folder, target, None, target_name="tiny-qwen3")
     assert head.config.draft_layer == "target" and "midlayer.self_attn.q_norm.weight" in head.state_dict()
     assert_greedy_equals_plain(
-        target, lambda num_draft=8: EagleDrafter(head, num_draft=num_draft, depth=3, top_k=2), max_new_tokens=12, trees=(None,)
+        target, lambda num_draft=8: EagleDrafter(head, TreeSettings(num_draft=num_draft, depth=3, branch=2)), max_new_tokens=12, trees=(None,)
     )
     from drafthead.heads.formats import import_head
     from drafthead.heads.io import HeadFormatError

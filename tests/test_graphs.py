@@ -149,7 +149,7 @@ def test_the_graphed_chain_drafts_the_eagle_chain_and_stays_exact(mode, room, mo
     continuation = known_continuation([p.tolist() + r for p, r in zip([prompt[0], *prompts], references)])
 
     def twin():
-        return Twin(GraphedChainDrafter(head, 3, mode=mode), EagleDrafter(head, **chain_settings("eagle3", 3)))
+        return Twin(GraphedChainDrafter(head, 3, mode=mode), EagleDrafter(head, chain_settings("eagle3", 3)))
 
     config = GenerationConfig(max_new_tokens=NEW, compile="graphs")
     drafter = twin()

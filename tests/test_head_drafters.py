@@ -4,6 +4,7 @@ tree-masked drafting equals a from-scratch recomputation."""
 import pytest
 import torch
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.head_drafters import EagleDrafter, best_static_tree
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
@@ -52,7 +53,7 @@ def slow_eagle_chain(head, target, history, depth):
 def test_eagle_drafter_matches_recomputation_across_rounds(kind):
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config(kind, target, None, name="tiny", **KINDS[kind]), target, token_counts=torch.arange(96)).eval()
-    drafter = EagleDrafter(head, num_draft=4, depth=4, top_k=1)  # top-1: a chain
+    drafter = EagleDrafter(head, TreeSettings(num_draft=4, depth=4, branch=1))  # top-1: a chain
     assert_drafts_match_recomputation(target, drafter, lambda history: slow_eagle_chain(head, target, history, 4), repetitive_prompt(96, seed=9))
 
 
@@ -62,28 +63,36 @@ def test_best_static_tree_prefers_likely_paths():
     assert choices == [(0,), (0, 0), (0, 0, 0), (0, 1)]  # 0.9, 0.72, 0.36, 0.09 > (1,) 0.05
 
 
+def drafter_of(folder, target, **settings):
+    """The drafter DraftSpec builds for the head folder, with `settings` on top of its drafting.json."""
+    from types import SimpleNamespace
+
+    from drafthead.draft_spec import DraftSpec
+
+    return DraftSpec(head=str(folder), **settings).build(SimpleNamespace(name="tiny", model=target, tokenizer=None), note=lambda line: None).factory()
+
+
 def test_drafting_json_sets_defaults_and_rejects_unknown_keys(tmp_path):
     import json
 
-    from drafthead.inference.drafters.load import load_head_drafter
     from drafthead.inference.drafters.merged import MergedDrafter
 
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config("eagle1", target, None, name="tiny"), target)
     folder = head.save_pretrained(tmp_path / "head")
     (folder / "drafting.json").write_text(json.dumps({"num_draft": 7, "depth": 2, "lookup_nodes": 3, "lookup_streak": 9}))
-    drafter, _ = load_head_drafter(folder, target, None, target_name="tiny")
+    drafter = drafter_of(folder, target)
     assert isinstance(drafter, MergedDrafter)
     assert drafter.drafters[0].num_draft == 7 and drafter.drafters[0].depth == 2
     lookup = drafter.drafters[1]
-    assert (lookup.length, lookup.num_draft, lookup.streak_draft) == (3, 3, 9)
-    drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", lookup_streak=0)
-    assert drafter.drafters[1].streak_draft is None  # 0 turns streaks off
-    drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", lookup_nodes=0, depth=3)
+    assert (lookup.length, lookup.num_draft, lookup.lookup_streak) == (3, 3, 9)
+    drafter = drafter_of(folder, target, lookup_streak=0)
+    assert drafter.drafters[1].lookup_streak is None  # 0 turns streaks off
+    drafter = drafter_of(folder, target, lookup_nodes=0, depth=3)
     assert isinstance(drafter, EagleDrafter) and drafter.depth == 3 and drafter.num_draft == 7
     (folder / "drafting.json").write_text(json.dumps({"total_tokns": 7}))
     with pytest.raises(ValueError, match="total_tokns"):
-        load_head_drafter(folder, target, None, target_name="tiny")
+        drafter_of(folder, target)
 
 
 @pytest.mark.parametrize(
@@ -91,22 +100,26 @@ def test_drafting_json_sets_defaults_and_rejects_unknown_keys(tmp_path):
     [
         ("eagle1", {"total_tokens": 5}, "unknown keys ['total_tokens']"),
         ("medusa1", {"num_nodes": 5}, "unknown keys ['num_nodes']"),
-        ("eagle1", {"num_draft": "confidence"}, "num_draft must be a whole number >= 1, got 'confidence'"),
+        ("eagle1", {"num_draft": "confidence"}, "num_draft (--num-draft) must be a whole number >= 1, got 'confidence'"),
+        ("eagle1", {"top_k": 4}, "unknown keys ['top_k']"),  # the tree's branching is `branch`, as --tree-branch
+        ("medusa1", {"depth": 3}, "depth (--tree-depth) does not shape a medusa1 head's tree"),
+        ("eagle1", {"choices": [[0], [0, 0]]}, "choices does not shape a eagle1 head's tree"),
+        ("medusa1", {"sizing": "confidence"}, "sizing 'confidence' sizes EAGLE trees and DSpark blocks; medusa1 heads"),
+        ("eagle1", {"lookup_nodes": -1}, "lookup_nodes (--lookup-nodes) must be a whole number >= 0"),
     ],
 )
 def test_drafting_json_takes_only_the_drafters_own_names(tmp_path, kind, settings, message):
-    """The draft size is `num_draft` and the rule that sizes rounds is `sizing`, in every family:
-    any other key or value is refused naming the file."""
+    """drafting.json holds DraftSpec's own names (`num_draft`, `sizing`, `depth`, `branch`,
+    `choices`, `lookup_nodes`, `lookup_streak`), checked as the spec checks them and against the
+    head's kind: any other key, value or shape is refused naming the file."""
     import json
-
-    from drafthead.inference.drafters.load import load_head_drafter
 
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config(kind, target, None, name="tiny"), target)
     folder = head.save_pretrained(tmp_path / "head")
     (folder / "drafting.json").write_text(json.dumps(settings))
     with pytest.raises(ValueError) as refused:
-        load_head_drafter(folder, target, None, target_name="tiny")
+        drafter_of(folder, target)
     assert str(folder / "drafting.json") in str(refused.value) and message in str(refused.value)
 
 
@@ -130,7 +143,7 @@ def test_eagle_tree_nodes_are_top_k_children_of_their_recomputed_parents():
     recomputed along its own path alone."""
     target = tiny_causal_lm("llama", layers=4)
     head = build_head(make_config("eagle1", target, None, name="tiny"), target).eval()
-    drafter = EagleDrafter(head, num_draft=30, depth=3, top_k=3)
+    drafter = EagleDrafter(head, TreeSettings(num_draft=30, depth=3, branch=3))
     prompt = repetitive_prompt(96, seed=4)
     with torch.no_grad():
         out = target(prompt[:, :-1], output_hidden_states=True)

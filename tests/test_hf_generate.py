@@ -1,12 +1,14 @@
 """Our heads drafting inside transformers' own `model.generate(...)` through its custom_generate
 hook (drafthead/hf_generate.py): the same output as our engine and as plain greedy decoding."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from drafthead.heads.registry import build_head, make_config
 from drafthead.hf_generate import CUSTOM_GENERATE
-from drafthead.inference.drafters.load import load_head_drafter
+from drafthead.draft_spec import DraftSpec
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from tests.tiny import plain_greedy, repetitive_prompt, tiny_causal_lm
 
@@ -26,7 +28,7 @@ def test_a_head_drafts_inside_transformers_generate_exactly(tmp_path, kind):
     prompt = repetitive_prompt(96, seed=3)
     new = hf_speculative(target, prompt, draft_head=str(folder), max_new_tokens=14, num_draft=6)
     assert new[0].tolist() == plain_greedy(target, prompt, 14)
-    drafter, _ = load_head_drafter(folder, target, None, target_name="tiny", num_draft=6)
+    drafter = DraftSpec(head=str(folder), num_draft=6).build(SimpleNamespace(name="tiny", model=target, tokenizer=None)).factory()
     ours = speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=14))
     assert new[0].tolist() == ours.new_tokens[0].tolist()
     # every DraftSpec setting by its Python name, `chain` included

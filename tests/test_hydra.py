@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from drafthead.inference.drafters.settings import StaticTreeSettings
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.head_drafters import HydraDrafter, MedusaDrafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
@@ -55,15 +56,15 @@ def test_a_fresh_hydra_head_drafts_what_a_fresh_medusa_head_drafts():
     medusa = build_head(make_config("medusa1", target, None, name="tiny", num_heads=3), target).eval()
     medusa.load_state_dict({k: v for k, v in fresh.state_dict().items() if not k.startswith("inputs.")})
     prompt = repetitive_prompt(96, seed=3)
-    a = speculative_generate(target, HydraDrafter(fresh, choices=CHOICES), prompt, GenerationConfig(max_new_tokens=20))
-    b = speculative_generate(target, MedusaDrafter(medusa, choices=CHOICES), prompt, GenerationConfig(max_new_tokens=20))
+    a = speculative_generate(target, HydraDrafter(fresh, StaticTreeSettings(choices=CHOICES)), prompt, GenerationConfig(max_new_tokens=20))
+    b = speculative_generate(target, MedusaDrafter(medusa, StaticTreeSettings(choices=CHOICES)), prompt, GenerationConfig(max_new_tokens=20))
     assert a.accepted_lengths == b.accepted_lengths and a.drafted == b.drafted
 
 
 def test_each_node_is_drafted_from_its_own_path():
     target = tiny_causal_lm("llama", layers=3)
     head = hydra(target).eval()
-    drafter = HydraDrafter(head, choices=CHOICES)
+    drafter = HydraDrafter(head, StaticTreeSettings(choices=CHOICES))
     prompt = repetitive_prompt(96, seed=1)
     with torch.no_grad():
         hs = target(prompt[:, :-1], output_hidden_states=True).hidden_states
@@ -90,11 +91,13 @@ def test_greedy_with_hydra_heads_equals_plain_greedy(family):
     target = tiny_causal_lm(family, layers=4)
     head = hydra(target).eval()
     prompt = repetitive_prompt(96, seed=6)
-    result = speculative_generate(target, HydraDrafter(head, num_draft=8), prompt, GenerationConfig(max_new_tokens=30))
+    result = speculative_generate(target, HydraDrafter(head, StaticTreeSettings(num_draft=8)), prompt, GenerationConfig(max_new_tokens=30))
     assert result.new_tokens[0].tolist() == plain_greedy(target, prompt, 30), family
     prompts = prompts_of((1, 7, 15), seed=4)
     ids, mask = left_padded(prompts)
-    batched = speculative_generate(target, HydraDrafter(head, choices=CHOICES), ids, GenerationConfig(max_new_tokens=20), attention_mask=mask)
+    batched = speculative_generate(
+        target, HydraDrafter(head, StaticTreeSettings(choices=CHOICES)), ids, GenerationConfig(max_new_tokens=20), attention_mask=mask
+    )
     assert [row.new_tokens[0].tolist() for row in batched.rows] == [plain_greedy(target, p[None], 20) for p in prompts]
 
 
@@ -103,5 +106,5 @@ def test_hydra_tree_sampling_is_exact_at_depth_two():
     target = tiny_causal_lm("llama", vocab=VOCAB, hidden=32, seed=3, layers=4)
     head = hydra(target, seed=1).eval()
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    drafter = HydraDrafter(head, choices=[(0,), (1,), (0, 0), (1, 0)])
+    drafter = HydraDrafter(head, StaticTreeSettings(choices=[(0,), (1,), (0, 0), (1, 0)]))
     assert_law_at_depth_two(target, drafter, prompt, sampling)

@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.inference.drafters.parallel import DFlashDrafter, ParallelDrafter
 from drafthead.inference.engine.drafter import DrafterBase, RootOnlyDrafter
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.llamacpp
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from drafthead.proposers import default_head_path, head_folder_drafter
+    from drafthead.draft_spec import DraftSpec
     from drafthead.inference.llamacpp.convert import target_gguf
     from drafthead.inference.llamacpp.target import LlamaCppTarget
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
@@ -34,7 +35,7 @@ def smollm2():
 
     loaded = load_target("smollm2-135m", dtype="float32")
     backend = LlamaCppTarget(target_gguf(loaded.path, "f32"), loaded.model.config, threads=2)
-    drafter, _ = head_folder_drafter(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)
+    drafter = DraftSpec(proposer="head").build(loaded, note=lambda line: None).factory()  # the shipped head, its drafting.json
     prompts = [encode_chat(loaded.tokenizer, p)[0] for p in load_prompts("mt-bench", 3)]
     return loaded, backend, drafter, prompts
 
@@ -231,7 +232,7 @@ def test_heads_on_the_final_normed_state_decode_exactly(smollm2, kind):
 # the heads beside the shipped EAGLE-3 one that read the target's layer inputs: head options on
 # SmolLM2 (mask id 16: a token with a trained embedding row) and the drafter each runs under
 LAYER_INPUT_KINDS = {
-    "eagle31": ({"draft_vocab_size": 4096}, lambda head: EagleDrafter(head, num_draft=8, depth=3, top_k=2)),
+    "eagle31": ({"draft_vocab_size": 4096}, lambda head: EagleDrafter(head, TreeSettings(num_draft=8, depth=3, branch=2))),
     "peagle": ({"draft_vocab_size": 4096, "parallel_depth": 3, "mask_token_id": 16}, lambda head: ParallelDrafter(head)),
     "dflash": ({"block_size": 4, "mask_token_id": 16}, lambda head: DFlashDrafter(head)),
 }
@@ -265,7 +266,7 @@ def test_heads_on_layer_inputs_decode_exactly_with_accepted_drafts(smollm2, kind
 
 
 def test_the_load_policy_drafts_when_it_pays_and_decodes_plainly_when_not(smollm2):
-    """`GenerationConfig(policy=...)` on the backend, with costs injected (tests/test_policy.py
+    """`GenerationConfig(sizing="policy")` on the backend, with costs injected (tests/test_policy.py
     `InjectedCosts`), so the choice depends on the rule, not on this machine. The shipped head's
     trees are steered to the backend's own continuation (tests/oracle.py), so drafts are accepted
     and drafting pays where it is cheap: where verifying more tokens costs nothing and drafting
@@ -273,21 +274,23 @@ def test_the_load_policy_drafts_when_it_pays_and_decodes_plainly_when_not(smollm
     tokens (STEEP, batch 3), rounds decode plainly between probes. Every row is the backend's
     plain output either way."""
     from tests.oracle import OracleDrafter, known_continuation
-    from tests.policy_checks import FLAT, STEEP, InjectedCosts
+    from tests.policy_checks import FLAT, STEEP, InjectedCosts, under
 
     loaded, backend, head, prompts = smollm2
 
-    def settings(policy):
-        return GenerationConfig(max_new_tokens=24, eos_token_ids=(loaded.tokenizer.eos_token_id,), policy=policy)
+    def settings(policy, drafter=None):
+        return under(policy, backend, drafter, max_new_tokens=24, eos_token_ids=(loaded.tokenizer.eos_token_id,))
 
     plain = plain_outputs(backend, prompts, settings(None))
     continuation = known_continuation([p.tolist() + out for p, out in zip(prompts, plain)])
     pays = InjectedCosts(FLAT, probe_every=3, draft_per_row=0.0005)
-    out = generate_batch(backend, OracleDrafter(head, continuation, backend.vocab_size), prompts, settings(pays))
+    drafter = OracleDrafter(head, continuation, backend.vocab_size)
+    out = generate_batch(backend, drafter, prompts, settings(pays, drafter))
     assert [r.new_tokens[0].tolist() for r in out.rows] == plain
     assert pays.drafted and all(pays.drafted), pays.decisions  # no plain round
     costly = InjectedCosts(STEEP, probe_every=3, draft_per_row=0.05)
-    out = generate_batch(backend, OracleDrafter(head, continuation, backend.vocab_size), prompts, settings(costly))
+    drafter = OracleDrafter(head, continuation, backend.vocab_size)
+    out = generate_batch(backend, drafter, prompts, settings(costly, drafter))
     assert [r.new_tokens[0].tolist() for r in out.rows] == plain
     assert costly.drafted.count(False) > len(costly.drafted) // 2 and any(costly.drafted), costly.decisions
 

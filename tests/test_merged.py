@@ -2,6 +2,7 @@
 
 import torch
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.head_drafters import EagleDrafter
@@ -30,7 +31,7 @@ def test_merged_head_and_lookup_and_draft_model_are_exact():
         prompt = repetitive_prompt(96, seed=prompt_seed)
         ref = plain_greedy(target, prompt, 40)
         for drafters in (
-            [EagleDrafter(head, num_draft=8, depth=3, top_k=2), PromptLookupDrafter()],
+            [EagleDrafter(head, TreeSettings(num_draft=8, depth=3, branch=2)), PromptLookupDrafter()],
             [DraftModelDrafter(target, num_draft=2), PromptLookupDrafter(length=6)],
             [PromptLookupDrafter(), DraftModelDrafter(tiny_causal_lm("llama", seed=5), choices=[(0,), (1,), (0, 0)])],
         ):
@@ -38,7 +39,8 @@ def test_merged_head_and_lookup_and_draft_model_are_exact():
             assert result.new_tokens[0].tolist() == ref
         # uncapped: the lookup drafter caps itself, and grows its chain on a streak
         streaky = MergedDrafter(
-            [EagleDrafter(head, num_draft=6, depth=3, top_k=2), PromptLookupDrafter(length=3, num_draft=3, streak_draft=10)], extra_nodes=None
+            [EagleDrafter(head, TreeSettings(num_draft=6, depth=3, branch=2)), PromptLookupDrafter(length=3, num_draft=3, lookup_streak=10)],
+            extra_nodes=None,
         )
         result = speculative_generate(target, streaky, prompt, GenerationConfig(max_new_tokens=40))
         assert result.new_tokens[0].tolist() == ref

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from drafthead.inference.drafters.settings import StaticTreeSettings
 from drafthead.heads.config import PEagleConfig
 from drafthead.heads.peagle import cod_columns, parallel_attention_mask
 from drafthead.heads.registry import build_head, make_config
@@ -110,7 +111,7 @@ def test_cached_drafting_equals_drafting_from_scratch_across_rounds():
 def test_greedy_with_parallel_drafting_equals_plain_greedy(family):
     target = tiny_causal_lm(family, layers=4)
     head = peagle(target, depth=3).eval()
-    assert_greedy_equals_plain(target, lambda **options: ParallelDrafter(head, **options))
+    assert_greedy_equals_plain(target, lambda **options: ParallelDrafter(head, StaticTreeSettings(**options)))
 
 
 def test_parallel_tree_sampling_is_exact_at_depth_two():
@@ -119,7 +120,7 @@ def test_parallel_tree_sampling_is_exact_at_depth_two():
 
     def drafter_of(target, choices):
         config = make_config("peagle", target, None, name="tiny", aux_layers=(1, 2, 3), parallel_depth=3, mask_token_id=2)
-        return ParallelDrafter(build_head(config, target).eval(), choices=choices)
+        return ParallelDrafter(build_head(config, target).eval(), StaticTreeSettings(choices=choices))
 
     assert_static_tree_sampling_exact(drafter_of)
 

@@ -5,16 +5,18 @@ import math
 
 import torch
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.inference.engine.cost import CostCurve
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.inference.drafters.merged import MergedDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
-from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
+from drafthead.inference.engine.generate import speculative_generate
 from drafthead.inference.engine.policy import SpeculationPolicy, accepted_within, best_batch_node_count, cut_tree
 from drafthead.inference.engine.tree import DraftTree
 from drafthead.heads.registry import build_head, make_config
 from tests.policy_checks import (
+    under,
     FLAT,
     STEEP,
     InjectedCosts,
@@ -105,9 +107,9 @@ def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
     refs = [plain_greedy(target, p[None], 30) for p in prompts]
     for curve in (FLAT, STEEP):
         for drafter in (
-            EagleDrafter(head, num_draft=10, depth=4, top_k=3),
+            EagleDrafter(head, TreeSettings(num_draft=10, depth=4, branch=3)),
             DraftModelDrafter(target, num_draft=4),
-            MergedDrafter([EagleDrafter(head, num_draft=6, depth=3, top_k=2), PromptLookupDrafter(length=4)]),
+            MergedDrafter([EagleDrafter(head, TreeSettings(num_draft=6, depth=3, branch=2)), PromptLookupDrafter(length=4)]),
         ):
             for batch, fresh in ((1, True), (6, True), (6, False)):
                 cost = 0.0005 if curve is FLAT else 0.05  # seconds a row: cheap on FLAT, dear on STEEP
@@ -115,7 +117,7 @@ def test_greedy_stays_exact_under_the_policy_at_every_batch_size():
                 if not fresh:  # estimates from an earlier run: plain first, the first drafting round mid-sequence
                     policy = InjectedCosts(curve, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7, draft_per_row=cost)
                 ids, mask = left_padded(prompts[:batch])
-                config = GenerationConfig(max_new_tokens=30, policy=policy)
+                config = under(policy, target, drafter, max_new_tokens=30)
                 out = speculative_generate(target, drafter, ids, config, attention_mask=mask)
                 rows = [out] if batch == 1 else out.rows
                 assert [r.new_tokens[0].tolist() for r in rows] == refs[:batch], (curve, type(drafter).__name__, batch, fresh)
@@ -159,7 +161,7 @@ def test_the_policys_num_draft_limit_does_not_outlive_its_run():
         rounds=1,
         next_probe=10**9,
     )
-    speculative_generate(target, drafter, prompt, GenerationConfig(max_new_tokens=16, policy=policy))
+    speculative_generate(target, drafter, prompt, under(policy, target, drafter, max_new_tokens=16))
     assert any(n is not None for n in set_to)  # the run did limit the drafter
     assert drafter.num_draft_limit is None
 
@@ -211,13 +213,8 @@ def test_a_drafter_skipped_by_plain_rounds_catches_up_before_it_drafts():
             STEEP, probe_every=3, draft_seconds={0: 1.0}, rounds=1, next_probe=7, draft_per_row=0.05
         )  # plain first, drafting again from round 7
         ids = prompt[None].repeat(batch, 1)
-        out = speculative_generate(
-            target,
-            Watched(head, num_draft=6, depth=3, top_k=2),
-            ids,
-            GenerationConfig(max_new_tokens=30, policy=policy),
-            attention_mask=torch.ones_like(ids),
-        )
+        watched = Watched(head, TreeSettings(num_draft=6, depth=3, branch=2))
+        out = speculative_generate(target, watched, ids, under(policy, target, watched, max_new_tokens=30), attention_mask=torch.ones_like(ids))
         row = out if batch == 1 else out.rows[0]
         text = prompt.tolist() + row.new_tokens[0].tolist()
         assert policy.decisions[0] == 1 and seen  # plain rounds first, then a drafting one

@@ -32,7 +32,7 @@ def _proposed(drafter):
 
 def test_streak_lengthens_the_continuation_until_a_miss():
     history = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 1]])
-    d = PromptLookupDrafter(length=3, max_matches=1, streak_draft=8)
+    d = PromptLookupDrafter(length=3, max_matches=1, lookup_streak=8)
     d.begin(history[:, :-1], None, history[:, -1])
     assert _proposed(d)[0] == [2, 3, 4]
     # the whole continuation was accepted: next round drafts 8 tokens, as one chain
@@ -47,7 +47,7 @@ def test_streak_lengthens_the_continuation_until_a_miss():
 
 
 def test_streak_off_by_default_and_when_not_longer():
-    for d in (PromptLookupDrafter(length=3), PromptLookupDrafter(length=3, streak_draft=3)):
+    for d in (PromptLookupDrafter(length=3), PromptLookupDrafter(length=3, lookup_streak=3)):
         d.begin(torch.tensor([[1, 2, 3, 1, 2]]), None, torch.tensor([3]))
         d.commit(torch.tensor([[3, 1, 2, 3]]), None, torch.tensor([1]), RoundStats(3, 3, 3, [1, 2, 3], [0, 1, 2, 3]))
         assert not d.on_streak

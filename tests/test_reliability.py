@@ -784,8 +784,8 @@ def test_overwrite_never_deletes_a_model_data_or_the_inputs(tmp_path, capsys, ta
     "argv,fragments",
     [
         (["--stop", ""], ['--stop ""', "first token"]),
-        (["--lookup-nodes", "-1"], ["--lookup-nodes must be a whole number >= 0"]),
-        (["--lookup-streak", "-2"], ["--lookup-streak must be a whole number >= 0"]),
+        (["--lookup-nodes", "-1"], ["lookup_nodes (--lookup-nodes) must be a whole number >= 0"]),
+        (["--lookup-streak", "-2"], ["lookup_streak (--lookup-streak) must be a whole number >= 0"]),
         (["--temperature", "nan"], ["temperature must be a number >= 0, got nan"]),
         (["--temperature", "inf"], ["temperature must be a number >= 0, got inf"]),
         (["--repetition-penalty", "nan"], ["repetition_penalty"]),
@@ -808,9 +808,9 @@ def llama_head_dir(folder: Path, target_dir: Path) -> Path:
 @pytest.mark.parametrize(
     "drafting,fragments",
     [
-        ({"lookup_nodes": -1}, ["lookup_nodes must be a whole number >= 0", "got -1"]),
-        ({"lookup_streak": "8"}, ["lookup_streak must be a whole number", "got '8'"]),
-        ({"num_draft": 0}, ["num_draft must be a whole number >= 1"]),
+        ({"lookup_nodes": -1}, ["lookup_nodes (--lookup-nodes) must be a whole number >= 0", "got -1"]),
+        ({"lookup_streak": "8"}, ["lookup_streak (--lookup-streak) must be a whole number", "got '8'"]),
+        ({"num_draft": 0}, ["num_draft (--num-draft) must be a whole number >= 1"]),
         ([1, 2], ["holds a JSON list, not an object"]),
     ],
 )

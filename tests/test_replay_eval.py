@@ -78,7 +78,7 @@ def test_a_run_logs_replayed_tau_at_every_eval_as_the_engine_drafter_measures_it
         assert by_context and all(1.0 <= v <= 3.0 for v in by_context.values())
 
     # the final eval's figures are those of the saved head in the engine's own drafter
-    drafter = head_drafter(load_head(result.final_dir, target, tok)[0].eval(), **chain_settings("eagle3", 2))
+    drafter = head_drafter(load_head(result.final_dir, target, tok)[0].eval(), chain_settings("eagle3", 2))
     accepted = [a for h in held_out for a in replay_greedy(drafter, h.sequence, h.prompt_len, h.hidden, h.end)]
     assert sum(accepted) / len(accepted) == pytest.approx(evals[-1]["replay_tau"])
     steps = [a for h in held_out for a in replay_greedy(drafter, h.sequence, h.prompt_len, h.hidden, h.end, VLLM)]

@@ -4,6 +4,7 @@ first two tokens' empirical distribution is compared with the enumerated exact o
 import pytest
 import torch
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
 from drafthead.inference.engine.sampling import SamplingConfig
@@ -63,7 +64,7 @@ def test_head_tree_sampling_is_exact_at_depth_two(kind, sampling, lm_scale):
         target.lm_head.weight.mul_(lm_scale)
     head = build_head(make_config(kind, target, None, name="tiny", aux_layers=(1, 2, 3)), target).eval()
     prompt = torch.tensor([[3, 4, 5, 3, 4]])
-    assert_law_at_depth_two(target, EagleDrafter(head, num_draft=6, depth=2, top_k=2), prompt, sampling)
+    assert_law_at_depth_two(target, EagleDrafter(head, TreeSettings(num_draft=6, depth=2, branch=2)), prompt, sampling)
 
 
 @pytest.mark.parametrize("case", ["medusa1", "medusa2", "eagle1", "merged", "policy"])

@@ -10,6 +10,7 @@ import torch
 from drafthead.proposers import default_head_path
 from drafthead.ground.target.identity import HeadTargetMismatch, identify_target
 from drafthead.heads.io import HeadFormatError
+from drafthead.draft_spec import DraftSpec
 from drafthead.inference.drafters.load import load_head_drafter
 from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
 from drafthead.inference.bench.prompts import encode_chat, load_prompts
@@ -39,14 +40,15 @@ def test_shipped_head_is_small_bf16_and_for_the_default_target(shipped, smollm2)
     actual = identify_target(smollm2.model, smollm2.tokenizer, "smollm2-135m")
     assert recorded["tokenizer_sha"] == actual.tokenizer_sha
     assert recorded["vocab_size"] == actual.vocab_size == 49152
-    drafter, _ = load_head_drafter(shipped, smollm2.model, smollm2.tokenizer, target_name="smollm2-135m", lookup_nodes=0)
+    drafter, _ = load_head_drafter(shipped, smollm2.model, smollm2.tokenizer, target_name="smollm2-135m")
     assert all(p.dtype == torch.float32 for p in drafter.head.parameters())  # cast to the target's dtype
 
 
 def test_shipped_head_greedy_output_is_the_target_output(shipped, smollm2):
     model, tok = smollm2.model, smollm2.tokenizer
     eos = eos_token_ids(model, tok)
-    drafter, target = load_head_drafter(shipped, model, tok, target_name="smollm2-135m")
+    drafting = DraftSpec(head=str(shipped)).build(smollm2, note=lambda line: None)  # as shipped: its drafting.json
+    drafter, target = drafting.factory(), drafting.model
     taus = []
     for prompt in load_prompts("mt-bench")[5::40]:  # two prompts of different categories
         ids = encode_chat(tok, prompt)

@@ -5,6 +5,7 @@ training and for an (untrained) EAGLE-3 head, whose tree the verifier must rejec
 import pytest
 import torch
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.heads.registry import build_head, make_config
 from drafthead.inference.drafters.draft_model import DraftModelDrafter
 from drafthead.inference.drafters.head_drafters import EagleDrafter
@@ -48,7 +49,10 @@ def test_untrained_eagle3_head_output_is_the_target_greedy_output(smollm2):
     head = build_head(config, loaded.model, token_counts=torch.arange(49152).flip(0)).eval()
     ids, ref = encoded[0], refs[0]
     result = speculative_generate(
-        loaded.model, EagleDrafter(head, num_draft=16, depth=4, top_k=4), ids, GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_ids=eos)
+        loaded.model,
+        EagleDrafter(head, TreeSettings(num_draft=16, depth=4, branch=4)),
+        ids,
+        GenerationConfig(max_new_tokens=NEW_TOKENS, eos_token_ids=eos),
     )
     assert result.new_tokens[0].tolist() == ref
 
@@ -66,10 +70,11 @@ def test_self_draft_tree_accepts_full_depth(smollm2):
 def test_batched_shipped_head_rows_equal_the_target_greedy_output(smollm2):
     """The three prompts (of different lengths) in one batch, drafted by the shipped EAGLE-3 head
     with prompt lookup merged in: each row is that prompt's own greedy output."""
-    from drafthead.proposers import default_head_path, head_folder_drafter
+    from drafthead.draft_spec import DraftSpec
 
     loaded, encoded, refs, eos = smollm2
-    drafter, target = head_folder_drafter(default_head_path("smollm2-135m"), loaded.model, loaded.tokenizer)
+    drafting = DraftSpec(proposer="head").build(loaded, note=lambda line: None)  # the shipped head, its drafting.json
+    drafter, target = drafting.factory(), drafting.model
     assert target is loaded.model
     width = max(ids.shape[1] for ids in encoded)
     batch = torch.full((len(encoded), width), eos[0])

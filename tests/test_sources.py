@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from drafthead.inference.drafters.settings import TreeSettings
 from drafthead.train.data.chat_format import tokenize_conversations
 from drafthead.train.regeneration.regenerate import RegenerateSettings, done_ids, regenerate
 from drafthead.train.data.sources import EmptySourceError, load_conversations, normalize_record, read_conversations
@@ -252,6 +253,7 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
     with the load policy too (`data regenerate --speculative`'s default), on a made-up cost curve
     under which some rounds draft and some decode plainly."""
     from drafthead.inference.engine.policy import SpeculationPolicy
+    from drafthead.inference.engine.sizing import set_policy
     from drafthead.heads.registry import build_head, make_config
     from drafthead.inference.drafters.head_drafters import EagleDrafter
     from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
@@ -263,7 +265,7 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
     )
     if proposer.startswith("eagle3"):
         head = build_head(make_config("eagle3", target, tok, name="tiny"), target).eval()
-        drafter = EagleDrafter(head, num_draft=8, depth=3, top_k=3)
+        drafter = EagleDrafter(head, TreeSettings(num_draft=8, depth=3, branch=3))
     else:
         drafter = PromptLookupDrafter(length=4)
     convs = [
@@ -280,7 +282,10 @@ def test_regenerate_through_speculative_decoding_gives_the_plain_answers(tmp_pat
     plain, spec = tmp_path / "plain.jsonl", tmp_path / "spec.jsonl"
     regenerate(target, tok, convs, plain, RegenerateSettings(max_new_tokens=12, batch_size=1), progress=False)
     policy = SpeculationPolicy(lambda tokens: 1.0 + 0.05 * tokens, probe_every=2) if proposer.endswith("policy") else None
-    report = regenerate(target, tok, convs, spec, RegenerateSettings(max_new_tokens=12, batch_size=3), progress=False, drafter=drafter, policy=policy)
+    if policy is not None:
+        set_policy(target, drafter, policy)
+    settings = RegenerateSettings(max_new_tokens=12, batch_size=3)
+    report = regenerate(target, tok, convs, spec, settings, progress=False, drafter=drafter, sizing="fixed" if policy is None else "policy")
     assert report.written == 3 and report.turns_answered == 6
     assert spec.read_text() == plain.read_text()
     if policy is not None:

@@ -12,7 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..draft_spec import PROPOSERS, SIZINGS
+from ..draft_spec import BACKENDS, PROPOSERS
+from ..inference.engine.sizing import SIZINGS
 
 DEFAULT_TARGET = "smollm2-135m"
 
@@ -35,11 +36,16 @@ def _device(value: str) -> str:
     raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got '{value}'")
 
 
-def _whole_number(value: str, minimum: int) -> int:
+def _int(value: str) -> int:
+    """A whole number as text: its range is the setting's own rule (DraftSpec checks the drafting options')."""
     try:
-        n = int(value)
+        return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got '{value}'") from None
+
+
+def _whole_number(value: str, minimum: int) -> int:
+    n = _int(value)
     if n < minimum:
         raise argparse.ArgumentTypeError(f"expected a number >= {minimum}, got {n}")
     return n
@@ -154,7 +160,7 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-model", default=None, metavar="NAME", help="draft LM sharing the target's vocabulary")
     g.add_argument(
         "--num-draft",
-        type=_positive_int,
+        type=_int,
         default=None,
         metavar="N",
         help="draft nodes per round (default: the proposer's, or the head folder's drafting.json); "
@@ -171,33 +177,31 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--lookup-nodes",
-        type=int,
+        type=_int,
         default=None,
         metavar="N",
         help="heads: merge up to N prompt-lookup nodes into each tree (0: off; default: the head folder's drafting.json, else 0)",
     )
     g.add_argument(
         "--lookup-streak",
-        type=int,
+        type=_int,
         default=None,
         metavar="N",
         help="prompt lookup (alone or merged into a head's tree): after a round that accepted a "
         "whole continuation, draft one N tokens long (0: off; default: drafting.json for heads, "
         "32 for prompt lookup alone)",
     )
-    g.add_argument(
-        "--tree-depth", type=_positive_int, default=None, metavar="D", help="EAGLE heads: draft steps per round (default: drafting.json, else 5)"
-    )
+    g.add_argument("--tree-depth", type=_int, default=None, metavar="D", help="EAGLE heads: draft steps per round (default: drafting.json, else 5)")
     g.add_argument(
         "--chain",
-        type=_positive_int,
+        type=_int,
         default=None,
         metavar="K",
         help="heads: a chain of K top-1 drafts a round instead of the head's tree (what vLLM and SGLang serve)",
     )
     g.add_argument(
         "--tree-branch",
-        type=_positive_int,
+        type=_int,
         default=None,
         metavar="K",
         help="EAGLE heads: children expanded per node and step (default: drafting.json, else 6)",
@@ -221,7 +225,7 @@ def add_proposer_options(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--backend",
-        choices=("torch", "llama.cpp"),
+        choices=BACKENDS,
         default="torch",
         help="the target's forward: torch (transformers), or llama.cpp's through libllama on a GGUF "
         "of the target (`make llamacpp` builds it; docs/llamacpp-backend.md). Drafters stay in torch",

@@ -114,9 +114,9 @@ def run(args) -> int:
     example = factory()
     if hasattr(example, "describe"):
         settings.info["drafter"] = example.describe()  # the effective settings, drafting.json included
+    settings.sizing = drafting.sizing
     if args.batch_size is not None:
-        return _run_batched(args, model, loaded.tokenizer, factory, drafting.policy, prompts, settings)
-    settings.policy = drafting.policy
+        return _run_batched(args, model, loaded.tokenizer, factory, prompts, settings)
     report = run_bench(model, loaded.tokenizer, factory, prompts, settings)
     if external:
         report["engines"] = _external(external, args, loaded, prompts, settings, report)
@@ -201,12 +201,12 @@ def _vllm_rows(args, loaded, encoded, settings) -> tuple[dict, dict]:
     )
 
 
-def _run_batched(args, model, tokenizer, factory, policy, prompts, settings) -> int:
+def _run_batched(args, model, tokenizer, factory, prompts, settings) -> int:
     from ..inference.bench.batch import format_batch_table, run_batch_bench
     from ..inference.bench.report import report_json
 
-    name = "policy" if policy is not None else "speculative"
-    report = run_batch_bench(model, tokenizer, {name: (factory, policy)}, prompts, settings, args.batch_size)
+    name = "policy" if settings.sizing == "policy" else "speculative"
+    report = run_batch_bench(model, tokenizer, {name: (factory, settings.sizing)}, prompts, settings, args.batch_size)
     if args.out:
         write_text(args.out, report_json(report))
         note(f"report: {args.out}")

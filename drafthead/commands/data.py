@@ -352,19 +352,19 @@ def _regenerate_locally(args, ds, out: Path, share, say, settings) -> int:
 
     args.device = _rank_device(args.device, share)
     loaded = load_target_from_args(args)
-    model, drafter, policy = loaded.model, None, None
+    model, drafter, sizing = loaded.model, None, "fixed"
     if args.speculative or args.head:
         from ..draft_spec import DraftSpec
 
         spec = DraftSpec(proposer="head", head=args.head, sizing=args.sizing or "policy")
         drafting = spec.build(loaded, threads=args.threads, note=say)
-        drafter, model, policy = drafting.factory(), drafting.model, drafting.policy
+        drafter, model, sizing = drafting.factory(), drafting.model, drafting.sizing
         say(
             f"answering through speculative decoding with the head at {drafting.spec.head}"
-            + (", trees sized by the load policy" if policy is not None else ", whole trees")
+            + (", trees sized by the load policy" if sizing == "policy" else ", whole trees")
         )
     settings = dataclasses.replace(settings, target_name=loaded.name)
-    report = regenerate(model, loaded.tokenizer, ds, args.out, settings, drafter=drafter, policy=policy, share=share)
+    report = regenerate(model, loaded.tokenizer, ds, args.out, settings, drafter=drafter, sizing=sizing, share=share)
     if share.is_main:
         _check_written(report, out)
     elif report.already_done + report.written == 0:

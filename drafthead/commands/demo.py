@@ -61,7 +61,7 @@ def run(args) -> int:
         keep_text=True,
         progress=False,
         info={"target": loaded.name, "proposer": proposer, "head": head, "backend": args.backend},
-        policy=drafting.policy,  # --sizing policy
+        sizing=drafting.sizing,
         engine=engine_options(args),
         verifier=None if verifier is model else verifier,
     )

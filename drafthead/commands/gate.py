@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import _positive_int, add_device_option, load_target_from_args, note
+from . import _int, _positive_int, add_device_option, load_target_from_args, note
 
 
 def add_parser(subparsers) -> None:
@@ -21,7 +21,7 @@ def add_parser(subparsers) -> None:
     add_device_option(p)
     p.add_argument("--limit", type=_positive_int, default=64, help="conversations replayed (default 64)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128, help="the target's answer per prompt (default 128)")
-    p.add_argument("--chain", type=_positive_int, default=None, metavar="K", help="replay a chain of K drafts (default: each head's drafting.json)")
+    p.add_argument("--chain", type=_int, default=None, metavar="K", help="replay a chain of K drafts (default: each head's drafting.json)")
     p.add_argument("--margin", type=float, default=0.0, help="the relative tau gain the candidate must show (default 0: any gain)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
 
@@ -44,6 +44,7 @@ def run(args) -> int:
         args.target = read_json(Path(args.live) / "config.json").get("config", {}).get("target", {}).get("name")
         if not args.target:
             raise ValueError(f"{args.live} does not name its target: pass --target")
+    drafting = (head_drafting(args.live, args.chain), head_drafting(args.candidate, args.chain))
     conversations, report = load_conversations("file", args.data, args.limit)
     note(report.summary())
     loaded = load_target_from_args(args)
@@ -56,7 +57,7 @@ def run(args) -> int:
         sequences=args.limit,
         max_new_tokens=args.max_new_tokens,
         margin=args.margin,
-        chain=args.chain,
+        drafting=drafting,
     )
     if args.json:
         print(json.dumps(result.to_dict()))
@@ -64,3 +65,13 @@ def run(args) -> int:
         print(f"live tau {result.live_tau:.3f}  candidate tau {result.candidate_tau:.3f}  ({result.sequences} answers, {result.rounds} rounds)")
         print(("PASS: " if result.passed else "FAIL: ") + result.reason)
     return 0 if result.passed else 1
+
+
+def head_drafting(folder: str, chain: int | None):
+    """How the head at `folder` drafts in the replay: as its drafting.json says, its tree replaced
+    by a chain of `chain` when given (DraftSpec resolves it, checked before the target loads)."""
+    from ..draft_spec import DraftSpec
+
+    spec, kind = DraftSpec(proposer="head", head=folder, chain=chain).with_head_folder()
+    assert kind is not None  # a head folder: run() checked its config.json
+    return spec.head_drafting(kind)

@@ -105,7 +105,7 @@ def run(args) -> int:
         stop_strings=tuple(args.stop),
         seed=args.seed,
         typical=typical_from_args(args),
-        policy=drafting.policy,
+        sizing=drafting.sizing,
         **engine_options(args),
     )
     if config.lossy:

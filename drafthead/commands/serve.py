@@ -125,11 +125,11 @@ def run(args) -> int:
             EngineSettings(max_batch=args.max_batch, max_queue=args.max_queue, max_len=context, kv_cells=kv_cells, streams=streams),
             eos_token_ids=eos_ids(drafting.model, loaded.tokenizer),
             decode=decode_all,
-            policy=drafting.policy,
+            sizing=drafting.sizing,
             metrics=server.metrics,
             record_layers=record_layers,
         )
-        adaptation = start_adapting(args, engine, loaded, head, drafting.spec) if head is not None else None
+        adaptation = start_adapting(args, engine, loaded, head, drafting) if head is not None else None
         server.ready(model, engine)
         engine.start()
         note(f"serve: {model.name} on {url}/v1 (max batch {args.max_batch}, context {context})")
@@ -215,7 +215,7 @@ def adapting_layers(head, loaded) -> tuple[int, ...]:
     return required_layers(head.config, text_config(loaded.model).num_hidden_layers)
 
 
-def start_adapting(args, engine, loaded, head, spec):
+def start_adapting(args, engine, loaded, head, drafting):
     from pathlib import Path
 
     from ..train.adapt.live import Adaptation, BufferCaps
@@ -225,7 +225,7 @@ def start_adapting(args, engine, loaded, head, spec):
         target=args.target,
         target_dtype="float32",
         target_name=loaded.name,
-        drafting=spec.drafter_options(),
+        drafting=drafting.head_drafting.to_dict(),
         threads=args.adapt_threads,
         min_new_tokens=args.adapt_min_tokens,
         holdout=args.adapt_holdout,
@@ -238,7 +238,7 @@ def start_adapting(args, engine, loaded, head, spec):
         engine,
         loaded,
         head,
-        Path(spec.head),
+        Path(drafting.spec.head),
         settings,
         window=args.adapt_window,
         caps=BufferCaps(max_tokens=args.adapt_buffer_tokens),

@@ -27,6 +27,7 @@ from .run import BenchSettings, PeakMemory, _settings_record, hf_generation_conf
 from ..engine.cost import sync_device
 from ..engine.drafter import RootOnlyDrafter
 from ..engine.generate import GenerationConfig, generate_batch
+from ..engine.sizing import load_policy
 from .prompts import Prompt, encode_chat
 from .report import plain_label
 
@@ -63,7 +64,7 @@ def _timed(fn, device, memory: PeakMemory):
 def run_batch_bench(
     target,
     tokenizer,
-    methods: dict[str, tuple[Callable[[], object], object]],
+    methods: dict[str, tuple[Callable[[], object], str]],
     prompts: Sequence[Prompt],
     settings: BenchSettings,
     batch_size: int,
@@ -71,7 +72,8 @@ def run_batch_bench(
     check_identity: bool = True,
 ) -> dict:
     """The report dict at `batch_size` (module docstring) for each method name -> (drafter
-    factory, SpeculationPolicy or None). A policy's estimates carry over from batch to batch."""
+    factory, sizing: inference/engine/sizing.py). A load policy's estimates carry over from batch
+    to batch."""
     if batch_size < 1:
         raise ValueError(f"batch size must be >= 1, got {batch_size}")
     if not prompts:
@@ -85,15 +87,15 @@ def run_batch_bench(
     ours_plain = verifier is not None or bool(settings.engine.get("row_invariant"))
     engine_plain = engine_plain and not ours_plain
 
-    def ours(ids, mask, drafter, n, seed, policy):
-        config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, policy=policy, **settings.engine)
+    def ours(ids, mask, drafter, n, seed, sizing):
+        config = GenerationConfig(max_new_tokens=n, sampling=settings.sampling, eos_token_ids=eos, seed=seed, sizing=sizing, **settings.engine)
         prompts_b = [row[m.bool()] for row, m in zip(ids, mask)]
         with torch.inference_mode():
             return generate_batch(verifier or target, drafter, prompts_b, config, tokenizer=tokenizer)
 
     def plain(ids, mask, n, seed):
         if ours_plain:
-            return [r.new_tokens[0].tolist() for r in ours(ids, mask, RootOnlyDrafter(), n, seed, None).rows]
+            return [r.new_tokens[0].tolist() for r in ours(ids, mask, RootOnlyDrafter(), n, seed, "fixed").rows]
         if seed is not None:
             torch.manual_seed(seed)
         config = hf_generation_config(settings.sampling, n, eos, pad)
@@ -106,9 +108,9 @@ def run_batch_bench(
         ids, mask = left_pad(groups[0], pad)
         plain(ids, mask, settings.warmup_tokens, settings.seed)
         if engine_plain:  # a compiled engine (--compile) builds its one-token graph here
-            ours(ids, mask, RootOnlyDrafter(), settings.warmup_tokens, settings.seed, None)
-        for factory, policy in methods.values():  # a policy's cold start (its first probe) falls here,
-            ours(ids, mask, factory(), settings.warmup_tokens, settings.seed, policy)  # as in a server already serving
+            ours(ids, mask, RootOnlyDrafter(), settings.warmup_tokens, settings.seed, "fixed")
+        for factory, sizing in methods.values():  # a policy's cold start (its first probe) falls here,
+            ours(ids, mask, factory(), settings.warmup_tokens, settings.seed, sizing)  # as in a server already serving
 
     from tqdm.auto import tqdm
 
@@ -126,12 +128,12 @@ def run_batch_bench(
         sides["plain"][0] += sum(len(r) for r in plain_rows)
         sides["plain"][1] += seconds
         if engine_plain:
-            base, seconds = _timed(lambda: ours(ids, mask, RootOnlyDrafter(), n, seed, None), device, memories["engine_plain"])
+            base, seconds = _timed(lambda: ours(ids, mask, RootOnlyDrafter(), n, seed, "fixed"), device, memories["engine_plain"])
             sides["engine_plain"][0] += base.num_new_tokens
             sides["engine_plain"][1] += seconds
         alone = [plain(p, torch.ones_like(p), n, seed)[0] for p in group] if check_identity else [None] * len(group)
-        for name, (factory, policy) in methods.items():
-            spec, seconds = _timed(lambda: ours(ids, mask, factory(), n, seed, policy), device, memories[name])
+        for name, (factory, sizing) in methods.items():
+            spec, seconds = _timed(lambda: ours(ids, mask, factory(), n, seed, sizing), device, memories[name])
             forwards[name] += spec.num_forwards
             sides[name][0] += spec.num_new_tokens
             sides[name][1] += seconds
@@ -158,11 +160,21 @@ def run_batch_bench(
         "num_prompts": len(encoded),
         "baseline_tokens_per_s": rate["plain"],
         "engine_plain_tokens_per_s": rate["engine_plain"] if engine_plain else None,
-        "methods": {name: _method_summary(records[name], rate[name], rate["plain"], forwards[name], policy) for name, (_, policy) in methods.items()},
+        "methods": {
+            name: _method_summary(records[name], rate[name], rate["plain"], forwards[name], _policy(verifier or target, m, settings))
+            for name, m in methods.items()
+        },
         "peak_rss_mb": {k: round(v, 1) for k, v in peak.items() if v},
         "settings": _settings_record(target, settings, len(prompts)),
         "prompts": records,
     }
+
+
+def _policy(verifier, method: tuple[Callable[[], object], str], settings: BenchSettings):
+    """The load policy a method's rounds ran under (the engine keeps one per verifier and drafter
+    class: inference/engine/sizing.py), for its report; None under the other rules."""
+    factory, sizing = method
+    return load_policy(verifier, factory(), bool(settings.engine.get("row_invariant"))) if sizing == "policy" else None
 
 
 def _method_summary(records: list[dict], rate: float, baseline: float, forwards: int, policy) -> dict:

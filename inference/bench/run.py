@@ -40,7 +40,6 @@ from ..engine.cost import sync_device
 from ..engine.drafter import RootOnlyDrafter
 from ...ground.target.load import context_limit
 from ..engine.generate import GenerationConfig, PromptTooLong, speculative_generate
-from ..engine.policy import SpeculationPolicy
 from ..engine.rounds import acceptance_histogram, per_position_acceptance, tau_by_context, tau_of
 from .prompts import Prompt, encode_chat
 from ..engine.sampling import SamplingConfig
@@ -60,7 +59,7 @@ class BenchSettings:
     progress: bool = True  # tqdm bar over prompts (stderr)
     repetition_ngram: int = 4
     info: dict = field(default_factory=dict)  # recorded verbatim under report["settings"]
-    policy: SpeculationPolicy | None = None  # `--sizing policy`: shared by every prompt's run
+    sizing: str = "fixed"  # how each round is sized (inference/engine/sizing.py); a load policy learns over every prompt
     engine: dict = field(default_factory=dict)  # GenerationConfig's engine fields (static_cache, compile)
     # what verifies the trees when it is not the torch target (a LlamaCppTarget): then both sides
     # decode on it, plain being our engine with no drafting (the backend's own greedy decoding)
@@ -409,7 +408,7 @@ def _bench_prompt(
         eos_token_ids=eos,
         seed=seed,
         profile=settings.profile,
-        policy=settings.policy,
+        sizing=settings.sizing,
         **settings.engine,
     )
     verifier = settings.verifier

@@ -9,16 +9,15 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from ...ground.files import read_json
 from ..engine.cache import crop
 from ..engine.cost import best_node_count, sync_device
 from ..engine.drafter import RoundStats, TargetFeatures
 from ..engine.tree import DraftTree, best_first, select_top_nodes, tree_from_choices
+from .settings import StaticTreeSettings, TreeSettings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,14 +86,20 @@ class MedusaDrafter:
     feature_layers: tuple[int, ...] = ()
     needs_last_hidden = True
 
-    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int = 24):
+    def __init__(self, head, settings: StaticTreeSettings = StaticTreeSettings()):
+        """settings: the static tree (default: the 24 best nodes under the prior)."""
         self.head = head
-        self.shape = static_tree_shape(choices, num_draft, head.num_heads, f"the {head.num_heads} Medusa heads")
+        num_draft = 24 if settings.num_draft is None else settings.num_draft
+        self.shape = static_tree_shape(settings.choices, num_draft, head.num_heads, f"the {head.num_heads} Medusa heads")
         self.last_hidden: torch.Tensor | None = None  # [B, H]
         self.pending: torch.Tensor | None = None
 
+    @property
+    def num_draft(self) -> int:
+        return int(self.shape.parents.shape[0]) - 1
+
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} static tree", "num_draft": int(self.shape.parents.shape[0]) - 1, "depth": self.shape.depth}
+        return {"kind": f"{self.head.kind} static tree", "num_draft": self.num_draft, "depth": self.shape.depth}
 
     def begin(self, tokens, features: TargetFeatures | None, pending) -> None:
         last = None if features is None else features.last
@@ -182,35 +187,25 @@ class EagleDrafter(FeatureBuffer):
 
     The head's cache holds the pairs (target feature at t, token t+1) of committed positions.
     Each round: feed the pairs the cache lacks, then grow the tree `depth` times, each time
-    expanding the `top_k` frontier nodes of best cumulative log-probability into their top-k
-    children (one head forward per depth, tree-masked), and finally keep the `num_draft` best
+    expanding the `branch` frontier nodes of best cumulative log-probability into their `branch`
+    best children (one head forward per depth, tree-masked), and finally keep the `num_draft` best
     nodes. The draft tree nodes are cropped from the cache before the next round.
+
+    Sized by confidence (`size_by(cost)`, which the engine calls under sizing "confidence"): each
+    round keeps the number of best candidates, up to num_draft (default: all of them), that
+    maximises expected tokens per second under the verifier's measured cost, counting the nodes
+    other drafters add (`extra_nodes`).
     """
 
     needs_last_hidden = False
 
-    def __init__(
-        self, head, num_draft: int | None = None, depth: int = 5, top_k: int = 6, sizing: str = "fixed", verify_cost=None, extra_nodes: int = 0
-    ):
-        """num_draft: draft nodes per round (default 24). sizing "confidence": each round keeps the
-        number of best candidates, up to num_draft (default: all of them), that maximises expected
-        tokens per second under `verify_cost` (a cost.CostCurve measured on the target), counting
-        `extra_nodes` that other drafters add."""
-        self.confidence_rule = sizing == "confidence"
-        if self.confidence_rule:
-            if verify_cost is None:
-                raise ValueError('sizing="confidence" needs the target\'s measured verify_cost')
-            if num_draft is None:
-                num_draft = top_k + (depth - 1) * top_k * top_k  # every candidate is eligible
-        elif sizing != "fixed":
-            raise ValueError(f'sizing is "fixed" or "confidence", got {sizing!r}')
-        num_draft = 24 if num_draft is None else num_draft
-        if isinstance(num_draft, bool) or not isinstance(num_draft, int) or min(num_draft, depth, top_k) < 1:
-            raise ValueError(f"num_draft, depth and top_k must be whole numbers >= 1; got {num_draft!r}, {depth}, {top_k}")
+    def __init__(self, head, settings: TreeSettings = TreeSettings()):
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
-        self.num_draft, self.depth, self.top_k = num_draft, depth, top_k
-        self.verify_cost, self.extra_nodes = verify_cost, extra_nodes
+        self.settings = settings
+        self.depth, self.branch = settings.depth, settings.branch
+        self.confidence_rule = False
+        self.verify_cost, self.extra_nodes = None, 0
         self.num_draft_limit: int | None = None  # the load policy's num_draft for the next round (`limit`)
         # auto sizing: calibration of the draft's path probabilities against what was accepted,
         # as decayed sums over rounds (kept across sequences), and the time drafting takes
@@ -218,13 +213,26 @@ class EagleDrafter(FeatureBuffer):
         self.draft_seconds: float | None = None
         self.draft_ids = draft_ids_of(head)
 
+    @property
+    def num_draft(self) -> int:
+        """Draft nodes a round keeps at most: the settings', else 24, or every candidate when sized by confidence."""
+        if self.settings.num_draft is not None:
+            return self.settings.num_draft
+        return self.branch + (self.depth - 1) * self.branch * self.branch if self.confidence_rule else 24
+
+    def size_by(self, cost, extra_nodes: int = 0) -> None:
+        """Size each round by the draft's confidence against `cost` (a cost.CostCurve of the
+        verifier's forward; inference/engine/sizing.py), counting `extra_nodes` other drafters
+        add; None: draft the settings' tree."""
+        self.confidence_rule, self.verify_cost, self.extra_nodes = cost is not None, cost, extra_nodes
+
     def describe(self) -> dict:
         return {
             "kind": f"{self.head.kind} tree",
             "num_draft": self.num_draft,
             "sizing": "confidence" if self.confidence_rule else "fixed",
             "depth": self.depth,
-            "top_k": self.top_k,
+            "branch": self.branch,
         }
 
     def limit(self, num_draft: int | None) -> None:
@@ -289,12 +297,12 @@ class EagleDrafter(FeatureBuffer):
         hidden, logits = self.head.step(*self._catch_up_pairs(), self.cache, None, last_only=True)
         # 2. grow the tree: candidates carry (token, parent, cumulative log-prob, hidden)
         logp = torch.log_softmax(logits[0, -1].float(), dim=-1)
-        top = torch.topk(logp, self.top_k)
+        top = torch.topk(logp, self.branch)
         cand_tokens = [int(t) for t in self._to_target(top.indices)]
-        cand_parent = [0] * self.top_k
+        cand_parent = [0] * self.branch
         cand_score = top.values.tolist()
-        cand_hidden = [hidden[0, -1]] * self.top_k  # the parent's output feeds its children
-        frontier = list(range(self.top_k))  # candidate indices (node = index + 1)
+        cand_hidden = [hidden[0, -1]] * self.branch  # the parent's output feeds its children
+        frontier = list(range(self.branch))  # candidate indices (node = index + 1)
         fed_nodes: list[int] = []  # tree nodes whose K/V the head cache holds, in feeding order
         steps = self.depth if self.num_draft_limit is None else max(1, min(self.depth, self.num_draft_limit))
         for depth in range(1, steps):
@@ -307,17 +315,17 @@ class EagleDrafter(FeatureBuffer):
             h_out, lg = self.head.step(h_in, tok_in, pos, self.cache, step_mask)
             fed_nodes += nodes
             lp = torch.log_softmax(lg[0].float(), dim=-1)  # [F, Vd]
-            child = torch.topk(lp, self.top_k, dim=-1)  # [F, k]
+            child = torch.topk(lp, self.branch, dim=-1)  # [F, k]
             scores = torch.tensor([cand_score[c] for c in frontier], device=device)[:, None] + child.values
-            best = torch.topk(scores.flatten(), self.top_k)  # EAGLE-2: next frontier = best k of k*k
+            best = torch.topk(scores.flatten(), self.branch)  # EAGLE-2: next frontier = best k of k*k
             ids, score_rows = self._to_target(child.indices).tolist(), scores.tolist()
             for f_row in range(len(frontier)):
-                for j in range(self.top_k):
+                for j in range(self.branch):
                     cand_tokens.append(ids[f_row][j])
                     cand_parent.append(frontier[f_row] + 1)
                     cand_score.append(score_rows[f_row][j])
                     cand_hidden.append(h_out[0, f_row])
-            base = len(cand_tokens) - len(frontier) * self.top_k
+            base = len(cand_tokens) - len(frontier) * self.branch
             frontier = [base + int(i) for i in best.indices]
         # 3. rerank: keep the num_draft best candidates (closed under ancestors)
         parents = torch.tensor([-1] + cand_parent)
@@ -346,62 +354,3 @@ class EagleDrafter(FeatureBuffer):
 
 
 _DECAY = 0.98  # per round, for the calibration sums of confidence sizing (~50 rounds of memory)
-
-DRAFTING_FILE = "drafting.json"  # optional, beside config.json: the drafter settings measured best for this head
-# num_draft: draft nodes per round (`--num-draft`); sizing: "fixed" or "confidence" (`--sizing`; the
-# load policy is the engine's, not a drafter setting); lookup_nodes, lookup_streak: the merged prompt
-# lookup's own (`--lookup-nodes`, `--lookup-streak`)
-_SHARED_KEYS = {"num_draft", "sizing", "lookup_nodes", "lookup_streak"}
-_DRAFTING_KEYS = {
-    "MedusaDrafter": {"choices", *_SHARED_KEYS},
-    "HydraDrafter": {"choices", *_SHARED_KEYS},
-    "EagleDrafter": {"depth", "top_k", *_SHARED_KEYS},
-    "ParallelDrafter": {"choices", *_SHARED_KEYS},
-    "DFlashDrafter": {"choices", *_SHARED_KEYS},
-    "DSparkDrafter": {"choices", *_SHARED_KEYS},
-}
-DRAFTER_SIZINGS = ("fixed", "confidence")
-
-
-def check_drafting_keys(keys, drafter: str, where: str) -> None:
-    """Raise ValueError naming `where` for drafter settings the drafter class `drafter` does not take."""
-    unknown = set(keys) - _DRAFTING_KEYS[drafter]
-    if unknown:
-        raise ValueError(f"{where}: unknown keys {sorted(unknown)} (known: {sorted(_DRAFTING_KEYS[drafter])})")
-
-
-def check_drafting_values(settings: dict, where: str) -> None:
-    """Raise ValueError naming `where` (the file, or the options) for a drafter setting of the
-    wrong type or range: a negative lookup_nodes would otherwise run as if off."""
-
-    def whole(key, low):
-        value = settings.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-            raise ValueError(f"{where}: {key} must be a whole number >= {low}{' (0: off)' if low == 0 else ''}, got {value!r}")
-
-    for key in ("lookup_nodes", "lookup_streak"):
-        whole(key, 0)
-    for key in ("depth", "top_k"):
-        whole(key, 1)
-    whole("num_draft", 1)
-    if settings.get("sizing", "fixed") not in DRAFTER_SIZINGS:
-        raise ValueError(f"{where}: sizing is one of {', '.join(DRAFTER_SIZINGS)}, got {settings['sizing']!r}")
-    choices = settings.get("choices")
-    # lists from JSON, tuples from Python callers
-    if choices is not None and not (
-        isinstance(choices, (list, tuple))
-        and all(isinstance(path, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path) for path in choices)
-    ):
-        raise ValueError(f"{where}: choices must be a list of paths, each a list of child indices >= 0, got {choices!r}")
-
-
-def drafting_defaults(path: Path, drafter: str) -> dict:
-    """Settings from `drafting.json` in a head folder ({} when absent); unknown keys and bad
-    values are errors naming the file."""
-    file = Path(path) / DRAFTING_FILE
-    if not file.is_file():
-        return {}
-    settings = read_json(file)  # not JSON, not UTF-8, or not an object: one line naming the file
-    check_drafting_keys(settings, drafter, str(file))
-    check_drafting_values(settings, str(file))
-    return settings

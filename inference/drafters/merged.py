@@ -80,6 +80,16 @@ class MergedDrafter:
         if limit is not None:
             limit(num_draft)
 
+    def size_by(self, cost, extra_nodes: int = 0) -> None:
+        """Sizing by confidence is the primary drafter's (inference/engine/sizing.py), counting the
+        nodes the others add to each round."""
+        size_by = getattr(self.drafters[0], "size_by", None)
+        if size_by is None:
+            if cost is not None:
+                raise ValueError(f"sizing 'confidence' needs a primary drafter that sizes its own rounds, not {type(self.drafters[0]).__name__}")
+            return
+        size_by(cost, extra_nodes + sum(int(getattr(d, "num_draft", 0)) for d in self.drafters[1:]))
+
     def fork(self) -> "MergedDrafter":
         return MergedDrafter([fork_drafter(d) for d in self.drafters], self.extra_nodes)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,7 @@ from ..engine.cost import best_node_count, sync_device
 from ..engine.drafter import TargetFeatures
 from ..engine.tree import DraftTree, best_first, chain_choices, select_top_nodes
 from .head_drafters import EagleDrafter, FeatureBuffer, draft_ids_of, static_tree_drafts, static_tree_shape
+from .settings import StaticTreeSettings
 
 
 class StaticTreeMixin:
@@ -42,18 +43,25 @@ class StaticTreeMixin:
 
         def _to_target(self, ids: torch.Tensor) -> torch.Tensor: ...
 
-    def _init_tree(self, choices, num_draft, depth: int, what: str) -> None:
-        if choices is None and num_draft is None:
-            choices = chain_choices(depth)
-        self.shape = static_tree_shape(choices, num_draft, depth, what)
+    def _init_tree(self, settings: StaticTreeSettings, depth: int, what: str) -> None:
+        """The static tree of `settings` at most `depth` deep (`what` names the limit); neither
+        choices nor num_draft: the top-1 chain."""
+        if settings.num_draft is None:  # the choices given, or the top-1 chain
+            self.shape = static_tree_shape(settings.choices or chain_choices(depth), 0, depth, what)
+        else:
+            self.shape = static_tree_shape(settings.choices, settings.num_draft, depth, what)
         self.num_draft_limit: int | None = None  # the load policy's num_draft for the next round
+
+    @property
+    def num_draft(self) -> int:
+        return int(self.shape.parents.shape[0]) - 1
 
     def limit(self, num_draft: int | None) -> None:
         """Draft at most `num_draft` nodes next round (None: the whole static tree)."""
         self.num_draft_limit = num_draft
 
     def describe(self) -> dict:
-        return {"kind": f"{self.head.kind} parallel", "num_draft": int(self.shape.parents.shape[0]) - 1, "depth": self.shape.depth}
+        return {"kind": f"{self.head.kind} parallel", "num_draft": self.num_draft, "depth": self.shape.depth}
 
     def _tree(self, root: torch.Tensor, logits: torch.Tensor) -> DraftTree:
         """root [1, 1] and per-depth logits [1, K, V'] (V' draft ids, mapped by `_to_target`)."""
@@ -75,12 +83,17 @@ class ParallelDrafter(StaticTreeMixin, EagleDrafter):
     at most `head.parallel_depth` deep; else num_draft: the best static tree of that many draft nodes
     under a prior of per-depth accuracies (Medusa's search); neither: the top-1 chain."""
 
-    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int | None = None):
+    def __init__(self, head, settings: StaticTreeSettings = StaticTreeSettings()):
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
-        self._init_tree(choices, num_draft, head.parallel_depth, f"the head's parallel_depth {head.parallel_depth}")
+        self._init_tree(settings, head.parallel_depth, f"the head's parallel_depth {head.parallel_depth}")
         self.confidence_rule = False  # EagleDrafter.commit's confidence-rule bookkeeping is off
         self.draft_ids = draft_ids_of(head)
+
+    def size_by(self, cost, extra_nodes: int = 0) -> None:
+        """One forward drafts the whole static tree: nothing to size by confidence."""
+        if cost is not None:
+            raise ValueError(f"a {self.head.kind} head drafts its static tree in one forward: it does not size its rounds by confidence")
 
     def propose(self) -> DraftTree:
         root = self.history[:, -1:]
@@ -97,11 +110,11 @@ class DFlashDrafter(StaticTreeMixin, FeatureBuffer):
 
     needs_last_hidden = False
 
-    def __init__(self, head, choices: Sequence[Sequence[int]] | None = None, num_draft: int | None = None):
+    def __init__(self, head, settings: StaticTreeSettings = StaticTreeSettings()):
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
         depth = head.block_size - 1
-        self._init_tree(choices, num_draft, depth, f"the {depth} tokens a block of {head.block_size} drafts")
+        self._init_tree(settings, depth, f"the {depth} tokens a block of {head.block_size} drafts")
 
     @staticmethod
     def _to_target(ids: torch.Tensor) -> torch.Tensor:
@@ -143,38 +156,30 @@ class DSparkDrafter(DFlashDrafter):
     distribution its parent's: a node at depth d takes rank r of U_{d-1} + W2 W1[parent token].
     At most `block_size` deep (every slot drafts).
 
-    sizing "confidence": the confidence head sets the verify length. Each node's chance of
+    Sized by confidence (`size_by(cost)`, which the engine calls under sizing "confidence"): the
+    confidence head sets the verify length. Each node's chance of
     acceptance is the product of c along its path (c from its slot's state and its parent token);
     the round keeps the best nodes, as many as maximise expected tokens per second under the
     target's measured `verify_cost` (inference/engine/cost.py best_node_count, the paper's
     prefix scheduler for one sequence). Which nodes are verified never changes what is accepted."""
 
-    def __init__(
-        self,
-        head,
-        choices: Sequence[Sequence[int]] | None = None,
-        num_draft: int | None = None,
-        sizing: str = "fixed",
-        verify_cost=None,
-        extra_nodes: int = 0,
-    ):
-        """num_draft: the static tree's draft nodes; with sizing "confidence" the candidates
-        (default: every node of the static tree)."""
-        self.confidence_rule = sizing == "confidence"
-        if self.confidence_rule:
-            if verify_cost is None:
-                raise ValueError('sizing="confidence" needs the target\'s measured verify_cost')
-            if head.confidence_head is None:
-                raise ValueError('sizing="confidence" needs a dspark head with a confidence head')
-        elif sizing != "fixed":
-            raise ValueError(f'sizing is "fixed" or "confidence", got {sizing!r}')
+    def __init__(self, head, settings: StaticTreeSettings = StaticTreeSettings()):
+        """settings: the static tree; sized by confidence, its nodes are the candidates."""
         self.head = head
         self.feature_layers = tuple(head.feature_layers)
         depth = head.block_size
-        self._init_tree(choices, num_draft, depth, f"the {depth} tokens a block of {head.block_size} drafts")
-        self.verify_cost, self.extra_nodes = verify_cost, extra_nodes  # extra_nodes: nodes other drafters add
+        self._init_tree(settings, depth, f"the {depth} tokens a block of {head.block_size} drafts")
+        self.confidence_rule = False
+        self.verify_cost, self.extra_nodes = None, 0  # extra_nodes: nodes other drafters add
         self.draft_seconds: float | None = None
         self.last_confidence: list[float] = []  # the kept nodes' path confidences, last round (best first)
+
+    def size_by(self, cost, extra_nodes: int = 0) -> None:
+        """Let the confidence head size each round against `cost` (a cost.CostCurve of the
+        verifier's forward), counting `extra_nodes` other drafters add; None: the whole tree."""
+        if cost is not None and self.head.confidence_head is None:
+            raise ValueError("sizing 'confidence' needs a dspark head with a confidence head")
+        self.confidence_rule, self.verify_cost, self.extra_nodes = cost is not None, cost, extra_nodes
 
     def describe(self) -> dict:
         out = super().describe()

@@ -9,7 +9,7 @@ Two additions for text that copies itself (small models loop; lists and code rep
     match is what followed it, the text after *that* is the same again (period = the distance
     from the match to the end);
   * streaks: after a round that accepted a whole continuation, the next round drafts a longer
-    one (`streak_draft`), since copying tends to go on; the first miss returns to `length`.
+    one (`lookup_streak`), since copying tends to go on; the first miss returns to `length`.
 """
 
 from __future__ import annotations
@@ -83,10 +83,10 @@ class PromptLookupDrafter(DrafterBase):
         min_ngram: int = 1,
         max_matches: int = 4,
         num_draft: int | None = None,
-        streak_draft: int | None = None,
+        lookup_streak: int | None = None,
     ):
         """num_draft: draft nodes per round, the merged trie's size (default 2 * length); length:
-        tokens per continuation (default 10, at most num_draft). streak_draft: after a round that
+        tokens per continuation (default 10, at most num_draft). lookup_streak: after a round that
         accepted `length` or more of this drafter's tokens, draft one continuation (the most recent
         match) this long (None or <= length: off)."""
         super().__init__()
@@ -99,7 +99,7 @@ class PromptLookupDrafter(DrafterBase):
         self.min_ngram = min_ngram
         self.max_matches = max_matches
         self.num_draft = num_draft or length * 2
-        self.streak_draft = streak_draft if streak_draft and streak_draft > length else None
+        self.lookup_streak = lookup_streak if lookup_streak and lookup_streak > length else None
         self.on_streak = False
 
     def describe(self) -> dict:
@@ -110,7 +110,7 @@ class PromptLookupDrafter(DrafterBase):
             "max_ngram": self.max_ngram,
             "min_ngram": self.min_ngram,
             "max_matches": self.max_matches,
-            "streak_draft": self.streak_draft,
+            "lookup_streak": self.lookup_streak,
         }
 
     def begin(self, tokens, features, pending) -> None:
@@ -119,15 +119,15 @@ class PromptLookupDrafter(DrafterBase):
 
     def commit(self, tokens, features, pending, stats) -> None:
         super().commit(tokens, features, pending, stats)
-        self.on_streak = self.streak_draft is not None and stats.accepted_on_path >= self.length
+        self.on_streak = self.lookup_streak is not None and stats.accepted_on_path >= self.length
 
     def propose(self) -> DraftTree:
         assert self.history is not None  # set by begin
         history = self.history[0].tolist()
-        # on a streak: one continuation (the most recent match), streak_draft long
+        # on a streak: one continuation (the most recent match), lookup_streak long
         if self.on_streak:
-            assert self.streak_draft is not None  # on_streak is set only with a streak_draft
-            length, matches, num_draft = self.streak_draft, 1, self.streak_draft
+            assert self.lookup_streak is not None  # on_streak is set only with a lookup_streak
+            length, matches, num_draft = self.lookup_streak, 1, self.lookup_streak
         else:
             length, matches, num_draft = self.length, self.max_matches, self.num_draft
         branches = find_continuations(history, self.max_ngram, self.min_ngram, length, matches)

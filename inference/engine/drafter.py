@@ -15,6 +15,8 @@ verified tree. A drafter sees the same sequence:
 
 Optional: `limit(num_draft | None)`: the load policy (inference/engine/policy.py) says how many draft nodes
 the next tree needs, so a drafter that can stop early (EAGLE) drafts less; None lifts the limit.
+`size_by(cost | None)`: under sizing "confidence" the engine hands a drafter that sizes its own
+rounds the verifier's measured cost (inference/engine/sizing.py); None: it drafts its whole tree.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ from .acceptance import TypicalAcceptance
 from .backend import target_backend
 from .decoder import Decoder, DecoderSettings, Row, RowSettings, limit_drafter
 from .drafter import fork_drafter
-from .policy import SpeculationPolicy
+from .sizing import check_sizing, load_policy, size_drafter
 from .rounds import tau_of
 from .sampling import SamplingConfig
 from .stopping import StopRules, check_stop_strings
@@ -59,9 +59,11 @@ class GenerationConfig:
     profile: bool = False  # synchronise the device around each phase so `timings` are exact
     # LOSSY, opt-in: Medusa's typical acceptance instead of the exact rule (sampling only)
     typical: TypicalAcceptance | None = None
-    # speculation by load (`--sizing policy`): cuts every row's tree to the node count that pays
-    # at this batch size, down to plain decoding (inference/engine/policy.py); None: verify whole trees
-    policy: SpeculationPolicy | None = None
+    # how each round's tree is sized (sizing.py SIZINGS): fixed (the drafter's whole tree), policy
+    # (the load policy cuts every row's tree to the node count that pays at this batch size, down to
+    # plain decoding) or confidence (the drafter sizes its own against the verifier's cost); the
+    # engine builds what the rule needs from the target it decodes with
+    sizing: str = "fixed"
     # the target's linears on the faster CPU kernel per row count while we decode
     # (inference/kernels/target_linears.py); generate() and training never see the swap
     engine_linears: bool = True
@@ -80,6 +82,7 @@ class GenerationConfig:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         check_seed(self.seed)
         check_stop_strings(self.stop_strings)
+        check_sizing(self.sizing)
         if self.typical is not None and self.sampling.greedy:
             raise ValueError("typical acceptance is a sampling rule (and lossy); greedy decoding is exact already")
 
@@ -185,13 +188,16 @@ def generate_batch(
         if not isinstance(backend, TorchTarget):
             raise ValueError("images in the prompt run on the torch backend only")
         check_images(target, prompts, images)
+    row_invariant = bool(getattr(backend, "row_invariant", False))
+    size_drafter(target, drafter, config.sizing, row_invariant)  # before the forks: they share its cost
     drafters = [drafter] + [fork_drafter(drafter) for _ in prompts[1:]]
     device = prompts[0].device
+    policy = load_policy(target, drafter, row_invariant) if config.sizing == "policy" else None
     settings = DecoderSettings(
         max_len=max_len,
         device=device,
         typical=config.typical,
-        policy=config.policy,
+        policy=policy,
         decode=None if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False)),
         profile=config.profile,
     )
@@ -209,7 +215,7 @@ def generate_batch(
             while decoder.active:
                 decoder.step()
         finally:
-            if config.policy is not None:  # the policy's num_draft is for its own rounds only
+            if policy is not None:  # the policy's num_draft is for its own rounds only
                 for d in drafters:
                     limit_drafter(d, None)
         if streamer is not None:

@@ -27,6 +27,7 @@ import torch
 
 from ..engine.decoder import Decoder, DecoderSettings, Row, RowSettings
 from ..engine.drafter import fork_drafter
+from ..engine.sizing import load_policy, size_drafter
 from ..engine.sampling import SamplingConfig
 from ..engine.stopping import StopRules
 from .metrics import ServerMetrics
@@ -91,18 +92,23 @@ class ServingEngine:
         *,
         eos_token_ids: tuple[int, ...],
         decode: Callable[[list[int]], str],
-        policy=None,
+        sizing: str = "fixed",
         metrics: ServerMetrics | None = None,
         record_layers: tuple[int, ...] = (),
     ):
-        """record_layers: the target's hidden states the decoder's observers get (an adapting
-        head's training layers, train/adapt/)."""
+        """sizing: how each round's trees are sized (inference/engine/sizing.py), for every row
+        and every drafter swapped in; record_layers: the target's hidden states the decoder's
+        observers get (an adapting head's training layers, train/adapt/)."""
         self.backend = backend
         self.drafter = drafter  # each row drafts with a fork of it (shared weights, its own state)
         self.settings = settings
         self.eos_token_ids = eos_token_ids
         self.metrics = metrics or ServerMetrics()
         device = getattr(backend, "device", torch.device("cpu"))
+        self.sizing = sizing
+        verifier, row_invariant = getattr(backend, "model", backend), bool(getattr(backend, "row_invariant", False))  # a TorchTarget's model
+        size_drafter(verifier, drafter, sizing, row_invariant)
+        policy = load_policy(verifier, drafter, row_invariant) if sizing == "policy" else None
         self.decoder = Decoder(
             backend,
             DecoderSettings(max_len=settings.max_len, device=device, policy=policy, decode=decode, stretch_limit=settings.stretch_limit),

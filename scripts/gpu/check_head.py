@@ -26,11 +26,14 @@ BUDGETS = {"full": (20, 256), "dry": (1, 8)}  # MT-bench prompts, tokens a promp
 
 def chain_tau(model, tokenizer, head: Path, sequences: list, chain: int) -> dict:
     """The head's replayed chain over `sequences` ((sequence [1, T], prompt length) pairs)."""
+    from types import SimpleNamespace
+
+    from drafthead.draft_spec import DraftSpec
     from drafthead.inference.bench.replay import kept_hidden_states, replay_greedy
-    from drafthead.inference.drafters.load import load_head_drafter
     from drafthead.inference.engine.rounds import per_position_acceptance, tau_of
 
-    drafter, _ = load_head_drafter(head, model, tokenizer, "smollm2-135m", chain=chain, lookup_nodes=0)  # the head alone
+    loaded = SimpleNamespace(name="smollm2-135m", model=model, tokenizer=tokenizer)
+    drafter = DraftSpec(head=str(head), chain=chain, lookup_nodes=0).build(loaded, note=lambda line: None).factory()  # the head alone
     rounds = []
     for sequence, prompt_len in sequences:
         rounds += replay_greedy(drafter, sequence, prompt_len, kept_hidden_states(model, sequence, [drafter]))

@@ -89,11 +89,9 @@ def main() -> int:
     import torch
     from tqdm.auto import tqdm
 
-    from drafthead.draft_spec import POLICY_TOKEN_COUNTS, DraftSpec
+    from drafthead.draft_spec import DraftSpec
     from drafthead.inference.engine.drafter import RootOnlyDrafter
-    from drafthead.inference.engine.cost import measure_verify_cost
     from drafthead.inference.engine.drafter import fork_drafter
-    from drafthead.inference.engine.policy import SpeculationPolicy
     from drafthead.inference.bench.run import hf_generation_config
     from drafthead.inference.engine.generate import GenerationConfig, speculative_generate
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
@@ -121,9 +119,7 @@ def main() -> int:
             skipped["llama.cpp"], llama = llama, None
     config = GenerationConfig(max_new_tokens=n, eos_token_ids=tuple(eos))
     policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
-    policy_config = GenerationConfig(
-        max_new_tokens=n, eos_token_ids=tuple(eos), policy=SpeculationPolicy(measure_verify_cost(model, POLICY_TOKEN_COUNTS))
-    )
+    policy_config = GenerationConfig(max_new_tokens=n, eos_token_ids=tuple(eos), sizing="policy")
     hf_config = hf_generation_config(SamplingConfig(), n, eos, tokenizer.pad_token_id)
 
     def timed(fn):

@@ -40,13 +40,13 @@ def server_outputs(url: str, prompts: list[list[int]], n: int, concurrency: int)
     return outputs, time.perf_counter() - start
 
 
-def ours(backend, make_drafter, prompts, n: int, batch: int, eos, policy=None) -> tuple[list[list[int]], float]:
+def ours(backend, make_drafter, prompts, n: int, batch: int, eos, sizing: str = "fixed") -> tuple[list[list[int]], float]:
     """Our engine over the prompts, `batch` rows at a time; new token ids and wall seconds."""
     import torch
 
     from drafthead.inference.engine.generate import GenerationConfig, generate_batch
 
-    config = GenerationConfig(max_new_tokens=n, eos_token_ids=eos, policy=policy)
+    config = GenerationConfig(max_new_tokens=n, eos_token_ids=eos, sizing=sizing)
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), batch):
         result = generate_batch(backend, make_drafter(), [torch.tensor(p) for p in prompts[i : i + batch]], config)
@@ -73,12 +73,10 @@ def main() -> int:
     parser.add_argument("--out", default="out/batch-llamacpp")
     args = parser.parse_args()
 
-    from drafthead.draft_spec import POLICY_TOKEN_COUNTS
-    from drafthead.proposers import build_drafter
+    from drafthead.draft_spec import build_drafter
     from drafthead.inference.bench.prompts import encode_chat, load_prompts
-    from drafthead.inference.engine.cost import measure_verify_cost
     from drafthead.inference.engine.drafter import RootOnlyDrafter
-    from drafthead.inference.engine.policy import SpeculationPolicy
+    from drafthead.inference.engine.sizing import forget_sizing
     from drafthead.ground.target.identity import eos_token_ids
     from drafthead.ground.target.load import load_target, target_folder
     from drafthead.inference.llamacpp.convert import target_gguf
@@ -94,7 +92,6 @@ def main() -> int:
     eos = tuple(eos_token_ids(loaded.model, loaded.tokenizer))
     chosen = edit_prompts(sharegpt_chats(), args.limit) if args.dataset == EDITS else load_prompts(args.dataset, args.limit)
     prompts = [encode_chat(loaded.tokenizer, p)[0].tolist() for p in chosen]
-    curve = measure_verify_cost(backend, POLICY_TOKEN_COUNTS, want_hidden=False)
     n = args.max_new_tokens
     reference, _ = ours(backend, RootOnlyDrafter, prompts, n, 1, eos)
     rows = []
@@ -106,7 +103,8 @@ def main() -> int:
         served = [until_eos(s, eos) for s in served]
         plain, plain_s = ours(backend, RootOnlyDrafter, prompts, n, batch, eos)
         lookup = lambda: build_drafter("prompt-lookup", loaded.model, loaded.tokenizer)  # noqa: E731
-        spec, spec_s = ours(backend, lookup, prompts, n, batch, eos, SpeculationPolicy(curve))
+        forget_sizing(backend)  # each batch size's policy starts cold
+        spec, spec_s = ours(backend, lookup, prompts, n, batch, eos, "policy")
         for name, outputs, seconds in (
             ("llama-server", served, served_s),
             ("ours plain", plain, plain_s),

@@ -34,12 +34,11 @@ def main() -> int:
     parser.add_argument("--out", default="out/batch")
     args = parser.parse_args()
 
-    from drafthead.draft_spec import POLICY_TOKEN_COUNTS, DraftSpec
+    from drafthead.draft_spec import DraftSpec
     from drafthead.inference.bench.batch import format_batch_table, run_batch_bench
     from drafthead.inference.bench.run import BenchSettings
-    from drafthead.inference.engine.cost import measure_verify_cost
     from drafthead.inference.engine.drafter import fork_drafter
-    from drafthead.inference.engine.policy import SpeculationPolicy
+    from drafthead.inference.engine.sizing import forget_sizing, load_policy
     from drafthead.inference.bench.prompts import load_prompts
     from drafthead.ground.target.identity import eos_token_ids
     from drafthead.ground.target.load import load_target
@@ -48,7 +47,7 @@ def main() -> int:
     shipped = DraftSpec(proposer="head").build(loaded)
     drafter, model = shipped.factory(), shipped.model
     policy_drafter = fork_drafter(drafter)  # its own state: the policy's rounds never touch the fixed tree's
-    curve = measure_verify_cost(model, POLICY_TOKEN_COUNTS, want_hidden=True)
+    curve = load_policy(model, policy_drafter, False).verify_cost  # the engine's, as the policy rounds use it
     prompts = load_prompts("mt-bench", args.limit)
     settings = BenchSettings(
         max_new_tokens=args.max_new_tokens,
@@ -63,7 +62,8 @@ def main() -> int:
     )
     reports = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
-        methods = {"fixed tree": (lambda: drafter, None), "policy": (lambda: policy_drafter, SpeculationPolicy(curve))}
+        forget_sizing(model)  # each batch size's policy starts cold (and times the forward again)
+        methods = {"fixed tree": (lambda: drafter, "fixed"), "policy": (lambda: policy_drafter, "policy")}
         methods = {name: methods[name] for name in args.methods.split(",")}
         report = run_batch_bench(model, loaded.tokenizer, methods, prompts, settings, batch, check_identity=args.identity)
         print(format_batch_table(report), flush=True)

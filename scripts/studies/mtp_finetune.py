@@ -39,7 +39,7 @@ def tau(target, head, prompts, references, chain: int, n: int) -> float:
 
     emitted = rounds = 0
     for p, ref in zip(prompts, references):
-        out = speculative_generate(target, head_drafter(head, **chain_settings("mtp", chain)), p[None], GenerationConfig(max_new_tokens=n))
+        out = speculative_generate(target, head_drafter(head, chain_settings("mtp", chain)), p[None], GenerationConfig(max_new_tokens=n))
         assert out.new_tokens[0].tolist() == ref.tolist()  # exact, trained or not
         emitted += sum(out.accepted_lengths)
         rounds += len(out.accepted_lengths)

@@ -144,9 +144,7 @@ def study_steps(kind: str, preset: str, head: list[str], steps: int, s_step: flo
     if s_step is None:
         s_step = train_s / steps
     final = out / "final"
-    from drafthead.inference.drafters.load import chain_settings
-
-    (final / "drafting.json").write_text(json.dumps(chain_settings(preset, args.chain)) + "\n")
+    write_chain(final, preset, args.chain)
     bench = work / f"{kind}-bench.json"
     run(bench_command(final, bench, args), work / f"{kind}-bench.log")
     report = json.loads(bench.read_text())
@@ -171,6 +169,16 @@ def study_steps(kind: str, preset: str, head: list[str], steps: int, s_step: flo
     }
 
 
+def write_chain(head: Path, kind: str, k: int) -> None:
+    """A drafting.json drafting a chain of k top-1 drafts, in the terms of `kind`'s drafter."""
+    import dataclasses
+
+    from drafthead.inference.drafters.load import chain_settings
+
+    tree = {k: v for k, v in dataclasses.asdict(chain_settings(kind, k)).items() if v is not None}
+    (head / "drafting.json").write_text(json.dumps(tree) + "\n")
+
+
 def bench_command(head: Path, out: Path, args, *extra) -> list:
     """`drafthead bench` of `head` on the study's prompts, fp32, no lookup nodes, report to `out`."""
     sizes = ["--threads", args.threads, "--limit", args.prompts, "--max-new-tokens", args.max_new_tokens]
@@ -182,10 +190,9 @@ def confidence_bench(kind: str, final: Path, args) -> dict:
     tau, tokens/s and the mean number of drafts it verified, on torch and on the llama.cpp backend
     where `make llamacpp` built it."""
     from drafthead.ground.files import read_json
-    from drafthead.inference.drafters.load import chain_settings
 
     block = read_json(final / "config.json")["config"]["block_size"]  # every slot a candidate: the whole block
-    (final / "drafting.json").write_text(json.dumps(chain_settings("dspark", block)) + "\n")
+    write_chain(final, "dspark", block)
     out = {}
     for backend in ("torch", "llama.cpp"):
         bench = Path(args.work) / f"{kind}-confidence-{backend}.json"

@@ -162,10 +162,10 @@ class Adaptation:
 
     def _load_drafter(self, version: int):
         from ...inference.drafters.load import load_head_drafter
+        from ...inference.drafters.settings import HeadDrafting
 
-        drafter, _ = load_head_drafter(
-            version_dir(self.folder, version), self.loaded.model, self.loaded.tokenizer, self.loaded.name, **self.settings.drafting
-        )
+        drafting = HeadDrafting.from_dict(self.settings.drafting) if self.settings.drafting else HeadDrafting()
+        drafter, _ = load_head_drafter(version_dir(self.folder, version), self.loaded.model, self.loaded.tokenizer, self.loaded.name, drafting)
         return drafter
 
     def _swap_to(self, version: int, *, log: bool) -> None:

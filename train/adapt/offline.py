@@ -5,7 +5,8 @@ The traffic is any conversation file `drafthead train` reads (a served-traffic l
 requests and replies included, train/data/sources.py). Each conversation's prompt (its text before the
 first answer) is answered by the target once, greedily (our engine), the target's hidden states
 over prompt + answer taken in one forward (train/loop/replay_eval.py's held-out path), and each head
-drafts for that answer round by round with its own drafting settings (drafting.json, or a chain),
+drafts for that answer round by round as the caller resolved (its drafting.json, or a chain:
+drafthead/commands/gate.py),
 the engine's greedy rule keeping what it would keep (inference/bench/replay.py).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...inference.drafters.settings import HeadDrafting
 from .gate import GateResult
 
 
@@ -25,9 +27,10 @@ def gate_heads(
     sequences: int,
     max_new_tokens: int,
     margin: float,
-    chain: int | None = None,
+    drafting: tuple[HeadDrafting, HeadDrafting] = (HeadDrafting(), HeadDrafting()),
 ) -> GateResult:
-    """Replay both heads on the first `sequences` of `samples` (tokenized conversations)."""
+    """Replay both heads on the first `sequences` of `samples` (tokenized conversations), each
+    drafting as its `drafting` says (live's first)."""
     from ...ground.target.identity import eos_token_ids
     from ...inference.bench.replay import DRAFTHEAD, replay_greedy
     from ...inference.drafters.load import load_head_drafter
@@ -35,8 +38,7 @@ def gate_heads(
     from ..loop.config import ReplayConfig
     from ..loop.replay_eval import ReplayEval
 
-    options = {} if chain is None else {"chain": chain}
-    drafters = [load_head_drafter(folder, loaded.model, loaded.tokenizer, loaded.name, **options)[0] for folder in (live, candidate)]
+    drafters = [load_head_drafter(folder, loaded.model, loaded.tokenizer, loaded.name, how)[0] for folder, how in zip((live, candidate), drafting)]
     replay = ReplayEval(
         loaded.model, samples, ReplayConfig(sequences=sequences, max_new_tokens=max_new_tokens), eos_token_ids(loaded.model, loaded.tokenizer)
     )

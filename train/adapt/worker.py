@@ -38,7 +38,7 @@ class AdaptSettings:
     target: str  # what load_target reads (a built-in name or a folder)
     target_dtype: str = "float32"
     target_name: str | None = None  # the served target's name (head identity checks)
-    drafting: dict = field(default_factory=dict)  # the served drafter's options (DraftSpec.drafter_options)
+    drafting: dict = field(default_factory=dict)  # how the served head drafts (HeadDrafting.to_dict: DraftSpec's, resolved)
     threads: int = 1  # torch threads of the trainer
     min_new_tokens: int = 2000  # buffered answer tokens between rounds
     holdout: int = 16  # newest answers held out for the gate
@@ -174,8 +174,10 @@ class Worker:
 
     def drafter(self, head_dir: Path):
         from ...inference.drafters.load import load_head_drafter
+        from ...inference.drafters.settings import HeadDrafting
 
-        drafter, _ = load_head_drafter(head_dir, self.loaded.model, self.loaded.tokenizer, self.settings.target_name, **self.settings.drafting)
+        drafting = HeadDrafting.from_dict(self.settings.drafting) if self.settings.drafting else HeadDrafting()
+        drafter, _ = load_head_drafter(head_dir, self.loaded.model, self.loaded.tokenizer, self.settings.target_name, drafting)
         return drafter
 
 

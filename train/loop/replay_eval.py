@@ -67,7 +67,7 @@ class ReplayEval:
     def drafters(self, head: nn.Module) -> dict[str, tuple[object, Counting]]:
         """{metric prefix: (drafter, how its rounds are counted)}: the chain as our engine counts
         it, with replay.vllm the same chain as vLLM counts it, and with replay.tree the default tree."""
-        chain = head_drafter(head, **chain_settings(str(head.kind), self.config.chain))
+        chain = head_drafter(head, chain_settings(str(head.kind), self.config.chain))
         drafters = {"replay": (chain, DRAFTHEAD)}
         if self.config.vllm:
             drafters["replay_vllm"] = (chain, VLLM)  # every replay begins the drafter afresh

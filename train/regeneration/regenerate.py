@@ -281,14 +281,23 @@ def check_continuation(paths: Sequence[Path], generation: dict) -> None:
 
 @torch.no_grad()
 def answer(
-    model, tokenizer, prompts: list[str], settings: RegenerateSettings, *, stop_ids: list[int], pad_id: int, drafter=None, policy=None, seed: int = 0
+    model,
+    tokenizer,
+    prompts: list[str],
+    settings: RegenerateSettings,
+    *,
+    stop_ids: list[int],
+    pad_id: int,
+    drafter=None,
+    sizing: str = "fixed",
+    seed: int = 0,
 ) -> list[Answer]:
     """Batched generation -> one Answer per prompt: transformers `generate()` with
     left padding, or, given a drafter, our batched speculative decoding (the same answers under
-    greedy, the same distribution under sampling; docs/trees.md "Batches"), with `policy` (a
-    SpeculationPolicy, inference/engine/policy.py) choosing each round's draft nodes when given."""
+    greedy, the same distribution under sampling; docs/trees.md "Batches"), each round's trees
+    sized by `sizing` (inference/engine/sizing.py: policy, the load policy, chooses the draft nodes)."""
     if drafter is not None:
-        return _answer_speculative(model, tokenizer, prompts, drafter, settings, stop_ids=stop_ids, seed=seed, policy=policy)
+        return _answer_speculative(model, tokenizer, prompts, drafter, settings, stop_ids=stop_ids, seed=seed, sizing=sizing)
     enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False, padding_side="left")
     device = next(model.parameters()).device
     kwargs = dict(max_new_tokens=settings.max_new_tokens, pad_token_id=pad_id, eos_token_id=stop_ids)
@@ -308,14 +317,14 @@ def _answer_of(tokenizer, ids: list[int], stop_ids: Sequence[int]) -> Answer:
     return Answer(decode_answer(tokenizer, own), len(own) < len(ids), own)
 
 
-def _answer_speculative(model, tokenizer, prompts, drafter, settings: RegenerateSettings, *, stop_ids, seed, policy=None):
+def _answer_speculative(model, tokenizer, prompts, drafter, settings: RegenerateSettings, *, stop_ids, seed, sizing: str = "fixed"):
     from ...inference.engine.generate import GenerationConfig, generate_batch
     from ...inference.engine.sampling import SamplingConfig
 
     device = next(model.parameters()).device
     encoded = [torch.tensor(tokenizer(p, add_special_tokens=False)["input_ids"], device=device) for p in prompts]
     sampling = SamplingConfig(temperature=settings.temperature, top_p=settings.top_p) if settings.temperature > 0 else SamplingConfig()
-    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids), seed=seed, policy=policy)
+    config = GenerationConfig(max_new_tokens=settings.max_new_tokens, sampling=sampling, eos_token_ids=tuple(stop_ids), seed=seed, sizing=sizing)
     result = generate_batch(model, drafter, encoded, config)
     return [_answer_of(tokenizer, row.new_tokens[0].tolist(), stop_ids) for row in result.rows]
 
@@ -329,7 +338,7 @@ class _Answerer:
     tokenizer: Any  # the target's (transformers) tokenizer
     settings: RegenerateSettings
     drafter: object = None
-    policy: object = None
+    sizing: str = "fixed"
 
     def __post_init__(self):
         self.stop_ids = stop_token_ids(self.tokenizer)
@@ -357,7 +366,7 @@ class _Answerer:
                 stop_ids=self.stop_ids,
                 pad_id=self.pad_id,
                 drafter=self.drafter,
-                policy=self.policy,
+                sizing=self.sizing,
                 seed=seed + k,
             )
             for i, reply in zip(active, answers):
@@ -420,13 +429,13 @@ def regenerate(
     settings: RegenerateSettings = RegenerateSettings(),
     *,
     drafter=None,
-    policy=None,
+    sizing: str = "fixed",
     share: WorkShare | None = None,
     progress: bool = True,
 ) -> RegenerateReport:
     """Re-answer `conversations` ({id, messages}) with `model`; append records to `out_path`.
     drafter: answer with batched speculative decoding through it (None: transformers `generate()`);
-    policy: the load policy that sizes its trees each round (None: its whole trees).
+    sizing: how its trees are sized each round (inference/engine/sizing.py; fixed: whole trees).
     share: this process's part of a job run by several (train/capture/workshare.py WorkShare; default
     alone); every rank returns the job's report."""
     share = share or WorkShare()
@@ -441,7 +450,7 @@ def regenerate(
     todo = _batches_left(conversations, done, settings.batch_size)
     share.barrier()  # all ranks have read the done ids before any rank writes more
     todo = share.mine(todo)
-    answerer = _Answerer(model, tokenizer, settings, drafter, policy)
+    answerer = _Answerer(model, tokenizer, settings, drafter, sizing)
 
     bar = None
     if progress and share.is_main:
