@@ -134,8 +134,9 @@ def run(args) -> int:
         engine.start()
         note(f"serve: {model.name} on {url}/v1 (max batch {args.max_batch}, context {context})")
         while not stop.wait(0.5):
-            if not engine.alive:
-                raise RuntimeError(f"the serving engine stopped: {engine.failure}")
+            if not engine.alive:  # its traceback is above; the requests in flight were told
+                note(f"drafthead: error: the serving engine stopped: {engine.failure}")
+                return 1
         note("serve: stopping: no new requests; finishing the ones in flight")
         server.close_door()
         engine.stop(args.shutdown_grace)
