@@ -165,7 +165,9 @@ def main() -> int:
             }
             if alone is not None:
                 row["equal_to_alone"] = sum(a == until_eos(b, eos) for a, b in zip(answers, alone))
+            row["differ_at"] = [next((k for k, (x, y) in enumerate(zip(a, r)) if x != y), None) for a, r in zip(answers, reference) if a != r]
             rows.append(row)
+            (out / f"answers-{name}-{concurrency}.json").write_text(json.dumps({"prompts": prompts, "answers": answers}))
             print(json.dumps(row), flush=True)
     (out / "serve.json").write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1) + "\n")
     base = {r["in_flight"]: r for r in rows if r["engine"] == "llama-server"}
