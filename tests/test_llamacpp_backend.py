@@ -395,3 +395,27 @@ def test_streams_give_each_row_the_logits_and_features_of_the_unified_cache(smol
             assert (streams[b][0].argmax(-1) == unified[b][0].argmax(-1)).all(), (leave, b)
             for got, want in zip(streams[b][1], unified[b][1]):
                 assert (got - want).norm() / want.norm() < 1e-3, (leave, b)
+
+
+def test_the_serving_engine_sizes_rounds_on_the_llamacpp_target(smollm2):
+    """`drafthead serve --backend llama.cpp --sizing policy`: the load policy times the llama.cpp
+    target's own forward, and a job's greedy answer is the backend's plain output."""
+    from drafthead.inference.drafters.prompt_lookup import PromptLookupDrafter
+    from drafthead.inference.serve.engine import EngineSettings, Job, ServingEngine
+
+    loaded, backend, _, prompts = smollm2
+    eos = (loaded.tokenizer.eos_token_id,)
+    engine = ServingEngine(
+        backend, PromptLookupDrafter(), EngineSettings(max_batch=2, max_len=2048, kv_cells=2 * 2048), eos_token_ids=eos, decode=str, sizing="policy"
+    )
+    assert engine.decoder.settings.policy is not None
+    engine.start()
+    try:
+        job = Job(prompts[0].tolist(), SamplingConfig(), 24)
+        engine.submit(job)
+        tokens = []
+        while (event := job.events.get(timeout=300))[0] == "tokens":
+            tokens += event[1]
+        assert event[0] == "done" and tokens == plain_outputs(backend, prompts[:1], GenerationConfig(max_new_tokens=24, eos_token_ids=eos))[0]
+    finally:
+        engine.stop(5)

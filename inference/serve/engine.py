@@ -30,6 +30,7 @@ from ..engine.drafter import fork_drafter
 from ..engine.sizing import load_policy, size_drafter
 from ..engine.sampling import SamplingConfig
 from ..engine.stopping import StopRules
+from ..engine.torch_target import TorchTarget
 from .metrics import ServerMetrics
 
 _log = logging.getLogger(__name__)
@@ -106,7 +107,9 @@ class ServingEngine:
         self.metrics = metrics or ServerMetrics()
         device = getattr(backend, "device", torch.device("cpu"))
         self.sizing = sizing
-        verifier, row_invariant = getattr(backend, "model", backend), bool(getattr(backend, "row_invariant", False))  # a TorchTarget's model
+        # what the sizing rules time: a torch backend's model, or the llama.cpp target itself
+        verifier = backend.model if isinstance(backend, TorchTarget) else backend
+        row_invariant = bool(getattr(backend, "row_invariant", False))
         size_drafter(verifier, drafter, sizing, row_invariant)
         policy = load_policy(verifier, drafter, row_invariant) if sizing == "policy" else None
         self.decoder = Decoder(
