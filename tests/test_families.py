@@ -221,6 +221,7 @@ def test_medusa_and_hydra_heads_train_and_decode_exactly(tiny_target_dir, family
     import math
 
     from drafthead.inference.drafters.load import load_head_drafter
+    from drafthead.inference.drafters.settings import HeadDrafting, StaticTreeSettings
 
     folder = tiny_target_dir(family, layers=LAYERS)
     loaded = load_target(folder) if kind == "medusa2" else family_target(family)
@@ -229,7 +230,11 @@ def test_medusa_and_hydra_heads_train_and_decode_exactly(tiny_target_dir, family
 
     fresh = load_target(folder) if kind == "medusa2" else loaded  # the trained run left LoRA layers in its copy
     drafter, target = load_head_drafter(
-        result.final_dir, fresh.model, fresh.tokenizer, target_name=family, choices=[(0,), (1,), (0, 0), (0, 1), (1, 0)]
+        result.final_dir,
+        fresh.model,
+        fresh.tokenizer,
+        target_name=family,
+        drafting=HeadDrafting(StaticTreeSettings(choices=((0,), (1,), (0, 0), (0, 1), (1, 0)))),
     )
     vocab = target.config.get_text_config().vocab_size
     prompt = repetitive_prompt(vocab, length=14, seed=len(family))

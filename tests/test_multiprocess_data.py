@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parent.parent
 LAUNCHED = """
 import json, os, signal, sys
 from drafthead.cli import main
-from drafthead.train import features
+from drafthead.train.capture import features
 
 if os.environ.get("KILL_RANK") == os.environ["RANK"]:
     real, calls = features._capture_shard, []
