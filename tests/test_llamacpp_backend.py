@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from drafthead.inference.drafters.settings import TreeSettings
+from drafthead.inference.drafters.settings import StaticTreeSettings, TreeSettings
 from drafthead.inference.drafters.head_drafters import EagleDrafter
 from drafthead.inference.drafters.parallel import DFlashDrafter, ParallelDrafter
 from drafthead.inference.engine.drafter import DrafterBase, RootOnlyDrafter
@@ -217,7 +217,11 @@ def test_heads_on_the_final_normed_state_decode_exactly(smollm2, kind):
     loaded, backend, _, prompts = smollm2
     torch.manual_seed(0)
     head = build_head(make_config(kind, loaded.model, None, name="tiny"), loaded.model).eval()
-    drafter = {"medusa1": MedusaDrafter, "hydra": HydraDrafter}.get(kind, EagleDrafter)(head, num_draft=6)
+    drafter = (
+        {"medusa1": MedusaDrafter, "hydra": HydraDrafter}[kind](head, StaticTreeSettings(num_draft=6))
+        if kind != "eagle1"
+        else EagleDrafter(head, TreeSettings(num_draft=6))
+    )
     # Medusa and Hydra ask for it as the last state, EAGLE-1 as hidden state L
     assert drafter.needs_last_hidden or drafter.feature_layers == (loaded.model.config.num_hidden_layers,)
     config = GenerationConfig(max_new_tokens=16, eos_token_ids=(loaded.tokenizer.eos_token_id,))
@@ -405,6 +409,8 @@ def test_the_serving_engine_sizes_rounds_on_the_llamacpp_target(smollm2):
 
     loaded, backend, _, prompts = smollm2
     eos = (loaded.tokenizer.eos_token_id,)
+    # before the engine starts: its thread owns the backend's context until it stops
+    plain = plain_outputs(backend, prompts[:1], GenerationConfig(max_new_tokens=24, eos_token_ids=eos))[0]
     engine = ServingEngine(
         backend, PromptLookupDrafter(), EngineSettings(max_batch=2, max_len=2048, kv_cells=2 * 2048), eos_token_ids=eos, decode=str, sizing="policy"
     )
@@ -416,6 +422,6 @@ def test_the_serving_engine_sizes_rounds_on_the_llamacpp_target(smollm2):
         tokens = []
         while (event := job.events.get(timeout=300))[0] == "tokens":
             tokens += event[1]
-        assert event[0] == "done" and tokens == plain_outputs(backend, prompts[:1], GenerationConfig(max_new_tokens=24, eos_token_ids=eos))[0]
+        assert event[0] == "done" and tokens == plain
     finally:
         engine.stop(5)
