@@ -131,15 +131,19 @@ def run(args) -> int:
         )
         adaptation = start_adapting(args, engine, loaded, head, drafting) if head is not None else None
         server.ready(model, engine)
-        engine.start()
+
+        def shut_down() -> None:  # SIGTERM or Ctrl-C set `stop`; the engine's loop ends here
+            stop.wait()
+            note("serve: stopping: no new requests; finishing the ones in flight")
+            server.close_door()
+            engine.stop(args.shutdown_grace)
+
+        threading.Thread(target=shut_down, name="drafthead-shutdown", daemon=True).start()
         note(f"serve: {model.name} on {url}/v1 (max batch {args.max_batch}, context {context})")
-        while not stop.wait(0.5):
-            if not engine.alive:  # its traceback is above; the requests in flight were told
-                note(f"drafthead: error: the serving engine stopped: {engine.failure}")
-                return 1
-        note("serve: stopping: no new requests; finishing the ones in flight")
-        server.close_door()
-        engine.stop(args.shutdown_grace)
+        engine.run()  # on this thread, which loaded the target (ServingEngine.run)
+        if engine.failure is not None:  # its traceback is above; the requests in flight were told
+            note(f"drafthead: error: the serving engine stopped: {engine.failure}")
+            return 1
         server.wait_answered(5.0)
         if adaptation is not None:
             adaptation.stop()
