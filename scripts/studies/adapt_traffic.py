@@ -7,7 +7,8 @@ server with `--adapt`, the same stream of requests sent to each, one at a time.
 The narrow traffic is ShareGPT's first user turns that ask for code (`--domain code`: a Python,
 JavaScript, SQL... keyword near the start), in file order: the first --stream requests are served,
 the next --heldout are kept for the held-out check; then --switch MT-bench prompts (writing,
-roleplay, humanities) switch the domain. Greedy, fp32, the shipped SmolLM2 head and its drafting.
+roleplay, humanities) switch the domain. Greedy, fp32, the shipped SmolLM2 head and its drafting,
+on torch's forward or llama.cpp's (`--backend llama.cpp`: each row a KV stream, so trees are chains).
 
 Reports:
 - tau per window of 10 requests over the stream, static against adapting, with the swaps and
@@ -94,7 +95,8 @@ def serve_stream(name: str, extra: list[str], texts: list[str], n: int, out: Pat
     from drafthead.inference.servers.local import local_server
 
     def command(port):
-        return [sys.executable, "-m", "drafthead", "serve", "--port", port, "--dtype", "float32", "--threads", str(args.threads), *extra]
+        backend = ["--backend", args.backend, "--dtype", "float32", "--threads", str(args.threads)]
+        return [sys.executable, "-m", "drafthead", "serve", "--port", port, *backend, *extra]
 
     records = []
     with local_server(command, name, log=out / f"{name}.log", ready_within=600) as url:
@@ -119,6 +121,7 @@ def main() -> int:
     parser.add_argument("--switch", type=int, default=60)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"), help="the served target's forward")
     parser.add_argument("--adapt-args", default="--adapt-min-tokens 2000 --adapt-steps 60 --adapt-lr 1e-4 --adapt-holdout 16")
     parser.add_argument("--out", default="out/adapt-traffic")
     args = parser.parse_args()
