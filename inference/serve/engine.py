@@ -125,7 +125,6 @@ class ServingEngine:
         self._wake = threading.Condition()
         self._stopping = False
         self._deadline: float | None = None
-        self._thread: threading.Thread | None = None
         self._running, self._ended = threading.Event(), threading.Event()  # run() began, ended
         self.failure: BaseException | None = None  # what ended the loop, if not a stop
         self.on_round: list[Callable[[], None]] = []  # called on the engine thread between rounds
@@ -150,9 +149,9 @@ class ServingEngine:
 
     def start(self) -> threading.Thread:
         """The loop on a thread of its own (tests, Python callers)."""
-        self._thread = threading.Thread(target=self.run, name="drafthead-engine", daemon=True)
-        self._thread.start()
-        return self._thread
+        thread = threading.Thread(target=self.run, name="drafthead-engine", daemon=True)
+        thread.start()
+        return thread
 
     def run(self) -> None:
         """The loop on the calling thread, until stop() ends it or it fails (`failure`). `drafthead
