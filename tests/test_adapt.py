@@ -175,6 +175,7 @@ def test_a_training_round_installs_a_candidate_only_when_the_gate_passes(loaded,
     prompts = [encode_chat(loaded.tokenizer, text)[0] for text in chats(target, 24)]
     rows = record(loaded, drafter, buffer, layers, prompts, new=32)
     install_version(folder, 0, head)
+    (version_dir(folder, 0) / "drafting.json").write_text(json.dumps({"num_draft": 4}))  # travels with every version
     append_event(folder, {"event": "start", "version": 0})
     settings = AdaptSettings(target=str(target), target_name=loaded.name, steps=40, lr=3e-3, holdout=4, batch_size=4)
     Worker(folder, settings).round(folder / "buffer")
@@ -183,6 +184,7 @@ def test_a_training_round_installs_a_candidate_only_when_the_gate_passes(loaded,
     gate_figures = events[-1]["gate"]
     assert gate_figures["candidate_tau"] > gate_figures["live_tau"] and gate_figures["train_answers"] == 20
     assert live_version(folder).version == 1 and (version_dir(folder, 1) / "model.safetensors").exists()
+    assert json.loads((version_dir(folder, 1) / "drafting.json").read_text()) == {"num_draft": 4}
     strict = AdaptSettings(target=str(target), target_name=loaded.name, steps=2, lr=1e-6, holdout=4, margin=5.0)
     Worker(folder, strict).round(folder / "buffer")
     assert read_events(folder)[-1]["event"] == "rejected" and live_version(folder).version == 1
@@ -339,3 +341,54 @@ def _healthy(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def test_a_trainer_that_exits_is_logged_and_started_again(loaded, head, tmp_path, capfd):
+    """The trainer child dies (here: its target cannot load): the server logs `trainer-exit` with
+    its code, says so in one line, counts it in /metrics and starts it again; serving goes on."""
+    from drafthead.inference.serve.metrics import ServerMetrics
+    from drafthead.train.adapt import live
+    from drafthead.train.adapt.live import Adaptation
+    from drafthead.train.adapt.worker import AdaptSettings
+
+    drafter = served_drafter(head, loaded)
+    engine = StubEngine(drafter=drafter, drafter_version=0, on_round=[], on_finish=[], metrics=ServerMetrics(), decoder=SimpleNamespace(observers=[]))
+    folder = tmp_path / "adapt"
+    adaptation = Adaptation(folder, engine, loaded, drafter.head, head, AdaptSettings(target=str(tmp_path / "no-such-target")), window=20)
+    adaptation.start()
+    try:
+        first = adaptation._worker
+        assert first.wait(timeout=120) != 0  # the child failed to load its target
+        adaptation._worker_started -= live.RESTART_DELAY
+        adaptation._last_poll = 0
+        adaptation.poll()
+        exits = [e for e in read_events(folder) if e["event"] == "trainer-exit"]
+        assert len(exits) == 1 and exits[0]["code"] == first.returncode
+        assert adaptation._worker is not first and adaptation.trainer_restarts == 1
+        assert engine.metrics.snapshot()["drafthead_adapt_trainer_restarts_total"] == 1
+        assert "the adapting trainer exited" in capfd.readouterr().err
+        adaptation._last_poll = 0
+        adaptation.poll()  # the new one is too young to be judged again
+        assert adaptation.trainer_restarts == 1
+    finally:
+        adaptation.stop()
+
+
+def test_the_served_buffer_trains_offline_from_the_live_head(loaded, head, target, tmp_path):
+    """DIR/buffer is a capture `drafthead train` reads: served traffic has no data section to
+    compare, the target it was served by is checked, and the live head continues training on it."""
+    from drafthead import cli
+    from drafthead.inference.bench.prompts import encode_chat
+    from drafthead.train.adapt.live import _identity
+
+    drafter = served_drafter(head, loaded)
+    layers = required_layers(drafter.head.config, loaded.model.config.num_hidden_layers)
+    buffer = TrafficBuffer(tmp_path / "buffer", layers, meta=_identity(loaded), shard_samples=4)
+    record(loaded, drafter, buffer, layers, [encode_chat(loaded.tokenizer, text)[0] for text in chats(target, 12)])
+    out = tmp_path / "continued"
+    vocab = json.loads((head / "config.json").read_text())["config"]["draft_vocab_size"]  # the live head's, kept
+    settings = [f"target={target}", f"init_from={head}", f"head.draft_vocab_size={vocab}", "features.mode=captured"]
+    settings += [f"features.path={tmp_path / 'buffer'}"]
+    settings += ["data.packing=false", "max_steps=2", "checkpoint_every=0", "eval_every=0", f"output_dir={out}"]
+    assert cli.main(["train", "--config", "tiny-eagle3", *settings]) == 0
+    assert (out / "final" / "model.safetensors").exists()

@@ -32,6 +32,9 @@ from .versions import append_event, live_version, read_events, remove_partial_ve
 from .worker import WORK_DIR, AdaptSettings
 
 
+RESTART_DELAY = 30.0  # seconds a trainer runs before an exit of its is answered by a restart
+
+
 @dataclass(frozen=True)
 class BufferCaps:
     max_tokens: int = 200_000
@@ -63,7 +66,8 @@ class Adaptation:
         self._worker: subprocess.Popen | None = None
         self._last_poll = 0.0
         self._seen_events = 0
-        self.swaps = self.rollbacks = 0
+        self.swaps = self.rollbacks = self.trainer_restarts = 0
+        self._worker_started = 0.0
         self.last_gate: dict = {}  # the figures of the trainer's last accepted or rejected candidate
         live = live_version(self.folder)
         if live.version != 0:  # a restart: serve what was live
@@ -99,6 +103,9 @@ class Adaptation:
         self.engine.on_finish.append(self._finished)
         self.engine.on_round.append(self.poll)
         (self.folder / WORK_DIR).mkdir(parents=True, exist_ok=True)
+        self._start_worker()
+
+    def _start_worker(self) -> None:
         with open(self.folder / WORK_DIR / "worker.log", "a") as log:  # the child keeps its own handle
             self._worker = subprocess.Popen(
                 [sys.executable, "-m", "drafthead.train.adapt.worker", str(self.folder)],
@@ -106,6 +113,23 @@ class Adaptation:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "OMP_NUM_THREADS": str(self.settings.threads)},
             )
+        self._worker_started = time.monotonic()
+
+    def _watch_worker(self) -> None:
+        """A trainer that exited is logged and started again (it resumes from the log and the
+        buffer), at most once a RESTART_DELAY; serving never waits on it."""
+        worker = self._worker
+        if worker is None or worker.poll() is None or time.monotonic() - self._worker_started < RESTART_DELAY:
+            return
+        self.trainer_restarts += 1
+        append_event(self.folder, {"event": "trainer-exit", "code": worker.returncode, "log": str(self.folder / WORK_DIR / "worker.log")})
+        print(
+            f"drafthead serve: the adapting trainer exited with code {worker.returncode} "
+            f"(see {self.folder / WORK_DIR / 'worker.log'}); starting it again",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._start_worker()
 
     def stop(self) -> None:
         if self._worker is not None:
@@ -136,6 +160,7 @@ class Adaptation:
             return
         self._last_poll = now
         self.buffer.flush_due()
+        self._watch_worker()
         self._read_log()
         self._check_rollback()
         self._publish()
@@ -205,6 +230,7 @@ class Adaptation:
         metrics.set("drafthead_head_version", self.version)
         metrics.set("drafthead_head_swaps_total", self.swaps)
         metrics.set("drafthead_head_rollbacks_total", self.rollbacks)
+        metrics.set("drafthead_adapt_trainer_restarts_total", self.trainer_restarts)
         metrics.set("drafthead_adapt_buffered_tokens", self.buffer.tokens)
         for key in ("live_tau", "candidate_tau"):
             if self.last_gate.get(key) is not None:
@@ -212,9 +238,11 @@ class Adaptation:
 
 
 def _identity(loaded) -> dict:
-    from ...ground.target.identity import identify_target
+    """The buffer's meta: served traffic (no data section to compare) and the target it was served by."""
+    from ..capture.features import SERVED_TRAFFIC
+    from ..loop.run import target_meta
 
-    return {"target": loaded.name, "target_identity": identify_target(loaded.model, loaded.tokenizer, loaded.name).to_dict()}
+    return {"source": SERVED_TRAFFIC, **target_meta(loaded.model, loaded.tokenizer, loaded.name)}
 
 
 def _head_fingerprint(head) -> str:

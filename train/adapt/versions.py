@@ -11,6 +11,7 @@ kill -9 at any point leaves a log whose complete lines say what is live.
         {"event": "accepted", "version": n, "parent": p, "gate": {...}}     the trainer's: n may go live
         {"event": "swap",     "version": n, "previous": p, "window": {...}} the server's: n serves now
         {"event": "rollback", "version": p, "from": n, "window": {...}}     the server's: back to p
+        {"event": "trainer-exit", "code": c, "log": worker.log}            the server's: the trainer exited; started again
 
 `fold(events)` is the live version: the last accepted or rolled-back-to one. A restart serves it,
 and the trainer trains from it.

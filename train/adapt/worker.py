@@ -141,17 +141,19 @@ class Worker:
         import torch
 
         from ...heads.registry import load_head
-        from ..loop.config import FeaturesConfig, TrainConfig
+        from ..loop.config import DataConfig, FeaturesConfig, TrainConfig
         from ..loop.run import pad_token_id
         from ..loop.trainer import TrainData, Trainer
 
         s = self.settings
         head, _ = load_head(parent_dir, self.loaded.model, self.loaded.tokenizer, s.target_name, dtype=torch.float32)
         out = self.folder / WORK_DIR / "candidate"
+        shutil.rmtree(out, ignore_errors=True)  # the last round's scratch: only this worker writes there
         config = TrainConfig(
             target=s.target,
             head={"kind": head.kind},
             features=FeaturesConfig(mode="captured", path=str(self.folder)),
+            data=DataConfig(packing=False),  # served answers run up to the server's context, past any packed row
             batch_size=s.batch_size,
             lr=s.lr,
             schedule="constant",
@@ -165,7 +167,7 @@ class Worker:
         data = TrainData(
             train=torch.utils.data.Subset(samples, list(indices)), eval=None, featurize=None, pad_token_id=pad_token_id(self.loaded.tokenizer)
         )
-        result = Trainer(config, head.train(), data).fit(overwrite=True, progress=False)
+        result = Trainer(config, head.train(), data).fit(progress=False)
         assert result.final_dir is not None  # a whole run ends with its final head
         drafting = parent_dir / "drafting.json"
         if drafting.exists():  # the served drafting settings travel with every version

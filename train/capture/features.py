@@ -44,6 +44,7 @@ from ..data.samples import IndexedSamples, label_token_counts
 from .workshare import WorkShare, write_atomically
 
 INDEX_FILE = "index.json"
+SERVED_TRAFFIC = "served traffic"  # an index meta's "source" for samples of served answers (train/adapt/): no data section behind them
 CAPTURE_PLAN = "capture.json"  # the settings of a capture in progress (a rerun continues it)
 CAPTURE_FILES = (INDEX_FILE, CAPTURE_PLAN, "shard-*.safetensors", "shard-*.tmp")  # what a capture writes in its folder (its marker names them)
 # 2: the meta records what the capture was made from (data content, target identity and weights)

@@ -90,18 +90,43 @@ def capture_meta(config: TrainConfig, target_model=None, tokenizer=None, target_
     """What a capture is made from, recorded in its plan and index: the data section and the data's
     content hash, and (given the target) its identity with the tokenizer's fingerprint and a
     fingerprint of its weights (ground/target/identity.py)."""
-    from ...ground.target.identity import identify_target, weights_fingerprint
     from ..data.sources import data_fingerprint
 
     data = {k: v for k, v in config.to_dict()["data"].items() if k not in LAYOUT_ONLY}
     meta: dict[str, Any] = {"data": data, "data_sha256": data_fingerprint(config.data.source, config.data.path)}
     if target_model is not None:
-        meta.update(
-            target=target_name,
-            target_identity=identify_target(target_model, tokenizer, target_name).to_dict(),
-            target_weights_sha256=weights_fingerprint(target_model),
-        )
+        meta.update(target_meta(target_model, tokenizer, target_name))
     return meta
+
+
+def target_meta(target_model, tokenizer, target_name: str | None = None) -> dict:
+    """The target's part of a capture's meta: its name, identity and weights' fingerprint."""
+    from ...ground.target.identity import identify_target, weights_fingerprint
+
+    return {
+        "target": target_name,
+        "target_identity": identify_target(target_model, tokenizer, target_name).to_dict(),
+        "target_weights_sha256": weights_fingerprint(target_model),
+    }
+
+
+def trained_data_fingerprint(config: TrainConfig) -> str:
+    """What the run trains on, for the resume check: the data file's content, or for captured
+    served traffic (a buffer of train/adapt/, with no data file behind it) the buffer's index."""
+    import hashlib
+    import json
+
+    from ..capture.features import INDEX_FILE, SERVED_TRAFFIC
+
+    if config.features.mode == "captured" and config.features.path:
+        index = Path(config.features.path) / INDEX_FILE
+        try:
+            served = json.loads(index.read_bytes()).get("meta", {}).get("source") == SERVED_TRAFFIC
+        except (OSError, ValueError, AttributeError):
+            served = False  # no readable index: loading the capture says what is wrong with it
+        if served:
+            return hashlib.sha256(index.read_bytes()).hexdigest()
+    return data_fingerprint(config.data.source, config.data.path)
 
 
 def stale_capture(made_from: dict, config: TrainConfig, target_model=None, tokenizer=None) -> list[str]:
@@ -109,14 +134,17 @@ def stale_capture(made_from: dict, config: TrainConfig, target_model=None, token
     target's, when given): 'what: then -> now' lines; [] when they agree. The target's name is
     not compared (a path or a hub id for the same model)."""
     from ...ground.target.identity import TargetIdentity, identity_diff
+    from ..capture.features import SERVED_TRAFFIC
 
-    now = capture_meta(config, target_model, tokenizer)
     changed = []
-    if made_from.get("data") != now["data"]:
-        changed += [f"{line} (the train/eval split would differ)" for line in plan_changes(made_from.get("data") or {}, now["data"], "data.")]
-    if made_from.get("data_sha256") != now["data_sha256"]:
-        changed.append(f"the content of {config.data.path or config.data.source} (it changed since the capture)")
+    if made_from.get("source") != SERVED_TRAFFIC:  # a served-traffic buffer (train/adapt/) has no data section behind it
+        now = capture_meta(config)
+        if made_from.get("data") != now["data"]:
+            changed += [f"{line} (the train/eval split would differ)" for line in plan_changes(made_from.get("data") or {}, now["data"], "data.")]
+        if made_from.get("data_sha256") != now["data_sha256"]:
+            changed.append(f"the content of {config.data.path or config.data.source} (it changed since the capture)")
     if target_model is not None:
+        now = target_meta(target_model, tokenizer)
         then = made_from.get("target_identity")
         if then is None:
             changed.append("the target (the capture does not record it)")
@@ -372,7 +400,7 @@ def run_training(
                 )
             if resume and existing is not None:  # here it costs no target load
                 check_resume(saved_run_config(existing), config, str(existing))
-            data_sha256 = data_fingerprint(config.data.source, config.data.path)
+            data_sha256 = trained_data_fingerprint(config)
             if resume and existing is not None:
                 check_same_data(existing, data_sha256, config.data.path or config.data.source)
                 # the run ends by replacing final/: a file no drafthead command wrote there is refused now, not then
