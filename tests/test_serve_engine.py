@@ -99,3 +99,24 @@ def test_sixteen_jobs_in_flight_answer_as_alone_and_a_seeded_sample_repeats(targ
         engine.stop(5)
     with pytest.raises(queue.Empty):
         jobs[0].events.get_nowait()  # one `done` each, nothing after it
+
+
+def test_a_hook_that_raises_fails_no_answer(target):
+    """An observer's failure (here: every on_round and on_finish hook raises) is logged; the
+    answers still come, equal to plain greedy, and the engine serves the next request."""
+    engine = engine_for(target, PromptLookupDrafter(length=4))
+
+    def broken(*_):
+        raise RuntimeError("the observer broke")
+
+    engine.on_round.append(broken)
+    engine.on_finish.append(broken)
+    engine.start()
+    try:
+        for prompt in prompts_of((7, 11), seed=4):
+            job = Job(prompt.tolist(), SamplingConfig(), NEW)
+            engine.submit(job)
+            assert answer(job, timeout=60) == ("done", plain_greedy(target, prompt[None], NEW))
+        assert engine.alive
+    finally:
+        engine.stop(5)

@@ -20,6 +20,7 @@ from . import (
     load_target_from_args,
     note,
 )
+from ..train.adapt.worker import PRIORITIES
 
 DEFAULT_PORT = 8000
 DEFAULT_ROW_CELLS = 4096  # llama.cpp backend: KV cells a request may hold by default (--kv-cells)
@@ -58,7 +59,13 @@ def add_parser(subparsers) -> None:
     g.add_argument("--shutdown-grace", type=float, default=25.0, help="seconds the answers in flight get to finish after SIGTERM (default 25)")
     g = p.add_argument_group('adapting to the traffic (docs/serving.md "Adapting to the traffic")')
     g.add_argument("--adapt", default=None, metavar="DIR", help="the served head fine-tunes on what it serves, behind a gate; its versions in DIR")
-    g.add_argument("--adapt-threads", type=_positive_int, default=1, help="torch threads of the background trainer (default 1, at nice 10)")
+    g.add_argument("--adapt-threads", type=_positive_int, default=1, help="torch threads of the background trainer (default 1)")
+    g.add_argument(
+        "--adapt-priority",
+        choices=PRIORITIES,
+        default="idle",
+        help="the trainer's CPU priority: idle (default; only cycles serving leaves, Linux SCHED_IDLE) or low (nice 10, a small share under load)",
+    )
     g.add_argument("--adapt-min-tokens", type=_positive_int, default=2000, help="new answer tokens between training rounds (default 2000)")
     g.add_argument("--adapt-steps", type=_positive_int, default=60, help="optimizer steps a round (default 60)")
     g.add_argument("--adapt-lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
@@ -232,6 +239,7 @@ def start_adapting(args, engine, loaded, head, drafting):
         target_name=loaded.name,
         drafting=drafting.head_drafting.to_dict(),
         threads=args.adapt_threads,
+        priority=args.adapt_priority,
         min_new_tokens=args.adapt_min_tokens,
         holdout=args.adapt_holdout,
         steps=args.adapt_steps,

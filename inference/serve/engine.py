@@ -185,8 +185,7 @@ class ServingEngine:
                 if self.settings.kv_cells is not None:
                     self.decoder.open(self.settings.max_batch, self.settings.kv_cells, self.settings.streams)
                 while True:
-                    for call in self.on_round:
-                        call()
+                    self._call_hooks(self.on_round)
                     if self._past_deadline():
                         self._cancel_everything()
                     try:
@@ -319,6 +318,14 @@ class ServingEngine:
             self._cells.pop(id(row), None)
             if row.finish == "cancelled":
                 self.metrics.add("drafthead_requests_cancelled_total")
-            for call in self.on_finish:
-                call(row, job)
             job.events.put(("done", row.finish, len(row.accepted_lengths)))
+            self._call_hooks(self.on_finish, row, job)
+
+    def _call_hooks(self, hooks: list[Callable], *args) -> None:
+        """The hooks' failures are logged, never the requests': an answer is the target's whatever
+        an observer (the adapting buffer, train/adapt/) does with it."""
+        for call in hooks:
+            try:
+                call(*args)
+            except Exception:
+                _log.exception("a hook of the engine failed (%s); the answers go on", getattr(call, "__qualname__", call))

@@ -123,9 +123,12 @@ class TrafficBuffer:
             self.flush()
 
     def flush(self) -> None:
-        """Queue the finished samples as a shard (written on the writer thread)."""
+        """Queue the finished samples as a shard, its tensors joined here and written to disk on
+        the writer thread. Joining here keeps torch's parallel ops off the writer thread: a
+        second thread running them starts a second OpenMP team on the same cores, whose waiting
+        threads slow the target's forward on this one (halved tokens/s on 2 cores)."""
         if self._done:
-            self._queue.put(self._done)
+            self._queue.put(_shard_tensors(self._done))
             self._done = []
 
     def close(self) -> None:
@@ -138,22 +141,14 @@ class TrafficBuffer:
 
     def _write_loop(self) -> None:
         while True:
-            samples = self._queue.get()
-            if samples is None:
+            tensors = self._queue.get()
+            if tensors is None:
                 return
-            self._write_shard(samples)
+            self._write_shard(tensors)
 
-    def _write_shard(self, samples: list[dict[str, torch.Tensor]]) -> None:
-        offsets = [0]
-        for s in samples:
-            offsets.append(offsets[-1] + s["input_ids"].numel())
-        tensors = {
-            "offsets": torch.tensor(offsets, dtype=torch.long),
-            "input_ids": torch.cat([s["input_ids"] for s in samples]),
-            "attention_mask": torch.ones(offsets[-1], dtype=torch.uint8),
-            "loss_mask": torch.cat([s["loss_mask"] for s in samples]),
-            **{f"hidden.{layer}": torch.cat([s[f"hidden.{layer}"] for s in samples]).contiguous() for layer in self.layers},
-        }
+    def _write_shard(self, tensors: dict[str, torch.Tensor]) -> None:
+        offsets = tensors["offsets"]
+        num_samples, num_tokens = offsets.numel() - 1, int(offsets[-1])
         with self._lock:
             number = self.index["next_shard"]
             path = self.folder / f"shard-{number:05d}.safetensors"
@@ -164,10 +159,10 @@ class TrafficBuffer:
             except OSError:
                 tmp.unlink(missing_ok=True)
                 raise
-            entry = {"file": path.name, "num_samples": len(samples), "num_tokens": offsets[-1], "bytes": path.stat().st_size}
+            entry = {"file": path.name, "num_samples": num_samples, "num_tokens": num_tokens, "bytes": path.stat().st_size}
             self.index["shards"].append(entry)
             self.index["next_shard"] = number + 1
-            self.tokens += offsets[-1]
+            self.tokens += num_tokens
             dropped = self._bound()
             self._write_index()
             for old in dropped:  # after the index no longer lists them
@@ -218,3 +213,18 @@ class TrafficBuffer:
         """A copy of the index (what a reader may open now)."""
         with self._lock:
             return json.loads(json.dumps(self.index))
+
+
+def _shard_tensors(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Samples joined as one capture shard's tensors (train/capture/features.py's layout)."""
+    offsets = [0]
+    for s in samples:
+        offsets.append(offsets[-1] + s["input_ids"].numel())
+    layers = [key for key in samples[0] if key.startswith("hidden.")]
+    return {
+        "offsets": torch.tensor(offsets, dtype=torch.long),
+        "input_ids": torch.cat([s["input_ids"] for s in samples]),
+        "attention_mask": torch.ones(offsets[-1], dtype=torch.uint8),
+        "loss_mask": torch.cat([s["loss_mask"] for s in samples]),
+        **{key: torch.cat([s[key] for s in samples]).contiguous() for key in layers},
+    }

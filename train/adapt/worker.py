@@ -1,5 +1,5 @@
 """The background trainer of `drafthead serve --adapt DIR`: a process of its own, started by the
-server at a bounded CPU share (`threads`, nice 10), stopped with it.
+server with `threads` torch threads at the idle priority (`_yield_to_serving`), stopped with it.
 
     python -m drafthead.train.adapt.worker DIR
 
@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 SETTINGS_FILE = "adapt.json"
+PRIORITIES = ("idle", "low")
 WORK_DIR = "work"
 
 
@@ -40,6 +41,7 @@ class AdaptSettings:
     target_name: str | None = None  # the served target's name (head identity checks)
     drafting: dict = field(default_factory=dict)  # how the served head drafts (HeadDrafting.to_dict: DraftSpec's, resolved)
     threads: int = 1  # torch threads of the trainer
+    priority: str = "idle"  # PRIORITIES: idle (SCHED_IDLE) or low (nice 10)
     min_new_tokens: int = 2000  # buffered answer tokens between rounds
     holdout: int = 16  # newest answers held out for the gate
     steps: int = 60  # optimizer steps a round
@@ -52,6 +54,8 @@ class AdaptSettings:
         for name in ("threads", "min_new_tokens", "holdout", "steps", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--adapt-{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"--adapt-priority must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")
         if not (0 < self.lr < 1) or not (0 <= self.margin < 10):
             raise ValueError(f"--adapt-lr must be in (0, 1) and --adapt-margin in [0, 10), got {self.lr}, {self.margin}")
 
@@ -72,12 +76,25 @@ def main(argv: list[str] | None = None) -> int:
     folder = Path(args.folder)
     settings = AdaptSettings.load(folder)
     _stop_with_parent()
-    os.nice(10)
+    _yield_to_serving(settings.priority)
     import torch
 
     torch.set_num_threads(settings.threads)
     Worker(folder, settings).run()
     return 0
+
+
+def _yield_to_serving(priority: str) -> None:
+    """idle: train only on the cycles serving leaves (Linux SCHED_IDLE: the trainer runs when no
+    other task wants the core; elsewhere nice 19). low: nice 10, a small share of a busy CPU,
+    taken from the target's threads' time slices."""
+    if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except OSError:
+            pass
+    os.nice(19 if priority == "idle" else 10)
 
 
 def _stop_with_parent() -> None:
