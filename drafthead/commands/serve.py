@@ -8,7 +8,9 @@ exits 0.
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 from . import (
@@ -80,6 +82,16 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    code = serve(args)
+    # Everything is closed and written. The process ends here rather than in the interpreter's
+    # teardown, where a daemon thread (an HTTP handler, the shutdown watcher) still releasing a
+    # tensor is stopped inside torch's C++ and aborts the process (exit -6 after a clean stop).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def serve(args) -> int:
     from ..inference.engine.backend import target_backend
     from ..ground.target.load import context_limit
     from ..inference.serve.engine import TREE_ROOM, EngineSettings, ServingEngine
