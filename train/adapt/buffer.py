@@ -15,7 +15,8 @@ trainer read the buffer as they read a capture:
     DIR/buffer/shard-NNNNN.safetensors     `shard_samples` answers each, written whole then renamed
 
 The buffer is bounded: when its tokens or bytes pass the caps, its oldest shards are dropped.
-Writing happens on a thread of its own, so the engine thread only copies tensors.
+The engine thread copies the tensors and joins a shard's; a thread of its own writes the files
+(and runs no torch op: see `flush`).
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class TrafficBuffer:
         """Queue the finished samples as a shard, its tensors joined here and written to disk on
         the writer thread. Joining here keeps torch's parallel ops off the writer thread: a
         second thread running them starts a second OpenMP team on the same cores, whose waiting
-        threads slow the target's forward on this one (halved tokens/s on 2 cores)."""
+        threads slow the target's forward on this one (35 -> 20 tokens/s on 2 cores, docs/results.md)."""
         if self._done:
             self._queue.put(_shard_tensors(self._done))
             self._done = []
