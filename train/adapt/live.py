@@ -105,8 +105,12 @@ class Adaptation:
         (self.folder / WORK_DIR).mkdir(parents=True, exist_ok=True)
         self._start_worker()
 
+    @property
+    def _worker_log(self) -> Path:
+        return self.folder / WORK_DIR / "worker.log"
+
     def _start_worker(self) -> None:
-        with open(self.folder / WORK_DIR / "worker.log", "a") as log:  # the child keeps its own handle
+        with open(self._worker_log, "a") as log:  # the child keeps its own handle
             self._worker = subprocess.Popen(
                 [sys.executable, "-m", "drafthead.train.adapt.worker", str(self.folder)],
                 stdout=log,
@@ -122,10 +126,9 @@ class Adaptation:
         if worker is None or worker.poll() is None or time.monotonic() - self._worker_started < RESTART_DELAY:
             return
         self.trainer_restarts += 1
-        append_event(self.folder, {"event": "trainer-exit", "code": worker.returncode, "log": str(self.folder / WORK_DIR / "worker.log")})
+        append_event(self.folder, {"event": "trainer-exit", "code": worker.returncode, "log": str(self._worker_log)})
         print(
-            f"drafthead serve: the adapting trainer exited with code {worker.returncode} "
-            f"(see {self.folder / WORK_DIR / 'worker.log'}); starting it again",
+            f"drafthead serve: the adapting trainer exited with code {worker.returncode} (see {self._worker_log}); starting it again",
             file=sys.stderr,
             flush=True,
         )

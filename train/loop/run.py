@@ -119,13 +119,13 @@ def trained_data_fingerprint(config: TrainConfig) -> str:
     from ..capture.features import INDEX_FILE, SERVED_TRAFFIC
 
     if config.features.mode == "captured" and config.features.path:
-        index = Path(config.features.path) / INDEX_FILE
         try:
-            served = json.loads(index.read_bytes()).get("meta", {}).get("source") == SERVED_TRAFFIC
+            index = (Path(config.features.path) / INDEX_FILE).read_bytes()
+            served = json.loads(index).get("meta", {}).get("source") == SERVED_TRAFFIC
         except (OSError, ValueError, AttributeError):
             served = False  # no readable index: loading the capture says what is wrong with it
         if served:
-            return hashlib.sha256(index.read_bytes()).hexdigest()
+            return hashlib.sha256(index).hexdigest()
     return data_fingerprint(config.data.source, config.data.path)
 
 
