@@ -4,10 +4,14 @@ server with `--adapt`, the same stream of requests sent to each, one at a time.
     .venv/bin/python scripts/studies/adapt_traffic.py --stream 240 --heldout 40 --switch 60 \\
         --max-tokens 96 --out out/adapt-traffic
 
-The narrow traffic is ShareGPT's first user turns that ask for code (`--domain code`: a Python,
-JavaScript, SQL... keyword near the start), in file order: the first --stream requests are served,
-the next --heldout are kept for the held-out check; then --switch MT-bench prompts (writing,
-roleplay, humanities) switch the domain. Greedy, fp32, the shipped SmolLM2 head and its drafting,
+The narrow traffic is one of:
+- `--domain code`: ShareGPT's first user turns that ask for code (a Python, JavaScript, SQL...
+  keyword near the start), in file order;
+- `--domain products`: one templated product-listing prompt (title, description, three features,
+  price), filled with an adjective, an item and an audience drawn with a fixed seed: the traffic
+  of a shop that writes its catalogue with the model.
+The first --stream requests are served, the next --heldout are kept for the held-out check; then
+--switch MT-bench prompts (writing, roleplay, humanities) switch the domain. Greedy, fp32, the shipped SmolLM2 head and its drafting,
 on torch's forward or llama.cpp's (`--backend llama.cpp`: each row a KV stream, so trees are chains).
 
 Reports:
@@ -48,6 +52,47 @@ def code_prompts(n: int) -> list[str]:
             if len(out) >= n:
                 break
     return out
+
+
+ITEMS = (
+    "backpack|water bottle|desk lamp|office chair|yoga mat|coffee grinder|electric kettle|hiking boots|rain jacket|"
+    "wireless earbuds|bluetooth speaker|phone case|laptop stand|mechanical keyboard|gaming mouse|webcam|monitor arm|"
+    "standing desk|air purifier|humidifier|space heater|ceiling fan|robot vacuum|cordless drill|tool box|garden hose|"
+    "lawn mower|bird feeder|plant pot|throw pillow|duvet cover|bath towel|shower curtain|kitchen knife|cutting board|"
+    "frying pan|dutch oven|blender|toaster|rice cooker|slow cooker|lunch box|travel mug|wine glass|tea set|"
+    "picnic blanket|camping tent|sleeping bag|headlamp|trekking poles|bike helmet|bike lock|skateboard|tennis racket|"
+    "football|basketball|swim goggles|dumbbell set|resistance bands|foam roller|fitness tracker|smart watch|"
+    "alarm clock|wall clock|picture frame|bookshelf|shoe rack|umbrella|sunglasses|wallet|handbag|leather belt|"
+    "wool scarf|winter gloves|wool socks|baby stroller|high chair|dog bed|cat tree|pet carrier|aquarium filter|"
+    "electric toothbrush|hair dryer|beard trimmer|makeup mirror|scented candle|essential oil diffuser|board game|"
+    "jigsaw puzzle|drone|action camera|tripod|ring light|e-reader|tablet stand|power bank|usb charger|hdmi cable|"
+    "router|smart plug|doorbell camera"
+).split("|")
+ADJECTIVES = (
+    "compact|lightweight|premium|eco-friendly|budget|heavy-duty|foldable|waterproof|minimalist|vintage|smart|portable|ergonomic|handmade|professional"
+).split("|")
+AUDIENCES = "students|travelers|families|office workers|runners|gamers|new parents|pet owners|home cooks|campers|seniors|small apartments".split("|")
+LISTING = (
+    "Write a product listing for a {adjective} {item} aimed at {audience}. Use this format:\n"
+    "Title: <a catchy title>\nDescription: <two sentences>\nFeatures:\n- <feature>\n- <feature>\n- <feature>\n"
+    "Price: <a price in US dollars>"
+)
+
+
+def product_prompts(n: int) -> list[str]:
+    """n distinct fillings of the listing template (at most 15 * 100 * 12), drawn with seed 0."""
+    import random
+
+    rng, seen, out = random.Random(0), set(), []
+    while len(out) < n:
+        key = (rng.choice(ADJECTIVES), rng.choice(ITEMS), rng.choice(AUDIENCES))
+        if key not in seen:
+            seen.add(key)
+            out.append(LISTING.format(adjective=key[0], item=key[1], audience=key[2]))
+    return out
+
+
+DOMAINS = {"code": code_prompts, "products": product_prompts}
 
 
 def other_prompts(n: int) -> list[str]:
@@ -116,6 +161,7 @@ def serve_stream(name: str, extra: list[str], texts: list[str], n: int, out: Pat
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--domain", default="code", choices=sorted(DOMAINS), help="the narrow traffic")
     parser.add_argument("--stream", type=int, default=240)
     parser.add_argument("--heldout", type=int, default=40)
     parser.add_argument("--switch", type=int, default=60)
@@ -128,7 +174,7 @@ def main() -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    narrow = code_prompts(args.stream + args.heldout)
+    narrow = DOMAINS[args.domain](args.stream + args.heldout)
     stream, heldout = narrow[: args.stream], narrow[args.stream :]
     switched = other_prompts(args.switch)
     texts = stream + switched
@@ -181,7 +227,7 @@ def main() -> int:
     }
     (out / "adapt.json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = [
-        f"| requests | {summary['requests']} ({n} code, then {len(switched)} other) | identical answers | {summary['identical']} |",
+        f"| requests | {summary['requests']} ({n} {args.domain}, then {len(switched)} other) | identical answers | {summary['identical']} |",
         "| --- | --- | --- | --- |",
         f"| stream tau static | {summary['stream_tau']['static']:.3f} | stream tau adapting | {summary['stream_tau']['adapting']:.3f} |",
         f"| last 100 of the stream, adapting | {summary['stream_tau']['adapting_last_100']:.3f} | held-out gate | {held} |",
