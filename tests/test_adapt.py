@@ -203,6 +203,44 @@ def test_a_training_round_installs_a_candidate_only_when_the_gate_passes(loaded,
     assert code == 1 and not out["passed"], out
 
 
+def test_when_the_traffic_moves_away_the_starting_head_comes_back(loaded, head, target, tmp_path):
+    """A live head that replays worse than the head the server started with on the newest answers
+    (here: v0000 is a head trained on this traffic, the live v0001 the untrained one) is replaced
+    by a copy of v0000 when the round's own candidate fails the gate; logged accepted with
+    `restores: 0`."""
+    from drafthead.inference.bench.prompts import encode_chat
+    from drafthead.train.adapt.worker import AdaptSettings, Worker
+
+    trained = tmp_path / "trained"
+    drafter = served_drafter(head, loaded)
+    layers = required_layers(drafter.head.config, loaded.model.config.num_hidden_layers)
+    buffer = TrafficBuffer(trained / "buffer", layers, meta={}, shard_samples=8)
+    record(loaded, drafter, buffer, layers, [encode_chat(loaded.tokenizer, t)[0] for t in chats(target, 24)], new=32)
+    install_version(trained, 0, head)
+    append_event(trained, {"event": "start", "version": 0})
+    Worker(trained, AdaptSettings(target=str(target), target_name=loaded.name, steps=40, lr=3e-3, holdout=4, batch_size=4)).round(trained / "buffer")
+    assert live_version(trained).version == 1
+
+    folder = tmp_path / "adapt"
+    folder.mkdir()
+    os.symlink(trained / "buffer", folder / "buffer")
+    install_version(folder, 0, version_dir(trained, 1))  # started with the trained head
+    install_version(folder, 1, head)  # then an untrained one went live
+    append_event(folder, {"event": "start", "version": 0})
+    append_event(folder, {"event": "accepted", "version": 1, "parent": 0})
+    no_gain = AdaptSettings(target=str(target), target_name=loaded.name, steps=1, lr=1e-7, holdout=4, batch_size=4)
+    Worker(folder, no_gain).round(folder / "buffer")
+    event = read_events(folder)[-1]
+    assert event["event"] == "accepted" and event["version"] == 2 and event["gate"]["restores"] == 0, event
+    assert event["gate"]["candidate_tau"] > event["gate"]["live_tau"] * 1.02 > event["gate"]["rejected_candidate_tau"], event
+    assert live_version(folder).version == 2
+    assert (version_dir(folder, 2) / "model.safetensors").read_bytes() == (version_dir(folder, 0) / "model.safetensors").read_bytes()
+    # with v0000 live, there is nothing to restore: a failed candidate is rejected
+    append_event(folder, {"event": "rollback", "version": 0, "from": 2})
+    Worker(folder, no_gain).round(folder / "buffer")
+    assert read_events(folder)[-1]["event"] == "rejected" and live_version(folder).version == 0
+
+
 def run_gate(capsys, *argv) -> tuple[int, dict]:
     from drafthead import cli
 

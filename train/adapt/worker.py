@@ -11,7 +11,11 @@ Each round, once the buffer (train/adapt/buffer.py) has taken `min_new_tokens` s
 3. the gate (train/adapt/gate.py) replays the live and the candidate drafter, with the served
    drafting settings, on the held-out answers; a candidate that beats the live head by `margin`
    is installed as the next version and logged `accepted` (the server swaps it in), else logged
-   `rejected` with its figures.
+   `rejected` with its figures;
+4. when the candidate fails and the live head is not the one the server started with (v0000),
+   v0000 is replayed on the same answers: if it beats the live head by `margin` (the traffic moved
+   away from what the adapted heads learned), a copy of it is installed as the next version and
+   logged `accepted` with `"restores": 0`.
 
 Its settings are DIR/adapt.json, written by the server (`AdaptSettings`).
 """
@@ -140,10 +144,16 @@ class Worker:
         parent = live_version(self.folder)
         candidate_dir = self.train(samples, range(n - holdout), version_dir(self.folder, parent.version))
         held_out = [samples[i] for i in range(n - holdout, n)]
-        result = gate(
-            self.drafter(version_dir(self.folder, parent.version)), self.drafter(candidate_dir), held_out, self.num_layers, self.settings.margin
-        )
+        live = self.drafter(version_dir(self.folder, parent.version))
+        result = gate(live, self.drafter(candidate_dir), held_out, self.num_layers, self.settings.margin)
         figures = {**result.to_dict(), "train_answers": n - holdout, "train_tokens": _tokens(samples, range(n - holdout))}
+        if not result.passed and parent.version != 0:
+            # the traffic may have moved away from what the live head learned: the head the server
+            # started with, replayed on the same newest answers, comes back when it beats the live one
+            base = gate(live, self.drafter(version_dir(self.folder, 0)), held_out, self.num_layers, self.settings.margin)
+            if base.passed:
+                candidate_dir, result = version_dir(self.folder, 0), base
+                figures |= {**base.to_dict(), "restores": 0, "rejected_candidate_tau": figures["candidate_tau"]}
         now = live_version(self.folder)
         if not result.passed or now.version != parent.version:  # the server rolled back while this trained
             reason = result.reason if not result.passed else f"version {parent.version} is no longer live (now {now.version})"
