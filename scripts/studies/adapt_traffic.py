@@ -11,8 +11,9 @@ The narrow traffic is one of:
   price), filled with an adjective, an item and an audience drawn with a fixed seed: the traffic
   of a shop that writes its catalogue with the model.
 The first --stream requests are served, the next --heldout are kept for the held-out check; then
---switch MT-bench prompts (writing, roleplay, humanities) switch the domain. Greedy, fp32, the shipped SmolLM2 head and its drafting,
-on torch's forward or llama.cpp's (`--backend llama.cpp`: each row a KV stream, so trees are chains).
+--switch MT-bench prompts (writing, roleplay, humanities) switch the domain. Greedy, fp32, the
+shipped SmolLM2 head and its drafting, on torch's forward or llama.cpp's (`--backend llama.cpp`:
+each row a KV stream, so trees are chains).
 
 Reports:
 - tau per window of 10 requests over the stream, static against adapting, with the swaps and

@@ -30,7 +30,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 SETTINGS_FILE = "adapt.json"
@@ -133,7 +133,7 @@ class Worker:
 
     def round(self, buffer: Path) -> None:
         """One round: train a candidate from the live version, gate it, log what happened."""
-        from .gate import gate
+        from .gate import gate, replayed_tau
         from .versions import append_event, install_version, live_version, version_dir
 
         samples = _open_features(buffer)
@@ -144,13 +144,15 @@ class Worker:
         parent = live_version(self.folder)
         candidate_dir = self.train(samples, range(n - holdout), version_dir(self.folder, parent.version))
         held_out = [samples[i] for i in range(n - holdout, n)]
-        live = self.drafter(version_dir(self.folder, parent.version))
-        result = gate(live, self.drafter(candidate_dir), held_out, self.num_layers, self.settings.margin)
+        result = gate(
+            self.drafter(version_dir(self.folder, parent.version)), self.drafter(candidate_dir), held_out, self.num_layers, self.settings.margin
+        )
         figures = {**result.to_dict(), "train_answers": n - holdout, "train_tokens": _tokens(samples, range(n - holdout))}
         if not result.passed and parent.version != 0:
             # the traffic may have moved away from what the live head learned: the head the server
             # started with, replayed on the same newest answers, comes back when it beats the live one
-            base = gate(live, self.drafter(version_dir(self.folder, 0)), held_out, self.num_layers, self.settings.margin)
+            base_tau, base_rounds = replayed_tau(self.drafter(version_dir(self.folder, 0)), held_out, self.num_layers)
+            base = replace(result, candidate_tau=base_tau, rounds=base_rounds)  # the live head's replay is result's
             if base.passed:
                 candidate_dir, result = version_dir(self.folder, 0), base
                 figures |= {**base.to_dict(), "restores": 0, "rejected_candidate_tau": figures["candidate_tau"]}
